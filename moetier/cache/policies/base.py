@@ -1,0 +1,36 @@
+"""The eviction-policy contract: plain Python that hears events and names a victim. It never touches a
+tensor, a file or a thread, so the real engine and the simulator drive the very same object."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+from moetier.cache.keys import ExpertKey, Precision
+
+
+class EvictionPolicy:
+    """Subclasses override `victim` and whichever events they need; the defaults ignore the event."""
+
+    name = "base"
+
+    def on_sequence_start(self) -> None:
+        pass
+
+    def on_route(self, route) -> None:
+        """A layer's RouteResult: full scores [T, E], topk_ids [T, k], topk_weights [T, k] (NumPy)."""
+
+    def on_predict(self, predictions) -> None:
+        pass
+
+    def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
+        pass
+
+    def on_insert(self, key: ExpertKey) -> None:
+        pass
+
+    def on_evict(self, key: ExpertKey) -> None:
+        pass
+
+    def victim(self, candidates: Container[ExpertKey]) -> ExpertKey:
+        """The resident key to evict. `candidates` answers `in` for every evictable key (resident, not pinned)."""
+        raise NotImplementedError

@@ -1,0 +1,107 @@
+"""The real executor for routed experts: plans a layer, issues its loads, computes what is resident while the
+loads land, then the rest as each arrives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from moetier.cache.keys import ExpertKey
+from moetier.cache.policies.base import EvictionPolicy
+from moetier.cache.residency import Residency
+from moetier.cache.slots import SlotPool
+from moetier.config import ModelSpec
+from moetier.engine.stats import PREFILL, GenerationStats
+from moetier.model.layers import swiglu
+from moetier.plan.layer_plan import LayerPlan, Load
+from moetier.plan.on_demand import OnDemandStage
+from moetier.plan.planner import Planner
+from moetier.plan.route import RouteResult
+from moetier.store.format import Manifest
+from moetier.store.reader import ON_DEMAND, ExpertReader
+
+
+class ExpertExecutor:
+    def __init__(self, spec: ModelSpec, manifest: Manifest, num_slots: int, policy: EvictionPolicy,
+                 reader: ExpertReader) -> None:
+        self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
+        self.precision = manifest.native_precision
+        self.pool = SlotPool(manifest.precisions[self.precision], num_slots)
+        self.residency = Residency(num_slots, policy)
+        self.planner = Planner(spec.num_experts, [OnDemandStage(self.residency)])
+        self.stats = GenerationStats()
+        self.phase = PREFILL
+        self.step = 0
+        self.on_plan: Callable[[LayerPlan], None] | None = None  # observers (tests, trace recorder)
+
+    def begin_step(self, phase: int, stats: GenerationStats) -> None:
+        self.phase, self.stats = phase, stats
+        self.step += 1
+
+    def _submit(self, layer: int, load: Load) -> None:
+        blob = self.manifest.blob(layer, load.expert, self.precision)
+        self.reader.submit(blob, self.pool.views[load.slot], self.pool.completions[load.slot], ON_DEMAND)
+
+    def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""
+        # The one host sync of the layer: which experts to read is decided on the host from the routing.
+        route = RouteResult(layer, self.step, topk_ids.numpy(), topk_weights.float().numpy(), scores.numpy())
+        self.policy.on_route(route)
+        plan = self.planner.plan(route)
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        deferred = {}
+        for load in plan.loads:  # issue loads before any compute, so reads overlap it
+            if load.after is None:
+                self._submit(layer, load)
+            else:
+                deferred[load.after] = load
+
+        # Group (token, expert) pairs by expert, ascending, tokens ascending within: the reference's order.
+        order = torch.argsort(topk_ids.view(-1), stable=True)  # [T*k]
+        token_of = order // self.spec.top_k
+        xs = x.index_select(0, token_of)  # [T*k, H]
+        ws = topk_weights.view(-1)[order]  # [T*k]
+        ys = torch.empty_like(xs)
+        offsets = np.concatenate(([0], np.cumsum(plan.counts)))
+
+        def compute(expert: int, slot: int) -> None:
+            a, b = offsets[expert], offsets[expert + 1]
+            w = self.pool.tensors[slot]
+            ys[a:b] = swiglu(xs[a:b], w["gate_up_proj"], w["down_proj"]) * ws[a:b, None]
+            follower = deferred.pop(expert, None)
+            if follower is not None:  # its slot is free now
+                self._submit(layer, follower)
+
+        try:
+            shared_out = shared() if shared is not None else None  # resident work first, while loads land
+            for hit in plan.hits:
+                compute(hit.expert, hit.slot)
+            for load in plan.loads:
+                self.pool.completions[load.slot].wait()
+                compute(load.expert, load.slot)
+        except BaseException:
+            self._abandon(layer, plan)
+            raise
+
+        out = torch.zeros_like(x).index_add_(0, token_of, ys)
+        if shared_out is not None:
+            out = out + shared_out
+        for e in plan.experts:
+            self.policy.on_access(ExpertKey(layer, e), self.precision, self.step)
+        self.residency.unpin_all()
+        blob_bytes = self.pool.slot_bytes
+        self.stats.record_layer(self.phase, len(plan.experts), len(plan.hits), len(plan.loads),
+                                len(plan.loads) * blob_bytes)
+        return out
+
+    def _abandon(self, layer: int, plan: LayerPlan) -> None:
+        """After a failed load: let reads in flight finish, and forget every expert this layer was loading,
+        since its slot may hold anything."""
+        for load in plan.loads:
+            self.pool.completions[load.slot].done.wait()
+            self.residency.drop(ExpertKey(layer, load.expert))
+        self.residency.unpin_all()

@@ -1,0 +1,90 @@
+"""Statistics exactly as DESIGN.md defines them. Counting is a few integer additions per layer; timing is one
+clock read per step; percentiles are computed once, at the end."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+PREFILL, DECODE = 0, 1
+
+
+@dataclass
+class PhaseCounters:
+    layer_steps: int = 0
+    needed: int = 0  # (layer step, distinct expert needed) pairs
+    hits: int = 0  # of those, resident when the layer needed them
+    loads: int = 0
+    bytes_read: int = 0
+    miss_penalty_bytes: int = 0  # HOBBIT's miss penalty, in bytes of the precision loaded
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_step_s: list[float] = field(default_factory=list)  # one entry per decode step
+    decode_tokens: int = 0  # tokens produced by decode steps (first tokens come from prefill)
+    phases: tuple[PhaseCounters, PhaseCounters] = field(default_factory=lambda: (PhaseCounters(), PhaseCounters()))
+    expert_cache_bytes: int = 0
+    expert_slots: int = 0
+    total_expert_bytes: int = 0
+
+    def record_layer(self, phase: int, needed: int, hits: int, loads: int, bytes_read: int) -> None:
+        c = self.phases[phase]
+        c.layer_steps += 1
+        c.needed += needed
+        c.hits += hits
+        c.loads += loads
+        c.bytes_read += bytes_read
+        c.miss_penalty_bytes += bytes_read
+
+    def summary(self) -> dict:
+        pre, dec = self.phases
+        steps = np.asarray(self.decode_step_s, dtype=np.float64)
+        needed, hits = pre.needed + dec.needed, pre.hits + dec.hits
+        total_s = self.ttft_s + float(steps.sum())
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "ttft_s": self.ttft_s,
+            "tpot_s": float(steps.mean()) if len(steps) else None,
+            "tpot_p50_s": float(np.percentile(steps, 50)) if len(steps) else None,
+            "tpot_p90_s": float(np.percentile(steps, 90)) if len(steps) else None,
+            "tokens_per_s": self.new_tokens / total_s if total_s > 0 else None,
+            "decode_tokens_per_s": self.decode_tokens / float(steps.sum()) if len(steps) and steps.sum() > 0 else None,
+            "hit_rate": hits / needed if needed else None,
+            "decode_hit_rate": dec.hits / dec.needed if dec.needed else None,
+            "expert_bytes_read": pre.bytes_read + dec.bytes_read,
+            "expert_bytes_per_token": dec.bytes_read / self.decode_tokens if self.decode_tokens else None,
+            "prefill_expert_bytes_read": pre.bytes_read,
+            "expert_cache_bytes": self.expert_cache_bytes,
+            "expert_slots": self.expert_slots,
+            "total_expert_bytes": self.total_expert_bytes,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "prefill": asdict(pre),
+            "decode": asdict(dec),
+        }
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def format_summary(s: dict) -> str:
+    def ms(v):
+        return "n/a" if v is None else f"{v * 1e3:.1f} ms"
+
+    def pct(v):
+        return "n/a" if v is None else f"{v:.1%}"
+
+    per_tok = s["expert_bytes_per_token"]
+    rate = s["tokens_per_s"]
+    return (f"TTFT {ms(s['ttft_s'])} | TPOT {ms(s['tpot_s'])} (p50 {ms(s['tpot_p50_s'])}, "
+            f"p90 {ms(s['tpot_p90_s'])}) | {'n/a' if rate is None else f'{rate:.2f}'} tok/s | "
+            f"expert hit rate {pct(s['hit_rate'])} | "
+            f"expert read {'n/a' if per_tok is None else f'{per_tok / 2**20:.1f} MiB'}/token | "
+            f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB")

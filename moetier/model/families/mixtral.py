@@ -1,0 +1,22 @@
+"""Mixtral: softmax over all experts, top-k, renormalised; no biases, no q/k norms; optional sliding window."""
+
+from moetier.config import ModelSpec
+from moetier.model.families.base import Family, common_fields, require
+
+
+class MixtralFamily(Family):
+    def parse(self, cfg: dict) -> ModelSpec:
+        fields = common_fields(cfg)
+        window = cfg.get("sliding_window")
+        return ModelSpec(
+            family=self.name,
+            num_experts=require(cfg, "num_local_experts"),
+            moe_intermediate_size=require(cfg, "intermediate_size"),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(fields["num_layers"])),
+            sliding_windows=(window,) * fields["num_layers"] if window else (),
+            **fields,
+        )
+
+
+MIXTRAL = MixtralFamily("mixtral", ("mixtral",), "block_sparse_moe", "gate", ("w1", "w3", "w2"))

@@ -1,0 +1,41 @@
+"""Small building blocks, each written to match the reference implementation's arithmetic."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, cast back before the weight (as transformers does)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate and up packed as gate_up_proj [2I, H]."""
+    gate, up = F.linear(x, gate_up_proj).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(F.silu(gate) * up, down_proj)
+
+
+class Rope:
+    """Rotary position embedding: cos/sin tables in fp32 up to `max_len`, cast to the model dtype per use."""
+
+    def __init__(self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D], positions [N]."""
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [N, 1, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

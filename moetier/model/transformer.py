@@ -1,0 +1,63 @@
+"""The lean decoder-only MoE transformer: dense weights resident, routed experts delegated to an executor."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from moetier.config import ModelSpec
+from moetier.engine.batch import StepBatch
+from moetier.engine.kv_cache import KVCache
+from moetier.model.attention import Attention
+from moetier.model.layers import Rope, rms_norm, swiglu
+from moetier.model.router import route
+
+
+class Experts(Protocol):
+    def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, shared=None) -> torch.Tensor: ...
+
+
+class Transformer:
+    def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: Experts) -> None:
+        self.spec, self.w, self.experts = spec, dense, experts
+        self.dtype = dense["embed_tokens"].dtype
+        self.lm_head = dense.get("lm_head", dense["embed_tokens"])
+        self.attn = [Attention(spec, i, dense) for i in range(spec.num_layers)]
+        self.is_moe = spec.is_moe_layer
+        self.rope: Rope | None = None
+
+    def ensure_rope(self, max_len: int) -> Rope:
+        if self.rope is None or self.rope.cos.shape[0] < max_len:
+            self.rope = Rope(self.spec.head_dim, self.spec.rope_theta, max_len, self.dtype)
+        return self.rope
+
+    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        spec, w = self.spec, self.w
+        scores, topk_ids, topk_weights = route(x, w[f"layers.{layer}.router"], spec.top_k, spec.norm_topk_prob,
+                                               weights_in_fp32=spec.family == "mixtral")
+        shared = None
+        if spec.shared_expert_intermediate_size:
+            def shared() -> torch.Tensor:  # Qwen2-MoE: sigmoid-gated shared expert, resident like attention
+                p = f"layers.{layer}."
+                out = swiglu(x, w[p + "shared.gate_up_proj"], w[p + "shared.down_proj"])
+                return torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * out
+        return self.experts(layer, x, scores, topk_ids, topk_weights, shared)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """Logits [B, V] for each sequence's last token (or [N, V] for every token with all_logits)."""
+        spec, w = self.spec, self.w
+        rope = self.ensure_rope(kv.max_len)
+        h = w["embed_tokens"][batch.token_ids]  # [N, H]
+        for i in range(spec.num_layers):
+            p = f"layers.{i}."
+            h = h + self.attn[i](rms_norm(h, w[p + "input_norm"], spec.rms_norm_eps), batch, kv, rope)
+            x = rms_norm(h, w[p + "post_attn_norm"], spec.rms_norm_eps)
+            h = h + (self._moe(i, x) if self.is_moe[i] else swiglu(x, w[p + "mlp.gate_up_proj"],
+                                                                   w[p + "mlp.down_proj"]))
+        if not all_logits:
+            h = h[batch.last]
+        return F.linear(rms_norm(h, w["norm"], spec.rms_norm_eps), self.lm_head)

@@ -1,0 +1,16 @@
+"""One layer's routing decision for the tokens in flight, as policies and planners see it (NumPy views)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RouteResult:
+    layer: int
+    step: int
+    topk_ids: np.ndarray  # [T, k] int64
+    topk_weights: np.ndarray  # [T, k] float32
+    scores: np.ndarray  # [T, E] float32, after the family's scoring function (softmax)

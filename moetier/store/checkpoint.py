@@ -1,0 +1,68 @@
+"""Reads a Hugging Face checkpoint folder: config.json and tensors spread over *.safetensors shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moetier.errors import CheckpointError, ModelNotFoundError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def read_config(model_dir: Path) -> dict:
+    if not model_dir.exists():
+        raise ModelNotFoundError(f"model folder {model_dir} does not exist",
+                                 hint="give a Hugging Face model folder, a converted store, or a built-in model name")
+    if not model_dir.is_dir():
+        raise ModelNotFoundError(f"{model_dir} is not a folder", hint="give the folder that holds config.json")
+    path = model_dir / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"{model_dir} has no config.json",
+                                 hint="a Hugging Face model folder holds config.json and *.safetensors") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+class Checkpoint:
+    """Lazy access to named tensors across shards; each tensor is read only when asked for."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.dir = model_dir
+        self.config = read_config(model_dir)
+        shards = sorted(model_dir.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"{model_dir} has no *.safetensors files",
+                                  hint="moetier reads safetensors checkpoints; re-save the model with "
+                                       "save_pretrained(safe_serialization=True)")
+        self._where: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        for shard in shards:
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    for name in f.keys():
+                        self._where[name] = shard
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"cannot read {shard}: {e}", hint="the checkpoint file is damaged") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self._where.get(name)
+        if shard is None:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}",
+                                  hint="the checkpoint is incomplete or not of the family its config.json names")
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handles[shard] = safe_open(str(shard), framework="pt")
+        return handle.get_tensor(name)
+
+    def tokenizer_files(self) -> list[str]:
+        return [n for n in TOKENIZER_FILES if (self.dir / n).exists()]

@@ -1,0 +1,41 @@
+"""Tiny random checkpoints of every supported family, written by transformers itself (the reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILY_CONFIGS = {
+    "mixtral": dict(num_local_experts=8, intermediate_size=48),
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                      intermediate_size=96, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=48, intermediate_size=96, norm_topk_prob=True),
+    "olmoe": dict(num_experts=8, intermediate_size=48, norm_topk_prob=False),
+}
+
+
+def tiny_config(family: str, num_layers: int = 2, top_k: int = 2, **overrides):
+    from transformers import AutoConfig
+
+    kw = dict(hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128, num_experts_per_tok=top_k, max_position_embeddings=256, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    kw.update(FAMILY_CONFIGS[family])
+    kw.update(overrides)
+    return AutoConfig.for_model(family, **kw)
+
+
+def build_tiny(family: str, out: Path, seed: int = 0, **overrides):
+    """Save a random fp32 checkpoint with `family`'s real transformers class; return the model (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    with torch.no_grad():  # larger router weights make routing decisive, so near-ties do not decide tokens
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] > 1:
+                p.normal_(0, 0.5)
+    model.eval()
+    model.save_pretrained(out)
+    return model
