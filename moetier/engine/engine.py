@@ -89,7 +89,7 @@ class Engine:
         return [self.tokenizer.encode(p) for p in prompts]
 
     def generate(self, prompts: str | list[str] | list[list[int]], max_new_tokens: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
                  on_text=None, on_token: OnToken | None = None) -> GenerationOutput:
         """Generate for one prompt or a batch. `on_text(i, delta)` streams text as it is produced."""
         ids = self.encode(prompts)
@@ -106,7 +106,8 @@ class Engine:
 
         stats = GenerationStats(expert_cache_bytes=self.executor.pool.nbytes, expert_slots=self.executor.pool.num_slots,
                                 total_expert_bytes=self.store.total_expert_bytes())
-        outputs, stats = generate(self.model, self.executor, ids, params, self.spec.eos_token_ids, emit, stats)
+        eos = () if ignore_eos else self.spec.eos_token_ids
+        outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats)
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer else [""] * len(outputs)
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes

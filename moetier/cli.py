@@ -1,0 +1,113 @@
+"""The `moetier` command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from moetier.errors import MoetierError
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from moetier.engine.engine import Engine
+    from moetier.engine.stats import format_summary
+
+    engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, policy=args.policy,
+                                    cache_dir=args.cache_dir, progress=not args.json,
+                                    reader_threads=args.reader_threads)
+    prompts = args.prompt
+    stream = len(prompts) == 1 and not args.json
+
+    def on_text(_: int, delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    with engine:
+        if stream:
+            sys.stdout.write(prompts[0])
+        out = engine.generate(prompts, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed, on_text=on_text if stream else None)
+    if args.json:
+        print(json.dumps({"texts": out.texts, "token_ids": out.token_ids, "stats": out.stats}, indent=1))
+        return
+    if stream:
+        print()
+    else:
+        for i, (prompt, text) in enumerate(zip(prompts, out.texts)):
+            print(f"--- [{i}] {prompt}{text}")
+    print(format_summary(out.stats), file=sys.stderr)
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from moetier.store.convert import convert
+
+    path = convert(args.hf_dir, args.store, overwrite=args.force)
+    print(f"wrote {path}")
+
+
+def _synth(args: argparse.Namespace) -> None:
+    from moetier.store.synth import PRESETS, synthesize
+
+    fields = {f.name for f in dataclasses.fields(PRESETS[args.preset])}
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    spec = dataclasses.replace(PRESETS[args.preset], **overrides)
+    path = synthesize(spec, args.out, overwrite=args.force)
+    print(f"wrote {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from moetier.cache.policies import POLICIES
+    from moetier.store.synth import PRESETS
+
+    parser = argparse.ArgumentParser(prog="moetier", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with experts offloaded to disk")
+    g.add_argument("--model", required=True, help="Hugging Face folder, converted store, or built-in model name")
+    g.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--expert-memory", default="30%", help="bytes (512MiB, 2GB), share of expert bytes (30%%), auto")
+    g.add_argument("--policy", default="lru", choices=sorted(POLICIES))
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cache-dir", help="where Hugging Face folders are converted (default ~/.cache/moetier)")
+    g.add_argument("--reader-threads", type=int, default=4)
+    g.add_argument("--json", action="store_true", help="print texts and statistics as JSON")
+    g.set_defaults(func=_generate)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint into a moetier store")
+    c.add_argument("hf_dir")
+    c.add_argument("store")
+    c.add_argument("--force", action="store_true", help="replace an existing store")
+    c.set_defaults(func=_convert)
+
+    s = sub.add_parser("synth", help="write a synthetic store of real shape with random weights")
+    s.add_argument("out")
+    s.add_argument("--preset", default="olmoe-1b-7b", choices=sorted(PRESETS))
+    for name in ("hidden_size", "num_layers", "num_experts", "intermediate_size", "top_k", "num_heads",
+                 "num_kv_heads", "vocab_size", "seed"):
+        s.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
+    s.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
+    s.add_argument("--embed-std", dest="embed_std", type=float)
+    s.add_argument("--force", action="store_true")
+    s.set_defaults(func=_synth)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except MoetierError as e:
+        print(f"moetier: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
