@@ -37,6 +37,10 @@ class Residency:
     def __len__(self) -> int:
         return len(self.slot_of)
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def pin(self, key: ExpertKey) -> None:
         self.pinned.add(key)
 

@@ -113,6 +113,10 @@ class Engine:
         summary["dense_bytes"] = self.dense_bytes
         return GenerationOutput(texts, outputs, summary)
 
+    def preload(self) -> int:
+        """Fill the expert cache before generating (every expert, if the budget holds them all)."""
+        return self.executor.preload()
+
     def close(self) -> None:
         self.reader.close()
 

@@ -3,9 +3,8 @@ loads land, then the rest as each arrives."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 
 from moetier.cache.keys import ExpertKey
@@ -13,8 +12,8 @@ from moetier.cache.policies.base import EvictionPolicy
 from moetier.cache.residency import Residency
 from moetier.cache.slots import SlotPool
 from moetier.config import ModelSpec
+from moetier.engine.grouping import ExpertGroups
 from moetier.engine.stats import PREFILL, GenerationStats
-from moetier.model.layers import swiglu
 from moetier.plan.layer_plan import LayerPlan, Load
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
@@ -60,18 +59,11 @@ class ExpertExecutor:
             else:
                 deferred[load.after] = load
 
-        # Group (token, expert) pairs by expert, ascending, tokens ascending within: the reference's order.
-        order = torch.argsort(topk_ids.view(-1), stable=True)  # [T*k]
-        token_of = order // self.spec.top_k
-        xs = x.index_select(0, token_of)  # [T*k, H]
-        ws = topk_weights.view(-1)[order]  # [T*k]
-        ys = torch.empty_like(xs)
-        offsets = np.concatenate(([0], np.cumsum(plan.counts)))
+        groups = ExpertGroups(x, topk_ids, topk_weights, plan.counts)
 
         def compute(expert: int, slot: int) -> None:
-            a, b = offsets[expert], offsets[expert + 1]
             w = self.pool.tensors[slot]
-            ys[a:b] = swiglu(xs[a:b], w["gate_up_proj"], w["down_proj"]) * ws[a:b, None]
+            groups.compute(expert, w["gate_up_proj"], w["down_proj"])
             follower = deferred.pop(expert, None)
             if follower is not None:  # its slot is free now
                 self._submit(layer, follower)
@@ -87,7 +79,7 @@ class ExpertExecutor:
             self._abandon(layer, plan)
             raise
 
-        out = torch.zeros_like(x).index_add_(0, token_of, ys)
+        out = groups.combine()
         if shared_out is not None:
             out = out + shared_out
         for e in plan.experts:
@@ -97,6 +89,27 @@ class ExpertExecutor:
         self.stats.record_layer(self.phase, len(plan.experts), len(plan.hits), len(plan.loads),
                                 len(plan.loads) * blob_bytes)
         return out
+
+    def preload(self, keys: Iterable[ExpertKey] | None = None) -> int:
+        """Load experts (by default every expert, layer by layer) into free slots until the cache is full: a warm
+        start, and with a budget of 100% the whole model resident. Returns how many were loaded."""
+        if keys is None:
+            keys = (ExpertKey(layer, e) for layer in self.spec.moe_layers for e in range(self.spec.num_experts))
+        in_flight: list[int] = []
+        try:
+            for key in keys:
+                if key in self.residency:
+                    continue
+                if self.residency.free_slots == 0:
+                    break
+                slot, _ = self.residency.admit(key)
+                self._submit(key.layer, Load(key.expert, slot))
+                in_flight.append(slot)
+            for slot in in_flight:
+                self.pool.completions[slot].wait()
+        finally:
+            self.residency.unpin_all()
+        return len(in_flight)
 
     def _abandon(self, layer: int, plan: LayerPlan) -> None:
         """After a failed load: let reads in flight finish, and forget every expert this layer was loading,

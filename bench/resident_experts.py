@@ -1,0 +1,35 @@
+"""The compute-only bound: the same transformer with every expert already in memory and no cache machinery
+(no planner, residency, policy or reader) — what decoding would cost if memory were not short."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moetier.cache.policies.base import EvictionPolicy
+from moetier.engine.expert_executor import ExpertExecutor
+from moetier.engine.grouping import ExpertGroups
+
+
+class ResidentExperts:
+    def __init__(self, executor: ExpertExecutor) -> None:
+        """Borrows the weights of a fully preloaded executor (no second copy in memory)."""
+        spec, r = executor.spec, executor.residency
+        if len(r) < spec.num_expert_keys:
+            raise ValueError("preload every expert first (budget 100%)")
+        self.weights = {key: executor.pool.tensors[slot] for key, slot in r.slot_of.items()}
+        self.num_experts = spec.num_experts
+        self.policy = EvictionPolicy()
+
+    def begin_step(self, phase, stats) -> None:
+        pass
+
+    def __call__(self, layer: int, x: torch.Tensor, scores, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 shared=None) -> torch.Tensor:
+        counts = np.bincount(topk_ids.numpy().ravel(), minlength=self.num_experts)
+        groups = ExpertGroups(x, topk_ids, topk_weights, counts)
+        for e in np.flatnonzero(counts).tolist():
+            w = self.weights[(layer, e)]
+            groups.compute(e, w["gate_up_proj"], w["down_proj"])
+        out = groups.combine()
+        return out + shared() if shared is not None else out
