@@ -14,6 +14,7 @@ from moetier.cache.slots import SlotPool
 from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
 from moetier.engine.stats import PREFILL, GenerationStats
+from moetier.errors import MoetierError
 from moetier.plan.layer_plan import LayerPlan, Load
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
@@ -95,7 +96,7 @@ class ExpertExecutor:
         start, and with a budget of 100% the whole model resident. Returns how many were loaded."""
         if keys is None:
             keys = (ExpertKey(layer, e) for layer in self.spec.moe_layers for e in range(self.spec.num_experts))
-        in_flight: list[int] = []
+        in_flight: list[tuple[ExpertKey, int]] = []
         try:
             for key in keys:
                 if key in self.residency:
@@ -104,11 +105,18 @@ class ExpertExecutor:
                     break
                 slot, _ = self.residency.admit(key)
                 self._submit(key.layer, Load(key.expert, slot))
-                in_flight.append(slot)
-            for slot in in_flight:
-                self.pool.completions[slot].wait()
+                in_flight.append((key, slot))
         finally:
+            errors = []
+            for key, slot in in_flight:
+                try:
+                    self.pool.completions[slot].wait()
+                except MoetierError as e:
+                    errors.append(e)
+                    self.residency.drop(key)
             self.residency.unpin_all()
+        if errors:
+            raise errors[0]
         return len(in_flight)
 
     def _abandon(self, layer: int, plan: LayerPlan) -> None:

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from moetier.config import ModelSpec
 from moetier.errors import CheckpointError
 from moetier.model.families import Family, family_for
-from moetier.store.checkpoint import Checkpoint
+from moetier.store.checkpoint import Checkpoint, read_config
 from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout
 from moetier.store.writer import StoreWriter
 
@@ -47,9 +47,10 @@ def dense_tensors(ckpt: Checkpoint, family: Family, spec: ModelSpec) -> dict[str
 def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = False, progress: bool = True) -> Path:
     """Convert a Hugging Face MoE checkpoint into a store. Atomic: nothing is left at `store_dir` on failure."""
     model_dir, store_dir = Path(model_dir), Path(store_dir)
+    config = read_config(model_dir)
+    family = family_for(config)  # an unsupported family is refused before any tensor is opened
+    spec = family.parse(config)
     ckpt = Checkpoint(model_dir)
-    family = family_for(ckpt.config)
-    spec = family.parse(ckpt.config)
     dense = dense_tensors(ckpt, family, spec)
     first = ExpertSource(ckpt, family, spec.moe_layers[0]).get(0)["gate_up_proj"]
     if first.dtype not in PRECISION_OF_DTYPE:

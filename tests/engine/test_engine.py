@@ -1,0 +1,107 @@
+"""The engine end to end on tiny checkpoints: batching, sampling, statistics and its errors."""
+
+import pytest
+import torch
+
+from moetier import Engine
+from moetier.errors import BudgetError, MoetierError, PromptTooLongError
+
+
+def prompts(n: int, lengths: list[int], vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_batch_of_different_lengths_matches_one_at_a_time(tiny_store, family):
+    _, path = tiny_store(family)
+    batch = prompts(0, [5, 13, 9])
+    with Engine.from_pretrained(path, expert_memory="40%") as engine:
+        together = engine.generate(batch, max_new_tokens=12, ignore_eos=True).token_ids
+    singles = []
+    for p in batch:
+        with Engine.from_pretrained(path, expert_memory="40%") as engine:
+            singles.append(engine.generate([p], max_new_tokens=12, ignore_eos=True).token_ids[0])
+    assert together == singles
+
+
+def test_sequences_stop_at_eos_independently(tiny_store):
+    _, path = tiny_store("olmoe")
+    with Engine.from_pretrained(path, expert_memory="100%") as engine:
+        free = engine.generate(prompts(1, [6, 8]), max_new_tokens=10, ignore_eos=True).token_ids
+        eos = free[0][3]
+        from moetier.engine.generate import generate
+        from moetier.engine.sampling import SamplingParams
+        out, _ = generate(engine.model, engine.executor, prompts(1, [6, 8]), SamplingParams(10), eos_ids=(eos,))
+    assert out[0] == free[0][:4]  # stopped right after its EOS
+    cut = free[1].index(eos) + 1 if eos in free[1] else len(free[1])
+    assert out[1] == free[1][:cut]  # the other sequence went on without it
+
+
+def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(tiny_store):
+    _, path = tiny_store("mixtral")
+    p = prompts(2, [7])
+    with Engine.from_pretrained(path, expert_memory="100%") as engine:
+        greedy = engine.generate(p, max_new_tokens=16, ignore_eos=True).token_ids
+        a = engine.generate(p, max_new_tokens=16, temperature=1.5, seed=3, ignore_eos=True).token_ids
+        b = engine.generate(p, max_new_tokens=16, temperature=1.5, seed=3, ignore_eos=True).token_ids
+        c = engine.generate(p, max_new_tokens=16, temperature=1.5, seed=4, ignore_eos=True).token_ids
+        nucleus = engine.generate(p, max_new_tokens=16, temperature=1.0, top_p=1e-6, ignore_eos=True).token_ids
+    assert a == b and a != c
+    assert nucleus == greedy
+
+
+def test_statistics_follow_the_definitions(tiny_store):
+    _, path = tiny_store("qwen3_moe")
+    with Engine.from_pretrained(path, expert_memory="100%") as engine:
+        assert engine.preload() == 16
+        s = engine.generate(prompts(3, [9]), max_new_tokens=8, ignore_eos=True).stats
+    assert s["hit_rate"] == 1.0 and s["expert_bytes_read"] == 0 and s["expert_bytes_per_token"] == 0
+    assert s["new_tokens"] == 8 and s["decode"]["layer_steps"] == 7 * 2  # 7 decode steps x 2 MoE layers
+    assert s["tpot_p50_s"] <= s["tpot_p90_s"] and s["ttft_s"] > 0
+
+    with Engine.from_pretrained(path, expert_memory="25%") as engine:
+        s = engine.generate(prompts(3, [9]), max_new_tokens=8, ignore_eos=True).stats
+        slot = engine.executor.pool.slot_bytes
+    for phase in ("prefill", "decode"):
+        c = s[phase]
+        assert c["bytes_read"] == c["loads"] * slot and c["loads"] == c["needed"] - c["hits"]
+    assert s["expert_bytes_per_token"] == s["decode"]["bytes_read"] / 7
+    assert 0 <= s["hit_rate"] < 1
+
+
+def test_budget_too_small_says_the_minimum(tiny_store):
+    _, path = tiny_store("olmoe")
+    with pytest.raises(BudgetError, match=r"(?s)top-2 needs 2.*at least \d+ bytes"):
+        Engine.from_pretrained(path, expert_memory="4KiB")
+    with pytest.raises(BudgetError, match="top-2"):
+        Engine.from_pretrained(path, expert_memory="1%")
+
+
+def test_prompt_longer_than_the_context_window(tiny_store):
+    _, path = tiny_store("olmoe")
+    with Engine.from_pretrained(path, expert_memory="50%") as engine:
+        with pytest.raises(PromptTooLongError, match="context window is 256"):
+            engine.generate([[5] * 300], max_new_tokens=4)
+        with pytest.raises(MoetierError, match="empty"):
+            engine.generate([[]], max_new_tokens=4)
+
+
+def test_generation_stops_at_the_context_window(tiny_store):
+    _, path = tiny_store("olmoe")
+    with Engine.from_pretrained(path, expert_memory="50%") as engine:
+        out = engine.generate([[5] * 250], max_new_tokens=20, ignore_eos=True)
+    assert len(out.token_ids[0]) == 256 - 250 + 1  # the last token is sampled but never fed back
+
+
+def test_hugging_face_folder_is_converted_once_into_the_cache(tiny_store, tmp_path):
+    from moetier.store.format import Manifest
+
+    ref, store_path = tiny_store("mixtral")
+    hf = Manifest.load(store_path).source
+    Engine.from_pretrained(hf, cache_dir=tmp_path, progress=False).close()
+    made = list(tmp_path.iterdir())
+    assert len(made) == 1 and (made[0] / "manifest.json").exists()
+    mtime = (made[0] / "manifest.json").stat().st_mtime_ns
+    Engine.from_pretrained(hf, cache_dir=tmp_path, progress=False).close()
+    assert (made[0] / "manifest.json").stat().st_mtime_ns == mtime  # reused, not converted again

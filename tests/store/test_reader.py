@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+from moetier.cache.slots import SlotPool
+from moetier.store.reader import ON_DEMAND, PREFETCH, ExpertReader, _Chunk
+from moetier.store.store import Store
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("chunk", [4096, 2 << 20])
+def test_reads_land_exactly_in_slots(tiny_store, direct, chunk):
+    ref, path = tiny_store("mixtral")
+    store = Store(path)
+    pool = SlotPool(store.native_layout, 3)
+    with ExpertReader(path, num_threads=3, chunk_bytes=chunk, direct=direct) as reader:
+        for slot, (layer, e) in enumerate([(0, 1), (1, 7), (0, 0)]):
+            reader.submit(store.manifest.blob(layer, e), pool.views[slot], pool.completions[slot])
+        for slot, (layer, e) in enumerate([(0, 1), (1, 7), (0, 0)]):
+            pool.completions[slot].wait()
+            experts = ref.model.layers[layer].mlp.experts
+            assert torch.equal(pool.tensors[slot]["gate_up_proj"], experts.gate_up_proj[e])
+            assert torch.equal(pool.tensors[slot]["down_proj"], experts.down_proj[e])
+
+
+def test_on_demand_chunks_go_before_queued_prefetches():
+    late_demand = _Chunk(ON_DEMAND, 10, None, 0, 0, None)
+    early_prefetch = _Chunk(PREFETCH, 1, None, 0, 0, None)
+    assert late_demand < early_prefetch
+    assert _Chunk(ON_DEMAND, 1, None, 0, 0, None) < late_demand  # FIFO within a priority
