@@ -37,6 +37,7 @@ def _generate(args: argparse.Namespace) -> None:
     else:
         for i, (prompt, text) in enumerate(zip(prompts, out.texts)):
             print(f"--- [{i}] {prompt}{text}")
+    sys.stdout.flush()  # the text first, then the statistics line
     print(format_summary(out.stats), file=sys.stderr)
 
 

@@ -27,6 +27,9 @@ class Transformer:
         self.lm_head = dense.get("lm_head", dense["embed_tokens"])
         self.attn = [Attention(spec, i, dense) for i in range(spec.num_layers)]
         self.is_moe = spec.is_moe_layer
+        # Each layer's weights by short name, looked up once here rather than formatted in the hot loop.
+        self.layers = [{k.removeprefix(f"layers.{i}."): v for k, v in dense.items() if k.startswith(f"layers.{i}.")}
+                       for i in range(spec.num_layers)]
         self.rope: Rope | None = None
 
     def ensure_rope(self, max_len: int) -> Rope:
@@ -35,29 +38,26 @@ class Transformer:
         return self.rope
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        spec, w = self.spec, self.w
-        scores, topk_ids, topk_weights = route(x, w[f"layers.{layer}.router"], spec.top_k, spec.norm_topk_prob,
+        spec, w = self.spec, self.layers[layer]
+        scores, topk_ids, topk_weights = route(x, w["router"], spec.top_k, spec.norm_topk_prob,
                                                weights_in_fp32=spec.family == "mixtral")
         shared = None
         if spec.shared_expert_intermediate_size:
             def shared() -> torch.Tensor:  # Qwen2-MoE: sigmoid-gated shared expert, resident like attention
-                p = f"layers.{layer}."
-                out = swiglu(x, w[p + "shared.gate_up_proj"], w[p + "shared.down_proj"])
-                return torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * out
+                out = swiglu(x, w["shared.gate_up_proj"], w["shared.down_proj"])
+                return torch.sigmoid(F.linear(x, w["shared_gate"])) * out
         return self.experts(layer, x, scores, topk_ids, topk_weights, shared)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [B, V] for each sequence's last token (or [N, V] for every token with all_logits)."""
-        spec, w = self.spec, self.w
+        spec, eps = self.spec, self.spec.rms_norm_eps
         rope = self.ensure_rope(kv.max_len)
-        h = w["embed_tokens"][batch.token_ids]  # [N, H]
-        for i in range(spec.num_layers):
-            p = f"layers.{i}."
-            h = h + self.attn[i](rms_norm(h, w[p + "input_norm"], spec.rms_norm_eps), batch, kv, rope)
-            x = rms_norm(h, w[p + "post_attn_norm"], spec.rms_norm_eps)
-            h = h + (self._moe(i, x) if self.is_moe[i] else swiglu(x, w[p + "mlp.gate_up_proj"],
-                                                                   w[p + "mlp.down_proj"]))
+        h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
+        for i, w in enumerate(self.layers):
+            h = h + self.attn[i](rms_norm(h, w["input_norm"], eps), batch, kv, rope)
+            x = rms_norm(h, w["post_attn_norm"], eps)
+            h = h + (self._moe(i, x) if self.is_moe[i] else swiglu(x, w["mlp.gate_up_proj"], w["mlp.down_proj"]))
         if not all_logits:
             h = h[batch.last]
-        return F.linear(rms_norm(h, w["norm"], spec.rms_norm_eps), self.lm_head)
+        return F.linear(rms_norm(h, self.w["norm"], eps), self.lm_head)

@@ -59,9 +59,9 @@ class SynthSpec:
 PRESETS = {
     "olmoe-1b-7b": SynthSpec(),
     "small": SynthSpec(hidden_size=512, num_layers=4, num_experts=16, intermediate_size=256, top_k=2, num_heads=8,
-                       num_kv_heads=8, vocab_size=4096),
+                       num_kv_heads=8, vocab_size=256),
     "tiny": SynthSpec(hidden_size=64, num_layers=2, num_experts=8, intermediate_size=32, top_k=2, num_heads=4,
-                      num_kv_heads=4, vocab_size=512, precision="fp32"),
+                      num_kv_heads=4, vocab_size=256, precision="fp32"),
 }
 
 
