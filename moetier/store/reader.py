@@ -30,13 +30,16 @@ class Completion:
         self.done.set()
         self.lock = threading.Lock()
         self.remaining = 0
+        self.started = 0  # chunks a reader thread has taken; once one has, the load can no longer be cancelled
+        self.cancelled = False
         self.error: BaseException | None = None
         self.blob: BlobRef | None = None
         self.dest: memoryview | None = None
 
     def reset(self, blob: BlobRef, dest: memoryview, chunks: int) -> None:
         self.done.clear()
-        self.remaining, self.error, self.blob, self.dest = chunks, None, blob, dest
+        self.remaining, self.started, self.cancelled = chunks, 0, False
+        self.error, self.blob, self.dest = None, blob, dest
 
     def wait(self) -> None:
         self.done.wait()
@@ -108,7 +111,10 @@ class ExpertReader:
                 if self._closed:
                     return
                 chunk = heapq.heappop(self._queue)
-            c = chunk.completion
+                c = chunk.completion
+                if c.cancelled:
+                    continue  # dropped lazily: cancel() already reported the load as done
+                c.started += 1
             try:
                 n = os.preadv(chunk.fd, [chunk.dest], chunk.file_offset)  # releases the GIL
                 if n != len(chunk.dest):
@@ -123,6 +129,16 @@ class ExpertReader:
                 last = c.remaining == 0
             if last:
                 self._finish(c)
+
+    def cancel(self, completion: Completion) -> bool:
+        """Cancel a queued load. True if none of its reads had started (the slot was never written);
+        False if a read is running or done — a running read is never interrupted."""
+        with self._cv:
+            if completion.done.is_set() or completion.started:
+                return False
+            completion.cancelled = True
+            completion.done.set()
+            return True
 
     def _finish(self, c: Completion) -> None:
         blob = c.blob

@@ -27,3 +27,32 @@ def test_on_demand_chunks_go_before_queued_prefetches():
     early_prefetch = _Chunk(PREFETCH, 1, None, 0, 0, None)
     assert late_demand < early_prefetch
     assert _Chunk(ON_DEMAND, 1, None, 0, 0, None) < late_demand  # FIFO within a priority
+
+
+def test_a_queued_load_can_be_cancelled_a_running_one_cannot(tiny_store, monkeypatch):
+    import threading
+
+    from moetier.store import reader as reader_module
+
+    _, path = tiny_store("mixtral")
+    store = Store(path)
+    pool = SlotPool(store.native_layout, 2)
+    gate = threading.Event()
+    real_preadv = reader_module.os.preadv
+
+    def slow_preadv(*args):  # hold the only reader thread inside the first read
+        gate.wait()
+        return real_preadv(*args)
+
+    monkeypatch.setattr(reader_module.os, "preadv", slow_preadv)
+    with ExpertReader(path, num_threads=1, chunk_bytes=1 << 20) as reader:
+        running, queued = pool.completions
+        reader.submit(store.manifest.blob(0, 0), pool.views[0], running, PREFETCH)
+        while not running.started:
+            pass
+        reader.submit(store.manifest.blob(0, 1), pool.views[1], queued, PREFETCH)
+        assert reader.cancel(queued) is True and queued.done.is_set()
+        assert reader.cancel(running) is False
+        gate.set()
+        running.wait()
+    assert not pool.tensors[1]["down_proj"].any()  # the cancelled load never wrote its slot
