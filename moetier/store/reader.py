@@ -30,6 +30,7 @@ class Completion:
         self.done.set()
         self.lock = threading.Lock()
         self.remaining = 0
+        self.generation = 0  # bumped per load, so chunks of a cancelled earlier load are recognised as stale
         self.started = 0  # chunks a reader thread has taken; once one has, the load can no longer be cancelled
         self.cancelled = False
         self.error: BaseException | None = None
@@ -38,6 +39,7 @@ class Completion:
 
     def reset(self, blob: BlobRef, dest: memoryview, chunks: int) -> None:
         self.done.clear()
+        self.generation += 1
         self.remaining, self.started, self.cancelled = chunks, 0, False
         self.error, self.blob, self.dest = None, blob, dest
 
@@ -52,6 +54,7 @@ class _Chunk:
     priority: int
     seq: int
     completion: Completion = field(compare=False)
+    generation: int = field(compare=False)
     fd: int = field(compare=False)
     file_offset: int = field(compare=False)
     dest: memoryview = field(compare=False)
@@ -100,7 +103,8 @@ class ExpertReader:
                 a = i * self.chunk_bytes
                 b = min(a + self.chunk_bytes, blob.length)
                 self._seq += 1
-                heapq.heappush(self._queue, _Chunk(priority, self._seq, completion, fd, blob.offset + a, dest[a:b]))
+                heapq.heappush(self._queue, _Chunk(priority, self._seq, completion, completion.generation, fd,
+                                                   blob.offset + a, dest[a:b]))
             self._cv.notify(n)
 
     def _work(self) -> None:
@@ -112,8 +116,8 @@ class ExpertReader:
                     return
                 chunk = heapq.heappop(self._queue)
                 c = chunk.completion
-                if c.cancelled:
-                    continue  # dropped lazily: cancel() already reported the load as done
+                if c.cancelled or chunk.generation != c.generation:
+                    continue  # dropped lazily: cancel() already reported that load as done
                 c.started += 1
             try:
                 n = os.preadv(chunk.fd, [chunk.dest], chunk.file_offset)  # releases the GIL
@@ -155,6 +159,10 @@ class ExpertReader:
     def close(self) -> None:
         with self._cv:
             self._closed = True
+            for chunk in self._queue:  # nobody waits forever on a load that will never run
+                chunk.completion.error = StoreError("the expert reader was closed before this load ran")
+                chunk.completion.done.set()
+            self._queue.clear()
             self._cv.notify_all()
         for t in self._threads:
             t.join()
