@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -105,13 +106,9 @@ class Manifest:
     def blob(self, layer: int, expert: int, precision: str | None = None) -> BlobRef:
         return self._index[(layer, expert, precision or self.native_precision)]
 
-    @property
-    def _index(self) -> dict:
-        index = self.__dict__.get("_blob_index")
-        if index is None:
-            index = {(b.layer, b.expert, b.precision): b for b in self.blobs}
-            object.__setattr__(self, "_blob_index", index)
-        return index
+    @cached_property  # writes the instance __dict__ directly, so it works on a frozen dataclass
+    def _index(self) -> dict[tuple[int, int, str], BlobRef]:
+        return {(b.layer, b.expert, b.precision): b for b in self.blobs}
 
     def expert_bytes(self, precision: str | None = None) -> int:
         """Bytes of all experts at one precision, as the cache holds them (padded blobs)."""
