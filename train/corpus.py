@@ -1,0 +1,107 @@
+"""The demo models' corpus, rebuilt deterministically from inputs on every machine: English prose from
+../shared/data/gutenberg (detokenised) and Python source from this interpreter's standard library (no test
+folders, no site-packages). Validation holds out whole books and whole modules.
+
+    python -m train.corpus [--out DIR]        # default ~/.cache/moetier/corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import sysconfig
+import tempfile
+from pathlib import Path
+
+GUTENBERG = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenberg"
+DEFAULT_OUT = Path.home() / ".cache" / "moetier" / "corpus"
+VALID_BOOKS = ("carroll-alice.txt", "chesterton-thursday.txt")  # held out whole
+VALID_EVERY = 12  # every 12th module (sorted by path) is held out whole
+SEPARATOR = "\n<|endoftext|>\n"  # between documents (books, modules)
+
+_DETOK = [
+    (re.compile(r"``\s*"), '"'),  # opening double quote
+    (re.compile(r"\s*''"), '"'),  # closing double quote
+    (re.compile(r"(^|\s)`\s*"), r"\1'"),  # opening single quote
+    (re.compile(r" (n't|'s|'re|'ve|'ll|'d|'m|')(?=\s|$)", re.IGNORECASE), r"\1"),  # contractions, closing quote
+    (re.compile(r" ([,.;:!?)\]])"), r"\1"),  # no space before closing punctuation
+    (re.compile(r"([(\[]) "), r"\1"),  # none after opening brackets
+]
+
+
+def detokenise(line: str) -> str:
+    """Undo NLTK-style word tokenisation: `the bank , and` -> `the bank, and`; `` `` x '' `` -> `"x"`."""
+    for pattern, repl in _DETOK:
+        line = pattern.sub(repl, line)
+    return line
+
+
+def prose_documents() -> dict[str, str]:
+    if not GUTENBERG.is_dir():
+        raise SystemExit(f"{GUTENBERG} not found: the corpus reads the shared data folder beside the checkout")
+    return {p.name: "\n".join(detokenise(line) for line in p.read_text(encoding="utf-8").splitlines())
+            for p in sorted(GUTENBERG.glob("*.txt"))}
+
+
+def code_documents() -> dict[str, str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = {}
+    for p in sorted(root.rglob("*.py")):
+        parts = p.relative_to(root).parts
+        if "site-packages" in parts or any(x in ("test", "tests", "idle_test") for x in parts):
+            continue
+        try:
+            docs[str(p.relative_to(root))] = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+    return docs
+
+
+def split(docs: dict[str, str], is_valid) -> tuple[dict[str, str], dict[str, str]]:
+    train = {k: v for i, (k, v) in enumerate(docs.items()) if not is_valid(i, k)}
+    valid = {k: v for i, (k, v) in enumerate(docs.items()) if is_valid(i, k)}
+    return train, valid
+
+
+def build(out: Path = DEFAULT_OUT) -> Path:
+    """Write prose_{train,valid}.txt, code_{train,valid}.txt and corpus.json into `out` (atomically)."""
+    prose = split(prose_documents(), lambda i, k: k in VALID_BOOKS)
+    code = split(code_documents(), lambda i, k: i % VALID_EVERY == 0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    meta = {}
+    try:
+        for domain, (train, valid) in (("prose", prose), ("code", code)):
+            for name, docs in (("train", train), ("valid", valid)):
+                text = SEPARATOR.join(docs.values())
+                (tmp / f"{domain}_{name}.txt").write_text(text, encoding="utf-8")
+                meta[f"{domain}_{name}"] = {"documents": list(docs), "chars": len(text),
+                                            "sha256": hashlib.sha256(text.encode()).hexdigest()}
+        (tmp / "corpus.json").write_text(json.dumps(meta, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load(out: Path = DEFAULT_OUT) -> dict[str, str]:
+    """{'prose_train': text, ...}; builds the corpus first if it is not there."""
+    if not (out / "corpus.json").exists():
+        build(out)
+    return {f"{d}_{s}": (out / f"{d}_{s}.txt").read_text(encoding="utf-8")
+            for d in ("prose", "code") for s in ("train", "valid")}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    path = build(ap.parse_args().out)
+    for k, v in json.loads((path / "corpus.json").read_text()).items():
+        print(f"{k:12} {len(v['documents']):4} documents {v['chars'] / 1e6:6.2f} M chars")
