@@ -9,6 +9,8 @@ import sys
 
 from moetier.errors import MoetierError
 
+DEFAULT_MODEL = "demo-fine"  # shipped in models/
+
 
 def _generate(args: argparse.Namespace) -> None:
     from moetier.engine.engine import Engine
@@ -66,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with experts offloaded to disk")
-    g.add_argument("--model", required=True, help="Hugging Face folder, converted store, or built-in model name")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="Hugging Face folder, converted store, or built-in model name (default %(default)s)")
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--expert-memory", default="30%", help="bytes (512MiB, 2GB), share of expert bytes (30%%), auto")

@@ -97,8 +97,8 @@ def valid_loss(model, tokens, recipe: Recipe, batches: int = 4) -> dict[str, flo
     return out
 
 
-def export(model, recipe: Recipe, tok_dir: Path, record: dict) -> Path:
-    dest = ROOT / "models" / recipe.name
+def export(model, recipe: Recipe, tok_dir: Path, record: dict, models_dir: Path) -> Path:
+    dest = models_dir / recipe.name
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{recipe.name}.tmp-", dir=dest.parent))
     try:
@@ -121,13 +121,15 @@ def main() -> None:
     ap.add_argument("name", choices=sorted(RECIPES))
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--steps", type=int, help="override the recipe's step count")
+    ap.add_argument("--work-dir", type=Path, default=WORK, help="checkpoints (default %(default)s)")
+    ap.add_argument("--models-dir", type=Path, default=ROOT / "models", help="where the model is exported")
     args = ap.parse_args()
     recipe = RECIPES[args.name]
     if args.steps:
         from dataclasses import replace
         recipe = replace(recipe, steps=args.steps)
     torch.set_num_threads(args.threads)
-    work = WORK / recipe.name
+    work = args.work_dir / recipe.name
     work.mkdir(parents=True, exist_ok=True)
     tok_dir = tokenizer.load()
     tokens = token_arrays(tok_dir)
@@ -181,7 +183,7 @@ def main() -> None:
         "loss_curve": state["log"][::10],
         "torch": torch.__version__,
     }
-    path = export(model, recipe, tok_dir, record)
+    path = export(model, recipe, tok_dir, record, args.models_dir)
     print(f"wrote {path}: valid loss {record['final_valid_loss']}", file=sys.stderr)
 
 

@@ -18,12 +18,15 @@ from moetier.model.transformer import Transformer
 OnToken = Callable[[int, list[int]], None]  # (sequence index, its generated ids so far)
 
 
-def check_prompts(prompts: list[list[int]], context: int) -> None:
+def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> None:
     if not prompts:
         raise MoetierError("no prompt given")
     for i, p in enumerate(prompts):
         if not p:
             raise MoetierError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise MoetierError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         if len(p) >= context:
             raise PromptTooLongError(f"prompt {i} has {len(p)} tokens; the model's context window is {context}",
                                      hint=f"shorten the prompt to at most {context - 1} tokens")
@@ -33,7 +36,7 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
              eos_ids: tuple[int, ...] = (), on_token: OnToken | None = None,
              stats: GenerationStats | None = None) -> tuple[list[list[int]], GenerationStats]:
     spec = model.spec
-    check_prompts(prompts, spec.max_position_embeddings)
+    check_prompts(prompts, spec.max_position_embeddings, spec.vocab_size)
     num = len(prompts)
     max_len = min(spec.max_position_embeddings, max(map(len, prompts)) + params.max_new_tokens)
     kv = KVCache(spec, num, max_len, model.dtype)

@@ -85,6 +85,8 @@ def test_prompt_longer_than_the_context_window(tiny_store):
             engine.generate([[5] * 300], max_new_tokens=4)
         with pytest.raises(MoetierError, match="empty"):
             engine.generate([[]], max_new_tokens=4)
+        with pytest.raises(MoetierError, match=r"outside the vocabulary \[0, 128\): \[128, -1\]"):
+            engine.generate([[5, 128, -1]], max_new_tokens=4)
 
 
 def test_generation_stops_at_the_context_window(tiny_store):
