@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -67,7 +66,6 @@ def child(cfg: dict) -> dict:
     run = engine.generate if cfg["mode"] == "cache" else None
     from moetier.engine.generate import generate
     from moetier.engine.sampling import SamplingParams
-    from moetier.engine.stats import GenerationStats
 
     def once(p: list[int], n: int) -> dict:
         if run is not None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
-import shutil
 import sysconfig
-import tempfile
 from pathlib import Path
+
+from moetier.atomic import atomic_dir
 
 GUTENBERG = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenberg"
 DEFAULT_OUT = Path.home() / ".cache" / "moetier" / "corpus"
@@ -71,10 +70,8 @@ def build(out: Path = DEFAULT_OUT) -> Path:
     """Write prose_{train,valid}.txt, code_{train,valid}.txt and corpus.json into `out` (atomically)."""
     prose = split(prose_documents(), lambda i, k: k in VALID_BOOKS)
     code = split(code_documents(), lambda i, k: i % VALID_EVERY == 0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     meta = {}
-    try:
+    with atomic_dir(out) as tmp:
         for domain, (train, valid) in (("prose", prose), ("code", code)):
             for name, docs in (("train", train), ("valid", valid)):
                 text = SEPARATOR.join(docs.values())
@@ -82,12 +79,6 @@ def build(out: Path = DEFAULT_OUT) -> Path:
                 meta[f"{domain}_{name}"] = {"documents": list(docs), "chars": len(text),
                                             "sha256": hashlib.sha256(text.encode()).hexdigest()}
         (tmp / "corpus.json").write_text(json.dumps(meta, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

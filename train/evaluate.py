@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.train import ROOT, token_arrays
 from train.tokenizer import load as load_tokenizer
+from train.train import ROOT, token_arrays
 
 WINDOW = 256
 PROMPTS = {"prose": ["It was a dark and stormy night, and", "\"My dear Emma,\" said Mr. Knightley,",

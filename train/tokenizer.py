@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from moetier.atomic import atomic_dir
 from train import corpus
 
 EOS = "<|endoftext|>"
@@ -32,15 +30,11 @@ def train_tokenizer(texts: list[str], vocab_size: int = 8192) -> Tokenizer:
 def build(out: Path, vocab_size: int = 8192) -> Path:
     texts = corpus.load()
     tok = train_tokenizer([texts["prose_train"], texts["code_train"]], vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tok.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS, "bos_token": None,
-         "add_bos_token": False, "model_max_length": 1024}, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with atomic_dir(out) as tmp:
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS, "bos_token": None,
+             "add_bos_token": False, "model_max_length": 1024}, indent=1))
     return out
 
 

@@ -17,7 +17,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moetier.atomic import atomic_dir
 from train import corpus, tokenizer
 from train.configs import RECIPES, Recipe
 
@@ -99,20 +99,12 @@ def valid_loss(model, tokens, recipe: Recipe, batches: int = 4) -> dict[str, flo
 
 def export(model, recipe: Recipe, tok_dir: Path, record: dict, models_dir: Path) -> Path:
     dest = models_dir / recipe.name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{recipe.name}.tmp-", dir=dest.parent))
-    try:
+    with atomic_dir(dest) as tmp:
         model.config.output_router_logits = False
         model.to(torch.bfloat16).save_pretrained(tmp)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tok_dir / f, tmp / f)
         (tmp / "training.json").write_text(json.dumps(record, indent=1))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
 
 

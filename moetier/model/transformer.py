@@ -51,7 +51,7 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [B, V] for each sequence's last token (or [N, V] for every token with all_logits)."""
-        spec, eps = self.spec, self.spec.rms_norm_eps
+        eps = self.spec.rms_norm_eps
         rope = self.ensure_rope(kv.max_len)
         h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         for i, w in enumerate(self.layers):

@@ -8,7 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moetier.errors import ChecksumError, CheckpointError, ModelNotFoundError, StoreError, UnsupportedModelError
+from moetier.errors import (
+    CheckpointError,
+    ChecksumError,
+    ModelNotFoundError,
+    StoreError,
+    UnsupportedModelError,
+)
 from moetier.store.convert import convert
 from moetier.store.format import ALIGN, Manifest
 from moetier.store.store import Store

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moetier.cache.policies.base import EvictionPolicy
-from moetier.errors import MoetierError
 from moetier.cache.policies.lfu import LFUPolicy
 from moetier.cache.policies.lru import LRUPolicy
+from moetier.errors import MoetierError
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
 

@@ -1,0 +1,27 @@
+"""Directories that appear whole or not at all: written under a temporary name beside the destination, then
+renamed into place; removed if anything fails."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_dir(dest: Path | str) -> Iterator[Path]:
+    """with atomic_dir(dest) as tmp: write into tmp. On success tmp replaces dest; on failure it is removed."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
