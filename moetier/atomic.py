@@ -17,6 +17,7 @@ def atomic_dir(dest: Path | str) -> Iterator[Path]:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
         if dest.exists():

@@ -33,6 +33,7 @@ class StoreWriter:
             raise StoreError(f"{self.dest} already exists", hint="choose another path or pass --force to replace it")
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.tmp-", dir=self.dest.parent))
+        os.chmod(self.tmp, 0o755)  # mkdtemp makes it private; a store is an ordinary folder
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
