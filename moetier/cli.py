@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from moetier.errors import MoetierError
 
@@ -60,6 +61,33 @@ def _synth(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def _trace_import(args: argparse.Namespace) -> None:
+    from moetier.trace.importers import import_trace
+
+    trace = import_trace(args.path, args.num_layers, args.num_experts)
+    if Path(args.out).exists() and not args.force:
+        raise MoetierError(f"{args.out} already exists", hint="choose another --out or pass --force")
+    trace.save(args.out)
+    print(f"wrote {args.out}: {trace.num_tokens} tokens, layers {trace.layers}")
+    for note in trace.notes:
+        print(f"  note: {note}")
+
+
+def _trace_stats(args: argparse.Namespace) -> None:
+    from moetier.trace.format import Trace
+    from moetier.trace.stats import format_table, plot, summarize
+
+    trace = Trace.load(args.trace)
+    summary = summarize(trace)
+    png = Path(args.plot or Path(args.trace) / "stats.png")
+    plot(trace, summary, png)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(format_table(summary))
+        print(f"plot: {png}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moetier.cache.policies import POLICIES
     from moetier.store.synth import PRESETS
@@ -98,6 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--embed-std", dest="embed_std", type=float)
     s.add_argument("--force", action="store_true")
     s.set_defaults(func=_synth)
+
+    t = sub.add_parser("trace", help="routing traces: import, stats").add_subparsers(dest="trace_command",
+                                                                                    required=True)
+    ti = t.add_parser("import", help="import a JSONL routing trace (a file, or a folder of them)")
+    ti.add_argument("path")
+    ti.add_argument("--out", required=True)
+    ti.add_argument("--num-layers", type=int, help="the model's layers, if the trace cannot tell")
+    ti.add_argument("--num-experts", type=int, help="experts per layer, if the trace cannot tell")
+    ti.add_argument("--force", action="store_true")
+    ti.set_defaults(func=_trace_import)
+    ts = t.add_parser("stats", help="locality statistics of a trace, with a plot")
+    ts.add_argument("trace")
+    ts.add_argument("--plot", help="PNG path (default TRACE/stats.png)")
+    ts.add_argument("--json", action="store_true")
+    ts.set_defaults(func=_trace_stats)
     return parser
 
 

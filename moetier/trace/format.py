@@ -1,0 +1,117 @@
+"""Trace format version 1: routing decisions, one row per token step.
+
+DIR/
+  meta.json          format, version, model, num_layers, num_experts, top_k, layers (the model layer of each
+                     column; a partial trace lists only the layers it has), source, prompts, synthetic, notes
+  seq.npy [N] int32, pos.npy [N] int32, phase.npy [N] uint8 (0 prefill, 1 decode)
+  topk_ids.npy [N, L, k] int16, topk_weights.npy [N, L, k] float16
+  scores.npy [N, L, E] float16            optional: full router scores
+  gate_inputs.npy [N, L, H] float16       optional: the router's input, for training predictors
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moetier.atomic import atomic_dir
+from moetier.errors import MoetierError
+
+FORMAT, VERSION = "moetier-trace", 1
+ARRAYS = {"seq": np.int32, "pos": np.int32, "phase": np.uint8, "topk_ids": np.int16, "topk_weights": np.float16}
+OPTIONAL = {"scores": np.float16, "gate_inputs": np.float16}
+PREFILL, DECODE = 0, 1
+
+
+class TraceError(MoetierError):
+    pass
+
+
+@dataclass
+class Trace:
+    model: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    layers: list[int]  # model layer index of each column
+    seq: np.ndarray
+    pos: np.ndarray
+    phase: np.ndarray
+    topk_ids: np.ndarray
+    topk_weights: np.ndarray
+    scores: np.ndarray | None = None
+    gate_inputs: np.ndarray | None = None
+    source: str = ""
+    prompts: list[str] = field(default_factory=list)
+    synthetic: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.seq)
+        if self.topk_ids.ndim != 3 or self.topk_ids.shape[0] != n:
+            raise TraceError(f"topk_ids must be [N={n}, L, k], got {self.topk_ids.shape}")
+        _, cols, k = self.topk_ids.shape
+        if cols != len(self.layers) or k != self.top_k:
+            raise TraceError(f"topk_ids has {cols} layers of top-{k}; meta says {len(self.layers)} of top-{self.top_k}")
+        if any(not 0 <= layer < self.num_layers for layer in self.layers):
+            raise TraceError(f"layers {self.layers} fall outside the model's {self.num_layers} layers")
+        if len(self.pos) != n or len(self.phase) != n or self.topk_weights.shape != self.topk_ids.shape:
+            raise TraceError("seq, pos, phase and topk_weights must have one row per token step like topk_ids")
+        if n and (self.topk_ids.min() < 0 or self.topk_ids.max() >= self.num_experts):
+            bad = int(self.topk_ids.max())
+            raise TraceError(f"expert id {bad} exceeds the model shape ({self.num_experts} experts per layer)",
+                             hint="give the right number of experts for this model")
+        if self.scores is not None and self.scores.shape != (n, cols, self.num_experts):
+            raise TraceError(f"scores must be [N, L, E] = {(n, cols, self.num_experts)}, got {self.scores.shape}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.seq)
+
+    @property
+    def partial(self) -> bool:
+        return len(self.layers) < self.num_layers
+
+    def meta(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "model": self.model, "num_layers": self.num_layers,
+                "num_experts": self.num_experts, "top_k": self.top_k, "layers": self.layers,
+                "missing_layers": [i for i in range(self.num_layers) if i not in self.layers],
+                "num_tokens": self.num_tokens, "source": self.source, "prompts": self.prompts,
+                "synthetic": self.synthetic, "has_scores": self.scores is not None,
+                "has_gate_inputs": self.gate_inputs is not None, "notes": self.notes}
+
+    def save(self, out: Path | str) -> Path:
+        with atomic_dir(out) as tmp:
+            for name, dtype in {**ARRAYS, **OPTIONAL}.items():
+                value = getattr(self, name)
+                if value is not None:
+                    np.save(tmp / f"{name}.npy", np.asarray(value, dtype=dtype))
+            (tmp / "meta.json").write_text(json.dumps(self.meta(), indent=1))
+        return Path(out)
+
+    @classmethod
+    def load(cls, path: Path | str) -> Trace:
+        path = Path(path)
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except FileNotFoundError:
+            raise TraceError(f"{path} is not a trace (no meta.json)",
+                             hint="record one with `moetier trace record` or import one with `moetier trace import`")
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path / 'meta.json'}: {e}") from None
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise TraceError(f"{path / 'meta.json'} is not a {FORMAT} version {VERSION} trace")
+        arrays = {}
+        for name in (*ARRAYS, *OPTIONAL):
+            f = path / f"{name}.npy"
+            if f.exists():
+                arrays[name] = np.load(f)
+            elif name in ARRAYS:
+                raise TraceError(f"trace {path} is missing {name}.npy")
+        return cls(model=meta["model"], num_layers=meta["num_layers"], num_experts=meta["num_experts"],
+                   top_k=meta["top_k"], layers=list(meta["layers"]), source=meta.get("source", ""),
+                   prompts=meta.get("prompts", []), synthetic=meta.get("synthetic", False),
+                   notes=meta.get("notes", []), **arrays)

@@ -1,0 +1,143 @@
+"""Importers for the JSON-lines routing traces in ../shared/data/traces (see its README):
+
+- Mixtral logger (`{"dataset", "problem_id", "layer", "experts", "gating_probs", "token_idx"}`), records ordered
+  by layer within a token; `problem_id` separates sequences.
+- vLLM-MoE-Logger (a `{"type": "meta"}` line, then `{"type": "route", "layer", "topk_ids", "topk_weights"}`):
+  Qwen1.5-MoE and OLMoE. Each file starts with a warm-up pass of identical records, dropped here; sequence
+  boundaries are not recoverable (token_idx restarts within vLLM batches), so the rest is one stream, and
+  files holding different layers are aligned by record order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from moetier.trace.format import DECODE, Trace, TraceError
+
+# model name fragment -> (num_layers, num_experts), from the models' published configurations
+KNOWN_MODELS = {"mixtral-8x7b": (32, 8), "qwen1.5-moe-a2.7b": (24, 60), "olmoe-1b-7b": (16, 64)}
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise TraceError(f"{path}:{lineno}: expected a JSON object")
+            yield lineno, record
+
+
+def field(record: dict, name: str, path: Path, lineno: int):
+    if name not in record:
+        raise TraceError(f"{path}:{lineno}: record has no {name!r} field")
+    return record[name]
+
+
+def shape_for(hint: str, num_layers: int | None, num_experts: int | None) -> tuple[int, int]:
+    known = next((v for k, v in KNOWN_MODELS.items() if k in hint.lower()), None)
+    layers = num_layers or (known[0] if known else None)
+    experts = num_experts or (known[1] if known else None)
+    if layers is None or experts is None:
+        raise TraceError(f"cannot tell the model shape of {hint!r}",
+                         hint="pass --num-layers and --num-experts")
+    return layers, experts
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise TraceError(f"{path} holds no *.jsonl files")
+        return files
+    if not path.exists():
+        raise TraceError(f"{path} does not exist")
+    return [path]
+
+
+def import_trace(path: Path | str, num_layers: int | None = None, num_experts: int | None = None) -> Trace:
+    files = _files(Path(path))
+    _, first = next(read_jsonl(files[0]), (0, {}))
+    if first.get("type") == "meta":
+        return _import_vllm(files, num_layers, num_experts)
+    if "experts" in first:
+        return _import_mixtral(files, num_layers, num_experts)
+    raise TraceError(f"{files[0]}:1: unknown trace format (neither a vLLM-MoE-Logger meta line nor a Mixtral "
+                     f"logger record)")
+
+
+def _import_mixtral(files: list[Path], num_layers: int | None, num_experts: int | None) -> Trace:
+    rows: dict[tuple, dict[int, tuple]] = {}  # (file, dataset, problem, token) -> layer -> (ids, weights)
+    seqs: dict[tuple, int] = {}
+    for path in files:
+        for lineno, r in read_jsonl(path):
+            seq_key = (path.name, r.get("dataset"), field(r, "problem_id", path, lineno))
+            seqs.setdefault(seq_key, len(seqs))
+            key = (*seq_key, field(r, "token_idx", path, lineno))
+            rows.setdefault(key, {})[field(r, "layer", path, lineno)] = (
+                field(r, "experts", path, lineno), field(r, "gating_probs", path, lineno))
+    layers = sorted({layer for row in rows.values() for layer in row})
+    incomplete = [key for key, row in rows.items() if len(row) != len(layers)]
+    for key in incomplete:  # the logger missed a record: drop the token rather than invent routing
+        del rows[key]
+    n_layers, n_experts = shape_for(str(files[0].parent), num_layers, num_experts)
+    top_k = len(next(iter(rows.values()))[layers[0]][0])
+    ids = np.zeros((len(rows), len(layers), top_k), np.int16)
+    weights = np.zeros((len(rows), len(layers), top_k), np.float16)
+    seq, pos = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
+    for i, (key, row) in enumerate(rows.items()):
+        seq[i], pos[i] = seqs[key[:3]], key[3]
+        for j, layer in enumerate(layers):
+            ids[i, j], weights[i, j] = row[layer]
+    return Trace("mixtral-8x7b", n_layers, n_experts, top_k, layers, seq, pos, np.full(len(rows), DECODE, np.uint8),
+                 ids, weights, source=", ".join(str(f) for f in files),
+                 prompts=[f"{d} problem {p}" for (_, d, p) in seqs],
+                 notes=["imported from the Mixtral logger format; prefill and decode are not told apart (phase=1)",
+                        f"dropped {len(incomplete)} token(s) missing a layer's record: "
+                        + ", ".join(f"{k[0]} problem {k[2]} token {k[3]}" for k in incomplete[:5])])
+
+
+def _import_vllm(files: list[Path], num_layers: int | None, num_experts: int | None) -> Trace:
+    streams: dict[int, tuple[list, list]] = {}
+    notes, model, top_k = [], "", None
+    for path in files:
+        records = read_jsonl(path)
+        _, meta = next(records)
+        model, top_k = meta.get("model_id", model), meta.get("top_k", top_k)
+        by_layer: dict[int, tuple[list, list]] = {}
+        for lineno, r in records:
+            if r.get("type") != "route":
+                continue
+            ids = field(r, "topk_ids", path, lineno)
+            by_layer.setdefault(field(r, "layer", path, lineno), ([], []))[0].append(ids)
+            by_layer[r["layer"]][1].append(field(r, "topk_weights", path, lineno))
+        streams.update(by_layer)
+    # The warm-up pass repeats one record; layers logged in the same run share its length, so when every
+    # stream has the same length the longest detected warm-up applies to all (a layer's warm-up can end
+    # with a few records that differ from its first).
+    warm = {layer: next((i for i, x in enumerate(ids) if x != ids[0]), len(ids))
+            for layer, (ids, _) in streams.items()}
+    if len({len(ids) for ids, _ in streams.values()}) == 1:
+        warm = dict.fromkeys(warm, max(warm.values()))
+    for layer, (ids, weights) in list(streams.items()):
+        notes.append(f"layer {layer}: dropped {warm[layer]} warm-up records, kept {len(ids) - warm[layer]}")
+        streams[layer] = (ids[warm[layer]:], weights[warm[layer]:])
+    layers = sorted(streams)
+    n = min(len(streams[layer][0]) for layer in layers)
+    if len(layers) > 1:
+        notes.append(f"layers aligned by record order ({n} rows; the alignment is not verified by the source)")
+    n_layers, n_experts = shape_for(model or str(files[0].parent), num_layers, num_experts)
+    ids = np.stack([np.asarray(streams[layer][0][:n], np.int16) for layer in layers], axis=1)
+    weights = np.stack([np.asarray(streams[layer][1][:n], np.float16) for layer in layers], axis=1)
+    notes.append("no sequence boundaries in the source: one stream of tokens (seq=0, pos=row)")
+    return Trace(model, n_layers, n_experts, top_k or ids.shape[-1], layers, np.zeros(n, np.int32),
+                 np.arange(n, dtype=np.int32), np.full(n, DECODE, np.uint8), ids, weights,
+                 source=", ".join(str(f) for f in files), notes=notes)

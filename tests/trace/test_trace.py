@@ -1,0 +1,104 @@
+"""Trace format, importers of the shared real traces, and locality statistics on hand-made traces."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetier.cli import main
+from moetier.trace.format import DECODE, Trace, TraceError
+from moetier.trace.importers import import_trace
+from moetier.trace.stats import reuse_distances, reuse_next, summarize
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
+
+
+def make(ids: list[list[list[int]]], seq=None, num_experts: int = 4, layers=None) -> Trace:
+    topk = np.asarray(ids, np.int16)  # [N, L, k]
+    n, cols, k = topk.shape
+    return Trace("hand-made", cols if layers is None else max(layers) + 1, num_experts, k,
+                 list(range(cols)) if layers is None else layers,
+                 np.asarray(seq if seq is not None else [0] * n, np.int32), np.arange(n, dtype=np.int32),
+                 np.full(n, DECODE, np.uint8), topk, np.ones(topk.shape, np.float16))
+
+
+def test_round_trip_and_partial_layers(tmp_path):
+    t = make([[[0, 1], [2, 3]], [[1, 2], [3, 0]]], layers=[3, 7])
+    t.save(tmp_path / "t")
+    back = Trace.load(tmp_path / "t")
+    assert back.layers == [3, 7] and back.partial and np.array_equal(back.topk_ids, t.topk_ids)
+    meta = json.loads((tmp_path / "t" / "meta.json").read_text())
+    assert meta["missing_layers"] == [0, 1, 2, 4, 5, 6] and meta["synthetic"] is False
+
+
+def test_expert_ids_beyond_the_model_shape_are_refused():
+    with pytest.raises(TraceError, match="expert id 9 exceeds the model shape"):
+        make([[[0, 9]]], num_experts=8)
+
+
+def test_missing_arrays_and_meta(tmp_path):
+    with pytest.raises(TraceError, match="not a trace"):
+        Trace.load(tmp_path)
+    make([[[0, 1]]]).save(tmp_path / "t")
+    (tmp_path / "t" / "pos.npy").unlink()
+    with pytest.raises(TraceError, match="missing pos.npy"):
+        Trace.load(tmp_path / "t")
+
+
+def test_reuse_statistics_on_a_known_sequence():
+    # one layer, top-1: experts 0 0 1 0 1 1 ; a sequence boundary before the last token
+    t = make([[[e]] for e in [0, 0, 1, 0, 1, 1]], seq=[0, 0, 0, 0, 0, 1])
+    # t+1 reuse within a sequence: 0->0 yes, 0->1 no, 1->0 no, 0->1 no (5->6 crosses sequences)
+    assert reuse_next(t)[0] == pytest.approx(1 / 4)
+    counts = reuse_distances(t)  # distances: first(0), 1, first(1), 2, 2, 1
+    assert counts[0] == 2 and counts[1] == 2 and counts[-1] == 2 and counts.sum() == 6
+    s = summarize(t)
+    assert s["experts_used"] == [2] and s["entropy_bits"][0] == pytest.approx(1.0)
+
+
+def test_next_layer_predictability_sees_a_deterministic_mapping():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 8, 200)
+    t = make([[[x], [(x + 3) % 8]] for x in a], num_experts=8)
+    assert summarize(t)["next_layer"][0]["recall"] == 1.0
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="needs ../shared/data/traces")
+@pytest.mark.parametrize("folder,tokens,layers,top_k,experts", [
+    ("mixtral-8x7b", 577, list(range(32)), 2, 8),
+    ("qwen1.5-moe-a2.7b", 4357, [0, 8, 12, 18, 23], 4, 60),
+    ("olmoe-1b-7b", 4471, [0], 8, 64),
+])
+def test_real_traces_import(folder, tokens, layers, top_k, experts):
+    t = import_trace(SHARED / folder)
+    assert (t.num_tokens, t.layers, t.top_k, t.num_experts) == (tokens, layers, top_k, experts)
+    assert not (t.topk_ids == t.topk_ids[0]).all(axis=(1, 2)).all()  # the warm-up pass is gone
+    if folder != "mixtral-8x7b":
+        assert any("warm-up" in n for n in t.notes)
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"type": "meta", "top_k": 2, "model_id": "olmoe-1b-7b"}\n'
+                 '{"type": "route", "layer": 0, "topk_ids": [1, 2], "topk_weights": [0.5, 0.5]}\n{oops\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl:3: malformed JSON"):
+        import_trace(f)
+    f.write_text('{"dataset": "x", "problem_id": 0, "layer": 0, "experts": [7, 99], "gating_probs": [0.5, 0.5]}\n')
+    with pytest.raises(TraceError, match="token_idx"):
+        import_trace(f)
+
+
+def test_cli_import_and_stats(tmp_path, capsys):
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"dataset": "d", "problem_id": 0, "layer": layer, "experts": [e, 99 if e > 5 else 1],
+                                     "gating_probs": [0.5, 0.5], "token_idx": i}) + "\n"
+                         for i, e in enumerate([0, 3, 6]) for layer in (0, 1)))
+    assert main(["trace", "import", str(f), "--out", str(tmp_path / "t"), "--num-layers", "2",
+                 "--num-experts", "8"]) == 1
+    assert "expert id 99 exceeds the model shape (8 experts" in capsys.readouterr().err
+    f.write_text(f.read_text().replace("99", "2"))
+    assert main(["trace", "import", str(f), "--out", str(tmp_path / "t"), "--num-layers", "2",
+                 "--num-experts", "8"]) == 0
+    assert main(["trace", "stats", str(tmp_path / "t")]) == 0
+    assert "reuse t+1" in capsys.readouterr().out and (tmp_path / "t" / "stats.png").exists()
