@@ -73,6 +73,30 @@ def _trace_import(args: argparse.Namespace) -> None:
         print(f"  note: {note}")
 
 
+def _trace_record(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from moetier.engine.engine import Engine
+    from moetier.trace.record import TraceRecorder
+
+    try:
+        prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    except OSError as e:
+        raise MoetierError(f"cannot read prompts from {args.prompts}: {e.strerror}") from None
+    if not prompts:
+        raise MoetierError(f"{args.prompts} holds no prompt", hint="write one prompt per line")
+    if Path(args.out).exists() and not args.force:
+        raise MoetierError(f"{args.out} already exists", hint="choose another --out or pass --force")
+    engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, cache_dir=args.cache_dir)
+    with engine, TraceRecorder(engine, gate_inputs=args.gate_inputs) as recorder:
+        for prompt in tqdm(prompts, desc="record", unit="prompt"):
+            engine.generate(prompt, max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+            recorder.end_call(1)
+        trace = recorder.trace(prompts)
+    trace.save(args.out)
+    print(f"wrote {args.out}: {trace.num_tokens} token steps, {len(prompts)} sequences")
+
+
 def _trace_stats(args: argparse.Namespace) -> None:
     from moetier.trace.format import Trace
     from moetier.trace.stats import format_table, plot, summarize
@@ -127,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true")
     s.set_defaults(func=_synth)
 
-    t = sub.add_parser("trace", help="routing traces: import, stats").add_subparsers(dest="trace_command",
+    t = sub.add_parser("trace", help="routing traces: record, import, stats").add_subparsers(dest="trace_command",
                                                                                     required=True)
     ti = t.add_parser("import", help="import a JSONL routing trace (a file, or a folder of them)")
     ti.add_argument("path")
@@ -136,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
     ti.add_argument("--num-experts", type=int, help="experts per layer, if the trace cannot tell")
     ti.add_argument("--force", action="store_true")
     ti.set_defaults(func=_trace_import)
+    tr = t.add_parser("record", help="record routing (full router scores) from moetier's engine")
+    tr.add_argument("--model", default=DEFAULT_MODEL)
+    tr.add_argument("--prompts", required=True, help="a text file, one prompt per line")
+    tr.add_argument("--out", required=True)
+    tr.add_argument("--max-tokens", type=int, default=64)
+    tr.add_argument("--temperature", type=float, default=0.0)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--expert-memory", default="100%")
+    tr.add_argument("--cache-dir")
+    tr.add_argument("--gate-inputs", action="store_true", help="also record the router's inputs")
+    tr.add_argument("--force", action="store_true")
+    tr.set_defaults(func=_trace_record)
     ts = t.add_parser("stats", help="locality statistics of a trace, with a plot")
     ts.add_argument("trace")
     ts.add_argument("--plot", help="PNG path (default TRACE/stats.png)")

@@ -59,12 +59,12 @@ def record_routing(engine, data: np.ndarray, max_tokens: int) -> np.ndarray:
     layers = {layer: i for i, layer in enumerate(engine.spec.moe_layers)}
     rows = []
     current: dict[int, np.ndarray] = {}
-    engine.executor.on_plan = lambda plan: current.__setitem__(layers[plan.layer], plan.route.topk_ids.copy())
+    engine.executor.on_route = lambda route, x: current.__setitem__(layers[route.layer], route.topk_ids.copy())
     for w in windows(data, max_tokens):
         current.clear()
         engine.generate([w[:WINDOW].tolist()], max_new_tokens=1, ignore_eos=True)
         rows.append(np.stack([current[i] for i in range(len(layers))], axis=1))  # [T, L, k]
-    engine.executor.on_plan = None
+    engine.executor.on_route = None
     return np.concatenate(rows)
 
 

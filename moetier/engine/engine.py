@@ -10,7 +10,7 @@ import psutil
 from moetier.cache.policies import make_policy
 from moetier.config import MemoryBudget, format_bytes
 from moetier.engine.expert_executor import ExpertExecutor
-from moetier.engine.generate import OnToken, generate
+from moetier.engine.generate import OnStep, OnToken, generate
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
@@ -71,6 +71,7 @@ class Engine:
         self.executor = ExpertExecutor(self.spec, store.manifest, slots, make_policy(config.policy), self.reader)
         self.model = Transformer(self.spec, dense, self.executor)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
+        self.on_step: OnStep | None = None  # observer of every forward step (the trace recorder)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, expert_memory: str | float | MemoryBudget = "30%",
@@ -107,7 +108,7 @@ class Engine:
         stats = GenerationStats(expert_cache_bytes=self.executor.pool.nbytes, expert_slots=self.executor.pool.num_slots,
                                 total_expert_bytes=self.store.total_expert_bytes())
         eos = () if ignore_eos else self.spec.eos_token_ids
-        outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats)
+        outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.on_step)
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer else [""] * len(outputs)
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes

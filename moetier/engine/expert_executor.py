@@ -34,7 +34,8 @@ class ExpertExecutor:
         self.stats = GenerationStats()
         self.phase = PREFILL
         self.step = 0
-        self.on_plan: Callable[[LayerPlan], None] | None = None  # observers (tests, trace recorder)
+        # observer of every layer's routing and gate input (the trace recorder, evaluation)
+        self.on_route: Callable[[RouteResult, torch.Tensor], None] | None = None
 
     def begin_step(self, phase: int, stats: GenerationStats) -> None:
         self.phase, self.stats = phase, stats
@@ -49,10 +50,10 @@ class ExpertExecutor:
         """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""
         # The one host sync of the layer: which experts to read is decided on the host from the routing.
         route = RouteResult(layer, self.step, topk_ids.numpy(), topk_weights.float().numpy(), scores.numpy())
+        if self.on_route is not None:
+            self.on_route(route, x)
         self.policy.on_route(route)
         plan = self.planner.plan(route)
-        if self.on_plan is not None:
-            self.on_plan(plan)
         deferred = {}
         for load in plan.loads:  # issue loads before any compute, so reads overlap it
             if load.after is None:

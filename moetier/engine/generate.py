@@ -16,6 +16,7 @@ from moetier.errors import MoetierError, PromptTooLongError
 from moetier.model.transformer import Transformer
 
 OnToken = Callable[[int, list[int]], None]  # (sequence index, its generated ids so far)
+OnStep = Callable[[StepBatch, int], None]  # (the step's tokens, PREFILL or DECODE), before the forward pass
 
 
 def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> None:
@@ -34,7 +35,8 @@ def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> No
 
 def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[int]], params: SamplingParams,
              eos_ids: tuple[int, ...] = (), on_token: OnToken | None = None,
-             stats: GenerationStats | None = None) -> tuple[list[list[int]], GenerationStats]:
+             stats: GenerationStats | None = None,
+             on_step: OnStep | None = None) -> tuple[list[list[int]], GenerationStats]:
     spec = model.spec
     check_prompts(prompts, spec.max_position_embeddings, spec.vocab_size)
     num = len(prompts)
@@ -48,7 +50,10 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
 
     start = time.perf_counter()
     executor.begin_step(PREFILL, stats)
-    logits = model.forward(StepBatch.prefill(prompts, list(range(num))), kv)
+    batch = StepBatch.prefill(prompts, list(range(num)))
+    if on_step is not None:
+        on_step(batch, PREFILL)
+    logits = model.forward(batch, kv)
     outputs = [[t] for t in sample(logits, params, generator)]
     stats.ttft_s = time.perf_counter() - start
     positions = [len(p) for p in prompts]  # where each sequence's newest token goes when it is fed back
@@ -65,6 +70,8 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
         t0 = time.perf_counter()
         executor.begin_step(DECODE, stats)
         batch = StepBatch.decode_step([outputs[b][-1] for b in active], active, [positions[b] for b in active], num)
+        if on_step is not None:
+            on_step(batch, DECODE)
         new = sample(model.forward(batch, kv), params, generator)
         stats.decode_step_s.append(time.perf_counter() - t0)
         stats.decode_tokens += len(active)

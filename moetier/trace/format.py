@@ -99,7 +99,8 @@ class Trace:
             meta = json.loads((path / "meta.json").read_text())
         except FileNotFoundError:
             raise TraceError(f"{path} is not a trace (no meta.json)",
-                             hint="record one with `moetier trace record` or import one with `moetier trace import`")
+                             hint="record one with `moetier trace record` or import one with `moetier trace import`"
+                             ) from None
         except json.JSONDecodeError as e:
             raise TraceError(f"{path / 'meta.json'}: {e}") from None
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:

@@ -102,3 +102,36 @@ def test_cli_import_and_stats(tmp_path, capsys):
                  "--num-experts", "8"]) == 0
     assert main(["trace", "stats", str(tmp_path / "t")]) == 0
     assert "reuse t+1" in capsys.readouterr().out and (tmp_path / "t" / "stats.png").exists()
+
+
+def test_recorder_captures_every_step_with_full_scores(tiny_store, tmp_path):
+    import torch
+
+    from moetier import Engine
+    from moetier.trace.record import TraceRecorder
+
+    ref, path = tiny_store("qwen2_moe")
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    with Engine.from_pretrained(path, expert_memory="50%") as engine, \
+            TraceRecorder(engine, gate_inputs=True) as rec:
+        for p in prompts:
+            engine.generate([p], max_new_tokens=4, ignore_eos=True)
+            rec.end_call(1)
+        trace = rec.trace(["a", "b"])
+    assert trace.seq.tolist() == [0] * 8 + [1] * 6  # prompt tokens + 3 decode steps each
+    assert trace.pos.tolist() == list(range(8)) + list(range(6))
+    assert trace.phase.tolist() == [0] * 5 + [1] * 3 + [0] * 3 + [1] * 3
+    assert trace.scores.shape == (14, 2, 8) and trace.gate_inputs.shape == (14, 2, 64)
+    # the recorded ids are the reference model's routing of the prompt
+    with torch.no_grad():
+        out = ref(torch.tensor([prompts[0]]), output_router_logits=True)
+    for j, logits in enumerate(out.router_logits):
+        expected = torch.topk(logits.softmax(-1), 2, dim=-1).indices
+        assert np.array_equal(np.sort(trace.topk_ids[:5, j], -1), np.sort(expected.numpy(), -1))
+    trace.save(tmp_path / "t")
+    assert Trace.load(tmp_path / "t").gate_inputs is not None
+
+
+def test_record_cli_bad_prompts_file(tmp_path, capsys):
+    assert main(["trace", "record", "--prompts", str(tmp_path / "none.txt"), "--out", str(tmp_path / "t")]) == 1
+    assert "cannot read prompts" in capsys.readouterr().err

@@ -1,0 +1,63 @@
+"""Records routing from moetier's own engine: every forward step's tokens (sequence, position, phase) and, per
+MoE layer, top-k ids and weights, the full router scores, and optionally the router's input."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moetier.engine.batch import StepBatch
+from moetier.plan.route import RouteResult
+from moetier.trace.format import Trace
+
+
+class TraceRecorder:
+    """with TraceRecorder(engine) as rec: engine.generate(...); trace = rec.trace(prompts)"""
+
+    def __init__(self, engine, gate_inputs: bool = False) -> None:
+        self.engine, self.gate_inputs = engine, gate_inputs
+        self.columns = {layer: j for j, layer in enumerate(engine.spec.moe_layers)}
+        self._steps: list[dict] = []
+        self._seq_offset = 0  # sequences of earlier generate calls
+        self._calls_rows = 0
+
+    def __enter__(self) -> TraceRecorder:
+        self.engine.executor.on_route = self._on_route
+        self.engine.on_step = self._on_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.executor.on_route = None
+        self.engine.on_step = None
+
+    def end_call(self, num_prompts: int) -> None:
+        """Call after each generate() so the next call's sequences get new ids."""
+        self._seq_offset += num_prompts
+
+    def _on_step(self, batch: StepBatch, phase: int) -> None:
+        self._steps.append({"seq": batch.rows.numpy() + self._seq_offset, "pos": batch.positions.numpy().copy(),
+                            "phase": np.full(batch.num_tokens, phase, np.uint8), "layers": {}})
+
+    def _on_route(self, route: RouteResult, x: torch.Tensor) -> None:
+        record = (route.topk_ids.copy(), route.topk_weights.copy(), route.scores.copy(),
+                  x.float().numpy().copy() if self.gate_inputs else None)
+        self._steps[-1]["layers"][self.columns[route.layer]] = record
+
+    def trace(self, prompts: list[str], source: str = "") -> Trace:
+        spec = self.engine.spec
+        cols = range(len(self.columns))
+
+        def stack(i: int) -> np.ndarray:  # [N, L, ...]
+            return np.concatenate([np.stack([s["layers"][j][i] for j in cols], axis=1) for s in self._steps])
+
+        return Trace(
+            model=str(self.engine.store.manifest.source or self.engine.store.path), num_layers=spec.num_layers,
+            num_experts=spec.num_experts, top_k=spec.top_k, layers=list(spec.moe_layers),
+            seq=np.concatenate([s["seq"] for s in self._steps]).astype(np.int32),
+            pos=np.concatenate([s["pos"] for s in self._steps]).astype(np.int32),
+            phase=np.concatenate([s["phase"] for s in self._steps]),
+            topk_ids=stack(0).astype(np.int16), topk_weights=stack(1).astype(np.float16),
+            scores=stack(2).astype(np.float16), gate_inputs=stack(3).astype(np.float16) if self.gate_inputs else None,
+            source=source or f"recorded with moetier from {self.engine.store.path}", prompts=prompts,
+            notes=[] if spec.num_layers == len(spec.moe_layers) else
+            [f"dense MLP layers {sorted(set(range(spec.num_layers)) - set(spec.moe_layers))} have no routing"])
