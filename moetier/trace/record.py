@@ -3,6 +3,8 @@ MoE layer, top-k ids and weights, the full router scores, and optionally the rou
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -51,7 +53,7 @@ class TraceRecorder:
             return np.concatenate([np.stack([s["layers"][j][i] for j in cols], axis=1) for s in self._steps])
 
         return Trace(
-            model=str(self.engine.store.manifest.source or self.engine.store.path), num_layers=spec.num_layers,
+            model=Path(self.engine.store.manifest.source or self.engine.store.path).name, num_layers=spec.num_layers,
             num_experts=spec.num_experts, top_k=spec.top_k, layers=list(spec.moe_layers),
             seq=np.concatenate([s["seq"] for s in self._steps]).astype(np.int32),
             pos=np.concatenate([s["pos"] for s in self._steps]).astype(np.int32),
