@@ -135,3 +135,19 @@ def test_recorder_captures_every_step_with_full_scores(tiny_store, tmp_path):
 def test_record_cli_bad_prompts_file(tmp_path, capsys):
     assert main(["trace", "record", "--prompts", str(tmp_path / "none.txt"), "--out", str(tmp_path / "t")]) == 1
     assert "cannot read prompts" in capsys.readouterr().err
+
+
+def test_unknown_format_and_unknown_shape_are_clear(tmp_path):
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"hello": 1}\n')
+    with pytest.raises(TraceError, match="unknown trace format"):
+        import_trace(f)
+    f.write_text('{"dataset": "d", "problem_id": 0, "layer": 0, "experts": [1, 2], "gating_probs": [0.5, 0.5], '
+                 '"token_idx": 0}\n')
+    with pytest.raises(TraceError, match="(?s)cannot tell the model shape.*--num-experts"):
+        import_trace(f)
+    with pytest.raises(TraceError, match="does not exist"):
+        import_trace(tmp_path / "nope.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TraceError, match="no \\*.jsonl"):
+        import_trace(tmp_path / "empty")
