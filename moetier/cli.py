@@ -91,7 +91,6 @@ def _trace_record(args: argparse.Namespace) -> None:
     with engine, TraceRecorder(engine, gate_inputs=args.gate_inputs) as recorder:
         for prompt in tqdm(prompts, desc="record", unit="prompt"):
             engine.generate(prompt, max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-            recorder.end_call(1)
         trace = recorder.trace(prompts)
     trace.save(args.out)
     print(f"wrote {args.out}: {trace.num_tokens} token steps, {len(prompts)} sequences")

@@ -10,18 +10,18 @@ import torch
 
 from moetier.engine.batch import StepBatch
 from moetier.plan.route import RouteResult
-from moetier.trace.format import Trace
+from moetier.trace.format import PREFILL, Trace
 
 
 class TraceRecorder:
-    """with TraceRecorder(engine) as rec: engine.generate(...); trace = rec.trace(prompts)"""
+    """with TraceRecorder(engine) as rec: engine.generate(...) (any number of calls); trace = rec.trace(prompts)"""
 
     def __init__(self, engine, gate_inputs: bool = False) -> None:
         self.engine, self.gate_inputs = engine, gate_inputs
         self.columns = {layer: j for j, layer in enumerate(engine.spec.moe_layers)}
         self._steps: list[dict] = []
         self._seq_offset = 0  # sequences of earlier generate calls
-        self._calls_rows = 0
+        self._call_seqs = 0  # sequences of the current call
 
     def __enter__(self) -> TraceRecorder:
         self.engine.executor.on_route = self._on_route
@@ -32,11 +32,10 @@ class TraceRecorder:
         self.engine.executor.on_route = None
         self.engine.on_step = None
 
-    def end_call(self, num_prompts: int) -> None:
-        """Call after each generate() so the next call's sequences get new ids."""
-        self._seq_offset += num_prompts
-
     def _on_step(self, batch: StepBatch, phase: int) -> None:
+        if phase == PREFILL:  # a generate call begins: its sequences follow the earlier calls'
+            self._seq_offset += self._call_seqs
+            self._call_seqs = len(batch.segments)
         self._steps.append({"seq": batch.rows.numpy() + self._seq_offset, "pos": batch.positions.numpy().copy(),
                             "phase": np.full(batch.num_tokens, phase, np.uint8), "layers": {}})
 

@@ -29,7 +29,6 @@ def test_engine_and_replay_agree_hit_for_hit(tiny_store, family, slots, policy):
     with engine, TraceRecorder(engine) as recorder:
         for p in PROMPTS:
             engine.generate([p], max_new_tokens=12, ignore_eos=True)
-            recorder.end_call(1)
         trace = recorder.trace(["a", "b", "c"])
     engine_outcomes = [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in seen]
     result = replay(trace, make_policy(policy), slots)

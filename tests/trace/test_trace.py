@@ -116,7 +116,6 @@ def test_recorder_captures_every_step_with_full_scores(tiny_store, tmp_path):
             TraceRecorder(engine, gate_inputs=True) as rec:
         for p in prompts:
             engine.generate([p], max_new_tokens=4, ignore_eos=True)
-            rec.end_call(1)
         trace = rec.trace(["a", "b"])
     assert trace.seq.tolist() == [0] * 8 + [1] * 6  # prompt tokens + 3 decode steps each
     assert trace.pos.tolist() == list(range(8)) + list(range(6))
