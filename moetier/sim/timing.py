@@ -1,0 +1,114 @@
+"""The simulator's clock: a replay's layer plans timed with a hardware profile's cost model.
+
+One serial I/O queue for the slow tier (PreScope's premise: saturated transfers do not parallelise), reads
+issued when a layer's routing is known (deferred ones when the expert whose slot they take is done), compute
+of resident experts overlapping the reads, each loaded expert computed once its read has landed. Reads are
+never interrupted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moetier.plan.layer_plan import LayerPlan
+from moetier.sim.profile import HardwareProfile
+from moetier.sim.replay import ReplayResult, steps
+from moetier.trace.format import DECODE, PREFILL, Trace
+
+
+@dataclass
+class LayerTimeline:
+    layer: int
+    start: float
+    dense_end: float
+    reads: list[tuple[int, float, float]] = field(default_factory=list)  # (expert, start, end)
+    computes: list[tuple[int, float, float]] = field(default_factory=list)
+    end: float = 0.0
+
+
+@dataclass
+class SimResult:
+    step_phase: list[int]
+    step_tokens: list[int]
+    step_time_s: list[float]
+    hit_rate: float
+    bytes_read: list[int]  # per step
+    miss_penalty_s: float
+    timelines: dict[int, list[LayerTimeline]]  # step index -> per-layer timeline, for the steps asked for
+
+    def summary(self) -> dict:
+        times, phase = np.asarray(self.step_time_s), np.asarray(self.step_phase)
+        dec = phase == DECODE
+        dec_tokens = int(np.asarray(self.step_tokens)[dec].sum())
+        return {"tpot_s": float(times[dec].mean()) if dec.any() else None,
+                "tpot_p50_s": float(np.percentile(times[dec], 50)) if dec.any() else None,
+                "tpot_p90_s": float(np.percentile(times[dec], 90)) if dec.any() else None,
+                "ttft_s": float(times[phase == PREFILL].mean()) if (phase == PREFILL).any() else None,
+                "hit_rate": self.hit_rate,
+                "expert_bytes_per_token": float(np.asarray(self.bytes_read)[dec].sum() / dec_tokens) if dec_tokens
+                else None,
+                "miss_penalty_s": self.miss_penalty_s}
+
+
+def time_layer(plan: LayerPlan, start: float, tokens: int, profile: HardwareProfile, expert_bytes: int,
+               link_free: float) -> tuple[LayerTimeline, float]:
+    """Time one layer starting at `start` with the link busy until `link_free`; returns (timeline, link_free)."""
+    tl = LayerTimeline(plan.layer, start, start + profile.dense_s_per_layer(tokens))
+    read_s = profile.link.read_time(expert_bytes)
+    deferred = {ld.after: ld for ld in plan.loads if ld.after is not None}
+    landed: dict[int, float] = {}
+
+    def read(expert: int, ready: float) -> None:
+        nonlocal link_free
+        s = max(link_free, ready)
+        link_free = s + read_s
+        landed[expert] = link_free
+        tl.reads.append((expert, s, link_free))
+
+    for ld in plan.loads:
+        if ld.after is None:
+            read(ld.expert, tl.dense_end)
+    clock = tl.dense_end
+
+    def compute(expert: int, ready: float) -> None:
+        nonlocal clock
+        s = max(clock, ready)
+        clock = s + profile.expert_compute(int(plan.counts[expert]))
+        tl.computes.append((expert, s, clock))
+        follower = deferred.pop(expert, None)
+        if follower is not None:
+            read(follower.expert, clock)
+
+    for hit in plan.hits:
+        compute(hit.expert, tl.dense_end)
+    for ld in plan.loads:
+        compute(ld.expert, landed[ld.expert])
+    tl.end = clock
+    return tl, link_free
+
+
+def simulate(trace: Trace, replayed: ReplayResult, profile: HardwareProfile, expert_bytes: int,
+             timeline_steps: tuple[int, ...] = ()) -> SimResult:
+    """Time the plans of `replayed` (made from `trace`) on `profile`."""
+    layers = len(trace.layers)
+    clock = link_free = 0.0
+    phases, tokens, times, bytes_read, timelines = [], [], [], [], {}
+    plans = iter(replayed.plans)
+    for index, (phase, rows) in enumerate(steps(trace)):
+        start, n = clock, len(rows)
+        loads, keep = 0, index in timeline_steps
+        for _ in range(layers):
+            plan = next(plans)
+            tl, link_free = time_layer(plan, clock, n, profile, expert_bytes, link_free)
+            clock, loads = tl.end, loads + len(plan.loads)
+            if keep:
+                timelines.setdefault(index, []).append(tl)
+        clock += profile.head_s(n)
+        phases.append(phase)
+        tokens.append(n)
+        times.append(clock - start)
+        bytes_read.append(loads * expert_bytes)
+    misses = replayed.needed - replayed.hits
+    return SimResult(phases, tokens, times, replayed.hit_rate, bytes_read,
+                     misses * profile.link.read_time(expert_bytes), timelines)
