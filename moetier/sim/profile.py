@@ -69,8 +69,9 @@ class HardwareProfile:
     @classmethod
     def load(cls, name_or_path: str | Path) -> HardwareProfile:
         path = Path(name_or_path)
-        if not path.suffix:
-            path = PROFILE_DIR / f"{name_or_path}.json"
+        if not path.suffix:  # a name: the user's calibrated profiles first, then the shipped ones
+            user = Path.home() / ".cache" / "moetier" / "profiles" / f"{name_or_path}.json"
+            path = user if user.exists() else PROFILE_DIR / f"{name_or_path}.json"
         try:
             d = json.loads(path.read_text())
         except FileNotFoundError:

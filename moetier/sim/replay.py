@@ -53,8 +53,15 @@ class ReplayResult:
 
 
 def replay(trace: Trace, policy: EvictionPolicy, num_slots: int,
-           on_plan: Callable[[LayerPlan], None] | None = None) -> ReplayResult:
+           on_plan: Callable[[LayerPlan], None] | None = None, preload: bool = False) -> ReplayResult:
+    """`preload` starts as Engine.preload() does: experts admitted layer by layer until the cache is full."""
     residency = Residency(num_slots, policy)
+    if preload:
+        for layer in trace.layers:
+            for e in range(trace.num_experts):
+                if residency.free_slots:
+                    residency.admit(ExpertKey(layer, e))
+        residency.unpin_all()
     planner = Planner(trace.num_experts, [OnDemandStage(residency)])
     result = ReplayResult()
     scores = trace.scores if trace.scores is not None else None
