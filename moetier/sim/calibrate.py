@@ -90,12 +90,40 @@ def dense_and_head(store: Store, tokens=(1, 4, 16), context: int = 48) -> tuple[
     return dense, head
 
 
+def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
+    """The real executor's own cost per MoE layer (routing hand-off, planning, grouping, policy events) on a
+    layer whose experts are all resident, less their compute."""
+    from moetier.cache.keys import ExpertKey
+    from moetier.cache.policies import make_policy
+    from moetier.engine.expert_executor import ExpertExecutor
+
+    spec = store.spec
+    n = min(spec.num_experts, 2 * spec.top_k)
+    layer = spec.moe_layers[0]
+    with ExpertReader(store.path, verify=False) as reader:
+        executor = ExpertExecutor(spec, store.manifest, n, make_policy("lru"), reader)
+        executor.preload(ExpertKey(layer, e) for e in range(n))
+        dtype = store.load_dense()["embed_tokens"].dtype
+        ys = []
+        for t in tokens:
+            x = torch.randn(t, spec.hidden_size).to(dtype)
+            scores = torch.softmax(torch.randn(t, spec.num_experts), -1)
+            ids = torch.stack([torch.randperm(n)[:spec.top_k] for _ in range(t)])  # [t, k], all resident
+            w = torch.full((t, spec.top_k), 1.0 / spec.top_k).to(dtype)
+            used = len(set(ids.flatten().tolist()))
+            ys.append(_median_time(lambda x=x, s=scores, i=ids, w=w: executor(layer, x, s, i, w))
+                      - used * expert(t * spec.top_k / used))
+    return fit(list(tokens), ys)
+
+
 def calibrate(store: Store, name: str = "this-machine", threads: int = 4) -> HardwareProfile:
     bandwidth = read_bandwidth(store, threads)
     dense, head = dense_and_head(store)
+    expert = expert_compute(store)
     return HardwareProfile(
         name=name, fast_tier_bytes=int(psutil.virtual_memory().available), link=Link(bandwidth),
-        expert_compute=expert_compute(store), dense_s_per_layer=dense, head_s=head,
+        expert_compute=expert, dense_s_per_layer=dense, head_s=head,
+        executor_s_per_layer=executor_overhead(store, expert),
         expert_bytes=store.native_layout.blob_bytes,
         description=f"measured by `moetier calibrate` on this machine with {store.path.name} "
                     f"({store.manifest.native_precision} experts of {store.native_layout.blob_bytes} bytes)",

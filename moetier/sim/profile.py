@@ -9,6 +9,7 @@ Units: bytes, seconds, bytes per second. Fields:
                          t_c = beta*m + C), for the expert shape and precision the profile was measured with
   dense_s_per_layer      attention, norms and router of one layer: {"per_token": s, "fixed": s}
   head_s                 embedding lookup, final norm and LM head per step: {"per_token": s, "fixed": s}
+  executor_s_per_layer   optional: the executor's own cost per MoE layer (planning, grouping, policy events)
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class HardwareProfile:
     description: str = ""
     sources: tuple[str, ...] = ()
     expert_bytes: int = 0  # the expert blob size the compute figures were measured for (0: not recorded)
+    executor_s_per_layer: Linear = Linear(0.0, 0.0)
 
     def save(self, path: Path) -> None:
         d = asdict(self)
@@ -97,4 +99,5 @@ class HardwareProfile:
                       float(link.get("utilisation", 1.0))),
             expert_compute=linear("expert_compute"), dense_s_per_layer=linear("dense_s_per_layer"),
             head_s=linear("head_s"), description=d.get("description", ""), sources=tuple(d.get("sources", ())),
-            expert_bytes=int(d.get("expert_bytes", 0)))
+            expert_bytes=int(d.get("expert_bytes", 0)),
+            executor_s_per_layer=linear("executor_s_per_layer") if "executor_s_per_layer" in d else Linear(0.0, 0.0))

@@ -54,7 +54,9 @@ class SimResult:
 def time_layer(plan: LayerPlan, start: float, tokens: int, profile: HardwareProfile, expert_bytes: int,
                link_free: float) -> tuple[LayerTimeline, float]:
     """Time one layer starting at `start` with the link busy until `link_free`; returns (timeline, link_free)."""
-    tl = LayerTimeline(plan.layer, start, start + profile.dense_s_per_layer(tokens))
+    # dense part, then the executor's own work (planning, grouping) before the reads go out
+    tl = LayerTimeline(plan.layer, start, start + profile.dense_s_per_layer(tokens)
+                       + profile.executor_s_per_layer(tokens))
     read_s = profile.link.read_time(expert_bytes)
     deferred = {ld.after: ld for ld in plan.loads if ld.after is not None}
     landed: dict[int, float] = {}

@@ -49,3 +49,17 @@ def test_profile_missing_a_field_names_it(tmp_path):
 def test_profile_round_trip(tmp_path):
     PROFILE.save(tmp_path / "unit.json")
     assert HardwareProfile.load(tmp_path / "unit.json") == PROFILE
+
+
+def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
+    from moetier.sim.calibrate import calibrate
+    from moetier.store.store import Store
+
+    _, path = tiny_store("qwen2_moe")
+    p = calibrate(Store(path))
+    assert p.link.bandwidth_bytes_per_s > 0 and p.expert_bytes == Store(path).native_layout.blob_bytes
+    for f in (p.expert_compute, p.dense_s_per_layer, p.head_s, p.executor_s_per_layer):
+        assert f.per_token >= 0 and f.fixed >= 0
+    assert p.expert_compute(1) > 0 and p.dense_s_per_layer(1) > 0
+    p.save(tmp_path / "m.json")
+    assert HardwareProfile.load(tmp_path / "m.json") == p
