@@ -127,5 +127,5 @@ def calibrate(store: Store, name: str = "this-machine", threads: int = 4) -> Har
         expert_bytes=store.native_layout.blob_bytes,
         description=f"measured by `moetier calibrate` on this machine with {store.path.name} "
                     f"({store.manifest.native_precision} experts of {store.native_layout.blob_bytes} bytes)",
-        sources=["moetier calibrate: O_DIRECT reads of whole expert blobs, median timings of the model's own "
-                 "kernels"])
+        sources=("moetier calibrate: O_DIRECT reads of whole expert blobs, median timings of the model's own "
+                 "kernels",))
