@@ -63,3 +63,25 @@ def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
     assert p.expert_compute(1) > 0 and p.dense_s_per_layer(1) > 0
     p.save(tmp_path / "m.json")
     assert HardwareProfile.load(tmp_path / "m.json") == p
+
+
+def test_calibrate_and_sim_commands(tiny_store, tmp_path, capsys):
+    import json
+
+    from moetier import Engine
+    from moetier.cli import main
+    from moetier.trace.record import TraceRecorder
+
+    _, path = tiny_store("olmoe")
+    profile = tmp_path / "p.json"
+    assert main(["calibrate", "--model", str(path), "--out", str(profile)]) == 0
+    with Engine.from_pretrained(path, expert_memory="100%") as engine, TraceRecorder(engine) as rec:
+        engine.generate([[5, 6, 7]], max_new_tokens=6, ignore_eos=True)
+        rec.trace(["p"]).save(tmp_path / "t")
+    capsys.readouterr()
+    assert main(["sim", "--trace", str(tmp_path / "t"), "--profile", str(profile), "--model", str(path),
+                 "--expert-memory", "50%"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tpot_s"] > 0 and 0 <= out["hit_rate"] <= 1 and out["slots"] == 8
+    assert main(["sim", "--trace", str(tmp_path / "t"), "--profile", "nonesuch", "--model", str(path)]) == 1
+    assert "no hardware profile 'nonesuch'" in capsys.readouterr().err
