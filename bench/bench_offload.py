@@ -16,32 +16,13 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from common import add_run_options, run_child  # noqa: E402
+
 DEFAULT_STORE = Path.home() / ".cache" / "moetier" / "bench" / "olmoe-1b-7b-synth"
-
-
-def measure_bandwidth(store_path: Path, threads: int, chunk_bytes: int, num_experts: int = 96) -> float:
-    """O_DIRECT read bandwidth (bytes/s) of whole expert blobs, read the way the engine reads them."""
-    from moetier.cache.slots import SlotPool
-    from moetier.store.reader import ExpertReader
-    from moetier.store.store import Store
-
-    store = Store(store_path)
-    blobs = random.Random(0).sample(list(store.manifest.blobs), num_experts)
-    pool = SlotPool(store.native_layout, 32)
-    with ExpertReader(store.path, threads, chunk_bytes, verify=False) as reader:
-        start = time.perf_counter()
-        for i in range(0, len(blobs), pool.num_slots):
-            batch = blobs[i:i + pool.num_slots]
-            for slot, blob in enumerate(batch):
-                reader.submit(blob, pool.views[slot], pool.completions[slot])
-            for slot in range(len(batch)):
-                pool.completions[slot].wait()
-        elapsed = time.perf_counter() - start
-    return sum(b.length for b in blobs) / elapsed
 
 
 def child(cfg: dict) -> dict:
@@ -85,13 +66,6 @@ def child(cfg: dict) -> dict:
     return stats
 
 
-def run_child(cfg: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"configuration {cfg} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -115,15 +89,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    add_run_options(ap)
     ap.add_argument("--store", type=Path, default=DEFAULT_STORE)
-    ap.add_argument("--budgets", default="100%,50%,25%")
-    ap.add_argument("--policy", default="lru")
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--warmup-tokens", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--reader-threads", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=ROOT / "out")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -136,17 +104,20 @@ def main() -> None:
                 prompt_len=args.prompt_len, seed=0)
     from tqdm import tqdm
 
+    from moetier.sim.calibrate import read_bandwidth
+    from moetier.store.store import Store
+
     budgets = args.budgets.split(",")
     bar = tqdm(total=len(budgets) + 3, desc="bench", unit="run")
-    bw_before = measure_bandwidth(args.store, args.reader_threads, 2 << 20)
+    bw_before = read_bandwidth(Store(args.store), args.reader_threads)
     bar.update()
-    compute_only = run_child(dict(base, budget="100%", mode="compute-only"))
+    compute_only = run_child(__file__, dict(base, budget="100%", mode="compute-only"))
     bar.update()
     results = []
     for budget in budgets:
-        results.append(dict(budget=budget, **run_child(dict(base, budget=budget, mode="cache"))))
+        results.append(dict(budget=budget, **run_child(__file__, dict(base, budget=budget, mode="cache"))))
         bar.update()
-    bw_after = measure_bandwidth(args.store, args.reader_threads, 2 << 20)
+    bw_after = read_bandwidth(Store(args.store), args.reader_threads)
     bar.update()
     bar.close()
     bandwidth = (bw_before + bw_after) / 2

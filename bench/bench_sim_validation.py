@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from common import add_run_options, run_child  # noqa: E402
+
 SYNTH = Path.home() / ".cache" / "moetier" / "bench" / "olmoe-1b-7b-synth"
 
 
@@ -60,14 +62,8 @@ def child(cfg: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    add_run_options(ap)
     ap.add_argument("--models", default=f"demo-fine,demo-coarse,{SYNTH}")
-    ap.add_argument("--budgets", default="100%,50%,25%")
-    ap.add_argument("--policy", default="lru")
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--warmup-tokens", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=ROOT / "out")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -80,10 +76,7 @@ def main() -> None:
     for model, budget in tqdm(configs, desc="sim validation", unit="config"):
         cfg = dict(model=model, budget=budget, policy=args.policy, tokens=args.tokens,
                    warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len)
-        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(out.stderr)
-        rows.append(dict(model=Path(model).name, budget=budget, **json.loads(out.stdout.strip().splitlines()[-1])))
+        rows.append(dict(model=Path(model).name, budget=budget, **run_child(__file__, cfg)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sim_validation.json").write_text(json.dumps(rows, indent=1))
     print(f"{'model':>20} {'budget':>6} {'real ms':>8} {'sim ms':>8} {'sim/real':>8} {'hit real':>8} {'hit sim':>8}")
