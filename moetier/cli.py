@@ -96,6 +96,19 @@ def _trace_record(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}: {trace.num_tokens} token steps, {len(prompts)} sequences")
 
 
+def _trace_synth(args: argparse.Namespace) -> None:
+    from moetier.trace.format import Trace
+    from moetier.trace.synthetic import fit_locality, generate
+
+    if Path(args.out).exists() and not args.force:
+        raise MoetierError(f"{args.out} already exists", hint="choose another --out or pass --force")
+    fit = fit_locality(Trace.load(args.fit))
+    trace = generate(fit, args.num_layers, args.num_experts, args.top_k, args.tokens, args.seed, args.name)
+    trace.save(args.out)
+    print(f"wrote {args.out}: {args.tokens} tokens, {args.num_layers} layers, top-{args.top_k} of "
+          f"{args.num_experts}; zipf s={fit.zipf_s:.3f}, p_keep={fit.p_keep:.3f} (reuse t+1 {fit.reuse_next:.1%})")
+
+
 def _trace_stats(args: argparse.Namespace) -> None:
     from moetier.trace.format import Trace
     from moetier.trace.stats import format_table, plot, summarize
@@ -192,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true")
     s.set_defaults(func=_synth)
 
-    t = sub.add_parser("trace", help="routing traces: record, import, stats").add_subparsers(dest="trace_command",
+    t = sub.add_parser("trace", help="routing traces: record, import, synth, stats").add_subparsers(dest="trace_command",
                                                                                     required=True)
     ti = t.add_parser("import", help="import a JSONL routing trace (a file, or a folder of them)")
     ti.add_argument("path")
@@ -213,6 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--gate-inputs", action="store_true", help="also record the router's inputs")
     tr.add_argument("--force", action="store_true")
     tr.set_defaults(func=_trace_record)
+    tsy = t.add_parser("synth", help="a synthetic trace of any shape, skew and locality fitted to a real one")
+    tsy.add_argument("--fit", required=True, help="the trace to fit")
+    tsy.add_argument("--num-layers", type=int, required=True)
+    tsy.add_argument("--num-experts", type=int, required=True)
+    tsy.add_argument("--top-k", type=int, required=True)
+    tsy.add_argument("--tokens", type=int, default=2000)
+    tsy.add_argument("--seed", type=int, default=0)
+    tsy.add_argument("--name", default="synthetic", help="model name recorded in the trace")
+    tsy.add_argument("--out", required=True)
+    tsy.add_argument("--force", action="store_true")
+    tsy.set_defaults(func=_trace_synth)
     ts = t.add_parser("stats", help="locality statistics of a trace, with a plot")
     ts.add_argument("trace")
     ts.add_argument("--plot", help="PNG path (default TRACE/stats.png)")

@@ -150,3 +150,19 @@ def test_unknown_format_and_unknown_shape_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TraceError, match="no \\*.jsonl"):
         import_trace(tmp_path / "empty")
+
+
+def test_synthetic_trace_reproduces_the_fitted_locality(tmp_path, capsys):
+    from moetier.trace.synthetic import LocalityFit, fit_locality, generate
+
+    truth = LocalityFit(zipf_s=0.8, p_keep=0.4, reuse_next=0.0, source="hand-made")
+    source = generate(truth, 2, 16, 2, 1500, seed=3)
+    fit = fit_locality(source)
+    assert fit.p_keep == pytest.approx(0.4, abs=0.08) and fit.zipf_s > 0.3
+    made = generate(fit, 6, 32, 4, 800, seed=4, model="wide")
+    assert made.synthetic and "synthetic" in made.notes[0] and made.topk_ids.shape == (800, 6, 4)
+    assert all(len(set(row)) == 4 for row in made.topk_ids[:, 0].tolist())  # k distinct experts per token
+    source.save(tmp_path / "src")
+    assert main(["trace", "synth", "--fit", str(tmp_path / "src"), "--num-layers", "3", "--num-experts", "8",
+                 "--top-k", "2", "--tokens", "300", "--out", str(tmp_path / "syn")]) == 0
+    assert Trace.load(tmp_path / "syn").meta()["synthetic"] is True
