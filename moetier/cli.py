@@ -161,8 +161,16 @@ def _sim(args: argparse.Namespace) -> None:
     if slots < trace.top_k:
         raise MoetierError(f"expert memory {args.expert_memory} holds {slots} experts; top-{trace.top_k} needs more")
     replayed = replay(trace, make_policy(args.policy), slots, preload=args.preload)
-    summary = simulate(trace, replayed, profile, expert_bytes).summary()
+    result = simulate(trace, replayed, profile, expert_bytes, timeline_steps=(args.timeline_step,))
+    summary = result.summary()
     summary.update(profile=profile.name, policy=args.policy, slots=slots)
+    if args.timeline and result.timelines:
+        from moetier.sim.timing import plot_timeline
+
+        step, timeline = next(iter(result.timelines.items()))
+        plot_timeline(timeline, args.timeline,
+                      f"{trace.model} on {profile.name}, {args.policy}, {args.expert_memory}: step {step}")
+        summary["timeline_plot"] = args.timeline
     print(json.dumps(summary, indent=1))
 
 
@@ -259,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--expert-memory", default="30%")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
     sm.add_argument("--cache-dir")
+    sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step")
+    sm.add_argument("--timeline-step", type=int, default=-1, help="which step (default: the last)")
     sm.set_defaults(func=_sim)
     return parser
 

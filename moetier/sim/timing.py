@@ -92,8 +92,11 @@ def time_layer(plan: LayerPlan, start: float, tokens: int, profile: HardwareProf
 
 def simulate(trace: Trace, replayed: ReplayResult, profile: HardwareProfile, expert_bytes: int,
              timeline_steps: tuple[int, ...] = ()) -> SimResult:
-    """Time the plans of `replayed` (made from `trace`) on `profile`."""
+    """Time the plans of `replayed` (made from `trace`) on `profile`; keep per-layer timelines of the steps in
+    `timeline_steps` (negative indices count from the end)."""
     layers = len(trace.layers)
+    num_steps = len(replayed.plans) // layers
+    timeline_steps = tuple(i % num_steps for i in timeline_steps)
     clock = link_free = 0.0
     phases, tokens, times, bytes_read, timelines = [], [], [], [], {}
     plans = iter(replayed.plans)
@@ -114,3 +117,31 @@ def simulate(trace: Trace, replayed: ReplayResult, profile: HardwareProfile, exp
     misses = replayed.needed - replayed.hits
     return SimResult(phases, tokens, times, replayed.hit_rate, bytes_read,
                      misses * profile.link.read_time(expert_bytes), timelines)
+
+
+def plot_timeline(timeline: list[LayerTimeline], path, title: str) -> None:
+    """Per layer of one step: dense work, reads on the slow tier, expert compute (a Gantt chart)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(timeline) + 1.5))
+    t0 = timeline[0].start
+    for i, tl in enumerate(timeline):
+        ms = lambda t: (t - t0) * 1e3  # noqa: E731
+        ax.barh(i + 0.25, ms(tl.dense_end) - ms(tl.start), left=ms(tl.start), height=0.3, color="0.6",
+                label="dense + executor" if i == 0 else None)
+        for j, (_, s, e) in enumerate(tl.computes):
+            ax.barh(i + 0.25, ms(e) - ms(s), left=ms(s), height=0.3, color="tab:blue",
+                    label="expert compute" if i == 0 and j == 0 else None)
+        for j, (_, s, e) in enumerate(tl.reads):
+            ax.barh(i - 0.15, ms(e) - ms(s), left=ms(s), height=0.3, color="tab:orange", edgecolor="white",
+                    label="expert read" if j == 0 and not any(t.reads for t in timeline[:i]) else None)
+    ax.set_yticks(range(len(timeline)), [f"layer {tl.layer}" for tl in timeline])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the start of the step")
+    ax.set_title(title)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

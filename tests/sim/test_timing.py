@@ -80,8 +80,9 @@ def test_calibrate_and_sim_commands(tiny_store, tmp_path, capsys):
         rec.trace(["p"]).save(tmp_path / "t")
     capsys.readouterr()
     assert main(["sim", "--trace", str(tmp_path / "t"), "--profile", str(profile), "--model", str(path),
-                 "--expert-memory", "50%"]) == 0
+                 "--expert-memory", "50%", "--timeline", str(tmp_path / "tl.png")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tpot_s"] > 0 and 0 <= out["hit_rate"] <= 1 and out["slots"] == 8
+    assert (tmp_path / "tl.png").stat().st_size > 0
     assert main(["sim", "--trace", str(tmp_path / "t"), "--profile", "nonesuch", "--model", str(path)]) == 1
     assert "no hardware profile 'nonesuch'" in capsys.readouterr().err
