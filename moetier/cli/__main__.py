@@ -1,0 +1,5 @@
+import sys
+
+from moetier.cli import main
+
+sys.exit(main())

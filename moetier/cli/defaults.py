@@ -1,0 +1,3 @@
+"""Defaults shared by the commands."""
+
+DEFAULT_MODEL = "demo-fine"  # shipped in models/
