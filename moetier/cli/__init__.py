@@ -10,7 +10,9 @@ from moetier.errors import MoetierError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moetier", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="moetier", description="Run Mixture-of-Experts language models on machines too small to hold all "
+                                    "their experts: experts stay on disk, a bounded cache holds the ones in use.")
     sub = parser.add_subparsers(dest="command", required=True)
     for group in (generate, store, trace, sim):
         group.add_parser(sub)
