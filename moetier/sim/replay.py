@@ -64,7 +64,7 @@ def replay(trace: Trace, policy: EvictionPolicy, num_slots: int,
         residency.unpin_all()
     planner = Planner(trace.num_experts, [OnDemandStage(residency)])
     result = ReplayResult()
-    scores = trace.scores if trace.scores is not None else None
+    scores = trace.scores
     seq = None
     for step, (_, rows) in enumerate(steps(trace), start=1):
         if trace.seq[rows[0]] != seq:  # the engine starts a sequence with each generate call

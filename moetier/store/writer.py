@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import zlib
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from moetier.atomic import atomic_dir
 from moetier.errors import StoreError
 from moetier.store.format import DENSE, BlobRef, Manifest, PrecisionLayout
 
@@ -27,20 +28,23 @@ class StoreWriter:
         self.overwrite = overwrite
         self.blobs: list[BlobRef] = []
         self._files: dict[str, object] = {}
+        self._committed = False
+        self._stack = ExitStack()
 
     def __enter__(self) -> StoreWriter:
         if self.dest.exists() and not self.overwrite:
             raise StoreError(f"{self.dest} already exists", hint="choose another path or pass --force to replace it")
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.tmp-", dir=self.dest.parent))
-        os.chmod(self.tmp, 0o755)  # mkdtemp makes it private; a store is an ordinary folder
+        self.tmp = self._stack.enter_context(atomic_dir(self.dest))  # renamed into place on a clean exit
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         for f in self._files.values():
             f.close()
-        if exc_type is not None and self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        if exc_type is None and not self._committed:  # never let a store without its manifest land
+            exc = StoreError(f"{self.dest}: the store was not committed")
+            self._stack.__exit__(type(exc), exc, None)
+            raise exc
+        self._stack.__exit__(exc_type, exc, tb)
 
     def write_dense(self, tensors: dict[str, torch.Tensor]) -> None:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.tmp / DENSE))
@@ -77,14 +81,13 @@ class StoreWriter:
         return tuple(names)
 
     def commit(self, manifest: Manifest) -> Path:
-        """Flush everything, write the manifest last, then rename the directory into place."""
+        """Flush everything and write the manifest last; the directory is renamed into place when the `with`
+        block ends."""
         for f in self._files.values():
             f.flush()
             os.fsync(f.fileno())
             f.close()
         self._files.clear()
         manifest.save(self.tmp)
-        if self.dest.exists():
-            shutil.rmtree(self.dest)
-        os.replace(self.tmp, self.dest)
+        self._committed = True
         return self.dest
