@@ -13,52 +13,57 @@ from moetier.errors import MoetierError
 
 def _calibrate(args: argparse.Namespace) -> None:
     from moetier.resolve import resolve_model
-    from moetier.sim.calibrate import USER_PROFILES, calibrate
+    from moetier.sim.calibrate import calibrate
+    from moetier.sim.profile import USER_PROFILES
     from moetier.store.store import Store
 
     profile = calibrate(Store(resolve_model(args.model, args.cache_dir)), args.name, args.reader_threads)
-    USER_PROFILES.mkdir(parents=True, exist_ok=True)
     path = Path(args.out) if args.out else USER_PROFILES / f"{args.name}.json"
     profile.save(path)
-    print(f"wrote {path}: read {profile.link.bandwidth_bytes_per_s / 1e9:.2f} GB/s; expert "
-          f"{profile.expert_compute(1) * 1e3:.3f} ms at 1 token (+{profile.expert_compute.per_token * 1e6:.1f} us "
-          f"per token); dense {profile.dense_s_per_layer(1) * 1e3:.3f} ms per layer")
+    disk, cpu, m = profile.tiers[0], profile.device, profile.measured[0]
+    print(f"wrote {path}\n  disk: {disk.bandwidth_bytes_per_s / 1e9:.2f} GB/s + {disk.latency_s * 1e3:.3f} ms per read"
+          f"\n  cpu: {cpu.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+          + ", ".join(f"{v / 1e12:.2f} TFLOP/s {k}" for k, v in cpu.flops.items())
+          + f", {cpu.call_overhead_s * 1e6:.1f} us per call"
+          f"\n  {args.model}: expert {m.expert_s(1) * 1e3:.3f} ms at 1 token (+{m.expert_s.per_token * 1e6:.1f} us "
+          f"per token); dense {m.dense_s_per_layer(1) * 1e3:.3f} ms per layer")
 
 
 def _sim(args: argparse.Namespace) -> None:
-    from moetier.cache.policies import make_policy
-    from moetier.config import MemoryBudget
-    from moetier.resolve import resolve_model
+    from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
-    from moetier.sim.replay import replay
-    from moetier.sim.timing import simulate
-    from moetier.store.store import Store
+    from moetier.sim.shapes import model_shape
+    from moetier.sim.sweep import check_fits, format_table, plot_sweep, run
+    from moetier.sim.timing import plot_timeline
     from moetier.trace.format import Trace
 
     trace = Trace.load(args.trace)
     profile = HardwareProfile.load(args.profile)
-    store = Store(resolve_model(args.model, args.cache_dir))
-    if (store.spec.num_experts, store.spec.top_k) != (trace.num_experts, trace.top_k):
-        raise MoetierError(f"the trace routes top-{trace.top_k} of {trace.num_experts} experts; {args.model} has "
-                           f"top-{store.spec.top_k} of {store.spec.num_experts}")
-    expert_bytes = store.native_layout.blob_bytes
-    total = len(trace.layers) * trace.num_experts * expert_bytes  # a share is of the layers the trace covers
-    slots = min(len(trace.layers) * trace.num_experts,
-                MemoryBudget.parse(args.expert_memory).resolve(total, profile.fast_tier_bytes) // expert_bytes)
-    if slots < trace.top_k:
-        raise MoetierError(f"expert memory {args.expert_memory} holds {slots} experts; top-{trace.top_k} needs more")
-    replayed = replay(trace, make_policy(args.policy), slots, preload=args.preload)
-    result = simulate(trace, replayed, profile, expert_bytes, timeline_steps=(args.timeline_step,))
-    summary = result.summary()
-    summary.update(profile=profile.name, policy=args.policy, slots=slots)
-    if args.timeline and result.timelines:
-        from moetier.sim.timing import plot_timeline
-
-        step, timeline = next(iter(result.timelines.items()))
-        plot_timeline(timeline, args.timeline,
-                      f"{trace.model} on {profile.name}, {args.policy}, {args.expert_memory}: step {step}")
-        summary["timeline_plot"] = args.timeline
-    print(json.dumps(summary, indent=1))
+    shape, blob_bytes = model_shape(args.model_shape or trace.model, args.cache_dir)
+    check_fits(trace, shape)
+    cost = CostModel.of(profile, shape, args.precision, blob_bytes)
+    configs = [(p, b) for p in args.policy.split(",") for b in args.expert_memory.split(",")]
+    for policy, _ in configs:
+        if policy not in POLICIES:
+            raise MoetierError(f"unknown policy {policy!r}", hint=f"one of {', '.join(sorted(POLICIES))}")
+    timeline_steps = (args.timeline_step,) if args.timeline else ()
+    runs = [run(trace, cost, policy, budget, args.preload, timeline_steps) for policy, budget in configs]
+    where = f"{shape.name} ({cost.precision}) on {profile.name}"
+    if len(runs) == 1:
+        summary = dict(runs[0].row(), profile=profile.name, model_shape=shape.name, precision=cost.precision)
+        if args.timeline:
+            step, timeline = next(iter(runs[0].result.timelines.items()))
+            plot_timeline(timeline, args.timeline, f"{where}, {configs[0][0]}, {configs[0][1]}: step {step}")
+            summary["timeline_plot"] = args.timeline
+        print(json.dumps(summary, indent=1))
+        return
+    out = Path(args.out or "sim-sweep")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"profile": profile.name, "model_shape": shape.name,
+                                                "precision": cost.precision, "trace": str(args.trace),
+                                                "runs": [r.row() for r in runs]}, indent=1))
+    plot_sweep(runs, out / "sweep.png", where)
+    print(f"{where}, trace {args.trace}\n{format_table(runs)}\nwrote {out / 'sweep.json'} and {out / 'sweep.png'}")
 
 
 def add_parser(sub) -> None:
@@ -70,14 +75,21 @@ def add_parser(sub) -> None:
     cal.add_argument("--reader-threads", type=int, default=4)
     cal.set_defaults(func=_calibrate)
 
-    sm = sub.add_parser("sim", help="simulate a trace on a hardware profile with a policy and a budget")
+    sm = sub.add_parser("sim", help="simulate a trace on a hardware profile, for one or a sweep of configurations",
+                        description="Replays a routing trace through the engine's policy and planner objects and "
+                                    "times it on a hardware profile. Comma-separated policies or budgets sweep "
+                                    "every combination and write a table, JSON and a plot.")
     sm.add_argument("--trace", required=True)
-    sm.add_argument("--profile", default="this-machine", help="a profile name or a JSON path")
-    sm.add_argument("--model", default=DEFAULT_MODEL, help="the model whose shape the trace has")
-    sm.add_argument("--policy", default="lru", choices=sorted(POLICIES))
-    sm.add_argument("--expert-memory", default="30%")
+    sm.add_argument("--profile", default="this-machine",
+                    help="a profile name (rtx4090, jetson-orin, a6000, a100-pcie4, this-machine, ...) or a JSON path")
+    sm.add_argument("--model-shape", help="a shape name (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, ...), a "
+                                          "built-in model, or a model directory (default: the trace's model)")
+    sm.add_argument("--precision", help="the experts' precision (default: the shape's checkpoint precision)")
+    sm.add_argument("--policy", default="lru", help=f"one or more of {', '.join(sorted(POLICIES))}, comma-separated")
+    sm.add_argument("--expert-memory", default="30%", help="one or more budgets (bytes or %% of the experts)")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
     sm.add_argument("--cache-dir")
-    sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step")
+    sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step (single configuration)")
     sm.add_argument("--timeline-step", type=int, default=-1, help="which step (default: the last)")
+    sm.add_argument("--out", help="sweep output directory (default ./sim-sweep)")
     sm.set_defaults(func=_sim)

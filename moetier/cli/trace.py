@@ -51,11 +51,23 @@ def _trace_synth(args: argparse.Namespace) -> None:
 
     if Path(args.out).exists() and not args.force:
         raise MoetierError(f"{args.out} already exists", hint="choose another --out or pass --force")
+    if args.model_shape:
+        from moetier.sim.shapes import model_shape
+
+        shape, _ = model_shape(args.model_shape)
+        dims = dict(num_layers=shape.num_layers, num_experts=shape.num_experts, top_k=shape.top_k,
+                    layers=list(shape.moe_layers), model=shape.name)
+    elif None in (args.num_layers, args.num_experts, args.top_k):
+        raise MoetierError("trace synth needs the model's shape", hint="pass --model-shape, or all of --num-layers, "
+                                                                       "--num-experts and --top-k")
+    else:
+        dims = dict(num_layers=args.num_layers, num_experts=args.num_experts, top_k=args.top_k, model=args.name)
     fit = fit_locality(Trace.load(args.fit))
-    trace = generate(fit, args.num_layers, args.num_experts, args.top_k, args.tokens, args.seed, args.name)
+    trace = generate(fit, tokens=args.tokens, seed=args.seed, **dims)
     trace.save(args.out)
-    print(f"wrote {args.out}: {args.tokens} tokens, {args.num_layers} layers, top-{args.top_k} of "
-          f"{args.num_experts}; zipf s={fit.zipf_s:.3f}, p_keep={fit.p_keep:.3f} (reuse t+1 {fit.reuse_next:.1%})")
+    print(f"wrote {args.out}: {args.tokens} tokens of {trace.model}, {len(trace.layers)} MoE layers, top-"
+          f"{trace.top_k} of {trace.num_experts}; zipf s={fit.zipf_s:.3f}, p_keep={fit.p_keep:.3f} "
+          f"(reuse t+1 {fit.reuse_next:.1%})")
 
 
 def _trace_stats(args: argparse.Namespace) -> None:
@@ -97,12 +109,13 @@ def add_parser(sub) -> None:
     tr.set_defaults(func=_trace_record)
     tsy = t.add_parser("synth", help="a synthetic trace of any shape, skew and locality fitted to a real one")
     tsy.add_argument("--fit", required=True, help="the trace to fit")
-    tsy.add_argument("--num-layers", type=int, required=True)
-    tsy.add_argument("--num-experts", type=int, required=True)
-    tsy.add_argument("--top-k", type=int, required=True)
+    tsy.add_argument("--model-shape", help="a model shape (mixtral-8x7b, qwen3-30b-a3b, ...; see `moetier sim`)")
+    tsy.add_argument("--num-layers", type=int, help="without --model-shape: the model's layers")
+    tsy.add_argument("--num-experts", type=int, help="without --model-shape: experts per layer")
+    tsy.add_argument("--top-k", type=int, help="without --model-shape: experts per token")
     tsy.add_argument("--tokens", type=int, default=2000)
     tsy.add_argument("--seed", type=int, default=0)
-    tsy.add_argument("--name", default="synthetic", help="model name recorded in the trace")
+    tsy.add_argument("--name", default="synthetic", help="without --model-shape: the model name recorded")
     tsy.add_argument("--out", required=True)
     tsy.add_argument("--force", action="store_true")
     tsy.set_defaults(func=_trace_synth)

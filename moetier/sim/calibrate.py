@@ -1,43 +1,34 @@
-"""`moetier calibrate`: measure this machine into a hardware profile — O_DIRECT read bandwidth of whole expert
-blobs, expert compute time against tokens (t = beta*m + C), and the dense part of a layer and the head."""
+"""`moetier calibrate`: measure this machine into a hardware profile.
+
+- the disk: O_DIRECT reads of the model's expert blobs through the engine's own reader, queued (bandwidth) and
+  alone (latency);
+- the CPU as a roofline device (memory bandwidth from a large matrix-vector product, throughput from a large
+  matrix product, the per-call overhead from a tiny one), for shapes not measured;
+- for the given model's shape: expert compute against tokens (t = beta*m + C), the dense part of a layer and the
+  head, the executor's own per-layer work, and what a whole resident decode step costs beyond those parts.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
-from pathlib import Path
 
-import numpy as np
 import psutil
 import torch
+from tqdm import tqdm
 
 from moetier.cache.slots import SlotPool
 from moetier.engine.batch import StepBatch
 from moetier.engine.kv_cache import KVCache
 from moetier.model.layers import swiglu
 from moetier.model.transformer import Transformer
-from moetier.sim.profile import HardwareProfile, Linear, Link
+from moetier.sim.cost import CostModel, linear_fit
+from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Tier
+from moetier.sim.shapes import ModelShape
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
-
-USER_PROFILES = Path.home() / ".cache" / "moetier" / "profiles"
-
-
-def read_bandwidth(store: Store, threads: int = 4, chunk_bytes: int = 2 << 20, num_experts: int = 96) -> float:
-    """Bytes/s reading whole expert blobs with O_DIRECT, the way the engine reads them."""
-    blobs = random.Random(0).sample(list(store.manifest.blobs), min(num_experts, len(store.manifest.blobs)))
-    pool = SlotPool(store.native_layout, min(32, len(blobs)))
-    with ExpertReader(store.path, threads, chunk_bytes, verify=False) as reader:
-        start = time.perf_counter()
-        for i in range(0, len(blobs), pool.num_slots):
-            batch = blobs[i:i + pool.num_slots]
-            for slot, blob in enumerate(batch):
-                reader.submit(blob, pool.views[slot], pool.completions[slot])
-            for slot in range(len(batch)):
-                pool.completions[slot].wait()
-        elapsed = time.perf_counter() - start
-    return sum(b.length for b in blobs) / elapsed
 
 
 def _median_time(fn, repeats: int = 7) -> float:
@@ -50,9 +41,39 @@ def _median_time(fn, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def fit(xs: list[int], ys: list[float]) -> Linear:
-    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-    return Linear(max(0.0, float(slope)), max(0.0, float(intercept)))
+def disk_tier(store: Store, threads: int = 4, chunk_bytes: int = 2 << 20, reads: int = 16) -> Tier:
+    """The disk as the engine reads it (O_DIRECT whole blobs through its reader): bandwidth from `reads` blobs
+    submitted at once, as a layer's misses are (the reader threads never idle); latency from blobs read alone
+    (a single miss), as what such a read takes beyond its share of that bandwidth. Every blob read once."""
+    blobs = random.Random(0).sample(list(store.manifest.blobs), min(len(store.manifest.blobs), 2 * reads))
+    alone, queued = blobs[:len(blobs) // 2], blobs[len(blobs) // 2:]
+    pool = SlotPool(store.native_layout, len(queued))
+    with ExpertReader(store.path, threads, chunk_bytes, verify=False) as reader:
+        def read(batch) -> float:
+            start = time.perf_counter()
+            for slot, blob in enumerate(batch):
+                reader.submit(blob, pool.views[slot], pool.completions[slot])
+            for slot in range(len(batch)):
+                pool.completions[slot].wait()
+            return time.perf_counter() - start
+
+        single = statistics.median(read([b]) for b in alone)
+        bandwidth = sum(b.length for b in queued) / read(queued)
+    return Tier("disk (O_DIRECT)", bandwidth, max(0.0, single - blobs[0].length / bandwidth))
+
+
+def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
+    """The CPU as a roofline: bytes/s of a matrix-vector product over 256 MiB of weights, FLOP/s of a
+    2048-cubed matrix product, and the time of a tiny call."""
+    precision = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    w = torch.randn(8192, 16384).to(dtype)
+    v = torch.randn(1, 16384).to(dtype)
+    bandwidth = w.numel() * w.element_size() / _median_time(lambda: torch.nn.functional.linear(v, w), 5)
+    a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+    flops = 2 * 2048 ** 3 / _median_time(lambda: a @ b, 5)
+    s, t = torch.randn(1, 64).to(dtype), torch.randn(64, 64).to(dtype)
+    overhead = _median_time(lambda: [s @ t for _ in range(100)]) / 100
+    return Device("cpu", bandwidth, {precision: flops}, overhead)
 
 
 def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32)) -> Linear:
@@ -64,7 +85,7 @@ def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32)) -> Linear:
     for m in tokens:
         x = torch.randn(m, spec.hidden_size).to(dtype)
         ys.append(_median_time(lambda x=x: [swiglu(x, g, d) for g, d in experts]) / len(experts))
-    return fit(list(tokens), ys)
+    return linear_fit(list(tokens), ys)
 
 
 class _DenseOnly:
@@ -85,8 +106,8 @@ def dense_and_head(store: Store, tokens=(1, 4, 16), context: int = 48) -> tuple[
         step_s.append(_median_time(lambda batch=batch: model.forward(batch, kv)))
         h = torch.randn(t, spec.hidden_size).to(model.dtype)
         head_s.append(_median_time(lambda h=h: torch.nn.functional.linear(h, model.lm_head)))
-    head = fit(list(tokens), head_s)
-    dense = fit(list(tokens), [(s - head(t)) / spec.num_layers for s, t in zip(step_s, tokens)])
+    head = linear_fit(list(tokens), head_s)
+    dense = linear_fit(list(tokens), [(s - head(t)) / spec.num_layers for s, t in zip(step_s, tokens)])
     return dense, head
 
 
@@ -113,19 +134,49 @@ def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
             used = len(set(ids.flatten().tolist()))
             ys.append(_median_time(lambda x=x, s=scores, i=ids, w=w: executor(layer, x, s, i, w))
                       - used * expert(t * spec.top_k / used))
-    return fit(list(tokens), ys)
+    return linear_fit(list(tokens), ys)
 
 
-def calibrate(store: Store, name: str = "this-machine", threads: int = 4) -> HardwareProfile:
-    bandwidth = read_bandwidth(store, threads)
-    dense, head = dense_and_head(store)
-    expert = expert_compute(store)
-    return HardwareProfile(
-        name=name, fast_tier_bytes=int(psutil.virtual_memory().available), link=Link(bandwidth),
-        expert_compute=expert, dense_s_per_layer=dense, head_s=head,
-        executor_s_per_layer=executor_overhead(store, expert),
-        expert_bytes=store.native_layout.blob_bytes,
-        description=f"measured by `moetier calibrate` on this machine with {store.path.name} "
-                    f"({store.manifest.native_precision} experts of {store.native_layout.blob_bytes} bytes)",
-        sources=("moetier calibrate: O_DIRECT reads of whole expert blobs, median timings of the model's own "
-                 "kernels",))
+def resident_step_s(store: Store, tokens: int = 96) -> float:
+    """TPOT of the real engine at batch 1 with every expert resident."""
+    from moetier.engine.engine import Engine
+
+    engine = Engine.from_pretrained(str(store.path), expert_memory="100%", progress=False)
+    with engine:
+        engine.preload()
+        prompt = [random.Random(1).randrange(store.spec.vocab_size) for _ in range(16)]
+        engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
+        return engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True).stats["tpot_s"]
+
+
+def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progress: bool = True) -> HardwareProfile:
+    spec, precision = store.spec, store.manifest.native_precision
+    shape = ModelShape.from_spec(spec, store.path.name, precision)
+    with tqdm(total=6, desc="calibrate", unit="step", disable=not progress, leave=False) as bar:
+        def step(label: str, fn, *args):
+            bar.set_postfix_str(label)
+            out = fn(*args)
+            bar.update()
+            return out
+
+        disk = step("disk", disk_tier, store, threads)
+        device = step("cpu roofline", cpu_device, store.load_dense()["embed_tokens"].dtype)
+        dense, head = step("dense layers", dense_and_head, store)
+        expert = step("experts", expert_compute, store)
+        executor = step("executor", executor_overhead, store, expert)
+        resident = step("resident step", resident_step_s, store)
+    profile = HardwareProfile(
+        name=name, fast_tier_bytes=int(psutil.virtual_memory().available), tiers=(disk,), devices={"cpu": device},
+        compute_device="cpu", executor_s_per_layer=executor,
+        measured=(Measured(spec.hidden_size, spec.moe_intermediate_size, precision, expert, dense, head),),
+        description=f"this machine, measured by `moetier calibrate --model {store.path.name}`",
+        sources=("moetier calibrate: single O_DIRECT reads through the engine's reader; median timings of the "
+                 "model's own kernels; the CPU roofline from large matrix products",))
+    # Kernels timed alone run in warm caches and miss the generate loop's own work (sampling, KV bookkeeping):
+    # set the dense layer's fixed cost so that a resident step costs what the real engine's does. Its growth
+    # per token stays the isolated measurement's.
+    parts = CostModel.of(profile, shape, precision, store.native_layout.blob_bytes)
+    modelled = sum(parts.resident_layer_s(layer, 1) for layer in range(spec.num_layers)) + parts.head_s(1)
+    fixed = max(0.0, dense.fixed + (resident - modelled) / spec.num_layers)
+    measured = dataclasses.replace(profile.measured[0], dense_s_per_layer=Linear(dense.per_token, fixed))
+    return dataclasses.replace(profile, measured=(measured,))

@@ -1,26 +1,37 @@
-"""Hardware profiles: what the simulator needs to know about a machine, as a JSON data file.
+"""Hardware profiles: what the simulator knows about a machine, as a JSON data file.
 
-Units: bytes, seconds, bytes per second. Fields:
-  name, description, sources (list of where each figure comes from)
-  fast_tier_bytes        memory the expert cache may use
-  link                   the slow tier experts are read from: bandwidth_bytes_per_s, latency_s, utilisation
-                         (the share of nominal bandwidth reached in practice; 1.0 for measured figures)
-  expert_compute         time to run one expert over m tokens: t = beta_s_per_token * m + c_s (PreScope's
-                         t_c = beta*m + C), for the expert shape and precision the profile was measured with
-  dense_s_per_layer      attention, norms and router of one layer: {"per_token": s, "fixed": s}
-  head_s                 embedding lookup, final norm and LM head per step: {"per_token": s, "fixed": s}
-  executor_s_per_layer   optional: the executor's own cost per MoE layer (planning, grouping, policy events)
+Units are bytes, seconds, bytes per second and FLOP per second throughout. Fields:
+
+  name, description
+  sources               where each figure comes from (datasheets, papers, `moetier calibrate`)
+  fast_tier_bytes       memory the expert cache may use (GPU memory, or this machine's RAM budget)
+  tiers                 the tiers experts are read from, nearest first; each {name, bandwidth_bytes_per_s,
+                        latency_s, utilisation, bytes}. `utilisation` is the share of nominal bandwidth reached
+                        in practice (PCIe moves 75-85% of its line rate); `latency_s` what a read waits beyond its
+                        transfer (set-up, pipeline fill; it overlaps the next read's transfer); `bytes` the tier's
+                        capacity for experts (null: all the rest). An expert that lives in a lower tier crosses
+                        every tier above it.
+  devices               compute devices by name; each {memory_bandwidth_bytes_per_s, flops: {precision: FLOP/s},
+                        call_overhead_s}. Time for a kernel = call_overhead + max(bytes / memory bandwidth,
+                        FLOPs / throughput): flat in tokens while memory-bound (a GPU at small batch), growing
+                        linearly once compute-bound (a CPU: PreScope's t_c = beta*m + C).
+  compute_device        the device that holds the fast tier and runs dense layers and cached experts
+  executor_s_per_layer  optional {per_token, fixed}: the host's own work per MoE layer (planning, policy events)
+  measured              optional list, written by `moetier calibrate`: figures measured on this machine for one
+                        expert shape {hidden_size, moe_intermediate_size, precision, expert_s, dense_s_per_layer,
+                        head_s}, each {per_token, fixed}; used instead of the roofline for that shape.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moetier.errors import MoetierError
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+USER_PROFILES = Path.home() / ".cache" / "moetier" / "profiles"
 
 
 class ProfileError(MoetierError):
@@ -38,66 +49,164 @@ class Linear:
         return self.per_token * tokens + self.fixed
 
 
+ZERO = Linear(0.0, 0.0)
+
+
 @dataclass(frozen=True)
-class Link:
+class Tier:
+    name: str
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
     utilisation: float = 1.0
+    bytes: int | None = None  # capacity for experts; None: everything that does not fit above
 
-    def read_time(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / (self.bandwidth_bytes_per_s * self.utilisation)
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_per_s <= 0 or not 0 < self.utilisation <= 1 or self.latency_s < 0:
+            raise ProfileError(f"tier {self.name!r}: bandwidth must be positive, utilisation in (0, 1], latency >= 0")
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.bandwidth_bytes_per_s * self.utilisation
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bandwidth_bytes_per_s: float
+    flops: dict[str, float] = field(hash=False)
+    call_overhead_s: float = 0.0
+
+    def kernel_s(self, nbytes: float, flop: float, precision: str, calls: int = 1) -> float:
+        """Roofline time of `calls` kernels that read `nbytes` of weights and do `flop` FLOPs in total."""
+        if precision not in self.flops:
+            raise ProfileError(f"device {self.name!r} lists no throughput for {precision}",
+                               hint=f"it lists {', '.join(self.flops)}")
+        return calls * self.call_overhead_s + max(nbytes / self.memory_bandwidth_bytes_per_s,
+                                                  flop / self.flops[precision])
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Times measured on this machine for one expert shape and precision (by `moetier calibrate`)."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    precision: str
+    expert_s: Linear
+    dense_s_per_layer: Linear
+    head_s: Linear
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
     fast_tier_bytes: int
-    link: Link
-    expert_compute: Linear
-    dense_s_per_layer: Linear
-    head_s: Linear
+    tiers: tuple[Tier, ...]
+    devices: dict[str, Device] = field(hash=False)
+    compute_device: str
     description: str = ""
     sources: tuple[str, ...] = ()
-    expert_bytes: int = 0  # the expert blob size the compute figures were measured for (0: not recorded)
-    executor_s_per_layer: Linear = Linear(0.0, 0.0)
+    executor_s_per_layer: Linear = ZERO
+    measured: tuple[Measured, ...] = ()
 
-    def save(self, path: Path) -> None:
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ProfileError(f"profile {self.name}: no tier to read experts from")
+        if self.compute_device not in self.devices:
+            raise ProfileError(f"profile {self.name}: compute_device {self.compute_device!r} is not among the "
+                               f"devices ({', '.join(self.devices)})")
+
+    @property
+    def device(self) -> Device:
+        return self.devices[self.compute_device]
+
+    def measured_for(self, hidden_size: int, moe_intermediate_size: int, precision: str) -> Measured | None:
+        for m in self.measured:
+            if (m.hidden_size, m.moe_intermediate_size, m.precision) == (hidden_size, moe_intermediate_size,
+                                                                          precision):
+                return m
+        return None
+
+    def to_json(self) -> dict:
         d = asdict(self)
         d["sources"] = list(self.sources)
+        for dev in d["devices"].values():
+            del dev["name"]
+        return d
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(d, indent=1))
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
         tmp.replace(path)
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> HardwareProfile:
+        """A profile by name (the user's calibrated profiles first, then the shipped ones) or by path."""
         path = Path(name_or_path)
-        if not path.suffix:  # a name: the user's calibrated profiles first, then the shipped ones
-            user = Path.home() / ".cache" / "moetier" / "profiles" / f"{name_or_path}.json"
+        if not path.suffix:
+            user = USER_PROFILES / f"{name_or_path}.json"
             path = user if user.exists() else PROFILE_DIR / f"{name_or_path}.json"
         try:
             d = json.loads(path.read_text())
         except FileNotFoundError:
-            known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.json"))) or "none"
-            raise ProfileError(f"no hardware profile {name_or_path!r}", hint=f"known profiles: {known}; "
-                               "`moetier calibrate` measures this machine") from None
+            hint = f"known profiles: {', '.join(known_profiles())}"
+            if str(name_or_path) == "this-machine":
+                hint = "`moetier calibrate` measures this machine into it; " + hint
+            raise ProfileError(f"no hardware profile {name_or_path!r} ({path} does not exist)", hint=hint) from None
         except json.JSONDecodeError as e:
             raise ProfileError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return _parse(d, _Fields(path))
+        except (TypeError, ValueError) as e:
+            raise ProfileError(f"{path}: {e}") from None
 
-        def need(obj: dict, key: str, where: str):
-            if key not in obj:
-                raise ProfileError(f"{path}: missing field {where}{key}")
-            return obj[key]
 
-        def linear(key: str) -> Linear:
-            obj = need(d, key, "")
-            return Linear(float(need(obj, "per_token", key + ".")), float(need(obj, "fixed", key + ".")))
+def known_profiles() -> list[str]:
+    names = {p.stem for p in PROFILE_DIR.glob("*.json")} | {p.stem for p in USER_PROFILES.glob("*.json")}
+    return sorted(names)
 
-        link = need(d, "link", "")
-        return cls(
-            name=str(need(d, "name", "")), fast_tier_bytes=int(need(d, "fast_tier_bytes", "")),
-            link=Link(float(need(link, "bandwidth_bytes_per_s", "link.")), float(link.get("latency_s", 0.0)),
-                      float(link.get("utilisation", 1.0))),
-            expert_compute=linear("expert_compute"), dense_s_per_layer=linear("dense_s_per_layer"),
-            head_s=linear("head_s"), description=d.get("description", ""), sources=tuple(d.get("sources", ())),
-            expert_bytes=int(d.get("expert_bytes", 0)),
-            executor_s_per_layer=linear("executor_s_per_layer") if "executor_s_per_layer" in d else Linear(0.0, 0.0))
+
+class _Fields:
+    """Reads required and optional fields, naming the file and the field's path when one is missing."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def need(self, obj: dict, key: str, where: str = ""):
+        if not isinstance(obj, dict) or key not in obj:
+            raise ProfileError(f"{self.path}: missing field {where}{key}",
+                               hint="see the field list in moetier/sim/profile.py or docs/simulator.md")
+        return obj[key]
+
+    def linear(self, obj: dict, key: str, where: str = "") -> Linear:
+        v = self.need(obj, key, where)
+        return Linear(float(self.need(v, "per_token", f"{where}{key}.")), float(self.need(v, "fixed",
+                                                                                           f"{where}{key}.")))
+
+
+def _parse(d: dict, f: _Fields) -> HardwareProfile:
+    tiers = []
+    for i, t in enumerate(f.need(d, "tiers")):
+        w = f"tiers[{i}]."
+        tiers.append(Tier(str(f.need(t, "name", w)), float(f.need(t, "bandwidth_bytes_per_s", w)),
+                          float(t.get("latency_s", 0.0)), float(t.get("utilisation", 1.0)),
+                          None if t.get("bytes") is None else int(t["bytes"])))
+    devices = {}
+    for name, dev in f.need(d, "devices").items():
+        w = f"devices.{name}."
+        devices[name] = Device(name, float(f.need(dev, "memory_bandwidth_bytes_per_s", w)),
+                               {k: float(v) for k, v in f.need(dev, "flops", w).items()},
+                               float(dev.get("call_overhead_s", 0.0)))
+    measured = []
+    for i, m in enumerate(d.get("measured", ())):
+        w = f"measured[{i}]."
+        measured.append(Measured(int(f.need(m, "hidden_size", w)), int(f.need(m, "moe_intermediate_size", w)),
+                                 str(f.need(m, "precision", w)), f.linear(m, "expert_s", w),
+                                 f.linear(m, "dense_s_per_layer", w), f.linear(m, "head_s", w)))
+    return HardwareProfile(
+        name=str(f.need(d, "name")), fast_tier_bytes=int(f.need(d, "fast_tier_bytes")), tiers=tuple(tiers),
+        devices=devices, compute_device=str(f.need(d, "compute_device")), description=d.get("description", ""),
+        sources=tuple(d.get("sources", ())),
+        executor_s_per_layer=f.linear(d, "executor_s_per_layer") if "executor_s_per_layer" in d else ZERO,
+        measured=tuple(measured))

@@ -1,7 +1,7 @@
 """The simulator's clock: a replay's layer plans timed with a hardware profile's cost model.
 
-One serial I/O queue for the slow tier (PreScope's premise: saturated transfers do not parallelise), reads
-issued when a layer's routing is known (deferred ones when the expert whose slot they take is done), compute
+One serial I/O queue for the slow tier (PreScope's premise: saturated transfers do not parallelise: a read holds
+the link for its bytes over the bandwidth, its latency overlaps the next read), reads issued when a layer's routing is known (deferred ones when the expert whose slot they take is done), compute
 of resident experts overlapping the reads, each loaded expert computed once its read has landed. Reads are
 never interrupted."""
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moetier.cache.keys import ExpertKey
 from moetier.plan.layer_plan import LayerPlan
-from moetier.sim.profile import HardwareProfile
+from moetier.sim.cost import CostModel
 from moetier.sim.replay import ReplayResult, steps
 from moetier.trace.format import DECODE, PREFILL, Trace
 
@@ -34,7 +35,7 @@ class SimResult:
     step_time_s: list[float]
     hit_rate: float
     bytes_read: list[int]  # per step
-    miss_penalty_s: float
+    miss_penalty_s: float  # the read time of every load, summed (HOBBIT's miss penalty)
     timelines: dict[int, list[LayerTimeline]]  # step index -> per-layer timeline, for the steps asked for
 
     def summary(self) -> dict:
@@ -51,22 +52,21 @@ class SimResult:
                 "miss_penalty_s": self.miss_penalty_s}
 
 
-def time_layer(plan: LayerPlan, start: float, tokens: int, profile: HardwareProfile, expert_bytes: int,
+def time_layer(plan: LayerPlan, start: float, tokens: int, cost: CostModel,
                link_free: float) -> tuple[LayerTimeline, float]:
     """Time one layer starting at `start` with the link busy until `link_free`; returns (timeline, link_free)."""
     # dense part, then the executor's own work (planning, grouping) before the reads go out
-    tl = LayerTimeline(plan.layer, start, start + profile.dense_s_per_layer(tokens)
-                       + profile.executor_s_per_layer(tokens))
-    read_s = profile.link.read_time(expert_bytes)
+    tl = LayerTimeline(plan.layer, start, start + cost.dense_s(plan.layer, tokens))
     deferred = {ld.after: ld for ld in plan.loads if ld.after is not None}
     landed: dict[int, float] = {}
 
     def read(expert: int, ready: float) -> None:
         nonlocal link_free
+        key = ExpertKey(plan.layer, expert)
         s = max(link_free, ready)
-        link_free = s + read_s
-        landed[expert] = link_free
-        tl.reads.append((expert, s, link_free))
+        link_free = s + cost.read_busy_s(key)
+        landed[expert] = link_free + cost.read_latency_s(key)
+        tl.reads.append((expert, s, landed[expert]))
 
     for ld in plan.loads:
         if ld.after is None:
@@ -76,7 +76,7 @@ def time_layer(plan: LayerPlan, start: float, tokens: int, profile: HardwareProf
     def compute(expert: int, ready: float) -> None:
         nonlocal clock
         s = max(clock, ready)
-        clock = s + profile.expert_compute(int(plan.counts[expert]))
+        clock = s + cost.expert_s(int(plan.counts[expert]))
         tl.computes.append((expert, s, clock))
         follower = deferred.pop(expert, None)
         if follower is not None:
@@ -90,14 +90,16 @@ def time_layer(plan: LayerPlan, start: float, tokens: int, profile: HardwareProf
     return tl, link_free
 
 
-def simulate(trace: Trace, replayed: ReplayResult, profile: HardwareProfile, expert_bytes: int,
+def simulate(trace: Trace, replayed: ReplayResult, cost: CostModel,
              timeline_steps: tuple[int, ...] = ()) -> SimResult:
-    """Time the plans of `replayed` (made from `trace`) on `profile`; keep per-layer timelines of the steps in
-    `timeline_steps` (negative indices count from the end)."""
+    """Time the plans of `replayed` (made from `trace`) with `cost`; keep per-layer timelines of the steps in
+    `timeline_steps` (negative indices count from the end). Layers the trace does not cover run with their
+    experts resident."""
     layers = len(trace.layers)
+    untraced = [layer for layer in range(cost.shape.num_layers) if layer not in set(trace.layers)]
     num_steps = len(replayed.plans) // layers
     timeline_steps = tuple(i % num_steps for i in timeline_steps)
-    clock = link_free = 0.0
+    clock = link_free = penalty = 0.0
     phases, tokens, times, bytes_read, timelines = [], [], [], [], {}
     plans = iter(replayed.plans)
     for index, (phase, rows) in enumerate(steps(trace)):
@@ -105,18 +107,17 @@ def simulate(trace: Trace, replayed: ReplayResult, profile: HardwareProfile, exp
         loads, keep = 0, index in timeline_steps
         for _ in range(layers):
             plan = next(plans)
-            tl, link_free = time_layer(plan, clock, n, profile, expert_bytes, link_free)
+            tl, link_free = time_layer(plan, clock, n, cost, link_free)
             clock, loads = tl.end, loads + len(plan.loads)
+            penalty += sum(cost.read_s(ExpertKey(plan.layer, ld.expert)) for ld in plan.loads)
             if keep:
                 timelines.setdefault(index, []).append(tl)
-        clock += profile.head_s(n)
+        clock += sum(cost.resident_layer_s(layer, n) for layer in untraced) + cost.head_s(n)
         phases.append(phase)
         tokens.append(n)
         times.append(clock - start)
-        bytes_read.append(loads * expert_bytes)
-    misses = replayed.needed - replayed.hits
-    return SimResult(phases, tokens, times, replayed.hit_rate, bytes_read,
-                     misses * profile.link.read_time(expert_bytes), timelines)
+        bytes_read.append(loads * cost.expert_bytes)
+    return SimResult(phases, tokens, times, replayed.hit_rate, bytes_read, penalty, timelines)
 
 
 def plot_timeline(timeline: list[LayerTimeline], path, title: str) -> None:

@@ -36,10 +36,12 @@ def _popularity(num_experts: int, s: float, rng: np.random.Generator) -> np.ndar
 
 
 def generate(fit: LocalityFit, num_layers: int, num_experts: int, top_k: int, tokens: int,
-             seed: int = 0, model: str = "synthetic") -> Trace:
+             seed: int = 0, model: str = "synthetic", layers: list[int] | None = None) -> Trace:
+    """`layers`: the model's MoE layers (default all of them)."""
+    layers = list(range(num_layers)) if layers is None else list(layers)
     rng = np.random.default_rng(seed)
-    ids = np.zeros((tokens, num_layers, top_k), np.int16)
-    for layer in range(num_layers):
+    ids = np.zeros((tokens, len(layers), top_k), np.int16)
+    for layer in range(len(layers)):
         pop = _popularity(num_experts, fit.zipf_s, rng)
         prev: list[int] = []
         for t in range(tokens):
@@ -50,7 +52,7 @@ def generate(fit: LocalityFit, num_layers: int, num_experts: int, top_k: int, to
             chosen += list(rng.choice(num_experts, top_k - keep, replace=False, p=rest / rest.sum()))
             ids[t, layer] = prev = chosen
     weights = np.full(ids.shape, 1.0 / top_k, np.float16)
-    return Trace(model, num_layers, num_experts, top_k, list(range(num_layers)), np.zeros(tokens, np.int32),
+    return Trace(model, num_layers, num_experts, top_k, layers, np.zeros(tokens, np.int32),
                  np.arange(tokens, dtype=np.int32), np.full(tokens, DECODE, np.uint8), ids, weights,
                  source=f"synthetic, fitted to {fit.source}", synthetic=True,
                  notes=[f"synthetic: {asdict(fit)}; weights are uniform (1/k); one stream of tokens"])

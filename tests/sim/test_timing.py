@@ -5,11 +5,21 @@ import pytest
 
 from moetier.plan.layer_plan import Hit, LayerPlan, Load
 from moetier.plan.route import RouteResult
-from moetier.sim.profile import HardwareProfile, Linear, Link, ProfileError
+from moetier.sim.cost import CostModel
+from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, ProfileError, Tier
+from moetier.sim.shapes import ModelShape
 from moetier.sim.timing import time_layer
 
-PROFILE = HardwareProfile("unit", 10**9, Link(bandwidth_bytes_per_s=100.0), expert_compute=Linear(0.0, 1.0),
-                          dense_s_per_layer=Linear(0.0, 2.0), head_s=Linear(0.0, 0.0))
+SHAPE = ModelShape("unit", hidden_size=8, num_layers=1, moe_layers=(0,), num_experts=4, top_k=2,
+                   moe_intermediate_size=16, attention_params=256, kv_per_token=16, vocab_size=32)
+CPU = Device("cpu", memory_bandwidth_bytes_per_s=1e9, flops={"bf16": 1e12}, call_overhead_s=1e-6)
+PROFILE = HardwareProfile("unit", 10**9, (Tier("disk", bandwidth_bytes_per_s=100.0),), {"cpu": CPU}, "cpu",
+                          measured=(Measured(8, 16, "bf16", expert_s=Linear(0.0, 1.0),
+                                             dense_s_per_layer=Linear(0.0, 2.0), head_s=Linear(0.0, 0.0)),))
+
+
+def cost(expert_bytes: int, profile: HardwareProfile = PROFILE) -> CostModel:
+    return CostModel.of(profile, SHAPE, "bf16", expert_bytes)
 
 
 def plan(hits, loads, counts):
@@ -21,7 +31,7 @@ def plan(hits, loads, counts):
 def test_reads_are_serial_and_overlap_resident_compute():
     # dense 2 s; hits 0 and 1 compute 1 s each (2-4 s); two reads of 300 bytes at 100 B/s: 2-5 s and 5-8 s
     p = plan([Hit(0, 0), Hit(1, 1)], [Load(2, 2), Load(3, 3)], [1, 1, 1, 1])
-    tl, link_free = time_layer(p, 0.0, 1, PROFILE, 300, link_free=0.0)
+    tl, link_free = time_layer(p, 0.0, 1, cost(300), link_free=0.0)
     assert tl.dense_end == 2.0
     assert tl.reads == [(2, 2.0, 5.0), (3, 5.0, 8.0)]
     assert tl.computes == [(0, 2.0, 3.0), (1, 3.0, 4.0), (2, 5.0, 6.0), (3, 8.0, 9.0)]
@@ -31,16 +41,20 @@ def test_reads_are_serial_and_overlap_resident_compute():
 def test_a_busy_link_delays_reads_and_a_deferred_read_waits_for_its_slot():
     # the link is busy until 4 s; expert 3 reuses expert 2's slot, so its read starts when 2 is computed
     p = plan([], [Load(2, 0), Load(3, 0, after=2)], [0, 0, 1, 1])
-    tl, link_free = time_layer(p, 0.0, 1, PROFILE, 100, link_free=4.0)
+    tl, link_free = time_layer(p, 0.0, 1, cost(100), link_free=4.0)
     assert tl.reads == [(2, 4.0, 5.0), (3, 6.0, 7.0)]
     assert tl.computes == [(2, 5.0, 6.0), (3, 7.0, 8.0)]
 
 
 def test_profile_missing_a_field_names_it(tmp_path):
     f = tmp_path / "p.json"
-    f.write_text('{"name": "x", "fast_tier_bytes": 1, "link": {"latency_s": 0}, "expert_compute": {}, '
-                 '"dense_s_per_layer": {}, "head_s": {}}')
-    with pytest.raises(ProfileError, match="p.json: missing field link.bandwidth_bytes_per_s"):
+    f.write_text('{"name": "x", "fast_tier_bytes": 1, "tiers": [{"name": "ssd", "latency_s": 0}], "devices": {}, '
+                 '"compute_device": "cpu"}')
+    with pytest.raises(ProfileError, match=r"p.json: missing field tiers\[0\].bandwidth_bytes_per_s"):
+        HardwareProfile.load(f)
+    f.write_text('{"name": "x", "fast_tier_bytes": 1, "tiers": [{"name": "ssd", "bandwidth_bytes_per_s": 1}], '
+                 '"devices": {"gpu": {"flops": {}}}, "compute_device": "gpu"}')
+    with pytest.raises(ProfileError, match="p.json: missing field devices.gpu.memory_bandwidth_bytes_per_s"):
         HardwareProfile.load(f)
     with pytest.raises(ProfileError, match="no hardware profile 'nonesuch'"):
         HardwareProfile.load("nonesuch")
@@ -51,16 +65,42 @@ def test_profile_round_trip(tmp_path):
     assert HardwareProfile.load(tmp_path / "unit.json") == PROFILE
 
 
+def test_roofline_is_flat_while_memory_bound_then_linear():
+    # no measured figures for this shape: the device's roofline. Expert: 3*8*16 = 384 params, 768 bytes in bf16
+    # at 1 GB/s = 768 ns; 768 FLOPs per token at 1 TFLOP/s = 0.768 ns: memory-bound up to 1000 tokens
+    bare = HardwareProfile("unit", 10**9, PROFILE.tiers, {"cpu": CPU}, "cpu")
+    c = CostModel.of(bare, SHAPE, "bf16", 768)
+    assert c.expert_s(1) == pytest.approx(1e-6 + 768e-9)
+    assert c.expert_s(500) == c.expert_s(1)
+    assert c.expert_s(4000) == pytest.approx(1e-6 + 4000 * 768e-12)
+
+
+def test_experts_beyond_a_tiers_capacity_are_read_through_it_from_below():
+    # host DRAM over a 100 B/s link holds two experts; the rest come from an SSD at 10 B/s behind it
+    tiers = (Tier("dram", 100.0, latency_s=1.0, bytes=200), Tier("ssd", 10.0, latency_s=2.0))
+    c = cost(100, HardwareProfile("unit", 10**9, tiers, {"cpu": CPU}, "cpu", measured=PROFILE.measured))
+    from moetier.cache.keys import ExpertKey
+
+    assert [c.tier_index(ExpertKey(0, e)) for e in range(4)] == [0, 0, 1, 1]
+    assert c.read_s(ExpertKey(0, 0)) == pytest.approx(1.0 + 1.0)
+    assert c.read_s(ExpertKey(0, 3)) == pytest.approx(3.0 + 10.0)
+
+
 def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
     from moetier.sim.calibrate import calibrate
     from moetier.store.store import Store
 
     _, path = tiny_store("qwen2_moe")
-    p = calibrate(Store(path))
-    assert p.link.bandwidth_bytes_per_s > 0 and p.expert_bytes == Store(path).native_layout.blob_bytes
-    for f in (p.expert_compute, p.dense_s_per_layer, p.head_s, p.executor_s_per_layer):
+    p = calibrate(Store(path), progress=False)
+    disk = p.tiers[0]
+    assert disk.bandwidth_bytes_per_s > 0 and disk.latency_s >= 0
+    m = p.measured[0]
+    assert (m.hidden_size, m.moe_intermediate_size) == (Store(path).spec.hidden_size,
+                                                        Store(path).spec.moe_intermediate_size)
+    for f in (m.expert_s, m.dense_s_per_layer, m.head_s, p.executor_s_per_layer):
         assert f.per_token >= 0 and f.fixed >= 0
-    assert p.expert_compute(1) > 0 and p.dense_s_per_layer(1) > 0
+    assert m.expert_s(1) > 0 and m.dense_s_per_layer(1) > 0
+    assert p.device.memory_bandwidth_bytes_per_s > 1e8 and all(v > 1e8 for v in p.device.flops.values())
     p.save(tmp_path / "m.json")
     assert HardwareProfile.load(tmp_path / "m.json") == p
 
@@ -79,10 +119,10 @@ def test_calibrate_and_sim_commands(tiny_store, tmp_path, capsys):
         engine.generate([[5, 6, 7]], max_new_tokens=6, ignore_eos=True)
         rec.trace(["p"]).save(tmp_path / "t")
     capsys.readouterr()
-    assert main(["sim", "--trace", str(tmp_path / "t"), "--profile", str(profile), "--model", str(path),
+    assert main(["sim", "--trace", str(tmp_path / "t"), "--profile", str(profile), "--model-shape", str(path),
                  "--expert-memory", "50%", "--timeline", str(tmp_path / "tl.png")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tpot_s"] > 0 and 0 <= out["hit_rate"] <= 1 and out["slots"] == 8
     assert (tmp_path / "tl.png").stat().st_size > 0
-    assert main(["sim", "--trace", str(tmp_path / "t"), "--profile", "nonesuch", "--model", str(path)]) == 1
+    assert main(["sim", "--trace", str(tmp_path / "t"), "--profile", "nonesuch", "--model-shape", str(path)]) == 1
     assert "no hardware profile 'nonesuch'" in capsys.readouterr().err

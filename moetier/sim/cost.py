@@ -1,0 +1,112 @@
+"""The cost model: what each piece of a forward step costs for one model shape on one hardware profile.
+
+Compute comes from the profile's figures measured for this shape when it has them (`moetier calibrate` on
+this machine), otherwise from the compute device's roofline. Reads: each expert lives in one tier below the
+fast tier (tiers fill in (layer, expert) order up to their capacity) and a read crosses every tier down to
+it: the latencies add, the slowest bandwidth sets the rate (transfers are chunked and pipelined). A read holds
+the link for its bytes over that rate; its latency delays its own data, not the next read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from moetier.cache.keys import ExpertKey
+from moetier.sim.profile import HardwareProfile, Linear
+from moetier.sim.shapes import ModelShape, bytes_per_param
+
+DENSE_CALLS_PER_LAYER = 8  # norms, q/k/v/o, attention, router: kernel launches a dense layer costs at least
+CONTEXT_TOKENS = 512  # KV entries attention reads back per token in the roofline (a short chat)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    profile: HardwareProfile
+    shape: ModelShape
+    precision: str  # the experts' (what is read and computed)
+    expert_bytes: int  # one expert's blob
+
+    @classmethod
+    def of(cls, profile: HardwareProfile, shape: ModelShape, precision: str | None = None,
+           expert_bytes: int | None = None) -> CostModel:
+        precision = precision or shape.precision
+        return cls(profile, shape, precision, expert_bytes or shape.expert_bytes(precision))
+
+    @property
+    def _measured(self):
+        return self.profile.measured_for(self.shape.hidden_size, self.shape.moe_intermediate_size, self.precision)
+
+    def expert_s(self, tokens: int) -> float:
+        """One routed expert over `tokens` tokens on the compute device."""
+        m = self._measured
+        if m is not None:
+            return m.expert_s(tokens)
+        return self.profile.device.kernel_s(self.expert_bytes, 2 * self.shape.expert_params * tokens, self.precision)
+
+    def dense_s(self, layer: int, tokens: int) -> float:
+        """Attention, norms, router and shared expert or dense MLP of one layer, plus the host's per-layer work."""
+        executor = self.profile.executor_s_per_layer(tokens) if layer in self.shape.moe_layers else 0.0
+        m = self._measured
+        if m is not None:
+            return m.dense_s_per_layer(tokens) + executor
+        params, dense_precision = self.shape.dense_params(layer), self.shape.precision
+        kv_bytes = CONTEXT_TOKENS * self.shape.kv_per_token * bytes_per_param(dense_precision) * tokens
+        return executor + self.profile.device.kernel_s(params * bytes_per_param(dense_precision) + kv_bytes,
+                                                       2 * params * tokens, dense_precision, DENSE_CALLS_PER_LAYER)
+
+    def head_s(self, tokens: int) -> float:
+        """Final norm and LM head."""
+        m = self._measured
+        if m is not None:
+            return m.head_s(tokens)
+        params = self.shape.head_params
+        return self.profile.device.kernel_s(params * bytes_per_param(self.shape.precision),
+                                                                  2 * params * tokens, self.shape.precision)
+
+    def resident_layer_s(self, layer: int, tokens: int) -> float:
+        """A layer with every expert it needs already resident (for layers a partial trace does not cover):
+        min(tokens * top_k, num_experts) experts, the tokens spread evenly over them."""
+        if layer not in self.shape.moe_layers:
+            return self.dense_s(layer, tokens)
+        used = min(tokens * self.shape.top_k, self.shape.num_experts)
+        return self.dense_s(layer, tokens) + used * self.expert_s(max(1, round(tokens * self.shape.top_k / used)))
+
+    @cached_property
+    def _moe_index(self) -> dict[int, int]:
+        return {layer: i for i, layer in enumerate(self.shape.moe_layers)}
+
+    def tier_index(self, key: ExpertKey) -> int:
+        index = self._moe_index[key.layer] * self.shape.num_experts + key.expert
+        held = 0
+        for i, tier in enumerate(self.profile.tiers):
+            if tier.bytes is None:
+                return i
+            held += tier.bytes // self.expert_bytes
+            if index < held:
+                return i
+        return len(self.profile.tiers) - 1  # the last tier holds the rest whatever its stated size
+
+    def read_busy_s(self, key: ExpertKey) -> float:
+        """How long a read holds the link: its bytes at the slowest bandwidth on its path."""
+        path = self.profile.tiers[:self.tier_index(key) + 1]
+        return self.expert_bytes / min(t.effective_bandwidth for t in path)
+
+    def read_latency_s(self, key: ExpertKey) -> float:
+        """What a read waits beyond that before its data is usable (request set-up, pipeline fill); the link
+        serves the next read meanwhile."""
+        return sum(t.latency_s for t in self.profile.tiers[:self.tier_index(key) + 1])
+
+    def read_s(self, key: ExpertKey) -> float:
+        """A read on an idle link, request to usable data."""
+        return self.read_latency_s(key) + self.read_busy_s(key)
+
+
+def linear_fit(xs, ys) -> Linear:
+    """Least-squares line through (tokens, seconds), clipped at zero (a negative intercept is noise); a flat line
+    at the mean when all xs are equal."""
+    import numpy as np
+
+    if len(set(xs)) < 2:
+        return Linear(0.0, float(np.mean(ys)))
+    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return Linear(max(0.0, float(slope)), max(0.0, float(intercept)))

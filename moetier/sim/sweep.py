@@ -1,0 +1,102 @@
+"""Simulating a trace under one or many (policy, expert budget) configurations: the table, the JSON, the plot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moetier.cache.policies import make_policy
+from moetier.config import MemoryBudget, format_bytes
+from moetier.errors import MoetierError
+from moetier.sim.cost import CostModel
+from moetier.sim.replay import replay
+from moetier.sim.shapes import ModelShape, bytes_per_param
+from moetier.sim.timing import SimResult, simulate
+from moetier.trace.format import Trace
+
+
+def check_fits(trace: Trace, shape: ModelShape) -> None:
+    """A trace can drive a shape only if its experts, top-k and layers are the shape's."""
+    if (trace.num_experts, trace.top_k) != (shape.num_experts, shape.top_k):
+        raise MoetierError(f"the trace routes top-{trace.top_k} of {trace.num_experts} experts; model shape "
+                           f"{shape.name} has top-{shape.top_k} of {shape.num_experts}",
+                           hint="pick the shape the trace was recorded on (--model-shape), or synthesise a trace "
+                                "for this shape with `moetier trace synth --model-shape`")
+    outside = sorted(set(trace.layers) - set(shape.moe_layers))
+    if outside:
+        raise MoetierError(f"the trace has routing for layers {outside}, which are not MoE layers of {shape.name}")
+
+
+def budget_slots(budget: str, trace: Trace, cost: CostModel) -> int:
+    """Expert slots for a budget; a share is of the experts of the layers the trace covers (DESIGN)."""
+    total = len(trace.layers) * trace.num_experts * cost.expert_bytes
+    dense = sum(cost.shape.dense_params(layer) for layer in range(cost.shape.num_layers)) + cost.shape.head_params
+    # the dense weights stay in the fast tier
+    available = max(0, cost.profile.fast_tier_bytes - int(dense * bytes_per_param(cost.shape.precision)))
+    wanted = min(total, MemoryBudget.parse(budget).resolve(total, available))
+    if wanted > available:
+        raise MoetierError(f"expert memory {budget} ({format_bytes(wanted)}) does not fit the fast tier of "
+                           f"{cost.profile.name}: {format_bytes(available)} after the dense weights",
+                           hint="give a smaller budget, or `auto` for all that fits")
+    slots = wanted // cost.expert_bytes
+    if slots < trace.top_k:
+        raise MoetierError(f"expert memory {budget} holds {slots} experts of {format_bytes(cost.expert_bytes)}; "
+                           f"a layer needs {trace.top_k}",
+                           hint=f"give at least {format_bytes(trace.top_k * cost.expert_bytes)}")
+    return slots
+
+
+@dataclass
+class SimRun:
+    policy: str
+    budget: str
+    slots: int
+    result: SimResult
+
+    def row(self) -> dict:
+        return {"policy": self.policy, "expert_memory": self.budget, "slots": self.slots, **self.result.summary()}
+
+
+def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool = False,
+        timeline_steps: tuple[int, ...] = ()) -> SimRun:
+    slots = budget_slots(budget, trace, cost)
+    replayed = replay(trace, make_policy(policy), slots, preload=preload)
+    return SimRun(policy, budget, slots, simulate(trace, replayed, cost, timeline_steps))
+
+
+def format_table(runs: list[SimRun]) -> str:
+    head = f"{'policy':>10} {'budget':>8} {'slots':>6} {'TPOT ms':>9} {'p90 ms':>8} {'TTFT ms':>9} {'hit':>7} " \
+           f"{'MiB/token':>10}"
+    lines = [head]
+    for r in runs:
+        s = r.result.summary()
+        ms = lambda v: "n/a" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
+        mib = "n/a" if s["expert_bytes_per_token"] is None else f"{s['expert_bytes_per_token'] / 2**20:.1f}"
+        lines.append(f"{r.policy:>10} {r.budget:>8} {r.slots:>6} {ms(s['tpot_s']):>9} {ms(s['tpot_p90_s']):>8} "
+                     f"{ms(s['ttft_s']):>9} {s['hit_rate']:>7.1%} {mib:>10}")
+    return "\n".join(lines)
+
+
+def plot_sweep(runs: list[SimRun], path: Path, title: str) -> None:
+    """TPOT and hit rate against the expert budget, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy in dict.fromkeys(r.policy for r in runs):
+        mine = sorted((r for r in runs if r.policy == policy), key=lambda r: r.slots)
+        slots = [r.slots for r in mine]
+        ax_t.plot(slots, [r.result.summary()["tpot_s"] * 1e3 for r in mine], marker="o", label=policy)
+        ax_h.plot(slots, [r.result.hit_rate * 100 for r in mine], marker="o", label=policy)
+    ax_t.set_ylabel("TPOT, ms (simulated)")
+    ax_h.set_ylabel("hit rate, %")
+    for ax in (ax_t, ax_h):
+        ax.set_xlabel("expert cache, slots")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,49 @@
+"""Model shapes against the sizes their publishers state, and how names resolve."""
+
+import pytest
+
+from moetier.sim.shapes import SHAPES, ModelShape, ShapeError, model_shape
+
+
+def total_params(s: ModelShape, tied: bool = False) -> float:
+    layers = sum(s.dense_params(layer) for layer in range(s.num_layers))
+    return s.total_expert_params + layers + s.head_params * (1 if tied else 2)
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("mixtral-8x7b", 46.7), ("phi-3.5-moe", 41.9), ("qwen2-57b-a14b", 57.4), ("deepseek-moe-16b", 16.4),
+    ("deepseek-v2-lite", 15.7), ("qwen3-30b-a3b", 30.5), ("moonlight-16b-a3b", 16.0), ("olmoe-1b-7b", 6.9),
+    ("qwen1.5-moe-a2.7b", 14.3)])
+def test_parameter_counts_match_the_published_totals(name, billions):
+    # norms and biases are left out of the shapes, so a total may fall short by a fraction of a percent
+    assert total_params(SHAPES[name]) / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+def test_switch_experts_are_plain_two_matrix_mlps_in_fp32():
+    s = SHAPES["switch-base-128"]
+    assert (s.expert_params, s.top_k, s.moe_layers) == (2 * 768 * 3072, 1, (1, 3, 5, 7, 9, 11))
+    assert s.expert_bytes() == 2 * 768 * 3072 * 4  # already 4096-aligned
+
+
+def test_expert_bytes_follow_the_precision_and_the_store_alignment():
+    s = SHAPES["olmoe-1b-7b"]
+    assert s.expert_bytes("bf16") == 3 * 2048 * 1024 * 2
+    assert s.expert_bytes("int4") % 4096 == 0 and s.expert_bytes("int4") < s.expert_bytes("bf16") / 3.5
+    with pytest.raises(ShapeError, match="unknown precision 'fp8'"):
+        s.expert_bytes("fp8")
+
+
+def test_names_resolve_to_shapes():
+    assert model_shape("mixtral-8x7b") == (SHAPES["mixtral-8x7b"], None)
+    assert model_shape("allenai/OLMoE-1B-7B-0924")[0] is SHAPES["olmoe-1b-7b"]  # as an imported trace names it
+    shape, blob = model_shape("demo-coarse")
+    assert (shape.num_experts, shape.top_k) == (8, 2) and blob == shape.expert_bytes()
+    with pytest.raises(ShapeError, match="no model shape 'gpt-5'"):
+        model_shape("gpt-5")
+
+
+def test_a_bad_shape_is_refused():
+    with pytest.raises(ShapeError, match="top-9 of 8"):
+        ModelShape("x", 8, 2, (0, 1), 8, 9, 16, 64, 8, 32)
+    with pytest.raises(ShapeError, match="need dense_intermediate_size"):
+        ModelShape("x", 8, 2, (1,), 8, 2, 16, 64, 8, 32)

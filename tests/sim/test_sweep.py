@@ -1,0 +1,74 @@
+"""`moetier sim` on shipped profiles and named shapes: single runs, sweeps, and the errors a user meets."""
+
+import json
+
+import pytest
+
+from moetier.cli import main
+from moetier.errors import MoetierError
+from moetier.sim.cost import CostModel
+from moetier.sim.profile import HardwareProfile
+from moetier.sim.shapes import SHAPES
+from moetier.sim.sweep import budget_slots, check_fits, run
+from moetier.trace.synthetic import LocalityFit, generate
+
+FIT = LocalityFit(zipf_s=0.8, p_keep=0.4, reuse_next=0.0, source="hand-made")
+
+
+@pytest.fixture
+def mixtral_trace(tmp_path):
+    trace = generate(FIT, 32, 8, 2, 60, seed=1, model="mistralai/Mixtral-8x7B-v0.1")
+    trace.save(tmp_path / "t")
+    return trace, tmp_path / "t"
+
+
+def test_a_trace_that_does_not_fit_the_shape_is_refused(mixtral_trace):
+    trace, _ = mixtral_trace
+    with pytest.raises(MoetierError, match="routes top-2 of 8 experts; model shape olmoe-1b-7b has top-8 of 64"):
+        check_fits(trace, SHAPES["olmoe-1b-7b"])
+    check_fits(trace, SHAPES["mixtral-8x7b"])
+
+
+def test_a_budget_beyond_the_fast_tier_is_refused(mixtral_trace):
+    trace, _ = mixtral_trace
+    cost = CostModel.of(HardwareProfile.load("rtx4090"), SHAPES["mixtral-8x7b"])
+    with pytest.raises(MoetierError, match="does not fit the fast tier of rtx4090"):
+        budget_slots("75%", trace, cost)
+    assert budget_slots("4GiB", trace, cost) == 4 * 2**30 // cost.expert_bytes
+
+
+def test_more_memory_never_slows_lfu_down_on_a_gpu(mixtral_trace):
+    trace, _ = mixtral_trace
+    cost = CostModel.of(HardwareProfile.load("a100-pcie4"), SHAPES["mixtral-8x7b"])
+    runs = [run(trace, cost, "lfu", b) for b in ("10%", "30%", "60%")]
+    tpot = [r.result.summary()["tpot_s"] for r in runs]
+    hits = [r.result.hit_rate for r in runs]
+    assert hits[0] <= hits[1] <= hits[2] and tpot[0] >= tpot[1] >= tpot[2]
+
+
+def test_sim_cli_sweep_writes_table_json_and_plot(mixtral_trace, tmp_path, capsys):
+    _, path = mixtral_trace
+    out = tmp_path / "sweep"
+    assert main(["sim", "--trace", str(path), "--profile", "a6000", "--policy", "lru,lfu",
+                 "--expert-memory", "10%,25%", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mixtral-8x7b (bf16) on a6000" in text and text.count("%") >= 8
+    rows = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [(r["policy"], r["expert_memory"]) for r in rows] == [("lru", "10%"), ("lru", "25%"), ("lfu", "10%"),
+                                                                  ("lfu", "25%")]
+    assert (out / "sweep.png").stat().st_size > 0
+    assert main(["sim", "--trace", str(path), "--profile", "a6000", "--model-shape", "qwen3-30b-a3b"]) == 1
+    assert "routes top-2 of 8 experts" in capsys.readouterr().err
+    assert main(["sim", "--trace", str(path), "--profile", "v100-pcie3"]) == 1
+    assert "lists no throughput for bf16" in capsys.readouterr().err
+
+
+def test_trace_synth_for_a_named_shape(mixtral_trace, tmp_path):
+    from moetier.trace.format import Trace
+
+    _, path = mixtral_trace
+    assert main(["trace", "synth", "--fit", str(path), "--model-shape", "deepseek-moe-16b", "--tokens", "50",
+                 "--out", str(tmp_path / "ds")]) == 0
+    made = Trace.load(tmp_path / "ds")
+    assert made.layers == list(range(1, 28)) and (made.num_experts, made.top_k) == (64, 6) and made.synthetic
+    assert main(["trace", "synth", "--fit", str(path), "--out", str(tmp_path / "x")]) == 1
