@@ -41,10 +41,10 @@ def child(cfg: dict) -> dict:
     from moetier.store.store import Store
     from moetier.trace.record import TraceRecorder
 
-    # calibrate first: its resident run holds every expert, which must be released before the engine under test
-    # takes its own budget
+    # Calibrate before and after the engine under test (never beside it: the resident run of calibration holds
+    # every expert) and average, so slow drift of this shared machine touches both sides alike.
     store = Store(resolve_model(cfg["model"], progress=False))
-    profile = calibrate(store, progress=False)
+    first = calibrate(store, progress=False)
     gc.collect()
     engine = Engine.from_pretrained(cfg["model"], expert_memory=cfg["budget"], policy=cfg["policy"], progress=False)
     rng = random.Random(0)
@@ -62,12 +62,15 @@ def child(cfg: dict) -> dict:
         trace = recorder.trace(["warm-up", "measured"])
         slots = engine.executor.pool.num_slots
         expert_bytes = engine.executor.pool.slot_bytes
+    del engine, recorder
+    gc.collect()
+    profile = average(first, calibrate(store, progress=False))
     disk = Tier(before.name, (before.bandwidth_bytes_per_s + after.bandwidth_bytes_per_s) / 2,
                 (before.latency_s + after.latency_s) / 2)
     profile = dataclasses.replace(profile, tiers=(disk,))
     replayed = replay(trace, make_policy(cfg["policy"]), slots, preload=preload)
-    precision = engine.store.manifest.native_precision
-    cost = CostModel.of(profile, ModelShape.from_spec(engine.spec, cfg["model"], precision), precision, expert_bytes)
+    precision = store.manifest.native_precision
+    cost = CostModel.of(profile, ModelShape.from_spec(store.spec, cfg["model"], precision), precision, expert_bytes)
     sim = simulate(trace, replayed, cost)
     measured = [i for i, (phase, rows) in enumerate(steps(trace)) if phase == 1 and trace.seq[rows[0]] == 1]
     sim_tpot = float(np.mean([sim.step_time_s[i] for i in measured]))
@@ -80,12 +83,25 @@ def child(cfg: dict) -> dict:
             "read_latency_s": disk.latency_s, "slots": slots}
 
 
+def average(a, b):
+    """Two calibrations of the same shape, their compute figures averaged."""
+    from moetier.sim.profile import Linear
+
+    mean = lambda x, y: Linear((x.per_token + y.per_token) / 2, (x.fixed + y.fixed) / 2)  # noqa: E731
+    ma, mb = a.measured[0], b.measured[0]
+    measured = dataclasses.replace(ma, expert_s=mean(ma.expert_s, mb.expert_s),
+                                   dense_s_per_layer=mean(ma.dense_s_per_layer, mb.dense_s_per_layer),
+                                   head_s=mean(ma.head_s, mb.head_s))
+    return dataclasses.replace(a, measured=(measured,),
+                               executor_s_per_layer=mean(a.executor_s_per_layer, b.executor_s_per_layer))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_options(ap)
     ap.add_argument("--models", default=f"demo-fine,demo-coarse,{SYNTH}")
     ap.add_argument("--rounds", type=int, default=3, help="measure every configuration this many times")
-    ap.add_argument("--small-tokens", type=int, default=128,
+    ap.add_argument("--small-tokens", type=int, default=256,
                     help="measured tokens for the built-in demo models (a few ms each: more tokens, less noise)")
     args = ap.parse_args()
     if args.child:
@@ -115,6 +131,38 @@ def main() -> None:
               f"{r['ratio']:8.2f} {r['ratio_min']:5.2f}-{r['ratio_max']:<5.2f} {r['real_hit_rate']:8.1%} "
               f"{r['sim_hit_rate']:8.1%} {r['disk_gb_s']:10.2f}")
     print(f"within 15%: {sum(abs(r['ratio'] - 1) <= 0.15 for r in rows)} of {len(rows)}")
+    plot(rows, args.out / "sim_validation.png")
+    print(f"plot: {args.out / 'sim_validation.png'}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Simulated against real TPOT per configuration, with the per-round range, on log axes with y = x and the
+    15% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5.5))
+    lo = min(min(r["real_tpot_s"], r["sim_tpot_s"]) for r in rows) * 1e3 / 1.5
+    hi = max(max(r["real_tpot_s"], r["sim_tpot_s"]) for r in rows) * 1e3 * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1)
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="0.9", label="within 15%")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        real = [r["real_tpot_s"] * 1e3 for r in mine]
+        sim = [r["sim_tpot_s"] * 1e3 for r in mine]
+        err = [[s - r["ratio_min"] * x for s, x, r in zip(sim, real, mine)],
+               [r["ratio_max"] * x - s for s, x, r in zip(sim, real, mine)]]
+        ax.errorbar(real, sim, yerr=err, fmt="o", capsize=3, label=model)
+        for x, y, r in zip(real, sim, mine):
+            ax.annotate(r["budget"], (x, y), textcoords="offset points", xytext=(5, -10), fontsize=8)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="real TPOT, ms (median of rounds)",
+           ylabel="simulated TPOT, ms", title="simulator against the engine on this machine (LRU)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def summarize(model: str, budget: str, runs: list[dict]) -> dict:

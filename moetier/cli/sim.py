@@ -14,11 +14,13 @@ from moetier.errors import MoetierError
 def _calibrate(args: argparse.Namespace) -> None:
     from moetier.resolve import resolve_model
     from moetier.sim.calibrate import calibrate
-    from moetier.sim.profile import USER_PROFILES
+    from moetier.sim.profile import USER_PROFILES, HardwareProfile
     from moetier.store.store import Store
 
     profile = calibrate(Store(resolve_model(args.model, args.cache_dir)), args.name, args.reader_threads)
     path = Path(args.out) if args.out else USER_PROFILES / f"{args.name}.json"
+    if path.exists():  # keep what earlier runs measured for other shapes
+        profile = profile.merged_with(HardwareProfile.load(path))
     profile.save(path)
     disk, cpu, m = profile.tiers[0], profile.device, profile.measured[0]
     print(f"wrote {path}\n  disk: {disk.bandwidth_bytes_per_s / 1e9:.2f} GB/s + {disk.latency_s * 1e3:.3f} ms per read"
@@ -26,7 +28,8 @@ def _calibrate(args: argparse.Namespace) -> None:
           + ", ".join(f"{v / 1e12:.2f} TFLOP/s {k}" for k, v in cpu.flops.items())
           + f", {cpu.call_overhead_s * 1e6:.1f} us per call"
           f"\n  {args.model}: expert {m.expert_s(1) * 1e3:.3f} ms at 1 token (+{m.expert_s.per_token * 1e6:.1f} us "
-          f"per token); dense {m.dense_s_per_layer(1) * 1e3:.3f} ms per layer")
+          f"per token); dense {m.dense_s_per_layer(1) * 1e3:.3f} ms per layer"
+          f"\n  shapes measured: {len(profile.measured)} (`moetier calibrate --model M` adds one)")
 
 
 def _sim(args: argparse.Namespace) -> None:

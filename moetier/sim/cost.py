@@ -32,7 +32,7 @@ class CostModel:
         precision = precision or shape.precision
         return cls(profile, shape, precision, expert_bytes or shape.expert_bytes(precision))
 
-    @property
+    @cached_property
     def _measured(self):
         return self.profile.measured_for(self.shape.hidden_size, self.shape.moe_intermediate_size, self.precision)
 
@@ -45,7 +45,7 @@ class CostModel:
 
     def dense_s(self, layer: int, tokens: int) -> float:
         """Attention, norms, router and shared expert or dense MLP of one layer, plus the host's per-layer work."""
-        executor = self.profile.executor_s_per_layer(tokens) if layer in self.shape.moe_layers else 0.0
+        executor = self.profile.executor_s_per_layer(tokens) if layer in self._moe_index else 0.0
         m = self._measured
         if m is not None:
             return m.dense_s_per_layer(tokens) + executor
@@ -66,7 +66,7 @@ class CostModel:
     def resident_layer_s(self, layer: int, tokens: int) -> float:
         """A layer with every expert it needs already resident (for layers a partial trace does not cover):
         min(tokens * top_k, num_experts) experts, the tokens spread evenly over them."""
-        if layer not in self.shape.moe_layers:
+        if layer not in self._moe_index:
             return self.dense_s(layer, tokens)
         used = min(tokens * self.shape.top_k, self.shape.num_experts)
         return self.dense_s(layer, tokens) + used * self.expert_s(max(1, round(tokens * self.shape.top_k / used)))

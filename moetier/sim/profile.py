@@ -24,6 +24,7 @@ Units are bytes, seconds, bytes per second and FLOP per second throughout. Field
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -126,6 +127,12 @@ class HardwareProfile:
                                                                           precision):
                 return m
         return None
+
+    def merged_with(self, older: HardwareProfile) -> HardwareProfile:
+        """This profile, keeping `older`'s measured figures for shapes this one did not measure."""
+        mine = {(m.hidden_size, m.moe_intermediate_size, m.precision) for m in self.measured}
+        kept = tuple(m for m in older.measured if (m.hidden_size, m.moe_intermediate_size, m.precision) not in mine)
+        return dataclasses.replace(self, measured=self.measured + kept)
 
     def to_json(self) -> dict:
         d = asdict(self)

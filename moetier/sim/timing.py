@@ -96,7 +96,8 @@ def simulate(trace: Trace, replayed: ReplayResult, cost: CostModel,
     `timeline_steps` (negative indices count from the end). Layers the trace does not cover run with their
     experts resident."""
     layers = len(trace.layers)
-    untraced = [layer for layer in range(cost.shape.num_layers) if layer not in set(trace.layers)]
+    traced = set(trace.layers)
+    untraced = [layer for layer in range(cost.shape.num_layers) if layer not in traced]
     num_steps = len(replayed.plans) // layers
     timeline_steps = tuple(i % num_steps for i in timeline_steps)
     clock = link_free = penalty = 0.0
@@ -143,6 +144,6 @@ def plot_timeline(timeline: list[LayerTimeline], path, title: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms from the start of the step")
     ax.set_title(title)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False)
+    ax.legend(loc="lower left")  # the diagonal of layers leaves that corner empty
     fig.tight_layout()
     fig.savefig(path, dpi=110)

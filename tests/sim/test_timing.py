@@ -65,6 +65,16 @@ def test_profile_round_trip(tmp_path):
     assert HardwareProfile.load(tmp_path / "unit.json") == PROFILE
 
 
+def test_calibrating_another_shape_keeps_the_first():
+    import dataclasses
+
+    other = Measured(16, 32, "bf16", Linear(0.0, 5.0), Linear(0.0, 6.0), Linear(0.0, 7.0))
+    newer = dataclasses.replace(PROFILE, measured=(other,))
+    assert newer.merged_with(PROFILE).measured == (other, PROFILE.measured[0])
+    remeasured = dataclasses.replace(PROFILE.measured[0], expert_s=Linear(0.0, 9.0))
+    assert dataclasses.replace(PROFILE, measured=(remeasured,)).merged_with(PROFILE).measured == (remeasured,)
+
+
 def test_roofline_is_flat_while_memory_bound_then_linear():
     # no measured figures for this shape: the device's roofline. Expert: 3*8*16 = 384 params, 768 bytes in bf16
     # at 1 GB/s = 768 ns; 768 FLOPs per token at 1 TFLOP/s = 0.768 ns: memory-bound up to 1000 tokens
