@@ -3,24 +3,30 @@ simulator: given the same calls, both make the same evictions, so their hits and
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.base import EvictionPolicy
 
 
 class _Evictable:
-    """`in` view of the resident, unpinned keys, handed to the policy without building a list."""
+    """`in` view of the resident, unpinned keys (of one layer, with per-layer capacity), handed to the policy
+    without building a list."""
 
-    def __init__(self, residency: Residency) -> None:
+    def __init__(self, residency: Residency, layer: int | None = None) -> None:
         self._r = residency
+        self.layer = layer
 
     def __contains__(self, key: object) -> bool:
-        return key in self._r.slot_of and key not in self._r.pinned
+        return (key in self._r.slot_of and key not in self._r.pinned
+                and (self.layer is None or key.layer == self.layer))
 
 
 class Residency:
-    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+    """`layers`: split the slots evenly among these layers, each evicting only its own experts (as some papers
+    partition the cache); None: one cache shared by all layers."""
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy, layers: Sequence[int] | None = None) -> None:
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         self.num_slots = num_slots
@@ -30,6 +36,11 @@ class Residency:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.pinned: set[ExpertKey] = set()
         self._evictable = _Evictable(self)
+        self.layer_capacity = num_slots // len(layers) if layers else None
+        if self.layer_capacity == 0:
+            raise ValueError(f"{num_slots} slots cannot be split among {len(layers)} layers")
+        self._layer_count = dict.fromkeys(layers, 0) if layers else {}
+        self._layer_evictable = {layer: _Evictable(self, layer) for layer in layers or ()}
 
     def __contains__(self, key: ExpertKey) -> bool:
         return key in self.slot_of
@@ -41,6 +52,12 @@ class Residency:
     def free_slots(self) -> int:
         return len(self._free)
 
+    def has_room(self, layer: int) -> bool:
+        """A free slot `layer` may take without evicting."""
+        if self.layer_capacity is None:
+            return bool(self._free)
+        return bool(self._free) and self._layer_count[layer] < self.layer_capacity
+
     def pin(self, key: ExpertKey) -> None:
         self.pinned.add(key)
 
@@ -50,10 +67,13 @@ class Residency:
     def admit(self, key: ExpertKey) -> tuple[int, ExpertKey | None] | None:
         """A slot for `key` (pinned on return): a free one, else the policy's victim among the evictable keys.
         Returns (slot, evicted key or None), or None if every resident key is pinned."""
-        if self._free:
+        if self.has_room(key.layer):
             slot, evicted = self._free.pop(), None
-        elif len(self.slot_of) > len(self.pinned):
+        elif self.layer_capacity is None and len(self.slot_of) > len(self.pinned):
             evicted = self.policy.victim(self._evictable)
+            slot = self._evict(evicted)
+        elif self.layer_capacity is not None and self._layer_count[key.layer] > self._pinned_in(key.layer):
+            evicted = self.policy.victim(self._layer_evictable[key.layer])
             slot = self._evict(evicted)
         else:
             return None
@@ -77,9 +97,14 @@ class Residency:
             self.pinned.discard(key)
             self._free.append(self._evict(key))
 
+    def _pinned_in(self, layer: int) -> int:
+        return sum(1 for k in self.pinned if k.layer == layer)  # the pinned keys: one layer's experts at most
+
     def _evict(self, key: ExpertKey) -> int:
         slot = self.slot_of.pop(key)
         self.key_of[slot] = None
+        if self.layer_capacity is not None:
+            self._layer_count[key.layer] -= 1
         self.policy.on_evict(key)
         return slot
 
@@ -87,4 +112,6 @@ class Residency:
         self.slot_of[key] = slot
         self.key_of[slot] = key
         self.pinned.add(key)
+        if self.layer_capacity is not None:
+            self._layer_count[key.layer] += 1
         self.policy.on_insert(key)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moetier.cli import generate, sim, store, trace
+from moetier.cli import cache, generate, sim, store, trace
 from moetier.errors import MoetierError
 
 
@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moetier", description="Run Mixture-of-Experts language models on machines too small to hold all "
                                     "their experts: experts stay on disk, a bounded cache holds the ones in use.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (generate, store, trace, sim):
+    for group in (generate, store, trace, sim, cache):
         group.add_parser(sub)
     return parser
 

@@ -52,14 +52,24 @@ class ReplayResult:
         return [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in self.plans]
 
 
+def topk_scores(topk_ids: np.ndarray, topk_weights: np.ndarray, num_experts: int) -> np.ndarray:
+    """[T, E] scores holding each token's top-k weights and zeros elsewhere."""
+    scores = np.zeros((len(topk_ids), num_experts), np.float32)
+    np.put_along_axis(scores, topk_ids, topk_weights, axis=1)
+    return scores
+
+
 def replay(trace: Trace, policy: EvictionPolicy, num_slots: int,
-           on_plan: Callable[[LayerPlan], None] | None = None, preload: bool = False) -> ReplayResult:
-    """`preload` starts as Engine.preload() does: experts admitted layer by layer until the cache is full."""
-    residency = Residency(num_slots, policy)
+           on_plan: Callable[[LayerPlan], None] | None = None, preload: bool = False,
+           per_layer: bool = False) -> ReplayResult:
+    """`preload` starts as Engine.preload() does: experts admitted layer by layer until the cache is full.
+    `per_layer` splits the slots evenly among the trace's layers. A trace without full router scores hands
+    the policies its top-k weights with zeros elsewhere."""
+    residency = Residency(num_slots, policy, trace.layers if per_layer else None)
     if preload:
         for layer in trace.layers:
             for e in range(trace.num_experts):
-                if residency.free_slots:
+                if residency.has_room(layer):
                     residency.admit(ExpertKey(layer, e))
         residency.unpin_all()
     planner = Planner(trace.num_experts, [OnDemandStage(residency)])
@@ -72,9 +82,9 @@ def replay(trace: Trace, policy: EvictionPolicy, num_slots: int,
             policy.on_sequence_start()
         for j, layer in enumerate(trace.layers):
             ids = trace.topk_ids[rows, j].astype(np.int64)
-            route = RouteResult(layer, step, ids, trace.topk_weights[rows, j].astype(np.float32),
-                                scores[rows, j].astype(np.float32) if scores is not None
-                                else np.zeros((len(rows), trace.num_experts), np.float32))
+            weights = trace.topk_weights[rows, j].astype(np.float32)
+            route = RouteResult(layer, step, ids, weights, scores[rows, j].astype(np.float32)
+                                if scores is not None else topk_scores(ids, weights, trace.num_experts))
             policy.on_route(route)
             plan = planner.plan(route)
             result.plans.append(plan)

@@ -11,6 +11,7 @@ DIR/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,28 @@ class Trace:
     @property
     def num_tokens(self) -> int:
         return len(self.seq)
+
+    def split(self, fraction: float) -> tuple[Trace, Trace]:
+        """The first `fraction` of the token steps and the rest, cut where a step starts (a prompt's prefill
+        stays in one part)."""
+        if not 0 < fraction < 1:
+            raise ValueError(f"split fraction must be in (0, 1), got {fraction}")
+        cut = round(fraction * self.num_tokens)
+        while 0 < cut < self.num_tokens and self.phase[cut] == PREFILL and self.phase[cut - 1] == PREFILL \
+                and self.seq[cut] == self.seq[cut - 1]:
+            cut += 1
+        if not 0 < cut < self.num_tokens:
+            raise TraceError(f"a trace of {self.num_tokens} token steps cannot be split at {fraction:.0%}")
+        return self.rows(slice(0, cut)), self.rows(slice(cut, self.num_tokens))
+
+    def rows(self, index: slice) -> Trace:
+        """The token steps in `index`, as a trace of its own."""
+        pick = lambda a: None if a is None else a[index]  # noqa: E731
+        start, stop, _ = index.indices(self.num_tokens)
+        return dataclasses.replace(self, seq=self.seq[index], pos=self.pos[index], phase=self.phase[index],
+                                   topk_ids=self.topk_ids[index], topk_weights=self.topk_weights[index],
+                                   scores=pick(self.scores), gate_inputs=pick(self.gate_inputs),
+                                   notes=[*self.notes, f"token steps {start}..{stop - 1} of {self.num_tokens}"])
 
     @property
     def partial(self) -> bool:

@@ -1,21 +1,42 @@
-"""Eviction policies by name."""
+"""Eviction policies by name: `make_policy(name, ctx, **params)` makes one for one cache. `ctx` (a
+PolicyContext) tells it the cache's slots and layers; the classic policies need none of it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from moetier.cache.policies.arc import ARCPolicy
 from moetier.cache.policies.base import EvictionPolicy
+from moetier.cache.policies.belady import BeladyPolicy
+from moetier.cache.policies.comoe import CoMoEPolicy
+from moetier.cache.policies.context import PolicyContext
+from moetier.cache.policies.flashmoe_ml import FlashMoEMLPolicy
+from moetier.cache.policies.fld import FLDPolicy
+from moetier.cache.policies.hobbit import HobbitPolicy
+from moetier.cache.policies.lecar import LeCaRPolicy
 from moetier.cache.policies.lfu import LFUPolicy
+from moetier.cache.policies.lfu_seq import LFUSeqPolicy
+from moetier.cache.policies.lhu import LHUPolicy
 from moetier.cache.policies.lru import LRUPolicy
+from moetier.cache.policies.smoe_score import SMoEScorePolicy
+from moetier.cache.policies.static_hot import StaticHotPolicy
 from moetier.errors import MoetierError
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+CONTEXT_FREE = {"lru": LRUPolicy, "lfu": LFUPolicy, "lfu-seq": LFUSeqPolicy}
+POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
+    **CONTEXT_FREE, "fld": FLDPolicy, "lhu": LHUPolicy, "hobbit": HobbitPolicy, "smoe-score": SMoEScorePolicy,
+    "comoe": CoMoEPolicy, "arc": ARCPolicy, "lecar": LeCaRPolicy, "flashmoe-ml": FlashMoEMLPolicy,
+    "belady": BeladyPolicy, "static-hot": StaticHotPolicy}
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def make_policy(name: str, ctx: PolicyContext | None = None, **params) -> EvictionPolicy:
     if name not in POLICIES:
         raise MoetierError(f"unknown eviction policy {name!r}", hint=f"choose one of {', '.join(POLICIES)}")
-    return POLICIES[name]()
+    if name in CONTEXT_FREE:
+        return POLICIES[name](**params)
+    if ctx is None:
+        raise ValueError(f"policy {name} needs a PolicyContext")
+    return POLICIES[name](ctx, **params)
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "PolicyContext", "make_policy"]

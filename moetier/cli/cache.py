@@ -1,0 +1,110 @@
+"""`moetier cache-bench` and `moetier train cache-policy`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moetier.cli.defaults import DEFAULT_MODEL
+from moetier.errors import MoetierError
+
+TRAINABLE = ("flashmoe-ml", "hobbit", "static-hot")
+
+
+def _policies(spec: str) -> list[str]:
+    from moetier.sim.cache_bench import all_policies
+
+    names = all_policies() if spec == "all" else spec.split(",")
+    unknown = sorted(set(names) - set(all_policies()))
+    if unknown:
+        raise MoetierError(f"unknown policies {unknown}", hint=f"choose from {', '.join(all_policies())} or all")
+    if "belady" not in names or "lru" not in names:  # the gap is measured between them
+        names = sorted(set(names) | {"lru", "belady"})
+    return names
+
+
+def _cache_bench(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from moetier.sim.cache_bench import evaluate, format_table, plot, to_json
+    from moetier.sim.shapes import ShapeError, model_shape
+    from moetier.trace.format import Trace
+
+    policies, budgets = _policies(args.policy), args.expert_memory.split(",")
+    partitions = ["global", "per-layer"] if args.partition == "both" else [args.partition]
+    traces = [(path, Trace.load(path)) for path in args.trace]
+    records = []
+    with tqdm(total=len(traces) * len(budgets) * len(policies) * len(partitions), desc="cache-bench",
+              unit="replay") as bar:
+        for path, trace in traces:
+            if trace.scores is None:
+                tqdm.write(f"note: {path} has no full router scores: smoe-score sees top-k weights, zeros elsewhere")
+            try:
+                expert_bytes = model_shape(trace.model)[0].expert_bytes()
+            except ShapeError:
+                expert_bytes = None
+            for partition in partitions:
+                records += evaluate(trace, Path(path).name, budgets, policies, partition, args.train_fraction,
+                                    expert_bytes, progress=bar.update)
+    print(format_table(records))
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(records), indent=1))
+        print(f"wrote {args.json}")
+    png = Path(args.plot)
+    plot(records, png)
+    print(f"plot: {png}")
+
+
+def _train_cache_policy(args: argparse.Namespace) -> None:
+    from moetier.cache.training import fit_hobbit, save_policy_file, train_flashmoe, use_counts
+    from moetier.sim.cache_bench import budget_slots
+    from moetier.trace.format import Trace
+
+    trace = Trace.load(args.trace)
+    out = Path(args.out) if args.out else _model_dir(args.model, args.cache_dir) / "policies" / f"{args.policy}.json"
+    if args.policy == "flashmoe-ml":
+        train_flashmoe(trace).save(out)
+    elif args.policy == "static-hot":
+        counts = use_counts(trace)
+        save_policy_file(out, {"policy": "static-hot", "trained_on": trace.model,
+                               "counts": [[k.layer, k.expert, n] for k, n in sorted(counts.items())]})
+    else:
+        slots = budget_slots(args.expert_memory, trace)
+        weights, table = fit_hobbit(trace, slots)
+        save_policy_file(out, {"policy": "hobbit", "trained_on": trace.model, "slots": slots,
+                               "weights": weights.__dict__,
+                               "grid": [[*w.__dict__.values(), misses] for w, misses in table]})
+        print(f"weights lru/lfu/lhu/fld = {weights.lru}/{weights.lfu}/{weights.lhu}/{weights.fld}")
+    print(f"wrote {out}")
+
+
+def _model_dir(model: str, cache_dir: str | None) -> Path:
+    from moetier.resolve import builtin_models, resolve_model
+
+    return builtin_models().get(model) or resolve_model(model, cache_dir)
+
+
+def add_parser(sub) -> None:
+    cb = sub.add_parser("cache-bench", help="every eviction policy on routing traces, against the optimum")
+    cb.add_argument("--trace", nargs="+", required=True, help="one or more trace folders")
+    cb.add_argument("--expert-memory", default="10%,25%,50%", help="shares of the traced experts, or slot counts")
+    cb.add_argument("--policy", default="all", help="comma-separated names, or all")
+    cb.add_argument("--partition", default="global", choices=["global", "per-layer", "both"],
+                    help="one cache shared by all layers, or the slots split evenly among them")
+    cb.add_argument("--train-fraction", type=float, default=0.7,
+                    help="learned policies fit on this first part; every policy is scored on the rest")
+    cb.add_argument("--json", help="write the records here")
+    cb.add_argument("--plot", default="cache-bench.png", help="hit rate against budget per policy (PNG)")
+    cb.set_defaults(func=_cache_bench)
+
+    tr = sub.add_parser("train", help="train what moetier learns (cache policies)").add_subparsers(
+        dest="train_command", required=True)
+    cp = tr.add_parser("cache-policy", help="fit a learned eviction policy on a trace and save it with the model")
+    cp.add_argument("--policy", required=True, choices=TRAINABLE)
+    cp.add_argument("--trace", required=True)
+    cp.add_argument("--model", default=DEFAULT_MODEL, help="the model to save it with (its policies/ folder)")
+    cp.add_argument("--out", help="write here instead")
+    cp.add_argument("--expert-memory", default="25%", help="hobbit: the budget to fit the weights at")
+    cp.add_argument("--cache-dir")
+    cp.set_defaults(func=_train_cache_policy)

@@ -1,0 +1,137 @@
+"""`moetier cache-bench`: every eviction policy replayed on the same traces and budgets, against Belady.
+
+Each trace is split in time: policies that learn (flashmoe-ml's networks, hobbit's weights, static-hot's
+profile) are fitted on the first part, and every policy — learned or not — is evaluated on the rest from a cold
+cache, so no policy is scored on what it was fitted on and all are scored on the same accesses."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moetier.cache.policies import POLICIES, make_policy
+from moetier.cache.policies.context import PolicyContext
+from moetier.errors import MoetierError
+from moetier.sim.replay import replay
+from moetier.trace.format import DECODE, Trace
+
+LEARNED = ("flashmoe-ml", "hobbit", "static-hot")
+OFFLINE = ("belady",)
+
+
+@dataclass(frozen=True)
+class Record:
+    trace: str
+    policy: str
+    expert_memory: str
+    partition: str
+    slots: int
+    hit_rate: float
+    misses: int
+    bytes_per_token: float | None  # expert bytes read per decoded token (None: the expert size is unknown)
+    miss_penalty_s: float | None  # read time of every miss on the given profile
+    gap_closed: float | None  # (hit - LRU's) / (Belady's - LRU's)
+
+
+def budget_slots(budget: str, trace: Trace) -> int:
+    """A share of the experts of the layers the trace covers ("25%"), or a slot count ("96")."""
+    total = len(trace.layers) * trace.num_experts
+    try:
+        slots = round(float(budget[:-1]) / 100 * total) if budget.endswith("%") else int(budget)
+    except ValueError:
+        raise MoetierError(f"cannot read the budget {budget!r}", hint="a share like 25% or a number of slots") from None
+    if not trace.top_k <= slots <= total:
+        raise MoetierError(f"budget {budget} gives {slots} slots; a layer needs {trace.top_k} and the trace has "
+                           f"{total} experts")
+    return slots
+
+
+def fit_learned(train: Trace, slots: int, cache: dict, names: list[str]) -> dict[str, dict]:
+    """Constructor arguments of the learned policies among `names`, fitted on `train` (cached per budget)."""
+    from moetier.cache.training import fit_hobbit, train_flashmoe, use_counts
+
+    params: dict[str, dict] = {}
+    if "flashmoe-ml" in names:
+        if "flashmoe-ml" not in cache:
+            cache["flashmoe-ml"] = train_flashmoe(train)
+        params["flashmoe-ml"] = {"model": cache["flashmoe-ml"]}
+    if "static-hot" in names:
+        cache.setdefault("counts", use_counts(train))
+        params["static-hot"] = {"counts": cache["counts"]}
+    if "hobbit" in names:
+        params["hobbit"] = {"weights": fit_hobbit(train, slots)[0]}
+    return params
+
+
+def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], partition: str = "global",
+             train_fraction: float = 0.7, expert_bytes: int | None = None, read_s: float | None = None,
+             progress=None) -> list[Record]:
+    train, test = trace.split(train_fraction)
+    decoded = int((test.phase == DECODE).sum()) or test.num_tokens
+    records, fitted = [], {}
+    for budget in budgets:
+        slots = budget_slots(budget, test)
+        params = fit_learned(train, slots, fitted, policies)
+        results = {}
+        for policy in policies:
+            ctx = PolicyContext(slots, tuple(test.layers), test.num_experts, test.top_k, trace=test)
+            result = replay(test, make_policy(policy, ctx, **params.get(policy, {})), slots,
+                            per_layer=partition == "per-layer")
+            results[policy] = result
+            if progress is not None:
+                progress()
+        lru, opt = results.get("lru"), results.get("belady")
+        for policy, result in results.items():
+            gap = None
+            if lru is not None and opt is not None and opt.hit_rate > lru.hit_rate:
+                gap = (result.hit_rate - lru.hit_rate) / (opt.hit_rate - lru.hit_rate)
+            misses = result.needed - result.hits
+            records.append(Record(name, policy, budget, partition, slots, result.hit_rate, misses,
+                                  misses * expert_bytes / decoded if expert_bytes else None,
+                                  misses * read_s if read_s else None, gap))
+    return records
+
+
+def format_table(records: list[Record]) -> str:
+    lines = [f"{'trace':>22} {'budget':>7} {'policy':>12} {'hit':>7} {'gap closed':>10} {'MiB/token':>10} "
+             f"{'penalty s':>10}"]
+    for r in records:
+        gap = "" if r.gap_closed is None else f"{r.gap_closed:.0%}"
+        mib = "" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.1f}"
+        pen = "" if r.miss_penalty_s is None else f"{r.miss_penalty_s:.2f}"
+        lines.append(f"{r.trace[-22:]:>22} {r.expert_memory:>7} {r.policy:>12} {r.hit_rate:>7.1%} {gap:>10} "
+                     f"{mib:>10} {pen:>10}")
+    return "\n".join(lines)
+
+
+def plot(records: list[Record], path: Path) -> None:
+    """Hit rate against budget per policy, one panel per trace (the shape of FlashMoE's Figure 6)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(r.trace for r in records))
+    fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
+    for ax, trace in zip(axes[0], traces):
+        mine = [r for r in records if r.trace == trace]
+        for policy in dict.fromkeys(r.policy for r in mine):
+            pts = sorted((r.slots, r.hit_rate) for r in mine if r.policy == policy)
+            style = {"color": "black", "linestyle": "--"} if policy == "belady" else {}
+            ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], marker="o", label=policy, **style)
+        ax.set_title(trace)
+        ax.set_xlabel("cache slots")
+        ax.set_ylabel("hit rate, % (held-out part)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def to_json(records: list[Record]) -> list[dict]:
+    return [asdict(r) for r in records]
+
+
+def all_policies() -> list[str]:
+    return sorted(POLICIES)

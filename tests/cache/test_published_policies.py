@@ -1,0 +1,207 @@
+"""The published policies as pure logic: hand-made event sequences with known answers, and textbook cases
+replayed on hand-made traces."""
+
+import numpy as np
+import pytest
+
+from moetier.cache.keys import ExpertKey
+from moetier.cache.policies import make_policy
+from moetier.cache.policies.context import PolicyContext
+from moetier.cache.policies.hobbit import HobbitWeights
+from moetier.plan.route import RouteResult
+from moetier.sim.replay import replay
+from moetier.trace.format import DECODE, Trace
+
+CTX = PolicyContext(num_slots=3, layers=(0, 1, 2, 3), num_experts=4, top_k=1)
+K = {(layer, e): ExpertKey(layer, e) for layer in range(4) for e in range(4)}
+
+
+def route(layer, step, ids, scores=None, weights=None):
+    ids = np.asarray(ids, np.int64).reshape(len(ids), -1)  # [T, k]
+    w = np.full(ids.shape, 1.0, np.float32) if weights is None else np.asarray(weights, np.float32).reshape(ids.shape)
+    s = np.zeros((len(ids), 4), np.float32) if scores is None else np.asarray(scores, np.float32).reshape(len(ids), 4)
+    return RouteResult(layer, step, ids, w, s)
+
+
+def use(policy, key, step=1, precision="bf16", insert=False):
+    if insert:
+        policy.on_insert(key)
+    policy.on_access(key, precision, step)
+
+
+def one_layer_trace(refs, num_experts=6):
+    """A decode-only trace of one layer, top-1: the classic page-reference string."""
+    n = len(refs)
+    ids = np.asarray(refs, np.int16).reshape(n, 1, 1)
+    return Trace("hand-made", 1, num_experts, 1, [0], np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                 np.full(n, DECODE, np.uint8), ids, np.ones_like(ids, np.float16))
+
+
+def faults(policy, refs, slots=3):
+    trace = one_layer_trace(refs)
+    ctx = PolicyContext(slots, (0,), trace.num_experts, 1, trace=trace)
+    result = replay(trace, make_policy(policy, ctx), slots)
+    return result.needed - result.hits
+
+
+# The textbook reference string 1 2 3 4 1 2 5 1 2 3 4 5 with three frames: OPT 7 faults, LRU 10.
+TEXTBOOK = [1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5]
+
+
+def test_belady_and_lru_textbook_fault_counts():
+    assert faults("belady", TEXTBOOK) == 7
+    assert faults("lru", TEXTBOOK) == 10
+
+
+def test_lfu_textbook_keeps_the_frequent_page():
+    # 1 is used three times up front; a scan of 2..5 then never evicts it under LFU, always under LRU
+    refs = [1, 1, 1, 2, 3, 4, 5, 1]
+    assert faults("lfu", refs) == 5 and faults("lru", refs) == 6
+
+
+def test_arc_resists_a_scan_that_flushes_lru():
+    # 1 and 2 used twice (T2), then a one-time scan 3 4 5 through a 3-slot cache: ARC evicts from T1 (the
+    # scan), so 1 and 2 hit at the end; LRU has flushed them
+    refs = [1, 1, 2, 2, 3, 4, 5, 1, 2]
+    assert faults("arc", refs) == 5
+    assert faults("lru", refs) == 7
+
+
+def test_arc_grows_t1_after_a_miss_on_its_ghost():
+    p = make_policy("arc", PolicyContext(2, (0,), 4, 1))
+    a, b, c = K[(0, 0)], K[(0, 1)], K[(0, 2)]
+    for key in (a, b):
+        p.on_route(route(0, 1, [key.expert]))
+        use(p, key, insert=True)
+    p.on_route(route(0, 2, [c.expert]))
+    assert p.victim({a, b}) == a  # T1, least recent
+    p.on_evict(a)
+    use(p, c, insert=True)
+    assert a in p.b1 and p.p == 0
+    p.on_route(route(0, 3, [a.expert]))  # a miss on a ghost of T1
+    assert p.p == 1
+
+
+def test_lfu_seq_forgets_at_each_sequence():
+    p = make_policy("lfu-seq", CTX)
+    a, b = K[(0, 0)], K[(0, 1)]
+    use(p, a, insert=True)
+    use(p, a)
+    use(p, b, insert=True)
+    assert p.victim({a, b}) == b
+    p.on_sequence_start()
+    use(p, b)
+    assert p.victim({a, b}) == a  # a's two uses belonged to the last sequence
+
+
+def test_fld_evicts_the_layer_computed_last():
+    p = make_policy("fld", CTX)
+    keys = [K[(layer, 0)] for layer in range(4)]
+    for key in keys:
+        use(p, key, insert=True)
+    p.on_route(route(2, 2, [1]))  # computing layer 2: layer 1 runs again only after 3, 0
+    assert p.victim(set(keys)) == K[(1, 0)]
+    assert p.victim({K[(3, 0)], K[(0, 0)]}) == K[(0, 0)]
+
+
+def test_lhu_counts_only_full_precision_uses():
+    p = make_policy("lhu", CTX)
+    a, b = K[(0, 0)], K[(0, 1)]
+    use(p, a, insert=True, precision="int4")
+    use(p, a, precision="int4")
+    use(p, b, insert=True)
+    assert p.victim({a, b}) == a  # two uses, both at int4
+
+
+def test_hobbit_with_one_weight_is_that_policy():
+    a, b = K[(0, 0)], K[(1, 0)]
+    lru = make_policy("hobbit", CTX, weights=HobbitWeights(1, 0, 0, 0))
+    fld = make_policy("hobbit", CTX, weights=HobbitWeights(0, 0, 0, 1))
+    for p in (lru, fld):
+        use(p, b, insert=True)
+        use(p, a, insert=True)
+        p.on_route(route(1, 2, [1]))  # computing layer 1: layer 0 is the farthest ahead
+    assert lru.victim({a, b}) == b and fld.victim({a, b}) == a
+
+
+def test_hobbit_reads_fitted_weights_saved_with_the_model(tmp_path):
+    import json
+
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "hobbit.json").write_text(json.dumps({"weights": {"lru": 0, "lfu": 1, "lhu": 0,
+                                                                               "fld": 0}}))
+    ctx = PolicyContext(3, (0,), 4, 1, model_dir=tmp_path)
+    assert make_policy("hobbit", ctx).weights == HobbitWeights(0, 1, 0, 0)
+
+
+def test_smoe_score_keeps_an_expert_the_router_rates_highly_without_selecting_it():
+    p = make_policy("smoe-score", CTX)
+    a, b = K[(0, 0)], K[(0, 1)]
+    use(p, a, insert=True)
+    use(p, b, insert=True)
+    for step in range(2, 6):  # expert 0 is selected with a middling score; expert 1 scored 0.45, unselected
+        p.on_route(route(0, step, [0], scores=[0.5, 0.45, 0.05, 0.0]))
+    p.on_route(route(0, 6, [2], scores=[0.05, 0.4, 0.55, 0.0]))
+    assert p.victim({a, b}) == a  # mean 0.41 against 0.44
+
+
+def test_comoe_weighs_recent_use_and_importance():
+    p = make_policy("comoe", CTX)
+    a, b = K[(0, 0)], K[(0, 1)]
+    use(p, a, insert=True)
+    use(p, b, insert=True)
+    for step in range(2, 10):  # expert 0 keeps being selected with weight 0.9; expert 1 never
+        p.on_route(route(0, step, [0], weights=[0.9]))
+    assert p.victim({a, b}) == b
+
+
+def test_lecar_learns_against_the_policy_that_caused_misses():
+    p = make_policy("lecar", PolicyContext(2, (0,), 4, 1))
+    a, b, c = K[(0, 0)], K[(0, 1)], K[(0, 2)]
+    use(p, a, insert=True)
+    use(p, a)
+    use(p, b, insert=True)
+    p.rng.random = lambda: 0.0  # the draw picks LRU
+    victim = p.victim({a, b})
+    assert victim == a
+    p.on_evict(a)
+    use(p, c, insert=True)
+    before = p.w_lru
+    p.on_evict(b)
+    use(p, a, insert=True)  # a miss on what LRU evicted
+    assert p.w_lru < before
+
+
+def test_static_hot_never_evicts_a_hot_expert_while_a_cold_one_can_go():
+    counts = {K[(0, 0)]: 10, K[(0, 1)]: 9, K[(0, 2)]: 1}
+    p = make_policy("static-hot", CTX, counts=counts)  # 3 slots, top-1: the two hottest stay
+    for key in (K[(0, 2)], K[(0, 0)], K[(0, 1)]):
+        use(p, key, insert=True)
+    assert p.hot == {K[(0, 0)], K[(0, 1)]}
+    assert p.victim({K[(0, 0)], K[(0, 1)], K[(0, 2)]}) == K[(0, 2)]
+    assert p.victim({K[(0, 0)], K[(0, 1)]}) == K[(0, 1)]
+
+
+def test_belady_needs_the_trace_and_learned_policies_their_weights():
+    from moetier.errors import MoetierError
+
+    with pytest.raises(MoetierError, match="offline optimum"):
+        make_policy("belady", CTX)
+    with pytest.raises(MoetierError, match="train cache-policy --policy flashmoe-ml"):
+        make_policy("flashmoe-ml", CTX)
+    with pytest.raises(MoetierError, match="train cache-policy --policy static-hot"):
+        make_policy("static-hot", CTX)
+
+
+def test_flashmoe_ml_learns_a_periodic_pattern_lru_gets_wrong():
+    # A loop over 4 experts through 3 slots: LRU always evicts the one needed next (every access misses);
+    # Belady's targets teach the network that the most recently used is needed last.
+    from moetier.cache.training import train_flashmoe
+
+    refs = [0, 1, 2, 3] * 60
+    model = train_flashmoe(one_layer_trace(refs), iterations=300)
+    test = one_layer_trace(refs[:80])
+    ctx = PolicyContext(3, (0,), 6, 1, trace=test)
+    ml = replay(test, make_policy("flashmoe-ml", ctx, model=model), 3)
+    assert faults("lru", refs[:80]) == 80
+    assert ml.needed - ml.hits < 40

@@ -1,0 +1,77 @@
+"""`moetier cache-bench` and `moetier train cache-policy` on small hand-made traces."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moetier.cli import main
+from moetier.sim.cache_bench import budget_slots, evaluate
+from moetier.trace.synthetic import LocalityFit, generate
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return generate(LocalityFit(zipf_s=1.0, p_keep=0.5, reuse_next=0.0, source="hand-made"), 4, 16, 2, 300,
+                    seed=2, model="hand-made")
+
+
+def test_every_policy_is_scored_on_the_held_out_part_against_belady(trace):
+    records = evaluate(trace, "t", ["25%"], ["lru", "lfu", "belady", "flashmoe-ml", "hobbit", "static-hot"])
+    by = {r.policy: r for r in records}
+    assert set(by) == {"lru", "lfu", "belady", "flashmoe-ml", "hobbit", "static-hot"}
+    assert all(r.hit_rate <= by["belady"].hit_rate for r in records)
+    assert by["lru"].gap_closed == 0 and by["belady"].gap_closed == 1
+    from moetier.cache.policies import LRUPolicy
+    from moetier.sim.replay import replay
+
+    held_out = replay(trace.split(0.7)[1], LRUPolicy(), 16)  # scored on the rest only, from a cold cache
+    assert by["lru"].misses == held_out.needed - held_out.hits
+    assert all(r.slots == 16 for r in records)  # 25% of 4 layers x 16 experts
+
+
+def test_budgets_are_shares_or_slot_counts(trace):
+    assert budget_slots("50%", trace) == 32 and budget_slots("7", trace) == 7
+    from moetier.errors import MoetierError
+
+    with pytest.raises(MoetierError, match="a layer needs 2"):
+        budget_slots("1", trace)
+    with pytest.raises(MoetierError, match="cannot read the budget"):
+        budget_slots("lots", trace)
+
+
+def test_cache_bench_cli_writes_records_and_plot(trace, tmp_path, capsys):
+    trace.save(tmp_path / "t")
+    out = tmp_path / "r.json"
+    assert main(["cache-bench", "--trace", str(tmp_path / "t"), "--expert-memory", "10%,25%", "--policy",
+                 "lru,arc,lecar", "--partition", "both", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    records = json.loads(out.read_text())
+    assert {(r["policy"], r["expert_memory"], r["partition"]) for r in records} == {
+        (p, b, part) for p in ("lru", "arc", "lecar", "belady") for b in ("10%", "25%")
+        for part in ("global", "per-layer")}
+    assert all({"trace", "policy", "expert_memory", "hit_rate"} <= r.keys() for r in records)
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "no full router scores" in capsys.readouterr().out
+    assert main(["cache-bench", "--trace", str(tmp_path / "t"), "--policy", "mru"]) == 1
+
+
+def test_train_cache_policy_saves_files_the_policies_read(trace, tmp_path):
+    from moetier.cache.policies import make_policy
+    from moetier.cache.policies.context import PolicyContext
+
+    trace.save(tmp_path / "t")
+    model_dir = tmp_path / "model"
+    for policy in ("flashmoe-ml", "hobbit", "static-hot"):
+        assert main(["train", "cache-policy", "--policy", policy, "--trace", str(tmp_path / "t"), "--out",
+                     str(model_dir / "policies" / f"{policy}.json")]) == 0
+    ctx = PolicyContext(16, tuple(trace.layers), 16, 2, model_dir=model_dir)
+    assert sorted(make_policy("flashmoe-ml", ctx).model.layers) == [0, 1, 2, 3]
+    assert make_policy("hobbit", ctx).weights_source.endswith("hobbit.json")
+    assert len(make_policy("static-hot", ctx).hot) == 14
+
+
+def test_a_trace_without_scores_gives_smoe_its_topk_weights():
+    from moetier.sim.replay import topk_scores
+
+    s = topk_scores(np.array([[2, 0]]), np.array([[0.7, 0.3]], np.float32), 4)
+    assert s.tolist() == [[pytest.approx(0.3), 0.0, pytest.approx(0.7), 0.0]]
