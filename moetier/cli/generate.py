@@ -16,7 +16,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, policy=args.policy,
                                     cache_dir=args.cache_dir, progress=not args.json,
-                                    reader_threads=args.reader_threads)
+                                    reader_threads=args.reader_threads, cache_partition=args.cache_partition)
     prompts = args.prompt
     stream = len(prompts) == 1 and not args.json
 
@@ -48,7 +48,10 @@ def add_parser(sub) -> None:
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--expert-memory", default="30%", help="bytes (512MiB, 2GB), share of expert bytes (30%%), auto")
-    g.add_argument("--policy", default="lru", choices=sorted(POLICIES))
+    g.add_argument("--policy", default="lru", choices=sorted(POLICIES), help="expert eviction policy (see "
+                   "docs/cache-policies.md; belady is offline only)")
+    g.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
+                   help="one expert cache for all layers, or the slots split evenly among them")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)

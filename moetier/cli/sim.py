@@ -50,7 +50,9 @@ def _sim(args: argparse.Namespace) -> None:
         if policy not in POLICIES:
             raise MoetierError(f"unknown policy {policy!r}", hint=f"one of {', '.join(sorted(POLICIES))}")
     timeline_steps = (args.timeline_step,) if args.timeline else ()
-    runs = [run(trace, cost, policy, budget, args.preload, timeline_steps) for policy, budget in configs]
+    model_dir = _policy_dir(args.model_shape or trace.model)
+    runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.partition == "per-layer", model_dir)
+            for policy, budget in configs]
     where = f"{shape.name} ({cost.precision}) on {profile.name}"
     if len(runs) == 1:
         summary = dict(runs[0].row(), profile=profile.name, model_shape=shape.name, precision=cost.precision)
@@ -67,6 +69,13 @@ def _sim(args: argparse.Namespace) -> None:
                                                 "runs": [r.row() for r in runs]}, indent=1))
     plot_sweep(runs, out / "sweep.png", where)
     print(f"{where}, trace {args.trace}\n{format_table(runs)}\nwrote {out / 'sweep.json'} and {out / 'sweep.png'}")
+
+
+def _policy_dir(name: str) -> Path | None:
+    """Where trained policies of a built-in model or a model directory live (None for a bare shape)."""
+    from moetier.resolve import builtin_models
+
+    return builtin_models().get(name) or (Path(name) if Path(name).is_dir() else None)
 
 
 def add_parser(sub) -> None:
@@ -90,6 +99,8 @@ def add_parser(sub) -> None:
     sm.add_argument("--precision", help="the experts' precision (default: the shape's checkpoint precision)")
     sm.add_argument("--policy", default="lru", help=f"one or more of {', '.join(sorted(POLICIES))}, comma-separated")
     sm.add_argument("--expert-memory", default="30%", help="one or more budgets (bytes or %% of the experts)")
+    sm.add_argument("--partition", default="global", choices=["global", "per-layer"],
+                    help="one expert cache for all layers, or the slots split evenly among them")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
     sm.add_argument("--cache-dir")
     sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step (single configuration)")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from moetier.cache.policies import make_policy
+from moetier.cache.policies import PolicyContext, make_policy
 from moetier.config import MemoryBudget, format_bytes
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
@@ -20,6 +20,7 @@ from moetier.resolve import resolve_model
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
 
+PARTITIONS = ("global", "per-layer")
 AUTO_MARGIN = 0.2  # share of available memory `auto` leaves for the OS, the KV cache and everything else
 
 
@@ -27,6 +28,7 @@ AUTO_MARGIN = 0.2  # share of available memory `auto` leaves for the OS, the KV 
 class EngineConfig:
     expert_memory: MemoryBudget = MemoryBudget("share", 0.3)
     policy: str = "lru"
+    cache_partition: str = "global"  # or "per-layer": the slots split evenly among the MoE layers
     reader_threads: int = 4
     chunk_bytes: int = 2 << 20
     verify_checksums: bool = True
@@ -34,6 +36,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.reader_threads < 1:
             raise MoetierError("reader_threads must be at least 1")
+        if self.cache_partition not in PARTITIONS:
+            raise MoetierError(f"unknown cache partition {self.cache_partition!r}", hint=f"one of {PARTITIONS}")
 
 
 @dataclass
@@ -61,14 +65,30 @@ def plan_slots(store: Store, budget: MemoryBudget, dense_bytes: int) -> int:
     return slots
 
 
+def policy_dir(store: Store) -> Path:
+    """Where trained policy files (`policies/<name>.json`) for this model live: beside the store, or beside the
+    model it was converted from (the built-in models ship theirs)."""
+    source = Path(store.manifest.source) if store.manifest.source else None
+    if not (store.path / "policies").is_dir() and source is not None and (source / "policies").is_dir():
+        return source
+    return store.path
+
+
 class Engine:
     def __init__(self, store: Store, config: EngineConfig = EngineConfig()) -> None:
         self.store, self.config, self.spec = store, config, store.spec
         dense = store.load_dense()
         self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         slots = plan_slots(store, config.expert_memory, self.dense_bytes)
+        per_layer = config.cache_partition == "per-layer"
+        if per_layer and slots < len(self.spec.moe_layers):
+            raise BudgetError(f"a per-layer cache needs a slot for each of the {len(self.spec.moe_layers)} MoE "
+                              f"layers; the budget gives {slots}", hint="give more --expert-memory")
+        ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
+                            model_dir=policy_dir(store))
+        policy = make_policy(config.policy, ctx)  # before the reader's threads start: this may refuse
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
-        self.executor = ExpertExecutor(self.spec, store.manifest, slots, make_policy(config.policy), self.reader)
+        self.executor = ExpertExecutor(self.spec, store.manifest, slots, policy, self.reader, per_layer)
         self.model = Transformer(self.spec, dense, self.executor)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.on_step: OnStep | None = None  # observer of every forward step (the trace recorder)

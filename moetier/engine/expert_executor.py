@@ -25,11 +25,11 @@ from moetier.store.reader import ON_DEMAND, ExpertReader
 
 class ExpertExecutor:
     def __init__(self, spec: ModelSpec, manifest: Manifest, num_slots: int, policy: EvictionPolicy,
-                 reader: ExpertReader) -> None:
+                 reader: ExpertReader, per_layer: bool = False) -> None:
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
         self.precision = manifest.native_precision
         self.pool = SlotPool(manifest.precisions[self.precision], num_slots)
-        self.residency = Residency(num_slots, policy)
+        self.residency = Residency(num_slots, policy, spec.moe_layers if per_layer else None)
         self.planner = Planner(spec.num_experts, [OnDemandStage(self.residency)])
         self.stats = GenerationStats()
         self.phase = PREFILL
@@ -104,6 +104,8 @@ class ExpertExecutor:
                     continue
                 if self.residency.free_slots == 0:
                     break
+                if not self.residency.has_room(key.layer):  # a per-layer cache whose share for it is full
+                    continue
                 slot, _ = self.residency.admit(key)
                 self._submit(key.layer, Load(key.expert, slot))
                 in_flight.append((key, slot))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetier.cache.policies import make_policy
+from moetier.cache.policies import PolicyContext, make_policy
 from moetier.config import MemoryBudget, format_bytes
 from moetier.errors import MoetierError
 from moetier.sim.cost import CostModel
@@ -58,9 +58,11 @@ class SimRun:
 
 
 def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool = False,
-        timeline_steps: tuple[int, ...] = ()) -> SimRun:
+        timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None) -> SimRun:
+    """`model_dir`: where trained policy files for the model live."""
     slots = budget_slots(budget, trace, cost)
-    replayed = replay(trace, make_policy(policy), slots, preload=preload)
+    ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k, model_dir=model_dir, trace=trace)
+    replayed = replay(trace, make_policy(policy, ctx), slots, preload=preload, per_layer=per_layer)
     return SimRun(policy, budget, slots, simulate(trace, replayed, cost, timeline_steps))
 
 

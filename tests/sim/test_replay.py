@@ -4,7 +4,7 @@ of hits and misses."""
 import pytest
 
 from moetier import Engine
-from moetier.cache.policies import make_policy
+from moetier.cache.policies import POLICIES, PolicyContext, make_policy
 from moetier.config import MemoryBudget
 from moetier.engine.engine import EngineConfig
 from moetier.plan.planner import Planner
@@ -15,13 +15,29 @@ from moetier.trace.record import TraceRecorder
 PROMPTS = [[5, 9, 17, 33, 65, 100, 3], [7, 8, 9], [120, 4, 4, 4, 4, 50]]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("family,slots", [("olmoe", 2), ("olmoe", 5), ("qwen2_moe", 3), ("mixtral", 9)])
-def test_engine_and_replay_agree_hit_for_hit(tiny_store, family, slots, policy):
+ONLINE = sorted(set(POLICIES) - {"belady"})
+
+
+def write_trained_policies(store_path, spec):
+    """Hand-made files for the learned policies, where the engine looks for them (beside the store)."""
+    import json
+
+    mlp = {"w1": [[1.0, -1.0], [0.5, 0.2]], "b1": [0.0, 0.1], "w2": [1.0, -0.5], "b2": 0.0}
+    files = {"flashmoe-ml": {"layers": {str(layer): mlp for layer in spec.moe_layers}},
+             "static-hot": {"counts": [[layer, e, (7 * e + layer) % 5] for layer in spec.moe_layers
+                                       for e in range(spec.num_experts)]},
+             "hobbit": {"weights": {"lru": 0.5, "lfu": 0.25, "lhu": 0.0, "fld": 0.25}}}
+    (store_path / "policies").mkdir(exist_ok=True)
+    for name, payload in files.items():
+        (store_path / "policies" / f"{name}.json").write_text(json.dumps(payload))
+
+
+def run_both(tiny_store, family, slots, policy, partition="global"):
     _, path = tiny_store(family)
     store = Store(path)
+    write_trained_policies(path, store.spec)
     budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
-    engine = Engine(store, EngineConfig(expert_memory=budget, policy=policy))
+    engine = Engine(store, EngineConfig(expert_memory=budget, policy=policy, cache_partition=partition))
     seen = []
     executor = engine.executor
     executor.planner = Planner(executor.planner.num_experts,
@@ -31,7 +47,31 @@ def test_engine_and_replay_agree_hit_for_hit(tiny_store, family, slots, policy):
             engine.generate([p], max_new_tokens=12, ignore_eos=True)
         trace = recorder.trace(["a", "b", "c"])
     engine_outcomes = [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in seen]
-    result = replay(trace, make_policy(policy), slots)
+    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k, model_dir=path)
+    result = replay(trace, make_policy(policy, ctx), slots, per_layer=partition == "per-layer")
     assert result.outcomes() == engine_outcomes
+    return store, result
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("family,slots", [("olmoe", 2), ("olmoe", 5), ("qwen2_moe", 3), ("mixtral", 9)])
+def test_engine_and_replay_agree_hit_for_hit(tiny_store, family, slots, policy):
+    store, result = run_both(tiny_store, family, slots, policy)
     assert result.hits < result.needed  # the budget made misses...
     assert result.hits > 0 or slots <= store.spec.top_k  # ...and, above one layer's top-k, hits
+
+
+@pytest.mark.parametrize("policy", ONLINE)
+@pytest.mark.parametrize("family,slots,partition", [("olmoe", 5, "global"), ("mixtral", 9, "global"),
+                                                    ("qwen2_moe", 6, "per-layer")])
+def test_every_policy_agrees_between_engine_and_replay(tiny_store, family, slots, partition, policy):
+    _, result = run_both(tiny_store, family, slots, policy, partition)
+    assert 0 < result.hits < result.needed
+
+
+def test_the_engine_refuses_the_offline_optimum(tiny_store):
+    from moetier.errors import MoetierError
+
+    _, path = tiny_store("olmoe")
+    with pytest.raises(MoetierError, match="offline optimum"):
+        Engine(Store(path), EngineConfig(policy="belady"))
