@@ -106,7 +106,8 @@ def fit_hobbit(trace: Trace, num_slots: int, step: float = 0.25) -> tuple[Hobbit
     for w in weight_grid(step):
         result = replay(trace, HobbitPolicy(ctx, w), num_slots)
         table.append((w, result.needed - result.hits))
-    best = min(table, key=lambda t: (t[1], -t[0].lru))
+    # ties go to the simpler policy; at one precision LHU counts what per-sequence LFU counts
+    best = min(table, key=lambda t: (t[1], -t[0].lru, -t[0].lfu))
     return best[0], table
 
 

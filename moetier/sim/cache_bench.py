@@ -134,4 +134,5 @@ def to_json(records: list[Record]) -> list[dict]:
 
 
 def all_policies() -> list[str]:
-    return sorted(POLICIES)
+    """Every policy, the classic ones first and the optimum last."""
+    return [name for name in POLICIES if name != "belady"] + ["belady"]
