@@ -26,7 +26,10 @@ def _policies(spec: str) -> list[str]:
 def _cache_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
+    from moetier.cache.keys import ExpertKey
     from moetier.sim.cache_bench import evaluate, format_table, plot, to_json
+    from moetier.sim.cost import CostModel
+    from moetier.sim.profile import HardwareProfile, ProfileError
     from moetier.sim.shapes import ShapeError, model_shape
     from moetier.trace.format import Trace
 
@@ -39,13 +42,16 @@ def _cache_bench(args: argparse.Namespace) -> None:
         for path, trace in traces:
             if trace.scores is None:
                 tqdm.write(f"note: {path} has no full router scores: smoe-score sees top-k weights, zeros elsewhere")
+            expert_bytes = read_s = None
             try:
-                expert_bytes = model_shape(trace.model)[0].expert_bytes()
-            except ShapeError:
-                expert_bytes = None
+                shape, blob_bytes = model_shape(trace.model)
+                cost = CostModel.of(HardwareProfile.load(args.profile), shape, expert_bytes=blob_bytes)
+                expert_bytes, read_s = cost.expert_bytes, cost.read_s(ExpertKey(trace.layers[0], 0))
+            except (ShapeError, ProfileError) as e:
+                tqdm.write(f"note: {path}: no bytes or miss penalty ({e})")
             for partition in partitions:
                 records += evaluate(trace, Path(path).name, budgets, policies, partition, args.train_fraction,
-                                    expert_bytes, progress=bar.update)
+                                    expert_bytes, read_s, progress=bar.update)
     print(format_table(records))
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(records), indent=1))
@@ -93,6 +99,8 @@ def add_parser(sub) -> None:
                     help="one cache shared by all layers, or the slots split evenly among them")
     cb.add_argument("--train-fraction", type=float, default=0.7,
                     help="learned policies fit on this first part; every policy is scored on the rest")
+    cb.add_argument("--profile", default="this-machine",
+                    help="hardware profile pricing a miss (the read of one expert) for the miss penalty")
     cb.add_argument("--json", help="write the records here")
     cb.add_argument("--plot", default="cache-bench.png", help="hit rate against budget per policy (PNG)")
     cb.set_defaults(func=_cache_bench)

@@ -205,3 +205,22 @@ def test_flashmoe_ml_learns_a_periodic_pattern_lru_gets_wrong():
     ml = replay(test, make_policy("flashmoe-ml", ctx, model=model), 3)
     assert faults("lru", refs[:80]) == 80
     assert ml.needed - ml.hits < 40
+
+
+def test_a_per_layer_cache_evicts_only_within_the_layer():
+    from moetier.cache.policies import LRUPolicy
+    from moetier.cache.residency import Residency
+
+    r = Residency(4, LRUPolicy(), layers=(0, 1))  # two slots per layer
+    for key in (K[(0, 0)], K[(0, 1)], K[(1, 0)]):
+        r.admit(key)
+    r.unpin_all()
+    assert r.has_room(1) and not r.has_room(0)
+    slot, evicted = r.admit(K[(0, 2)])  # a free slot remains, but it is layer 1's
+    assert evicted == K[(0, 0)] and slot == r.slot_of[K[(0, 2)]]
+    r.admit(K[(1, 1)])
+    r.unpin_all()
+    assert r.admit(K[(1, 2)])[1] == K[(1, 0)]
+    r.pin(K[(0, 1)])
+    r.pin(K[(0, 2)])
+    assert r.admit(K[(0, 3)]) is None  # layer 0's experts are all pinned; layer 1's are not taken

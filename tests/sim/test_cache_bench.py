@@ -75,3 +75,22 @@ def test_a_trace_without_scores_gives_smoe_its_topk_weights():
 
     s = topk_scores(np.array([[2, 0]]), np.array([[0.7, 0.3]], np.float32), 4)
     assert s.tolist() == [[pytest.approx(0.3), 0.0, pytest.approx(0.7), 0.0]]
+
+
+def test_miss_penalty_prices_misses_with_a_profile(tmp_path, capsys):
+    from moetier.cache.keys import ExpertKey
+    from moetier.sim.cost import CostModel
+    from moetier.sim.profile import HardwareProfile
+    from moetier.sim.shapes import model_shape
+
+    demo = generate(LocalityFit(zipf_s=1.0, p_keep=0.5, reuse_next=0.0, source="hand-made"), 4, 8, 2, 200,
+                    seed=3, model="demo-coarse")
+    demo.save(tmp_path / "d")
+    out = tmp_path / "r.json"
+    assert main(["cache-bench", "--trace", str(tmp_path / "d"), "--expert-memory", "25%", "--policy", "lru",
+                 "--profile", "rtx4090", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    shape, blob = model_shape("demo-coarse")
+    read_s = CostModel.of(HardwareProfile.load("rtx4090"), shape, expert_bytes=blob).read_s(ExpertKey(0, 0))
+    for r in json.loads(out.read_text()):
+        assert r["miss_penalty_s"] == pytest.approx(r["misses"] * read_s)
+        assert r["bytes_per_token"] > 0
