@@ -51,7 +51,7 @@ def _cache_bench(args: argparse.Namespace) -> None:
                 tqdm.write(f"note: {path}: no bytes or miss penalty ({e})")
             for partition in partitions:
                 records += evaluate(trace, Path(path).name, budgets, policies, partition, args.train_fraction,
-                                    expert_bytes, read_s, progress=bar.update)
+                                    expert_bytes, read_s, progress=bar.update, note=tqdm.write)
     print(format_table(records))
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(records), indent=1))

@@ -65,12 +65,20 @@ def fit_learned(train: Trace, slots: int, cache: dict, names: list[str]) -> dict
 
 def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], partition: str = "global",
              train_fraction: float = 0.7, expert_bytes: int | None = None, read_s: float | None = None,
-             progress=None) -> list[Record]:
+             progress=None, note=None) -> list[Record]:
     train, test = trace.split(train_fraction)
     decoded = int((test.phase == DECODE).sum()) or test.num_tokens
     records, fitted = [], {}
     for budget in budgets:
-        slots = budget_slots(budget, test)
+        try:
+            slots = budget_slots(budget, test)
+        except MoetierError as e:  # too small for this trace's top-k: the other budgets still run
+            if note is not None:
+                note(f"{name}: skipping budget {budget}: {e}")
+            if progress is not None:
+                for _ in policies:
+                    progress()
+            continue
         params = fit_learned(train, slots, fitted, policies)
         results = {}
         for policy in policies:
@@ -112,12 +120,14 @@ def plot(records: list[Record], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     traces = list(dict.fromkeys(r.trace for r in records))
+    policies = list(dict.fromkeys(r.policy for r in records))
+    colors = {p: plt.cm.tab20(i % 20) for i, p in enumerate(policies)}  # 13 policies: more than the default cycle
     fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
     for ax, trace in zip(axes[0], traces):
         mine = [r for r in records if r.trace == trace]
         for policy in dict.fromkeys(r.policy for r in mine):
             pts = sorted((r.slots, r.hit_rate) for r in mine if r.policy == policy)
-            style = {"color": "black", "linestyle": "--"} if policy == "belady" else {}
+            style = {"color": "black", "linestyle": "--"} if policy == "belady" else {"color": colors[policy]}
             ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], marker="o", label=policy, **style)
         ax.set_title(trace)
         ax.set_xlabel("cache slots")

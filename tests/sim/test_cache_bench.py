@@ -94,3 +94,10 @@ def test_miss_penalty_prices_misses_with_a_profile(tmp_path, capsys):
     for r in json.loads(out.read_text()):
         assert r["miss_penalty_s"] == pytest.approx(r["misses"] * read_s)
         assert r["bytes_per_token"] > 0
+
+
+def test_a_budget_too_small_for_a_trace_is_skipped_with_a_note(trace):
+    notes = []
+    records = evaluate(trace, "t", ["1", "25%"], ["lru", "belady"], note=notes.append)
+    assert {r.expert_memory for r in records} == {"25%"}
+    assert "skipping budget 1" in notes[0] and "a layer needs 2" in notes[0]
