@@ -15,9 +15,6 @@ from moetier.errors import MoetierError
 from moetier.sim.replay import replay
 from moetier.trace.format import DECODE, Trace
 
-LEARNED = ("flashmoe-ml", "hobbit", "static-hot")
-OFFLINE = ("belady",)
-
 
 @dataclass(frozen=True)
 class Record:
