@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -67,7 +68,11 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
     from moetier.trace.format import Trace
 
     trace = Trace.load(args.trace)
-    out = Path(args.out) if args.out else _model_dir(args.model, args.cache_dir) / "policies" / f"{args.policy}.json"
+    if args.out:
+        out = Path(args.out)
+    else:
+        out = _model_dir(args.model, args.cache_dir) / "policies" / f"{args.policy}.json"
+        _check_trace_fits_model(trace, args.model, args.cache_dir)
     if args.policy == "flashmoe-ml":
         train_flashmoe(trace).save(out)
     elif args.policy == "static-hot":
@@ -78,10 +83,22 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
         slots = budget_slots(args.expert_memory, trace)
         weights, table = fit_hobbit(trace, slots)
         save_policy_file(out, {"policy": "hobbit", "trained_on": trace.model, "slots": slots,
-                               "weights": weights.__dict__,
-                               "grid": [[*w.__dict__.values(), misses] for w, misses in table]})
+                               "weights": dataclasses.asdict(weights),
+                               "grid": [[*dataclasses.astuple(w), misses] for w, misses in table]})
         print(f"weights lru/lfu/lhu/fld = {weights.lru}/{weights.lfu}/{weights.lhu}/{weights.fld}")
     print(f"wrote {out}")
+
+
+def _check_trace_fits_model(trace, model: str, cache_dir: str | None) -> None:
+    from moetier.resolve import resolve_model
+    from moetier.store.store import Store
+
+    spec = Store(resolve_model(model, cache_dir, progress=False)).spec
+    if (trace.num_experts, trace.top_k) != (spec.num_experts, spec.top_k) or not set(trace.layers) <= set(
+            spec.moe_layers):
+        raise MoetierError(f"the trace ({trace.model}: top-{trace.top_k} of {trace.num_experts}, layers "
+                           f"{trace.layers}) is not of {model} (top-{spec.top_k} of {spec.num_experts}, MoE layers "
+                           f"{list(spec.moe_layers)})", hint="record a trace of this model with `moetier trace record`")
 
 
 def _model_dir(model: str, cache_dir: str | None) -> Path:

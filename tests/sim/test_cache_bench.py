@@ -101,3 +101,10 @@ def test_a_budget_too_small_for_a_trace_is_skipped_with_a_note(trace):
     records = evaluate(trace, "t", ["1", "25%"], ["lru", "belady"], note=notes.append)
     assert {r.expert_memory for r in records} == {"25%"}
     assert "skipping budget 1" in notes[0] and "a layer needs 2" in notes[0]
+
+
+def test_training_a_policy_for_a_model_with_another_models_trace_is_refused(trace, tmp_path, capsys):
+    trace.save(tmp_path / "t")  # 16 experts, top-2
+    assert main(["train", "cache-policy", "--policy", "static-hot", "--trace", str(tmp_path / "t"), "--model",
+                 "demo-coarse"]) == 1
+    assert "is not of demo-coarse (top-2 of 8" in capsys.readouterr().err
