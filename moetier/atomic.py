@@ -3,6 +3,7 @@ renamed into place; removed if anything fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -25,4 +26,18 @@ def atomic_dir(dest: Path | str) -> Iterator[Path]:
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_json(path: Path | str, obj) -> None:
+    """Write `obj` as JSON to `path` through a temporary file renamed into place, so readers see the old file or
+    the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise

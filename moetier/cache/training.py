@@ -7,8 +7,6 @@ trace and evaluates on the rest)."""
 from __future__ import annotations
 
 import itertools
-import json
-from pathlib import Path
 
 import numpy as np
 
@@ -110,9 +108,3 @@ def fit_hobbit(trace: Trace, num_slots: int, step: float = 0.25) -> tuple[Hobbit
     best = min(table, key=lambda t: (t[1], -t[0].lru, -t[0].lfu))
     return best[0], table
 
-
-def save_policy_file(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(path)

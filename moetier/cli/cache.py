@@ -63,7 +63,8 @@ def _cache_bench(args: argparse.Namespace) -> None:
 
 
 def _train_cache_policy(args: argparse.Namespace) -> None:
-    from moetier.cache.training import fit_hobbit, save_policy_file, train_flashmoe, use_counts
+    from moetier.atomic import atomic_write_json
+    from moetier.cache.training import fit_hobbit, train_flashmoe, use_counts
     from moetier.sim.cache_bench import budget_slots
     from moetier.trace.format import Trace
 
@@ -77,12 +78,12 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
         train_flashmoe(trace).save(out)
     elif args.policy == "static-hot":
         counts = use_counts(trace)
-        save_policy_file(out, {"policy": "static-hot", "trained_on": trace.model,
+        atomic_write_json(out, {"policy": "static-hot", "trained_on": trace.model,
                                "counts": [[k.layer, k.expert, n] for k, n in sorted(counts.items())]})
     else:
         slots = budget_slots(args.expert_memory, trace)
         weights, table = fit_hobbit(trace, slots)
-        save_policy_file(out, {"policy": "hobbit", "trained_on": trace.model, "slots": slots,
+        atomic_write_json(out, {"policy": "hobbit", "trained_on": trace.model, "slots": slots,
                                "weights": dataclasses.asdict(weights),
                                "grid": [[*dataclasses.astuple(w), misses] for w, misses in table]})
         print(f"weights lru/lfu/lhu/fld = {weights.lru}/{weights.lfu}/{weights.lhu}/{weights.fld}")

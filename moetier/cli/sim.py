@@ -50,7 +50,7 @@ def _sim(args: argparse.Namespace) -> None:
         if policy not in POLICIES:
             raise MoetierError(f"unknown policy {policy!r}", hint=f"one of {', '.join(sorted(POLICIES))}")
     timeline_steps = (args.timeline_step,) if args.timeline else ()
-    model_dir = _policy_dir(args.model_shape or trace.model)
+    model_dir = _policy_dir(args.model_shape or trace.model, args.cache_dir)
     runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.partition == "per-layer", model_dir)
             for policy, budget in configs]
     where = f"{shape.name} ({cost.precision}) on {profile.name}"
@@ -71,11 +71,16 @@ def _sim(args: argparse.Namespace) -> None:
     print(f"{where}, trace {args.trace}\n{format_table(runs)}\nwrote {out / 'sweep.json'} and {out / 'sweep.png'}")
 
 
-def _policy_dir(name: str) -> Path | None:
-    """Where trained policies of a built-in model or a model directory live (None for a bare shape)."""
-    from moetier.resolve import builtin_models
+def _policy_dir(name: str, cache_dir: str | None) -> Path | None:
+    """Where trained policies of a built-in model or a model directory live, as the engine finds them (None for a
+    bare shape)."""
+    from moetier.engine.engine import policy_dir
+    from moetier.resolve import builtin_models, resolve_model
+    from moetier.store.store import Store
 
-    return builtin_models().get(name) or (Path(name) if Path(name).is_dir() else None)
+    if name not in builtin_models() and not Path(name).is_dir():
+        return None
+    return policy_dir(Store(resolve_model(name, cache_dir, progress=False)))
 
 
 def add_parser(sub) -> None:

@@ -29,6 +29,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moetier.atomic import atomic_write_json
 from moetier.errors import MoetierError
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
@@ -142,10 +143,7 @@ class HardwareProfile:
         return d
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        tmp.replace(path)
+        atomic_write_json(path, self.to_json())
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> HardwareProfile:

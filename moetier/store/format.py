@@ -13,13 +13,13 @@ A blob's layout is described per precision as a list of tensors with byte offset
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from moetier.atomic import atomic_write_json
 from moetier.errors import StoreError
 
 FORMAT = "moetier-store"
@@ -125,9 +125,7 @@ class Manifest:
         }
 
     def save(self, store_dir: Path) -> None:
-        tmp = store_dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        os.replace(tmp, store_dir / MANIFEST)
+        atomic_write_json(store_dir / MANIFEST, self.to_json())
 
     @classmethod
     def load(cls, store_dir: Path) -> Manifest:

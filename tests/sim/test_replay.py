@@ -75,3 +75,15 @@ def test_the_engine_refuses_the_offline_optimum(tiny_store):
     _, path = tiny_store("olmoe")
     with pytest.raises(MoetierError, match="offline optimum"):
         Engine(Store(path), EngineConfig(policy="belady"))
+
+
+def test_bad_partitions_are_clear_errors(tiny_store):
+    from moetier.errors import BudgetError, MoetierError
+
+    with pytest.raises(MoetierError, match="unknown cache partition 'by-expert'"):
+        EngineConfig(cache_partition="by-expert")
+    _, path = tiny_store("olmoe", num_layers=3)  # the smallest budget, top-2 slots, is below one per layer
+    store = Store(path)
+    smallest = MemoryBudget("bytes", store.spec.top_k * store.native_layout.blob_bytes)
+    with pytest.raises(BudgetError, match="per-layer cache needs a slot for each of the 3 MoE layers"):
+        Engine(store, EngineConfig(expert_memory=smallest, cache_partition="per-layer"))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moetier.atomic import atomic_write_json
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.scored import ScoredPolicy
@@ -53,12 +54,9 @@ class CacheModel:
     trained_on: str = ""
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"policy": "flashmoe-ml", "features": FEATURES,
-                                   "target": "log(1 + steps to next use)", "trained_on": self.trained_on,
-                                   "layers": {str(k): v.to_json() for k, v in self.layers.items()}}))
-        tmp.replace(path)
+        atomic_write_json(path, {"policy": "flashmoe-ml", "features": FEATURES,
+                                 "target": "log(1 + steps to next use)", "trained_on": self.trained_on,
+                                 "layers": {str(k): v.to_json() for k, v in self.layers.items()}})
 
     @classmethod
     def load(cls, path: Path) -> CacheModel:
