@@ -1,32 +1,169 @@
-"""Directories that appear whole or not at all: written under a temporary name beside the destination, then
-renamed into place; removed if anything fails."""
+"""Directories that appear whole or not at all, and the rules for replacing one.
+
+A directory is written under a temporary name beside its destination, `.NAME.tmp-PID-START-XXXX` (the owner
+process's id and start time), and renamed into place when complete. Replacing an existing one moves the old one
+aside (`.NAME.old-PID-START-XXXX`), renames the new one in and removes the old one last, so a kill at any moment
+leaves the old directory or the new one whole; in the instant between the two renames the old one waits aside,
+and the next sweep puts it back. Any later write into the same folder sweeps what dead owners left behind.
+
+Replacing is allowed only for what moetier made (`check_replaceable`), never for the source being read; writers
+of the same target in several processes take `target_lock` in turn.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import psutil
+
+from moetier.errors import MoetierError
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<start>\d+)-[A-Za-z0-9_]+$")
+
+
+class ReplaceError(MoetierError):
+    """A destination moetier refuses to write: a file, the source itself, or a folder it did not make."""
+
+
+def _start_time(pid: int) -> int:
+    return int(psutil.Process(pid).create_time() * 100)  # centiseconds: tells a reused pid from the owner
+
+
+def _owner_tag() -> str:
+    return f"{os.getpid()}-{_start_time(os.getpid())}"
+
+
+def _owner_alive(pid: int, start: int) -> bool:
+    try:
+        return abs(_start_time(pid) - start) <= 1
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # someone else's live process
+        return True
+
+
+def sweep(folder: Path | str) -> list[Path]:
+    """Remove the temporary directories of dead owners in `folder` and put back any old directory left aside
+    without its replacement. Returns what was removed or restored."""
+    folder = Path(folder)
+    done = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return done
+    for entry in entries:
+        m = _LEFTOVER.match(entry.name)
+        if m is None or not entry.is_dir(follow_symlinks=False) or _owner_alive(int(m["pid"]), int(m["start"])):
+            continue
+        path, dest = Path(entry.path), folder / m["name"]
+        try:
+            if m["kind"] == "old" and not os.path.lexists(dest):
+                os.rename(path, dest)  # killed between the two renames of a replacement: the old one returns
+            else:
+                shutil.rmtree(path)
+            done.append(path)
+        except OSError:  # another process swept it first
+            pass
+    return done
 
 
 @contextmanager
 def atomic_dir(dest: Path | str) -> Iterator[Path]:
-    """with atomic_dir(dest) as tmp: write into tmp. On success tmp replaces dest; on failure it is removed."""
+    """with atomic_dir(dest) as tmp: write into tmp. On success tmp replaces dest (the old one removed last); on
+    failure tmp is removed and dest is untouched."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    sweep(dest.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{_owner_tag()}-", dir=dest.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        _swap_in(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _swap_in(new: Path, dest: Path) -> None:
+    if not os.path.lexists(dest):
+        os.rename(new, dest)
+        return
+    old = dest.parent / f".{dest.name}.old-{_owner_tag()}-{secrets.token_hex(4)}"
+    os.rename(dest, old)
+    try:
+        os.rename(new, dest)
+    except BaseException:
+        os.rename(old, dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def target_lock(dest: Path | str, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `dest` (a `.NAME.lock` file beside it) while writing it. A second process waits
+    (telling `on_wait` once) and then sees the first one's result. The kernel releases the lock if the holder
+    dies, even by SIGKILL."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest.parent / f".{dest.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait(f"waiting for another moetier process writing {dest}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def check_replaceable(dest: Path | str, what: str, is_ours: Callable[[Path], bool], force: bool,
+                      sources: tuple[Path | str, ...] = ()) -> None:
+    """Refuse, before any work, a destination that cannot or must not be written: a file or a path under one, the
+    source of the operation (or a folder inside it or around it), an existing folder without `force`, and with
+    `force` any non-empty folder that is not a `what` moetier made (`is_ours`)."""
+    dest = Path(dest).expanduser()
+    for parent in [dest, *dest.parents]:
+        if parent.exists() and not parent.is_dir():
+            where = "is a file" if parent == dest else f"cannot be created: {parent} is a file"
+            raise ReplaceError(f"{dest} {where}", hint=f"give a folder path for the {what}")
+    target = dest.resolve()
+    for source in sources:
+        src = Path(source).expanduser().resolve()
+        if target == src or src in target.parents or target in src.parents:
+            relation = "is" if target == src else "is inside" if src in target.parents else "holds"
+            raise ReplaceError(f"{dest} {relation} {source}, which this command reads",
+                               hint=f"write the {what} somewhere else")
+    if not dest.exists():
+        return
+    if not force:
+        raise ReplaceError(f"{dest} already exists", hint=f"choose another path, or pass --force to replace the {what}")
+    if not any(dest.iterdir()) or is_ours(dest):
+        return
+    shown = sorted(p.name for p in dest.iterdir())
+    listing = ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
+    raise ReplaceError(f"{dest} is not a moetier {what} (it holds {listing}); --force replaces only a {what} "
+                       f"moetier made", hint="choose another path, or move that folder away yourself")
+
+
+def marked_json(path: Path, key: str, value: str) -> bool:
+    """True if `path` is a JSON object whose `key` is `value` (how a store's manifest or a trace's meta.json says
+    moetier wrote the folder)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get(key) == value
 
 
 def atomic_write_json(path: Path | str, obj) -> None:
@@ -34,7 +171,7 @@ def atomic_write_json(path: Path | str, obj) -> None:
     the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(json.dumps(obj, indent=1) + "\n")
         os.replace(tmp, path)

@@ -4,13 +4,15 @@ built-in model's name."""
 from __future__ import annotations
 
 import hashlib
-import os
+import sys
 from pathlib import Path
 
+from moetier.atomic import sweep, target_lock
 from moetier.errors import ModelNotFoundError, StoreError
+from moetier.paths import default_cache_dir
 from moetier.store.checkpoint import read_config
 from moetier.store.convert import convert
-from moetier.store.format import MANIFEST, Manifest
+from moetier.store.format import DENSE, MANIFEST, RECONVERT, Manifest
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "models"
 
@@ -20,10 +22,6 @@ def builtin_models() -> dict[str, Path]:
     if not BUILTIN_DIR.is_dir():
         return {}
     return {p.name: p for p in sorted(BUILTIN_DIR.iterdir()) if (p / "config.json").exists()}
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("MOETIER_CACHE", Path.home() / ".cache" / "moetier"))
 
 
 def _fingerprint(model_dir: Path) -> str:
@@ -36,23 +34,40 @@ def _fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def resolve_model(model: str | Path, cache_dir: Path | str | None = None, progress: bool = True) -> Path:
-    """The store directory for `model`, converting a Hugging Face folder into the cache if needed."""
+def _note(message: str) -> None:
+    print(f"moetier: {message}", file=sys.stderr)
+
+
+def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progress: bool = True,
+                  reconvert: bool = False) -> Path:
+    """The store directory for `model`, converting a Hugging Face folder into the cache if needed (or, with
+    `reconvert`, again). Several processes resolving the same folder at once convert it once: the others wait
+    for the first and reuse its store."""
     builtin = builtin_models()
     path = builtin[str(model)] if str(model) in builtin else Path(model).expanduser()
     if (path / MANIFEST).exists():
+        if reconvert:
+            raise StoreError(f"{path} is a converted store, not a model converted on first use",
+                             hint="convert its source again with `moetier convert --force SRC STORE`")
         return path
     if not path.exists():
         names = ", ".join(builtin) or "none shipped yet"
         raise ModelNotFoundError(f"no model at {path}",
                                  hint=f"give a Hugging Face model folder, a converted store, or a built-in "
                                       f"model name ({names})")
+    if path.is_dir() and (path / DENSE).exists() and not (path / "config.json").exists():
+        raise StoreError(f"{path} looks like a moetier store but has no {MANIFEST} (its conversion never finished, "
+                         f"or the file was removed)", hint=RECONVERT)
     read_config(path)  # clear errors for a folder without a readable config.json
-    store = Path(cache_dir or default_cache_dir()) / f"{path.name}-{_fingerprint(path)}"
-    if (store / MANIFEST).exists():
-        try:
-            Manifest.load(store)
-            return store
-        except StoreError:
-            pass  # an earlier conversion was damaged: convert again
-    return convert(path, store, overwrite=True, progress=progress)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    sweep(cache)  # what conversions killed earlier left behind
+    store = cache / f"{path.name}-{_fingerprint(path)}"
+    with target_lock(store, on_wait=_note if progress else None):
+        if not reconvert and (store / MANIFEST).exists():
+            try:
+                Manifest.load(store)
+                return store
+            except StoreError:
+                pass  # an earlier conversion was damaged: convert again
+        return convert(path, store, overwrite=True, progress=progress)

@@ -1,4 +1,4 @@
-"""The two demo models: architecture (transformers config kwargs) and training recipe."""
+"""The demo models: architecture (transformers config kwargs) and training recipe."""
 
 from __future__ import annotations
 
@@ -40,4 +40,10 @@ RECIPES = {
     "demo-coarse": Recipe("demo-coarse", "mixtral", dict(
         COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=512, sliding_window=None,
         rope_theta=10000.0)),
+    # OLMoE's setting (FlashMoE, PreScope): 12 layers of 64 fine-grained experts, top-8, no shared expert; deep
+    # enough for look-ahead of 1-3 layers and for input/middle/output layer groups. Expert intermediate 64 keeps
+    # it ~86 MB in bf16; the inflated demo-deep-xl brings each expert to OLMoE's 12.6 MB.
+    "demo-deep": Recipe("demo-deep", "olmoe", dict(
+        COMMON, num_hidden_layers=12, num_experts=64, num_experts_per_tok=8, intermediate_size=64,
+        norm_topk_prob=False, rope_theta=10000.0), steps=2000),
 }

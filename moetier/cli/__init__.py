@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from moetier.cli import cache, generate, sim, store, trace
+from moetier import __version__
+from moetier.cli import cache, generate, listing, sim, store, trace
+from moetier.cli.defaults import HELP
 from moetier.errors import MoetierError
+
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what `yes | head -1` gives a shell
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="moetier", description="Run Mixture-of-Experts language models on machines too small to hold all "
-                                    "their experts: experts stay on disk, a bounded cache holds the ones in use.")
+        prog="moetier", formatter_class=HELP,
+        description="Run Mixture-of-Experts language models on machines too small to hold all their experts: "
+                    "experts stay on disk, a bounded cache holds the ones in use.")
+    parser.add_argument("--version", action="version", version=f"moetier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (generate, store, trace, sim, cache):
+    for group in (generate, store, trace, sim, cache, listing):
         group.add_parser(sub)
     return parser
 
@@ -23,10 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
     except MoetierError as e:
         print(f"moetier: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return SIGPIPE_EXIT
     return 0
-

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
-from moetier.cli.defaults import DEFAULT_MODEL
+from moetier.cache.policies import LEARNED
+from moetier.cli.defaults import DEFAULT_MODEL, command
 from moetier.errors import MoetierError
-
-TRAINABLE = ("flashmoe-ml", "hobbit", "static-hot")
 
 
 def _policies(spec: str) -> list[str]:
@@ -27,6 +25,7 @@ def _policies(spec: str) -> list[str]:
 def _cache_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
+    from moetier.atomic import atomic_write_json
     from moetier.cache.keys import ExpertKey
     from moetier.sim.cache_bench import evaluate, format_table, plot, to_json
     from moetier.sim.cost import CostModel
@@ -34,9 +33,12 @@ def _cache_bench(args: argparse.Namespace) -> None:
     from moetier.sim.shapes import ShapeError, model_shape
     from moetier.trace.format import Trace
 
+    if not 0 < args.train_fraction < 1:
+        raise MoetierError(f"--train-fraction must be in (0, 1), got {args.train_fraction}")
     policies, budgets = _policies(args.policy), args.expert_memory.split(",")
-    partitions = ["global", "per-layer"] if args.partition == "both" else [args.partition]
+    partitions = ["global", "per-layer"] if args.cache_partition == "both" else [args.cache_partition]
     traces = [(path, Trace.load(path)) for path in args.trace]
+    _check_budgets(budgets, traces)
     records = []
     with tqdm(total=len(traces) * len(budgets) * len(policies) * len(partitions), desc="cache-bench",
               unit="replay") as bar:
@@ -55,11 +57,30 @@ def _cache_bench(args: argparse.Namespace) -> None:
                                     expert_bytes, read_s, progress=bar.update, note=tqdm.write)
     print(format_table(records))
     if args.json:
-        Path(args.json).write_text(json.dumps(to_json(records), indent=1))
+        atomic_write_json(args.json, to_json(records))
         print(f"wrote {args.json}")
-    png = Path(args.plot)
-    plot(records, png)
-    print(f"plot: {png}")
+    if args.plot:
+        plot(records, Path(args.plot))
+        print(f"plot: {args.plot}")
+
+
+def _check_budgets(budgets: list[str], traces: list) -> None:
+    """Every budget is read before any replay, and at least one must fit some trace (a budget too small for one
+    trace's top-k is skipped there with a note)."""
+    from moetier.sim.cache_bench import budget_slots, read_budget
+
+    for budget in budgets:
+        read_budget(budget)
+    fits = 0
+    for budget in budgets:
+        for _, trace in traces:
+            try:
+                fits += bool(budget_slots(budget, trace))
+            except MoetierError:
+                pass
+    if not fits:
+        raise MoetierError(f"no budget in {','.join(budgets)} holds a layer's top-k experts of any trace",
+                           hint="give larger budgets (a share like 25%, or a slot count of at least the top-k)")
 
 
 def _train_cache_policy(args: argparse.Namespace) -> None:
@@ -109,27 +130,28 @@ def _model_dir(model: str, cache_dir: str | None) -> Path:
 
 
 def add_parser(sub) -> None:
-    cb = sub.add_parser("cache-bench", help="every eviction policy on routing traces, against the optimum")
-    cb.add_argument("--trace", nargs="+", required=True, help="one or more trace folders")
+    cb = command(sub, "cache-bench", "every eviction policy on routing traces, against the optimum")
+    cb.add_argument("--trace", nargs="+", action="extend", required=True,
+                    help="one or more trace folders (`--trace A B` or `--trace A --trace B`)")
     cb.add_argument("--expert-memory", default="10%,25%,50%", help="shares of the traced experts, or slot counts")
-    cb.add_argument("--policy", default="all", help="comma-separated names, or all")
-    cb.add_argument("--partition", default="global", choices=["global", "per-layer", "both"],
+    cb.add_argument("--policy", default="all", help="comma-separated names (`moetier list policies`), or all")
+    cb.add_argument("--cache-partition", default="global", choices=["global", "per-layer", "both"],
                     help="one cache shared by all layers, or the slots split evenly among them")
     cb.add_argument("--train-fraction", type=float, default=0.7,
                     help="learned policies fit on this first part; every policy is scored on the rest")
     cb.add_argument("--profile", default="this-machine",
                     help="hardware profile pricing a miss (the read of one expert) for the miss penalty")
-    cb.add_argument("--json", help="write the records here")
-    cb.add_argument("--plot", default="cache-bench.png", help="hit rate against budget per policy (PNG)")
+    cb.add_argument("--json", help="write the records to this JSON file")
+    cb.add_argument("--plot", help="write hit rate against budget per policy to this PNG")
     cb.set_defaults(func=_cache_bench)
 
-    tr = sub.add_parser("train", help="train what moetier learns (cache policies)").add_subparsers(
+    tr = command(sub, "train", "train what moetier learns (cache policies)").add_subparsers(
         dest="train_command", required=True)
-    cp = tr.add_parser("cache-policy", help="fit a learned eviction policy on a trace and save it with the model")
-    cp.add_argument("--policy", required=True, choices=TRAINABLE)
-    cp.add_argument("--trace", required=True)
+    cp = command(tr, "cache-policy", "fit a learned eviction policy on a trace and save it with the model")
+    cp.add_argument("--policy", required=True, choices=LEARNED, help="the learned policy to fit")
+    cp.add_argument("--trace", required=True, help="a trace of the model")
     cp.add_argument("--model", default=DEFAULT_MODEL, help="the model to save it with (its policies/ folder)")
     cp.add_argument("--out", help="write here instead")
     cp.add_argument("--expert-memory", default="25%", help="hobbit: the budget to fit the weights at")
-    cp.add_argument("--cache-dir")
+    cp.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     cp.set_defaults(func=_train_cache_policy)

@@ -6,18 +6,39 @@ import argparse
 import json
 import sys
 
-from moetier.cache.policies import POLICIES
-from moetier.cli.defaults import DEFAULT_MODEL
+from moetier.cache.policies import LIVE_POLICIES
+from moetier.cli.defaults import DEFAULT_MODEL, command, read_prompts
+from moetier.errors import MoetierError
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """What a run's engine options say, refused before any model is resolved, converted or loaded."""
+    from moetier.config import MemoryBudget
+
+    MemoryBudget.parse(args.expert_memory)
+    if args.reader_threads < 1:
+        raise MoetierError(f"--reader-threads must be at least 1, got {args.reader_threads}")
+
+
+def open_engine(args: argparse.Namespace, progress: bool = True, **config):
+    """The engine for `args`, with the one stderr line saying what expert cache it reserved and why."""
+    from moetier.engine.engine import Engine
+
+    engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, cache_dir=args.cache_dir,
+                                    progress=progress, reader_threads=args.reader_threads,
+                                    reconvert=getattr(args, "reconvert", False), **config)
+    print(f"moetier: {engine.budget.note}", file=sys.stderr)
+    return engine
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from moetier.engine.engine import Engine
+    from moetier.engine.sampling import SamplingParams
     from moetier.engine.stats import format_summary
 
-    engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, policy=args.policy,
-                                    cache_dir=args.cache_dir, progress=not args.json,
-                                    reader_threads=args.reader_threads, cache_partition=args.cache_partition)
-    prompts = args.prompt
+    params = SamplingParams(args.max_tokens, args.temperature, args.top_p, args.seed)  # refuses bad values
+    check_engine_args(args)
+    prompts = read_prompts(args.prompt, args.prompt_file)
+    engine = open_engine(args, progress=not args.json, policy=args.policy, cache_partition=args.cache_partition)
     stream = len(prompts) == 1 and not args.json
 
     def on_text(_: int, delta: str) -> None:
@@ -27,8 +48,9 @@ def _generate(args: argparse.Namespace) -> None:
     with engine:
         if stream:
             sys.stdout.write(prompts[0])
-        out = engine.generate(prompts, max_new_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, seed=args.seed, on_text=on_text if stream else None)
+        out = engine.generate(prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                              top_p=params.top_p, seed=params.seed, ignore_eos=args.ignore_eos,
+                              on_text=on_text if stream else None)
     if args.json:
         print(json.dumps({"texts": out.texts, "token_ids": out.token_ids, "stats": out.stats}, indent=1))
         return
@@ -37,25 +59,41 @@ def _generate(args: argparse.Namespace) -> None:
     else:
         for i, (prompt, text) in enumerate(zip(prompts, out.texts)):
             print(f"--- [{i}] {prompt}{text}")
-    sys.stdout.flush()  # the text first, then the statistics line
+    sys.stdout.flush()  # the text first, then the notes and the statistics line
+    context = engine.spec.max_position_embeddings
+    for b in out.stats["stopped_at_context"]:
+        print(f"note: generation of prompt {b} stopped at the model's context window ({context} tokens) after "
+              f"{len(out.token_ids[b])} new tokens", file=sys.stderr)
     print(format_summary(out.stats), file=sys.stderr)
 
 
+def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
+    """Options of every command that runs the engine."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="Hugging Face folder, converted store, or built-in model name (`moetier list models`)")
+    p.add_argument("--expert-memory", default=expert_memory,
+                   help="expert cache: bytes (512MiB, 2GB), a share of all expert bytes (30%%), or auto (80%% of "
+                        "the memory the host and the container allow, less the dense weights)")
+    p.add_argument("--cache-dir", help="where Hugging Face folders are converted (default: $MOETIER_CACHE or "
+                                       "~/.cache/moetier)")
+    p.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
+
+
 def add_parser(sub) -> None:
-    g = sub.add_parser("generate", help="generate text with experts offloaded to disk")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="Hugging Face folder, converted store, or built-in model name (default %(default)s)")
-    g.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--expert-memory", default="30%", help="bytes (512MiB, 2GB), share of expert bytes (30%%), auto")
-    g.add_argument("--policy", default="lru", choices=sorted(POLICIES), help="expert eviction policy (see "
-                   "docs/cache-policies.md; belady is offline only)")
+    g = command(sub, "generate", "generate text with experts offloaded to disk")
+    add_engine_options(g, "30%")
+    g.add_argument("--prompt", action="append", help="prompt text; repeat for a batch; `-` reads stdin")
+    g.add_argument("--prompt-file", action="append", help="a file whose text is one prompt; repeatable")
+    g.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
+    g.add_argument("--policy", default="lru", choices=LIVE_POLICIES,
+                   help="expert eviction policy (`moetier list policies`, docs/cache-policies.md)")
     g.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
                    help="one expert cache for all layers, or the slots split evenly among them")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cache-dir", help="where Hugging Face folders are converted (default ~/.cache/moetier)")
-    g.add_argument("--reader-threads", type=int, default=4)
-    g.add_argument("--json", action="store_true", help="print texts and statistics as JSON")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--reconvert", action="store_true",
+                   help="convert a Hugging Face folder again even if the cache holds it (a damaged conversion)")
+    g.add_argument("--json", action="store_true", help="print texts, token ids and statistics as JSON")
     g.set_defaults(func=_generate)

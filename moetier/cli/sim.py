@@ -7,18 +7,18 @@ import json
 from pathlib import Path
 
 from moetier.cache.policies import POLICIES
-from moetier.cli.defaults import DEFAULT_MODEL
+from moetier.cli.defaults import DEFAULT_MODEL, command
 from moetier.errors import MoetierError
 
 
 def _calibrate(args: argparse.Namespace) -> None:
     from moetier.resolve import resolve_model
     from moetier.sim.calibrate import calibrate
-    from moetier.sim.profile import USER_PROFILES, HardwareProfile
+    from moetier.sim.profile import HardwareProfile, user_profiles_dir
     from moetier.store.store import Store
 
     profile = calibrate(Store(resolve_model(args.model, args.cache_dir)), args.name, args.reader_threads)
-    path = Path(args.out) if args.out else USER_PROFILES / f"{args.name}.json"
+    path = Path(args.out) if args.out else user_profiles_dir() / f"{args.name}.json"
     if path.exists():  # keep what earlier runs measured for other shapes
         profile = profile.merged_with(HardwareProfile.load(path))
     profile.save(path)
@@ -51,7 +51,8 @@ def _sim(args: argparse.Namespace) -> None:
             raise MoetierError(f"unknown policy {policy!r}", hint=f"one of {', '.join(sorted(POLICIES))}")
     timeline_steps = (args.timeline_step,) if args.timeline else ()
     model_dir = _policy_dir(args.model_shape or trace.model, args.cache_dir)
-    runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.partition == "per-layer", model_dir)
+    runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
+                model_dir)
             for policy, budget in configs]
     where = f"{shape.name} ({cost.precision}) on {profile.name}"
     if len(runs) == 1:
@@ -84,31 +85,32 @@ def _policy_dir(name: str, cache_dir: str | None) -> Path | None:
 
 
 def add_parser(sub) -> None:
-    cal = sub.add_parser("calibrate", help="measure this machine into the `this-machine` hardware profile")
+    cal = command(sub, "calibrate", "measure this machine into the `this-machine` hardware profile")
     cal.add_argument("--model", default=DEFAULT_MODEL, help="the model whose expert shape to measure")
-    cal.add_argument("--name", default="this-machine")
-    cal.add_argument("--out", help="profile path (default ~/.cache/moetier/profiles/NAME.json)")
-    cal.add_argument("--cache-dir")
-    cal.add_argument("--reader-threads", type=int, default=4)
+    cal.add_argument("--name", default="this-machine", help="the profile's name")
+    cal.add_argument("--out", help="profile path (default: profiles/NAME.json in the cache directory, "
+                                   "$MOETIER_CACHE or ~/.cache/moetier)")
+    cal.add_argument("--cache-dir", help="where Hugging Face folders are converted")
+    cal.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
     cal.set_defaults(func=_calibrate)
 
-    sm = sub.add_parser("sim", help="simulate a trace on a hardware profile, for one or a sweep of configurations",
-                        description="Replays a routing trace through the engine's policy and planner objects and "
-                                    "times it on a hardware profile. Comma-separated policies or budgets sweep "
-                                    "every combination and write a table, JSON and a plot.")
-    sm.add_argument("--trace", required=True)
+    sm = command(sub, "sim", "simulate a trace on a hardware profile, for one or a sweep of configurations",
+                 description="Replays a routing trace through the engine's policy and planner objects and "
+                             "times it on a hardware profile. Comma-separated policies or budgets sweep "
+                             "every combination and write a table, JSON and a plot.")
+    sm.add_argument("--trace", required=True, help="a trace folder")
     sm.add_argument("--profile", default="this-machine",
-                    help="a profile name (rtx4090, jetson-orin, a6000, a100-pcie4, this-machine, ...) or a JSON path")
-    sm.add_argument("--model-shape", help="a shape name (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, ...), a "
-                                          "built-in model, or a model directory (default: the trace's model)")
+                    help="a profile name (`moetier list profiles`) or a JSON path")
+    sm.add_argument("--model-shape", help="a shape name (`moetier list shapes`), a built-in model, or a model "
+                                          "directory (default: the trace's model)")
     sm.add_argument("--precision", help="the experts' precision (default: the shape's checkpoint precision)")
-    sm.add_argument("--policy", default="lru", help=f"one or more of {', '.join(sorted(POLICIES))}, comma-separated")
+    sm.add_argument("--policy", default="lru", help=f"one or more of {', '.join(POLICIES)}, comma-separated")
     sm.add_argument("--expert-memory", default="30%", help="one or more budgets (bytes or %% of the experts)")
-    sm.add_argument("--partition", default="global", choices=["global", "per-layer"],
+    sm.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
                     help="one expert cache for all layers, or the slots split evenly among them")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
-    sm.add_argument("--cache-dir")
+    sm.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step (single configuration)")
-    sm.add_argument("--timeline-step", type=int, default=-1, help="which step (default: the last)")
+    sm.add_argument("--timeline-step", type=int, default=-1, help="which step (-1: the last)")
     sm.add_argument("--out", help="sweep output directory (default ./sim-sweep)")
     sm.set_defaults(func=_sim)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from moetier.cli.defaults import command
 from moetier.store.synth import PRESETS
 
 
@@ -26,19 +27,21 @@ def _synth(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub) -> None:
-    c = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint into a moetier store")
-    c.add_argument("hf_dir")
-    c.add_argument("store")
-    c.add_argument("--force", action="store_true", help="replace an existing store")
+    c = command(sub, "convert", "convert a Hugging Face MoE checkpoint into a moetier store")
+    c.add_argument("hf_dir", help="the Hugging Face model folder (config.json, *.safetensors, tokenizer files)")
+    c.add_argument("store", help="the store folder to write")
+    c.add_argument("--force", action="store_true",
+                   help="replace an existing store (only a moetier store; never the checkpoint itself)")
     c.set_defaults(func=_convert)
 
-    s = sub.add_parser("synth", help="write a synthetic store of real shape with random weights")
-    s.add_argument("out")
-    s.add_argument("--preset", default="olmoe-1b-7b", choices=sorted(PRESETS))
+    s = command(sub, "synth", "write a synthetic store of real shape with random weights")
+    s.add_argument("out", help="the store folder to write")
+    s.add_argument("--preset", default="olmoe-1b-7b", choices=sorted(PRESETS), help="the shape to start from")
     for name in ("hidden_size", "num_layers", "num_experts", "intermediate_size", "top_k", "num_heads",
                  "num_kv_heads", "vocab_size", "seed"):
-        s.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
-    s.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
-    s.add_argument("--embed-std", dest="embed_std", type=float)
-    s.add_argument("--force", action="store_true")
+        s.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=f"override the preset's {name}")
+    s.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="override the preset's precision")
+    s.add_argument("--embed-std", dest="embed_std", type=float,
+                   help="standard deviation of the token embedding (large keeps routing near-uniform)")
+    s.add_argument("--force", action="store_true", help="replace an existing store (only a moetier store)")
     s.set_defaults(func=_synth)

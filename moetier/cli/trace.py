@@ -6,17 +6,25 @@ import argparse
 import json
 from pathlib import Path
 
-from moetier.cli.defaults import DEFAULT_MODEL
+from moetier.cli.defaults import command, read_text_file
+from moetier.cli.generate import add_engine_options, check_engine_args, open_engine
 from moetier.errors import MoetierError
+
+
+def _check_out(args: argparse.Namespace, *sources) -> None:
+    """The output trace folder, refused before any work: see `check_replaceable`."""
+    from moetier.atomic import check_replaceable
+    from moetier.trace.format import is_trace
+
+    check_replaceable(args.out, "trace", is_trace, args.force, tuple(s for s in sources if s))
 
 
 def _trace_import(args: argparse.Namespace) -> None:
     from moetier.trace.importers import import_trace
 
+    _check_out(args, args.path)
     trace = import_trace(args.path, args.num_layers, args.num_experts)
-    if Path(args.out).exists() and not args.force:
-        raise MoetierError(f"{args.out} already exists", hint="choose another --out or pass --force")
-    trace.save(args.out)
+    trace.save(args.out, overwrite=args.force, sources=(args.path,))
     print(f"wrote {args.out}: {trace.num_tokens} tokens, layers {trace.layers}")
     for note in trace.notes:
         print(f"  note: {note}")
@@ -25,23 +33,22 @@ def _trace_import(args: argparse.Namespace) -> None:
 def _trace_record(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from moetier.engine.engine import Engine
+    from moetier.engine.sampling import SamplingParams
     from moetier.trace.record import TraceRecorder
 
-    try:
-        prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    except OSError as e:
-        raise MoetierError(f"cannot read prompts from {args.prompts}: {e.strerror}") from None
+    params = SamplingParams(args.max_tokens, args.temperature, 1.0, args.seed)  # refuses bad values
+    check_engine_args(args)
+    prompts = [line for line in read_text_file(args.prompts, "prompts file").splitlines() if line.strip()]
     if not prompts:
         raise MoetierError(f"{args.prompts} holds no prompt", hint="write one prompt per line")
-    if Path(args.out).exists() and not args.force:
-        raise MoetierError(f"{args.out} already exists", hint="choose another --out or pass --force")
-    engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, cache_dir=args.cache_dir)
+    _check_out(args, args.prompts)
+    engine = open_engine(args)
     with engine, TraceRecorder(engine, gate_inputs=args.gate_inputs) as recorder:
         for prompt in tqdm(prompts, desc="record", unit="prompt"):
-            engine.generate(prompt, max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+            engine.generate(prompt, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                            seed=params.seed)
         trace = recorder.trace(prompts)
-    trace.save(args.out)
+    trace.save(args.out, overwrite=args.force)
     print(f"wrote {args.out}: {trace.num_tokens} token steps, {len(prompts)} sequences")
 
 
@@ -49,8 +56,9 @@ def _trace_synth(args: argparse.Namespace) -> None:
     from moetier.trace.format import Trace
     from moetier.trace.synthetic import fit_locality, generate
 
-    if Path(args.out).exists() and not args.force:
-        raise MoetierError(f"{args.out} already exists", hint="choose another --out or pass --force")
+    if args.tokens < 1:
+        raise MoetierError(f"--tokens must be at least 1, got {args.tokens}")
+    _check_out(args, args.fit)
     if args.model_shape:
         from moetier.sim.shapes import model_shape
 
@@ -64,7 +72,7 @@ def _trace_synth(args: argparse.Namespace) -> None:
         dims = dict(num_layers=args.num_layers, num_experts=args.num_experts, top_k=args.top_k, model=args.name)
     fit = fit_locality(Trace.load(args.fit))
     trace = generate(fit, tokens=args.tokens, seed=args.seed, **dims)
-    trace.save(args.out)
+    trace.save(args.out, overwrite=args.force, sources=(args.fit,))
     print(f"wrote {args.out}: {args.tokens} tokens of {trace.model}, {len(trace.layers)} MoE layers, top-"
           f"{trace.top_k} of {trace.num_experts}; zipf s={fit.zipf_s:.3f}, p_keep={fit.p_keep:.3f} "
           f"(reuse t+1 {fit.reuse_next:.1%})")
@@ -86,41 +94,40 @@ def _trace_stats(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser("trace", help="routing traces: record, import, synth, stats").add_subparsers(dest="trace_command",
-                                                                                    required=True)
-    ti = t.add_parser("import", help="import a JSONL routing trace (a file, or a folder of them)")
-    ti.add_argument("path")
-    ti.add_argument("--out", required=True)
+    t = command(sub, "trace", "routing traces: record, import, synth, stats").add_subparsers(dest="trace_command",
+                                                                                            required=True)
+    force = "replace an existing trace (only a moetier trace; never the input)"
+    ti = command(t, "import", "import a JSONL routing trace (a file, or a folder of them)")
+    ti.add_argument("path", help="a JSON-lines trace file, or a folder of *.jsonl files")
+    ti.add_argument("--out", required=True, help="the trace folder to write")
     ti.add_argument("--num-layers", type=int, help="the model's layers, if the trace cannot tell")
     ti.add_argument("--num-experts", type=int, help="experts per layer, if the trace cannot tell")
-    ti.add_argument("--force", action="store_true")
+    ti.add_argument("--force", action="store_true", help=force)
     ti.set_defaults(func=_trace_import)
-    tr = t.add_parser("record", help="record routing (full router scores) from moetier's engine")
-    tr.add_argument("--model", default=DEFAULT_MODEL)
+    tr = command(t, "record", "record routing (full router scores) from moetier's engine")
+    add_engine_options(tr, "100%")
     tr.add_argument("--prompts", required=True, help="a text file, one prompt per line")
-    tr.add_argument("--out", required=True)
-    tr.add_argument("--max-tokens", type=int, default=64)
-    tr.add_argument("--temperature", type=float, default=0.0)
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--expert-memory", default="100%")
-    tr.add_argument("--cache-dir")
+    tr.add_argument("--out", required=True, help="the trace folder to write")
+    tr.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")
+    tr.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    tr.add_argument("--seed", type=int, default=0, help="sampling seed")
     tr.add_argument("--gate-inputs", action="store_true", help="also record the router's inputs")
-    tr.add_argument("--force", action="store_true")
+    tr.add_argument("--force", action="store_true", help=force)
     tr.set_defaults(func=_trace_record)
-    tsy = t.add_parser("synth", help="a synthetic trace of any shape, skew and locality fitted to a real one")
+    tsy = command(t, "synth", "a synthetic trace of any shape, skew and locality fitted to a real one")
     tsy.add_argument("--fit", required=True, help="the trace to fit")
-    tsy.add_argument("--model-shape", help="a model shape (mixtral-8x7b, qwen3-30b-a3b, ...; see `moetier sim`)")
+    tsy.add_argument("--model-shape", help="a model shape (`moetier list shapes`)")
     tsy.add_argument("--num-layers", type=int, help="without --model-shape: the model's layers")
     tsy.add_argument("--num-experts", type=int, help="without --model-shape: experts per layer")
     tsy.add_argument("--top-k", type=int, help="without --model-shape: experts per token")
-    tsy.add_argument("--tokens", type=int, default=2000)
-    tsy.add_argument("--seed", type=int, default=0)
+    tsy.add_argument("--tokens", type=int, default=2000, help="token steps to generate")
+    tsy.add_argument("--seed", type=int, default=0, help="random seed")
     tsy.add_argument("--name", default="synthetic", help="without --model-shape: the model name recorded")
-    tsy.add_argument("--out", required=True)
-    tsy.add_argument("--force", action="store_true")
+    tsy.add_argument("--out", required=True, help="the trace folder to write")
+    tsy.add_argument("--force", action="store_true", help=force)
     tsy.set_defaults(func=_trace_synth)
-    ts = t.add_parser("stats", help="locality statistics of a trace, with a plot")
-    ts.add_argument("trace")
+    ts = command(t, "stats", "locality statistics of a trace, with a plot")
+    ts.add_argument("trace", help="a trace folder")
     ts.add_argument("--plot", help="PNG path (default TRACE/stats.png)")
-    ts.add_argument("--json", action="store_true")
+    ts.add_argument("--json", action="store_true", help="print the statistics as JSON")
     ts.set_defaults(func=_trace_stats)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from moetier.cache.policies import PolicyContext, make_policy
 from moetier.config import MemoryBudget, format_bytes
 from moetier.engine.expert_executor import ExpertExecutor
@@ -15,13 +13,14 @@ from moetier.engine.sampling import SamplingParams
 from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
+from moetier.memory import MemoryView, memory_available
 from moetier.model.transformer import Transformer
 from moetier.resolve import resolve_model
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
 
 PARTITIONS = ("global", "per-layer")
-AUTO_MARGIN = 0.2  # share of available memory `auto` leaves for the OS, the KV cache and everything else
+MEMORY_MARGIN = 0.2  # share of available memory left for the KV cache, activations and everything else
 
 
 @dataclass(frozen=True)
@@ -47,22 +46,43 @@ class GenerationOutput:
     stats: dict
 
 
-def plan_slots(store: Store, budget: MemoryBudget, dense_bytes: int) -> int:
-    """Cache slots for the budget; at least one layer's top-k, at most every expert."""
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The expert cache a run reserves, and the one line that says why."""
+
+    slots: int
+    cache_bytes: int
+    note: str
+
+
+def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView) -> BudgetChoice:
+    """Cache slots for the budget: at least one layer's top-k, at most every expert, and never more than fits in
+    the memory this process may still take (host or cgroup) after the dense weights and a margin. Decided before
+    anything is loaded or reserved."""
     spec, slot_bytes = store.spec, store.native_layout.blob_bytes
     total = store.total_expert_bytes()
-    available = None
-    if budget.kind == "auto":
-        available = int(psutil.virtual_memory().available * (1 - AUTO_MARGIN)) - dense_bytes
-    nbytes = budget.resolve(total, available)
-    slots = min(nbytes // slot_bytes, spec.num_expert_keys)
+    fits = max(0, int(memory.available * (1 - MEMORY_MARGIN)) - store.dense_bytes)
+    slots = min(budget.resolve(total, fits) // slot_bytes, spec.num_expert_keys)
+    cache = slots * slot_bytes
+    need = spec.top_k * slot_bytes
+    room = (f"{memory.describe()}; after the dense weights ({format_bytes(store.dense_bytes)}) and a "
+            f"{MEMORY_MARGIN:.0%} margin, {format_bytes(fits)} fits")
+    if budget.kind == "auto" and slots < spec.top_k:
+        raise BudgetError(f"expert memory auto: too little memory for one layer's top-{spec.top_k} experts "
+                          f"({format_bytes(need)}): {room}", hint="free memory, or raise the container's limit")
     if slots < spec.top_k:
-        need = spec.top_k * slot_bytes
         raise BudgetError(
-            f"expert memory {format_bytes(nbytes)} holds {slots} expert(s); one layer's top-{spec.top_k} needs "
-            f"{spec.top_k} ({format_bytes(need)}, {need / total:.1%} of all expert bytes)",
+            f"expert memory {format_bytes(budget.resolve(total))} holds {slots} expert(s); one layer's top-"
+            f"{spec.top_k} needs {spec.top_k} ({format_bytes(need)}, {need / total:.1%} of all expert bytes)",
             hint=f"give --expert-memory of at least {need} bytes ({-(-need * 1000 // total) / 10:.1f}%)")
-    return slots
+    if cache > fits:
+        raise BudgetError(f"expert memory {format_bytes(cache)} does not fit: {room}",
+                          hint=f"give --expert-memory {fits // 2**20}MiB or less, or auto")
+    asked = "auto" if budget.kind == "auto" else f"{budget.value:.0%}" if budget.kind == "share" else \
+        format_bytes(budget.value)
+    note = (f"expert cache {format_bytes(cache)} ({slots} slots, {cache / total:.0%} of {format_bytes(total)} of "
+            f"experts; asked {asked}); {memory.describe()}")
+    return BudgetChoice(slots, cache, note)
 
 
 def policy_dir(store: Store) -> Path:
@@ -75,11 +95,11 @@ def policy_dir(store: Store) -> Path:
 
 
 class Engine:
-    def __init__(self, store: Store, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, store: Store, config: EngineConfig = EngineConfig(), memory: MemoryView | None = None) -> None:
+        """`memory`: what bounds this process's memory (default: measured now, host and cgroups)."""
         self.store, self.config, self.spec = store, config, store.spec
-        dense = store.load_dense()
-        self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
-        slots = plan_slots(store, config.expert_memory, self.dense_bytes)
+        self.budget = plan_budget(store, config.expert_memory, memory or memory_available())
+        slots = self.budget.slots
         per_layer = config.cache_partition == "per-layer"
         if per_layer and slots < len(self.spec.moe_layers):
             raise BudgetError(f"a per-layer cache needs a slot for each of the {len(self.spec.moe_layers)} MoE "
@@ -87,18 +107,26 @@ class Engine:
         ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
                             model_dir=policy_dir(store))
         policy = make_policy(config.policy, ctx)  # before the reader's threads start: this may refuse
+        dense = store.load_dense()
+        self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
         self.executor = ExpertExecutor(self.spec, store.manifest, slots, policy, self.reader, per_layer)
         self.model = Transformer(self.spec, dense, self.executor)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.on_step: OnStep | None = None  # observer of every forward step (the trace recorder)
+        self.closed = False
 
     @classmethod
     def from_pretrained(cls, model: str | Path, expert_memory: str | float | MemoryBudget = "30%",
                         policy: str = "lru", cache_dir: str | Path | None = None, progress: bool = True,
-                        **config) -> Engine:
-        store = Store(resolve_model(model, cache_dir, progress))
-        return cls(store, EngineConfig(expert_memory=MemoryBudget.parse(expert_memory), policy=policy, **config))
+                        reconvert: bool = False, **config) -> Engine:
+        """`reconvert`: convert a Hugging Face folder again even if the cache holds its store (a damaged one)."""
+        config = EngineConfig(expert_memory=MemoryBudget.parse(expert_memory), policy=policy, **config)
+        return cls(Store(resolve_model(model, cache_dir, progress, reconvert)), config)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise MoetierError("this Engine is closed", hint="make a new one with Engine.from_pretrained")
 
     def encode(self, prompts: str | list[str] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -113,6 +141,7 @@ class Engine:
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
                  on_text=None, on_token: OnToken | None = None) -> GenerationOutput:
         """Generate for one prompt or a batch. `on_text(i, delta)` streams text as it is produced."""
+        self._check_open()
         ids = self.encode(prompts)
         params = SamplingParams(max_new_tokens, temperature, top_p, seed)
         streams = [TextStream(self.tokenizer) for _ in ids] if on_text and self.tokenizer else None
@@ -136,10 +165,14 @@ class Engine:
 
     def preload(self) -> int:
         """Fill the expert cache before generating (every expert, if the budget holds them all)."""
+        self._check_open()
         return self.executor.preload()
 
     def close(self) -> None:
-        self.reader.close()
+        """Stop the reader threads; the engine refuses work afterwards. Closing twice is harmless."""
+        if not self.closed:
+            self.closed = True
+            self.reader.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -60,7 +60,12 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
 
     def finished(b: int) -> bool:
         out = outputs[b]
-        return out[-1] in eos or len(out) >= params.max_new_tokens or positions[b] >= max_len
+        if out[-1] in eos or len(out) >= params.max_new_tokens:
+            return True
+        if positions[b] >= max_len:  # only the context window ends it early (max_len is the smaller bound)
+            stats.stopped_at_context.append(b)
+            return True
+        return False
 
     for b in range(num):
         if on_token is not None:

@@ -32,6 +32,7 @@ class GenerationStats:
     expert_cache_bytes: int = 0
     expert_slots: int = 0
     total_expert_bytes: int = 0
+    stopped_at_context: list[int] = field(default_factory=list)  # sequences the context window cut short
 
     def record_layer(self, phase: int, needed: int, hits: int, loads: int, bytes_read: int) -> None:
         c = self.phases[phase]
@@ -65,6 +66,7 @@ class GenerationStats:
             "expert_slots": self.expert_slots,
             "total_expert_bytes": self.total_expert_bytes,
             "peak_rss_bytes": peak_rss_bytes(),
+            "stopped_at_context": sorted(self.stopped_at_context),
             "prefill": asdict(pre),
             "decode": asdict(dec),
         }
@@ -81,10 +83,13 @@ def format_summary(s: dict) -> str:
     def pct(v):
         return "n/a" if v is None else f"{v:.1%}"
 
+    def rate(v):
+        return "n/a" if v is None else f"{v:.2f}"
+
     per_tok = s["expert_bytes_per_token"]
-    rate = s["tokens_per_s"]
     return (f"TTFT {ms(s['ttft_s'])} | TPOT {ms(s['tpot_s'])} (p50 {ms(s['tpot_p50_s'])}, "
-            f"p90 {ms(s['tpot_p90_s'])}) | {'n/a' if rate is None else f'{rate:.2f}'} tok/s | "
+            f"p90 {ms(s['tpot_p90_s'])}) | {rate(s['tokens_per_s'])} tok/s "
+            f"(decode {rate(s['decode_tokens_per_s'])} tok/s) | "
             f"expert hit rate {pct(s['hit_rate'])} | "
             f"expert read {'n/a' if per_tok is None else f'{per_tok / 2**20:.1f} MiB'}/token | "
             f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB")

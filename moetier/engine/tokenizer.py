@@ -7,23 +7,39 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from moetier.errors import ModelNotFoundError
+from moetier.errors import ModelNotFoundError, StoreError, parsing
+from moetier.store.format import DAMAGED
 
 
 class Tokenizer:
-    def __init__(self, path: Path, bos_token_id: int | None = None) -> None:
-        self._tok = HFTokenizer.from_file(str(path))
-        config = path.parent / "tokenizer_config.json"
-        settings = json.loads(config.read_text()) if config.exists() else {}
+    def __init__(self, tokenizer_json: str, settings: dict | None = None, bos_token_id: int | None = None) -> None:
+        """`tokenizer_json`: the text of tokenizer.json; `settings`: tokenizer_config.json's, if any."""
+        try:
+            self._tok = HFTokenizer.from_str(tokenizer_json)
+        except Exception as e:  # the tokenizers library raises its own exception type
+            raise StoreError(f"cannot read the tokenizer: {e}", hint=DAMAGED) from None
+        settings = settings if isinstance(settings, dict) else {}
         self.add_bos = bool(settings.get("add_bos_token", False)) and bos_token_id is not None
         self.bos_token_id = bos_token_id
 
     @classmethod
+    def from_file(cls, path: Path, bos_token_id: int | None = None) -> Tokenizer:
+        config = path.parent / "tokenizer_config.json"
+        settings = json.loads(config.read_text()) if config.exists() else None
+        return cls(path.read_text(encoding="utf-8"), settings, bos_token_id)
+
+    @classmethod
     def from_store(cls, store) -> Tokenizer:
+        """The store's tokenizer, its files verified against the manifest's checksums."""
         if store.tokenizer_path is None:
             raise ModelNotFoundError(f"{store.path} has no tokenizer.json",
                                      hint="pass token ids instead of text, or add the model's tokenizer.json")
-        return cls(store.tokenizer_path, store.spec.bos_token_id)
+        settings = None
+        if (store.path / "tokenizer_config.json").exists():
+            with parsing(str(store.path / "tokenizer_config.json"), StoreError, hint=DAMAGED):
+                settings = json.loads(store.read_file("tokenizer_config.json"))
+        text = store.read_file("tokenizer.json").decode("utf-8", errors="replace")
+        return cls(text, settings, store.spec.bos_token_id)
 
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text).ids

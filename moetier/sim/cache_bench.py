@@ -30,13 +30,23 @@ class Record:
     gap_closed: float | None  # (hit - LRU's) / (Belady's - LRU's)
 
 
+def read_budget(budget: str) -> tuple[float | None, int | None]:
+    """(share, None) for "25%", (None, slots) for "96"."""
+    try:
+        share, slots = (float(budget[:-1]) / 100, None) if budget.endswith("%") else (None, int(budget))
+    except ValueError:
+        share = slots = None
+    if (share is None and slots is None) or (share is not None and not 0 < share <= 1):
+        raise MoetierError(f"cannot read the budget {budget!r}", hint="a share like 25% or a number of slots")
+    return share, slots
+
+
 def budget_slots(budget: str, trace: Trace) -> int:
     """A share of the experts of the layers the trace covers ("25%"), or a slot count ("96")."""
     total = len(trace.layers) * trace.num_experts
-    try:
-        slots = round(float(budget[:-1]) / 100 * total) if budget.endswith("%") else int(budget)
-    except ValueError:
-        raise MoetierError(f"cannot read the budget {budget!r}", hint="a share like 25% or a number of slots") from None
+    share, slots = read_budget(budget)
+    if share is not None:
+        slots = round(share * total)
     if not trace.top_k <= slots <= total:
         raise MoetierError(f"budget {budget} gives {slots} slots; a layer needs {trace.top_k} and the trace has "
                            f"{total} experts")

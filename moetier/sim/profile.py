@@ -31,9 +31,14 @@ from pathlib import Path
 
 from moetier.atomic import atomic_write_json
 from moetier.errors import MoetierError
+from moetier.paths import default_cache_dir
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
-USER_PROFILES = Path.home() / ".cache" / "moetier" / "profiles"
+
+
+def user_profiles_dir() -> Path:
+    """Where `moetier calibrate` writes: the cache directory's profiles/ (honours $MOETIER_CACHE)."""
+    return default_cache_dir() / "profiles"
 
 
 class ProfileError(MoetierError):
@@ -150,7 +155,7 @@ class HardwareProfile:
         """A profile by name (the user's calibrated profiles first, then the shipped ones) or by path."""
         path = Path(name_or_path)
         if not path.suffix:
-            user = USER_PROFILES / f"{name_or_path}.json"
+            user = user_profiles_dir() / f"{name_or_path}.json"
             path = user if user.exists() else PROFILE_DIR / f"{name_or_path}.json"
         try:
             d = json.loads(path.read_text())
@@ -168,7 +173,7 @@ class HardwareProfile:
 
 
 def known_profiles() -> list[str]:
-    names = {p.stem for p in PROFILE_DIR.glob("*.json")} | {p.stem for p in USER_PROFILES.glob("*.json")}
+    names = {p.stem for p in PROFILE_DIR.glob("*.json")} | {p.stem for p in user_profiles_dir().glob("*.json")}
     return sorted(names)
 
 

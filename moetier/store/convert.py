@@ -7,11 +7,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from moetier.atomic import check_replaceable
 from moetier.config import ModelSpec
 from moetier.errors import CheckpointError
 from moetier.model.families import Family, family_for
 from moetier.store.checkpoint import Checkpoint, read_config
-from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout
+from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, is_store
 from moetier.store.writer import StoreWriter
 
 
@@ -45,8 +46,10 @@ def dense_tensors(ckpt: Checkpoint, family: Family, spec: ModelSpec) -> dict[str
 
 
 def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = False, progress: bool = True) -> Path:
-    """Convert a Hugging Face MoE checkpoint into a store. Atomic: nothing is left at `store_dir` on failure."""
+    """Convert a Hugging Face MoE checkpoint into a store. Atomic: nothing is left at `store_dir` on failure.
+    `overwrite` replaces an existing store, and nothing else: never another folder, never the checkpoint."""
     model_dir, store_dir = Path(model_dir), Path(store_dir)
+    check_replaceable(store_dir, "store", is_store, overwrite, (model_dir,))  # before any work
     config = read_config(model_dir)
     family = family_for(config)  # an unsupported family is refused before any tensor is opened
     spec = family.parse(config)
@@ -58,7 +61,7 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
     layout = PrecisionLayout.swiglu(PRECISION_OF_DTYPE[first.dtype], str(first.dtype).removeprefix("torch."),
                                     spec.hidden_size, spec.moe_intermediate_size)
     total = len(spec.moe_layers) * spec.num_experts
-    with StoreWriter(store_dir, overwrite) as writer, \
+    with StoreWriter(store_dir, overwrite, (model_dir,)) as writer, \
             tqdm(total=total, desc=f"convert {model_dir.name}", unit="expert", disable=not progress) as bar:
         writer.write_dense(dense)
         for layer in spec.moe_layers:

@@ -7,26 +7,31 @@ STORE/
   tokenizer files                         copied from the checkpoint
 
 A blob's layout is described per precision as a list of tensors with byte offsets, so later precisions
-(int8/int4 with their scales) add tensors without changing the format.
+(int8/int4 with their scales) add tensors without changing the format. Every byte a run depends on has a CRC-32 in
+the manifest: each expert blob, each dense tensor, each copied file (version 2 added the last two; a version 1
+store is refused with a hint to re-convert).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
-from moetier.atomic import atomic_write_json
-from moetier.errors import StoreError
+from moetier.atomic import atomic_write_json, marked_json
+from moetier.errors import StoreError, integer, parsing
 
 FORMAT = "moetier-store"
-VERSION = 1
+VERSION = 2
 ALIGN = 4096  # O_DIRECT needs block-aligned offsets, lengths and buffers
 MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
+RECONVERT = ("re-convert it (`moetier generate --reconvert` for a model converted on first use, "
+             "`moetier convert --force SRC STORE` otherwise)")
+DAMAGED = f"the store is damaged; {RECONVERT}"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -100,6 +105,8 @@ class Manifest:
     blobs: tuple[BlobRef, ...]
     tokenizer_files: tuple[str, ...] = ()
     source: str = ""
+    dense_crc32: dict[str, int] = field(default_factory=dict)  # per dense tensor, over its raw bytes
+    file_crc32: dict[str, int] = field(default_factory=dict)  # per copied file (tokenizer, generation config)
     complete: bool = True
     version: int = VERSION
 
@@ -121,6 +128,7 @@ class Manifest:
             "source": self.source, "config": self.config, "tokenizer_files": list(self.tokenizer_files),
             "native_precision": self.native_precision,
             "precisions": {k: asdict(v) for k, v in self.precisions.items()},
+            "dense_crc32": self.dense_crc32, "file_crc32": self.file_crc32,
             "experts": [[b.layer, b.expert, b.precision, b.file, b.offset, b.length, b.crc32] for b in self.blobs],
         }
 
@@ -131,23 +139,96 @@ class Manifest:
     def load(cls, store_dir: Path) -> Manifest:
         path = store_dir / MANIFEST
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_bytes())
         except FileNotFoundError:
             raise StoreError(f"{store_dir} is not a moetier store (no {MANIFEST})",
                              hint="convert a Hugging Face checkpoint with `moetier convert HF_DIR STORE`") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise StoreError(f"cannot read {path}: {e}", hint="re-convert the model") from None
-        if d.get("format") != FORMAT or d.get("version") != VERSION:
-            raise StoreError(f"{path}: format {d.get('format')!r} version {d.get('version')!r} is not "
-                             f"{FORMAT!r} version {VERSION}", hint="re-convert the model with this moetier")
-        if not d.get("complete"):
-            raise StoreError(f"{store_dir} is incomplete (conversion did not finish)", hint="re-convert the model")
-        return cls(
-            family=d["family"], config=d["config"], source=d.get("source", ""),
-            tokenizer_files=tuple(d.get("tokenizer_files", ())), native_precision=d["native_precision"],
-            precisions={k: PrecisionLayout.from_json(v) for k, v in d["precisions"].items()},
-            blobs=tuple(BlobRef(*row) for row in d["experts"]),
-        )
+        except (OSError, ValueError) as e:
+            raise StoreError(f"cannot read {path}: {e}", hint=DAMAGED) from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise StoreError(f"{path} is not a moetier store manifest", hint=DAMAGED)
+        if d.get("version") != VERSION:
+            raise StoreError(f"{path}: store format version {d.get('version')!r}; this moetier reads version "
+                             f"{VERSION}", hint=RECONVERT)
+        if d.get("complete") is not True:
+            raise StoreError(f"{store_dir} is incomplete (conversion did not finish)", hint=DAMAGED)
+        with parsing(str(path), StoreError, hint=DAMAGED):
+            return _parse_manifest(d)
+
+
+def _parse_manifest(d: dict) -> Manifest:
+    precisions = {str(k): _parse_layout(k, v) for k, v in d["precisions"].items()}
+    native = d["native_precision"]
+    if native not in precisions:
+        raise ValueError(f"native precision {native!r} has no layout")
+    blobs = tuple(_parse_blob(row, precisions) for row in d["experts"])
+    return Manifest(
+        family=_text(d["family"], "family"), config=_mapping(d["config"], "config"), precisions=precisions,
+        native_precision=native, blobs=blobs, source=_text(d.get("source", ""), "source"),
+        tokenizer_files=tuple(_relative(f) for f in d.get("tokenizer_files", ())),
+        dense_crc32={_text(k, "tensor name"): integer(v, "crc32", 0) for k, v in _mapping(d["dense_crc32"],
+                                                                                            "dense_crc32").items()},
+        file_crc32={_relative(k): integer(v, "crc32", 0) for k, v in _mapping(d["file_crc32"], "file_crc32").items()})
+
+
+def _parse_layout(name, d: dict) -> PrecisionLayout:
+    tensors = []
+    for t in d["tensors"]:
+        if t["dtype"] not in DTYPES:
+            raise ValueError(f"precision {name}: unknown dtype {t['dtype']!r}")
+        shape = tuple(integer(n, "tensor dimension", 1) for n in t["shape"])
+        tensors.append(TensorLayout(_text(t["name"], "tensor name"), t["dtype"], shape, integer(t["offset"], "offset", 0)))
+    if not tensors or d["name"] != name:
+        raise ValueError(f"precision {name!r}: empty or misnamed layout")
+    return PrecisionLayout(name, tuple(tensors))
+
+
+def _parse_blob(row: list, precisions: dict[str, PrecisionLayout]) -> BlobRef:
+    layer, expert, precision, file, offset, length, crc = row
+    if precision not in precisions:
+        raise ValueError(f"expert blob of unknown precision {precision!r}")
+    if integer(length, "blob length", 1) < precisions[precision].nbytes:
+        raise ValueError(f"expert {expert} of layer {layer}: blob of {length} bytes is shorter than its layout")
+    if integer(offset, "blob offset", 0) % ALIGN or length % ALIGN:
+        raise ValueError(f"expert {expert} of layer {layer}: blob not {ALIGN}-aligned")
+    return BlobRef(integer(layer, "layer", 0), integer(expert, "expert", 0), precision, _relative(file), offset,
+                   length, integer(crc, "crc32", 0))
+
+
+def _text(value, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be text, got {value!r}")
+    return value
+
+
+def _mapping(value, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _relative(name) -> str:
+    """A path inside the store: relative, without `..` (a manifest never points outside its store)."""
+    p = PurePosixPath(_text(name, "file name"))
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise ValueError(f"file {name!r} is not a path inside the store")
+    return str(p)
+
+
+def is_store(path: Path) -> bool:
+    """A folder moetier made as a store: its manifest says so (or, damaged past reading, sits beside the dense
+    weights of one)."""
+    manifest = path / MANIFEST
+    return marked_json(manifest, "format", FORMAT) or (manifest.exists() and (path / DENSE).exists()
+                                                      and not _is_json(manifest))
+
+
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def check_files(store_dir: Path, manifest: Manifest) -> None:
@@ -160,4 +241,4 @@ def check_files(store_dir: Path, manifest: Manifest) -> None:
         actual = path.stat().st_size if path.exists() else -1
         if actual < size:
             what = "is missing" if actual < 0 else f"is truncated ({actual} of {size} bytes)"
-            raise StoreError(f"store file {path} {what}", hint="the store is damaged; re-convert the model")
+            raise StoreError(f"store file {path} {what}", hint=DAMAGED)

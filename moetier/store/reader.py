@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetier.errors import ChecksumError, StoreError
-from moetier.store.format import ALIGN, BlobRef
+from moetier.store.format import ALIGN, DAMAGED, BlobRef
 
 ON_DEMAND, PREFETCH = 0, 1
 
@@ -123,7 +123,7 @@ class ExpertReader:
                 n = os.preadv(chunk.fd, [chunk.dest], chunk.file_offset)  # releases the GIL
                 if n != len(chunk.dest):
                     raise StoreError(f"short read in {self.store_dir / c.blob.file} at {chunk.file_offset}: "
-                                     f"{n} of {len(chunk.dest)} bytes", hint="the store is truncated; re-convert")
+                                     f"{n} of {len(chunk.dest)} bytes", hint=DAMAGED)
                 if not self._fds[c.blob.file][1]:
                     os.posix_fadvise(chunk.fd, chunk.file_offset, n, os.POSIX_FADV_DONTNEED)
             except BaseException as e:  # reported to the waiter, never lost in the thread
@@ -151,7 +151,7 @@ class ExpertReader:
             if zlib.crc32(c.dest) != blob.crc32:  # releases the GIL for large buffers
                 c.error = ChecksumError(
                     f"expert {blob.expert} of layer {blob.layer} ({blob.precision}) fails its checksum "
-                    f"in {self.store_dir / blob.file}", hint="the store is damaged; re-convert the model")
+                    f"in {self.store_dir / blob.file}", hint=DAMAGED)
             else:
                 self._verified.add(key)
         c.done.set()

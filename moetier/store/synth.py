@@ -12,8 +12,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
+from moetier.atomic import check_replaceable
 from moetier.errors import MoetierError
-from moetier.store.format import Manifest, PrecisionLayout
+from moetier.store.format import Manifest, PrecisionLayout, is_store
 from moetier.store.writer import StoreWriter
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -38,6 +39,13 @@ class SynthSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        sizes = ("hidden_size", "num_layers", "num_experts", "intermediate_size", "top_k", "num_heads",
+                 "num_kv_heads", "vocab_size", "max_position_embeddings")
+        bad = [f"{name}={getattr(self, name)}" for name in sizes if getattr(self, name) < 1]
+        if bad or self.embed_std <= 0 or self.std <= 0:
+            raise MoetierError(f"synthetic model sizes must be positive: {', '.join(bad) or 'std'}")
+        if self.num_heads % self.num_kv_heads:
+            raise MoetierError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} kv heads")
         if self.precision not in DTYPE_NAMES:
             raise MoetierError(f"precision {self.precision!r} is not one of {', '.join(DTYPE_NAMES)}")
         if self.top_k > self.num_experts or self.hidden_size % self.num_heads:
@@ -75,6 +83,7 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def synthesize(spec: SynthSpec, out: Path | str, overwrite: bool = False, progress: bool = True) -> Path:
+    check_replaceable(out, "store", is_store, overwrite)  # before drawing gigabytes of weights
     g = torch.Generator().manual_seed(spec.seed)
     dtype = DTYPE_NAMES[spec.precision]
     h, d = spec.hidden_size, spec.hidden_size // spec.num_heads
@@ -102,6 +111,7 @@ def synthesize(spec: SynthSpec, out: Path | str, overwrite: bool = False, progre
                                                      "down_proj": randn(h, spec.intermediate_size)})
                 bar.update()
         byte_tokenizer().save(str(writer.tmp / "tokenizer.json"))
+        writer.add_file("tokenizer.json")
         manifest = Manifest(family="olmoe", config=spec.hf_config(), precisions={layout.name: layout},
                             native_precision=layout.name, blobs=tuple(writer.blobs), source="synthetic",
                             tokenizer_files=("tokenizer.json",))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import zlib
@@ -11,29 +12,41 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from moetier.atomic import atomic_dir
+from moetier.atomic import atomic_dir, check_replaceable
 from moetier.errors import StoreError
-from moetier.store.format import DENSE, BlobRef, Manifest, PrecisionLayout
+from moetier.store.format import DENSE, BlobRef, Manifest, PrecisionLayout, is_store
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def file_crc32(path: Path, chunk: int = 16 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 class StoreWriter:
-    """with StoreWriter(dest) as w: w.write_dense(...); w.add_expert(...); w.commit(...)"""
+    """with StoreWriter(dest) as w: w.write_dense(...); w.add_expert(...); w.commit(...)
 
-    def __init__(self, dest: Path | str, overwrite: bool = False) -> None:
+    `overwrite` replaces an existing store (only a store: any other folder is refused), never one of `sources`."""
+
+    def __init__(self, dest: Path | str, overwrite: bool = False, sources: tuple[Path, ...] = ()) -> None:
         self.dest = Path(dest)
         self.overwrite = overwrite
+        self.sources = sources
         self.blobs: list[BlobRef] = []
+        self.dense_crc32: dict[str, int] = {}
+        self.file_crc32: dict[str, int] = {}
         self._files: dict[str, object] = {}
         self._committed = False
         self._stack = ExitStack()
 
     def __enter__(self) -> StoreWriter:
-        if self.dest.exists() and not self.overwrite:
-            raise StoreError(f"{self.dest} already exists", hint="choose another path or pass --force to replace it")
+        check_replaceable(self.dest, "store", is_store, self.overwrite, self.sources)
         self.tmp = self._stack.enter_context(atomic_dir(self.dest))  # renamed into place on a clean exit
         return self
 
@@ -47,7 +60,9 @@ class StoreWriter:
         self._stack.__exit__(exc_type, exc, tb)
 
     def write_dense(self, tensors: dict[str, torch.Tensor]) -> None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.tmp / DENSE))
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        self.dense_crc32 = {k: zlib.crc32(tensor_bytes(v)) for k, v in tensors.items()}
+        save_file(tensors, str(self.tmp / DENSE))
 
     def add_expert(self, layer: int, expert: int, layout: PrecisionLayout, tensors: dict[str, torch.Tensor]) -> BlobRef:
         """Append one expert's blob (tensors packed by `layout`, zero-padded to the alignment)."""
@@ -78,7 +93,12 @@ class StoreWriter:
     def copy_files(self, src_dir: Path, names: list[str]) -> tuple[str, ...]:
         for name in names:
             shutil.copy2(src_dir / name, self.tmp / name)
+            self.add_file(name)
         return tuple(names)
+
+    def add_file(self, name: str) -> None:
+        """Checksum a file written into the store (tokenizer, generation config)."""
+        self.file_crc32[name] = file_crc32(self.tmp / name)
 
     def commit(self, manifest: Manifest) -> Path:
         """Flush everything and write the manifest last; the directory is renamed into place when the `with`
@@ -88,6 +108,7 @@ class StoreWriter:
             os.fsync(f.fileno())
             f.close()
         self._files.clear()
+        manifest = dataclasses.replace(manifest, dense_crc32=self.dense_crc32, file_crc32=self.file_crc32)
         manifest.save(self.tmp)
         self._committed = True
         return self.dest

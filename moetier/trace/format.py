@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moetier.atomic import atomic_dir
-from moetier.errors import MoetierError
+from moetier.atomic import atomic_dir, check_replaceable, marked_json
+from moetier.errors import MoetierError, integer, parsing
 
 FORMAT, VERSION = "moetier-trace", 1
 ARRAYS = {"seq": np.int32, "pos": np.int32, "phase": np.uint8, "topk_ids": np.int16, "topk_weights": np.float16}
@@ -29,6 +29,11 @@ PREFILL, DECODE = 0, 1
 
 class TraceError(MoetierError):
     pass
+
+
+def is_trace(path: Path) -> bool:
+    """A folder moetier wrote as a trace: its meta.json says so."""
+    return marked_json(path / "meta.json", "format", FORMAT)
 
 
 @dataclass
@@ -52,6 +57,10 @@ class Trace:
 
     def __post_init__(self) -> None:
         n = len(self.seq)
+        kinds = {"seq": "iu", "pos": "iu", "phase": "iu", "topk_ids": "iu", "topk_weights": "fiu"}
+        for name, allowed in kinds.items():
+            if getattr(self, name).dtype.kind not in allowed:
+                raise TraceError(f"{name} must hold numbers of kind {allowed!r}, got {getattr(self, name).dtype}")
         if self.topk_ids.ndim != 3 or self.topk_ids.shape[0] != n:
             raise TraceError(f"topk_ids must be [N={n}, L, k], got {self.topk_ids.shape}")
         _, cols, k = self.topk_ids.shape
@@ -106,7 +115,10 @@ class Trace:
                 "synthetic": self.synthetic, "has_scores": self.scores is not None,
                 "has_gate_inputs": self.gate_inputs is not None, "notes": self.notes}
 
-    def save(self, out: Path | str) -> Path:
+    def save(self, out: Path | str, overwrite: bool = False, sources: tuple[Path | str, ...] = ()) -> Path:
+        """Write the trace folder atomically. `overwrite` replaces an existing trace (only a trace: any other
+        folder is refused), never one of `sources`."""
+        check_replaceable(out, "trace", is_trace, overwrite, sources)
         with atomic_dir(out) as tmp:
             for name, dtype in {**ARRAYS, **OPTIONAL}.items():
                 value = getattr(self, name)
@@ -119,23 +131,34 @@ class Trace:
     def load(cls, path: Path | str) -> Trace:
         path = Path(path)
         try:
-            meta = json.loads((path / "meta.json").read_text())
+            meta = json.loads((path / "meta.json").read_bytes())
         except FileNotFoundError:
             raise TraceError(f"{path} is not a trace (no meta.json)",
                              hint="record one with `moetier trace record` or import one with `moetier trace import`"
                              ) from None
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{path / 'meta.json'}: {e}") from None
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        except (OSError, ValueError) as e:
+            raise TraceError(f"cannot read {path / 'meta.json'}: {e}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise TraceError(f"{path / 'meta.json'} is not a {FORMAT} version {VERSION} trace")
         arrays = {}
         for name in (*ARRAYS, *OPTIONAL):
             f = path / f"{name}.npy"
             if f.exists():
-                arrays[name] = np.load(f)
+                arrays[name] = _load_array(f)
             elif name in ARRAYS:
                 raise TraceError(f"trace {path} is missing {name}.npy")
-        return cls(model=meta["model"], num_layers=meta["num_layers"], num_experts=meta["num_experts"],
-                   top_k=meta["top_k"], layers=list(meta["layers"]), source=meta.get("source", ""),
-                   prompts=meta.get("prompts", []), synthetic=meta.get("synthetic", False),
-                   notes=meta.get("notes", []), **arrays)
+        with parsing(str(path / "meta.json"), TraceError):
+            return cls(model=str(meta["model"]), num_layers=integer(meta["num_layers"], "num_layers", 1),
+                       num_experts=integer(meta["num_experts"], "num_experts", 1),
+                       top_k=integer(meta["top_k"], "top_k", 1),
+                       layers=[integer(x, "layer", 0) for x in meta["layers"]], source=str(meta.get("source", "")),
+                       prompts=list(meta.get("prompts", [])), synthetic=bool(meta.get("synthetic", False)),
+                       notes=list(meta.get("notes", [])), **arrays)
+
+
+def _load_array(path: Path) -> np.ndarray:
+    """One array of a trace; a truncated or foreign file is a TraceError naming it."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise TraceError(f"cannot read {path}: {e}", hint="the trace is damaged; record or import it again") from None

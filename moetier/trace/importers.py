@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from moetier.errors import parsing
 from moetier.trace.format import DECODE, Trace, TraceError
 
 # model name fragment -> (num_layers, num_experts), from the models' published configurations
@@ -23,17 +25,20 @@ KNOWN_MODELS = {"mixtral-8x7b": (32, 8), "qwen1.5-moe-a2.7b": (24, 60), "olmoe-1
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise TraceError(f"{path}:{lineno}: expected a JSON object")
-            yield lineno, record
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw)
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise TraceError(f"{path}:{lineno}: malformed JSON ({getattr(e, 'msg', e)})") from None
+                if not isinstance(record, dict):
+                    raise TraceError(f"{path}:{lineno}: expected a JSON object")
+                yield lineno, record
+    except OSError as e:
+        raise TraceError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def field(record: dict, name: str, path: Path, lineno: int):
@@ -42,8 +47,42 @@ def field(record: dict, name: str, path: Path, lineno: int):
     return record[name]
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def expert_ids(value, where: str) -> tuple[int, ...]:
+    """A record's routed experts: a non-empty list of expert numbers."""
+    if not isinstance(value, list) or not value or not all(_is_int(x) and 0 <= x < 2**15 for x in value):
+        raise TraceError(f"{where}: expert ids must be a non-empty list of integers in [0, 32768), got "
+                         f"{json.dumps(value)[:80]}")
+    return tuple(value)
+
+
+def routing_weights(value, k: int, where: str) -> tuple[float, ...]:
+    """A record's routing weights: one finite number per routed expert."""
+    if not isinstance(value, list) or len(value) != k or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value):
+        raise TraceError(f"{where}: routing weights must be {k} finite numbers (one per expert id), got "
+                         f"{json.dumps(value)[:80]}")
+    return tuple(value)
+
+
+def index(value, name: str, where: str) -> int:
+    if not _is_int(value) or value < 0:
+        raise TraceError(f"{where}: {name} must be a non-negative integer, got {json.dumps(value)[:40]}")
+    return value
+
+
+def same_top_k(k: int, first_k: int | None, where: str) -> int:
+    if first_k is not None and k != first_k:
+        raise TraceError(f"{where}: {k} expert ids where earlier records have {first_k}",
+                         hint="every record of a trace must route the same top-k")
+    return k
+
+
 def shape_for(hint: str, num_layers: int | None, num_experts: int | None) -> tuple[int, int]:
-    known = next((v for k, v in KNOWN_MODELS.items() if k in hint.lower()), None)
+    known = next((v for k, v in KNOWN_MODELS.items() if k in str(hint).lower()), None)
     layers = num_layers or (known[0] if known else None)
     experts = num_experts or (known[1] if known else None)
     if layers is None or experts is None:
@@ -67,29 +106,39 @@ def import_trace(path: Path | str, num_layers: int | None = None, num_experts: i
     files = _files(Path(path))
     _, first = next(read_jsonl(files[0]), (0, {}))
     if first.get("type") == "meta":
-        return _import_vllm(files, num_layers, num_experts)
-    if "experts" in first:
-        return _import_mixtral(files, num_layers, num_experts)
-    raise TraceError(f"{files[0]}:1: unknown trace format (neither a vLLM-MoE-Logger meta line nor a Mixtral "
-                     f"logger record)")
+        importer = _import_vllm
+    elif "experts" in first:
+        importer = _import_mixtral
+    else:
+        raise TraceError(f"{files[0]}:1: unknown trace format (neither a vLLM-MoE-Logger meta line nor a Mixtral "
+                         f"logger record)")
+    with parsing(str(path), TraceError):  # anything the checks above missed still ends as a TraceError
+        return importer(files, num_layers, num_experts)
 
 
 def _import_mixtral(files: list[Path], num_layers: int | None, num_experts: int | None) -> Trace:
     rows: dict[tuple, dict[int, tuple]] = {}  # (file, dataset, problem, token) -> layer -> (ids, weights)
     seqs: dict[tuple, int] = {}
+    top_k = None
     for path in files:
         for lineno, r in read_jsonl(path):
-            seq_key = (path.name, r.get("dataset"), field(r, "problem_id", path, lineno))
+            where = f"{path}:{lineno}"
+            seq_key = (path.name, json.dumps(r.get("dataset")), json.dumps(field(r, "problem_id", path, lineno)))
             seqs.setdefault(seq_key, len(seqs))
-            key = (*seq_key, field(r, "token_idx", path, lineno))
-            rows.setdefault(key, {})[field(r, "layer", path, lineno)] = (
-                field(r, "experts", path, lineno), field(r, "gating_probs", path, lineno))
+            key = (*seq_key, index(field(r, "token_idx", path, lineno), "token_idx", where))
+            ids = expert_ids(field(r, "experts", path, lineno), where)
+            top_k = same_top_k(len(ids), top_k, where)
+            rows.setdefault(key, {})[index(field(r, "layer", path, lineno), "layer", where)] = (
+                ids, routing_weights(field(r, "gating_probs", path, lineno), len(ids), where))
+    if not rows:
+        raise TraceError(f"{files[0]}: no routing records")
     layers = sorted({layer for row in rows.values() for layer in row})
     incomplete = [key for key, row in rows.items() if len(row) != len(layers)]
     for key in incomplete:  # the logger missed a record: drop the token rather than invent routing
         del rows[key]
+    if not rows:
+        raise TraceError(f"{files[0]}: no token has a record for every layer {layers}")
     n_layers, n_experts = shape_for(str(files[0].parent), num_layers, num_experts)
-    top_k = len(next(iter(rows.values()))[layers[0]][0])
     ids = np.zeros((len(rows), len(layers), top_k), np.int16)
     weights = np.zeros((len(rows), len(layers), top_k), np.float16)
     seq, pos = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
@@ -99,10 +148,10 @@ def _import_mixtral(files: list[Path], num_layers: int | None, num_experts: int 
             ids[i, j], weights[i, j] = row[layer]
     return Trace("mixtral-8x7b", n_layers, n_experts, top_k, layers, seq, pos, np.full(len(rows), DECODE, np.uint8),
                  ids, weights, source=", ".join(str(f) for f in files),
-                 prompts=[f"{d} problem {p}" for (_, d, p) in seqs],
+                 prompts=[f"{json.loads(d)} problem {json.loads(p)}" for (_, d, p) in seqs],
                  notes=["imported from the Mixtral logger format; prefill and decode are not told apart (phase=1)",
                         f"dropped {len(incomplete)} token(s) missing a layer's record: "
-                        + ", ".join(f"{k[0]} problem {k[2]} token {k[3]}" for k in incomplete[:5])])
+                        + ", ".join(f"{k[0]} problem {json.loads(k[2])} token {k[3]}" for k in incomplete[:5])])
 
 
 def _import_vllm(files: list[Path], num_layers: int | None, num_experts: int | None) -> Trace:
@@ -110,16 +159,28 @@ def _import_vllm(files: list[Path], num_layers: int | None, num_experts: int | N
     notes, model, top_k = [], "", None
     for path in files:
         records = read_jsonl(path)
-        _, meta = next(records)
-        model, top_k = meta.get("model_id", model), meta.get("top_k", top_k)
+        lineno, meta = next(records, (1, {}))
+        if meta.get("type") != "meta":
+            raise TraceError(f"{path}:{lineno}: expected the vLLM-MoE-Logger meta line first")
+        model = meta.get("model_id", model)
+        if not isinstance(model, str):
+            raise TraceError(f"{path}:{lineno}: model_id must be text, got {json.dumps(model)[:40]}")
+        if meta.get("top_k") is not None:
+            top_k = same_top_k(index(meta["top_k"], "top_k", f"{path}:{lineno}"), top_k, f"{path}:{lineno}")
         by_layer: dict[int, tuple[list, list]] = {}
         for lineno, r in records:
             if r.get("type") != "route":
                 continue
-            ids = field(r, "topk_ids", path, lineno)
-            by_layer.setdefault(field(r, "layer", path, lineno), ([], []))[0].append(ids)
-            by_layer[r["layer"]][1].append(field(r, "topk_weights", path, lineno))
+            where = f"{path}:{lineno}"
+            ids = expert_ids(field(r, "topk_ids", path, lineno), where)
+            top_k = same_top_k(len(ids), top_k, where)
+            stream = by_layer.setdefault(index(field(r, "layer", path, lineno), "layer", where), ([], []))
+            stream[0].append(ids)
+            stream[1].append(routing_weights(field(r, "topk_weights", path, lineno), len(ids), where))
         streams.update(by_layer)
+    if not streams or not all(ids for ids, _ in streams.values()):
+        raise TraceError(f"{files[0]}: no route records after the meta line",
+                         hint="a vLLM-MoE-Logger trace holds {\"type\": \"route\", ...} records")
     # The warm-up pass repeats one record; layers logged in the same run share its length, so when every
     # stream has the same length the longest detected warm-up applies to all (a layer's warm-up can end
     # with a few records that differ from its first).
@@ -132,12 +193,14 @@ def _import_vllm(files: list[Path], num_layers: int | None, num_experts: int | N
         streams[layer] = (ids[warm[layer]:], weights[warm[layer]:])
     layers = sorted(streams)
     n = min(len(streams[layer][0]) for layer in layers)
+    if n == 0:
+        raise TraceError(f"{files[0]}: only warm-up records (every route record repeats the first)")
     if len(layers) > 1:
         notes.append(f"layers aligned by record order ({n} rows; the alignment is not verified by the source)")
     n_layers, n_experts = shape_for(model or str(files[0].parent), num_layers, num_experts)
     ids = np.stack([np.asarray(streams[layer][0][:n], np.int16) for layer in layers], axis=1)
     weights = np.stack([np.asarray(streams[layer][1][:n], np.float16) for layer in layers], axis=1)
     notes.append("no sequence boundaries in the source: one stream of tokens (seq=0, pos=row)")
-    return Trace(model, n_layers, n_experts, top_k or ids.shape[-1], layers, np.zeros(n, np.int32),
+    return Trace(model, n_layers, n_experts, ids.shape[-1], layers, np.zeros(n, np.int32),
                  np.arange(n, dtype=np.int32), np.full(n, DECODE, np.uint8), ids, weights,
                  source=", ".join(str(f) for f in files), notes=notes)

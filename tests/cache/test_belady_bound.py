@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from moetier.cache.policies import POLICIES, make_policy
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.flashmoe_ml import CacheModel, LayerMLP
+from moetier.cache.policies.hobbit import HobbitWeights
 from moetier.cache.training import use_counts
 from moetier.sim.replay import replay
 from moetier.trace.format import DECODE, Trace
@@ -38,6 +39,8 @@ def params(name, trace):
         return {"model": CacheModel(dict.fromkeys(trace.layers, mlp))}
     if name == "static-hot":
         return {"counts": use_counts(trace)}
+    if name == "hobbit":
+        return {"weights": HobbitWeights(0.25, 0.25, 0.25, 0.25)}
     return {}
 
 

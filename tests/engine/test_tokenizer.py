@@ -4,7 +4,7 @@ from moetier.store.synth import byte_tokenizer
 
 def test_stream_holds_back_incomplete_utf8(tmp_path):
     byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    tok = Tokenizer(tmp_path / "tokenizer.json")
+    tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
     ids = tok.encode("a é b")  # é is two bytes, two tokens
     assert tok.decode(ids) == "a é b"
     stream = TextStream(tok)

@@ -44,7 +44,7 @@ def test_cache_bench_cli_writes_records_and_plot(trace, tmp_path, capsys):
     trace.save(tmp_path / "t")
     out = tmp_path / "r.json"
     assert main(["cache-bench", "--trace", str(tmp_path / "t"), "--expert-memory", "10%,25%", "--policy",
-                 "lru,arc,lecar", "--partition", "both", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+                 "lru,arc,lecar", "--cache-partition", "both", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
     records = json.loads(out.read_text())
     assert {(r["policy"], r["expert_memory"], r["partition"]) for r in records} == {
         (p, b, part) for p in ("lru", "arc", "lecar", "belady") for b in ("10%", "25%")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moetier.atomic import ReplaceError
 from moetier.errors import (
     CheckpointError,
     ChecksumError,
@@ -43,7 +44,7 @@ def test_layout_is_aligned_and_checksummed(tiny_store):
 def test_convert_refuses_to_overwrite_without_force(tiny_store, tmp_path):
     _, path = tiny_store("olmoe")
     src = Manifest.load(path).source
-    with pytest.raises(StoreError, match="already exists"):
+    with pytest.raises(ReplaceError, match="already exists"):
         convert(src, path, progress=False)
 
 

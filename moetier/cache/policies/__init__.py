@@ -28,6 +28,10 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "comoe": CoMoEPolicy, "arc": ARCPolicy, "lecar": LeCaRPolicy, "flashmoe-ml": FlashMoEMLPolicy,
     "belady": BeladyPolicy, "static-hot": StaticHotPolicy}
 
+OFFLINE = ("belady",)  # need the future: the simulator and cache-bench only
+LIVE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE)  # what a live run can use
+LEARNED = ("flashmoe-ml", "hobbit", "static-hot")  # read policies/<name>.json, written by `train cache-policy`
+
 
 def make_policy(name: str, ctx: PolicyContext | None = None, **params) -> EvictionPolicy:
     if name not in POLICIES:
@@ -39,4 +43,4 @@ def make_policy(name: str, ctx: PolicyContext | None = None, **params) -> Evicti
     return POLICIES[name](ctx, **params)
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "PolicyContext", "make_policy"]
+__all__ = ["LEARNED", "LIVE_POLICIES", "OFFLINE", "POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "PolicyContext", "make_policy"]

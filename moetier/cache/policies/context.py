@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moetier.errors import MoetierError
+
 if TYPE_CHECKING:
     from moetier.trace.format import Trace
 
@@ -26,3 +28,13 @@ class PolicyContext:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def trained_file(self, policy: str) -> Path:
+        """`policies/<policy>.json` beside the model: every learned policy is refused alike without it."""
+        path = self.model_dir / "policies" / f"{policy}.json" if self.model_dir else None
+        if path is None or not path.exists():
+            where = f" ({path} does not exist)" if path else " (no model directory to look in)"
+            raise MoetierError(f"{policy} is a learned policy and has no trained file for this model{where}",
+                               hint=f"`moetier train cache-policy --policy {policy} --trace DIR --model M` "
+                                    f"writes it")
+        return path

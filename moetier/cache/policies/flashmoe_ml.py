@@ -17,7 +17,7 @@ from moetier.atomic import atomic_write_json
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.scored import ScoredPolicy
-from moetier.errors import MoetierError
+from moetier.errors import MoetierError, parsing
 
 FEATURES = ("inverse recency 1/r", "frequency f/max f")
 
@@ -70,11 +70,9 @@ class FlashMoEMLPolicy(ScoredPolicy):
     def __init__(self, ctx: PolicyContext, model: CacheModel | None = None) -> None:
         super().__init__(ctx)
         if model is None:
-            path = ctx.model_dir / "policies" / "flashmoe-ml.json" if ctx.model_dir else None
-            if path is None or not path.exists():
-                raise MoetierError("flashmoe-ml has no trained weights for this model",
-                                   hint="`moetier train cache-policy --policy flashmoe-ml --trace DIR --model M`")
-            model = CacheModel.load(path)
+            path = ctx.trained_file(self.name)
+            with parsing(str(path), hint="train it again with `moetier train cache-policy --policy flashmoe-ml`"):
+                model = CacheModel.load(path)
         missing = sorted(set(ctx.layers) - set(model.layers))
         if missing:
             raise MoetierError(f"flashmoe-ml weights ({model.trained_on}) have no network for layers {missing}")

@@ -2,7 +2,7 @@
 recency (LRU), frequency in the current sequence (LFU, which HOBBIT finds better per sequence), uses at full
 precision (LHU) and nearness of the expert's layer in the forward pass (FLD). The weights are fitted by
 minimising miss penalty on a calibration trace (`moetier train cache-policy --policy hobbit`) and saved with
-the model; without that file the four weigh equally."""
+the model; without that file (and no weights given) the policy is refused, like every learned one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.lhu import LOW_PRECISIONS
 from moetier.cache.policies.scored import ScoredPolicy
-from moetier.errors import MoetierError
+from moetier.errors import MoetierError, parsing
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,11 @@ class HobbitPolicy(ScoredPolicy):
 
     def __init__(self, ctx: PolicyContext, weights: HobbitWeights | None = None) -> None:
         super().__init__(ctx)
-        self.weights, self.weights_source = weights or HobbitWeights(), "given" if weights else "equal (not fitted)"
-        path = ctx.model_dir / "policies" / "hobbit.json" if ctx.model_dir else None
-        if weights is None and path is not None and path.exists():
-            self.weights, self.weights_source = HobbitWeights(**json.loads(path.read_text())["weights"]), str(path)
+        self.weights, self.weights_source = weights, "given"
+        if weights is None:
+            path = ctx.trained_file(self.name)
+            with parsing(str(path), hint="train it again with `moetier train cache-policy --policy hobbit`"):
+                self.weights, self.weights_source = HobbitWeights(**json.loads(path.read_text())["weights"]), str(path)
         self.uses: dict[ExpertKey, int] = {}  # this sequence
         self.high_uses: dict[ExpertKey, int] = {}
         self.max_uses = self.max_high_uses = 1

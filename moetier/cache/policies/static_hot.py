@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.scored import ScoredPolicy
-from moetier.errors import MoetierError
+from moetier.errors import parsing
 
 
 class StaticHotPolicy(ScoredPolicy):
@@ -31,8 +31,6 @@ class StaticHotPolicy(ScoredPolicy):
 
 
 def load_counts(ctx: PolicyContext) -> dict[ExpertKey, int]:
-    path = ctx.model_dir / "policies" / "static-hot.json" if ctx.model_dir else None
-    if path is None or not path.exists():
-        raise MoetierError("static-hot needs a profile of expert use",
-                           hint="`moetier train cache-policy --policy static-hot --trace DIR --model M` makes one")
-    return {ExpertKey(layer, e): n for layer, e, n in json.loads(path.read_text())["counts"]}
+    path = ctx.trained_file("static-hot")
+    with parsing(str(path), hint="train it again with `moetier train cache-policy --policy static-hot`"):
+        return {ExpertKey(int(layer), int(e)): int(n) for layer, e, n in json.loads(path.read_text())["counts"]}

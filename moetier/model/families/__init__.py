@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moetier.config import ModelSpec
-from moetier.errors import UnsupportedModelError
+from moetier.errors import UnsupportedModelError, parsing
 from moetier.model.families.base import Family
 from moetier.model.families.mixtral import MIXTRAL
 from moetier.model.families.olmoe import OLMOE
@@ -15,8 +15,10 @@ _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
 
 def family_for(cfg: dict) -> Family:
+    if not isinstance(cfg, dict):
+        raise UnsupportedModelError(f"config.json must hold a JSON object, not {type(cfg).__name__}")
     model_type = cfg.get("model_type")
-    if model_type not in _BY_MODEL_TYPE:
+    if not isinstance(model_type, str) or model_type not in _BY_MODEL_TYPE:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported",
             hint=f"moetier runs these families: {', '.join(sorted(_BY_MODEL_TYPE))}")
@@ -24,7 +26,10 @@ def family_for(cfg: dict) -> Family:
 
 
 def parse_spec(cfg: dict) -> ModelSpec:
-    return family_for(cfg).parse(cfg)
+    """The model's spec from its config.json; a malformed config is an UnsupportedModelError naming the field."""
+    family = family_for(cfg)
+    with parsing("config.json", UnsupportedModelError):
+        return family.parse(cfg)
 
 
 __all__ = ["FAMILIES", "Family", "family_for", "parse_spec"]

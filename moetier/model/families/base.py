@@ -8,26 +8,55 @@ from moetier.config import ModelSpec
 from moetier.errors import UnsupportedModelError
 
 
-def require(cfg: dict, key: str):
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def require(cfg: dict, key: str) -> int:
+    """A size the model cannot do without: a positive integer."""
     if key not in cfg or cfg[key] is None:
         raise UnsupportedModelError(f"config.json has no {key!r}, which a {cfg.get('model_type')} model needs")
+    if not _is_int(cfg[key]) or cfg[key] <= 0:
+        raise UnsupportedModelError(f"config.json: {key} must be a positive integer, got {cfg[key]!r}")
     return cfg[key]
+
+
+def optional_int(cfg: dict, key: str, default: int | None = None) -> int | None:
+    """A size that may be absent (or null): `default` then; otherwise a non-negative integer."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not _is_int(value) or value < 0:
+        raise UnsupportedModelError(f"config.json: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def number(cfg: dict, key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnsupportedModelError(f"config.json: {key} must be a number, got {value!r}")
+    return float(value)
 
 
 def rope_theta(cfg: dict) -> float:
     """The RoPE base; only plain RoPE is supported (no scaling variants)."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise UnsupportedModelError("config.json: rope_parameters and rope_scaling must be objects")
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
         raise UnsupportedModelError(f"config.json asks for RoPE type {rope_type!r}; moetier supports plain RoPE only")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return number(params, "rope_theta", number(cfg, "rope_theta", 10000.0))
 
 
-def token_ids(value) -> tuple[int, ...]:
+def token_ids(value, key: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+    ids = value if isinstance(value, list) else [value]
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        raise UnsupportedModelError(f"config.json: {key} must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 def common_fields(cfg: dict) -> dict:
@@ -40,25 +69,27 @@ def common_fields(cfg: dict) -> dict:
         hidden_size=hidden,
         num_layers=require(cfg, "num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
+        num_kv_heads=optional_int(cfg, "num_key_value_heads") or heads,
+        head_dim=optional_int(cfg, "head_dim") or hidden // heads,
         top_k=require(cfg, "num_experts_per_tok"),
         rope_theta=rope_theta(cfg),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=number(cfg, "rms_norm_eps", 1e-6),
         max_position_embeddings=require(cfg, "max_position_embeddings"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=token_ids(cfg.get("eos_token_id")),
+        dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch."),
+        bos_token_id=(token_ids(cfg.get("bos_token_id"), "bos_token_id") or (None,))[0],
+        eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
         hf_config=cfg,
     )
 
 
 def sparse_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
     """Qwen-style placement of MoE layers: every decoder_sparse_step-th layer, except mlp_only_layers."""
-    step = cfg.get("decoder_sparse_step") or 1
-    dense = set(cfg.get("mlp_only_layers") or [])
-    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    step = optional_int(cfg, "decoder_sparse_step") or 1
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(_is_int(i) for i in dense):
+        raise UnsupportedModelError(f"config.json: mlp_only_layers must be a list of layer numbers, got {dense!r}")
+    return tuple(i for i in range(num_layers) if i not in set(dense) and (i + 1) % step == 0)
 
 
 @dataclass(frozen=True)

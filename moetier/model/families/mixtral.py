@@ -1,13 +1,13 @@
 """Mixtral: softmax over all experts, top-k, renormalised; no biases, no q/k norms; optional sliding window."""
 
 from moetier.config import ModelSpec
-from moetier.model.families.base import Family, common_fields, require
+from moetier.model.families.base import Family, common_fields, optional_int, require
 
 
 class MixtralFamily(Family):
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)
-        window = cfg.get("sliding_window")
+        window = optional_int(cfg, "sliding_window")
         return ModelSpec(
             family=self.name,
             num_experts=require(cfg, "num_local_experts"),

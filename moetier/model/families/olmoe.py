@@ -2,7 +2,7 @@
 and no renormalisation of the top-k weights unless norm_topk_prob."""
 
 from moetier.config import ModelSpec
-from moetier.model.families.base import Family, common_fields, require
+from moetier.model.families.base import Family, common_fields, number, require
 
 
 class OlmoeFamily(Family):
@@ -18,7 +18,7 @@ class OlmoeFamily(Family):
             qkv_bias=bias,
             o_bias=bias,
             qk_norm="full",
-            clip_qkv=cfg.get("clip_qkv"),
+            clip_qkv=None if cfg.get("clip_qkv") is None else number(cfg, "clip_qkv", 0.0),
             **fields,
         )
 

@@ -2,7 +2,8 @@
 top-k weights renormalised only if norm_topk_prob, sliding windows on the first max_window_layers."""
 
 from moetier.config import ModelSpec
-from moetier.model.families.base import Family, common_fields, require, sparse_layers
+from moetier.errors import UnsupportedModelError
+from moetier.model.families.base import Family, common_fields, optional_int, require, sparse_layers
 
 
 def qwen2_windows(cfg: dict, num_layers: int) -> tuple:
@@ -10,9 +11,12 @@ def qwen2_windows(cfg: dict, num_layers: int) -> tuple:
         return ()
     types = cfg.get("layer_types")
     if types is None:  # transformers' default placement
-        types = ["sliding_attention" if (i + 1) % 2 and i < cfg.get("max_window_layers", 28) else "full_attention"
-                 for i in range(num_layers)]
-    return tuple(cfg.get("sliding_window") if t == "sliding_attention" else None for t in types)
+        last = optional_int(cfg, "max_window_layers", 28)
+        types = ["sliding_attention" if (i + 1) % 2 and i < last else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list):
+        raise UnsupportedModelError(f"config.json: layer_types must be a list, got {types!r}")
+    window = optional_int(cfg, "sliding_window")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 class Qwen2MoeFamily(Family):
@@ -22,7 +26,7 @@ class Qwen2MoeFamily(Family):
             family=self.name,
             num_experts=require(cfg, "num_experts"),
             moe_intermediate_size=require(cfg, "moe_intermediate_size"),
-            intermediate_size=cfg.get("intermediate_size") or 0,
+            intermediate_size=optional_int(cfg, "intermediate_size", 0),
             shared_expert_intermediate_size=require(cfg, "shared_expert_intermediate_size"),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             moe_layers=sparse_layers(cfg, fields["num_layers"]),

@@ -1,19 +1,19 @@
 """Qwen3-MoE: RMSNorm on q and k per head (over head_dim) before RoPE; no shared expert."""
 
 from moetier.config import ModelSpec
-from moetier.model.families.base import Family, common_fields, require, sparse_layers
+from moetier.model.families.base import Family, common_fields, optional_int, require, sparse_layers
 
 
 class Qwen3MoeFamily(Family):
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        window = optional_int(cfg, "sliding_window") if cfg.get("use_sliding_window") else None
         bias = bool(cfg.get("attention_bias", False))
         return ModelSpec(
             family=self.name,
-            num_experts=cfg.get("num_experts") or require(cfg, "num_local_experts"),
+            num_experts=optional_int(cfg, "num_experts") or require(cfg, "num_local_experts"),
             moe_intermediate_size=require(cfg, "moe_intermediate_size"),
-            intermediate_size=cfg.get("intermediate_size") or 0,
+            intermediate_size=optional_int(cfg, "intermediate_size", 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             moe_layers=sparse_layers(cfg, fields["num_layers"]),
             qkv_bias=bias,

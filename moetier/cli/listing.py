@@ -1,0 +1,102 @@
+"""`moetier list models|policies|predictors|profiles|shapes`: what the other commands accept by name."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moetier.cli.defaults import command
+
+
+def _summary(doc: str | None, width: int = 80) -> str:
+    """A module docstring's opening phrase: up to its first colon, dash or full stop, at most `width` characters."""
+    text = " ".join((doc or "").split())
+    for stop in (": ", " — ", ". "):
+        text = text.split(stop)[0]
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _models(args: argparse.Namespace) -> list[tuple[str, str]]:
+    from moetier.errors import StoreError
+    from moetier.paths import default_cache_dir
+    from moetier.resolve import builtin_models
+    from moetier.store.checkpoint import read_config
+    from moetier.store.format import Manifest, is_store
+
+    rows = []
+    for name, path in builtin_models().items():
+        cfg = read_config(path)
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        rows.append((name, f"built-in {cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, top-"
+                           f"{cfg.get('num_experts_per_tok')} of {experts} experts ({path})"))
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    for path in sorted(p for p in cache.iterdir() if p.is_dir() and is_store(p)) if cache.is_dir() else []:
+        try:
+            source = Manifest.load(path).source
+            rows.append((str(path), f"converted from {source}"))
+        except StoreError as e:  # a damaged conversion is listed as such, not hidden
+            rows.append((str(path), f"damaged conversion ({str(e).splitlines()[0]})"))
+    return rows
+
+
+def _policies(_: argparse.Namespace) -> list[tuple[str, str]]:
+    from moetier.cache.policies import LEARNED, OFFLINE, POLICIES
+
+    rows = []
+    for name, cls in POLICIES.items():
+        tags = ["offline: sim and cache-bench only"] if name in OFFLINE else []
+        tags += ["learned: needs its file from `moetier train cache-policy`"] if name in LEARNED else []
+        doc = _summary(sys.modules[cls.__module__].__doc__)
+        rows.append((name, doc + (f" [{'; '.join(tags)}]" if tags else "")))
+    return rows
+
+
+def _predictors(_: argparse.Namespace) -> list[tuple[str, str]]:
+    return []  # next-layer expert predictors arrive with prefetching; nothing is registered yet
+
+
+def _profiles(_: argparse.Namespace) -> list[tuple[str, str]]:
+    from moetier.sim.profile import HardwareProfile, ProfileError, known_profiles
+
+    rows = []
+    for name in known_profiles():
+        try:
+            rows.append((name, HardwareProfile.load(name).description))
+        except ProfileError as e:
+            rows.append((name, f"unreadable ({str(e).splitlines()[0]})"))
+    return rows
+
+
+def _shapes(_: argparse.Namespace) -> list[tuple[str, str]]:
+    from moetier.resolve import builtin_models
+    from moetier.sim.shapes import SHAPES
+
+    rows = [(s.name, f"{len(s.moe_layers)} MoE layers, top-{s.top_k} of {s.num_experts} experts of "
+                     f"{s.expert_bytes() / 2**20:.1f} MiB ({s.precision})") for s in SHAPES.values()]
+    return rows + [(name, "built-in model (its shape is read from its config.json)") for name in builtin_models()]
+
+
+KINDS = {"models": _models, "policies": _policies, "predictors": _predictors, "profiles": _profiles,
+         "shapes": _shapes}
+EMPTY = {"predictors": "no predictors yet: next-layer expert prediction arrives with prefetching",
+         "models": "no models"}
+
+
+def _list(args: argparse.Namespace) -> None:
+    rows = KINDS[args.kind](args)
+    if not rows:
+        print(EMPTY.get(args.kind, f"no {args.kind}"))
+        return
+    width = min(max(len(name) for name, _ in rows), 40)
+    for name, about in rows:
+        print(f"{name:<{width}}  {about}")
+
+
+def add_parser(sub) -> None:
+    ls = command(sub, "list", "what the other commands accept by name: models, policies, predictors, profiles, "
+                              "model shapes")
+    ls.add_argument("kind", choices=list(KINDS), help="what to list")
+    ls.add_argument("--cache-dir", help="models: also list conversions here (default: $MOETIER_CACHE or "
+                                        "~/.cache/moetier)")
+    ls.set_defaults(func=_list)
