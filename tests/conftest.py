@@ -1,7 +1,23 @@
+import os
+
 import pytest
 
 from moetier.store.convert import convert
 from tests.tiny_models import build_tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Every test, and every process a test starts, converts and calibrates into a fresh cache directory: the
+    suite never touches the user's ~/.cache/moetier."""
+    path = tmp_path_factory.mktemp("moetier-cache")
+    old = os.environ.get("MOETIER_CACHE")
+    os.environ["MOETIER_CACHE"] = str(path)
+    yield path
+    if old is None:
+        del os.environ["MOETIER_CACHE"]
+    else:
+        os.environ["MOETIER_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -39,3 +40,28 @@ def build_tiny(family: str, out: Path, seed: int = 0, **overrides):
     model.eval()
     model.save_pretrained(out)
     return model
+
+
+def sparse_store(out: Path, intermediate_size: int, preset: str = "tiny") -> Path:
+    """A store whose experts are `intermediate_size` wide, in sparse files: gigabytes of experts that take no disk.
+    Good for what is decided before any expert is read (budgets); its expert bytes are zeros and fail checksums."""
+    import dataclasses
+
+    from moetier.store.format import ALIGN, BlobRef, Manifest, PrecisionLayout
+    from moetier.store.synth import PRESETS, synthesize
+
+    synthesize(PRESETS[preset], out, progress=False)
+    m = Manifest.load(out)
+    old = m.precisions[m.native_precision]
+    layout = PrecisionLayout.swiglu(old.name, old.tensors[0].dtype, old.tensors[0].shape[1], intermediate_size)
+    blobs, sizes = [], {}
+    for b in m.blobs:
+        offset = sizes.get(b.file, 0)
+        blobs.append(BlobRef(b.layer, b.expert, b.precision, b.file, offset, layout.blob_bytes, 0))
+        sizes[b.file] = offset + layout.blob_bytes
+    for name, size in sizes.items():
+        os.truncate(out / name, size)
+    assert layout.blob_bytes % ALIGN == 0
+    config = dict(m.config, intermediate_size=intermediate_size)
+    dataclasses.replace(m, config=config, precisions={layout.name: layout}, blobs=tuple(blobs)).save(out)
+    return out

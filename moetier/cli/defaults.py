@@ -9,7 +9,15 @@ from pathlib import Path
 from moetier.errors import MoetierError
 
 DEFAULT_MODEL = "demo-fine"  # shipped in models/
-HELP = argparse.ArgumentDefaultsHelpFormatter  # every option's help line shows its default
+
+
+class HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help line shows its default, unless there is none (None, or an unset flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def command(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:

@@ -18,11 +18,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise MoetierError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
+            raise MoetierError(f"max new tokens (--max-tokens) must be at least 1, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise MoetierError(f"temperature must be >= 0, got {self.temperature}")
+            raise MoetierError(f"temperature (--temperature) must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise MoetierError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise MoetierError(f"top-p (--top-p) must be in (0, 1], got {self.top_p}")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> list[int]:

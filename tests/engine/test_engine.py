@@ -107,3 +107,15 @@ def test_hugging_face_folder_is_converted_once_into_the_cache(tiny_store, tmp_pa
     mtime = (made[0] / "manifest.json").stat().st_mtime_ns
     Engine.from_pretrained(hf, cache_dir=tmp_path, progress=False).close()
     assert (made[0] / "manifest.json").stat().st_mtime_ns == mtime  # reused, not converted again
+
+
+def test_a_closed_engine_refuses_work_instead_of_hanging(tiny_store):
+    from moetier.store.store import Store
+
+    _, path = tiny_store("olmoe")
+    engine = Engine(Store(path))
+    engine.close()
+    engine.close()  # closing twice is harmless
+    for call in (lambda: engine.generate([[1, 2, 3]], max_new_tokens=2), engine.preload):
+        with pytest.raises(MoetierError, match="this Engine is closed"):
+            call()

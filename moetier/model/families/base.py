@@ -12,12 +12,17 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_SIZE = 1 << 24  # larger than any dimension, layer or expert count of a real model; keeps a typo from
+# asking for billions of layers
+
+
 def require(cfg: dict, key: str) -> int:
     """A size the model cannot do without: a positive integer."""
     if key not in cfg or cfg[key] is None:
         raise UnsupportedModelError(f"config.json has no {key!r}, which a {cfg.get('model_type')} model needs")
-    if not _is_int(cfg[key]) or cfg[key] <= 0:
-        raise UnsupportedModelError(f"config.json: {key} must be a positive integer, got {cfg[key]!r}")
+    if not _is_int(cfg[key]) or not 0 < cfg[key] <= MAX_SIZE:
+        raise UnsupportedModelError(f"config.json: {key} must be a positive integer up to {MAX_SIZE}, got "
+                                    f"{cfg[key]!r}")
     return cfg[key]
 
 
@@ -26,8 +31,9 @@ def optional_int(cfg: dict, key: str, default: int | None = None) -> int | None:
     value = cfg.get(key)
     if value is None:
         return default
-    if not _is_int(value) or value < 0:
-        raise UnsupportedModelError(f"config.json: {key} must be a non-negative integer, got {value!r}")
+    if not _is_int(value) or not 0 <= value <= MAX_SIZE:
+        raise UnsupportedModelError(f"config.json: {key} must be a non-negative integer up to {MAX_SIZE}, got "
+                                    f"{value!r}")
     return value
 
 

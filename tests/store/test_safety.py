@@ -1,0 +1,178 @@
+"""A store can be trusted: every byte checksummed, conversions killed at any moment leave nothing half-written and
+no leftovers, two processes converting one folder share one result, a damaged cache store is re-converted on
+request."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+
+import pytest
+
+from moetier.cli import main
+from moetier.errors import ChecksumError, StoreError
+from moetier.store.format import DENSE, MANIFEST, Manifest
+from moetier.store.store import Store
+from moetier.store.synth import byte_tokenizer
+from tests.tiny_models import build_tiny
+
+CHILD = """
+import sys
+from moetier.resolve import resolve_model
+from moetier.store.convert import convert
+print("ready", flush=True)
+if sys.argv[1] == "resolve":
+    sys.stdin.readline()  # go
+    print(resolve_model(sys.argv[2], sys.argv[3], progress=True), flush=True)
+else:
+    convert(sys.argv[2], sys.argv[3], overwrite=True, progress=False)
+print("done", flush=True)
+"""
+
+
+def child(*args):
+    return subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def verify(path) -> None:
+    """A store is whole: its manifest loads, its files are long enough, every dense tensor and every expert blob
+    matches its checksum."""
+    store = Store(path)
+    store.load_dense()
+    for blob in store.manifest.blobs:
+        with open(path / blob.file, "rb") as f:
+            f.seek(blob.offset)
+            assert zlib.crc32(f.read(blob.length)) == blob.crc32, blob
+
+
+def leftovers(folder):
+    return [p for p in os.listdir(folder) if ".tmp-" in p or ".old-" in p]
+
+
+@pytest.fixture(scope="module")
+def big_hf(tmp_path_factory):
+    """A checkpoint that takes about a second to convert: 4 layers of 64 experts, 100 MB."""
+    root = tmp_path_factory.mktemp("big")
+    build_tiny("olmoe", root / "hf", num_layers=4, num_experts=64, intermediate_size=512)
+    return root / "hf"
+
+
+def test_a_flipped_dense_block_names_the_tensor(tiny_store, tmp_path, capsys):
+    _, path = tiny_store("olmoe")
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    data = bytearray((bad / DENSE).read_bytes())
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    meta = json.loads(data[8:header])
+    name, info = max(((k, v) for k, v in meta.items() if k != "__metadata__"),
+                     key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])
+    start = header + info["data_offsets"][0]
+    data[start:start + 4096] = bytes(b ^ 0xFF for b in data[start:start + 4096])  # 4 KiB of flipped bytes
+    (bad / DENSE).write_bytes(data)
+    with pytest.raises(ChecksumError, match=f"dense tensor {name} .* fails its checksum"):
+        Store(bad).load_dense()
+    byte_tokenizer().save(str(bad / "tokenizer.json"))
+    assert main(["generate", "--model", str(bad), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert f"dense tensor {name}" in err and "--reconvert" in err and "Traceback" not in err
+
+
+def test_a_damaged_tokenizer_is_caught(tmp_path):
+    from moetier.engine.tokenizer import Tokenizer
+
+    out = tmp_path / "s"
+    assert main(["synth", str(out), "--preset", "tiny"]) == 0
+    text = (out / "tokenizer.json").read_text()
+    (out / "tokenizer.json").write_text(text.replace('"Ā"', '"Ă"', 1))  # one vocabulary entry changed
+    with pytest.raises(ChecksumError, match="tokenizer.json fails its checksum"):
+        Tokenizer.from_store(Store(out))
+
+
+def test_a_store_of_an_older_format_is_refused_with_the_way_out(tiny_store, tmp_path):
+    _, path = tiny_store("olmoe")
+    old = tmp_path / "old"
+    shutil.copytree(path, old)
+    manifest = json.loads((old / MANIFEST).read_text())
+    manifest["version"] = 1
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="version 1.*reads version 2") as e:
+        Store(old)
+    assert "moetier convert --force" in str(e.value)
+
+
+def test_reconvert_repairs_a_damaged_store_in_the_cache(private_cache, capsys):
+    args = ["generate", "--prompt", "The sea", "--max-tokens", "3", "--expert-memory", "100%"]
+    assert main(args) == 0
+    store = next(p for p in private_cache.iterdir() if p.name.startswith("demo-fine-"))
+    manifest = Manifest.load(store)
+    for blob in manifest.blobs:  # whatever the prompt routes to is damaged
+        with open(store / blob.file, "r+b") as f:
+            f.seek(blob.offset)
+            f.write(b"\1\2\3\4")
+    capsys.readouterr()
+    assert main(args) == 1
+    assert "fails its checksum" in capsys.readouterr().err
+    assert main([*args, "--reconvert"]) == 0
+    verify(store)
+    assert main(args) == 0
+
+
+def test_twenty_conversions_killed_at_random_moments(big_hf, tmp_path):
+    """After each kill the destination is absent or whole; after the next run no temporary folder is left."""
+    dest = tmp_path / "store"
+    timing = child("convert", big_hf, tmp_path / "timing")
+    assert timing.stdout.readline() == "ready\n"
+    start = time.perf_counter()
+    assert timing.wait(timeout=300) == 0, timing.stderr.read()
+    duration = time.perf_counter() - start
+    shutil.rmtree(tmp_path / "timing")
+    rng = random.Random(0)
+    outcomes = {"absent": 0, "whole": 0}
+    for _ in range(20):
+        p = child("convert", big_hf, dest)  # over an existing store half of the time: replacement is killed too
+        assert p.stdout.readline() == "ready\n"
+        time.sleep(rng.uniform(0, duration * 1.2))
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+        if dest.exists():
+            verify(dest)
+            outcomes["whole"] += 1
+        else:
+            outcomes["absent"] += 1
+    final = child("convert", big_hf, dest)
+    assert final.wait(timeout=300) == 0, final.stderr.read()
+    verify(dest)
+    assert leftovers(tmp_path) == []
+    assert outcomes["absent"] + outcomes["whole"] == 20
+
+
+def test_two_processes_converting_one_folder_share_one_store(big_hf, tmp_path):
+    cache = tmp_path / "cache"
+    first, second = child("resolve", big_hf, cache), child("resolve", big_hf, cache)
+    for p in (first, second):
+        assert p.stdout.readline() == "ready\n"
+    first.stdin.write("go\n")
+    first.stdin.flush()
+    deadline = time.monotonic() + 60
+    while not (cache.exists() and leftovers(cache)) and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the first is converting (its temporary folder exists): it holds the lock
+    second.stdin.write("go\n")
+    second.stdin.flush()
+    results = []
+    for p in (first, second):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append((out.splitlines()[0], err))
+    assert results[0][0] == results[1][0]
+    assert "waiting for another moetier process" in results[1][1]
+    stores = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(stores) == 1 and str(stores[0]) == results[0][0]
+    verify(stores[0])
+    assert leftovers(cache) == []

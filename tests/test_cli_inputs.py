@@ -1,0 +1,173 @@
+"""Every bad input the trust issue lists: one line saying what is wrong, a non-zero exit, no traceback, nothing
+echoed or loaded first, and nothing of the user's touched."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetier.cli import main
+from moetier.store.format import Manifest
+from moetier.trace.format import DECODE, Trace
+
+META = {"type": "meta", "model_id": "allenai/OLMoE-1B-7B-0924", "top_k": 2}
+
+
+def route(ids, layer=0):
+    return {"type": "route", "layer": layer, "topk_ids": ids, "topk_weights": [1 / len(ids)] * len(ids)}
+
+
+def jsonl(path, *records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def olmoe_trace(tokens=40, seed=0):
+    """A hand-made trace of OLMoE's shape (16 layers, top-8 of 64)."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([[rng.choice(64, 8, replace=False) for _ in range(16)] for _ in range(tokens)]).astype(np.int16)
+    return Trace("olmoe-1b-7b", 16, 64, 8, list(range(16)), np.zeros(tokens, np.int32),
+                 np.arange(tokens, dtype=np.int32), np.full(tokens, DECODE, np.uint8), ids,
+                 np.full(ids.shape, 1 / 8, np.float16))
+
+
+@pytest.fixture
+def inputs(tiny_store, tmp_path):
+    _, store = tiny_store("olmoe")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "thesis.tex").write_text("years of work")
+    (tmp_path / "afile").write_text("a file")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    trace = olmoe_trace().save(tmp_path / "trace")
+    truncated = olmoe_trace().save(tmp_path / "truncated")
+    data = (truncated / "topk_ids.npy").read_bytes()
+    (truncated / "topk_ids.npy").write_bytes(data[:len(data) // 2])
+    no_manifest = tmp_path / "no-manifest"
+    shutil.copytree(store, no_manifest)
+    (no_manifest / "manifest.json").unlink()
+    return {
+        "tmp": tmp_path, "store": store, "hf": Path(Manifest.load(store).source), "theirs": theirs, "trace": trace,
+        "truncated": truncated, "no_manifest": no_manifest, "latin1": tmp_path / "latin1.txt",
+        "meta_only": jsonl(tmp_path / "meta.jsonl", META),
+        "bad_ids": jsonl(tmp_path / "bad.jsonl", META, route("ab")),
+        "bool_ids": jsonl(tmp_path / "bool.jsonl", META, route([True, False])),
+        "ragged": jsonl(tmp_path / "ragged.jsonl", META, route([1, 2]), route([1, 2, 3])),
+    }
+
+
+def snapshot(path):
+    return {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+BAD = [
+    # arguments, refused before any model is resolved (the model does not exist: reaching it would say so)
+    (["generate", "--model", "/no/such", "--prompt", "abc\udcff"], "--prompt is not valid UTF-8"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--temperature", "-1"], "--temperature"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--top-p", "2"], "--top-p"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--reader-threads", "0"], "--reader-threads"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--expert-memory", "lots"], "cannot read expert memory"),
+    (["generate", "--model", "/no/such"], "no prompt given"),
+    (["generate", "--model", "/no/such", "--prompt", ""], "prompt 0 is empty"),
+    (["generate", "--model", "/no/such", "--prompt-file", "{tmp}/missing.txt"], "cannot read prompt file"),
+    (["generate", "--model", "/no/such", "--prompt-file", "{latin1}"], "is not valid UTF-8"),
+    (["trace", "record", "--model", "/no/such", "--prompts", "{latin1}", "--out", "{tmp}/r"], "is not valid UTF-8"),
+    (["trace", "record", "--model", "/no/such", "--prompts", "{latin1}", "--out", "{tmp}/r", "--max-tokens", "0"],
+     "--max-tokens"),
+    # destinations: refused, and nothing of the user's touched
+    (["convert", "{hf}", "{tmp}/afile", "--force"], "is a file"),
+    (["convert", "{hf}", "{tmp}/afile/store", "--force"], "cannot be created: "),
+    (["convert", "{hf}", "{hf}", "--force"], "which this command reads"),
+    (["convert", "{hf}", "{hf}/store", "--force"], "is inside"),
+    (["convert", "{hf}", "{theirs}", "--force"], "is not a moetier store (it holds thesis.tex)"),
+    (["synth", "{theirs}", "--preset", "tiny", "--force"], "is not a moetier store"),
+    (["trace", "import", "{ragged}", "--out", "{theirs}", "--force"], "is not a moetier trace"),
+    (["trace", "import", "{tmp}", "--out", "{tmp}/out", "--force"], "is inside"),
+    (["trace", "synth", "--fit", "{trace}", "--out", "{trace}", "--force", "--model-shape", "olmoe-1b-7b"],
+     "which this command reads"),
+    # malformed inputs
+    (["trace", "import", "{meta_only}", "--out", "{tmp}/t"], "no route records"),
+    (["trace", "import", "{bad_ids}", "--out", "{tmp}/t"], "expert ids must be"),
+    (["trace", "import", "{bool_ids}", "--out", "{tmp}/t"], "expert ids must be"),
+    (["trace", "import", "{ragged}", "--out", "{tmp}/t"], "3 expert ids where earlier records have 2"),
+    (["trace", "stats", "{truncated}"], "topk_ids.npy: Failed to read"),
+    (["sim", "--trace", "{truncated}", "--profile", "rtx4090"], "topk_ids.npy: Failed to read"),
+    (["cache-bench", "--trace", "{truncated}"], "topk_ids.npy: Failed to read"),
+    (["cache-bench", "--trace", "{trace}", "--expert-memory", "1,0.5%"], "no budget in 1,0.5% holds"),
+    (["cache-bench", "--trace", "{trace}", "--expert-memory", "25%,lots"], "cannot read the budget 'lots'"),
+    (["cache-bench", "--trace", "{trace}", "--train-fraction", "1.5"], "--train-fraction"),
+    (["trace", "synth", "--fit", "{trace}", "--out", "{tmp}/s", "--tokens", "0"], "--tokens"),
+    (["synth", "{tmp}/s", "--preset", "tiny", "--num-heads", "0"], "must be positive"),
+    # stores
+    (["generate", "--model", "{no_manifest}", "--prompt", "x"], "looks like a moetier store but has no manifest"),
+    (["generate", "--model", "{store}", "--prompt", "x", "--reconvert"], "is a converted store"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a[:2]) + f" [{m[:24]}]" for a, m in BAD])
+def test_bad_input_one_line_error_non_zero_exit(inputs, capsys, args, message):
+    before = snapshot(inputs["tmp"])
+    args = [a.format(**inputs) for a in args]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert message in err and "Traceback" not in err
+    assert err.startswith("moetier: error: ") and err.count("moetier: error") == 1
+    assert out == ""  # no prompt echoed, no partial output
+    assert snapshot(inputs["tmp"]) == before  # nothing written, nothing removed
+
+
+def test_convert_force_on_the_source_and_on_a_foreign_folder_leaves_both_untouched(inputs):
+    hf, theirs = inputs["hf"], inputs["theirs"]
+    before = snapshot(hf.parent), snapshot(theirs)
+    assert main(["convert", str(hf), str(hf), "--force"]) == 1
+    assert main(["convert", str(hf), str(theirs), "--force"]) == 1
+    assert main(["trace", "import", str(inputs["ragged"]), "--out", str(theirs), "--force"]) == 1
+    assert (snapshot(hf.parent), snapshot(theirs)) == before
+
+
+def test_force_replaces_a_store_moetier_made(inputs, tmp_path):
+    out = tmp_path / "replaced"
+    assert main(["convert", str(inputs["hf"]), str(out)]) == 0
+    first = (out / "manifest.json").stat().st_mtime_ns
+    assert main(["convert", str(inputs["hf"]), str(out)]) == 1  # without --force: refused
+    assert main(["convert", str(inputs["hf"]), str(out), "--force"]) == 0
+    assert (out / "manifest.json").stat().st_mtime_ns != first
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+def test_broken_pipe_exits_quietly():
+    """`moetier generate | head -c 5`: the reader leaves; moetier stops with no traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "moetier.cli", "generate", "--prompt", "The sea was",
+                          "--max-tokens", "200", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(5) == b"The s"
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141  # 128 + SIGPIPE, as a shell reports `yes | head`
+    assert "Traceback" not in err and "Error" not in err
+
+
+def test_belady_is_not_offered_where_it_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "x", "--policy", "belady"])
+    assert e.value.code == 2 and "invalid choice: 'belady'" in capsys.readouterr().err
+
+
+def test_every_learned_policy_without_its_file_is_refused_alike(tmp_path):
+    from moetier.cache.policies import LEARNED, PolicyContext, make_policy
+    from moetier.errors import MoetierError
+
+    messages = {}
+    for model_dir in (tmp_path, None):
+        ctx = PolicyContext(8, (0, 1), 8, 2, model_dir=model_dir)
+        for name in LEARNED:
+            with pytest.raises(MoetierError) as e:
+                make_policy(name, ctx)
+            messages.setdefault(model_dir, set()).add(str(e.value).replace(name, "NAME"))
+    assert all(len(m) == 1 for m in messages.values()), messages
+    assert "is a learned policy and has no trained file" in next(iter(messages[tmp_path]))
