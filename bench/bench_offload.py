@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from common import add_run_options, run_child  # noqa: E402
 
-DEFAULT_STORE = Path.home() / ".cache" / "moetier" / "bench" / "olmoe-1b-7b-synth"
+from moetier.paths import default_cache_dir  # noqa: E402
+
+DEFAULT_STORE = default_cache_dir() / "bench" / "olmoe-1b-7b-synth"
 
 
 def child(cfg: dict) -> dict:

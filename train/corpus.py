@@ -2,7 +2,7 @@
 ../shared/data/gutenberg (detokenised) and Python source from this interpreter's standard library (no test
 folders, no site-packages). Validation holds out whole books and whole modules.
 
-    python -m train.corpus [--out DIR]        # default ~/.cache/moetier/corpus
+    python -m train.corpus [--out DIR]        # default ~/.cache/moetier/corpus (or $MOETIER_CACHE/corpus)
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import sysconfig
 from pathlib import Path
 
 from moetier.atomic import atomic_dir
+from moetier.paths import default_cache_dir
 
 GUTENBERG = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenberg"
-DEFAULT_OUT = Path.home() / ".cache" / "moetier" / "corpus"
+DEFAULT_OUT = default_cache_dir() / "corpus"
 VALID_BOOKS = ("carroll-alice.txt", "chesterton-thursday.txt")  # held out whole
 VALID_EVERY = 12  # every 12th module (sorted by path) is held out whole
 SEPARATOR = "\n<|endoftext|>\n"  # between documents (books, modules)

@@ -3,7 +3,7 @@
     python -m train.train demo-fine [--threads 1]        # ~1 hour on this 2-core CPU
     python -m train.train demo-coarse [--threads 1]
 
-Checkpoints go to ~/.cache/moetier/train/<name>/ckpt.pt every `checkpoint_every` steps (written to a temporary
+Checkpoints go to ~/.cache/moetier/train/<name>/ckpt.pt ($MOETIER_CACHE/train/... if set) every `checkpoint_every` steps (written to a temporary
 file, then renamed); rerunning the same command resumes from there. At the end the model is saved in bf16 with
 its tokenizer to models/<name>/ (via a temporary folder, renamed into place), with training.json beside it.
 """
@@ -25,11 +25,12 @@ import torch
 from tqdm import tqdm
 
 from moetier.atomic import atomic_dir
+from moetier.paths import default_cache_dir
 from train import corpus, tokenizer
 from train.configs import RECIPES, Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = Path.home() / ".cache" / "moetier" / "train"
+WORK = default_cache_dir() / "train"
 
 
 def token_arrays(tok_dir: Path) -> dict[str, np.ndarray]:

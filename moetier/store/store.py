@@ -33,7 +33,8 @@ class Store:
         return (self.path / DENSE).stat().st_size
 
     def load_dense(self) -> dict[str, torch.Tensor]:
-        """Every dense tensor, each verified against its CRC-32 (~0.3 s per GB on one core here)."""
+        """Every dense tensor, each verified against its CRC-32: ~0.43 s per GB of dense weights here (0.41 s for
+        OLMoE-1B-7B's 0.95 GB; safetensors maps the file lazily, so this is also the first touch of its pages)."""
         try:
             tensors = load_file(str(self.path / DENSE))
         except Exception as e:  # safetensors' own error types
