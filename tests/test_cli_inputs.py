@@ -48,12 +48,16 @@ def inputs(tiny_store, tmp_path):
     truncated = olmoe_trace().save(tmp_path / "truncated")
     data = (truncated / "topk_ids.npy").read_bytes()
     (truncated / "topk_ids.npy").write_bytes(data[:len(data) // 2])
+    bad_config = tmp_path / "bad-config"
+    bad_config.mkdir()
+    config = json.loads((Path(Manifest.load(store).source) / "config.json").read_text())
+    (bad_config / "config.json").write_text(json.dumps(dict(config, num_hidden_layers="two")))
     no_manifest = tmp_path / "no-manifest"
     shutil.copytree(store, no_manifest)
     (no_manifest / "manifest.json").unlink()
     return {
         "tmp": tmp_path, "store": store, "hf": Path(Manifest.load(store).source), "theirs": theirs, "trace": trace,
-        "truncated": truncated, "no_manifest": no_manifest, "latin1": tmp_path / "latin1.txt",
+        "truncated": truncated, "no_manifest": no_manifest, "bad_config": bad_config, "latin1": tmp_path / "latin1.txt",
         "meta_only": jsonl(tmp_path / "meta.jsonl", META),
         "bad_ids": jsonl(tmp_path / "bad.jsonl", META, route("ab")),
         "bool_ids": jsonl(tmp_path / "bool.jsonl", META, route([True, False])),
@@ -104,6 +108,7 @@ BAD = [
     (["cache-bench", "--trace", "{trace}", "--train-fraction", "1.5"], "--train-fraction"),
     (["trace", "synth", "--fit", "{trace}", "--out", "{tmp}/s", "--tokens", "0"], "--tokens"),
     (["synth", "{tmp}/s", "--preset", "tiny", "--num-heads", "0"], "must be positive"),
+    (["convert", "{bad_config}", "{tmp}/s"], "num_hidden_layers must be a positive integer"),
     # stores
     (["generate", "--model", "{no_manifest}", "--prompt", "x"], "looks like a moetier store but has no manifest"),
     (["generate", "--model", "{store}", "--prompt", "x", "--reconvert"], "is a converted store"),

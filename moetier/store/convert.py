@@ -10,7 +10,7 @@ from tqdm import tqdm
 from moetier.atomic import check_replaceable
 from moetier.config import ModelSpec
 from moetier.errors import CheckpointError
-from moetier.model.families import Family, family_for
+from moetier.model.families import Family, family_for, parse_spec
 from moetier.store.checkpoint import Checkpoint, read_config
 from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, is_store
 from moetier.store.writer import StoreWriter
@@ -52,7 +52,7 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
     check_replaceable(store_dir, "store", is_store, overwrite, (model_dir,))  # before any work
     config = read_config(model_dir)
     family = family_for(config)  # an unsupported family is refused before any tensor is opened
-    spec = family.parse(config)
+    spec = parse_spec(config)
     ckpt = Checkpoint(model_dir)
     dense = dense_tensors(ckpt, family, spec)
     first = ExpertSource(ckpt, family, spec.moe_layers[0]).get(0)["gate_up_proj"]
