@@ -106,7 +106,7 @@ def main() -> None:
                 prompt_len=args.prompt_len, seed=0)
     from tqdm import tqdm
 
-    from moetier.sim.calibrate import read_bandwidth
+    from moetier.calibrate import read_bandwidth
     from moetier.store.store import Store
 
     budgets = args.budgets.split(",")

@@ -33,8 +33,8 @@ def child(cfg: dict) -> dict:
 
     from moetier import Engine
     from moetier.cache.policies import make_policy
+    from moetier.calibrate import calibrate, disk_tier
     from moetier.resolve import resolve_model
-    from moetier.sim.calibrate import calibrate, disk_tier
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import Tier
     from moetier.sim.replay import replay, steps

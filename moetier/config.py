@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from moetier.errors import BudgetError, UnsupportedModelError
 
+ALIGN = 4096  # an expert blob's alignment on disk and in memory: O_DIRECT needs block-aligned offsets, lengths
+# and buffers
 QK_NORMS = ("none", "head", "full")  # none; per head over head_dim (Qwen3); over all heads (OLMoE)
 
 
@@ -88,18 +90,27 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """The fast tier's expert budget as the user gave it: bytes, a share of all expert bytes, or auto."""
+    """The fast tier's expert budget as the user gave it: bytes, a share of all expert bytes, a number of experts
+    (cache-bench's slot counts), or auto."""
 
-    kind: str  # "bytes" | "share" | "auto"
+    kind: str  # "bytes" | "share" | "entries" | "auto"
     value: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("bytes", "share", "auto"):
+        if self.kind not in ("bytes", "share", "entries", "auto"):
             raise ValueError(f"unknown budget kind {self.kind!r}")
         if self.kind == "share" and not 0 < self.value <= 1:
             raise BudgetError(f"expert memory share must be in (0%, 100%], got {self.value:.0%}")
-        if self.kind == "bytes" and self.value <= 0:
+        if self.kind in ("bytes", "entries") and self.value <= 0:
             raise BudgetError("expert memory must be positive")
+
+    def label(self) -> str:
+        """As a user would write it."""
+        if self.kind == "share":
+            return f"{self.value:.0%}"
+        if self.kind == "entries":
+            return f"{int(self.value)} experts"
+        return "auto" if self.kind == "auto" else format_bytes(self.value)
 
     @classmethod
     def parse(cls, text: str | int | float | MemoryBudget) -> MemoryBudget:
@@ -124,12 +135,15 @@ class MemoryBudget:
         raise BudgetError(f"cannot read expert memory {text!r}",
                           hint="give bytes ('512MiB', '2GB'), a share of all expert bytes ('30%'), or 'auto'")
 
-    def resolve(self, total_expert_bytes: int, available_bytes: int | None = None) -> int:
-        """Bytes for the expert cache. `available_bytes` is what auto may use (free memory less what else is needed)."""
+    def resolve(self, total_expert_bytes: int, available_bytes: int | None = None, entry_bytes: int = 1) -> int:
+        """Bytes for the expert cache. `available_bytes` is what auto may use (free memory less what else is
+        needed); `entry_bytes` is one expert's (for a number of experts)."""
         if self.kind == "share":
             return int(self.value * total_expert_bytes)
         if self.kind == "bytes":
             return int(self.value)
+        if self.kind == "entries":
+            return int(self.value) * entry_bytes
         if available_bytes is None:
             raise ValueError("auto budget needs the available memory")
         return max(0, min(total_expert_bytes, available_bytes))

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from moetier.cli import main
+from moetier.plan.route import DECODE
 from moetier.store.format import Manifest
-from moetier.trace.format import DECODE, Trace
+from moetier.trace.format import Trace
 
 META = {"type": "meta", "model_id": "allenai/OLMoE-1B-7B-0924", "top_k": 2}
 
@@ -164,15 +165,16 @@ def test_belady_is_not_offered_where_it_is_refused(capsys):
 
 
 def test_every_learned_policy_without_its_file_is_refused_alike(tmp_path):
-    from moetier.cache.policies import LEARNED, PolicyContext, make_policy
+    from moetier.cache.policies import LEARNED, PolicyContext
     from moetier.errors import MoetierError
+    from moetier.policy_files import make_policy_for_model
 
     messages = {}
+    ctx = PolicyContext(8, (0, 1), 8, 2)
     for model_dir in (tmp_path, None):
-        ctx = PolicyContext(8, (0, 1), 8, 2, model_dir=model_dir)
         for name in LEARNED:
             with pytest.raises(MoetierError) as e:
-                make_policy(name, ctx)
+                make_policy_for_model(name, ctx, model_dir)
             messages.setdefault(model_dir, set()).add(str(e.value).replace(name, "NAME"))
     assert all(len(m) == 1 for m in messages.values()), messages
     assert "is a learned policy and has no trained file" in next(iter(messages[tmp_path]))

@@ -9,7 +9,7 @@ from moetier.paths import default_cache_dir
 TOUCH_THE_CACHE = """
 from moetier.resolve import resolve_model
 from moetier.sim.profile import HardwareProfile, known_profiles, user_profiles_dir
-from moetier.sim.shapes import model_shape
+from moetier.cli.models import model_shape
 from moetier.store.store import Store
 model_shape("demo-coarse")                         # converts a built-in model
 Store(resolve_model("demo-fine", progress=False))  # converts another

@@ -27,10 +27,11 @@ def _cache_bench(args: argparse.Namespace) -> None:
 
     from moetier.atomic import atomic_write_json
     from moetier.cache.keys import ExpertKey
+    from moetier.cli.models import model_shape
     from moetier.sim.cache_bench import evaluate, format_table, plot, to_json
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile, ProfileError
-    from moetier.sim.shapes import ShapeError, model_shape
+    from moetier.sim.shapes import ShapeError
     from moetier.trace.format import Trace
 
     if not 0 < args.train_fraction < 1:
@@ -84,29 +85,27 @@ def _check_budgets(budgets: list[str], traces: list) -> None:
 
 
 def _train_cache_policy(args: argparse.Namespace) -> None:
-    from moetier.atomic import atomic_write_json
-    from moetier.cache.training import fit_hobbit, train_flashmoe, use_counts
+    from moetier.policy_files import policy_file, save_params
     from moetier.sim.cache_bench import budget_slots
+    from moetier.sim.fit import fit_hobbit, train_flashmoe, use_counts
     from moetier.trace.format import Trace
 
     trace = Trace.load(args.trace)
     if args.out:
         out = Path(args.out)
     else:
-        out = _model_dir(args.model, args.cache_dir) / "policies" / f"{args.policy}.json"
+        out = policy_file(_model_dir(args.model, args.cache_dir), args.policy)
         _check_trace_fits_model(trace, args.model, args.cache_dir)
     if args.policy == "flashmoe-ml":
-        train_flashmoe(trace).save(out)
+        model = train_flashmoe(trace)
+        save_params(args.policy, out, {"model": model}, model.trained_on)
     elif args.policy == "static-hot":
-        counts = use_counts(trace)
-        atomic_write_json(out, {"policy": "static-hot", "trained_on": trace.model,
-                               "counts": [[k.layer, k.expert, n] for k, n in sorted(counts.items())]})
+        save_params(args.policy, out, {"counts": use_counts(trace)}, trace.model)
     else:
         slots = budget_slots(args.expert_memory, trace)
         weights, table = fit_hobbit(trace, slots)
-        atomic_write_json(out, {"policy": "hobbit", "trained_on": trace.model, "slots": slots,
-                               "weights": dataclasses.asdict(weights),
-                               "grid": [[*dataclasses.astuple(w), misses] for w, misses in table]})
+        save_params(args.policy, out, {"weights": weights}, trace.model, slots=slots,
+                    grid=[[*dataclasses.astuple(w), misses] for w, misses in table])
         print(f"weights lru/lfu/lhu/fld = {weights.lru}/{weights.lfu}/{weights.lhu}/{weights.fld}")
     print(f"wrote {out}")
 

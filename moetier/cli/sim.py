@@ -12,8 +12,8 @@ from moetier.errors import MoetierError
 
 
 def _calibrate(args: argparse.Namespace) -> None:
+    from moetier.calibrate import calibrate
     from moetier.resolve import resolve_model
-    from moetier.sim.calibrate import calibrate
     from moetier.sim.profile import HardwareProfile, user_profiles_dir
     from moetier.store.store import Store
 
@@ -33,9 +33,9 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _sim(args: argparse.Namespace) -> None:
+    from moetier.cli.models import model_shape, policy_dir
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
-    from moetier.sim.shapes import model_shape
     from moetier.sim.sweep import check_fits, format_table, plot_sweep, run
     from moetier.sim.timing import plot_timeline
     from moetier.trace.format import Trace
@@ -50,7 +50,7 @@ def _sim(args: argparse.Namespace) -> None:
         if policy not in POLICIES:
             raise MoetierError(f"unknown policy {policy!r}", hint=f"one of {', '.join(sorted(POLICIES))}")
     timeline_steps = (args.timeline_step,) if args.timeline else ()
-    model_dir = _policy_dir(args.model_shape or trace.model, args.cache_dir)
+    model_dir = policy_dir(args.model_shape or trace.model, args.cache_dir)
     runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
                 model_dir)
             for policy, budget in configs]
@@ -70,18 +70,6 @@ def _sim(args: argparse.Namespace) -> None:
                                                 "runs": [r.row() for r in runs]}, indent=1))
     plot_sweep(runs, out / "sweep.png", where)
     print(f"{where}, trace {args.trace}\n{format_table(runs)}\nwrote {out / 'sweep.json'} and {out / 'sweep.png'}")
-
-
-def _policy_dir(name: str, cache_dir: str | None) -> Path | None:
-    """Where trained policies of a built-in model or a model directory live, as the engine finds them (None for a
-    bare shape)."""
-    from moetier.engine.engine import policy_dir
-    from moetier.resolve import builtin_models, resolve_model
-    from moetier.store.store import Store
-
-    if name not in builtin_models() and not Path(name).is_dir():
-        return None
-    return policy_dir(Store(resolve_model(name, cache_dir, progress=False)))
 
 
 def add_parser(sub) -> None:

@@ -60,7 +60,7 @@ def _trace_synth(args: argparse.Namespace) -> None:
         raise MoetierError(f"--tokens must be at least 1, got {args.tokens}")
     _check_out(args, args.fit)
     if args.model_shape:
-        from moetier.sim.shapes import model_shape
+        from moetier.cli.models import model_shape
 
         shape, _ = model_shape(args.model_shape)
         dims = dict(num_layers=shape.num_layers, num_experts=shape.num_experts, top_k=shape.top_k,

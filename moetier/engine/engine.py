@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetier.cache.policies import PolicyContext, make_policy
+import torch
+
+from moetier.cache.capacity import cache_capacity
+from moetier.cache.policies import PolicyContext
 from moetier.config import MemoryBudget, format_bytes
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
@@ -15,6 +18,7 @@ from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available
 from moetier.model.transformer import Transformer
+from moetier.policy_files import make_policy_for_model, policy_dir
 from moetier.resolve import resolve_model
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
@@ -31,10 +35,12 @@ class EngineConfig:
     reader_threads: int = 4
     chunk_bytes: int = 2 << 20
     verify_checksums: bool = True
+    device: str = "cpu"  # where the dense weights, the expert cache and the kernels live ("cuda", "cuda:1", ...)
 
     def __post_init__(self) -> None:
         if self.reader_threads < 1:
             raise MoetierError("reader_threads must be at least 1")
+        check_device(self.device)
         if self.cache_partition not in PARTITIONS:
             raise MoetierError(f"unknown cache partition {self.cache_partition!r}", hint=f"one of {PARTITIONS}")
 
@@ -56,42 +62,32 @@ class BudgetChoice:
 
 
 def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView) -> BudgetChoice:
-    """Cache slots for the budget: at least one layer's top-k, at most every expert, and never more than fits in
-    the memory this process may still take (host or cgroup) after the dense weights and a margin. Decided before
-    anything is loaded or reserved."""
-    spec, slot_bytes = store.spec, store.native_layout.blob_bytes
-    total = store.total_expert_bytes()
+    """The expert cache for the budget: at least one layer's top-k, at most every expert, and never more than fits
+    in the memory this process may still take (host or cgroup) after the dense weights and a margin. Decided
+    before anything is loaded or reserved."""
+    spec, slot_bytes, total = store.spec, store.native_layout.blob_bytes, store.total_expert_bytes()
     fits = max(0, int(memory.available * (1 - MEMORY_MARGIN)) - store.dense_bytes)
-    slots = min(budget.resolve(total, fits) // slot_bytes, spec.num_expert_keys)
-    cache = slots * slot_bytes
-    need = spec.top_k * slot_bytes
     room = (f"{memory.describe()}; after the dense weights ({format_bytes(store.dense_bytes)}) and a "
             f"{MEMORY_MARGIN:.0%} margin, {format_bytes(fits)} fits")
-    if budget.kind == "auto" and slots < spec.top_k:
-        raise BudgetError(f"expert memory auto: too little memory for one layer's top-{spec.top_k} experts "
-                          f"({format_bytes(need)}): {room}", hint="free memory, or raise the container's limit")
-    if slots < spec.top_k:
-        raise BudgetError(
-            f"expert memory {format_bytes(budget.resolve(total))} holds {slots} expert(s); one layer's top-"
-            f"{spec.top_k} needs {spec.top_k} ({format_bytes(need)}, {need / total:.1%} of all expert bytes)",
-            hint=f"give --expert-memory of at least {need} bytes ({-(-need * 1000 // total) / 10:.1f}%)")
-    if cache > fits:
-        raise BudgetError(f"expert memory {format_bytes(cache)} does not fit: {room}",
-                          hint=f"give --expert-memory {fits // 2**20}MiB or less, or auto")
-    asked = "auto" if budget.kind == "auto" else f"{budget.value:.0%}" if budget.kind == "share" else \
-        format_bytes(budget.value)
+    cache = cache_capacity(budget, total, slot_bytes, spec.top_k, fits, room)
+    slots = cache // slot_bytes
     note = (f"expert cache {format_bytes(cache)} ({slots} slots, {cache / total:.0%} of {format_bytes(total)} of "
-            f"experts; asked {asked}); {memory.describe()}")
+            f"experts; asked {budget.label()}); {memory.describe()}")
     return BudgetChoice(slots, cache, note)
 
 
-def policy_dir(store: Store) -> Path:
-    """Where trained policy files (`policies/<name>.json`) for this model live: beside the store, or beside the
-    model it was converted from (the built-in models ship theirs)."""
-    source = Path(store.manifest.source) if store.manifest.source else None
-    if not (store.path / "policies").is_dir() and source is not None and (source / "policies").is_dir():
-        return source
-    return store.path
+def check_device(name: str) -> torch.device:
+    """A torch device this machine has, or a clear error."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise MoetierError(f"unknown device {name!r}", hint="cpu, cuda, or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MoetierError(f"device {name!r} asked for, but this torch sees no CUDA device",
+                           hint="use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise MoetierError(f"device {name!r} is not supported", hint="cpu or cuda")
+    return device
 
 
 class Engine:
@@ -104,16 +100,18 @@ class Engine:
         if per_layer and slots < len(self.spec.moe_layers):
             raise BudgetError(f"a per-layer cache needs a slot for each of the {len(self.spec.moe_layers)} MoE "
                               f"layers; the budget gives {slots}", hint="give more --expert-memory")
-        ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
-                            model_dir=policy_dir(store))
-        policy = make_policy(config.policy, ctx)  # before the reader's threads start: this may refuse
-        dense = store.load_dense()
+        ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k)
+        # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
+        policy = make_policy_for_model(config.policy, ctx, policy_dir(store))
+        self.device = check_device(config.device)
+        dense = {name: t.to(self.device) for name, t in store.load_dense().items()}
         self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
-        self.executor = ExpertExecutor(self.spec, store.manifest, slots, policy, self.reader, per_layer)
+        self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
+                                       per_layer, self.device)
         self.model = Transformer(self.spec, dense, self.executor)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
-        self.on_step: OnStep | None = None  # observer of every forward step (the trace recorder)
+        self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)
         self.closed = False
 
     @classmethod
@@ -157,7 +155,7 @@ class Engine:
         stats = GenerationStats(expert_cache_bytes=self.executor.pool.nbytes, expert_slots=self.executor.pool.num_slots,
                                 total_expert_bytes=self.store.total_expert_bytes())
         eos = () if ignore_eos else self.spec.eos_token_ids
-        outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.on_step)
+        outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.step_hooks)
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer else [""] * len(outputs)
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes

@@ -1,5 +1,6 @@
-"""The real executor for routed experts: plans a layer, issues its loads, computes what is resident while the
-loads land, then the rest as each arrives."""
+"""The real executor for routed experts: for each MoE layer, the layer step plans, and this carries the plan out —
+reads into slots on the reader's threads, kernels on the model's device — computing resident experts while the
+reads land, then each loaded expert as it arrives."""
 
 from __future__ import annotations
 
@@ -10,122 +11,140 @@ import torch
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.base import EvictionPolicy
 from moetier.cache.residency import Residency
-from moetier.cache.slots import SlotPool
 from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
-from moetier.engine.stats import PREFILL, GenerationStats
+from moetier.engine.slots import make_slots
 from moetier.errors import MoetierError
-from moetier.plan.layer_plan import LayerPlan, Load
+from moetier.plan.counters import CountingHook, PhaseCounters
+from moetier.plan.layer_plan import FAST, RESIDENT, LayerPlan, Load, Prefetch
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
 from moetier.plan.route import RouteResult
+from moetier.plan.step import LayerStep
 from moetier.store.format import Manifest
-from moetier.store.reader import ON_DEMAND, ExpertReader
+from moetier.store.reader import ON_DEMAND, PREFETCH, ExpertReader
 
 
 class ExpertExecutor:
-    def __init__(self, spec: ModelSpec, manifest: Manifest, num_slots: int, policy: EvictionPolicy,
-                 reader: ExpertReader, per_layer: bool = False) -> None:
+    def __init__(self, spec: ModelSpec, manifest: Manifest, capacity_bytes: int, policy: EvictionPolicy,
+                 reader: ExpertReader, per_layer: bool = False, device: torch.device | str = "cpu") -> None:
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
+        self.device = torch.device(device)
         self.precision = manifest.native_precision
-        self.pool = SlotPool(manifest.precisions[self.precision], num_slots)
-        self.residency = Residency(num_slots, policy, spec.moe_layers if per_layer else None)
-        self.planner = Planner(spec.num_experts, [OnDemandStage(self.residency)])
-        self.stats = GenerationStats()
-        self.phase = PREFILL
-        self.step = 0
-        # observer of every layer's routing and gate input (the trace recorder, evaluation)
-        self.on_route: Callable[[RouteResult, torch.Tensor], None] | None = None
+        entry_bytes = {p: layout.blob_bytes for p, layout in manifest.precisions.items()}
+        self.residency = Residency(capacity_bytes, entry_bytes, policy, spec.moe_layers if per_layer else None)
+        self.pools = {self.precision: make_slots(manifest.precisions[self.precision],
+                                                 self.residency.slots(self.precision), self.device)}
+        self.counts = CountingHook(entry_bytes)
+        self.layer_step = LayerStep(self.residency, Planner(self.precision, [OnDemandStage(self.residency)]),
+                                    hooks=[self.counts])
+        self.in_flight: dict[ExpertKey, tuple[str, int]] = {}  # prefetched keys whose reads may not have landed
 
-    def begin_step(self, phase: int, stats: GenerationStats) -> None:
-        self.phase, self.stats = phase, stats
-        self.step += 1
+    @property
+    def pool(self):
+        """The slots of the model's own precision."""
+        return self.pools[self.precision]
 
-    def _submit(self, layer: int, load: Load) -> None:
-        blob = self.manifest.blob(layer, load.expert, self.precision)
-        self.reader.submit(blob, self.pool.views[load.slot], self.pool.completions[load.slot], ON_DEMAND)
+    def begin_step(self, phase: int, phases: tuple[PhaseCounters, PhaseCounters]) -> None:
+        """A forward step starts; its layers are counted into `phases` (one generate call's statistics)."""
+        self.layer_step.begin_step(phase)
+        self.counts.phases = phases
 
     def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""
         # The one host sync of the layer: which experts to read is decided on the host from the routing.
-        route = RouteResult(layer, self.step, topk_ids.numpy(), topk_weights.float().numpy(), scores.numpy())
-        if self.on_route is not None:
-            self.on_route(route, x)
-        self.policy.on_route(route)
-        plan = self.planner.plan(route)
-        deferred = {}
-        for load in plan.loads:  # issue loads before any compute, so reads overlap it
-            if load.after is None:
-                self._submit(layer, load)
-            else:
-                deferred[load.after] = load
-
-        groups = ExpertGroups(x, topk_ids, topk_weights, plan.counts)
-
-        def compute(expert: int, slot: int) -> None:
-            w = self.pool.tensors[slot]
-            groups.compute(expert, w["gate_up_proj"], w["down_proj"])
-            follower = deferred.pop(expert, None)
-            if follower is not None:  # its slot is free now
-                self._submit(layer, follower)
-
-        try:
-            shared_out = shared() if shared is not None else None  # resident work first, while loads land
-            for hit in plan.hits:
-                compute(hit.expert, hit.slot)
-            for load in plan.loads:
-                self.pool.completions[load.slot].wait()
-                compute(load.expert, load.slot)
-        except BaseException:
-            self._abandon(layer, plan)
-            raise
-
-        out = groups.combine()
-        if shared_out is not None:
-            out = out + shared_out
-        for e in plan.experts:
-            self.policy.on_access(ExpertKey(layer, e), self.precision, self.step)
-        self.residency.unpin_all()
-        blob_bytes = self.pool.slot_bytes
-        self.stats.record_layer(self.phase, len(plan.experts), len(plan.hits), len(plan.loads),
-                                len(plan.loads) * blob_bytes)
+        route = RouteResult(layer, self.layer_step.step, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy(),
+                            scores.cpu().numpy())
+        self._poll_landed()
+        plan = self.layer_step.begin(route, x)
+        out = self.carry_out(plan, x, topk_weights.dtype, shared)
+        for prefetch in self.layer_step.end(plan):
+            self._prefetch(prefetch)
         return out
 
+    def carry_out(self, plan: LayerPlan, x: torch.Tensor, weight_dtype: torch.dtype,
+                  shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """Compute `plan` (its assignment, runs, loads and prefetches) on `x`: the output [T, H]."""
+        layer = plan.layer
+        deferred: dict[int, Load] = {}
+        for load in plan.loads:  # on-demand reads first, before any compute, so they overlap it
+            if load.after is None:
+                self._submit(ExpertKey(layer, load.expert), load.precision, load.slot, ON_DEMAND)
+            else:
+                deferred[load.after] = load
+        for prefetch in plan.prefetches:
+            self._prefetch(prefetch)
+        ids = torch.from_numpy(plan.assign_ids).to(self.device)
+        weights = torch.from_numpy(plan.assign_weights).to(self.device, weight_dtype)  # the router's dtype
+        groups = ExpertGroups(x, ids, weights, plan.counts)
+        try:
+            shared_out = shared() if shared is not None else None  # resident work first, while reads land
+            for run in plan.runs:
+                if run.place != FAST:
+                    raise MoetierError(f"computing experts where their weights live ({run.place}) is not built yet")
+                pool = self.pools[run.precision]
+                if run.source != RESIDENT:
+                    pool.completions[run.slot].wait()
+                    self.in_flight.pop(ExpertKey(layer, run.expert), None)  # a prefetch this layer waited for
+                w = pool.weights(run.slot)
+                groups.compute(run.expert, w["gate_up_proj"], w["down_proj"])
+                follower = deferred.pop(run.expert, None)
+                if follower is not None:  # its slot is free now
+                    self._submit(ExpertKey(layer, follower.expert), follower.precision, follower.slot, ON_DEMAND)
+        except BaseException:
+            self._abandon(plan)
+            raise
+        out = groups.combine()
+        return out + shared_out if shared_out is not None else out
+
+    def _submit(self, key: ExpertKey, precision: str, slot: int, priority: int) -> None:
+        pool = self.pools[precision]
+        blob = self.manifest.blob(key.layer, key.expert, precision)
+        self.reader.submit(blob, pool.read_target(slot), pool.completions[slot], priority)
+
+    def _prefetch(self, prefetch: Prefetch) -> None:
+        self._submit(prefetch.key, prefetch.precision, prefetch.slot, PREFETCH)
+        self.in_flight[prefetch.key] = (prefetch.precision, prefetch.slot)
+
+    def _poll_landed(self) -> None:
+        """Prefetches whose reads have finished are resident (a failed one is forgotten)."""
+        for key, (precision, slot) in list(self.in_flight.items()):
+            completion = self.pools[precision].completions[slot]
+            if completion.done.is_set():
+                del self.in_flight[key]
+                if completion.error is None:
+                    self.residency.landed(key)
+                else:
+                    self.residency.drop(key)
+
     def preload(self, keys: Iterable[ExpertKey] | None = None) -> int:
-        """Load experts (by default every expert, layer by layer) into free slots until the cache is full: a warm
+        """Load experts (by default every expert, layer by layer) into free room until the cache is full: a warm
         start, and with a budget of 100% the whole model resident. Returns how many were loaded."""
         if keys is None:
             keys = (ExpertKey(layer, e) for layer in self.spec.moe_layers for e in range(self.spec.num_experts))
-        in_flight: list[tuple[ExpertKey, int]] = []
+        admitted = self.residency.admit_while_room(keys, self.precision)
+        errors = []
         try:
-            for key in keys:
-                if key in self.residency:
-                    continue
-                if self.residency.free_slots == 0:
-                    break
-                if not self.residency.has_room(key.layer):  # a per-layer cache whose share for it is full
-                    continue
-                slot, _ = self.residency.admit(key)
-                self._submit(key.layer, Load(key.expert, slot))
-                in_flight.append((key, slot))
+            for key, slot in admitted:
+                self._submit(key, self.precision, slot, ON_DEMAND)
         finally:
-            errors = []
-            for key, slot in in_flight:
+            for key, slot in admitted:
                 try:
                     self.pool.completions[slot].wait()
+                    self.residency.landed(key)
                 except MoetierError as e:
                     errors.append(e)
                     self.residency.drop(key)
             self.residency.unpin_all()
         if errors:
             raise errors[0]
-        return len(in_flight)
+        return len(admitted)
 
-    def _abandon(self, layer: int, plan: LayerPlan) -> None:
-        """After a failed load: let reads in flight finish, and forget every expert this layer was loading,
-        since its slot may hold anything."""
+    def _abandon(self, plan: LayerPlan) -> None:
+        """After a failed read: let reads in flight finish, and forget every expert this layer was loading, since
+        its slot may hold anything."""
         for load in plan.loads:
-            self.pool.completions[load.slot].done.wait()
-            self.residency.drop(ExpertKey(layer, load.expert))
+            self.pools[load.precision].completions[load.slot].done.wait()
+            self.residency.drop(ExpertKey(plan.layer, load.expert))
         self.residency.unpin_all()

@@ -7,13 +7,14 @@ from collections.abc import Callable
 
 import torch
 
-from moetier.engine.batch import StepBatch
 from moetier.engine.expert_executor import ExpertExecutor
-from moetier.engine.kv_cache import KVCache
 from moetier.engine.sampling import SamplingParams, sample
-from moetier.engine.stats import DECODE, PREFILL, GenerationStats
+from moetier.engine.stats import GenerationStats
 from moetier.errors import MoetierError, PromptTooLongError
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
 from moetier.model.transformer import Transformer
+from moetier.plan.route import DECODE, PREFILL
 
 OnToken = Callable[[int, list[int]], None]  # (sequence index, its generated ids so far)
 OnStep = Callable[[StepBatch, int], None]  # (the step's tokens, PREFILL or DECODE), before the forward pass
@@ -36,12 +37,12 @@ def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> No
 def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[int]], params: SamplingParams,
              eos_ids: tuple[int, ...] = (), on_token: OnToken | None = None,
              stats: GenerationStats | None = None,
-             on_step: OnStep | None = None) -> tuple[list[list[int]], GenerationStats]:
+             step_hooks: list[OnStep] = ()) -> tuple[list[list[int]], GenerationStats]:
     spec = model.spec
     check_prompts(prompts, spec.max_position_embeddings, spec.vocab_size)
     num = len(prompts)
     max_len = min(spec.max_position_embeddings, max(map(len, prompts)) + params.max_new_tokens)
-    kv = KVCache(spec, num, max_len, model.dtype)
+    kv = KVCache(spec, num, max_len, model.dtype, model.device)
     stats = stats or GenerationStats()
     stats.prompt_tokens = sum(map(len, prompts))
     generator = torch.Generator().manual_seed(params.seed)
@@ -49,10 +50,10 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
     executor.policy.on_sequence_start()
 
     start = time.perf_counter()
-    executor.begin_step(PREFILL, stats)
-    batch = StepBatch.prefill(prompts, list(range(num)))
-    if on_step is not None:
-        on_step(batch, PREFILL)
+    executor.begin_step(PREFILL, stats.phases)
+    batch = StepBatch.prefill(prompts, list(range(num)), device=model.device)
+    for hook in step_hooks:
+        hook(batch, PREFILL)
     logits = model.forward(batch, kv)
     outputs = [[t] for t in sample(logits, params, generator)]
     stats.ttft_s = time.perf_counter() - start
@@ -73,10 +74,11 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
     active = [b for b in range(num) if not finished(b)]
     while active:
         t0 = time.perf_counter()
-        executor.begin_step(DECODE, stats)
-        batch = StepBatch.decode_step([outputs[b][-1] for b in active], active, [positions[b] for b in active], num)
-        if on_step is not None:
-            on_step(batch, DECODE)
+        executor.begin_step(DECODE, stats.phases)
+        batch = StepBatch.decode_step([outputs[b][-1] for b in active], active, [positions[b] for b in active], num,
+                                      device=model.device)
+        for hook in step_hooks:
+            hook(batch, DECODE)
         new = sample(model.forward(batch, kv), params, generator)
         stats.decode_step_s.append(time.perf_counter() - t0)
         stats.decode_tokens += len(active)

@@ -1,5 +1,6 @@
-"""(token, expert) pairs grouped by expert: ascending expert ids, tokens ascending within each, so every token
-accumulates its experts' outputs in the order the reference does (bit-for-bit in fp32)."""
+"""(token, expert) pairs of a plan's assignment grouped by expert: ascending expert ids, tokens ascending within
+each, so every token accumulates its experts' outputs in the order the reference does (bit-for-bit in fp32).
+Pairs assigned SKIP run nothing."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from moetier.model.layers import swiglu
 
 
 class ExpertGroups:
-    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: np.ndarray) -> None:
+    def __init__(self, x: torch.Tensor, assign_ids: torch.Tensor, assign_weights: torch.Tensor,
+                 counts: np.ndarray) -> None:
+        """x [T, H]; assign_ids, assign_weights [T, k]; counts [E] pairs per expert (SKIP not counted)."""
         self.x = x
-        order = torch.argsort(topk_ids.view(-1), stable=True)  # [T*k]
-        self.token_of = order // topk_ids.shape[1]  # [T*k]
-        self.xs = x.index_select(0, self.token_of)  # [T*k, H]
-        self.ws = topk_weights.reshape(-1)[order]  # [T*k]
+        flat = assign_ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # SKIP (-1) sorts first
+        order = order[flat.numel() - int(counts.sum()):]  # [P] the pairs that run
+        self.token_of = order // assign_ids.shape[1]  # [P]
+        self.xs = x.index_select(0, self.token_of)  # [P, H]
+        self.ws = assign_weights.reshape(-1)[order]  # [P]
         self.ys = torch.empty_like(self.xs)
         self.offsets = np.concatenate(([0], np.cumsum(counts))).tolist()
 

@@ -26,10 +26,11 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> list[int]:
-    """logits [B, V] -> one token id per row."""
+    """logits [B, V] -> one token id per row (a host sync: the ids go back to the host)."""
     if params.temperature == 0:
         return logits.argmax(dim=-1).tolist()
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [B, V]
+    # on the host, where the seeded generator lives: [B, V] is small beside a step's weights
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)  # [B, V]
     if params.top_p < 1:
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs > params.top_p  # keep the smallest set reaching top_p

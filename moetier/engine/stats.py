@@ -8,17 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-PREFILL, DECODE = 0, 1
-
-
-@dataclass
-class PhaseCounters:
-    layer_steps: int = 0
-    needed: int = 0  # (layer step, distinct expert needed) pairs
-    hits: int = 0  # of those, resident when the layer needed them
-    loads: int = 0
-    bytes_read: int = 0
-    miss_penalty_bytes: int = 0  # HOBBIT's miss penalty, in bytes of the precision loaded
+from moetier.plan.counters import PhaseCounters
 
 
 @dataclass
@@ -33,15 +23,6 @@ class GenerationStats:
     expert_slots: int = 0
     total_expert_bytes: int = 0
     stopped_at_context: list[int] = field(default_factory=list)  # sequences the context window cut short
-
-    def record_layer(self, phase: int, needed: int, hits: int, loads: int, bytes_read: int) -> None:
-        c = self.phases[phase]
-        c.layer_steps += 1
-        c.needed += needed
-        c.hits += hits
-        c.loads += loads
-        c.bytes_read += bytes_read
-        c.miss_penalty_bytes += bytes_read
 
     def summary(self) -> dict:
         pre, dec = self.phases

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ModelSpec
-from moetier.engine.batch import StepBatch, causal_mask
-from moetier.engine.kv_cache import KVCache
+from moetier.model.batch import StepBatch, causal_mask
+from moetier.model.kv_cache import KVCache
 from moetier.model.layers import Rope, rms_norm
 
 
@@ -56,7 +56,7 @@ class Attention:
             qs = q[first:first + length].transpose(0, 1)[None]  # [1, Hq, t, D]
             keys = kv.k[self.layer][row:row + 1, :, :start + length]  # [1, Hkv, start+t, D]
             values = kv.v[self.layer][row:row + 1, :, :start + length]
-            mask = causal_mask(start, length, self.window)
+            mask = causal_mask(start, length, self.window, q.device)
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, is_causal=mask is None,
                                                scale=self.scale, enable_gqa=True)
             out[first:first + length] = o[0].transpose(0, 1)

@@ -27,11 +27,12 @@ def swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor)
 class Rope:
     """Rotary position embedding: cos/sin tables in fp32 up to `max_len`, cast to the model dtype per use."""
 
-    def __init__(self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype) -> None:
+    def __init__(self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D], computed on the CPU as the reference does
+        self.cos, self.sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [N, heads, D], positions [N]."""

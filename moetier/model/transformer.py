@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ModelSpec
-from moetier.engine.batch import StepBatch
-from moetier.engine.kv_cache import KVCache
 from moetier.model.attention import Attention
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
 from moetier.model.layers import Rope, rms_norm, swiglu
 from moetier.model.router import route
 
@@ -23,7 +23,7 @@ class Experts(Protocol):
 class Transformer:
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: Experts) -> None:
         self.spec, self.w, self.experts = spec, dense, experts
-        self.dtype = dense["embed_tokens"].dtype
+        self.dtype, self.device = dense["embed_tokens"].dtype, dense["embed_tokens"].device
         self.lm_head = dense.get("lm_head", dense["embed_tokens"])
         self.attn = [Attention(spec, i, dense) for i in range(spec.num_layers)]
         self.is_moe = spec.is_moe_layer
@@ -34,7 +34,7 @@ class Transformer:
 
     def ensure_rope(self, max_len: int) -> Rope:
         if self.rope is None or self.rope.cos.shape[0] < max_len:
-            self.rope = Rope(self.spec.head_dim, self.spec.rope_theta, max_len, self.dtype)
+            self.rope = Rope(self.spec.head_dim, self.spec.rope_theta, max_len, self.dtype, self.device)
         return self.rope
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:

@@ -1,42 +1,98 @@
-"""What to do for one MoE layer: which experts run, which are already resident, which loads to issue."""
+"""What to do for one MoE layer: every decision, so that an executor computes from the plan alone.
+
+- the assignment: per (token, k), the expert that runs — the routed one, a substitute, or SKIP — and its weight;
+- per needed expert (each expert the assignment names), in compute order: its precision, where it runs, the
+  slot its weights are in, and how they get there (already resident, a read in flight since an earlier layer, or
+  a load of this plan);
+- the loads this plan issues, each into a slot, some waiting for an expert of this layer to be computed before
+  they overwrite its slot;
+- the prefetches to start once the loads are out: reads of experts a later layer is expected to need.
+
+Exact mode is the plan whose assignment equals the routing."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
-from moetier.cache.keys import ExpertKey
+from moetier.cache.keys import ExpertKey, Precision
 from moetier.plan.route import RouteResult
+
+SKIP = -1  # an assignment that runs no expert (its weight is dropped)
+RESIDENT, IN_FLIGHT, LOAD = "resident", "in-flight", "load"  # how a run's weights get to its slot
+FAST, HOST = "fast", "host"  # where an expert runs: on the compute device from the cache, or where its weights live
 
 
 @dataclass(frozen=True)
 class Load:
     expert: int
+    precision: Precision
     slot: int
     after: int | None = None  # an expert of this layer whose compute must finish before the slot is overwritten
-    evicted: ExpertKey | None = None  # who left the slot, if anyone
+    evicted: tuple[ExpertKey, ...] = ()  # who left to make room
 
 
-class Hit(NamedTuple):
-    expert: int
+@dataclass(frozen=True)
+class Prefetch:
+    key: ExpertKey  # an expert of a later layer (or a later step)
+    precision: Precision
     slot: int
+    evicted: tuple[ExpertKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class Run:
+    """One needed expert: computed once for every (token, k) the assignment gives it."""
+
+    expert: int
+    precision: Precision
+    slot: int
+    source: str  # RESIDENT, IN_FLIGHT (wait for a read an earlier layer started) or LOAD (this plan's load)
+    place: str = FAST
 
 
 @dataclass
 class LayerPlan:
     route: RouteResult
-    counts: np.ndarray  # [E] tokens routed to each expert
-    experts: list[int]  # distinct experts needed, ascending
-    hits: list[Hit] = field(default_factory=list)  # resident when the layer needed them; computed first
-    loads: list[Load] = field(default_factory=list)  # on-demand loads, computed in this order after the hits
+    assign_ids: np.ndarray  # [T, k] int64: the expert each (token, k) runs, or SKIP
+    assign_weights: np.ndarray  # [T, k] float32
+    precision: dict[int, Precision]  # per needed expert, ascending: the precision it is wanted at
+    place: dict[int, str]  # per needed expert: FAST or HOST
+    runs: list[Run] = field(default_factory=list)  # in compute order
+    loads: list[Load] = field(default_factory=list)  # in issue order
+    prefetches: list[Prefetch] = field(default_factory=list)
+
+    @classmethod
+    def exact(cls, route: RouteResult, precision: Precision) -> LayerPlan:
+        """The assignment the router made, every needed expert at `precision`, computed where the cache is."""
+        plan = cls(route, route.topk_ids, route.topk_weights, {}, {})
+        plan.reassign(route.topk_ids, route.topk_weights, precision)
+        return plan
+
+    def reassign(self, ids: np.ndarray, weights: np.ndarray, precision: Precision) -> None:
+        """A new assignment (a substitution stage's); experts it adds are wanted at `precision`, on FAST."""
+        self.assign_ids, self.assign_weights = ids, weights
+        needed = np.unique(ids[ids != SKIP]).tolist()  # ascending
+        self.precision = {e: self.precision.get(e, precision) for e in needed}
+        self.place = {e: self.place.get(e, FAST) for e in needed}
 
     @property
     def layer(self) -> int:
         return self.route.layer
 
-    @classmethod
-    def from_route(cls, route: RouteResult, num_experts: int) -> LayerPlan:
-        counts = np.bincount(route.topk_ids.ravel(), minlength=num_experts)
-        return cls(route, counts, np.flatnonzero(counts).tolist())
+    @property
+    def experts(self) -> list[int]:
+        """Distinct experts the assignment runs, ascending."""
+        return list(self.precision)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[E] (token, k) pairs assigned to each expert."""
+        ids = self.assign_ids[self.assign_ids != SKIP]
+        return np.bincount(ids, minlength=self.route.scores.shape[-1])
+
+    @property
+    def hits(self) -> list[Run]:
+        """Runs whose weights were resident when the layer needed them."""
+        return [r for r in self.runs if r.source == RESIDENT]

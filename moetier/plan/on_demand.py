@@ -1,14 +1,15 @@
-"""The on-demand stage: every needed expert that is not resident gets a slot and a load.
+"""The on-demand stage: every needed expert gets a run; one not in the cache also gets a slot and a load.
 
-If the budget is smaller than the experts one layer needs, a load takes the slot of an expert this layer
-computes earlier (chosen by the eviction policy) and waits for that compute: experts stream through the
-cache, so any budget of at least one slot is correct, only slower."""
+An expert resident at another precision than wanted runs at the precision it is held at (a later precision
+stage decides what is usable). If the budget is smaller than the experts one layer needs, a load takes the slot
+of an expert this layer computes earlier (chosen by the eviction policy) and waits for that compute: experts
+stream through the cache, so any budget of one layer's top-k is correct, only slower."""
 
 from __future__ import annotations
 
 from moetier.cache.keys import ExpertKey
-from moetier.cache.residency import Residency
-from moetier.plan.layer_plan import Hit, LayerPlan, Load
+from moetier.cache.residency import IN_USE, Residency
+from moetier.plan.layer_plan import IN_FLIGHT, LOAD, RESIDENT, LayerPlan, Load, Run
 
 
 class OnDemandStage:
@@ -19,25 +20,30 @@ class OnDemandStage:
 
     def __call__(self, plan: LayerPlan) -> LayerPlan:
         r, layer = self.residency, plan.layer
-        misses = []
+        resident, in_flight, misses = [], [], []
         for e in plan.experts:
             key = ExpertKey(layer, e)
-            if key in r:
-                r.pin(key)
-                plan.hits.append(Hit(e, r.slot_of[key]))
-            else:
+            entry = r.entries.get(key)
+            if entry is None:
                 misses.append(e)
-        done_before = {ExpertKey(layer, h.expert): None for h in plan.hits}  # computed earlier, in compute order
+                continue
+            r.pin(key, IN_USE)
+            plan.precision[e] = entry.precision
+            run = Run(e, entry.precision, entry.slot, IN_FLIGHT if entry.loading else RESIDENT, plan.place[e])
+            (in_flight if entry.loading else resident).append(run)
+        plan.runs += resident + in_flight  # resident work first, while reads land
+        done_before = {ExpertKey(layer, run.expert): None for run in plan.runs}  # computed earlier, in order
         for e in misses:
-            key = ExpertKey(layer, e)
-            got = r.admit(key)
+            key, precision = ExpertKey(layer, e), plan.precision[e]
+            got = r.admit(key, precision, IN_USE)
             if got is not None:
-                slot, evicted = got
-                after = None
+                (slot, evicted), after = got, None
             else:
-                slot, evicted = r.replace(key, done_before)
-                del done_before[evicted]
-                after = evicted.expert
-            plan.loads.append(Load(e, slot, after, evicted))
+                same = {k: None for k in done_before if r.entries[k].precision == precision}
+                slot, victim = r.replace(key, precision, same)
+                del done_before[victim]
+                evicted, after = (victim,), victim.expert
+            plan.loads.append(Load(e, precision, slot, after, evicted))
+            plan.runs.append(Run(e, precision, slot, LOAD, plan.place[e]))
             done_before[key] = None
         return plan

@@ -1,12 +1,13 @@
-"""The per-layer planner: a pipeline of stages, each LayerPlan -> LayerPlan.
+"""The per-layer planner: the exact plan of a route, then a pipeline of stages, each LayerPlan -> LayerPlan.
 
-Exact mode runs only the on-demand stage. Later stages (substitution, precision choice, placement,
-prefetch) slot in before or after it without touching the executor."""
+Exact mode runs only the on-demand stage. Later stages (substitution, precision choice, placement, prefetch)
+slot in before or after it without touching the executors."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from moetier.cache.keys import Precision
 from moetier.plan.layer_plan import LayerPlan
 from moetier.plan.route import RouteResult
 
@@ -14,12 +15,13 @@ Stage = Callable[[LayerPlan], LayerPlan]
 
 
 class Planner:
-    def __init__(self, num_experts: int, stages: Sequence[Stage]) -> None:
-        self.num_experts = num_experts
-        self.stages = tuple(stages)
+    def __init__(self, precision: Precision, stages: Sequence[Stage]) -> None:
+        """`precision`: what an expert is wanted at unless a stage says otherwise (the model's own)."""
+        self.precision = precision
+        self.stages = list(stages)
 
     def plan(self, route: RouteResult) -> LayerPlan:
-        plan = LayerPlan.from_route(route, self.num_experts)
+        plan = LayerPlan.exact(route, self.precision)
         for stage in self.stages:
             plan = stage(plan)
         return plan

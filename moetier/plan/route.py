@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+PREFILL, DECODE = 0, 1  # the phase of a forward step: a prompt's tokens together, or one new token per sequence
+
 
 @dataclass(frozen=True)
 class RouteResult:

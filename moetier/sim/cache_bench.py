@@ -9,11 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moetier.cache.policies import POLICIES, make_policy
+from moetier.cache.capacity import cache_capacity
+from moetier.cache.policies import POLICIES
 from moetier.cache.policies.context import PolicyContext
+from moetier.config import MemoryBudget
 from moetier.errors import MoetierError
-from moetier.sim.replay import replay
-from moetier.trace.format import DECODE, Trace
+from moetier.plan.route import DECODE
+from moetier.sim.fit import fit_hobbit, train_flashmoe, use_counts
+from moetier.sim.replay import replay, trace_policy
+from moetier.trace.format import Trace
 
 
 @dataclass(frozen=True)
@@ -30,33 +34,27 @@ class Record:
     gap_closed: float | None  # (hit - LRU's) / (Belady's - LRU's)
 
 
-def read_budget(budget: str) -> tuple[float | None, int | None]:
-    """(share, None) for "25%", (None, slots) for "96"."""
+def read_budget(budget: str) -> MemoryBudget:
+    """A share of the traced experts ("25%") or a number of them ("96")."""
     try:
-        share, slots = (float(budget[:-1]) / 100, None) if budget.endswith("%") else (None, int(budget))
-    except ValueError:
-        share = slots = None
-    if (share is None and slots is None) or (share is not None and not 0 < share <= 1):
-        raise MoetierError(f"cannot read the budget {budget!r}", hint="a share like 25% or a number of slots")
-    return share, slots
+        return MemoryBudget("share", float(budget[:-1]) / 100) if budget.endswith("%") else \
+            MemoryBudget("entries", int(budget))
+    except (ValueError, MoetierError):
+        raise MoetierError(f"cannot read the budget {budget!r}", hint="a share like 25% or a number of slots") from None
 
 
 def budget_slots(budget: str, trace: Trace) -> int:
-    """A share of the experts of the layers the trace covers ("25%"), or a slot count ("96")."""
+    """Slots for a share of the experts of the layers the trace covers ("25%", to the nearest expert), or a slot
+    count ("96")."""
     total = len(trace.layers) * trace.num_experts
-    share, slots = read_budget(budget)
-    if share is not None:
-        slots = round(share * total)
-    if not trace.top_k <= slots <= total:
-        raise MoetierError(f"budget {budget} gives {slots} slots; a layer needs {trace.top_k} and the trace has "
-                           f"{total} experts")
-    return slots
+    parsed = read_budget(budget)
+    if parsed.kind == "share":  # the nearest: 25% of 60 experts is 15 slots, however the float rounds
+        parsed = MemoryBudget("entries", max(1, round(parsed.value * total)))
+    return cache_capacity(parsed, total, 1, trace.top_k, label=budget)
 
 
 def fit_learned(train: Trace, slots: int, cache: dict, names: list[str]) -> dict[str, dict]:
     """Constructor arguments of the learned policies among `names`, fitted on `train` (cached per budget)."""
-    from moetier.cache.training import fit_hobbit, train_flashmoe, use_counts
-
     params: dict[str, dict] = {}
     if "flashmoe-ml" in names:
         if "flashmoe-ml" not in cache:
@@ -89,8 +87,8 @@ def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], p
         params = fit_learned(train, slots, fitted, policies)
         results = {}
         for policy in policies:
-            ctx = PolicyContext(slots, tuple(test.layers), test.num_experts, test.top_k, trace=test)
-            result = replay(test, make_policy(policy, ctx, **params.get(policy, {})), slots,
+            ctx = PolicyContext(slots, tuple(test.layers), test.num_experts, test.top_k)
+            result = replay(test, trace_policy(policy, ctx, test, **params.get(policy, {})), slots,
                             per_layer=partition == "per-layer")
             results[policy] = result
             if progress is not None:

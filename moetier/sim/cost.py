@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from moetier.cache.keys import ExpertKey
+from moetier.plan.layer_plan import FAST, HOST
 from moetier.sim.profile import HardwareProfile, Linear
 from moetier.sim.shapes import ModelShape, bytes_per_param
 
@@ -36,12 +37,16 @@ class CostModel:
     def _measured(self):
         return self.profile.measured_for(self.shape.hidden_size, self.shape.moe_intermediate_size, self.precision)
 
-    def expert_s(self, tokens: int) -> float:
-        """One routed expert over `tokens` tokens on the compute device."""
+    def expert_s(self, tokens: int, place: str = FAST) -> float:
+        """One routed expert over `tokens` tokens: on the compute device from the cache (FAST), or on the host
+        CPU where its weights live (HOST)."""
+        flop = 2 * self.shape.expert_params * tokens
+        if place == HOST:
+            return self.profile.host.kernel_s(self.expert_bytes, flop, self.precision)
         m = self._measured
         if m is not None:
             return m.expert_s(tokens)
-        return self.profile.device.kernel_s(self.expert_bytes, 2 * self.shape.expert_params * tokens, self.precision)
+        return self.profile.device.kernel_s(self.expert_bytes, flop, self.precision)
 
     def dense_s(self, layer: int, tokens: int) -> float:
         """Attention, norms, router and shared expert or dense MLP of one layer, plus the host's per-layer work."""
@@ -62,6 +67,13 @@ class CostModel:
         params = self.shape.head_params
         return self.profile.device.kernel_s(params * bytes_per_param(self.shape.precision),
                                                                   2 * params * tokens, self.shape.precision)
+
+    def rest_of_step_s(self, traced_layers, tokens: int) -> float:
+        """What a step costs besides the layers a trace covers: those it does not (run with their experts
+        resident), and the head."""
+        traced = set(traced_layers)
+        return sum(self.resident_layer_s(layer, tokens) for layer in range(self.shape.num_layers)
+                   if layer not in traced) + self.head_s(tokens)
 
     def resident_layer_s(self, layer: int, tokens: int) -> float:
         """A layer with every expert it needs already resident (for layers a partial trace does not cover):
@@ -110,3 +122,28 @@ def linear_fit(xs, ys) -> Linear:
         return Linear(0.0, float(np.mean(ys)))
     slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
     return Linear(max(0.0, float(slope)), max(0.0, float(intercept)))
+
+
+class FreeCost:
+    """A machine where nothing takes time: the clock stands still and every read lands at once. What replaying a
+    trace for hits and misses alone runs on (cache-bench, fitting)."""
+
+    expert_bytes = 0
+
+    def dense_s(self, layer: int, tokens: int) -> float:
+        return 0.0
+
+    def expert_s(self, tokens: int, place: str = FAST) -> float:
+        return 0.0
+
+    def read_busy_s(self, key: ExpertKey) -> float:
+        return 0.0
+
+    def read_latency_s(self, key: ExpertKey) -> float:
+        return 0.0
+
+    def read_s(self, key: ExpertKey) -> float:
+        return 0.0
+
+    def rest_of_step_s(self, traced_layers, tokens: int) -> float:
+        return 0.0

@@ -127,6 +127,11 @@ class HardwareProfile:
     def device(self) -> Device:
         return self.devices[self.compute_device]
 
+    @property
+    def host(self) -> Device:
+        """The host CPU (the device named "cpu"; the compute device itself where that is the CPU)."""
+        return self.devices.get("cpu", self.device)
+
     def measured_for(self, hidden_size: int, moe_intermediate_size: int, precision: str) -> Measured | None:
         for m in self.measured:
             if (m.hidden_size, m.moe_intermediate_size, m.precision) == (hidden_size, moe_intermediate_size,

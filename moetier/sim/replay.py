@@ -1,21 +1,29 @@
-"""Replays a trace through the very residency, planner and policy objects the engine runs, without tensors:
-the hit/miss sequence the engine would produce on the same routing with the same budget and policy."""
+"""A trace driven through the engine's own layer step — the very residency, planner and policy objects — and
+carried out by the simulated executor: on a hardware profile's clock (`simulate`), or on a machine where nothing
+takes time for hits and misses alone (`replay`). Hits and misses are the engine's on the same routing, budget and
+policy (a test checks it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from moetier.cache.keys import ExpertKey
-from moetier.cache.policies.base import EvictionPolicy
+from moetier.cache.keys import ExpertKey, Precision
+from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext
 from moetier.cache.residency import Residency
+from moetier.plan.counters import CountingHook
 from moetier.plan.layer_plan import LayerPlan
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
-from moetier.plan.route import RouteResult
-from moetier.trace.format import PREFILL, Trace
+from moetier.plan.route import DECODE, PREFILL, RouteResult
+from moetier.plan.step import LayerHook, LayerStep
+from moetier.sim.cost import CostModel, FreeCost
+from moetier.sim.executor import LayerTimeline, SimExecutor
+from moetier.trace.format import Trace
+
+NATIVE = "native"  # the precision a trace's experts are replayed at when the model's own is not known
 
 
 def steps(trace: Trace) -> Iterator[tuple[int, np.ndarray]]:
@@ -31,27 +39,6 @@ def steps(trace: Trace) -> Iterator[tuple[int, np.ndarray]]:
         start = end
 
 
-@dataclass
-class ReplayResult:
-    plans: list[LayerPlan] = field(default_factory=list)
-
-    @property
-    def needed(self) -> int:
-        return sum(len(p.experts) for p in self.plans)
-
-    @property
-    def hits(self) -> int:
-        return sum(len(p.hits) for p in self.plans)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.needed if self.needed else float("nan")
-
-    def outcomes(self) -> list[tuple[int, list[int], list[int]]]:
-        """(layer, hit experts, loaded experts) per layer step, in order: what the engine must match."""
-        return [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in self.plans]
-
-
 def topk_scores(topk_ids: np.ndarray, topk_weights: np.ndarray, num_experts: int) -> np.ndarray:
     """[T, E] scores holding each token's top-k weights and zeros elsewhere."""
     scores = np.zeros((len(topk_ids), num_experts), np.float32)
@@ -59,38 +46,132 @@ def topk_scores(topk_ids: np.ndarray, topk_weights: np.ndarray, num_experts: int
     return scores
 
 
-def replay(trace: Trace, policy: EvictionPolicy, num_slots: int,
-           on_plan: Callable[[LayerPlan], None] | None = None, preload: bool = False,
-           per_layer: bool = False) -> ReplayResult:
-    """`preload` starts as Engine.preload() does: experts admitted layer by layer until the cache is full.
-    `per_layer` splits the slots evenly among the trace's layers. A trace without full router scores hands
-    the policies its top-k weights with zeros elsewhere."""
-    residency = Residency(num_slots, policy, trace.layers if per_layer else None)
+def next_uses(trace: Trace) -> dict[ExpertKey, list[int]]:
+    """For each expert, the times of its uses as the replay visits them — (step - 1) * layers + the layer's
+    position — the future Belady is handed."""
+    uses: dict[ExpertKey, list[int]] = {}
+    num_layers = len(trace.layers)
+    for index, (_, rows) in enumerate(steps(trace)):
+        for j, layer in enumerate(trace.layers):
+            for e in np.unique(trace.topk_ids[rows, j]).tolist():
+                uses.setdefault(ExpertKey(layer, e), []).append(index * num_layers + j)
+    return uses
+
+
+def trace_policy(name: str, ctx: PolicyContext, trace: Trace, model_dir=None, **params) -> EvictionPolicy:
+    """Policy `name` for replaying `trace`: the offline optimum gets the trace's future; a learned policy its
+    parameters (given, or read from beside `model_dir`)."""
+    from moetier.policy_files import make_policy_for_model
+
+    if name in OFFLINE:
+        params.setdefault("future", next_uses(trace))
+    return make_policy_for_model(name, ctx, model_dir, **params)
+
+
+class PlanLog(LayerHook):
+    """Keeps every plan, in order."""
+
+    def __init__(self) -> None:
+        self.plans: list[LayerPlan] = []
+
+    def on_plan(self, plan: LayerPlan, phase: int) -> None:
+        self.plans.append(plan)
+
+
+@dataclass
+class SimResult:
+    step_phase: list[int] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    step_time_s: list[float] = field(default_factory=list)
+    bytes_read: list[int] = field(default_factory=list)  # per step
+    miss_penalty_s: float = 0.0  # the idle-link read time of every load, summed (HOBBIT's miss penalty)
+    timelines: dict[int, list[LayerTimeline]] = field(default_factory=dict)  # step index -> its layers
+    counts: CountingHook | None = None
+    plans: list[LayerPlan] = field(default_factory=list)  # when kept
+
+    @property
+    def needed(self) -> int:
+        return sum(p.needed for p in self.counts.phases)
+
+    @property
+    def hits(self) -> int:
+        return sum(p.hits for p in self.counts.phases)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.needed if self.needed else float("nan")
+
+    def outcomes(self) -> list[tuple[int, list[int], list[int]]]:
+        """(layer, hit experts, loaded experts) per layer step, in order: what the engine must match."""
+        return [(p.layer, [r.expert for r in p.hits], [ld.expert for ld in p.loads]) for p in self.plans]
+
+    def summary(self) -> dict:
+        times, phase = np.asarray(self.step_time_s), np.asarray(self.step_phase)
+        dec = phase == DECODE
+        dec_tokens = int(np.asarray(self.step_tokens)[dec].sum())
+        return {"tpot_s": float(times[dec].mean()) if dec.any() else None,
+                "tpot_p50_s": float(np.percentile(times[dec], 50)) if dec.any() else None,
+                "tpot_p90_s": float(np.percentile(times[dec], 90)) if dec.any() else None,
+                "ttft_s": float(times[phase == PREFILL].mean()) if (phase == PREFILL).any() else None,
+                "hit_rate": self.hit_rate,
+                "expert_bytes_per_token": float(np.asarray(self.bytes_read)[dec].sum() / dec_tokens) if dec_tokens
+                else None,
+                "miss_penalty_s": self.miss_penalty_s}
+
+
+def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostModel | FreeCost,
+             precision: Precision = NATIVE, preload: bool = False, per_layer: bool = False,
+             timeline_steps: tuple[int, ...] = (), keep_plans: bool = False) -> SimResult:
+    """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
+    clock. `preload` starts as Engine.preload() does (experts admitted layer by layer until the cache is full);
+    `per_layer` splits the cache evenly among the trace's layers; timelines are kept for `timeline_steps`
+    (negative indices count from the end). Layers the trace does not cover run with their experts resident. A
+    trace without full router scores hands the policies its top-k weights with zeros elsewhere."""
+    entry_bytes = max(1, cost.expert_bytes)  # a free machine counts experts, not bytes
+    residency = Residency(num_slots * entry_bytes, {precision: entry_bytes}, policy,
+                          trace.layers if per_layer else None)
+    counts, log = CountingHook({precision: entry_bytes}), PlanLog()
+    layer_step = LayerStep(residency, Planner(precision, [OnDemandStage(residency)]),
+                           hooks=[counts, log] if keep_plans else [counts])
+    executor = SimExecutor(layer_step, cost)
     if preload:
-        for layer in trace.layers:
-            for e in range(trace.num_experts):
-                if residency.has_room(layer):
-                    residency.admit(ExpertKey(layer, e))
+        keys = (ExpertKey(layer, e) for layer in trace.layers for e in range(trace.num_experts))
+        for key, _ in residency.admit_while_room(keys, precision):
+            residency.landed(key)
         residency.unpin_all()
-    planner = Planner(trace.num_experts, [OnDemandStage(residency)])
-    result = ReplayResult()
-    scores = trace.scores
+    all_steps = list(steps(trace))
+    keep = {i % len(all_steps) for i in timeline_steps} if all_steps else set()
+    result = SimResult(counts=counts)
     seq = None
-    for step, (_, rows) in enumerate(steps(trace), start=1):
+    for index, (phase, rows) in enumerate(all_steps):
         if trace.seq[rows[0]] != seq:  # the engine starts a sequence with each generate call
             seq = trace.seq[rows[0]]
             policy.on_sequence_start()
+        layer_step.begin_step(phase)
+        start, loads_before = executor.now, counts.phases[phase].bytes_read
         for j, layer in enumerate(trace.layers):
-            ids = trace.topk_ids[rows, j].astype(np.int64)
-            weights = trace.topk_weights[rows, j].astype(np.float32)
-            route = RouteResult(layer, step, ids, weights, scores[rows, j].astype(np.float32)
-                                if scores is not None else topk_scores(ids, weights, trace.num_experts))
-            policy.on_route(route)
-            plan = planner.plan(route)
-            result.plans.append(plan)
-            if on_plan is not None:
-                on_plan(plan)
-            for e in plan.experts:
-                policy.on_access(ExpertKey(layer, e), "native", step)
-            residency.unpin_all()
+            plan, timeline = executor.layer(_route(trace, rows, j, layer, layer_step.step), len(rows))
+            result.miss_penalty_s += sum(cost.read_s(ExpertKey(layer, ld.expert)) for ld in plan.loads)
+            if index in keep:
+                result.timelines.setdefault(index, []).append(timeline)
+        executor.idle(cost.rest_of_step_s(trace.layers, len(rows)))  # untraced layers, the head
+        result.step_phase.append(phase)
+        result.step_tokens.append(len(rows))
+        result.step_time_s.append(executor.now - start)
+        result.bytes_read.append(counts.phases[phase].bytes_read - loads_before)
+    result.plans = log.plans
     return result
+
+
+def replay(trace: Trace, policy: EvictionPolicy, num_slots: int, preload: bool = False, per_layer: bool = False,
+           precision: Precision = NATIVE, keep_plans: bool = False) -> SimResult:
+    """Hits and misses alone: `simulate` on a machine where nothing takes time."""
+    return simulate(trace, policy, num_slots, FreeCost(), precision, preload, per_layer, keep_plans=keep_plans)
+
+
+def _route(trace: Trace, rows: np.ndarray, column: int, layer: int, step: int) -> RouteResult:
+    ids = trace.topk_ids[rows, column].astype(np.int64)
+    weights = trace.topk_weights[rows, column].astype(np.float32)
+    scores = trace.scores[rows, column].astype(np.float32) if trace.scores is not None else \
+        topk_scores(ids, weights, trace.num_experts)
+    return RouteResult(layer, step, ids, weights, scores)

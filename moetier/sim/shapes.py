@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetier.config import ModelSpec
+from moetier.config import ALIGN, ModelSpec
 from moetier.errors import MoetierError
-from moetier.store.format import ALIGN
 
 # Bytes per weight by precision. int4 carries one fp16 scale per group of 128 weights (our quantized layout);
 # int8 one fp16 scale per output channel, which is negligible at these sizes.
@@ -154,23 +153,11 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in [
 ]}
 
 
-def model_shape(name: str, cache_dir: str | None = None) -> tuple[ModelShape, int | None]:
-    """(shape, expert blob bytes if known) for a shape name, a built-in model, or a model or store directory.
-    A Hugging Face id such as an imported trace records (allenai/OLMoE-1B-7B-0924) finds the shape it names."""
+def shape_named(name: str) -> ModelShape | None:
+    """The shape a name gives: a shape's own name, or a Hugging Face id that contains one (as an imported trace
+    records it: allenai/OLMoE-1B-7B-0924). None if it names none (a model directory's shape is read from its
+    config by whoever opens it)."""
     if name in SHAPES:
-        return SHAPES[name], None
+        return SHAPES[name]
     named = [s for s in SHAPES if s in name.lower() and not Path(name).is_dir()]
-    if named:
-        return SHAPES[max(named, key=len)], None
-    from moetier.resolve import builtin_models
-
-    builtin = builtin_models()
-    if name not in builtin and not Path(name).is_dir():
-        raise ShapeError(f"no model shape {name!r}", hint=f"known shapes: {', '.join(sorted(SHAPES) + list(builtin))}"
-                                                          "; or give a model or store directory")
-    from moetier.resolve import resolve_model
-    from moetier.store.store import Store
-
-    store = Store(resolve_model(name, cache_dir, progress=False))
-    shape = ModelShape.from_spec(store.spec, Path(name).name, store.manifest.native_precision)
-    return shape, store.native_layout.blob_bytes
+    return SHAPES[max(named, key=len)] if named else None

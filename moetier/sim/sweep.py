@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetier.cache.policies import PolicyContext, make_policy
+from moetier.cache.capacity import cache_capacity
+from moetier.cache.policies import PolicyContext
 from moetier.config import MemoryBudget, format_bytes
 from moetier.errors import MoetierError
 from moetier.sim.cost import CostModel
-from moetier.sim.replay import replay
+from moetier.sim.replay import SimResult, simulate, trace_policy
 from moetier.sim.shapes import ModelShape, bytes_per_param
-from moetier.sim.timing import SimResult, simulate
 from moetier.trace.format import Trace
 
 
@@ -28,22 +28,14 @@ def check_fits(trace: Trace, shape: ModelShape) -> None:
 
 
 def budget_slots(budget: str, trace: Trace, cost: CostModel) -> int:
-    """Expert slots for a budget; a share is of the experts of the layers the trace covers (DESIGN)."""
+    """Expert slots for a budget on the profile's fast tier, which also holds the dense weights; a share is of the
+    experts of the layers the trace covers (DESIGN)."""
     total = len(trace.layers) * trace.num_experts * cost.expert_bytes
     dense = sum(cost.shape.dense_params(layer) for layer in range(cost.shape.num_layers)) + cost.shape.head_params
-    # the dense weights stay in the fast tier
-    available = max(0, cost.profile.fast_tier_bytes - int(dense * bytes_per_param(cost.shape.precision)))
-    wanted = min(total, MemoryBudget.parse(budget).resolve(total, available))
-    if wanted > available:
-        raise MoetierError(f"expert memory {budget} ({format_bytes(wanted)}) does not fit the fast tier of "
-                           f"{cost.profile.name}: {format_bytes(available)} after the dense weights",
-                           hint="give a smaller budget, or `auto` for all that fits")
-    slots = wanted // cost.expert_bytes
-    if slots < trace.top_k:
-        raise MoetierError(f"expert memory {budget} holds {slots} experts of {format_bytes(cost.expert_bytes)}; "
-                           f"a layer needs {trace.top_k}",
-                           hint=f"give at least {format_bytes(trace.top_k * cost.expert_bytes)}")
-    return slots
+    fits = max(0, cost.profile.fast_tier_bytes - int(dense * bytes_per_param(cost.shape.precision)))
+    room = f"the fast tier of {cost.profile.name} holds {format_bytes(fits)} after the dense weights"
+    return cache_capacity(MemoryBudget.parse(budget), total, cost.expert_bytes, trace.top_k, fits, room) \
+        // cost.expert_bytes
 
 
 @dataclass
@@ -61,9 +53,9 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
         timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None) -> SimRun:
     """`model_dir`: where trained policy files for the model live."""
     slots = budget_slots(budget, trace, cost)
-    ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k, model_dir=model_dir, trace=trace)
-    replayed = replay(trace, make_policy(policy, ctx), slots, preload=preload, per_layer=per_layer)
-    return SimRun(policy, budget, slots, simulate(trace, replayed, cost, timeline_steps))
+    ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
+    return SimRun(policy, budget, slots, simulate(trace, trace_policy(policy, ctx, trace, model_dir), slots, cost,
+                                                  cost.precision, preload, per_layer, timeline_steps))
 
 
 def format_table(runs: list[SimRun]) -> str:

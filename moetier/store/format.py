@@ -22,11 +22,11 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from moetier.atomic import atomic_write_json, marked_json
+from moetier.config import ALIGN
 from moetier.errors import StoreError, integer, parsing
 
 FORMAT = "moetier-store"
 VERSION = 2
-ALIGN = 4096  # O_DIRECT needs block-aligned offsets, lengths and buffers
 MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
 RECONVERT = ("re-convert it (`moetier generate --reconvert` for a model converted on first use, "

@@ -20,11 +20,11 @@ import numpy as np
 
 from moetier.atomic import atomic_dir, check_replaceable, marked_json
 from moetier.errors import MoetierError, integer, parsing
+from moetier.plan.route import PREFILL
 
 FORMAT, VERSION = "moetier-trace", 1
 ARRAYS = {"seq": np.int32, "pos": np.int32, "phase": np.uint8, "topk_ids": np.int16, "topk_weights": np.float16}
 OPTIONAL = {"scores": np.float16, "gate_inputs": np.float16}
-PREFILL, DECODE = 0, 1
 
 
 class TraceError(MoetierError):

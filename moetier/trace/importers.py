@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from moetier.errors import parsing
-from moetier.trace.format import DECODE, Trace, TraceError
+from moetier.plan.route import DECODE
+from moetier.trace.format import Trace, TraceError
 
 # model name fragment -> (num_layers, num_experts), from the models' published configurations
 KNOWN_MODELS = {"mixtral-8x7b": (32, 8), "qwen1.5-moe-a2.7b": (24, 60), "olmoe-1b-7b": (16, 64)}

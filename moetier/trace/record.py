@@ -8,13 +8,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moetier.engine.batch import StepBatch
-from moetier.plan.route import RouteResult
-from moetier.trace.format import PREFILL, Trace
+from moetier.model.batch import StepBatch
+from moetier.plan.route import PREFILL
+from moetier.plan.step import LayerHook, RouteResult
+from moetier.trace.format import Trace
 
 
-class TraceRecorder:
-    """with TraceRecorder(engine) as rec: engine.generate(...) (any number of calls); trace = rec.trace(prompts)"""
+class TraceRecorder(LayerHook):
+    """with TraceRecorder(engine) as rec: engine.generate(...) (any number of calls); trace = rec.trace(prompts)
+
+    A hook on the engine's forward steps and on its layer step's routes."""
 
     def __init__(self, engine, gate_inputs: bool = False) -> None:
         self.engine, self.gate_inputs = engine, gate_inputs
@@ -24,24 +27,25 @@ class TraceRecorder:
         self._call_seqs = 0  # sequences of the current call
 
     def __enter__(self) -> TraceRecorder:
-        self.engine.executor.on_route = self._on_route
-        self.engine.on_step = self._on_step
+        self.engine.executor.layer_step.hooks.append(self)
+        self.engine.step_hooks.append(self._on_step)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.engine.executor.on_route = None
-        self.engine.on_step = None
+        self.engine.executor.layer_step.hooks.remove(self)
+        self.engine.step_hooks.remove(self._on_step)
 
     def _on_step(self, batch: StepBatch, phase: int) -> None:
         if phase == PREFILL:  # a generate call begins: its sequences follow the earlier calls'
             self._seq_offset += self._call_seqs
             self._call_seqs = len(batch.segments)
-        self._steps.append({"seq": batch.rows.numpy() + self._seq_offset, "pos": batch.positions.numpy().copy(),
+        self._steps.append({"seq": batch.rows.cpu().numpy() + self._seq_offset,
+                            "pos": batch.positions.cpu().numpy().copy(),
                             "phase": np.full(batch.num_tokens, phase, np.uint8), "layers": {}})
 
-    def _on_route(self, route: RouteResult, x: torch.Tensor) -> None:
+    def on_route(self, route: RouteResult, gate_input: torch.Tensor) -> None:
         record = (route.topk_ids.copy(), route.topk_weights.copy(), route.scores.copy(),
-                  x.float().numpy().copy() if self.gate_inputs else None)
+                  gate_input.float().cpu().numpy() if self.gate_inputs else None)
         self._steps[-1]["layers"][self.columns[route.layer]] = record
 
     def trace(self, prompts: list[str], source: str = "") -> Trace:

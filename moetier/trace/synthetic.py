@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from moetier.trace.format import DECODE, Trace
+from moetier.plan.route import DECODE
+from moetier.trace.format import Trace
 from moetier.trace.stats import popularity, reuse_next
 
 

@@ -8,9 +8,10 @@ from moetier.cache.policies import POLICIES, make_policy
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.flashmoe_ml import CacheModel, LayerMLP
 from moetier.cache.policies.hobbit import HobbitWeights
-from moetier.cache.training import use_counts
-from moetier.sim.replay import replay
-from moetier.trace.format import DECODE, Trace
+from moetier.plan.route import DECODE
+from moetier.sim.fit import use_counts
+from moetier.sim.replay import next_uses, replay
+from moetier.trace.format import Trace
 
 
 @st.composite
@@ -48,8 +49,8 @@ def params(name, trace):
 @given(traces())
 def test_no_online_policy_beats_belady(case):
     trace, slots, per_layer = case
-    ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k, trace=trace)
-    best = replay(trace, make_policy("belady", ctx), slots, per_layer=per_layer).hits
+    ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
+    best = replay(trace, make_policy("belady", ctx, future=next_uses(trace)), slots, per_layer=per_layer).hits
     for name in sorted(set(POLICIES) - {"belady"}):
         hits = replay(trace, make_policy(name, ctx, **params(name, trace)), slots, per_layer=per_layer).hits
         assert hits <= best, f"{name} made {hits} hits, Belady {best}"

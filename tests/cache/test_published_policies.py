@@ -8,9 +8,9 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import make_policy
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.hobbit import HobbitWeights
-from moetier.plan.route import RouteResult
-from moetier.sim.replay import replay
-from moetier.trace.format import DECODE, Trace
+from moetier.plan.route import DECODE, RouteResult
+from moetier.sim.replay import replay, trace_policy
+from moetier.trace.format import Trace
 
 CTX = PolicyContext(num_slots=3, layers=(0, 1, 2, 3), num_experts=4, top_k=1)
 K = {(layer, e): ExpertKey(layer, e) for layer in range(4) for e in range(4)}
@@ -39,8 +39,8 @@ def one_layer_trace(refs, num_experts=6):
 
 def faults(policy, refs, slots=3):
     trace = one_layer_trace(refs)
-    ctx = PolicyContext(slots, (0,), trace.num_experts, 1, trace=trace)
-    result = replay(trace, make_policy(policy, ctx), slots)
+    ctx = PolicyContext(slots, (0,), trace.num_experts, 1)
+    result = replay(trace, trace_policy(policy, ctx, trace), slots)
     return result.needed - result.hits
 
 
@@ -127,11 +127,13 @@ def test_hobbit_with_one_weight_is_that_policy():
 def test_hobbit_reads_fitted_weights_saved_with_the_model(tmp_path):
     import json
 
+    from moetier.policy_files import make_policy_for_model
+
     (tmp_path / "policies").mkdir()
     (tmp_path / "policies" / "hobbit.json").write_text(json.dumps({"weights": {"lru": 0, "lfu": 1, "lhu": 0,
                                                                                "fld": 0}}))
-    ctx = PolicyContext(3, (0,), 4, 1, model_dir=tmp_path)
-    assert make_policy("hobbit", ctx).weights == HobbitWeights(0, 1, 0, 0)
+    ctx = PolicyContext(3, (0,), 4, 1)
+    assert make_policy_for_model("hobbit", ctx, tmp_path).weights == HobbitWeights(0, 1, 0, 0)
 
 
 def test_smoe_score_keeps_an_expert_the_router_rates_highly_without_selecting_it():
@@ -182,26 +184,25 @@ def test_static_hot_never_evicts_a_hot_expert_while_a_cold_one_can_go():
     assert p.victim({K[(0, 0)], K[(0, 1)]}) == K[(0, 1)]
 
 
-def test_belady_needs_the_trace_and_learned_policies_their_weights():
+def test_belady_needs_the_future_and_learned_policies_their_weights():
     from moetier.errors import MoetierError
 
     with pytest.raises(MoetierError, match="offline optimum"):
         make_policy("belady", CTX)
-    with pytest.raises(MoetierError, match="train cache-policy --policy flashmoe-ml"):
-        make_policy("flashmoe-ml", CTX)
-    with pytest.raises(MoetierError, match="train cache-policy --policy static-hot"):
-        make_policy("static-hot", CTX)
+    for name in ("flashmoe-ml", "hobbit", "static-hot"):
+        with pytest.raises(MoetierError, match=f"train cache-policy --policy {name}"):
+            make_policy(name, CTX)
 
 
 def test_flashmoe_ml_learns_a_periodic_pattern_lru_gets_wrong():
     # A loop over 4 experts through 3 slots: LRU always evicts the one needed next (every access misses);
     # Belady's targets teach the network that the most recently used is needed last.
-    from moetier.cache.training import train_flashmoe
+    from moetier.sim.fit import train_flashmoe
 
     refs = [0, 1, 2, 3] * 60
     model = train_flashmoe(one_layer_trace(refs), iterations=300)
     test = one_layer_trace(refs[:80])
-    ctx = PolicyContext(3, (0,), 6, 1, trace=test)
+    ctx = PolicyContext(3, (0,), 6, 1)
     ml = replay(test, make_policy("flashmoe-ml", ctx, model=model), 3)
     assert faults("lru", refs[:80]) == 80
     assert ml.needed - ml.hits < 40
@@ -211,16 +212,19 @@ def test_a_per_layer_cache_evicts_only_within_the_layer():
     from moetier.cache.policies import LRUPolicy
     from moetier.cache.residency import Residency
 
-    r = Residency(4, LRUPolicy(), layers=(0, 1))  # two slots per layer
+    r = Residency(4, {"bf16": 1}, LRUPolicy(), layers=(0, 1))  # room for two experts per layer
     for key in (K[(0, 0)], K[(0, 1)], K[(1, 0)]):
-        r.admit(key)
+        r.admit(key, "bf16")
+        r.landed(key)
     r.unpin_all()
-    assert r.has_room(1) and not r.has_room(0)
-    slot, evicted = r.admit(K[(0, 2)])  # a free slot remains, but it is layer 1's
-    assert evicted == K[(0, 0)] and slot == r.slot_of[K[(0, 2)]]
-    r.admit(K[(1, 1)])
+    assert r.has_room(1, 1) and not r.has_room(0, 1)
+    slot, evicted = r.admit(K[(0, 2)], "bf16")  # room remains, but it is layer 1's
+    assert evicted == (K[(0, 0)],) and slot == r.entries[K[(0, 2)]].slot
+    r.admit(K[(1, 1)], "bf16")
+    r.landed(K[(0, 2)])
+    r.landed(K[(1, 1)])
     r.unpin_all()
-    assert r.admit(K[(1, 2)])[1] == K[(1, 0)]
+    assert r.admit(K[(1, 2)], "bf16")[1] == (K[(1, 0)],)
     r.pin(K[(0, 1)])
     r.pin(K[(0, 2)])
-    assert r.admit(K[(0, 3)]) is None  # layer 0's experts are all pinned; layer 1's are not taken
+    assert r.admit(K[(0, 3)], "bf16") is None  # layer 0's experts are all pinned; layer 1's are not taken

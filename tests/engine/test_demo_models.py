@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moetier import Engine
-from moetier.engine.batch import StepBatch
-from moetier.engine.kv_cache import KVCache
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
 from moetier.resolve import builtin_models
 from train.corpus import GUTENBERG, code_documents, detokenise, prose_documents
 

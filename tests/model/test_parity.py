@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from moetier.config import MemoryBudget
-from moetier.engine.batch import StepBatch
 from moetier.engine.engine import Engine, EngineConfig
-from moetier.engine.kv_cache import KVCache
-from moetier.engine.stats import DECODE, PREFILL, GenerationStats
+from moetier.engine.stats import GenerationStats
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
+from moetier.plan.route import DECODE, PREFILL
 from moetier.store.store import Store
 
 ATOL = 1e-4
@@ -63,11 +64,11 @@ def test_exact_mode_matches_transformers(tiny_store, family, overrides):
         with engine_with_slots(path, slots) as engine:
             kv = KVCache(engine.spec, 1, 64, torch.float32)
             stats = GenerationStats()
-            engine.executor.begin_step(PREFILL, stats)
+            engine.executor.begin_step(PREFILL, stats.phases)
             ours = engine.model.forward(StepBatch.prefill([prompt], [0]), kv, all_logits=True)
             assert (ours - ref_prefill).abs().max().item() <= ATOL, f"prefill differs at {slots} slots"
             for i, (token, expected) in enumerate(zip(ref_tokens, ref_steps)):
-                engine.executor.begin_step(DECODE, stats)
+                engine.executor.begin_step(DECODE, stats.phases)
                 step = engine.model.forward(StepBatch.decode_step([token], [0], [len(prompt) + i], 1), kv)
                 assert (step[0] - expected).abs().max().item() <= ATOL, f"decode step {i} differs at {slots} slots"
             out = engine.generate([prompt], max_new_tokens=32, ignore_eos=True)

@@ -1,5 +1,6 @@
 """`moetier cache-bench` and `moetier train cache-policy` on small hand-made traces."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -34,7 +35,7 @@ def test_budgets_are_shares_or_slot_counts(trace):
     assert budget_slots("50%", trace) == 32 and budget_slots("7", trace) == 7
     from moetier.errors import MoetierError
 
-    with pytest.raises(MoetierError, match="a layer needs 2"):
+    with pytest.raises(MoetierError, match="expert memory 1 holds 1 expert.s.; one layer's top-2 needs 2"):
         budget_slots("1", trace)
     with pytest.raises(MoetierError, match="cannot read the budget"):
         budget_slots("lots", trace)
@@ -56,18 +57,18 @@ def test_cache_bench_cli_writes_records_and_plot(trace, tmp_path, capsys):
 
 
 def test_train_cache_policy_saves_files_the_policies_read(trace, tmp_path):
-    from moetier.cache.policies import make_policy
     from moetier.cache.policies.context import PolicyContext
+    from moetier.policy_files import make_policy_for_model
 
     trace.save(tmp_path / "t")
     model_dir = tmp_path / "model"
     for policy in ("flashmoe-ml", "hobbit", "static-hot"):
         assert main(["train", "cache-policy", "--policy", policy, "--trace", str(tmp_path / "t"), "--out",
                      str(model_dir / "policies" / f"{policy}.json")]) == 0
-    ctx = PolicyContext(16, tuple(trace.layers), 16, 2, model_dir=model_dir)
-    assert sorted(make_policy("flashmoe-ml", ctx).model.layers) == [0, 1, 2, 3]
-    assert make_policy("hobbit", ctx).weights_source.endswith("hobbit.json")
-    assert len(make_policy("static-hot", ctx).hot) == 14
+    ctx = PolicyContext(16, tuple(trace.layers), 16, 2)
+    assert sorted(make_policy_for_model("flashmoe-ml", ctx, model_dir).model.layers) == [0, 1, 2, 3]
+    assert sum(dataclasses.astuple(make_policy_for_model("hobbit", ctx, model_dir).weights)) == 1
+    assert len(make_policy_for_model("static-hot", ctx, model_dir).hot) == 14
 
 
 def test_a_trace_without_scores_gives_smoe_its_topk_weights():
@@ -79,9 +80,9 @@ def test_a_trace_without_scores_gives_smoe_its_topk_weights():
 
 def test_miss_penalty_prices_misses_with_a_profile(tmp_path, capsys):
     from moetier.cache.keys import ExpertKey
+    from moetier.cli.models import model_shape
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
-    from moetier.sim.shapes import model_shape
 
     demo = generate(LocalityFit(zipf_s=1.0, p_keep=0.5, reuse_next=0.0, source="hand-made"), 4, 8, 2, 200,
                     seed=3, model="demo-coarse")
@@ -100,7 +101,7 @@ def test_a_budget_too_small_for_a_trace_is_skipped_with_a_note(trace):
     notes = []
     records = evaluate(trace, "t", ["1", "25%"], ["lru", "belady"], note=notes.append)
     assert {r.expert_memory for r in records} == {"25%"}
-    assert "skipping budget 1" in notes[0] and "a layer needs 2" in notes[0]
+    assert "skipping budget 1" in notes[0] and "one layer's top-2 needs 2" in notes[0]
 
 
 def test_training_a_policy_for_a_model_with_another_models_trace_is_refused(trace, tmp_path, capsys):

@@ -1,14 +1,13 @@
-"""Engine and replay, driven by the same routing with the same policy and budget, make the identical sequence
-of hits and misses."""
+"""Engine and simulator, driven by the same routing with the same policy and budget, make the identical sequence
+of hits and misses: both carry out the plans of one layer step."""
 
 import pytest
 
 from moetier import Engine
-from moetier.cache.policies import POLICIES, PolicyContext, make_policy
+from moetier.cache.policies import POLICIES, PolicyContext
 from moetier.config import MemoryBudget
 from moetier.engine.engine import EngineConfig
-from moetier.plan.planner import Planner
-from moetier.sim.replay import replay
+from moetier.sim.replay import PlanLog, replay, trace_policy
 from moetier.store.store import Store
 from moetier.trace.record import TraceRecorder
 
@@ -38,17 +37,16 @@ def run_both(tiny_store, family, slots, policy, partition="global"):
     write_trained_policies(path, store.spec)
     budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
     engine = Engine(store, EngineConfig(expert_memory=budget, policy=policy, cache_partition=partition))
-    seen = []
-    executor = engine.executor
-    executor.planner = Planner(executor.planner.num_experts,
-                               [*executor.planner.stages, lambda plan: seen.append(plan) or plan])
+    log = PlanLog()
+    engine.executor.layer_step.hooks.append(log)
     with engine, TraceRecorder(engine) as recorder:
         for p in PROMPTS:
             engine.generate([p], max_new_tokens=12, ignore_eos=True)
         trace = recorder.trace(["a", "b", "c"])
-    engine_outcomes = [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in seen]
-    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k, model_dir=path)
-    result = replay(trace, make_policy(policy, ctx), slots, per_layer=partition == "per-layer")
+    engine_outcomes = [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in log.plans]
+    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
+    result = replay(trace, trace_policy(policy, ctx, trace, path), slots, per_layer=partition == "per-layer",
+                    precision=store.manifest.native_precision, keep_plans=True)
     assert result.outcomes() == engine_outcomes
     return store, result
 

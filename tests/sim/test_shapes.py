@@ -2,7 +2,8 @@
 
 import pytest
 
-from moetier.sim.shapes import SHAPES, ModelShape, ShapeError, model_shape
+from moetier.cli.models import model_shape
+from moetier.sim.shapes import SHAPES, ModelShape, ShapeError
 
 
 def total_params(s: ModelShape, tied: bool = False) -> float:

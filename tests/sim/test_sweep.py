@@ -32,7 +32,7 @@ def test_a_trace_that_does_not_fit_the_shape_is_refused(mixtral_trace):
 def test_a_budget_beyond_the_fast_tier_is_refused(mixtral_trace):
     trace, _ = mixtral_trace
     cost = CostModel.of(HardwareProfile.load("rtx4090"), SHAPES["mixtral-8x7b"])
-    with pytest.raises(MoetierError, match="does not fit the fast tier of rtx4090"):
+    with pytest.raises(MoetierError, match="does not fit: the fast tier of rtx4090"):
         budget_slots("75%", trace, cost)
     assert budget_slots("4GiB", trace, cost) == 4 * 2**30 // cost.expert_bytes
 

@@ -1,14 +1,11 @@
-"""The simulator's clock on hand-made plans with round numbers."""
+"""The cost model, hardware profiles and calibration."""
 
 import numpy as np
 import pytest
 
-from moetier.plan.layer_plan import Hit, LayerPlan, Load
-from moetier.plan.route import RouteResult
 from moetier.sim.cost import CostModel
 from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, ProfileError, Tier
 from moetier.sim.shapes import ModelShape
-from moetier.sim.timing import time_layer
 
 SHAPE = ModelShape("unit", hidden_size=8, num_layers=1, moe_layers=(0,), num_experts=4, top_k=2,
                    moe_intermediate_size=16, attention_params=256, kv_per_token=16, vocab_size=32)
@@ -20,30 +17,6 @@ PROFILE = HardwareProfile("unit", 10**9, (Tier("disk", bandwidth_bytes_per_s=100
 
 def cost(expert_bytes: int, profile: HardwareProfile = PROFILE) -> CostModel:
     return CostModel.of(profile, SHAPE, "bf16", expert_bytes)
-
-
-def plan(hits, loads, counts):
-    route = RouteResult(0, 1, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), np.zeros((1, 4), np.float32))
-    return LayerPlan(route, np.asarray(counts), sorted([h.expert for h in hits] + [ld.expert for ld in loads]),
-                     hits, loads)
-
-
-def test_reads_are_serial_and_overlap_resident_compute():
-    # dense 2 s; hits 0 and 1 compute 1 s each (2-4 s); two reads of 300 bytes at 100 B/s: 2-5 s and 5-8 s
-    p = plan([Hit(0, 0), Hit(1, 1)], [Load(2, 2), Load(3, 3)], [1, 1, 1, 1])
-    tl, link_free = time_layer(p, 0.0, 1, cost(300), link_free=0.0)
-    assert tl.dense_end == 2.0
-    assert tl.reads == [(2, 2.0, 5.0), (3, 5.0, 8.0)]
-    assert tl.computes == [(0, 2.0, 3.0), (1, 3.0, 4.0), (2, 5.0, 6.0), (3, 8.0, 9.0)]
-    assert tl.end == 9.0 and link_free == 8.0
-
-
-def test_a_busy_link_delays_reads_and_a_deferred_read_waits_for_its_slot():
-    # the link is busy until 4 s; expert 3 reuses expert 2's slot, so its read starts when 2 is computed
-    p = plan([], [Load(2, 0), Load(3, 0, after=2)], [0, 0, 1, 1])
-    tl, link_free = time_layer(p, 0.0, 1, cost(100), link_free=4.0)
-    assert tl.reads == [(2, 4.0, 5.0), (3, 6.0, 7.0)]
-    assert tl.computes == [(2, 5.0, 6.0), (3, 7.0, 8.0)]
 
 
 def test_profile_missing_a_field_names_it(tmp_path):
@@ -97,7 +70,7 @@ def test_experts_beyond_a_tiers_capacity_are_read_through_it_from_below():
 
 
 def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
-    from moetier.sim.calibrate import calibrate
+    from moetier.calibrate import calibrate
     from moetier.store.store import Store
 
     _, path = tiny_store("qwen2_moe")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moetier.cache.slots import SlotPool
+from moetier.engine.slots import HostSlots
 from moetier.store.reader import ON_DEMAND, PREFETCH, ExpertReader, _Chunk
 from moetier.store.store import Store
 
@@ -11,15 +11,15 @@ from moetier.store.store import Store
 def test_reads_land_exactly_in_slots(tiny_store, direct, chunk):
     ref, path = tiny_store("mixtral")
     store = Store(path)
-    pool = SlotPool(store.native_layout, 3)
+    pool = HostSlots(store.native_layout, 3)
     with ExpertReader(path, num_threads=3, chunk_bytes=chunk, direct=direct) as reader:
         for slot, (layer, e) in enumerate([(0, 1), (1, 7), (0, 0)]):
             reader.submit(store.manifest.blob(layer, e), pool.views[slot], pool.completions[slot])
         for slot, (layer, e) in enumerate([(0, 1), (1, 7), (0, 0)]):
             pool.completions[slot].wait()
             experts = ref.model.layers[layer].mlp.experts
-            assert torch.equal(pool.tensors[slot]["gate_up_proj"], experts.gate_up_proj[e])
-            assert torch.equal(pool.tensors[slot]["down_proj"], experts.down_proj[e])
+            assert torch.equal(pool.weights(slot)["gate_up_proj"], experts.gate_up_proj[e])
+            assert torch.equal(pool.weights(slot)["down_proj"], experts.down_proj[e])
 
 
 def test_on_demand_chunks_go_before_queued_prefetches():
@@ -36,7 +36,7 @@ def test_a_queued_load_can_be_cancelled_a_running_one_cannot(tiny_store, monkeyp
 
     _, path = tiny_store("mixtral")
     store = Store(path)
-    pool = SlotPool(store.native_layout, 2)
+    pool = HostSlots(store.native_layout, 2)
     gate = threading.Event()
     real_preadv = reader_module.os.preadv
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from moetier.cli import main
-from moetier.trace.format import DECODE, Trace, TraceError
+from moetier.plan.route import DECODE
+from moetier.trace.format import Trace, TraceError
 from moetier.trace.importers import import_trace
 from moetier.trace.stats import reuse_distances, reuse_next, summarize
 

@@ -34,12 +34,17 @@ LEARNED = ("flashmoe-ml", "hobbit", "static-hot")  # read policies/<name>.json, 
 
 
 def make_policy(name: str, ctx: PolicyContext | None = None, **params) -> EvictionPolicy:
+    """Policy `name` for the cache `ctx` describes; a learned policy needs its trained parameters in `params`
+    (moetier/policy_files.py reads them from beside a model), the offline optimum its `future`."""
     if name not in POLICIES:
         raise MoetierError(f"unknown eviction policy {name!r}", hint=f"choose one of {', '.join(POLICIES)}")
     if name in CONTEXT_FREE:
         return POLICIES[name](**params)
     if ctx is None:
         raise ValueError(f"policy {name} needs a PolicyContext")
+    if name in LEARNED and not params:
+        raise MoetierError(f"{name} is a learned policy and was given no trained parameters",
+                           hint=f"`moetier train cache-policy --policy {name}` fits them")
     return POLICIES[name](ctx, **params)
 
 

@@ -1,13 +1,12 @@
 """Belady's MIN, the offline optimum: evict the expert whose next use is farthest in the future (never used
-again counts as farthest). Built from the very trace it will replay, so it is a bound for the simulator and
-`cache-bench`, never a policy for live generation. Time is the position of a layer step in the replay: step by
-step, layer by layer in execution order, as the replay visits them."""
+again counts as farthest). It is handed the future it will face — for each expert, the times of its uses — by
+whoever drives it from a trace (the simulator, `cache-bench`), so it is a bound there and never a policy for
+live generation. Time is the position of a layer step: (step - 1) * layers + the layer's execution position."""
 
 from __future__ import annotations
 
 import bisect
-
-import numpy as np
+from collections.abc import Mapping, Sequence
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.context import PolicyContext
@@ -20,20 +19,13 @@ NEVER = float("inf")
 class BeladyPolicy(ScoredPolicy):
     name = "belady"
 
-    def __init__(self, ctx: PolicyContext) -> None:
+    def __init__(self, ctx: PolicyContext, future: Mapping[ExpertKey, Sequence[int]] | None = None) -> None:
+        """`future`: for each expert, the ascending times of its uses."""
         super().__init__(ctx)
-        if ctx.trace is None:
-            raise MoetierError("belady is the offline optimum: it needs the trace it will replay",
+        if future is None:
+            raise MoetierError("belady is the offline optimum: it needs the future it will face",
                                hint="use it in `moetier sim` or `moetier cache-bench`, not in live generation")
-        from moetier.sim.replay import steps
-
-        uses: dict[ExpertKey, list[int]] = {}
-        trace, num_layers = ctx.trace, ctx.num_layers
-        for index, (_, rows) in enumerate(steps(trace)):
-            for j, layer in enumerate(trace.layers):
-                for e in np.unique(trace.topk_ids[rows, j]).tolist():
-                    uses.setdefault(ExpertKey(layer, e), []).append(index * num_layers + self.position[layer])
-        self.uses = uses
+        self.uses = future
         self.now = 0
 
     def on_route(self, route) -> None:

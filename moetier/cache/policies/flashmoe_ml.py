@@ -1,23 +1,20 @@
 """FlashMoE's learned replacement: per layer, a small feed-forward network reads two features of an expert —
 inverse recency 1/r (r: steps since its last use) and frequency f / max f (its uses against its layer's most
 used expert's) — and predicts log(1 + steps to its next use); the expert predicted to be needed last is
-evicted. Trained on Belady-derived targets from a trace (`moetier train cache-policy --policy flashmoe-ml`),
-saved with the model."""
+evicted. Trained on Belady-derived targets from a trace (`moetier train cache-policy --policy flashmoe-ml`);
+the networks are handed to the policy (moetier/policy_files.py reads and writes them beside the model)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Container
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from moetier.atomic import atomic_write_json
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.scored import ScoredPolicy
-from moetier.errors import MoetierError, parsing
+from moetier.errors import MoetierError
 
 FEATURES = ("inverse recency 1/r", "frequency f/max f")
 
@@ -53,26 +50,20 @@ class CacheModel:
     layers: dict[int, LayerMLP]
     trained_on: str = ""
 
-    def save(self, path: Path) -> None:
-        atomic_write_json(path, {"policy": "flashmoe-ml", "features": FEATURES,
-                                 "target": "log(1 + steps to next use)", "trained_on": self.trained_on,
-                                 "layers": {str(k): v.to_json() for k, v in self.layers.items()}})
+    def to_json(self) -> dict:
+        return {"policy": "flashmoe-ml", "features": FEATURES, "target": "log(1 + steps to next use)",
+                "trained_on": self.trained_on, "layers": {str(k): v.to_json() for k, v in self.layers.items()}}
 
     @classmethod
-    def load(cls, path: Path) -> CacheModel:
-        d = json.loads(path.read_text())
-        return cls({int(k): LayerMLP.from_json(v) for k, v in d["layers"].items()}, d.get("trained_on", ""))
+    def from_json(cls, d: dict) -> CacheModel:
+        return cls({int(k): LayerMLP.from_json(v) for k, v in d["layers"].items()}, str(d.get("trained_on", "")))
 
 
 class FlashMoEMLPolicy(ScoredPolicy):
     name = "flashmoe-ml"
 
-    def __init__(self, ctx: PolicyContext, model: CacheModel | None = None) -> None:
+    def __init__(self, ctx: PolicyContext, model: CacheModel) -> None:
         super().__init__(ctx)
-        if model is None:
-            path = ctx.trained_file(self.name)
-            with parsing(str(path), hint="train it again with `moetier train cache-policy --policy flashmoe-ml`"):
-                model = CacheModel.load(path)
         missing = sorted(set(ctx.layers) - set(model.layers))
         if missing:
             raise MoetierError(f"flashmoe-ml weights ({model.trained_on}) have no network for layers {missing}")

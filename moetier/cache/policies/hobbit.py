@@ -2,18 +2,17 @@
 recency (LRU), frequency in the current sequence (LFU, which HOBBIT finds better per sequence), uses at full
 precision (LHU) and nearness of the expert's layer in the forward pass (FLD). The weights are fitted by
 minimising miss penalty on a calibration trace (`moetier train cache-policy --policy hobbit`) and saved with
-the model; without that file (and no weights given) the policy is refused, like every learned one."""
+the model (moetier/policy_files.py), and handed to the policy."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.lhu import LOW_PRECISIONS
 from moetier.cache.policies.scored import ScoredPolicy
-from moetier.errors import MoetierError, parsing
+from moetier.errors import MoetierError
 
 
 @dataclass(frozen=True)
@@ -31,13 +30,9 @@ class HobbitWeights:
 class HobbitPolicy(ScoredPolicy):
     name = "hobbit"
 
-    def __init__(self, ctx: PolicyContext, weights: HobbitWeights | None = None) -> None:
+    def __init__(self, ctx: PolicyContext, weights: HobbitWeights) -> None:
         super().__init__(ctx)
-        self.weights, self.weights_source = weights, "given"
-        if weights is None:
-            path = ctx.trained_file(self.name)
-            with parsing(str(path), hint="train it again with `moetier train cache-policy --policy hobbit`"):
-                self.weights, self.weights_source = HobbitWeights(**json.loads(path.read_text())["weights"]), str(path)
+        self.weights = weights
         self.uses: dict[ExpertKey, int] = {}  # this sequence
         self.high_uses: dict[ExpertKey, int] = {}
         self.max_uses = self.max_high_uses = 1

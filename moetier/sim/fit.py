@@ -14,13 +14,12 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.flashmoe_ml import CacheModel, LayerMLP, features
 from moetier.cache.policies.hobbit import HobbitPolicy, HobbitWeights
+from moetier.sim.replay import replay, steps
 from moetier.trace.format import Trace
 
 
 def use_matrix(trace: Trace) -> np.ndarray:
     """[S, L, E] bool: which experts each layer used at each forward step (the replay's steps)."""
-    from moetier.sim.replay import steps
-
     groups = [rows for _, rows in steps(trace)]
     used = np.zeros((len(groups), len(trace.layers), trace.num_experts), bool)
     for s, rows in enumerate(groups):
@@ -97,8 +96,6 @@ def weight_grid(step: float = 0.25) -> list[HobbitWeights]:
 def fit_hobbit(trace: Trace, num_slots: int, step: float = 0.25) -> tuple[HobbitWeights, list[tuple]]:
     """HOBBIT's weights: the grid point of least miss penalty replaying `trace` with `num_slots` slots. Every
     miss loads one full-precision expert until mixed precision lands, so penalty is proportional to misses."""
-    from moetier.sim.replay import replay
-
     ctx = PolicyContext(num_slots, tuple(trace.layers), trace.num_experts, trace.top_k)
     table = []
     for w in weight_grid(step):

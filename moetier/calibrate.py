@@ -1,4 +1,5 @@
-"""`moetier calibrate`: measure this machine into a hardware profile.
+"""`moetier calibrate`: measure this machine into a hardware profile for the simulator. It runs the real engine,
+so it sits above both executors.
 
 - the disk: O_DIRECT reads of the model's expert blobs through the engine's own reader, queued (bandwidth) and
   alone (latency);
@@ -19,9 +20,9 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from moetier.cache.slots import SlotPool
-from moetier.engine.batch import StepBatch
-from moetier.engine.kv_cache import KVCache
+from moetier.engine.slots import HostSlots
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
 from moetier.model.layers import swiglu
 from moetier.model.transformer import Transformer
 from moetier.sim.cost import CostModel, linear_fit
@@ -47,7 +48,7 @@ def disk_tier(store: Store, threads: int = 4, chunk_bytes: int = 2 << 20, reads:
     (a single miss), as what such a read takes beyond its share of that bandwidth. Every blob read once."""
     blobs = random.Random(0).sample(list(store.manifest.blobs), min(len(store.manifest.blobs), 2 * reads))
     alone, queued = blobs[:len(blobs) // 2], blobs[len(blobs) // 2:]
-    pool = SlotPool(store.native_layout, len(queued))
+    pool = HostSlots(store.native_layout, len(queued))
     with ExpertReader(store.path, threads, chunk_bytes, verify=False) as reader:
         def read(batch) -> float:
             start = time.perf_counter()
@@ -122,7 +123,8 @@ def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
     n = min(spec.num_experts, 2 * spec.top_k)
     layer = spec.moe_layers[0]
     with ExpertReader(store.path, verify=False) as reader:
-        executor = ExpertExecutor(spec, store.manifest, n, make_policy("lru"), reader)
+        executor = ExpertExecutor(spec, store.manifest, n * store.native_layout.blob_bytes, make_policy("lru"),
+                                  reader)
         executor.preload(ExpertKey(layer, e) for e in range(n))
         dtype = store.load_dense()["embed_tokens"].dtype
         ys = []

@@ -21,7 +21,8 @@ class StepBatch:
     _masks: dict = field(default_factory=dict)
 
     @classmethod
-    def prefill(cls, prompts: list[list[int]], rows: list[int], starts: list[int] | None = None) -> StepBatch:
+    def prefill(cls, prompts: list[list[int]], rows: list[int], starts: list[int] | None = None,
+                device: torch.device | str = "cpu") -> StepBatch:
         starts = starts or [0] * len(prompts)
         ids, pos, row_ids, segments, last, first = [], [], [], [], [], 0
         for p, row, start in zip(prompts, rows, starts):
@@ -31,12 +32,15 @@ class StepBatch:
             segments.append((row, first, start, len(p)))
             first += len(p)
             last.append(first - 1)
-        return cls(torch.tensor(ids), torch.tensor(pos), torch.tensor(row_ids), torch.tensor(last), False, segments)
+        t = lambda v: torch.tensor(v, device=device)  # noqa: E731
+        return cls(t(ids), t(pos), t(row_ids), t(last), False, segments)
 
     @classmethod
-    def decode_step(cls, token_ids: list[int], rows: list[int], positions: list[int], num_rows: int) -> StepBatch:
+    def decode_step(cls, token_ids: list[int], rows: list[int], positions: list[int], num_rows: int,
+                    device: torch.device | str = "cpu") -> StepBatch:
         n = len(token_ids)
-        return cls(torch.tensor(token_ids), torch.tensor(positions), torch.tensor(rows), torch.arange(n), True,
+        t = lambda v: torch.tensor(v, device=device)  # noqa: E731
+        return cls(t(token_ids), t(positions), t(rows), torch.arange(n, device=device), True,
                    rows_host=rows, lengths_host=[p + 1 for p in positions], all_rows=rows == list(range(num_rows)))
 
     @property
@@ -47,7 +51,7 @@ class StepBatch:
         """[B, 1, 1, S] True where a row's key is visible to its query; built once per step, shared by layers."""
         mask = self._masks.get(window)
         if mask is None:
-            keys = torch.arange(max(self.lengths_host))
+            keys = torch.arange(max(self.lengths_host), device=self.positions.device)
             q = self.positions[:, None]
             mask = keys[None, :] <= q
             if window:
@@ -56,12 +60,13 @@ class StepBatch:
         return mask
 
 
-def causal_mask(start: int, length: int, window: int | None) -> torch.Tensor | None:
+def causal_mask(start: int, length: int, window: int | None,
+                device: torch.device | str = "cpu") -> torch.Tensor | None:
     """[length, start+length] visibility for a prefill segment; None when plain causal attention will do."""
     if start == 0 and not window:
         return None
-    q = torch.arange(start, start + length)[:, None]
-    k = torch.arange(start + length)[None, :]
+    q = torch.arange(start, start + length, device=device)[:, None]
+    k = torch.arange(start + length, device=device)[None, :]
     mask = k <= q
     if window:
         mask &= k > q - window

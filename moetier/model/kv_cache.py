@@ -8,10 +8,11 @@ from moetier.config import ModelSpec
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         shape = (rows, spec.num_kv_heads, max_len, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.max_len = max_len
 
     def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,40 @@
+"""Counting what layer steps did, per phase, as DESIGN.md defines the measures: a hook both executors attach."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from moetier.cache.keys import Precision
+from moetier.plan.layer_plan import LayerPlan
+from moetier.plan.step import LayerHook
+
+
+@dataclass
+class PhaseCounters:
+    layer_steps: int = 0
+    needed: int = 0  # (layer step, distinct expert needed) pairs
+    hits: int = 0  # of those, resident when the layer needed them
+    loads: int = 0
+    bytes_read: int = 0
+    miss_penalty_bytes: int = 0  # HOBBIT's miss penalty, in bytes of the precision loaded
+
+    def add(self, plan: LayerPlan, entry_bytes: Mapping[Precision, int]) -> None:
+        self.layer_steps += 1
+        self.needed += len(plan.runs)
+        self.hits += len(plan.hits)
+        self.loads += len(plan.loads)
+        read = sum(entry_bytes[load.precision] for load in plan.loads)
+        self.bytes_read += read
+        self.miss_penalty_bytes += read
+
+
+class CountingHook(LayerHook):
+    """Adds each layer to the counters of its phase; `phases` is swapped per generate call."""
+
+    def __init__(self, entry_bytes: Mapping[Precision, int]) -> None:
+        self.entry_bytes = entry_bytes
+        self.phases = (PhaseCounters(), PhaseCounters())
+
+    def on_plan(self, plan: LayerPlan, phase: int) -> None:
+        self.phases[phase].add(plan, self.entry_bytes)

@@ -1,0 +1,67 @@
+"""Trained policy parameters beside a model: `<model>/policies/<name>.json`. Read and written here only, and
+handed to the policies as plain objects — a policy never opens a file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from moetier.atomic import atomic_write_json
+from moetier.cache.keys import ExpertKey
+from moetier.cache.policies import LEARNED, EvictionPolicy, PolicyContext, make_policy
+from moetier.cache.policies.flashmoe_ml import CacheModel
+from moetier.cache.policies.hobbit import HobbitWeights
+from moetier.errors import MoetierError, parsing
+
+
+def policy_file(model_dir: Path, name: str) -> Path:
+    return Path(model_dir) / "policies" / f"{name}.json"
+
+
+def policy_dir(store) -> Path:
+    """Where trained policy files for a store's model live: beside the store, or beside the model it was converted
+    from (the built-in models ship theirs)."""
+    source = Path(store.manifest.source) if store.manifest.source else None
+    if not (store.path / "policies").is_dir() and source is not None and (source / "policies").is_dir():
+        return source
+    return store.path
+
+
+def _train_hint(name: str) -> str:
+    return f"`moetier train cache-policy --policy {name} --trace DIR --model M` writes it"
+
+
+def load_params(name: str, model_dir: Path | None) -> dict:
+    """The constructor arguments of learned policy `name` saved with the model; every learned policy is refused
+    alike without its file."""
+    path = policy_file(model_dir, name) if model_dir else None
+    if path is None or not path.exists():
+        where = f" ({path} does not exist)" if path else " (no model directory to look in)"
+        raise MoetierError(f"{name} is a learned policy and has no trained file for this model{where}",
+                           hint=_train_hint(name))
+    with parsing(str(path), hint=f"the file is damaged; {_train_hint(name)}"):
+        d = json.loads(path.read_bytes())
+        if name == "flashmoe-ml":
+            return {"model": CacheModel.from_json(d)}
+        if name == "hobbit":
+            return {"weights": HobbitWeights(**d["weights"])}
+        return {"counts": {ExpertKey(int(layer), int(e)): int(n) for layer, e, n in d["counts"]}}
+
+
+def save_params(name: str, path: Path, params: dict, trained_on: str, **extra) -> None:
+    """Write learned policy `name`'s constructor arguments (as `load_params` returns them) to `path`."""
+    if name == "flashmoe-ml":
+        d = params["model"].to_json()
+    elif name == "hobbit":
+        d = {"policy": name, "weights": dataclasses.asdict(params["weights"])}
+    else:
+        d = {"policy": name, "counts": [[k.layer, k.expert, n] for k, n in sorted(params["counts"].items())]}
+    atomic_write_json(path, {**d, "trained_on": trained_on, **extra})
+
+
+def make_policy_for_model(name: str, ctx: PolicyContext, model_dir: Path | None, **params) -> EvictionPolicy:
+    """`make_policy`, with a learned policy's parameters read from beside the model unless given."""
+    if name in LEARNED and not params:
+        params = load_params(name, model_dir)
+    return make_policy(name, ctx, **params)

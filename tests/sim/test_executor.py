@@ -1,0 +1,82 @@
+"""The simulated executor on a machine with round numbers: reads in series on one link, compute overlapping them,
+a read that waits for the slot it takes, a prefetch that is a hit only if it landed in time — and a hand-made plan
+with a substitute, a skip and prefetches timed as computed by hand."""
+
+import numpy as np
+
+from moetier.cache.keys import ExpertKey
+from moetier.cache.policies import LRUPolicy
+from moetier.cache.residency import Residency
+from moetier.plan.on_demand import OnDemandStage
+from moetier.plan.planner import Planner
+from moetier.plan.route import RouteResult
+from moetier.plan.step import LayerStep
+from moetier.sim.cost import CostModel
+from moetier.sim.executor import SimExecutor
+from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Tier
+from moetier.sim.shapes import ModelShape
+from tests.handmade_plan import PrefetchAfter, Substitute
+
+SHAPE = ModelShape("unit", hidden_size=8, num_layers=2, moe_layers=(0, 1), num_experts=4, top_k=2,
+                   moe_intermediate_size=16, attention_params=256, kv_per_token=16, vocab_size=32)
+CPU = Device("cpu", memory_bandwidth_bytes_per_s=1e9, flops={"bf16": 1e12}, call_overhead_s=1e-6)
+# dense part of a layer 2 s, an expert 1 s whatever its tokens, reads at 100 B/s
+PROFILE = HardwareProfile("unit", 10**9, (Tier("disk", bandwidth_bytes_per_s=100.0),), {"cpu": CPU}, "cpu",
+                          measured=(Measured(8, 16, "bf16", expert_s=Linear(0.0, 1.0),
+                                             dense_s_per_layer=Linear(0.0, 2.0), head_s=Linear(0.0, 0.0)),))
+
+
+def machine(slots: int, expert_bytes: int, stages_before=(), resident=()):
+    """A simulated executor over a cache of `slots` experts of `expert_bytes`, with `resident` experts in it."""
+    r = Residency(slots * expert_bytes, {"bf16": expert_bytes}, LRUPolicy())
+    for key, _ in r.admit_while_room(resident, "bf16"):
+        r.landed(key)
+    r.unpin_all()
+    step = LayerStep(r, Planner("bf16", [*stages_before, OnDemandStage(r)]))
+    return SimExecutor(step, CostModel.of(PROFILE, SHAPE, "bf16", expert_bytes)), r, step
+
+
+def route(layer: int, ids, step: int = 1) -> RouteResult:
+    ids = np.asarray(ids, np.int64)
+    return RouteResult(layer, step, ids, np.full(ids.shape, 0.5, np.float32), np.zeros((len(ids), 4), np.float32))
+
+
+def test_reads_are_serial_and_overlap_resident_compute():
+    # dense 0-2 s; hits 0 and 1 compute 2-3, 3-4; two reads of 300 B at 100 B/s on one link: 2-5 and 5-8
+    ex, _, _ = machine(4, 300, resident=[ExpertKey(0, 0), ExpertKey(0, 1)])
+    plan, tl = ex.layer(route(0, [[0, 1], [2, 3]]), tokens=2)
+    assert tl.dense_end == 2.0
+    assert [(k.expert, s, e) for k, s, e in tl.reads] == [(2, 2.0, 5.0), (3, 5.0, 8.0)]
+    assert [c[:3] for c in tl.computes] == [(0, 2.0, 3.0), (1, 3.0, 4.0), (2, 5.0, 6.0), (3, 8.0, 9.0)]
+    assert tl.end == ex.now == 9.0 and ex.link_free == 8.0
+    assert [r.expert for r in plan.hits] == [0, 1]
+
+
+def test_a_read_that_takes_a_slot_waits_for_the_expert_computed_in_it():
+    # one slot, a layer needing two experts: 3's read takes 2's slot, so it starts when 2 is computed
+    ex, _, _ = machine(1, 100)
+    plan, tl = ex.layer(route(0, [[2, 3]]), tokens=1)
+    assert plan.loads[1].after == 2
+    assert [(k.expert, s, e) for k, s, e in tl.reads] == [(2, 2.0, 3.0), (3, 4.0, 5.0)]
+    assert [c[:3] for c in tl.computes] == [(2, 3.0, 4.0), (3, 5.0, 6.0)]
+
+
+def test_a_hand_made_plan_with_a_substitute_a_skip_and_prefetches():
+    """Layer 0 routes [[0, 1], [2, 3]]: token 0's expert 1 runs resident expert 3 instead, token 1's expert 2 is
+    skipped; prefetches of layer 1's experts 0 and 1 go out after the loads. Layer 1 then needs 0 and 1: the
+    first landed in time (a hit), the second is waited for (a miss)."""
+    substitute = Substitute(layer=0, swap={(0, 1): 3}, skip=[(1, 0)])
+    ex, r, step = machine(4, 300, stages_before=[substitute], resident=[ExpertKey(0, 3)])
+    step.planner.stages.append(PrefetchAfter(r, 0, [ExpertKey(1, 0), ExpertKey(1, 1)], "bf16"))
+    plan, tl = ex.layer(route(0, [[0, 1], [2, 3]]), tokens=2)
+    assert plan.experts == [0, 3] and [ld.expert for ld in plan.loads] == [0]
+    # dense 0-2; 3 (resident) computes 2-3; read of 0 2-5, then the prefetches 5-8 and 8-11; 0 computes 5-6
+    assert [(k, s, e) for k, s, e in tl.reads] == [(ExpertKey(0, 0), 2.0, 5.0), (ExpertKey(1, 0), 5.0, 8.0),
+                                                   (ExpertKey(1, 1), 8.0, 11.0)]
+    assert [c[:3] for c in tl.computes] == [(3, 2.0, 3.0), (0, 5.0, 6.0)]
+    assert tl.end == 6.0
+    # layer 1 starts at 6, routing known at 8: (1,0) landed at 8 (resident, a hit); (1,1) lands at 11 (waited)
+    plan, tl = ex.layer(route(1, [[0, 1]]), tokens=1)
+    assert [(run.expert, run.source) for run in plan.runs] == [(0, "resident"), (1, "in-flight")]
+    assert [c[:3] for c in tl.computes] == [(0, 8.0, 9.0), (1, 11.0, 12.0)]
+    assert tl.reads == [] and ExpertKey(1, 1) in r  # computed, so resident
