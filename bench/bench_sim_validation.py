@@ -2,7 +2,8 @@
 
 For each model and expert budget: the engine generates (a warm-up call, then a measured call) while its
 routing is recorded; the simulator replays that trace with the same policy and budget through the same
-residency/planner/policy objects, timed by a `this-machine` profile calibrated on that model in the same run.
+layer step (residency, planner, policy objects), on a `this-machine` profile calibrated on that model in the same
+run.
 Both TPOTs are over the measured call's decode steps. Target: within 15%.
 
     python bench/bench_sim_validation.py                 # demo-fine, demo-coarse, and the synthetic
@@ -37,9 +38,8 @@ def child(cfg: dict) -> dict:
     from moetier.resolve import resolve_model
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import Tier
-    from moetier.sim.replay import replay, steps
+    from moetier.sim.replay import simulate, steps
     from moetier.sim.shapes import ModelShape
-    from moetier.sim.timing import simulate
     from moetier.store.store import Store
     from moetier.trace.record import TraceRecorder
 
@@ -70,14 +70,13 @@ def child(cfg: dict) -> dict:
     disk = Tier(before.name, (before.bandwidth_bytes_per_s + after.bandwidth_bytes_per_s) / 2,
                 (before.latency_s + after.latency_s) / 2)
     profile = dataclasses.replace(profile, tiers=(disk,))
-    replayed = replay(trace, make_policy(cfg["policy"]), slots, preload=preload)
     precision = store.manifest.native_precision
     cost = CostModel.of(profile, ModelShape.from_spec(store.spec, cfg["model"], precision), precision, expert_bytes)
-    sim = simulate(trace, replayed, cost)
+    sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True)
     measured = [i for i, (phase, rows) in enumerate(steps(trace)) if phase == 1 and trace.seq[rows[0]] == 1]
     sim_tpot = float(np.mean([sim.step_time_s[i] for i in measured]))
     layers = len(trace.layers)
-    plans = [p for i in measured for p in replayed.plans[i * layers:(i + 1) * layers]]
+    plans = [p for i in measured for p in sim.plans[i * layers:(i + 1) * layers]]
     sim_hit_rate = sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans)
     return {"real_tpot_s": real["tpot_s"], "sim_tpot_s": sim_tpot, "ratio": sim_tpot / real["tpot_s"],
             "real_hit_rate": real["decode_hit_rate"], "sim_hit_rate": sim_hit_rate,

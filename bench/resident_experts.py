@@ -17,11 +17,11 @@ class ResidentExperts:
         spec, r = executor.spec, executor.residency
         if len(r) < spec.num_expert_keys:
             raise ValueError("preload every expert first (budget 100%)")
-        self.weights = {key: executor.pool.tensors[slot] for key, slot in r.slot_of.items()}
+        self.weights = {key: executor.pool.weights(entry.slot) for key, entry in r.entries.items()}
         self.num_experts = spec.num_experts
         self.policy = EvictionPolicy()
 
-    def begin_step(self, phase, stats) -> None:
+    def begin_step(self, phase, phases) -> None:
         pass
 
     def __call__(self, layer: int, x: torch.Tensor, scores, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -78,6 +78,7 @@ BAD = [
     (["generate", "--model", "/no/such", "--prompt", "x", "--top-p", "2"], "--top-p"),
     (["generate", "--model", "/no/such", "--prompt", "x", "--reader-threads", "0"], "--reader-threads"),
     (["generate", "--model", "/no/such", "--prompt", "x", "--expert-memory", "lots"], "cannot read expert memory"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
     (["generate", "--model", "/no/such"], "no prompt given"),
     (["generate", "--model", "/no/such", "--prompt", ""], "prompt 0 is empty"),
     (["generate", "--model", "/no/such", "--prompt-file", "{tmp}/missing.txt"], "cannot read prompt file"),

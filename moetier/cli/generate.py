@@ -14,8 +14,10 @@ from moetier.errors import MoetierError
 def check_engine_args(args: argparse.Namespace) -> None:
     """What a run's engine options say, refused before any model is resolved, converted or loaded."""
     from moetier.config import MemoryBudget
+    from moetier.engine.engine import check_device
 
     MemoryBudget.parse(args.expert_memory)
+    check_device(args.device)
     if args.reader_threads < 1:
         raise MoetierError(f"--reader-threads must be at least 1, got {args.reader_threads}")
 
@@ -25,7 +27,7 @@ def open_engine(args: argparse.Namespace, progress: bool = True, **config):
     from moetier.engine.engine import Engine
 
     engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, cache_dir=args.cache_dir,
-                                    progress=progress, reader_threads=args.reader_threads,
+                                    progress=progress, reader_threads=args.reader_threads, device=args.device,
                                     reconvert=getattr(args, "reconvert", False), **config)
     print(f"moetier: {engine.budget.note}", file=sys.stderr)
     return engine
@@ -77,6 +79,8 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     p.add_argument("--cache-dir", help="where Hugging Face folders are converted (default: $MOETIER_CACHE or "
                                        "~/.cache/moetier)")
     p.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
+    p.add_argument("--device", default="cpu", help="where the dense weights, the expert cache and the kernels live: "
+                                                   "cpu, or cuda[:N] on a machine with a GPU")
 
 
 def add_parser(sub) -> None:

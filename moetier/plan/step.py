@@ -58,8 +58,8 @@ class LayerStep:
     def end(self, plan: LayerPlan) -> list[Prefetch]:
         """After the executor computed `plan`: returns the reads to start now."""
         layer, step = plan.layer, plan.route.step
-        for run in plan.runs:
-            self.policy.on_access(ExpertKey(layer, run.expert), run.precision, step)
+        for e in plan.experts:  # ascending expert ids (recency ties between them break the same way everywhere)
+            self.policy.on_access(ExpertKey(layer, e), plan.precision[e], step)
         for run in plan.runs:  # computed, so its read (this plan's or an earlier one's) has landed
             key = ExpertKey(layer, run.expert)
             if run.source != RESIDENT and self.residency.loading(key):  # (a streamed one has left again)

@@ -10,8 +10,8 @@ SHIPPED = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
 def test_the_papers_settings_are_shipped():
-    assert {"rtx3080ti", "rtx4060ti", "a6000", "rtx4090", "jetson-orin", "v100-pcie3", "a100-pcie4",
-            "rtx5070ti-ssd", "nuc-a500"} <= set(SHIPPED)
+    assert {"rtx3080ti", "rtx4060ti", "a6000", "rtx4090", "jetson-orin", "jetson-orin-64", "v100-pcie3",
+            "a100-pcie4", "a100-epyc", "rtx5070ti-ssd", "nuc-a500"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -22,11 +22,12 @@ def test_profile_is_complete_and_sourced(name):
     assert "cpu" in p.devices  # the second compute device CPU-assisted policies place experts on
     precision = "fp16" if name == "v100-pcie3" else "bf16"
     gpu = CostModel.of(p, SHAPES["olmoe-1b-7b"], precision)
-    # a GPU at small batch is memory-bound: 8 tokens cost what one does; a read costs far more than compute
+    # a GPU at small batch is memory-bound: 8 tokens cost what one does; a read costs more than compute, far more
+    # over a link (on the 64 GB Orin, experts come from the same LPDDR5 the GPU computes from)
     assert gpu.expert_s(8) == pytest.approx(gpu.expert_s(1))
     from moetier.cache.keys import ExpertKey
 
-    assert gpu.read_s(ExpertKey(0, 0)) > 3 * gpu.expert_s(1)
+    assert gpu.read_s(ExpertKey(0, 0)) > (1 if name == "jetson-orin-64" else 3) * gpu.expert_s(1)
 
 
 def test_a_cpu_becomes_compute_bound_and_grows_linearly_in_tokens():
@@ -37,11 +38,12 @@ def test_a_cpu_becomes_compute_bound_and_grows_linearly_in_tokens():
     assert t[2] - t[1] == pytest.approx(2 * (t[1] - t[0]), rel=1e-6) and t[1] > t[0]
 
 
-def test_ssd_experts_stream_through_the_small_host_tier():
+def test_flashmoe_experts_all_stream_from_the_ssd():
+    """FlashMoE left ~1 GB of DRAM free and does not use it for experts: every read comes from the 7.4 GB/s SSD."""
     p = HardwareProfile.load(PROFILE_DIR / "rtx5070ti-ssd.json")
     c = CostModel.of(p, SHAPES["qwen3-30b-a3b"])
     from moetier.cache.keys import ExpertKey
 
-    first, last = ExpertKey(0, 0), ExpertKey(47, 127)
-    assert c.tier_index(first) == 0 and c.tier_index(last) == 1
-    assert c.read_s(last) > 5 * c.read_s(first)  # 7.4 GB/s from the SSD against ~50 GB/s over PCIe 5
+    for key in (ExpertKey(0, 0), ExpertKey(47, 127)):
+        assert c.tier_index(key) == 0
+        assert c.read_s(key) == pytest.approx(c.expert_bytes / 7.4e9 + 80e-6)

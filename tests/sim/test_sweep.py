@@ -39,7 +39,7 @@ def test_a_budget_beyond_the_fast_tier_is_refused(mixtral_trace):
 
 def test_more_memory_never_slows_lfu_down_on_a_gpu(mixtral_trace):
     trace, _ = mixtral_trace
-    cost = CostModel.of(HardwareProfile.load("a100-pcie4"), SHAPES["mixtral-8x7b"])
+    cost = CostModel.of(HardwareProfile.load("a100-epyc"), SHAPES["mixtral-8x7b"])
     runs = [run(trace, cost, "lfu", b) for b in ("10%", "30%", "60%")]
     tpot = [r.result.summary()["tpot_s"] for r in runs]
     hits = [r.result.hit_rate for r in runs]

@@ -1,6 +1,5 @@
 """The cost model, hardware profiles and calibration."""
 
-import numpy as np
 import pytest
 
 from moetier.sim.cost import CostModel
