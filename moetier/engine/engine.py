@@ -90,11 +90,21 @@ def check_device(name: str) -> torch.device:
     return device
 
 
+def device_memory(device: torch.device) -> MemoryView:
+    """What the fast tier may still take: this process's share of host memory (cgroups included) for the CPU, the
+    device's free memory for a GPU."""
+    if device.type == "cpu":
+        return memory_available()
+    free, total = torch.cuda.mem_get_info(device)
+    return MemoryView(free, str(device), total, total - free)
+
+
 class Engine:
     def __init__(self, store: Store, config: EngineConfig = EngineConfig(), memory: MemoryView | None = None) -> None:
         """`memory`: what bounds this process's memory (default: measured now, host and cgroups)."""
         self.store, self.config, self.spec = store, config, store.spec
-        self.budget = plan_budget(store, config.expert_memory, memory or memory_available())
+        self.device = check_device(config.device)
+        self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device))
         slots = self.budget.slots
         per_layer = config.cache_partition == "per-layer"
         if per_layer and slots < len(self.spec.moe_layers):
@@ -103,7 +113,6 @@ class Engine:
         ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k)
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
         policy = make_policy_for_model(config.policy, ctx, policy_dir(store))
-        self.device = check_device(config.device)
         dense = {name: t.to(self.device) for name, t in store.load_dense().items()}
         self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)

@@ -105,6 +105,9 @@ class DeviceSlots:
         self.num_slots = max(self.num_slots, num_slots)
 
     def read_target(self, slot: int) -> memoryview:
+        if slot in self._pending:  # an earlier read into this slot was never used (a prefetch evicted unused)
+            self.completions[slot].done.wait()
+            self._free.append(self._pending.pop(slot))
         if not self._free:  # every staging buffer holds a read not yet copied: copy the oldest out
             self._copy(next(iter(self._pending)))
         i = self._free.pop()
@@ -118,6 +121,8 @@ class DeviceSlots:
         self.completions[slot].wait()
         i = self._pending.pop(slot)
         event = torch.cuda.Event()
+        # kernels launched on the compute stream may still read this slot's previous expert: copy after them
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             self._blocks[slot].copy_(self._staging[i][0], non_blocking=True)
             event.record(self._stream)

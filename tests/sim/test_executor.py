@@ -7,6 +7,7 @@ import numpy as np
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LRUPolicy
 from moetier.cache.residency import Residency
+from moetier.plan.layer_plan import FAST, HOST
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
 from moetier.plan.route import RouteResult
@@ -80,3 +81,20 @@ def test_a_hand_made_plan_with_a_substitute_a_skip_and_prefetches():
     assert [(run.expert, run.source) for run in plan.runs] == [(0, "resident"), (1, "in-flight")]
     assert [c[:3] for c in tl.computes] == [(0, 8.0, 9.0), (1, 11.0, 12.0)]
     assert tl.reads == [] and ExpertKey(1, 1) in r  # computed, so resident
+
+
+def test_an_expert_placed_on_the_host_computes_beside_the_compute_device():
+    """A stage places expert 1 on the host: it runs on the host lane at the same time as expert 0 runs on the
+    compute device, priced by the host device's roofline (here ~1 µs) rather than the measured 1 s."""
+
+    def on_host(plan):
+        plan.place[1] = HOST
+        return plan
+
+    ex, _, _ = machine(4, 300, stages_before=[on_host], resident=[ExpertKey(0, 0), ExpertKey(0, 1)])
+    plan, tl = ex.layer(route(0, [[0, 1]]), tokens=1)
+    assert [(run.expert, run.place) for run in plan.runs] == [(0, FAST), (1, HOST)]
+    (e0, s0, end0, lane0), (e1, s1, end1, lane1) = tl.computes
+    assert (e0, s0, end0, lane0) == (0, 2.0, 3.0, FAST)
+    assert (e1, s1, lane1) == (1, 2.0, HOST) and 0 < end1 - s1 < 1e-3
+    assert tl.end == 3.0 and ex.host_free == end1
