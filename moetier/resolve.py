@@ -1,5 +1,6 @@
-"""What `--model` names: a converted store, a Hugging Face folder (converted on first use into a cache), or a
-built-in model's name."""
+"""What `--model` names: a converted store, a Hugging Face folder (converted on first use into a cache), a
+built-in model's name, or a built-in name with `-xl` (its experts inflated to OLMoE's size, built on first use
+into the cache)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from moetier.store.convert import convert
 from moetier.store.format import DENSE, MANIFEST, RECONVERT, Manifest
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "models"
+XL = "-xl"  # a built-in model with real-size experts: `demo-fine-xl`
 
 
 def builtin_models() -> dict[str, Path]:
@@ -22,6 +24,17 @@ def builtin_models() -> dict[str, Path]:
     if not BUILTIN_DIR.is_dir():
         return {}
     return {p.name: p for p in sorted(BUILTIN_DIR.iterdir()) if (p / "config.json").exists()}
+
+
+def inflated_builtins() -> dict[str, str]:
+    """`<name>-xl` -> `<name>` for every built-in model: its experts inflated to OLMoE-1B-7B's 12 MiB
+    (moetier/store/inflate.py), same routing and tokens, built on first use."""
+    return {name + XL: name for name in builtin_models()}
+
+
+def builtin_names() -> list[str]:
+    """Every name `--model` knows without a path: the shipped models and their inflated versions."""
+    return [*builtin_models(), *inflated_builtins()]
 
 
 def _fingerprint(model_dir: Path) -> str:
@@ -44,6 +57,8 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
     `reconvert`, again). Several processes resolving the same folder at once convert it once: the others wait
     for the first and reuse its store."""
     builtin = builtin_models()
+    if str(model) in inflated_builtins() and not Path(model).exists():
+        return _inflated(str(model), cache_dir, progress, reconvert)
     path = builtin[str(model)] if str(model) in builtin else Path(model).expanduser()
     if (path / MANIFEST).exists():
         if reconvert:
@@ -51,7 +66,7 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
                              hint="convert its source again with `moetier convert --force SRC STORE`")
         return path
     if not path.exists():
-        names = ", ".join(builtin) or "none shipped yet"
+        names = ", ".join(builtin_names()) or "none shipped yet"
         raise ModelNotFoundError(f"no model at {path}",
                                  hint=f"give a Hugging Face model folder, a converted store, or a built-in "
                                       f"model name ({names})")
@@ -71,3 +86,25 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
             except StoreError:
                 pass  # an earlier conversion was damaged: convert again
         return convert(path, store, overwrite=True, progress=progress)
+
+
+def _inflated(name: str, cache_dir: str | Path | None, progress: bool, rebuild: bool) -> Path:
+    """The store of built-in `name` (`<base>-xl`), inflated from the base model's store on first use."""
+    from moetier.store.inflate import inflate, intermediate_for
+    from moetier.store.store import Store
+
+    base = resolve_model(inflated_builtins()[name], cache_dir, progress, rebuild)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    store = cache / f"{name}-{_fingerprint(base)}"  # a new base store (re-converted) gets a new inflation
+    with target_lock(store, on_wait=_note if progress else None):
+        if not rebuild and (store / MANIFEST).exists():
+            try:
+                Manifest.load(store)
+                return store
+            except StoreError:
+                pass  # an earlier build was damaged: build again
+        n = intermediate_for(Store(base))
+        if progress:
+            _note(f"building {name} once: {inflated_builtins()[name]}'s experts inflated to intermediate size {n} "
+                  f"into {store}")
+        return inflate(base, store, n, overwrite=True, progress=progress)

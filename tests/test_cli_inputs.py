@@ -111,6 +111,12 @@ BAD = [
     (["trace", "synth", "--fit", "{trace}", "--out", "{tmp}/s", "--tokens", "0"], "--tokens"),
     (["synth", "{tmp}/s", "--preset", "tiny", "--num-heads", "0"], "must be positive"),
     (["convert", "{bad_config}", "{tmp}/s"], "num_hidden_layers must be a positive integer"),
+    (["synth", "{tmp}/s", "--inflate", "{store}", "--num-layers", "3"], "--num-layers sets a random model's shape"),
+    (["synth", "{tmp}/s", "--expert-intermediate", "64"], "--expert-intermediate sizes an inflated model"),
+    (["synth", "{tmp}/s", "--inflate", "{store}", "--expert-intermediate", "8"], "already have intermediate size 48"),
+    (["synth", "{theirs}", "--inflate", "{store}", "--force"], "is not a moetier store"),
+    (["synth", "{store}/xl", "--inflate", "{store}"], "is inside"),
+    (["synth", "{tmp}/s", "--inflate", "/no/such"], "no model at /no/such"),
     # stores
     (["generate", "--model", "{no_manifest}", "--prompt", "x"], "looks like a moetier store but has no manifest"),
     (["generate", "--model", "{store}", "--prompt", "x", "--reconvert"], "is a converted store"),

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moetier.plan.step import LayerHook
 from train.tokenizer import load as load_tokenizer
 from train.train import ROOT, token_arrays
 
@@ -54,17 +55,29 @@ def unigram_perplexity(train: np.ndarray, valid: np.ndarray, vocab: int) -> floa
     return math.exp(-logp[valid].mean())
 
 
+class _RouteLog(LayerHook):
+    """Collects each MoE layer's topk_ids of one forward step."""
+
+    def __init__(self, columns: dict[int, int]) -> None:
+        self.columns, self.current = columns, {}
+
+    def on_route(self, route, gate_input) -> None:
+        self.current[self.columns[route.layer]] = route.topk_ids.copy()
+
+
 def record_routing(engine, data: np.ndarray, max_tokens: int) -> np.ndarray:
     """Prefill windows through moetier's engine, recording topk_ids: [tokens, moe_layers, k]."""
-    layers = {layer: i for i, layer in enumerate(engine.spec.moe_layers)}
+    log = _RouteLog({layer: i for i, layer in enumerate(engine.spec.moe_layers)})
+    hooks = engine.executor.layer_step.hooks
+    hooks.append(log)
     rows = []
-    current: dict[int, np.ndarray] = {}
-    engine.executor.on_route = lambda route, x: current.__setitem__(layers[route.layer], route.topk_ids.copy())
-    for w in windows(data, max_tokens):
-        current.clear()
-        engine.generate([w[:WINDOW].tolist()], max_new_tokens=1, ignore_eos=True)
-        rows.append(np.stack([current[i] for i in range(len(layers))], axis=1))  # [T, L, k]
-    engine.executor.on_route = None
+    try:
+        for w in windows(data, max_tokens):
+            log.current.clear()
+            engine.generate([w[:WINDOW].tolist()], max_new_tokens=1, ignore_eos=True)
+            rows.append(np.stack([log.current[i] for i in range(len(log.columns))], axis=1))  # [T, L, k]
+    finally:
+        hooks.remove(log)
     return np.concatenate(rows)
 
 
@@ -98,11 +111,52 @@ def uniform_routing(shape: tuple[int, int, int], num_experts: int, seed: int = 0
     return np.argsort(rng.random((t, layers, num_experts)), axis=-1)[..., :k]
 
 
+def next_layer_prediction(train: np.ndarray, test: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per pair of consecutive MoE layers (l, l+1): the share of layer l+1's top-k found by predicting it from
+    layer l's top-k with co-occurrence counts fitted on `train` (each candidate scored by how often it followed
+    the token's layer-l experts), and the same share for the always-most-popular k experts of layer l+1 — the
+    question a cross-layer prefetcher asks, against the baseline it must beat. [L-1] each."""
+    k = train.shape[2]
+    cooc, popular = [], []
+    for layer in range(train.shape[1] - 1):
+        counts = np.zeros((num_experts, num_experts))
+        np.add.at(counts, (train[:, layer, :, None], train[:, layer + 1, None, :]), 1)  # [E, E]
+        score = counts[test[:, layer]].sum(1)  # [T, E]
+        predicted = np.argsort(-score, axis=1, kind="stable")[:, :k]  # [T, k]
+        actual = test[:, layer + 1]  # [T, k]
+        cooc.append((predicted[:, :, None] == actual[:, None, :]).any(-1).mean())
+        top = np.argsort(-np.bincount(train[:, layer + 1].ravel(), minlength=num_experts), kind="stable")[:k]
+        popular.append(np.isin(actual, top).mean())
+    return np.asarray(cooc), np.asarray(popular)
+
+
+def next_layer_mi_bits(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """Per pair of consecutive MoE layers: mutual information in bits between an expert a token uses at layer l
+    and one it uses at layer l+1 (every pair of the token's k x k counted once). [L-1]"""
+    out = []
+    for layer in range(ids.shape[1] - 1):
+        joint = np.zeros((num_experts, num_experts))
+        np.add.at(joint, (ids[:, layer, :, None], ids[:, layer + 1, None, :]), 1)
+        joint /= joint.sum()
+        px, py = joint.sum(1, keepdims=True), joint.sum(0, keepdims=True)
+        nz = joint > 0
+        out.append((joint[nz] * np.log2(joint[nz] / (px @ py)[nz])).sum())
+    return np.asarray(out)
+
+
+def _halves(prose: np.ndarray, code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first half of each domain's tokens to fit on, the second half to test on."""
+    hp, hc = len(prose) // 2, len(code) // 2
+    return np.concatenate([prose[:hp], code[:hc]]), np.concatenate([prose[hp:], code[hc:]])
+
+
 def routing_stats(prose: np.ndarray, code: np.ndarray, num_experts: int) -> dict:
     both = np.concatenate([prose, code])
     u_prose = uniform_routing(prose.shape, num_experts, 1)
     u_code = uniform_routing(code.shape, num_experts, 2)
     u_both = np.concatenate([u_prose, u_code])
+    recall, recall_popular = next_layer_prediction(*_halves(prose, code), num_experts)
+    recall_uniform, _ = next_layer_prediction(*_halves(u_prose, u_code), num_experts)
     return {
         "tokens": {"prose": len(prose), "code": len(code)},
         "entropy_bits": entropy_bits(usage(both, num_experts)).tolist(),
@@ -113,6 +167,11 @@ def routing_stats(prose: np.ndarray, code: np.ndarray, num_experts: int) -> dict
         "prose_code_tv_distance": total_variation(usage(prose, num_experts), usage(code, num_experts)).tolist(),
         "prose_code_tv_distance_uniform": total_variation(usage(u_prose, num_experts),
                                                           usage(u_code, num_experts)).tolist(),
+        "next_layer_recall": recall.tolist(),
+        "next_layer_recall_popular": recall_popular.tolist(),
+        "next_layer_recall_uniform": recall_uniform.tolist(),
+        "next_layer_mi_bits": next_layer_mi_bits(both, num_experts).tolist(),
+        "next_layer_mi_bits_uniform": next_layer_mi_bits(u_both, num_experts).tolist(),
         "usage_prose": usage(prose, num_experts).tolist(),
         "usage_code": usage(code, num_experts).tolist(),
     }
@@ -151,10 +210,15 @@ def model_card(name: str, training: dict, ev: dict) -> str:
         f"| {i} | {r['entropy_bits'][i]:.2f} | {r['entropy_bits_uniform'][i]:.2f} | {r['reuse_next_token'][i]:.1%} | "
         f"{r['reuse_next_token_uniform'][i]:.1%} | {r['prose_code_tv_distance'][i]:.3f} | "
         f"{r['prose_code_tv_distance_uniform'][i]:.3f} |" for i in range(L))
+    pairs = "\n".join(
+        f"| {i} → {i + 1} | {r['next_layer_recall'][i]:.1%} | {r['next_layer_recall_popular'][i]:.1%} | "
+        f"{r['next_layer_recall_uniform'][i]:.1%} | {r['next_layer_mi_bits'][i]:.3f} | "
+        f"{r['next_layer_mi_bits_uniform'][i]:.3f} |" for i in range(L - 1))
     sample_text = "\n\n".join(f"**{d}**\n\n" + "\n\n".join("```\n" + s.strip() + "\n```" for s in ss)
                               for d, ss in ev["samples"].items())
     rec = training["recipe"]
     cfg = rec["config"]
+    r_k = cfg["num_experts_per_tok"]
     arch = (f"{rec['model_type']}, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
             f"{cfg.get('num_experts', cfg.get('num_local_experts'))} experts, top-{cfg['num_experts_per_tok']}")
     if cfg.get("shared_expert_intermediate_size"):
@@ -200,6 +264,16 @@ distributions (0: the same experts, 1: disjoint).
 | layer | entropy bits | uniform | reuse t→t+1 | uniform | prose/code TV | uniform |
 |---|---|---|---|---|---|---|
 {rows}
+
+How well layer l's routing predicts layer l+1's, the figure a cross-layer prefetcher lives on: the share of
+layer l+1's top-{r_k} found by ranking its experts by how often they followed the token's layer-l experts
+(co-occurrence counts fitted on the first half of each domain's tokens, tested on the second), beside always
+predicting layer l+1's {r_k} most used experts, and the same predictor on uniform routing; and the mutual
+information between an expert of layer l and one of layer l+1 used by the same token.
+
+| layers | predicted from layer l | most used k | uniform | mutual information, bits | uniform |
+|---|---|---|---|---|---|
+{pairs}
 
 ![expert usage, prose vs code](routing.png)
 

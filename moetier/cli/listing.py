@@ -20,7 +20,7 @@ def _summary(doc: str | None, width: int = 80) -> str:
 def _models(args: argparse.Namespace) -> list[tuple[str, str]]:
     from moetier.errors import StoreError
     from moetier.paths import default_cache_dir
-    from moetier.resolve import builtin_models
+    from moetier.resolve import builtin_models, inflated_builtins
     from moetier.store.checkpoint import read_config
     from moetier.store.format import Manifest, is_store
 
@@ -30,11 +30,16 @@ def _models(args: argparse.Namespace) -> list[tuple[str, str]]:
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")
         rows.append((name, f"built-in {cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, top-"
                            f"{cfg.get('num_experts_per_tok')} of {experts} experts ({path})"))
+    for name, base in inflated_builtins().items():
+        rows.append((name, f"built-in: {base} with its experts inflated to OLMoE's 12 MiB (same tokens; built into "
+                           f"the cache on first use)"))
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     for path in sorted(p for p in cache.iterdir() if p.is_dir() and is_store(p)) if cache.is_dir() else []:
         try:
-            source = Manifest.load(path).source
-            rows.append((str(path), f"converted from {source}"))
+            m = Manifest.load(path)
+            made = f"inflated from {m.config['moetier_inflated']['from']}" if "moetier_inflated" in m.config else \
+                f"converted from {m.source}"
+            rows.append((str(path), made))
         except StoreError as e:  # a damaged conversion is listed as such, not hidden
             rows.append((str(path), f"damaged conversion ({str(e).splitlines()[0]})"))
     return rows
@@ -69,12 +74,12 @@ def _profiles(_: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _shapes(_: argparse.Namespace) -> list[tuple[str, str]]:
-    from moetier.resolve import builtin_models
+    from moetier.resolve import builtin_names
     from moetier.sim.shapes import SHAPES
 
     rows = [(s.name, f"{len(s.moe_layers)} MoE layers, top-{s.top_k} of {s.num_experts} experts of "
                      f"{s.expert_bytes() / 2**20:.1f} MiB ({s.precision})") for s in SHAPES.values()]
-    return rows + [(name, "built-in model (its shape is read from its config.json)") for name in builtin_models()]
+    return rows + [(name, "built-in model (its shape is read from its config.json)") for name in builtin_names()]
 
 
 KINDS = {"models": _models, "policies": _policies, "predictors": _predictors, "profiles": _profiles,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moetier.resolve import builtin_models, resolve_model
+from moetier.resolve import builtin_names, resolve_model
 from moetier.sim.shapes import SHAPES, ModelShape, ShapeError, shape_named
 from moetier.store.store import Store
 
 
 def _store(name: str, cache_dir: str | None) -> Store | None:
-    if name not in builtin_models() and not Path(name).is_dir():
+    if name not in builtin_names() and not Path(name).is_dir():
         return None
     return Store(resolve_model(name, cache_dir, progress=False))
 
@@ -24,7 +24,7 @@ def model_shape(name: str, cache_dir: str | None = None) -> tuple[ModelShape, in
         return shape, None
     store = _store(name, cache_dir)
     if store is None:
-        known = ", ".join(sorted(SHAPES) + list(builtin_models()))
+        known = ", ".join(sorted(SHAPES) + builtin_names())
         raise ShapeError(f"no model shape {name!r}", hint=f"known shapes: {known}; or give a model or store directory")
     shape = ModelShape.from_spec(store.spec, Path(name).name, store.manifest.native_precision)
     return shape, store.native_layout.blob_bytes

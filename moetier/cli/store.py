@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from moetier.cli.defaults import command
+from moetier.errors import MoetierError
 from moetier.store.synth import PRESETS
 
 
@@ -19,10 +20,29 @@ def _convert(args: argparse.Namespace) -> None:
 def _synth(args: argparse.Namespace) -> None:
     from moetier.store.synth import synthesize
 
-    fields = {f.name for f in dataclasses.fields(PRESETS[args.preset])}
+    fields = {f.name for f in dataclasses.fields(PRESETS["olmoe-1b-7b"])}
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    spec = dataclasses.replace(PRESETS[args.preset], **overrides)
+    if args.inflate is not None:
+        return _inflate(args, sorted(set(overrides) - {"seed"}))
+    if args.expert_intermediate is not None:
+        raise MoetierError("--expert-intermediate sizes an inflated model", hint="give it with --inflate MODEL")
+    spec = dataclasses.replace(PRESETS[args.preset or "olmoe-1b-7b"], **overrides)
     path = synthesize(spec, args.out, overwrite=args.force)
+    print(f"wrote {path}")
+
+
+def _inflate(args: argparse.Namespace, shape_options: list[str]) -> None:
+    from moetier.resolve import resolve_model
+    from moetier.store.inflate import inflate, intermediate_for
+    from moetier.store.store import Store
+
+    if shape_options or args.preset is not None:
+        given = ", ".join("--" + o.replace("_", "-") for o in shape_options) or "--preset"
+        raise MoetierError(f"{given} sets a random model's shape; an inflated model keeps MODEL's",
+                           hint="give --inflate MODEL with --expert-intermediate (and --seed) only")
+    store = resolve_model(args.inflate)
+    n = args.expert_intermediate or intermediate_for(Store(store))
+    path = inflate(store, args.out, n, overwrite=args.force, seed=args.seed or 0)
     print(f"wrote {path}")
 
 
@@ -34,9 +54,15 @@ def add_parser(sub) -> None:
                    help="replace an existing store (only a moetier store; never the checkpoint itself)")
     c.set_defaults(func=_convert)
 
-    s = command(sub, "synth", "write a synthetic store of real shape with random weights")
+    s = command(sub, "synth", "write a synthetic store: a real shape with random weights, or (--inflate) a model's "
+                              "own experts padded to a real expert's size")
     s.add_argument("out", help="the store folder to write")
-    s.add_argument("--preset", default="olmoe-1b-7b", choices=sorted(PRESETS), help="the shape to start from")
+    s.add_argument("--preset", choices=sorted(PRESETS), help="the shape to start from (default olmoe-1b-7b)")
+    s.add_argument("--inflate", metavar="MODEL",
+                   help="a model (built-in name, Hugging Face folder or store) whose experts get extra hidden units "
+                        "that contribute exactly zero: same routing and tokens, real-size reads")
+    s.add_argument("--expert-intermediate", dest="expert_intermediate", type=int, metavar="N",
+                   help="with --inflate: the experts' new intermediate size (default: OLMoE-1B-7B's 12 MiB expert)")
     for name in ("hidden_size", "num_layers", "num_experts", "intermediate_size", "top_k", "num_heads",
                  "num_kv_heads", "vocab_size", "seed"):
         s.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=f"override the preset's {name}")

@@ -34,6 +34,7 @@ def _trace_record(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from moetier.engine.sampling import SamplingParams
+    from moetier.resolve import builtin_names
     from moetier.trace.record import TraceRecorder
 
     params = SamplingParams(args.max_tokens, args.temperature, 1.0, args.seed)  # refuses bad values
@@ -47,7 +48,7 @@ def _trace_record(args: argparse.Namespace) -> None:
         for prompt in tqdm(prompts, desc="record", unit="prompt"):
             engine.generate(prompt, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                             seed=params.seed)
-        trace = recorder.trace(prompts)
+        trace = recorder.trace(prompts, model=args.model if args.model in builtin_names() else None)
     trace.save(args.out, overwrite=args.force)
     print(f"wrote {args.out}: {trace.num_tokens} token steps, {len(prompts)} sequences")
 

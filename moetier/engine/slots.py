@@ -16,17 +16,8 @@ from collections import OrderedDict
 
 import torch
 
-from moetier.store.format import ALIGN, DTYPES, PrecisionLayout
+from moetier.store.format import ALIGN, PrecisionLayout
 from moetier.store.reader import Completion
-
-
-def _views(buffer: torch.Tensor, layout: PrecisionLayout) -> dict[str, torch.Tensor]:
-    """One slot's tensors, as views of its bytes `buffer` [blob_bytes] uint8."""
-    out = {}
-    for t in layout.tensors:
-        dtype = DTYPES[t.dtype]
-        out[t.name] = buffer[t.offset:t.offset + t.nbytes].view(dtype).view(t.shape)
-    return out
 
 
 class HostSlots:
@@ -56,7 +47,7 @@ class HostSlots:
             a, b = i * self.slot_bytes, (i + 1) * self.slot_bytes
             self.views.append(view[a:b])
             self.completions.append(Completion())
-            self._tensors.append(_views(flat[a:b], self.layout))
+            self._tensors.append(self.layout.views(flat[a:b]))
         self.num_slots = num_slots
 
     def read_target(self, slot: int) -> memoryview:
@@ -99,7 +90,7 @@ class DeviceSlots:
         for _ in range(self.num_slots, num_slots):
             block = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
             self._blocks.append(block)
-            self._tensors.append(_views(block, self.layout))
+            self._tensors.append(self.layout.views(block))
             self.completions.append(Completion())
             self._copied.append(None)
         self.num_slots = max(self.num_slots, num_slots)

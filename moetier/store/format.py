@@ -71,6 +71,10 @@ class PrecisionLayout:
     def blob_bytes(self) -> int:
         return align_up(self.nbytes)
 
+    def views(self, blob: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One expert's tensors as views of its bytes `blob` [>= nbytes] uint8."""
+        return {t.name: blob[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in self.tensors}
+
     @classmethod
     def swiglu(cls, name: str, dtype: str, hidden: int, intermediate: int) -> PrecisionLayout:
         gate_up = TensorLayout("gate_up_proj", dtype, (2 * intermediate, hidden), 0)

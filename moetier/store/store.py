@@ -49,6 +49,18 @@ class Store:
                 raise ChecksumError(f"dense tensor {name} in {self.path / DENSE} fails its checksum", hint=DAMAGED)
         return tensors
 
+    def read_expert(self, layer: int, expert: int, precision: str | None = None) -> dict[str, torch.Tensor]:
+        """One expert's tensors, read synchronously and verified against its checksum (for tools that rewrite
+        a store; the engine reads through ExpertReader)."""
+        blob = self.manifest.blob(layer, expert, precision)
+        with open(self.path / blob.file, "rb") as f:
+            f.seek(blob.offset)
+            data = bytearray(f.read(blob.length))
+        if len(data) != blob.length or zlib.crc32(data) != blob.crc32:
+            raise ChecksumError(f"expert {expert} of layer {layer} in {self.path / blob.file} fails its checksum",
+                                hint=DAMAGED)
+        return self.manifest.precisions[blob.precision].views(torch.frombuffer(data, dtype=torch.uint8))
+
     def read_file(self, name: str) -> bytes:
         """A copied file (tokenizer.json, ...), verified against its checksum."""
         data = (self.path / name).read_bytes()

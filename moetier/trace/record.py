@@ -48,7 +48,9 @@ class TraceRecorder(LayerHook):
                   gate_input.float().cpu().numpy() if self.gate_inputs else None)
         self._steps[-1]["layers"][self.columns[route.layer]] = record
 
-    def trace(self, prompts: list[str], source: str = "") -> Trace:
+    def trace(self, prompts: list[str], source: str = "", model: str | None = None) -> Trace:
+        """The recorded steps as a trace; `model` names the model (default: the folder it was converted from, or
+        the store's)."""
         spec = self.engine.spec
         cols = range(len(self.columns))
 
@@ -56,7 +58,7 @@ class TraceRecorder(LayerHook):
             return np.concatenate([np.stack([s["layers"][j][i] for j in cols], axis=1) for s in self._steps])
 
         return Trace(
-            model=Path(self.engine.store.manifest.source or self.engine.store.path).name, num_layers=spec.num_layers,
+            model=model or Path(self.engine.store.manifest.source or self.engine.store.path).name, num_layers=spec.num_layers,
             num_experts=spec.num_experts, top_k=spec.top_k, layers=list(spec.moe_layers),
             seq=np.concatenate([s["seq"] for s in self._steps]).astype(np.int32),
             pos=np.concatenate([s["pos"] for s in self._steps]).astype(np.int32),

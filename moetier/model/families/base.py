@@ -107,6 +107,7 @@ class Family:
     moe_prefix: str  # module holding router and experts, e.g. "mlp" or "block_sparse_moe"
     router_name: str  # router weight inside moe_prefix
     expert_proj: tuple[str, str, str]  # per-expert (gate, up, down) names in the legacy layout
+    expert_intermediate_key: str = "intermediate_size"  # the config.json field that sizes a routed expert
 
     def parse(self, cfg: dict) -> ModelSpec:
         raise NotImplementedError

@@ -42,4 +42,5 @@ class Qwen2MoeFamily(Family):
         return names
 
 
-QWEN2_MOE = Qwen2MoeFamily("qwen2_moe", ("qwen2_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
+QWEN2_MOE = Qwen2MoeFamily("qwen2_moe", ("qwen2_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
+                           "moe_intermediate_size")

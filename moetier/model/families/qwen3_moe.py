@@ -24,4 +24,5 @@ class Qwen3MoeFamily(Family):
         )
 
 
-QWEN3_MOE = Qwen3MoeFamily("qwen3_moe", ("qwen3_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
+QWEN3_MOE = Qwen3MoeFamily("qwen3_moe", ("qwen3_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
+                           "moe_intermediate_size")

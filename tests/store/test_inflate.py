@@ -1,0 +1,79 @@
+"""Inflated stores compute what their model computes: the padding is exact (random gate/up rows, zero down
+columns), logits agree, greedy tokens and recorded routing are the same, and the built-in `-xl` names build once."""
+
+import numpy as np
+import pytest
+import torch
+
+from moetier.engine.engine import Engine
+from moetier.errors import MoetierError
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
+from moetier.resolve import resolve_model
+from moetier.store import inflate as inflate_module
+from moetier.store.inflate import inflate
+from moetier.store.store import Store
+from moetier.trace.record import TraceRecorder
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+def logits(store, ids: list[int]) -> torch.Tensor:
+    with Engine.from_pretrained(store, expert_memory="100%", progress=False) as engine:
+        kv = KVCache(engine.spec, 1, len(ids), engine.model.dtype)
+        return engine.model.forward(StepBatch.prefill([ids], [0]), kv, all_logits=True).float()  # [T, V]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padding_is_exact_and_logits_agree(tiny_store, family, tmp_path):
+    _, small = tiny_store(family)
+    big = inflate(small, tmp_path / "xl", 200, progress=False)
+    a, b = Store(small), Store(big)
+    assert b.spec.moe_intermediate_size == 200 and a.spec.moe_intermediate_size == 48
+    assert b.native_layout.blob_bytes > 4 * a.native_layout.blob_bytes
+    old, new = a.read_expert(0, 3), b.read_expert(0, 3)
+    assert torch.equal(new["gate_up_proj"][:48], old["gate_up_proj"][:48])  # gate
+    assert torch.equal(new["gate_up_proj"][200:248], old["gate_up_proj"][48:])  # up
+    assert new["gate_up_proj"][48:200].abs().sum() > 0  # random rows: real bytes to read
+    assert torch.equal(new["down_proj"][:, :48], old["down_proj"]) and not new["down_proj"][:, 48:].any()
+    ids = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    # fp32 stores: only the order of a longer reduction differs
+    torch.testing.assert_close(logits(big, ids), logits(small, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_trained_bf16_model_inflated_writes_the_same_tokens_and_routing(tmp_path):
+    small = resolve_model("demo-fine", progress=False)
+    big = inflate(small, tmp_path / "xl", 512, progress=False)  # 4x its experts (8192 is the benchmark's)
+    prompts = ["It was a fine morning, and", "def read_config(path):\n"]
+    traces, texts = [], []
+    for store in (small, big):
+        with Engine.from_pretrained(store, expert_memory="100%", progress=False) as engine, \
+                TraceRecorder(engine) as rec:
+            texts.append([engine.generate(p, max_new_tokens=64).texts[0] for p in prompts])
+            traces.append(rec.trace(prompts))
+    assert texts[0] == texts[1]
+    assert np.array_equal(traces[0].topk_ids, traces[1].topk_ids)
+    # bf16 weights, fp32 accumulation in a different order: router scores agree to bf16 rounding
+    np.testing.assert_allclose(traces[0].scores.astype(np.float32), traces[1].scores.astype(np.float32),
+                               atol=2e-2)
+    assert traces[1].model == "xl" and traces[0].model == "demo-fine"  # each named by its own folder
+
+
+def test_inflation_is_refused_when_it_does_not_grow_or_the_disk_is_short(tiny_store, tmp_path, monkeypatch):
+    _, small = tiny_store("olmoe")
+    with pytest.raises(MoetierError, match="already have intermediate size 48"):
+        inflate(small, tmp_path / "same", 48, progress=False)
+    monkeypatch.setattr(inflate_module.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    with pytest.raises(MoetierError, match="GiB free"):
+        inflate(small, tmp_path / "full", 4096, progress=False)
+    assert not (tmp_path / "same").exists() and not (tmp_path / "full").exists()
+
+
+def test_builtin_xl_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(inflate_module, "OLMOE_EXPERT_BYTES", 3 * 256 * 1024 * 2)  # a small "real" size
+    first = resolve_model("demo-coarse-xl", tmp_path, progress=False)
+    assert first.parent == tmp_path and first.name.startswith("demo-coarse-xl-")
+    assert Store(first).spec.moe_intermediate_size == 1024
+    stamp = (first / "manifest.json").stat().st_mtime_ns
+    assert resolve_model("demo-coarse-xl", tmp_path, progress=False) == first
+    assert (first / "manifest.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
