@@ -1,6 +1,8 @@
 """Inflated stores compute what their model computes: the padding is exact (random gate/up rows, zero down
 columns), logits agree, greedy tokens and recorded routing are the same, and the built-in `-xl` names build once."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -77,3 +79,29 @@ def test_builtin_xl_is_built_once_into_the_cache(tmp_path, monkeypatch):
     stamp = (first / "manifest.json").stat().st_mtime_ns
     assert resolve_model("demo-coarse-xl", tmp_path, progress=False) == first
     assert (first / "manifest.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+
+def test_trace_record_on_an_xl_model_names_it_and_routes_as_the_small_one(tmp_path, monkeypatch, capsys):
+    from moetier.cli import main
+    from moetier.trace.format import Trace
+
+    monkeypatch.setattr(inflate_module, "OLMOE_EXPERT_BYTES", 3 * 256 * 1024 * 2)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("It was a fine morning, and\ndef read_config(path):\n")
+    for name in ("demo-coarse", "demo-coarse-xl"):
+        assert main(["trace", "record", "--model", name, "--prompts", str(prompts), "--out", str(tmp_path / name),
+                     "--max-tokens", "8", "--cache-dir", str(tmp_path / "cache")]) == 0
+    small, big = Trace.load(tmp_path / "demo-coarse"), Trace.load(tmp_path / "demo-coarse-xl")
+    assert big.model == "demo-coarse-xl" and np.array_equal(small.topk_ids, big.topk_ids)
+    # the simulator takes each model's shape from its trace: same hits, reads of the xl model's 1.5 MiB experts
+    sims = {}
+    for name in ("demo-coarse", "demo-coarse-xl"):
+        capsys.readouterr()
+        assert main(["sim", "--trace", str(tmp_path / name), "--profile", "rtx4090", "--expert-memory", "25%",
+                     "--cache-dir", str(tmp_path / "cache")]) == 0
+        sims[name] = json.loads(capsys.readouterr().out)
+    assert sims["demo-coarse-xl"]["model_shape"] == "demo-coarse-xl"
+    assert sims["demo-coarse-xl"]["hit_rate"] == sims["demo-coarse"]["hit_rate"]
+    blob = {name: Store(resolve_model(name, tmp_path / "cache")).native_layout.blob_bytes for name in sims}
+    assert sims["demo-coarse-xl"]["expert_bytes_per_token"] == pytest.approx(
+        sims["demo-coarse"]["expert_bytes_per_token"] * blob["demo-coarse-xl"] / blob["demo-coarse"])
