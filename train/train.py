@@ -2,6 +2,7 @@
 
     python -m train.train demo-fine [--threads 1]        # ~1 hour on this 2-core CPU
     python -m train.train demo-coarse [--threads 1]
+    python -m train.train demo-deep --threads 2          # ~1.5 hours on both cores
 
 Checkpoints go to ~/.cache/moetier/train/<name>/ckpt.pt ($MOETIER_CACHE/train/... if set) every `checkpoint_every` steps (written to a temporary
 file, then renamed); rerunning the same command resumes from there. At the end the model is saved in bf16 with
