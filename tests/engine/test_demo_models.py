@@ -12,7 +12,7 @@ from moetier.model.kv_cache import KVCache
 from moetier.resolve import builtin_models
 from train.corpus import GUTENBERG, code_documents, detokenise, prose_documents
 
-NAMES = ["demo-fine", "demo-coarse"]
+NAMES = ["demo-fine", "demo-coarse", "demo-deep"]
 
 
 @pytest.fixture(scope="module")
