@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from moetier.atomic import sweep, target_lock
@@ -78,14 +79,20 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
     cache.mkdir(parents=True, exist_ok=True)
     sweep(cache)  # what conversions killed earlier left behind
     store = cache / f"{path.name}-{_fingerprint(path)}"
+    return _build_once(store, lambda: convert(path, store, overwrite=True, progress=progress), reconvert, progress)
+
+
+def _build_once(store: Path, build: Callable[[], Path], rebuild: bool, progress: bool) -> Path:
+    """`store` in the cache, built by `build` unless a whole one is there (or `rebuild`); under the target's lock,
+    so several processes asking at once build it once and the others reuse it."""
     with target_lock(store, on_wait=_note if progress else None):
-        if not reconvert and (store / MANIFEST).exists():
+        if not rebuild and (store / MANIFEST).exists():
             try:
                 Manifest.load(store)
                 return store
             except StoreError:
-                pass  # an earlier conversion was damaged: convert again
-        return convert(path, store, overwrite=True, progress=progress)
+                pass  # an earlier build was damaged: build again
+        return build()
 
 
 def _inflated(name: str, cache_dir: str | Path | None, progress: bool, rebuild: bool) -> Path:
@@ -96,15 +103,12 @@ def _inflated(name: str, cache_dir: str | Path | None, progress: bool, rebuild: 
     base = resolve_model(inflated_builtins()[name], cache_dir, progress, rebuild)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     store = cache / f"{name}-{_fingerprint(base)}"  # a new base store (re-converted) gets a new inflation
-    with target_lock(store, on_wait=_note if progress else None):
-        if not rebuild and (store / MANIFEST).exists():
-            try:
-                Manifest.load(store)
-                return store
-            except StoreError:
-                pass  # an earlier build was damaged: build again
+
+    def build() -> Path:
         n = intermediate_for(Store(base))
         if progress:
             _note(f"building {name} once: {inflated_builtins()[name]}'s experts inflated to intermediate size {n} "
                   f"into {store}")
         return inflate(base, store, n, overwrite=True, progress=progress)
+
+    return _build_once(store, build, rebuild, progress)
