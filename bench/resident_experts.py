@@ -18,7 +18,7 @@ class ResidentExperts:
         if len(r) < spec.num_expert_keys:
             raise ValueError("preload every expert first (budget 100%)")
         self.weights = {key: executor.pool.weights(entry.slot) for key, entry in r.entries.items()}
-        self.num_experts = spec.num_experts
+        self.num_experts, self.kernels = spec.num_experts, executor.kernels
         self.policy = EvictionPolicy()
 
     def begin_step(self, phase, phases) -> None:
@@ -27,7 +27,7 @@ class ResidentExperts:
     def __call__(self, layer: int, x: torch.Tensor, scores, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  shared=None) -> torch.Tensor:
         counts = np.bincount(topk_ids.numpy().ravel(), minlength=self.num_experts)
-        groups = ExpertGroups(x, topk_ids, topk_weights, counts)
+        groups = ExpertGroups(x, topk_ids, topk_weights, counts, self.kernels)
         for e in np.flatnonzero(counts).tolist():
             w = self.weights[(layer, e)]
             groups.compute(e, w["gate_up_proj"], w["down_proj"])

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from moetier.engine.slots import HostSlots
 from moetier.model.batch import StepBatch
+from moetier.model.kernels import make_kernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import swiglu
 from moetier.model.transformer import Transformer
 from moetier.sim.cost import CostModel, linear_fit
 from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Tier
@@ -67,9 +67,10 @@ def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
     """The CPU as a roofline: bytes/s of a matrix-vector product over 256 MiB of weights, FLOP/s of a
     2048-cubed matrix product, and the time of a tiny call."""
     precision = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    linear = make_kernels("auto", dtype, torch.device("cpu")).linear  # the engine's own
     w = torch.randn(8192, 16384).to(dtype)
     v = torch.randn(1, 16384).to(dtype)
-    bandwidth = w.numel() * w.element_size() / _median_time(lambda: torch.nn.functional.linear(v, w), 5)
+    bandwidth = w.numel() * w.element_size() / _median_time(lambda: linear(v, w), 5)
     a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
     flops = 2 * 2048 ** 3 / _median_time(lambda: a @ b, 5)
     s, t = torch.randn(1, 64).to(dtype), torch.randn(64, 64).to(dtype)
@@ -79,6 +80,7 @@ def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
 
 def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32)) -> Linear:
     spec, dtype = store.spec, store.load_dense()["embed_tokens"].dtype
+    swiglu = make_kernels("auto", dtype, torch.device("cpu")).swiglu  # the engine's own
     # Several experts in rotation, so weights come from memory rather than cache, as in decoding.
     experts = [(torch.randn(2 * spec.moe_intermediate_size, spec.hidden_size).to(dtype),
                 torch.randn(spec.hidden_size, spec.moe_intermediate_size).to(dtype)) for _ in range(8)]
@@ -97,8 +99,8 @@ class _DenseOnly:
 
 
 def dense_and_head(store: Store, tokens=(1, 4, 16), context: int = 48) -> tuple[Linear, Linear]:
-    spec = store.spec
-    model = Transformer(spec, store.load_dense(), _DenseOnly())
+    spec, dense = store.spec, store.load_dense()
+    model = Transformer(spec, dense, _DenseOnly(), make_kernels("auto", dense["embed_tokens"].dtype, torch.device("cpu")))
     rows = max(tokens)
     kv = KVCache(spec, rows, context + 1, model.dtype)
     step_s, head_s = [], []
@@ -106,7 +108,7 @@ def dense_and_head(store: Store, tokens=(1, 4, 16), context: int = 48) -> tuple[
         batch = StepBatch.decode_step([1] * t, list(range(t)), [context - 1] * t, rows)
         step_s.append(_median_time(lambda batch=batch: model.forward(batch, kv)))
         h = torch.randn(t, spec.hidden_size).to(model.dtype)
-        head_s.append(_median_time(lambda h=h: torch.nn.functional.linear(h, model.lm_head)))
+        head_s.append(_median_time(lambda h=h: model.kernels.linear(h, model.lm_head)))
     head = linear_fit(list(tokens), head_s)
     dense = linear_fit(list(tokens), [(s - head(t)) / spec.num_layers for s, t in zip(step_s, tokens)])
     return dense, head
@@ -123,10 +125,10 @@ def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
     n = min(spec.num_experts, 2 * spec.top_k)
     layer = spec.moe_layers[0]
     with ExpertReader(store.path, verify=False) as reader:
-        executor = ExpertExecutor(spec, store.manifest, n * store.native_layout.blob_bytes, make_policy("lru"),
-                                  reader)
-        executor.preload(ExpertKey(layer, e) for e in range(n))
         dtype = store.load_dense()["embed_tokens"].dtype
+        executor = ExpertExecutor(spec, store.manifest, n * store.native_layout.blob_bytes, make_policy("lru"),
+                                  reader, kernels=make_kernels("auto", dtype, torch.device("cpu")))
+        executor.preload(ExpertKey(layer, e) for e in range(n))
         ys = []
         for t in tokens:
             x = torch.randn(t, spec.hidden_size).to(dtype)

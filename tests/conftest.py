@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 from moetier.store.convert import convert
 from tests.tiny_models import build_tiny
@@ -25,11 +26,11 @@ def tiny_store(tmp_path_factory):
     """(reference model, store path) for a family, built once per session."""
     made = {}
 
-    def get(family: str, **overrides):
-        key = (family, repr(sorted(overrides.items())))
+    def get(family: str, dtype: torch.dtype = torch.float32, **overrides):
+        key = (family, dtype, repr(sorted(overrides.items())))
         if key not in made:
             root = tmp_path_factory.mktemp(family)
-            ref = build_tiny(family, root / "hf", **overrides)
+            ref = build_tiny(family, root / "hf", dtype=dtype, **overrides)
             made[key] = (ref, convert(root / "hf", root / "store", progress=False))
         return made[key]
 

@@ -46,8 +46,9 @@ def direct(x, ids: np.ndarray, weights: np.ndarray, experts: dict[int, tuple]):
     """Sum over each token's (k, expert) pairs of weight * expert(x), written out with no plan."""
     import torch
 
-    from moetier.model.layers import swiglu
+    from moetier.model.kernels import TorchKernels
 
+    swiglu = TorchKernels().swiglu
     out = torch.zeros_like(x)
     for t in range(ids.shape[0]):
         for k in range(ids.shape[1]):

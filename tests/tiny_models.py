@@ -27,8 +27,9 @@ def tiny_config(family: str, num_layers: int = 2, top_k: int = 2, **overrides):
     return AutoConfig.for_model(family, **kw)
 
 
-def build_tiny(family: str, out: Path, seed: int = 0, **overrides):
-    """Save a random fp32 checkpoint with `family`'s real transformers class; return the model (eval mode)."""
+def build_tiny(family: str, out: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """Save a random checkpoint (fp32 unless `dtype` says) with `family`'s real transformers class; return the model
+    (eval mode)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -37,7 +38,7 @@ def build_tiny(family: str, out: Path, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] > 1:
                 p.normal_(0, 0.5)
-    model.eval()
+    model = model.to(dtype).eval()
     model.save_pretrained(out)
     return model
 

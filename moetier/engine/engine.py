@@ -17,6 +17,7 @@ from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available
+from moetier.model.kernels import KERNELS, make_kernels
 from moetier.model.transformer import Transformer
 from moetier.policy_files import make_policy_for_model, policy_dir
 from moetier.resolve import resolve_model
@@ -36,11 +37,14 @@ class EngineConfig:
     chunk_bytes: int = 2 << 20
     verify_checksums: bool = True
     device: str = "cpu"  # where the dense weights, the expert cache and the kernels live ("cuda", "cuda:1", ...)
+    kernels: str = "auto"  # "auto": native one-row bf16 products on the CPU where they build; "torch"; "native"
 
     def __post_init__(self) -> None:
         if self.reader_threads < 1:
             raise MoetierError("reader_threads must be at least 1")
         check_device(self.device)
+        if self.kernels not in KERNELS:
+            raise MoetierError(f"unknown kernels {self.kernels!r}", hint=f"one of {', '.join(KERNELS)}")
         if self.cache_partition not in PARTITIONS:
             raise MoetierError(f"unknown cache partition {self.cache_partition!r}", hint=f"one of {PARTITIONS}")
 
@@ -115,10 +119,11 @@ class Engine:
         policy = make_policy_for_model(config.policy, ctx, policy_dir(store))
         dense = {name: t.to(self.device) for name, t in store.load_dense().items()}
         self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
+        self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
         self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
-                                       per_layer, self.device)
-        self.model = Transformer(self.spec, dense, self.executor)
+                                       per_layer, self.device, self.kernels)
+        self.model = Transformer(self.spec, dense, self.executor, self.kernels)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)
         self.closed = False

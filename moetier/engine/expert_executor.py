@@ -15,6 +15,7 @@ from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
 from moetier.engine.slots import make_slots
 from moetier.errors import MoetierError
+from moetier.model.kernels import TorchKernels
 from moetier.plan.counters import CountingHook, PhaseCounters
 from moetier.plan.layer_plan import FAST, RESIDENT, LayerPlan, Load, Prefetch
 from moetier.plan.on_demand import OnDemandStage
@@ -27,8 +28,10 @@ from moetier.store.reader import ON_DEMAND, PREFETCH, ExpertReader
 
 class ExpertExecutor:
     def __init__(self, spec: ModelSpec, manifest: Manifest, capacity_bytes: int, policy: EvictionPolicy,
-                 reader: ExpertReader, per_layer: bool = False, device: torch.device | str = "cpu") -> None:
+                 reader: ExpertReader, per_layer: bool = False, device: torch.device | str = "cpu",
+                 kernels: TorchKernels | None = None) -> None:
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
+        self.kernels = kernels or TorchKernels()
         self.device = torch.device(device)
         self.precision = manifest.native_precision
         entry_bytes = {p: layout.blob_bytes for p, layout in manifest.precisions.items()}
@@ -77,7 +80,7 @@ class ExpertExecutor:
             self._prefetch(prefetch)
         ids = torch.from_numpy(plan.assign_ids).to(self.device)
         weights = torch.from_numpy(plan.assign_weights).to(self.device, weight_dtype)  # the router's dtype
-        groups = ExpertGroups(x, ids, weights, plan.counts)
+        groups = ExpertGroups(x, ids, weights, plan.counts, self.kernels)
         try:
             shared_out = shared() if shared is not None else None  # resident work first, while reads land
             for run in plan.runs:

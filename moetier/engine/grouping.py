@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moetier.model.layers import swiglu
+from moetier.model.kernels import TorchKernels
 
 
 class ExpertGroups:
     def __init__(self, x: torch.Tensor, assign_ids: torch.Tensor, assign_weights: torch.Tensor,
-                 counts: np.ndarray) -> None:
+                 counts: np.ndarray, kernels: TorchKernels) -> None:
         """x [T, H]; assign_ids, assign_weights [T, k]; counts [E] pairs per expert (SKIP not counted)."""
-        self.x = x
+        self.x, self.kernels = x, kernels
         flat = assign_ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # SKIP (-1) sorts first
         order = order[flat.numel() - int(counts.sum()):]  # [P] the pairs that run
@@ -26,7 +26,7 @@ class ExpertGroups:
 
     def compute(self, expert: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
         a, b = self.offsets[expert], self.offsets[expert + 1]
-        self.ys[a:b] = swiglu(self.xs[a:b], gate_up_proj, down_proj) * self.ws[a:b, None]
+        self.kernels.expert(self.ys[a:b], self.xs[a:b], gate_up_proj, down_proj, self.ws[a:b])
 
     def combine(self) -> torch.Tensor:
         """Sum each token's expert outputs: [T, H]."""

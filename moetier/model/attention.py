@@ -7,14 +7,15 @@ import torch.nn.functional as F
 
 from moetier.config import ModelSpec
 from moetier.model.batch import StepBatch, causal_mask
+from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.layers import Rope, rms_norm
 
 
 class Attention:
-    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor]) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], kernels: TorchKernels) -> None:
         p = f"layers.{layer}."
-        self.layer, self.spec = layer, spec
+        self.layer, self.spec, self.kernels = layer, spec, kernels
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (w[p + f"{n}_proj"] for n in "qkvo")
         self.q_bias, self.k_bias, self.v_bias, self.o_bias = (w.get(p + f"{n}_proj.bias") for n in "qkvo")
         self.q_norm, self.k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
@@ -23,9 +24,10 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, batch: StepBatch, kv: KVCache, rope: Rope) -> torch.Tensor:
         spec, n = self.spec, x.shape[0]
-        q = F.linear(x, self.q_proj, self.q_bias)  # [N, Hq*D]
-        k = F.linear(x, self.k_proj, self.k_bias)  # [N, Hkv*D]
-        v = F.linear(x, self.v_proj, self.v_bias)
+        linear = self.kernels.linear
+        q = linear(x, self.q_proj, self.q_bias)  # [N, Hq*D]
+        k = linear(x, self.k_proj, self.k_bias)  # [N, Hkv*D]
+        v = linear(x, self.v_proj, self.v_bias)
         if spec.qk_norm == "full":  # OLMoE: one norm over all heads, before the split
             q, k = rms_norm(q, self.q_norm, spec.rms_norm_eps), rms_norm(k, self.k_norm, spec.rms_norm_eps)
         if spec.clip_qkv is not None:
@@ -38,7 +40,7 @@ class Attention:
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         kv.write(self.layer, batch.rows, batch.positions, k, v)
         out = self._decode(q, batch, kv) if batch.decode else self._prefill(q, batch, kv)  # [N, Hq, D]
-        return F.linear(out.reshape(n, -1), self.o_proj, self.o_bias)
+        return linear(out.reshape(n, -1), self.o_proj, self.o_bias)
 
     def _decode(self, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         s = max(batch.lengths_host)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from moetier.config import ModelSpec
 from moetier.model.attention import Attention
 from moetier.model.batch import StepBatch
+from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import Rope, rms_norm, swiglu
+from moetier.model.layers import Rope, rms_norm
 from moetier.model.router import route
 
 
@@ -21,11 +22,13 @@ class Experts(Protocol):
 
 
 class Transformer:
-    def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: Experts) -> None:
+    def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: Experts,
+                 kernels: TorchKernels | None = None) -> None:
         self.spec, self.w, self.experts = spec, dense, experts
+        self.kernels = kernels or TorchKernels()
         self.dtype, self.device = dense["embed_tokens"].dtype, dense["embed_tokens"].device
         self.lm_head = dense.get("lm_head", dense["embed_tokens"])
-        self.attn = [Attention(spec, i, dense) for i in range(spec.num_layers)]
+        self.attn = [Attention(spec, i, dense, self.kernels) for i in range(spec.num_layers)]
         self.is_moe = spec.is_moe_layer
         # Each layer's weights by short name, looked up once here rather than formatted in the hot loop.
         self.layers = [{k.removeprefix(f"layers.{i}."): v for k, v in dense.items() if k.startswith(f"layers.{i}.")}
@@ -38,13 +41,13 @@ class Transformer:
         return self.rope
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        spec, w = self.spec, self.layers[layer]
+        spec, w, kernels = self.spec, self.layers[layer], self.kernels
         scores, topk_ids, topk_weights = route(x, w["router"], spec.top_k, spec.norm_topk_prob,
                                                weights_in_fp32=spec.family == "mixtral")
         shared = None
         if spec.shared_expert_intermediate_size:
             def shared() -> torch.Tensor:  # Qwen2-MoE: sigmoid-gated shared expert, resident like attention
-                out = swiglu(x, w["shared.gate_up_proj"], w["shared.down_proj"])
+                out = kernels.swiglu(x, w["shared.gate_up_proj"], w["shared.down_proj"])
                 return torch.sigmoid(F.linear(x, w["shared_gate"])) * out
         return self.experts(layer, x, scores, topk_ids, topk_weights, shared)
 
@@ -57,7 +60,8 @@ class Transformer:
         for i, w in enumerate(self.layers):
             h = h + self.attn[i](rms_norm(h, w["input_norm"], eps), batch, kv, rope)
             x = rms_norm(h, w["post_attn_norm"], eps)
-            h = h + (self._moe(i, x) if self.is_moe[i] else swiglu(x, w["mlp.gate_up_proj"], w["mlp.down_proj"]))
+            h = h + (self._moe(i, x) if self.is_moe[i] else
+                     self.kernels.swiglu(x, w["mlp.gate_up_proj"], w["mlp.down_proj"]))
         if not all_logits:
             h = h[batch.last]
-        return F.linear(rms_norm(h, self.w["norm"], eps), self.lm_head)
+        return self.kernels.linear(rms_norm(h, self.w["norm"], eps), self.lm_head)

@@ -1,0 +1,136 @@
+/* One row of bf16 activations through bf16 weights at memory speed on AVX2 CPUs (decode is batch 1).
+
+   Why: torch's bf16 matrix-vector path converts and accumulates at ~7.5 GB/s per core here, below what the
+   memory delivers (~20 GB/s on two cores); a decode step is nothing but such products, so it ran at 0.7 of the
+   memory roofline. Here each 32-byte load of 16 bf16 weights becomes two fp32 vectors by interleaving zero
+   halves (one instruction per 8 values: a bf16 is the top half of an fp32), fed to FMAs with the activation
+   permuted once per call into the same order (see `dot` for the loop).
+
+   Arithmetic: products and sums in fp32 as torch's kernels do, in a different order, then one rounding to
+   bf16 (nearest even) where torch rounds: every op's output. So results equal torch's up to the last bit of
+   an output that lands near a rounding boundary.
+
+   Threads: rows are split across the OpenMP team. This library links libgomp by its soname, so inside torch's
+   process it shares torch's OpenMP runtime and thread count (torch.set_num_threads) instead of starting a
+   second pool that would fight it for the cores. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN_BYTES (256 * 1024) /* below this, waking the team costs more than it saves */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet: as c10::BFloat16 */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Where element i of an activation vector is kept so that it meets its weight: in each full block of 16, the
+   order unpacklo/unpackhi leave the weights in, [0-3, 8-11 | 4-7, 12-15]; the tail past the last full block
+   stays in order. */
+static inline long permuted(long i) {
+    long j = i & 15;
+    return (i & ~15L) | (j < 4 || j >= 12 ? j : j ^ 12); /* 4-7 <-> 8-11 */
+}
+
+#define ZERO_UNPACK_FMA(w, acc_lo, acc_hi)                                                                   \
+    do {                                                                                                     \
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w));                                                \
+        acc_lo = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), xl, acc_lo);          \
+        acc_hi = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), xh, acc_hi);          \
+    } while (0)
+
+/* One row . x in fp32. Rows are read one after another (a single forward stream per thread, which the
+   hardware prefetcher follows across rows; four rows at once measured 10% slower), 64 values per step into
+   eight accumulators (the FMA latency), with a software prefetch 1 KiB ahead (measured best of 0.5-2 KiB). */
+#define PREFETCH_AHEAD 512 /* values */
+static float dot(const uint16_t *w, const float *xp, long K) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, xl, xh;
+    long k = 0;
+    for (; k + 64 <= K; k += 64) {
+        _mm_prefetch((const char *)(w + k + PREFETCH_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + k + PREFETCH_AHEAD + 32), _MM_HINT_T0);
+        xl = _mm256_loadu_ps(xp + k), xh = _mm256_loadu_ps(xp + k + 8);
+        ZERO_UNPACK_FMA(w + k, a0, b0);
+        xl = _mm256_loadu_ps(xp + k + 16), xh = _mm256_loadu_ps(xp + k + 24);
+        ZERO_UNPACK_FMA(w + k + 16, a1, b1);
+        xl = _mm256_loadu_ps(xp + k + 32), xh = _mm256_loadu_ps(xp + k + 40);
+        ZERO_UNPACK_FMA(w + k + 32, a2, b2);
+        xl = _mm256_loadu_ps(xp + k + 48), xh = _mm256_loadu_ps(xp + k + 56);
+        ZERO_UNPACK_FMA(w + k + 48, a3, b3);
+    }
+    for (; k + 16 <= K; k += 16) {
+        xl = _mm256_loadu_ps(xp + k), xh = _mm256_loadu_ps(xp + k + 8);
+        ZERO_UNPACK_FMA(w + k, a0, b0);
+    }
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1)),
+                             _mm256_add_ps(_mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)));
+    float sum = hsum(s);
+    for (; k < K; k++) sum += bf16_to_f32(w[k]) * xp[k];
+    return sum;
+}
+
+/* y[N] = W[N, K] . x[K], fp32; x already permuted */
+static void gemv(const uint16_t *W, const float *xp, float *y, long N, long K) {
+#pragma omp parallel for schedule(static) if (N * K * 2 >= PARALLEL_MIN_BYTES)
+    for (long r = 0; r < N; r++) y[r] = dot(W + r * K, xp, K);
+}
+
+/* F.linear on one row: y[N] = bf16(W[N, K] . x[K] + bias[N]); bias may be NULL.
+   scratch: at least K + N floats. */
+void moetier_linear_bf16(const uint16_t *W, const uint16_t *x, const uint16_t *bias, uint16_t *y, long N, long K,
+                         float *scratch) {
+    float *xf = scratch, *acc = scratch + K;
+    long full = K & ~15L;
+    for (long k = 0; k < K; k++) xf[k < full ? permuted(k) : k] = bf16_to_f32(x[k]);
+    gemv(W, xf, acc, N, K);
+    if (bias)
+        for (long n = 0; n < N; n++) y[n] = f32_to_bf16(acc[n] + bf16_to_f32(bias[n]));
+    else
+        for (long n = 0; n < N; n++) y[n] = f32_to_bf16(acc[n]);
+}
+
+/* One token through one SwiGLU expert, rounding where the reference's bf16 ops round:
+   y[H] = bf16(bf16(down . bf16(bf16(silu(g)) * u)) * weight), with g, u = bf16(gate_up[2I, H] . x); the weight is
+   the routing weight as a float (exact for a bf16 one), 1 for an expert that is not routed.
+   One parallel region: each thread takes gate rows with their up rows, so it can finish h = silu(g) * u for them
+   on its own, written straight into the permuted order the down product reads; one barrier; then the
+   down rows.
+   scratch: at least H + I floats. */
+void moetier_swiglu_bf16(const uint16_t *gate_up, const uint16_t *down, const uint16_t *x, float weight,
+                         uint16_t *y, long H, long I, float *scratch) {
+    float *xf = scratch, *hp = xf + H; /* hp: I floats, permuted */
+    long hfull = H & ~15L, ifull = I & ~15L;
+    for (long k = 0; k < H; k++) xf[k < hfull ? permuted(k) : k] = bf16_to_f32(x[k]);
+#pragma omp parallel if (3 * H * I * 2 >= PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < I; r++) {
+            float g = round_bf16(dot(gate_up + r * H, xf, H)), u = round_bf16(dot(gate_up + (I + r) * H, xf, H));
+            hp[r < ifull ? permuted(r) : r] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+        } /* its implicit barrier: every h is written before any down row reads them */
+#pragma omp for schedule(static)
+        for (long k = 0; k < H; k++) y[k] = f32_to_bf16(round_bf16(dot(down + k * I, hp, I)) * weight);
+    }
+}

@@ -1,0 +1,102 @@
+"""The products a forward step is made of, behind one interface: `linear` (F.linear) and `expert` (a SwiGLU
+expert on its tokens, scaled by their routing weights, written into `out`).
+
+`TorchKernels` is torch's own ops. `NativeKernels` takes the one-row bf16 case on the CPU — every product of a
+batch-1 decode step — to `csrc/bf16_rows.c`, which streams the weights at the memory's speed; everything else
+(prefill, batches, fp32) stays on torch. Chosen once per engine by `make_kernels`, never per call by a flag."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from moetier.errors import MoetierError
+from moetier.model import native
+
+KERNELS = ("auto", "torch", "native")
+
+
+class TorchKernels:
+    name = "torch"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def swiglu(self, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)) with gate and up packed as gate_up_proj [2I, H]."""
+        gate, up = F.linear(x, gate_up_proj).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(F.silu(gate) * up, down_proj)
+
+    def expert(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+               weights: torch.Tensor) -> None:
+        """out [n, H] = swiglu(x [n, H]) * weights [n] (rounded as the reference's two ops round)."""
+        out.copy_(self.swiglu(x, gate_up_proj, down_proj) * weights[:, None])
+
+
+class NativeKernels(TorchKernels):
+    """bf16 on the CPU: one-row products in the native library (fp32 accumulation, one rounding per op, as
+    torch's; only the order of the sums differs)."""
+
+    name = "native"
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+        self.scratch = torch.empty(0, dtype=torch.float32)  # fp32 work space, grown to the largest shape seen
+
+    def _scratch(self, floats: int) -> int:
+        if self.scratch.numel() < floats:
+            self.scratch = torch.empty(floats, dtype=torch.float32)
+        return self.scratch.data_ptr()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] != 1 or x.dim() != 2 or not x.is_contiguous():
+            return F.linear(x, weight, bias)
+        n, k = weight.shape
+        y = torch.empty(1, n, dtype=x.dtype)
+        self.lib.moetier_linear_bf16(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                     y.data_ptr(), n, k, self._scratch(k + n))
+        return y
+
+    def swiglu(self, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 1 or not x.is_contiguous():
+            return super().swiglu(x, gate_up_proj, down_proj)
+        y = torch.empty_like(x)
+        self._swiglu_row(y, x, gate_up_proj, down_proj, 1.0)
+        return y
+
+    def expert(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+               weights: torch.Tensor) -> None:
+        if x.shape[0] != 1 or not (x.is_contiguous() and out.is_contiguous()):
+            return super().expert(out, x, gate_up_proj, down_proj, weights)
+        # The weight times the bf16 output in fp32, rounded once: what `swiglu(x) * w` then the bf16 `out`
+        # store round to, whether the router's weights are bf16 or fp32 (Mixtral).
+        self._swiglu_row(out, x, gate_up_proj, down_proj, weights.item())
+
+    def _swiglu_row(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                    weight: float) -> None:
+        h, i = down_proj.shape
+        self.lib.moetier_swiglu_bf16(gate_up_proj.data_ptr(), down_proj.data_ptr(), x.data_ptr(), weight,
+                                     out.data_ptr(), h, i, self._scratch(h + i))
+
+
+def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKernels:
+    """`auto`: native where it applies (bf16 on a CPU with AVX2 and a C compiler), else torch — saying why once
+    when bf16 on the CPU falls back. `native` insists and fails with the reason; `torch` never builds anything."""
+    if name not in KERNELS:
+        raise MoetierError(f"unknown kernels {name!r}", hint=f"one of {', '.join(KERNELS)}")
+    applies = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    if name == "torch" or (name == "auto" and not applies):
+        return TorchKernels()
+    if not applies:
+        raise MoetierError(f"the native kernels are for bf16 weights on the CPU; this model is {dtype} on {device}",
+                           hint="use kernels 'auto' or 'torch'")
+    loaded = native.load()
+    if loaded.lib is not None:
+        return NativeKernels(loaded.lib)
+    if name == "native":
+        raise MoetierError(f"the native kernels are not available: {loaded.reason}", hint="use kernels 'torch'")
+    warnings.warn(f"moetier: bf16 decoding on torch's kernels, slower than the native ones: {loaded.reason}",
+                  stacklevel=2)
+    return TorchKernels()

@@ -1,0 +1,134 @@
+"""The native bf16 row kernels against torch's ops: the same numbers up to the last bit of an output near a
+rounding boundary, on shapes with and without tails; the engine with them decodes as transformers does in bf16;
+and every way of not having them is said."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moetier.config import MemoryBudget
+from moetier.engine.engine import Engine, EngineConfig
+from moetier.errors import MoetierError
+from moetier.model import native
+from moetier.model.kernels import NativeKernels, TorchKernels, make_kernels
+from moetier.store.store import Store
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    k = make_kernels("native", torch.bfloat16, CPU)
+    assert isinstance(k, NativeKernels)
+    return k
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart each pair of values is (both finite, same sign or zero)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ia - ib).abs()
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_matches_torch(kernels, n, k, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(1, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    ours, ref = kernels.linear(x, w, b), TorchKernels().linear(x, w, b)
+    assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+    # fp32 sums in another order: a result may round the other way, never further
+    assert ulps_apart(ours, ref).max().item() <= 1
+
+
+@pytest.mark.parametrize("hidden,intermediate", [(2048, 1024), (64, 48), (30, 21), (100, 130), (16, 1)])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_expert_matches_torch(kernels, hidden, intermediate, weight_dtype):
+    torch.manual_seed(hidden + intermediate)
+    gate_up = (torch.randn(2 * intermediate, hidden) / hidden ** 0.5).bfloat16()
+    down = (torch.randn(hidden, intermediate) / intermediate ** 0.5).bfloat16()
+    x = torch.randn(1, hidden).bfloat16()
+    weights = torch.tensor([0.37]).to(weight_dtype)  # Mixtral keeps its routing weights in fp32
+    ours, ref = torch.empty(1, hidden, dtype=torch.bfloat16), torch.empty(1, hidden, dtype=torch.bfloat16)
+    kernels.expert(ours, x, gate_up, down, weights)
+    TorchKernels().expert(ref, x, gate_up, down, weights)
+    # rare one-step differences inside may move an output a step or two; most are identical
+    assert ulps_apart(ours, ref).max().item() <= 2
+    assert (ours == ref).float().mean().item() >= 0.95
+    assert torch.equal(kernels.swiglu(x, gate_up, down), kernels.swiglu(x, gate_up, down))  # deterministic
+
+
+def test_several_rows_and_views_fall_back_to_torch(kernels):
+    w = torch.randn(8, 32).bfloat16()
+    x = torch.randn(3, 32).bfloat16()
+    assert torch.equal(kernels.linear(x, w), TorchKernels().linear(x, w))
+    strided = torch.randn(32, 2).bfloat16()[:, :1].T  # one row, not contiguous
+    assert torch.equal(kernels.linear(strided, w), TorchKernels().linear(strided, w))
+
+
+def test_choice_of_kernels():
+    assert make_kernels("auto", torch.float32, CPU).name == "torch"  # fp32: torch's sgemv streams already
+    assert make_kernels("torch", torch.bfloat16, CPU).name == "torch"
+    with pytest.raises(MoetierError, match="unknown kernels"):
+        make_kernels("fast", torch.bfloat16, CPU)
+    with pytest.raises(MoetierError, match="bf16 weights on the CPU"):
+        make_kernels("native", torch.float32, CPU)
+    with pytest.raises(MoetierError, match="unknown kernels"):
+        EngineConfig(kernels="fast")
+
+
+def test_without_a_compiler_auto_warns_and_native_refuses(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOETIER_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.load().lib is None and "no-such-cc" in native.load().reason
+    with pytest.warns(UserWarning, match="slower than the native ones"):
+        assert make_kernels("auto", torch.bfloat16, CPU).name == "torch"
+    with pytest.raises(MoetierError, match="not available"):
+        make_kernels("native", torch.bfloat16, CPU)
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_a_failed_build_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOETIER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    loaded = native.load()
+    assert loaded.lib is None and "failed" in loaded.reason
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def decode_logits(path, budget: str, kernels: str, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the logits of every forward step ([steps, V]: the prefill's last token, then each
+    decode step) of the engine on `kernels`."""
+    config = EngineConfig(expert_memory=MemoryBudget.parse(budget), kernels=kernels)
+    with Engine(Store(path), config) as engine:
+        assert engine.kernels.name == kernels
+        logits = []
+        forward = engine.model.forward
+
+        def keep(*args, **kw):
+            out = forward(*args, **kw)
+            logits.append(out[0].float())
+            return out
+
+        engine.model.forward = keep
+        tokens = engine.generate([prompt], max_new_tokens=steps, ignore_eos=True).token_ids[0]
+    return tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "mixtral", "qwen3_moe"])
+def test_bf16_engine_decodes_as_transformers(tiny_store, family):
+    """bf16 exact mode with the native kernels: transformers' greedy tokens at every expert budget, and each step's
+    logits those of torch's kernels up to a bf16 step."""
+    ref, path = tiny_store(family, dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    prompt = torch.randint(3, ref.config.vocab_size, (11,)).tolist()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    for budget in ("100%", "25%"):
+        tokens, ours = decode_logits(path, budget, "native", prompt, 24)
+        torch_tokens, theirs = decode_logits(path, budget, "torch", prompt, 24)
+        assert tokens == want and torch_tokens == want, f"greedy tokens differ at {budget}"
+        assert (ours - theirs).abs().max().item() <= theirs.abs().max().item() * 2 ** -7, f"logits at {budget}"
