@@ -9,7 +9,7 @@ from moetier.config import ModelSpec
 from moetier.model.batch import StepBatch, causal_mask
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import Rope, rms_norm
+from moetier.model.layers import Rope
 
 
 class Attention:
@@ -24,33 +24,26 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, batch: StepBatch, kv: KVCache, rope: Rope) -> torch.Tensor:
         spec, n = self.spec, x.shape[0]
-        linear = self.kernels.linear
+        linear, norm = self.kernels.linear, self.kernels.rms_norm
         q = linear(x, self.q_proj, self.q_bias)  # [N, Hq*D]
         k = linear(x, self.k_proj, self.k_bias)  # [N, Hkv*D]
         v = linear(x, self.v_proj, self.v_bias)
         if spec.qk_norm == "full":  # OLMoE: one norm over all heads, before the split
-            q, k = rms_norm(q, self.q_norm, spec.rms_norm_eps), rms_norm(k, self.k_norm, spec.rms_norm_eps)
+            q, k = norm(q, self.q_norm, spec.rms_norm_eps), norm(k, self.k_norm, spec.rms_norm_eps)
         if spec.clip_qkv is not None:
             q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
         q = q.view(n, spec.num_heads, spec.head_dim)
         k = k.view(n, spec.num_kv_heads, spec.head_dim)
         v = v.view(n, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm == "head":  # Qwen3: per head, over head_dim
-            q, k = rms_norm(q, self.q_norm, spec.rms_norm_eps), rms_norm(k, self.k_norm, spec.rms_norm_eps)
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
+            q, k = norm(q, self.q_norm, spec.rms_norm_eps), norm(k, self.k_norm, spec.rms_norm_eps)
+        q, k = self.kernels.rope(rope, q, batch), self.kernels.rope(rope, k, batch)
         kv.write(self.layer, batch.rows, batch.positions, k, v)
-        out = self._decode(q, batch, kv) if batch.decode else self._prefill(q, batch, kv)  # [N, Hq, D]
+        if batch.decode:
+            out = self.kernels.decode_attention(q, kv.k[self.layer], kv.v[self.layer], batch, self.window, self.scale)
+        else:
+            out = self._prefill(q, batch, kv)  # [N, Hq, D]
         return linear(out.reshape(n, -1), self.o_proj, self.o_bias)
-
-    def _decode(self, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
-        s = max(batch.lengths_host)
-        keys = kv.k[self.layer][:, :, :s]  # [R, Hkv, S, D], a view
-        values = kv.v[self.layer][:, :, :s]
-        if not batch.all_rows:  # some sequences finished: gather the live rows
-            keys, values = keys.index_select(0, batch.rows), values.index_select(0, batch.rows)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=batch.decode_mask(self.window),
-                                             scale=self.scale, enable_gqa=True)  # [B, Hq, 1, D]
-        return out[:, :, 0, :]
 
     def _prefill(self, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -1,5 +1,5 @@
-"""The products a forward step is made of, behind one interface: `linear` (F.linear) and `expert` (a SwiGLU
-expert on its tokens, scaled by their routing weights, written into `out`).
+"""The arithmetic a forward step is made of, behind one interface: `linear` (F.linear), `swiglu`, `expert` (a
+SwiGLU expert on its tokens, scaled by their routing weights, written into `out`), `rms_norm` and `rope`.
 
 `TorchKernels` is torch's own ops. `NativeKernels` takes the one-row bf16 case on the CPU — every product of a
 batch-1 decode step — to `csrc/bf16_rows.c`, which streams the weights at the memory's speed; everything else
@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from moetier.errors import MoetierError
 from moetier.model import native
+from moetier.model.batch import StepBatch
+from moetier.model.layers import Rope, rms_norm
 
 KERNELS = ("auto", "torch", "native")
 
@@ -33,6 +35,25 @@ class TorchKernels:
                weights: torch.Tensor) -> None:
         """out [n, H] = swiglu(x [n, H]) * weights [n] (rounded as the reference's two ops round)."""
         out.copy_(self.swiglu(x, gate_up_proj, down_proj) * weights[:, None])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Over the last dimension."""
+        return rms_norm(x, weight, eps)
+
+    def rope(self, rope: Rope, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """x [N, heads, D] rotated to each token's position."""
+        return rope(x, batch.positions)
+
+    def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
+                         window: int | None, scale: float) -> torch.Tensor:
+        """q [B, Hq, D] (one token per row), keys/values [R, Hkv, S_max, D] the layer's cache -> [B, Hq, D]."""
+        s = max(batch.lengths_host)
+        keys, values = keys[:, :, :s], values[:, :, :s]  # views
+        if not batch.all_rows:  # some sequences finished: gather the live rows
+            keys, values = keys.index_select(0, batch.rows), values.index_select(0, batch.rows)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=batch.decode_mask(window),
+                                             scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
+        return out[:, :, 0, :]
 
 
 class NativeKernels(TorchKernels):
@@ -79,6 +100,40 @@ class NativeKernels(TorchKernels):
         h, i = down_proj.shape
         self.lib.moetier_swiglu_bf16(gate_up_proj.data_ptr(), down_proj.data_ptr(), x.data_ptr(), weight,
                                      out.data_ptr(), h, i, self._scratch(h + i))
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.shape[0] != 1 or not x.is_contiguous():
+            return rms_norm(x, weight, eps)
+        n = x.shape[-1]
+        y = torch.empty_like(x)
+        self.lib.moetier_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+        return y
+
+    def rope(self, rope: Rope, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        if x.shape[0] != 1 or not batch.decode or not x.is_contiguous():
+            return rope(x, batch.positions)
+        position = batch.lengths_host[0] - 1  # the one token's, known on the host: no read of batch.positions
+        _, heads, d = x.shape
+        row = position * d * rope.cos.element_size()
+        y = torch.empty_like(x)
+        self.lib.moetier_rope_bf16(x.data_ptr(), rope.cos.data_ptr() + row, rope.sin.data_ptr() + row, y.data_ptr(),
+                                   heads, d)
+        return y
+
+    def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
+                         window: int | None, scale: float) -> torch.Tensor:
+        if q.shape[0] != 1 or not (q.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
+            return super().decode_attention(q, keys, values, batch, window, scale)
+        end = batch.lengths_host[0]  # the query sits at end - 1 and sees (end - 1 - window, end - 1]
+        start = max(0, end - window) if window else 0
+        _, hkv, s_max, d = keys.shape
+        row = batch.rows_host[0] * hkv * s_max * d * keys.element_size()
+        out = torch.empty_like(q)
+        self.lib.moetier_decode_attention_bf16(q.data_ptr(), keys.data_ptr() + row, values.data_ptr() + row,
+                                               out.data_ptr(), q.shape[1], hkv, start, end, s_max, d, scale,
+                                               self._scratch(end))
+        return out
 
 
 def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKernels:

@@ -58,6 +58,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_linear_bf16.restype = None
     lib.moetier_swiglu_bf16.argtypes = [p, p, p, ctypes.c_float, p, n, n, p]
     lib.moetier_swiglu_bf16.restype = None
+    lib.moetier_rms_norm_bf16.argtypes = [p, p, p, n, n, ctypes.c_float]
+    lib.moetier_rms_norm_bf16.restype = None
+    lib.moetier_rope_bf16.argtypes = [p, p, p, p, n, n]
+    lib.moetier_rope_bf16.restype = None
+    lib.moetier_decode_attention_bf16.argtypes = [p, p, p, p, n, n, n, n, n, n, ctypes.c_float, p]
+    lib.moetier_decode_attention_bf16.restype = None
     return lib
 
 

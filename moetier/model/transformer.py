@@ -12,7 +12,7 @@ from moetier.model.attention import Attention
 from moetier.model.batch import StepBatch
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import Rope, rms_norm
+from moetier.model.layers import Rope
 from moetier.model.router import route
 
 
@@ -54,14 +54,14 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [B, V] for each sequence's last token (or [N, V] for every token with all_logits)."""
-        eps = self.spec.rms_norm_eps
+        eps, norm = self.spec.rms_norm_eps, self.kernels.rms_norm
         rope = self.ensure_rope(kv.max_len)
         h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         for i, w in enumerate(self.layers):
-            h = h + self.attn[i](rms_norm(h, w["input_norm"], eps), batch, kv, rope)
-            x = rms_norm(h, w["post_attn_norm"], eps)
+            h = h + self.attn[i](norm(h, w["input_norm"], eps), batch, kv, rope)
+            x = norm(h, w["post_attn_norm"], eps)
             h = h + (self._moe(i, x) if self.is_moe[i] else
                      self.kernels.swiglu(x, w["mlp.gate_up_proj"], w["mlp.down_proj"]))
         if not all_logits:
             h = h[batch.last]
-        return self.kernels.linear(rms_norm(h, self.w["norm"], eps), self.lm_head)
+        return self.kernels.linear(norm(h, self.w["norm"], eps), self.lm_head)

@@ -11,7 +11,9 @@ from moetier.config import MemoryBudget
 from moetier.engine.engine import Engine, EngineConfig
 from moetier.errors import MoetierError
 from moetier.model import native
+from moetier.model.batch import StepBatch
 from moetier.model.kernels import NativeKernels, TorchKernels, make_kernels
+from moetier.model.layers import Rope
 from moetier.store.store import Store
 
 CPU = torch.device("cpu")
@@ -58,6 +60,32 @@ def test_expert_matches_torch(kernels, hidden, intermediate, weight_dtype):
     assert ulps_apart(ours, ref).max().item() <= 2
     assert (ours == ref).float().mean().item() >= 0.95
     assert torch.equal(kernels.swiglu(x, gate_up, down), kernels.swiglu(x, gate_up, down))  # deterministic
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (1, 4, 16), (1, 7)])
+def test_rms_norm_matches_torch(kernels, shape):
+    torch.manual_seed(shape[-1])
+    x, w = (torch.randn(shape) * 3).bfloat16(), torch.randn(shape[-1]).bfloat16()
+    assert ulps_apart(kernels.rms_norm(x, w, 1e-6), TorchKernels().rms_norm(x, w, 1e-6)).max().item() <= 1
+
+
+def test_rope_matches_torch(kernels):
+    rope = Rope(16, 10000.0, 64, torch.bfloat16)
+    x = torch.randn(1, 4, 16).bfloat16()
+    batch = StepBatch.decode_step([5], [0], [37], 1)
+    assert torch.equal(kernels.rope(rope, x, batch), TorchKernels().rope(rope, x, batch))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_matches_torch(kernels, window):
+    torch.manual_seed(0)
+    hq, hkv, d, s_max, length = 8, 2, 32, 40, 23
+    keys, values = torch.randn(2, hkv, s_max, d).bfloat16(), torch.randn(2, hkv, s_max, d).bfloat16()
+    q = torch.randn(1, hq, d).bfloat16()
+    batch = StepBatch.decode_step([5], [1], [length - 1], 2)  # the second sequence, the other one finished
+    ours = kernels.decode_attention(q, keys, values, batch, window, d ** -0.5)
+    ref = TorchKernels().decode_attention(q, keys, values, batch, window, d ** -0.5)
+    assert ulps_apart(ours, ref).max().item() <= 2 and (ours == ref).float().mean().item() >= 0.9
 
 
 def test_several_rows_and_views_fall_back_to_torch(kernels):
@@ -117,11 +145,18 @@ def decode_logits(path, budget: str, kernels: str, prompt: list[int], steps: int
     return tokens, torch.stack(logits)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "mixtral", "qwen3_moe"])
-def test_bf16_engine_decodes_as_transformers(tiny_store, family):
+WINDOW_DIVERGES = pytest.mark.xfail(strict=True, reason=(
+    "in bf16 with a sliding window shorter than the prompt, transformers' greedy tokens part from ours at the second "
+    "token on torch's kernels and the native ones alike (fp32 matches): not the kernels; not yet explained"))
+BF16_CASES = [("olmoe", {}), ("qwen2_moe", {}), ("mixtral", {}), ("qwen3_moe", {}),
+              pytest.param("mixtral", {"sliding_window": 6}, marks=WINDOW_DIVERGES, id="mixtral-window")]
+
+
+@pytest.mark.parametrize("family,overrides", BF16_CASES)
+def test_bf16_engine_decodes_as_transformers(tiny_store, family, overrides):
     """bf16 exact mode with the native kernels: transformers' greedy tokens at every expert budget, and each step's
     logits those of torch's kernels up to a bf16 step."""
-    ref, path = tiny_store(family, dtype=torch.bfloat16)
+    ref, path = tiny_store(family, dtype=torch.bfloat16, **overrides)
     torch.manual_seed(1)
     prompt = torch.randint(3, ref.config.vocab_size, (11,)).tolist()
     with torch.no_grad():
@@ -130,5 +165,6 @@ def test_bf16_engine_decodes_as_transformers(tiny_store, family):
     for budget in ("100%", "25%"):
         tokens, ours = decode_logits(path, budget, "native", prompt, 24)
         torch_tokens, theirs = decode_logits(path, budget, "torch", prompt, 24)
-        assert tokens == want and torch_tokens == want, f"greedy tokens differ at {budget}"
+        assert tokens == torch_tokens, f"the kernels choose different tokens at {budget}"
         assert (ours - theirs).abs().max().item() <= theirs.abs().max().item() * 2 ** -7, f"logits at {budget}"
+        assert tokens == want, f"greedy tokens differ from transformers' at {budget}"
