@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from moetier.errors import BudgetError, UnsupportedModelError
 
+KERNELS = ("auto", "torch", "native")  # the arithmetic a forward step runs on (moetier/model/kernels.py)
+
 ALIGN = 4096  # an expert blob's alignment on disk and in memory: O_DIRECT needs block-aligned offsets, lengths
 # and buffers
 QK_NORMS = ("none", "head", "full")  # none; per head over head_dim (Qwen3); over all heads (OLMoE)

@@ -8,6 +8,7 @@ import sys
 
 from moetier.cache.policies import LIVE_POLICIES
 from moetier.cli.defaults import DEFAULT_MODEL, command, read_prompts
+from moetier.config import KERNELS
 from moetier.errors import MoetierError
 
 
@@ -28,7 +29,7 @@ def open_engine(args: argparse.Namespace, progress: bool = True, **config):
 
     engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, cache_dir=args.cache_dir,
                                     progress=progress, reader_threads=args.reader_threads, device=args.device,
-                                    reconvert=getattr(args, "reconvert", False), **config)
+                                    kernels=args.kernels, reconvert=getattr(args, "reconvert", False), **config)
     print(f"moetier: {engine.budget.note}", file=sys.stderr)
     return engine
 
@@ -81,6 +82,9 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     p.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
     p.add_argument("--device", default="cpu", help="where the dense weights, the expert cache and the kernels live: "
                                                    "cpu, or cuda[:N] on a machine with a GPU")
+    p.add_argument("--kernels", default="auto", choices=KERNELS,
+                   help="auto (default): moetier's native kernels for batch-1 bf16 decoding on the CPU, built on first "
+                        "use with the C compiler, else torch's; torch; native (refuse if they cannot be built)")
 
 
 def add_parser(sub) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from moetier.cache.capacity import cache_capacity
 from moetier.cache.policies import PolicyContext
-from moetier.config import MemoryBudget, format_bytes
+from moetier.config import KERNELS, MemoryBudget, format_bytes
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
 from moetier.engine.sampling import SamplingParams
@@ -17,7 +17,7 @@ from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available
-from moetier.model.kernels import KERNELS, make_kernels
+from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.policy_files import make_policy_for_model, policy_dir
 from moetier.resolve import resolve_model

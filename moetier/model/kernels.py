@@ -12,12 +12,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from moetier.config import KERNELS
 from moetier.errors import MoetierError
 from moetier.model import native
 from moetier.model.batch import StepBatch
 from moetier.model.layers import Rope, rms_norm
-
-KERNELS = ("auto", "torch", "native")
 
 
 class TorchKernels:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import heapq
 import os
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetier.errors import ChecksumError, StoreError
+from moetier.store.crc import crc32_combine
 from moetier.store.format import ALIGN, DAMAGED, BlobRef
 
 ON_DEMAND, PREFETCH = 0, 1
@@ -36,12 +38,14 @@ class Completion:
         self.error: BaseException | None = None
         self.blob: BlobRef | None = None
         self.dest: memoryview | None = None
+        self.chunk_crcs: list[int] | None = None  # when the blob is checked: each chunk's crc32, as it lands
 
-    def reset(self, blob: BlobRef, dest: memoryview, chunks: int) -> None:
+    def reset(self, blob: BlobRef, dest: memoryview, chunks: int, verify: bool = False) -> None:
         self.done.clear()
         self.generation += 1
         self.remaining, self.started, self.cancelled = chunks, 0, False
         self.error, self.blob, self.dest = None, blob, dest
+        self.chunk_crcs = [0] * chunks if verify else None
 
     def wait(self) -> None:
         self.done.wait()
@@ -75,6 +79,8 @@ class ExpertReader:
         self._cv = threading.Condition()
         self._seq = 0
         self._closed = False
+        # Disk activity, for benchmarks: time with at least one read running, and the bytes those reads brought.
+        self._running, self._busy_since, self._busy_s, self._bytes_read = 0, 0.0, 0.0, 0
         self._threads = [threading.Thread(target=self._work, name=f"moetier-reader-{i}", daemon=True)
                          for i in range(num_threads)]
         for t in self._threads:
@@ -97,7 +103,8 @@ class ExpertReader:
         """Queue a read of `blob` into `dest` (ALIGN-aligned, blob.length bytes); `completion` fires when done."""
         fd, _ = self._fd(blob.file)
         n = (blob.length + self.chunk_bytes - 1) // self.chunk_bytes
-        completion.reset(blob, dest, n)
+        verify = self.verify and (blob.layer, blob.expert, blob.precision) not in self._verified
+        completion.reset(blob, dest, n, verify)
         with self._cv:
             for i in range(n):
                 a = i * self.chunk_bytes
@@ -119,6 +126,10 @@ class ExpertReader:
                 if c.cancelled or chunk.generation != c.generation:
                     continue  # dropped lazily: cancel() already reported that load as done
                 c.started += 1
+                if self._running == 0:
+                    self._busy_since = time.perf_counter()
+                self._running += 1
+            n = 0
             try:
                 n = os.preadv(chunk.fd, [chunk.dest], chunk.file_offset)  # releases the GIL
                 if n != len(chunk.dest):
@@ -128,11 +139,25 @@ class ExpertReader:
                     os.posix_fadvise(chunk.fd, chunk.file_offset, n, os.POSIX_FADV_DONTNEED)
             except BaseException as e:  # reported to the waiter, never lost in the thread
                 c.error = c.error or (e if isinstance(e, StoreError) else StoreError(f"read failed: {e}"))
+            with self._cv:
+                self._running -= 1
+                self._bytes_read += n
+                if self._running == 0:
+                    self._busy_s += time.perf_counter() - self._busy_since
+            if c.chunk_crcs is not None and n:  # this thread checks its own chunk while the others read theirs
+                c.chunk_crcs[(chunk.file_offset - c.blob.offset) // self.chunk_bytes] = zlib.crc32(chunk.dest)
             with c.lock:
                 c.remaining -= 1
                 last = c.remaining == 0
             if last:
                 self._finish(c)
+
+    def activity(self) -> tuple[float, int]:
+        """(seconds during which at least one read was running, bytes read) since the reader started: the disk's
+        busy time, so a benchmark can tell a disk that was slow from one that sat idle."""
+        with self._cv:
+            busy = self._busy_s + (time.perf_counter() - self._busy_since if self._running else 0.0)
+            return busy, self._bytes_read
 
     def cancel(self, completion: Completion) -> bool:
         """Cancel a queued load. True if none of its reads had started (the slot was never written);
@@ -147,8 +172,11 @@ class ExpertReader:
     def _finish(self, c: Completion) -> None:
         blob = c.blob
         key = (blob.layer, blob.expert, blob.precision)
-        if c.error is None and self.verify and key not in self._verified:
-            if zlib.crc32(c.dest) != blob.crc32:  # releases the GIL for large buffers
+        if c.error is None and c.chunk_crcs is not None:
+            crc = c.chunk_crcs[0]
+            for i, chunk_crc in enumerate(c.chunk_crcs[1:], 1):
+                crc = crc32_combine(crc, chunk_crc, min(self.chunk_bytes, blob.length - i * self.chunk_bytes))
+            if crc != blob.crc32:
                 c.error = ChecksumError(
                     f"expert {blob.expert} of layer {blob.layer} ({blob.precision}) fails its checksum "
                     f"in {self.store_dir / blob.file}", hint=DAMAGED)

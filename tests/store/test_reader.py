@@ -60,3 +60,55 @@ def test_a_queued_load_can_be_cancelled_a_running_one_cannot(tiny_store, monkeyp
         ref = torch.frombuffer(bytearray((path / store.manifest.blob(1, 2).file).read_bytes()), dtype=torch.uint8)
     blob = store.manifest.blob(1, 2)
     assert torch.equal(torch.frombuffer(pool.views[1], dtype=torch.uint8), ref[blob.offset:blob.offset + blob.length])
+
+
+def test_activity_counts_the_bytes_and_the_busy_time(tmp_path):
+    import time
+
+    from moetier.store.format import ALIGN, BlobRef
+    from moetier.store.reader import Completion, ExpertReader
+
+    data = bytes(range(256)) * (4 * ALIGN // 256)
+    (tmp_path / "blob.bin").write_bytes(data)
+    blob = BlobRef(0, 0, "bf16", "blob.bin", 0, len(data), 0)
+    dest = torch.empty(len(data) + ALIGN, dtype=torch.uint8)
+    skip = -dest.data_ptr() % ALIGN
+    view = memoryview(dest.numpy())[skip:skip + len(data)]
+    with ExpertReader(tmp_path, num_threads=2, chunk_bytes=ALIGN, verify=False) as reader:
+        assert reader.activity() == (0.0, 0)
+        start = time.perf_counter()
+        done = Completion()
+        reader.submit(blob, view, done)
+        done.wait()
+        wall = time.perf_counter() - start
+        busy, nbytes = reader.activity()
+    assert nbytes == len(data) and bytes(view) == data
+    assert 0 < busy <= wall
+
+
+@pytest.mark.parametrize("damage", [None, 0, 2 * 4096 + 7, 5 * 4096 - 1])
+def test_a_blob_read_in_chunks_is_checked_chunk_by_chunk(tmp_path, damage):
+    """Each chunk's crc taken where it lands, combined in order: a good blob passes, one bad byte anywhere fails."""
+    import zlib
+
+    from moetier.errors import ChecksumError
+    from moetier.store.format import ALIGN, BlobRef
+    from moetier.store.reader import Completion
+
+    data = bytearray(bytes(range(256)) * (5 * ALIGN // 256))  # five chunks of ALIGN bytes
+    blob = BlobRef(0, 0, "bf16", "blob.bin", 0, len(data), zlib.crc32(data))
+    if damage is not None:
+        data[damage] ^= 0xFF
+    (tmp_path / "blob.bin").write_bytes(bytes(data))
+    dest = torch.empty(len(data) + ALIGN, dtype=torch.uint8)
+    skip = -dest.data_ptr() % ALIGN
+    view = memoryview(dest.numpy())[skip:skip + len(data)]
+    with ExpertReader(tmp_path, num_threads=3, chunk_bytes=ALIGN, verify=True) as reader:
+        done = Completion()
+        reader.submit(blob, view, done)
+        if damage is None:
+            done.wait()
+            assert bytes(view) == bytes(data)
+        else:
+            with pytest.raises(ChecksumError, match="fails its checksum"):
+                done.wait()

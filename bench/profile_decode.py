@@ -1,0 +1,107 @@
+"""Where a resident batch-1 decode step's time goes, part by part (ms per token), for each kernel set.
+
+Each part is timed by wrapping the function that does it (inclusive times: `attention` contains its
+projections, `moe` contains everything the expert executor does); the wrappers cost ~1 us a call, a few
+hundred calls a token. Prefill is measured on its own and subtracted, so the numbers are decode steps only.
+
+    python bench/profile_decode.py --model demo-deep-xl
+    python bench/profile_decode.py --model ~/.cache/moetier/bench/olmoe-1b-7b-synth --kernels native
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from common import run_child  # noqa: E402
+
+# (label, module, class or None, attribute): what is timed. Indented labels are parts of the one above.
+PARTS = (
+    ("attention (all of it)", "moetier.model.attention", "Attention", "__call__"),
+    ("  decode attention", "moetier.model.kernels", "{kernels}", "decode_attention"),
+    ("  rope", "moetier.model.kernels", "{kernels}", "rope"),
+    ("  kv write", "moetier.model.kv_cache", "KVCache", "write"),
+    ("rms_norm (every norm)", "moetier.model.kernels", "{kernels}", "rms_norm"),
+    ("linear (attention, lm_head)", "moetier.model.kernels", "{kernels}", "linear"),
+    ("router", "moetier.model.transformer", None, "route"),
+    ("moe: the executor (all of it)", "moetier.engine.expert_executor", "ExpertExecutor", "__call__"),
+    ("  layer step: begin (plan)", "moetier.plan.step", "LayerStep", "begin"),
+    ("  grouping", "moetier.engine.grouping", "ExpertGroups", "__init__"),
+    ("  expert matmuls", "moetier.engine.grouping", "ExpertGroups", "compute"),
+    ("  combine", "moetier.engine.grouping", "ExpertGroups", "combine"),
+    ("  layer step: end (accesses)", "moetier.plan.step", "LayerStep", "end"),
+    ("sampling", "moetier.engine.generate", None, "sample"),
+)
+
+
+def child(cfg: dict) -> dict:
+    import importlib
+
+    from moetier import Engine
+
+    engine = Engine.from_pretrained(cfg["model"], expert_memory="100%", progress=False, kernels=cfg["kernels"])
+    totals: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    kernels_class = type(engine.kernels).__name__
+
+    def timed(label, fn):
+        def wrapper(*args, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                totals[label] += time.perf_counter() - start
+                calls[label] += 1
+        return wrapper
+
+    for label, module, owner, attr in PARTS:
+        target = importlib.import_module(module)
+        if owner is not None:
+            target = getattr(target, owner.format(kernels=kernels_class))
+        setattr(target, attr, timed(label, getattr(target, attr)))
+    engine.preload()
+    rng = random.Random(0)
+    prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(cfg["prompt_len"])]
+    with engine:
+        engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
+        totals.clear(), calls.clear()
+        engine.generate([prompt], max_new_tokens=1, ignore_eos=True)  # the prefill alone
+        prefill, prefill_calls = dict(totals), dict(calls)
+        totals.clear(), calls.clear()
+        stats = engine.generate([prompt], max_new_tokens=cfg["tokens"] + 1, ignore_eos=True).stats
+    steps = cfg["tokens"]
+    parts = {label: (totals[label] - prefill.get(label, 0.0)) / steps for label, *_ in PARTS}
+    per_step_calls = {label: (calls[label] - prefill_calls.get(label, 0)) / steps for label, *_ in PARTS}
+    return dict(kernels=engine.kernels.name, tpot_s=stats["tpot_s"], parts=parts, calls=per_step_calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="demo-deep-xl")
+    ap.add_argument("--kernels", default="torch,native", help="comma-separated kernel sets, each in its own process")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    args = ap.parse_args()
+    if args.child:
+        import json
+
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    runs = [run_child(__file__, dict(model=args.model, kernels=k, tokens=args.tokens, prompt_len=args.prompt_len))
+            for k in args.kernels.split(",")]
+    print(f"{args.model}, resident, batch 1: ms per decode step (calls per step)")
+    print(f"{'':34}" + "".join(f"{r['kernels']:>18}" for r in runs))
+    print(f"{'TPOT':34}" + "".join(f"{r['tpot_s'] * 1e3:18.2f}" for r in runs))
+    for label, *_ in PARTS:
+        print(f"{label:34}" + "".join(f"{r['parts'][label] * 1e3:11.2f} ({r['calls'][label]:4.0f})" for r in runs))
+
+
+if __name__ == "__main__":
+    main()
