@@ -26,8 +26,9 @@ class ResidentExperts:
 
     def __call__(self, layer: int, x: torch.Tensor, scores, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  shared=None) -> torch.Tensor:
-        counts = np.bincount(topk_ids.numpy().ravel(), minlength=self.num_experts)
-        groups = ExpertGroups(x, topk_ids, topk_weights, counts, self.kernels)
+        ids = topk_ids.numpy()  # the one host sync of the layer, as in the engine
+        counts = np.bincount(ids.ravel(), minlength=self.num_experts)
+        groups = ExpertGroups(x, ids, topk_weights.float().numpy(), counts, self.kernels, topk_weights.dtype)
         for e in np.flatnonzero(counts).tolist():
             w = self.weights[(layer, e)]
             groups.compute(e, w["gate_up_proj"], w["down_proj"])

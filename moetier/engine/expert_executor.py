@@ -78,9 +78,7 @@ class ExpertExecutor:
                 deferred[load.after] = load
         for prefetch in plan.prefetches:
             self._prefetch(prefetch)
-        ids = torch.from_numpy(plan.assign_ids).to(self.device)
-        weights = torch.from_numpy(plan.assign_weights).to(self.device, weight_dtype)  # the router's dtype
-        groups = ExpertGroups(x, ids, weights, plan.counts, self.kernels)
+        groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, plan.counts, self.kernels, weight_dtype)
         try:
             shared_out = shared() if shared is not None else None  # resident work first, while reads land
             for run in plan.runs:

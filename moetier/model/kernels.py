@@ -131,7 +131,7 @@ class NativeKernels(TorchKernels):
         out = torch.empty_like(q)
         self.lib.moetier_decode_attention_bf16(q.data_ptr(), keys.data_ptr() + row, values.data_ptr() + row,
                                                out.data_ptr(), q.shape[1], hkv, start, end, s_max, d, scale,
-                                               self._scratch(end))
+                                               self._scratch(end + 2 * d))
         return out
 
 

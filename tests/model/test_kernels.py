@@ -77,9 +77,10 @@ def test_rope_matches_torch(kernels):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_matches_torch(kernels, window):
+@pytest.mark.parametrize("d", [32, 12])  # 12: eight lanes and a tail
+def test_decode_attention_matches_torch(kernels, window, d):
     torch.manual_seed(0)
-    hq, hkv, d, s_max, length = 8, 2, 32, 40, 23
+    hq, hkv, s_max, length = 8, 2, 40, 23
     keys, values = torch.randn(2, hkv, s_max, d).bfloat16(), torch.randn(2, hkv, s_max, d).bfloat16()
     q = torch.randn(1, hq, d).bfloat16()
     batch = StepBatch.decode_step([5], [1], [length - 1], 2)  # the second sequence, the other one finished
