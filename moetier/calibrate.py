@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from moetier.engine.slots import HostSlots
 from moetier.model.batch import StepBatch
-from moetier.model.kernels import make_kernels
+from moetier.model.kernels import TorchKernels, make_kernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.transformer import Transformer
 from moetier.sim.cost import CostModel, linear_fit
@@ -63,11 +63,16 @@ def disk_tier(store: Store, threads: int = 4, chunk_bytes: int = 2 << 20, reads:
     return Tier("disk (O_DIRECT)", bandwidth, max(0.0, single - blobs[0].length / bandwidth))
 
 
+def cpu_kernels(dtype: torch.dtype) -> TorchKernels:
+    """The kernels the engine runs on this CPU by default: what calibration must time."""
+    return make_kernels("auto", dtype, torch.device("cpu"))
+
+
 def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
     """The CPU as a roofline: bytes/s of a matrix-vector product over 256 MiB of weights, FLOP/s of a
     2048-cubed matrix product, and the time of a tiny call."""
     precision = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-    linear = make_kernels("auto", dtype, torch.device("cpu")).linear  # the engine's own
+    linear = cpu_kernels(dtype).linear
     w = torch.randn(8192, 16384).to(dtype)
     v = torch.randn(1, 16384).to(dtype)
     bandwidth = w.numel() * w.element_size() / _median_time(lambda: linear(v, w), 5)
@@ -80,7 +85,7 @@ def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
 
 def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32)) -> Linear:
     spec, dtype = store.spec, store.load_dense()["embed_tokens"].dtype
-    swiglu = make_kernels("auto", dtype, torch.device("cpu")).swiglu  # the engine's own
+    swiglu = cpu_kernels(dtype).swiglu
     # Several experts in rotation, so weights come from memory rather than cache, as in decoding.
     experts = [(torch.randn(2 * spec.moe_intermediate_size, spec.hidden_size).to(dtype),
                 torch.randn(spec.hidden_size, spec.moe_intermediate_size).to(dtype)) for _ in range(8)]
@@ -100,7 +105,7 @@ class _DenseOnly:
 
 def dense_and_head(store: Store, tokens=(1, 4, 16), context: int = 48) -> tuple[Linear, Linear]:
     spec, dense = store.spec, store.load_dense()
-    model = Transformer(spec, dense, _DenseOnly(), make_kernels("auto", dense["embed_tokens"].dtype, torch.device("cpu")))
+    model = Transformer(spec, dense, _DenseOnly(), cpu_kernels(dense["embed_tokens"].dtype))
     rows = max(tokens)
     kv = KVCache(spec, rows, context + 1, model.dtype)
     step_s, head_s = [], []
@@ -127,7 +132,7 @@ def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
     with ExpertReader(store.path, verify=False) as reader:
         dtype = store.load_dense()["embed_tokens"].dtype
         executor = ExpertExecutor(spec, store.manifest, n * store.native_layout.blob_bytes, make_policy("lru"),
-                                  reader, kernels=make_kernels("auto", dtype, torch.device("cpu")))
+                                  reader, kernels=cpu_kernels(dtype))
         executor.preload(ExpertKey(layer, e) for e in range(n))
         ys = []
         for t in tokens:

@@ -1,5 +1,6 @@
 """The arithmetic a forward step is made of, behind one interface: `linear` (F.linear), `swiglu`, `expert` (a
-SwiGLU expert on its tokens, scaled by their routing weights, written into `out`), `rms_norm` and `rope`.
+SwiGLU expert on its tokens, scaled by their routing weights, written into `out`), `rms_norm`, `rope` and
+`decode_attention` (one new token per sequence against its KV cache).
 
 `TorchKernels` is torch's own ops. `NativeKernels` takes the one-row bf16 case on the CPU — every product of a
 batch-1 decode step — to `csrc/bf16_rows.c`, which streams the weights at the memory's speed; everything else
@@ -99,7 +100,6 @@ class NativeKernels(TorchKernels):
         h, i = down_proj.shape
         self.lib.moetier_swiglu_bf16(gate_up_proj.data_ptr(), down_proj.data_ptr(), x.data_ptr(), weight,
                                      out.data_ptr(), h, i, self._scratch(h + i))
-
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.shape[0] != 1 or not x.is_contiguous():

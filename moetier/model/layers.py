@@ -14,7 +14,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rope:
-    """Rotary position embedding: cos/sin tables in fp32 up to `max_len`, cast to the model dtype per use."""
+    """Rotary position embedding: cos/sin tables up to `max_len`, computed in fp32 and kept in the model dtype."""
 
     def __init__(self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
