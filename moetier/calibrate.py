@@ -68,16 +68,29 @@ def cpu_kernels(dtype: torch.dtype) -> TorchKernels:
     return make_kernels("auto", dtype, torch.device("cpu"))
 
 
+def matmul_flops(dtype: torch.dtype, largest: int = 2048, long_enough_s: float = 0.05) -> float:
+    """FLOP/s of an n-cubed matrix product, n doubled from 256 while a product takes under `long_enough_s`, up
+    to `largest`. Where there is no fast path for the dtype (bf16 without AVX512-BF16 or AMX: one 2048-cubed
+    bf16 product takes ~30 s on an AVX2 CPU) a small n already takes long enough, and calibration stays short."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        start = time.perf_counter()
+        a @ b
+        if time.perf_counter() - start >= long_enough_s or n >= largest:
+            return 2 * n ** 3 / _median_time(lambda a=a, b=b: a @ b, 5)
+        n *= 2
+
+
 def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
-    """The CPU as a roofline: bytes/s of a matrix-vector product over 256 MiB of weights, FLOP/s of a
-    2048-cubed matrix product, and the time of a tiny call."""
+    """The CPU as a roofline: bytes/s of a matrix-vector product over 256 MiB of weights, FLOP/s of a square
+    matrix product, and the time of a tiny call."""
     precision = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     linear = cpu_kernels(dtype).linear
     w = torch.randn(8192, 16384).to(dtype)
     v = torch.randn(1, 16384).to(dtype)
     bandwidth = w.numel() * w.element_size() / _median_time(lambda: linear(v, w), 5)
-    a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
-    flops = 2 * 2048 ** 3 / _median_time(lambda: a @ b, 5)
+    flops = matmul_flops(dtype)
     s, t = torch.randn(1, 64).to(dtype), torch.randn(64, 64).to(dtype)
     overhead = _median_time(lambda: [s @ t for _ in range(100)]) / 100
     return Device("cpu", bandwidth, {precision: flops}, overhead)
