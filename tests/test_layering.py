@@ -1,5 +1,5 @@
 """The import rules of DESIGN.md and ../shared/architecture.json, held against the code: what each part may never
-import, and that the cache's pure logic touches no file."""
+import, and that the pure logic of the cache and the predictors touches no file and starts no thread."""
 
 import ast
 from pathlib import Path
@@ -24,10 +24,15 @@ NEVER = [  # (modules under, may never import, why)
     ("store", "moetier.engine", "the store is a mechanism below the engine"),
     ("engine", "moetier.cli", "nothing below the faces imports them"),
     ("sim", "moetier.cli", "nothing below the faces imports them"),
+    ("predict", "moetier.sim", "predictors are driven by both executors; they never reach up"),
+    ("predict", "moetier.trace", "what a predictor learned offline is handed to it"),
+    ("predict", "moetier.engine", "the same predictor runs in engine and sim"),
+    ("predict", "moetier.store", "predictors never touch I/O"),
 ]
 FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rename",
               "replace", "rmtree", "load", "dump", "save", "glob", "iterdir", "exists"}
 FILE_MODULES = {"os", "io", "pathlib", "shutil", "tempfile", "mmap", "moetier.atomic", "moetier.policy_files"}
+THREADS = {"threading", "concurrent.futures", "multiprocessing"}
 
 
 def modules(part: str):
@@ -52,10 +57,11 @@ def test_never_imports(part, forbidden, why):
     assert not broken, f"{why}: {broken}"
 
 
-def test_the_cache_performs_no_file_io():
+@pytest.mark.parametrize("part", ["cache", "predict"])
+def test_pure_logic_performs_no_file_io_and_starts_no_thread(part):
     found = []
-    for path, tree in modules("cache"):
-        found += [f"{path.relative_to(PACKAGE)} imports {name}" for name in imports(tree) & FILE_MODULES]
+    for path, tree in modules(part):
+        found += [f"{path.relative_to(PACKAGE)} imports {name}" for name in imports(tree) & (FILE_MODULES | THREADS)]
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
