@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from common import add_run_options, run_child  # noqa: E402
+from common import add_run_options, model_panels, run_child, save_panels  # noqa: E402
 
 from moetier.paths import default_cache_dir  # noqa: E402
 
@@ -85,15 +85,8 @@ def child(cfg: dict) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        mine = [r for r in rows if r["model"] == model]
+    fig, panels = model_panels(rows, 4.2, 4)
+    for ax, model, mine in panels:
         x = range(len(mine))
         ax.bar([i - 0.27 for i in x], [r["tpot_s"] * 1e3 for r in mine], 0.27, label="TPOT (measured)")
         ax.bar(list(x), [r["compute_only_s"] * 1e3 for r in mine], 0.27, label="compute-only bound")
@@ -101,11 +94,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks(list(x), [f"{r['budget']}\nhit {r['hit_rate']:.0%}" for r in mine])
         ax.set_title(model)
         ax.set_xlabel("expert budget")
-    axes[0][0].set_ylabel("ms per output token")
-    axes[0][0].legend()
-    fig.suptitle("moetier decode, LRU, 12 MiB experts on disk (O_DIRECT)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_panels(fig, "moetier decode, LRU, 12 MiB experts on disk (O_DIRECT)", path)
 
 
 def store_of(model: str) -> Path:

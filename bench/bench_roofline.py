@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from bench_offload import SYNTH, prompts, store_of  # noqa: E402
-from common import OUT, run_child  # noqa: E402
+from common import OUT, model_panels, run_child, save_panels  # noqa: E402
 
 MODELS = (SYNTH, "demo-deep-xl")
 KERNEL_SETS = ("torch", "native")
@@ -148,15 +148,8 @@ def bench_model(model: str, args, bar) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        mine = [r for r in rows if r["model"] == model]
+    fig, panels = model_panels(rows, 5.5, 4.2)
+    for ax, model, mine in panels:
         labels = [f"{r['budget']} {r['kernels'] if r['kind'] == 'resident' else r['phase']}" for r in mine]
         x = range(len(mine))
         ax.bar([i - 0.2 for i in x], [r["tpot_s"] * 1e3 for r in mine], 0.4, label="TPOT (measured)")
@@ -166,11 +159,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.text(i - 0.2, r["tpot_s"] * 1e3, f"{r['ratio']:.2f}", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(x), labels, rotation=45, ha="right", fontsize=8)
         ax.set_title(model)
-    axes[0][0].set_ylabel("ms per output token")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("moetier decode against its bounds (ratio above each bar)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_panels(fig, "moetier decode against its bounds (ratio above each bar)", path, legend_fontsize=7)
 
 
 def main() -> None:

@@ -28,3 +28,25 @@ def run_child(script: str, cfg: dict) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"configuration {cfg} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def model_panels(rows: list[dict], width: float, height: float):
+    """A figure with one panel per model (in order of first appearance): (figure, [(axes, model, its rows)])."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(width * len(models), height), squeeze=False)
+    return fig, [(ax, model, [r for r in rows if r["model"] == model]) for ax, model in zip(axes[0], models)]
+
+
+def save_panels(fig, title: str, path: Path, legend_fontsize: float | None = None) -> None:
+    """The y label and legend on the first panel, the title, and the PNG."""
+    first = fig.axes[0]
+    first.set_ylabel("ms per output token")
+    first.legend(fontsize=legend_fontsize)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
