@@ -192,6 +192,16 @@ class Residency:
         entry.pin = reason
         self._pinned[reason].add(key)
 
+    def unpin(self, key: ExpertKey, reason: str) -> None:
+        """Release `key`'s pin if it is pinned for `reason`."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.pin == reason:
+            self._release_pin(key)
+
+    def pinned_bytes(self, reason: str, layer: int | None = None) -> int:
+        """Bytes of the entries pinned for `reason` (of `layer` only, if given)."""
+        return sum(self.entries[k].nbytes for k in self._pinned[reason] if layer is None or k.layer == layer)
+
     def unpin_all(self, reason: str = IN_USE) -> None:
         """Release every pin for `reason` (by default the layer's in-use pins, when it is done)."""
         for key in self._pinned[reason]:

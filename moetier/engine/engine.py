@@ -19,7 +19,9 @@ from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
+from moetier.plan.prefetchers import PREFETCHERS
 from moetier.policy_files import make_policy_for_model, policy_dir
+from moetier.predict import PREDICTORS, Predictor, make_predictor
 from moetier.resolve import resolve_model
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
@@ -38,6 +40,9 @@ class EngineConfig:
     verify_checksums: bool = True
     device: str = "cpu"  # where the dense weights, the expert cache and the kernels live ("cuda", "cuda:1", ...)
     kernels: str = "auto"  # "auto": native one-row bf16 products on the CPU where they build; "torch"; "native"
+    prefetch: str = "none"  # a prefetch stage of moetier.plan.prefetchers: hobbit, smoe, comoe, presched
+    predictor: str = "none"  # what the prefetch stage and the eviction policy hear: a name of moetier.predict
+    predict_distance: int = 2  # MoE layers ahead the predictor scores (HOBBIT's p; the other stages use the next)
 
     def __post_init__(self) -> None:
         if self.reader_threads < 1:
@@ -47,6 +52,15 @@ class EngineConfig:
             raise MoetierError(f"unknown kernels {self.kernels!r}", hint=f"one of {', '.join(KERNELS)}")
         if self.cache_partition not in PARTITIONS:
             raise MoetierError(f"unknown cache partition {self.cache_partition!r}", hint=f"one of {PARTITIONS}")
+        if self.prefetch != "none" and self.prefetch not in PREFETCHERS:
+            raise MoetierError(f"unknown prefetcher {self.prefetch!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
+        if self.predictor != "none" and self.predictor not in PREDICTORS:
+            raise MoetierError(f"unknown predictor {self.predictor!r}", hint=f"one of none, {', '.join(PREDICTORS)}")
+        if self.prefetch != "none" and self.predictor == "none":
+            raise MoetierError(f"prefetch {self.prefetch!r} needs a predictor",
+                               hint="give one, e.g. --predictor stacked-gates")
+        if self.predict_distance < 1:
+            raise MoetierError(f"predict_distance must be at least 1, not {self.predict_distance}")
 
 
 @dataclass
@@ -94,6 +108,13 @@ def check_device(name: str) -> torch.device:
     return device
 
 
+def predictor_inputs(name: str, dense: dict[str, torch.Tensor], spec) -> dict:
+    """What predictor `name` is built on, from the engine's own weights."""
+    if name == "stacked-gates":
+        return {"routers": {layer: dense[f"layers.{layer}.router"] for layer in spec.moe_layers}}
+    return {}
+
+
 def device_memory(device: torch.device) -> MemoryView:
     """What the fast tier may still take: this process's share of host memory (cgroups included) for the CPU, the
     device's free memory for a GPU."""
@@ -104,8 +125,10 @@ def device_memory(device: torch.device) -> MemoryView:
 
 
 class Engine:
-    def __init__(self, store: Store, config: EngineConfig = EngineConfig(), memory: MemoryView | None = None) -> None:
-        """`memory`: what bounds this process's memory (default: measured now, host and cgroups)."""
+    def __init__(self, store: Store, config: EngineConfig = EngineConfig(), memory: MemoryView | None = None,
+                 predictor: Predictor | None = None) -> None:
+        """`memory`: what bounds this process's memory (default: measured now, host and cgroups). `predictor`: a
+        predictor object instead of the one `config.predictor` names (e.g. an oracle built from a trace)."""
         self.store, self.config, self.spec = store, config, store.spec
         self.device = check_device(config.device)
         self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device))
@@ -120,9 +143,12 @@ class Engine:
         dense = {name: t.to(self.device) for name, t in store.load_dense().items()}
         self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
+        if predictor is None and config.predictor != "none":
+            predictor = make_predictor(config.predictor, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
+                                       config.predict_distance, **predictor_inputs(config.predictor, dense, self.spec))
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
         self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
-                                       per_layer, self.device, self.kernels)
+                                       per_layer, self.device, self.kernels, config.prefetch, predictor)
         self.model = Transformer(self.spec, dense, self.executor, self.kernels)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)

@@ -4,6 +4,7 @@ reads land, then each loaded expert as it arrives."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,12 +17,15 @@ from moetier.engine.grouping import ExpertGroups
 from moetier.engine.slots import make_slots
 from moetier.errors import MoetierError
 from moetier.model.kernels import TorchKernels
+from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
 from moetier.plan.layer_plan import FAST, RESIDENT, LayerPlan, Load, Prefetch
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
+from moetier.plan.prefetchers import make_prefetcher
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
+from moetier.predict.base import Predictor
 from moetier.store.format import Manifest
 from moetier.store.reader import ON_DEMAND, PREFETCH, ExpertReader
 
@@ -29,7 +33,9 @@ from moetier.store.reader import ON_DEMAND, PREFETCH, ExpertReader
 class ExpertExecutor:
     def __init__(self, spec: ModelSpec, manifest: Manifest, capacity_bytes: int, policy: EvictionPolicy,
                  reader: ExpertReader, per_layer: bool = False, device: torch.device | str = "cpu",
-                 kernels: TorchKernels | None = None) -> None:
+                 kernels: TorchKernels | None = None, prefetch: str = "none", predictor: Predictor | None = None,
+                 prefetch_params: dict | None = None) -> None:
+        """`prefetch`: a stage of moetier.plan.prefetchers (or "none"), choosing reads from `predictor`'s scores."""
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
         self.kernels = kernels or TorchKernels()
         self.device = torch.device(device)
@@ -39,8 +45,17 @@ class ExpertExecutor:
         self.pools = {self.precision: make_slots(manifest.precisions[self.precision],
                                                  self.residency.slots(self.precision), self.device)}
         self.counts = CountingHook(entry_bytes)
-        self.layer_step = LayerStep(self.residency, Planner(self.precision, [OnDemandStage(self.residency)]),
-                                    hooks=[self.counts])
+        self.costs = RunningCosts(entry_bytes[self.precision])
+        stages = [OnDemandStage(self.residency)]
+        if prefetch != "none":
+            if predictor is None:
+                raise MoetierError(f"prefetch {prefetch!r} needs a predictor", hint="give --predictor NAME")
+            stages.append(make_prefetcher(prefetch, self.residency, self.precision, self.costs, spec.top_k,
+                                          **(prefetch_params or {})))
+        self.layer_step = LayerStep(self.residency, Planner(self.precision, stages), hooks=[self.counts],
+                                    predictor=predictor)
+        self._clock = time.perf_counter()  # when the previous MoE layer's experts were done
+        self._disk = reader.activity()  # (busy seconds, bytes) at that moment
         self.in_flight: dict[ExpertKey, tuple[str, int]] = {}  # prefetched keys whose reads may not have landed
 
     @property
@@ -59,17 +74,27 @@ class ExpertExecutor:
         # The one host sync of the layer: which experts to read is decided on the host from the routing.
         route = RouteResult(layer, self.layer_step.step, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy(),
                             scores.cpu().numpy())
+        if layer != self.spec.moe_layers[0]:  # (the first one's gap holds the previous step's head too)
+            self.costs.observe_dense(time.perf_counter() - self._clock)
         self._poll_landed()
         plan = self.layer_step.begin(route, x)
         out = self.carry_out(plan, x, topk_weights.dtype, shared)
         for prefetch in self.layer_step.end(plan):
             self._prefetch(prefetch)
+        self._observe_disk()
+        self._clock = time.perf_counter()
         return out
 
     def carry_out(self, plan: LayerPlan, x: torch.Tensor, weight_dtype: torch.dtype,
                   shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """Compute `plan` (its assignment, runs, loads and prefetches) on `x`: the output [T, H]."""
         layer = plan.layer
+        for key in plan.cancels:  # prefetches this layer proved wrong: give the link back if they never started
+            precision, slot = self.in_flight.get(key, (None, None))
+            if slot is not None and self.reader.cancel(self.pools[precision].completions[slot]):
+                del self.in_flight[key]
+                self.residency.drop(key)
+                plan.cancelled.append((key, precision))
         deferred: dict[int, Load] = {}
         for load in plan.loads:  # on-demand reads first, before any compute, so they overlap it
             if load.after is None:
@@ -89,7 +114,9 @@ class ExpertExecutor:
                     pool.completions[run.slot].wait()
                     self.in_flight.pop(ExpertKey(layer, run.expert), None)  # a prefetch this layer waited for
                 w = pool.weights(run.slot)
+                start = time.perf_counter()
                 groups.compute(run.expert, w["gate_up_proj"], w["down_proj"])
+                self.costs.observe_expert(time.perf_counter() - start)
                 follower = deferred.pop(run.expert, None)
                 if follower is not None:  # its slot is free now
                     self._submit(ExpertKey(layer, follower.expert), follower.precision, follower.slot, ON_DEMAND)
@@ -107,6 +134,12 @@ class ExpertExecutor:
     def _prefetch(self, prefetch: Prefetch) -> None:
         self._submit(prefetch.key, prefetch.precision, prefetch.slot, PREFETCH)
         self.in_flight[prefetch.key] = (prefetch.precision, prefetch.slot)
+
+    def _observe_disk(self) -> None:
+        """The link's busy time and bytes since the last layer: its bandwidth, for the stages that weigh time."""
+        busy, nbytes = self.reader.activity()
+        self.costs.observe_read(nbytes - self._disk[1], busy - self._disk[0])
+        self._disk = (busy, nbytes)
 
     def _poll_landed(self) -> None:
         """Prefetches whose reads have finished are resident (a failed one is forgotten)."""

@@ -47,7 +47,7 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
     stats.prompt_tokens = sum(map(len, prompts))
     generator = torch.Generator().manual_seed(params.seed)
     eos = set(eos_ids)
-    executor.policy.on_sequence_start()
+    executor.layer_step.on_sequence_start()
 
     start = time.perf_counter()
     executor.begin_step(PREFILL, stats.phases)

@@ -10,6 +10,9 @@ import numpy as np
 
 from moetier.plan.counters import PhaseCounters
 
+PREFETCH_FIELDS = {"issued": "prefetches", "used": "prefetch_used", "late": "prefetch_late",
+                   "wasted": "prefetch_wasted", "cancelled": "prefetch_cancelled"}
+
 
 @dataclass
 class GenerationStats:
@@ -43,6 +46,7 @@ class GenerationStats:
             "expert_bytes_read": pre.bytes_read + dec.bytes_read,
             "expert_bytes_per_token": dec.bytes_read / self.decode_tokens if self.decode_tokens else None,
             "prefill_expert_bytes_read": pre.bytes_read,
+            "prefetches": {name: getattr(pre, f) + getattr(dec, f) for name, f in PREFETCH_FIELDS.items()},
             "expert_cache_bytes": self.expert_cache_bytes,
             "expert_slots": self.expert_slots,
             "total_expert_bytes": self.total_expert_bytes,
@@ -68,9 +72,13 @@ def format_summary(s: dict) -> str:
         return "n/a" if v is None else f"{v:.2f}"
 
     per_tok = s["expert_bytes_per_token"]
+    pf = s.get("prefetches") or {}
+    prefetch = (f"prefetch {pf['issued']} read: {pf['used'] / pf['issued']:.0%} used in time, "
+                f"{pf['late'] / pf['issued']:.0%} late, {pf['wasted'] / pf['issued']:.0%} wasted "
+                f"({pf['cancelled']} cancelled unread) | ") if pf.get("issued") else ""
     return (f"TTFT {ms(s['ttft_s'])} | TPOT {ms(s['tpot_s'])} (p50 {ms(s['tpot_p50_s'])}, "
             f"p90 {ms(s['tpot_p90_s'])}) | {rate(s['tokens_per_s'])} tok/s "
             f"(decode {rate(s['decode_tokens_per_s'])} tok/s) | "
-            f"expert hit rate {pct(s['hit_rate'])} | "
+            f"expert hit rate {pct(s['hit_rate'])} | {prefetch}"
             f"expert read {'n/a' if per_tok is None else f'{per_tok / 2**20:.1f} MiB'}/token | "
             f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB")

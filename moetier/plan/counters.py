@@ -18,6 +18,11 @@ class PhaseCounters:
     loads: int = 0
     bytes_read: int = 0
     miss_penalty_bytes: int = 0  # HOBBIT's miss penalty, in bytes of the precision loaded
+    prefetches: int = 0  # reads issued for coming layers
+    prefetch_used: int = 0  # needed by their layer and landed in time: hits
+    prefetch_late: int = 0  # needed, but still reading when their layer needed them
+    prefetch_wasted: int = 0  # not needed by the layer they were read for
+    prefetch_cancelled: int = 0  # of the wasted, reads cancelled before they started (nothing read)
 
     def add(self, plan: LayerPlan, entry_bytes: Mapping[Precision, int]) -> None:
         self.layer_steps += 1
@@ -25,8 +30,14 @@ class PhaseCounters:
         self.hits += len(plan.hits)
         self.loads += len(plan.loads)
         read = sum(entry_bytes[load.precision] for load in plan.loads)
-        self.bytes_read += read
+        self.bytes_read += read + sum(entry_bytes[p.precision] for p in plan.prefetches) - \
+            sum(entry_bytes[precision] for _, precision in plan.cancelled)  # (those never read)
         self.miss_penalty_bytes += read
+        self.prefetches += len(plan.prefetches)
+        self.prefetch_used += plan.prefetch_used
+        self.prefetch_late += plan.prefetch_late
+        self.prefetch_wasted += plan.prefetch_wasted
+        self.prefetch_cancelled += len(plan.cancelled)
 
 
 class CountingHook(LayerHook):

@@ -6,7 +6,9 @@
   a load of this plan);
 - the loads this plan issues, each into a slot, some waiting for an expert of this layer to be computed before
   they overwrite its slot;
-- the prefetches to start once the loads are out: reads of experts a later layer is expected to need.
+- the prefetches to start once the loads are out: reads of experts a later layer is expected to need, and the
+  prefetches aimed at this layer that it proved wrong (reads to cancel if they have not started);
+- what the predictor said of the coming layers, and how the prefetches aimed at this layer turned out.
 
 Exact mode is the plan whose assignment equals the routing."""
 
@@ -62,6 +64,13 @@ class LayerPlan:
     runs: list[Run] = field(default_factory=list)  # in compute order
     loads: list[Load] = field(default_factory=list)  # in issue order
     prefetches: list[Prefetch] = field(default_factory=list)
+    predictions: dict[int, np.ndarray] = field(default_factory=dict)  # coming MoE layer -> scores [T, E]
+    cancels: list[ExpertKey] = field(default_factory=list)  # prefetched for this layer, not needed, still reading
+    cancelled: list[tuple[ExpertKey, Precision]] = field(default_factory=list)  # of those, what the executor
+    # cancelled before its read started
+    prefetch_used: int = 0  # prefetched for this layer, needed, landed in time (hits)
+    prefetch_late: int = 0  # prefetched for this layer, needed, still reading when the layer needed it
+    prefetch_wasted: int = 0  # prefetched for this layer and not needed by it
 
     @classmethod
     def exact(cls, route: RouteResult, precision: Precision) -> LayerPlan:

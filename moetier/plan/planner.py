@@ -20,8 +20,10 @@ class Planner:
         self.precision = precision
         self.stages = list(stages)
 
-    def plan(self, route: RouteResult) -> LayerPlan:
+    def plan(self, route: RouteResult, predictions: dict | None = None) -> LayerPlan:
+        """`predictions`: the predictor's scores [T, E] for coming MoE layers, for the stages that prefetch."""
         plan = LayerPlan.exact(route, self.precision)
+        plan.predictions = predictions or {}
         for stage in self.stages:
             plan = stage(plan)
         return plan

@@ -1,2 +1,38 @@
 """Next-layer expert predictors (DESIGN.md's `Predictor`): one file each, the contract in `base.py`, the measures
-of a prediction in `quality.py`."""
+of a prediction in `quality.py`. Each is made by name from what it is built on, handed in by its caller: a
+model's router weights (`routers`), a table of use counts (`counts`), the true routing (`truth`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moetier.errors import MoetierError
+from moetier.predict.base import Predictions, Predictor
+from moetier.predict.hot import HotPredictor
+from moetier.predict.oracle import OraclePredictor
+from moetier.predict.stacked_gates import StackedGatesPredictor
+
+PREDICTORS: dict[str, type[Predictor]] = {
+    "stacked-gates": StackedGatesPredictor,
+    "hot": HotPredictor,
+    "oracle": OraclePredictor,
+}
+BUILT_ON = {  # what each is made from, and where a caller gets it
+    "stacked-gates": ("routers", "the model's router weights (the engine hands them over; a trace needs its model)"),
+    "hot": ("counts", "use counts per expert, from a recorded trace"),
+    "oracle": ("truth", "the true routing of the same run: a recorded trace (the simulator)"),
+}
+
+
+def make_predictor(name: str, moe_layers: Sequence[int], num_experts: int, top_k: int, distance: int = 1,
+                   **inputs) -> Predictor:
+    """Predictor `name`, or a clear error naming what it needs."""
+    if name not in PREDICTORS:
+        raise MoetierError(f"unknown predictor {name!r}", hint=f"one of {', '.join(PREDICTORS)}")
+    needs, where = BUILT_ON[name]
+    if inputs.get(needs) is None:
+        raise MoetierError(f"predictor {name!r} needs {needs}: {where}, and none was given")
+    return PREDICTORS[name](moe_layers, num_experts, top_k, distance=distance, **inputs)
+
+
+__all__ = ["BUILT_ON", "PREDICTORS", "Predictions", "Predictor", "make_predictor"]

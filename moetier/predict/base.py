@@ -6,10 +6,13 @@ offline is loaded elsewhere and handed to it, so the engine and the simulator dr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moetier.plan.route import RouteResult
+if TYPE_CHECKING:  # the routing is handed in; predictors import nothing above them
+    from moetier.plan.route import RouteResult
+
 
 Predictions = dict[int, np.ndarray]  # future MoE layer -> scores [T, E]
 

@@ -5,11 +5,14 @@ prefetcher loses as its predictor gets worse. Handed a lookup of the truth; it r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moetier.plan.route import RouteResult
 from moetier.predict.base import Predictions, Predictor
+
+if TYPE_CHECKING:  # the routing is handed in; predictors import nothing above them
+    from moetier.plan.route import RouteResult
 
 TrueRoutes = Callable[[int, int], np.ndarray]  # (forward step, layer) -> topk_ids [T, k] of that step
 

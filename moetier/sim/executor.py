@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moetier.cache.keys import ExpertKey
+from moetier.plan.costs import RunningCosts
 from moetier.plan.layer_plan import FAST, HOST, IN_FLIGHT, LOAD, LayerPlan, Load
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
@@ -32,60 +33,105 @@ class LayerTimeline:
 
 
 class SimExecutor:
-    def __init__(self, layer_step: LayerStep, cost: CostModel) -> None:
-        self.layer_step, self.cost = layer_step, cost
+    def __init__(self, layer_step: LayerStep, cost: CostModel, costs: RunningCosts | None = None) -> None:
+        """`costs`: where the stages that weigh time hear what layers cost (the cost model's numbers)."""
+        self.layer_step, self.cost, self.costs = layer_step, cost, costs
         self.residency = layer_step.residency
         self.now = 0.0  # the compute device's clock: where the next piece of work starts
         self.link_free = 0.0  # the link is busy until then
         self.host_free = 0.0  # the host CPU lane is busy until then
-        self.landing: dict[ExpertKey, float] = {}  # prefetches in flight: when each one's data is usable
+        self.landing: dict[ExpertKey, float] = {}  # reads in flight for coming layers: when each one's data is usable
+        self.queued: dict[ExpertKey, float] = {}  # prefetches waiting for the link, in order: when each was issued
+        self._tl: LayerTimeline | None = None  # the layer whose timeline a read started now is drawn in
 
-    def layer(self, route: RouteResult, tokens: int) -> tuple[LayerPlan, LayerTimeline]:
-        """One MoE layer of `tokens` tokens, starting now."""
-        tl = LayerTimeline(route.layer, self.now, self.now + self.cost.dense_s(route.layer, tokens))
+    def layer(self, route: RouteResult, tokens: int, gate_input=None) -> tuple[LayerPlan, LayerTimeline]:
+        """One MoE layer of `tokens` tokens, starting now. `gate_input` [T, H]: the router's input, for the
+        predictor (a trace's recorded one), or None."""
+        tl = self._tl = LayerTimeline(route.layer, self.now, self.now + self.cost.dense_s(route.layer, tokens))
         self._land(tl.dense_end)  # what a layer needs was in time if its read landed before its routing is known
-        plan = self.layer_step.begin(route)
+        plan = self.layer_step.begin(route, gate_input)
+        for key in plan.cancels:  # prefetches this layer proved wrong: off the queue if they never started
+            if self.queued.pop(key, None) is not None:
+                plan.cancelled.append((key, self.residency.entries[key].precision))
+                self.residency.drop(key)
         landed: dict[int, float] = {}
         deferred: dict[int, Load] = {}
-        for load in plan.loads:
+        for load in plan.loads:  # on-demand reads: ahead of every queued prefetch
             if load.after is None:
-                landed[load.expert] = self._read(ExpertKey(plan.layer, load.expert), tl.dense_end, tl)
+                landed[load.expert] = self._read(ExpertKey(plan.layer, load.expert), tl.dense_end)
             else:
                 deferred[load.after] = load
         for prefetch in plan.prefetches:
-            self.landing[prefetch.key] = self._read(prefetch.key, tl.dense_end, tl)
+            self.queued[prefetch.key] = tl.dense_end
         lane_free = {FAST: tl.dense_end, HOST: max(self.host_free, tl.dense_end)}
         counts = plan.counts
         for run in plan.runs:
             key = ExpertKey(plan.layer, run.expert)
             ready = landed[run.expert] if run.source == LOAD else \
-                self.landing.pop(key) if run.source == IN_FLIGHT else tl.dense_end
+                self._in_flight(key) if run.source == IN_FLIGHT else tl.dense_end
             start = max(lane_free[run.place], ready)
             lane_free[run.place] = start + self.cost.expert_s(int(counts[run.expert]), run.place)
             tl.computes.append((run.expert, start, lane_free[run.place], run.place))
             follower = deferred.pop(run.expert, None)
             if follower is not None:  # its slot is free now
-                landed[follower.expert] = self._read(ExpertKey(plan.layer, follower.expert), lane_free[run.place], tl)
+                landed[follower.expert] = self._read(ExpertKey(plan.layer, follower.expert), lane_free[run.place])
         self.host_free = lane_free[HOST]
         tl.end = self.now = max([lane_free[FAST]] + [end for _, _, end, _ in tl.computes])  # all runs done
+        self._advance(tl.end)  # reads that start while this layer runs are drawn in its timeline
         for prefetch in self.layer_step.end(plan):
-            self.landing[prefetch.key] = self._read(prefetch.key, self.now, tl)
+            self.queued[prefetch.key] = self.now
+        self._observe(plan, tokens)
         return plan, tl
 
     def idle(self, seconds: float) -> None:
         """Work on the compute device that involves no expert of the cache (dense layers, the head)."""
         self.now += seconds
 
-    def _read(self, key: ExpertKey, ready: float, tl: LayerTimeline) -> float:
-        """Queue a read on the serial link at `ready`; returns when its data is usable."""
+    def _read(self, key: ExpertKey, ready: float) -> float:
+        """An on-demand read at `ready`: prefetches that started before it keep the link (a read is never
+        interrupted), queued ones wait behind it. Returns when its data is usable."""
+        self._advance(ready)
+        return self._start(key, ready)
+
+    def _in_flight(self, key: ExpertKey) -> float:
+        """When a read an earlier layer started (or queued) is usable: a queued one keeps its place in the queue,
+        behind this layer's on-demand reads, as the real reader's priorities do."""
+        if key in self.queued:
+            while key not in self.landing:
+                first, ready = next(iter(self.queued.items()))
+                del self.queued[first]
+                self.landing[first] = self._start(first, ready)
+        return self.landing.pop(key)
+
+    def _advance(self, t: float) -> None:
+        """Queued prefetches that the link starts before `t`, in order."""
+        while self.queued:
+            key, ready = next(iter(self.queued.items()))
+            if max(self.link_free, ready) >= t:
+                return
+            del self.queued[key]
+            self.landing[key] = self._start(key, ready)
+
+    def _start(self, key: ExpertKey, ready: float) -> float:
         start = max(self.link_free, ready)
         self.link_free = start + self.cost.read_busy_s(key)
         usable = self.link_free + self.cost.read_latency_s(key)
-        tl.reads.append((key, start, usable))
+        self._tl.reads.append((key, start, usable))
         return usable
 
     def _land(self, now: float) -> None:
+        self._advance(now)
         for key, usable in list(self.landing.items()):
             if usable <= now:
                 del self.landing[key]
                 self.residency.landed(key)
+
+    def _observe(self, plan: LayerPlan, tokens: int) -> None:
+        """What the stages that weigh time hear: the cost model's own numbers for this layer."""
+        if self.costs is None:
+            return
+        counts = plan.counts
+        per_expert = int(round(counts.sum() / max(1, len(plan.runs))))  # tokens an expert of this layer took
+        self.costs.observe_dense(self.cost.dense_s(plan.layer, tokens))
+        self.costs.observe_expert(self.cost.expert_s(max(1, per_expert)))
+        self.costs.observe_read(self.costs.expert_bytes, self.cost.read_busy_s(ExpertKey(plan.layer, 0)))

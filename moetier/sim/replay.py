@@ -13,12 +13,16 @@ import numpy as np
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext
 from moetier.cache.residency import Residency
+from moetier.errors import MoetierError
+from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook
 from moetier.plan.layer_plan import LayerPlan
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
+from moetier.plan.prefetchers import make_prefetcher
 from moetier.plan.route import DECODE, PREFILL, RouteResult
 from moetier.plan.step import LayerHook, LayerStep
+from moetier.predict.base import Predictor
 from moetier.sim.cost import CostModel, FreeCost
 from moetier.sim.executor import LayerTimeline, SimExecutor
 from moetier.trace.format import Trace
@@ -121,19 +125,27 @@ class SimResult:
 
 def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostModel | FreeCost,
              precision: Precision = NATIVE, preload: bool = False, per_layer: bool = False,
-             timeline_steps: tuple[int, ...] = (), keep_plans: bool = False) -> SimResult:
+             timeline_steps: tuple[int, ...] = (), keep_plans: bool = False, prefetch: str = "none",
+             predictor: Predictor | None = None, prefetch_params: dict | None = None) -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
     clock. `preload` starts as Engine.preload() does (experts admitted layer by layer until the cache is full);
     `per_layer` splits the cache evenly among the trace's layers; timelines are kept for `timeline_steps`
     (negative indices count from the end). Layers the trace does not cover run with their experts resident. A
-    trace without full router scores hands the policies its top-k weights with zeros elsewhere."""
+    trace without full router scores hands the policies its top-k weights with zeros elsewhere. `prefetch` names a
+    stage of moetier.plan.prefetchers fed by `predictor`, which hears the trace's gate inputs where it has them."""
     entry_bytes = max(1, cost.expert_bytes)  # a free machine counts experts, not bytes
     residency = Residency(num_slots * entry_bytes, {precision: entry_bytes}, policy,
                           trace.layers if per_layer else None)
     counts, log = CountingHook({precision: entry_bytes}), PlanLog()
-    layer_step = LayerStep(residency, Planner(precision, [OnDemandStage(residency)]),
-                           hooks=[counts, log] if keep_plans else [counts])
-    executor = SimExecutor(layer_step, cost)
+    costs = RunningCosts(entry_bytes)
+    stages = [OnDemandStage(residency)]
+    if prefetch != "none":
+        if predictor is None:
+            raise MoetierError(f"prefetch {prefetch!r} needs a predictor", hint="give a predictor")
+        stages.append(make_prefetcher(prefetch, residency, precision, costs, trace.top_k, **(prefetch_params or {})))
+    layer_step = LayerStep(residency, Planner(precision, stages), hooks=[counts, log] if keep_plans else [counts],
+                           predictor=predictor)
+    executor = SimExecutor(layer_step, cost, costs)
     if preload:
         keys = (ExpertKey(layer, e) for layer in trace.layers for e in range(trace.num_experts))
         for key, _ in residency.admit_while_room(keys, precision):
@@ -146,11 +158,12 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     for index, (phase, rows) in enumerate(all_steps):
         if trace.seq[rows[0]] != seq:  # the engine starts a sequence with each generate call
             seq = trace.seq[rows[0]]
-            policy.on_sequence_start()
+            layer_step.on_sequence_start()
         layer_step.begin_step(phase)
         start, loads_before = executor.now, counts.phases[phase].bytes_read
         for j, layer in enumerate(trace.layers):
-            plan, timeline = executor.layer(_route(trace, rows, j, layer, layer_step.step), len(rows))
+            gate_input = trace.gate_inputs[rows, j] if trace.gate_inputs is not None else None
+            plan, timeline = executor.layer(_route(trace, rows, j, layer, layer_step.step), len(rows), gate_input)
             result.miss_penalty_s += sum(cost.read_s(ExpertKey(layer, ld.expert)) for ld in plan.loads)
             if index in keep:
                 result.timelines.setdefault(index, []).append(timeline)

@@ -64,23 +64,23 @@ def test_a_read_that_takes_a_slot_waits_for_the_expert_computed_in_it():
 
 def test_a_hand_made_plan_with_a_substitute_a_skip_and_prefetches():
     """Layer 0 routes [[0, 1], [2, 3]]: token 0's expert 1 runs resident expert 3 instead, token 1's expert 2 is
-    skipped; prefetches of layer 1's experts 0 and 1 go out after the loads. Layer 1 then needs 0 and 1: the
-    first landed in time (a hit), the second is waited for (a miss)."""
+    skipped; prefetches of layer 1's experts 0 and 1 queue behind the loads. Layer 1 then needs 0 and 1: the
+    first landed in time (a hit); the second was still queued when layer 1's routing was known, starts then and
+    is waited for (a miss)."""
     substitute = Substitute(layer=0, swap={(0, 1): 3}, skip=[(1, 0)])
     ex, r, step = machine(4, 300, stages_before=[substitute], resident=[ExpertKey(0, 3)])
     step.planner.stages.append(PrefetchAfter(r, 0, [ExpertKey(1, 0), ExpertKey(1, 1)], "bf16"))
     plan, tl = ex.layer(route(0, [[0, 1], [2, 3]]), tokens=2)
     assert plan.experts == [0, 3] and [ld.expert for ld in plan.loads] == [0]
-    # dense 0-2; 3 (resident) computes 2-3; read of 0 2-5, then the prefetches 5-8 and 8-11; 0 computes 5-6
-    assert [(k, s, e) for k, s, e in tl.reads] == [(ExpertKey(0, 0), 2.0, 5.0), (ExpertKey(1, 0), 5.0, 8.0),
-                                                   (ExpertKey(1, 1), 8.0, 11.0)]
+    # dense 0-2; 3 (resident) computes 2-3; read of 0 2-5, then the first prefetch 5-8; 0 computes 5-6
+    assert [(k, s, e) for k, s, e in tl.reads] == [(ExpertKey(0, 0), 2.0, 5.0), (ExpertKey(1, 0), 5.0, 8.0)]
     assert [c[:3] for c in tl.computes] == [(3, 2.0, 3.0), (0, 5.0, 6.0)]
     assert tl.end == 6.0
     # layer 1 starts at 6, routing known at 8: (1,0) landed at 8 (resident, a hit); (1,1) lands at 11 (waited)
     plan, tl = ex.layer(route(1, [[0, 1]]), tokens=1)
     assert [(run.expert, run.source) for run in plan.runs] == [(0, "resident"), (1, "in-flight")]
     assert [c[:3] for c in tl.computes] == [(0, 8.0, 9.0), (1, 11.0, 12.0)]
-    assert tl.reads == [] and ExpertKey(1, 1) in r  # computed, so resident
+    assert tl.reads == [(ExpertKey(1, 1), 8.0, 11.0)] and ExpertKey(1, 1) in r  # computed, so resident
 
 
 def test_an_expert_placed_on_the_host_computes_beside_the_compute_device():
@@ -98,3 +98,31 @@ def test_an_expert_placed_on_the_host_computes_beside_the_compute_device():
     assert (e0, s0, end0, lane0) == (0, 2.0, 3.0, FAST)
     assert (e1, s1, lane1) == (1, 2.0, HOST) and 0 < end1 - s1 < 1e-3
     assert tl.end == 3.0 and ex.host_free == end1
+
+
+def test_an_on_demand_read_overtakes_queued_prefetches_but_not_a_running_one():
+    """Layer 0 queues three prefetches of layer 1 (3 s each): the first runs 2-5. Layer 1's routing is known at 5
+    and its miss reads 5-8, ahead of the two still queued (8-11, 11-14)."""
+    far = [ExpertKey(1, e) for e in (1, 2, 3)]
+    ex, r, step = machine(6, 300, resident=[ExpertKey(0, 0)])
+    step.planner.stages.append(PrefetchAfter(r, 0, far, "bf16"))
+    ex.layer(route(0, [[0]]), tokens=1)  # dense 0-2, compute 2-3
+    plan, tl = ex.layer(route(1, [[0]]), tokens=1)  # dense 3-5
+    assert [(k, s, e) for k, s, e in tl.reads] == [(ExpertKey(1, 0), 5.0, 8.0), (ExpertKey(1, 2), 8.0, 11.0)]
+    assert [c[:3] for c in tl.computes] == [(0, 8.0, 9.0)]
+    assert list(ex.queued) == [ExpertKey(1, 3)]
+
+
+def test_a_queued_prefetch_proven_wrong_is_cancelled_unread():
+    class Cancel:  # at layer 1, the prefetch of (1, 1) is proven wrong
+        def __call__(self, plan):
+            if plan.layer == 1:
+                plan.cancels.append(ExpertKey(1, 1))
+            return plan
+
+    ex, r, step = machine(6, 300, resident=[ExpertKey(0, 0)])
+    step.planner.stages += [PrefetchAfter(r, 0, [ExpertKey(1, 0), ExpertKey(1, 1)], "bf16"), Cancel()]
+    ex.layer(route(0, [[0]]), tokens=1)  # prefetch (1,0) runs 2-5, (1,1) queued behind it
+    plan, tl = ex.layer(route(1, [[0]]), tokens=1)  # routing at 5: (1,1) has not started
+    assert plan.cancelled == [(ExpertKey(1, 1), "bf16")] and ExpertKey(1, 1) not in r.entries
+    assert ex.queued == {} and all(k != ExpertKey(1, 1) for k, _, _ in tl.reads)

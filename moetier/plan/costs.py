@@ -1,0 +1,59 @@
+"""What layer steps cost lately, for the stages that weigh time (PreSched's prefetch count, CoMoE's bandwidth
+stability). The executor that carries the plans out reports what it measured — the real one from its clocks and
+its reader, the simulated one from its cost model — so a stage decides from the same numbers in both.
+
+Each cost is an exponentially weighted moving average (CoMoE Eq. 10, r̂(t) = α·r(t) + (1−α)·r̂(t−1)); the read
+bandwidth also keeps its last `window` samples for CoMoE's stability indicator (Eq. 11–12)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+
+class RunningCosts:
+    def __init__(self, expert_bytes: int, smoothing: float = 0.2, window: int = 16) -> None:
+        """`expert_bytes`: one expert's read, at the precision prefetches read."""
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be within (0, 1], not {smoothing}")
+        if window < 2:
+            raise ValueError(f"window must be at least 2, not {window}")
+        self.expert_bytes, self.smoothing = expert_bytes, smoothing
+        self.dense_s: float | None = None  # a layer's part before its routing: attention, router
+        self.expert_s: float | None = None  # one expert's compute at the current batch
+        self.bandwidth: float | None = None  # bytes/s of expert reads, smoothed
+        self._bandwidths: deque[float] = deque(maxlen=window)
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else self.smoothing * new + (1 - self.smoothing) * old
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        """`nbytes` of expert reads took `seconds` of the link's busy time."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.bandwidth = self._smooth(self.bandwidth, rate)
+        self._bandwidths.append(rate)
+
+    @property
+    def read_s(self) -> float | None:
+        """One expert's read on an idle link."""
+        return self.expert_bytes / self.bandwidth if self.bandwidth else None
+
+    def observe_dense(self, seconds: float) -> None:
+        self.dense_s = self._smooth(self.dense_s, seconds)
+
+    def observe_expert(self, seconds: float) -> None:
+        self.expert_s = self._smooth(self.expert_s, seconds)
+
+    @property
+    def ready(self) -> bool:
+        return None not in (self.read_s, self.dense_s, self.expert_s)
+
+    def bandwidth_stability(self) -> float:
+        """CoMoE's S_b(t) = 1 − σ/r̂ over the last `window` bandwidth samples (Eq. 11–12), within [0, 1]; 1 until
+        there are two samples."""
+        if len(self._bandwidths) < 2 or not self.bandwidth:
+            return 1.0
+        sigma = math.sqrt(sum((b - self.bandwidth) ** 2 for b in self._bandwidths) / len(self._bandwidths))
+        return min(1.0, max(0.0, 1.0 - sigma / self.bandwidth))

@@ -1,0 +1,110 @@
+"""Prefetch stages: after the on-demand stage, name reads of experts the coming layers are predicted to need.
+
+The bookkeeping is shared (`PrefetchStage`); a subclass only chooses which experts, in the order to read them.
+
+- A prefetched expert is pinned (PREFETCHED) from its admission until the layer it was read for routes. That
+  layer settles it: needed and landed → used (a hit); needed and still reading → late (a miss that waits less);
+  not needed → wasted: unpinned, and its read cancelled if it has not started (a running read is never
+  interrupted).
+- A predicted expert already resident is pinned the same way (HOBBIT §3.3 masks predicted experts from eviction)
+  but is no prefetch: it reads nothing.
+- Prefetch pins never crowd out the coming layer's own misses: in each cache scope (the whole cache, or a layer's
+  share), `reserve` entries — one per (token, k), at most every expert — stay free of them.
+- Reads go out after the layer's on-demand loads, at the reader's lower priority: a prefetch never delays an
+  on-demand read already queued, and queued on-demand reads of later layers overtake it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from moetier.cache.keys import ExpertKey, Precision
+from moetier.cache.residency import PREFETCHED, Residency
+from moetier.plan.layer_plan import IN_FLIGHT, RESIDENT, LayerPlan, Prefetch
+
+
+def predicted_ids(scores: np.ndarray, top_k: int) -> list[int]:
+    """[T, E] -> the experts in some token's predicted top-k, by summed score over the tokens, best first."""
+    tokens, num_experts = scores.shape
+    k = min(top_k, num_experts)
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]  # [T, k], unordered
+    ids = np.unique(top)
+    return ids[np.argsort(-scores[:, ids].sum(axis=0), kind="stable")].tolist()
+
+
+class PrefetchStage:
+    name = "prefetch"
+
+    def __init__(self, residency: Residency, precision: Precision) -> None:
+        self.residency, self.precision = residency, precision
+        self.pinned: dict[ExpertKey, bool] = {}  # pinned for a coming layer -> whether we read it (a prefetch)
+
+    def __call__(self, plan: LayerPlan) -> LayerPlan:
+        self.settle(plan)
+        if plan.predictions:
+            self.issue(plan, self.select(plan))
+        return plan
+
+    def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
+        """The experts of coming layers to hold, in the order to read them (reading stops at the first that
+        does not fit)."""
+        raise NotImplementedError
+
+    # -- shared bookkeeping ------------------------------------------------------------------------------------
+
+    def settle(self, plan: LayerPlan) -> None:
+        """The prefetches and masks aimed at this layer: count them, release what the routing proved wrong."""
+        mine = [key for key in self.pinned if key.layer == plan.layer]  # a few layers' top-k at most
+        if not mine:
+            return
+        sources = {run.expert: run.source for run in plan.runs}
+        for key in mine:
+            read = self.pinned.pop(key)
+            source = sources.get(key.expert)
+            if source is None:  # not needed (the on-demand stage pinned the needed ones for use)
+                self.residency.unpin(key, PREFETCHED)
+                if read:
+                    plan.prefetch_wasted += 1
+                    if self.residency.loading(key):
+                        plan.cancels.append(key)
+            elif read:
+                if source == RESIDENT:
+                    plan.prefetch_used += 1
+                elif source == IN_FLIGHT:
+                    plan.prefetch_late += 1
+                else:  # its read failed or was given up, and it is loaded again
+                    plan.prefetch_wasted += 1
+
+    def issue(self, plan: LayerPlan, keys: Iterable[ExpertKey]) -> None:
+        r = self.residency
+        reserve = min(plan.route.scores.shape[1], plan.route.topk_ids.size) * r.entry_bytes[self.precision]
+        for key in keys:
+            if key in self.pinned or key.layer == plan.layer:
+                continue
+            entry = r.entries.get(key)
+            if entry is not None:
+                if entry.pin is None and self._room(key, entry.nbytes, reserve):
+                    r.pin(key, PREFETCHED)
+                    self.pinned[key] = False
+                continue
+            nbytes = r.entry_bytes[self.precision]
+            if not self._room(key, nbytes, reserve):
+                break
+            got = r.admit(key, self.precision, PREFETCHED)
+            if got is None:
+                break
+            slot, evicted = got
+            plan.prefetches.append(Prefetch(key, self.precision, slot, evicted))
+            self.pinned[key] = True
+
+    def _room(self, key: ExpertKey, nbytes: int, reserve: int) -> bool:
+        """Pinning `nbytes` more for `key` still leaves `reserve` bytes of its scope unpinned by prefetches."""
+        r = self.residency
+        layer = key.layer if r.layers else None
+        capacity = r.layer_capacity if r.layers else r.capacity_bytes
+        return r.pinned_bytes(PREFETCHED, layer) + nbytes + reserve <= capacity
+
+    def reading(self) -> int:
+        """Prefetches of ours whose reads have not landed."""
+        return sum(1 for key, read in self.pinned.items() if read and self.residency.loading(key))

@@ -1,0 +1,163 @@
+"""The published prefetch rules, each a `PrefetchStage` that only chooses (the bookkeeping is shared):
+
+- `hobbit`   HOBBIT §3.3 (Fig. 8): the predicted top-k of the next layer; if every one is cached, look one layer
+             further, up to the predictor's distance p; every predicted expert is masked from eviction.
+- `smoe`     SMoE §IV-C: only the next layer's top-score experts — predicted score at least (1+α)·S_{k+1}, with
+             S_{k+1} the token's (k+1)-th score (the bound of its Alg. 1).
+- `comoe`    CoMoE Eq. 19: every next-layer expert whose predicted probability exceeds
+             θ_pre(t) = θ_base · S_b(t) · (1 + δ · free/total memory).
+- `presched` PreScope §4.3 (Eq. 6–7): as many of the next layer's predicted experts as fit in the gap this layer
+             leaves the link, f = (T_gap + t_attn) / t_io, the fractional "critical" one kept only when its
+             expected gain beats its expected loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from moetier.cache.keys import ExpertKey, Precision
+from moetier.cache.residency import Residency
+from moetier.errors import MoetierError
+from moetier.plan.costs import RunningCosts
+from moetier.plan.layer_plan import RESIDENT, LayerPlan
+from moetier.plan.prefetch import PrefetchStage, predicted_ids
+
+
+class HobbitPrefetch(PrefetchStage):
+    name = "hobbit"
+
+    def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
+        k = plan.route.topk_ids.shape[1]
+        for layer in sorted(plan.predictions):  # nearest first, up to the predictor's distance p
+            keys = [ExpertKey(layer, e) for e in predicted_ids(plan.predictions[layer], k)]
+            yield from keys
+            if any(key not in self.residency for key in keys):
+                return  # something to read here: look no further
+
+
+class SmoePrefetch(PrefetchStage):
+    name = "smoe"
+
+    def __init__(self, residency: Residency, precision: Precision, alpha: float = 0.3) -> None:
+        """alpha: SMoE's α; 0.3 is its setting for mid-sized models (§V-C), and its substitution stage's too."""
+        super().__init__(residency, precision)
+        if not 0.0 <= alpha < 1.0:
+            raise ValueError(f"alpha must be within [0, 1), not {alpha}")
+        self.alpha = alpha
+
+    def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
+        layer = min(plan.predictions)
+        scores = plan.predictions[layer]  # [T, E]
+        k = plan.route.topk_ids.shape[1]
+        if k >= scores.shape[1]:
+            return [ExpertKey(layer, e) for e in range(scores.shape[1])]
+        ranked = -np.sort(-scores, axis=1)  # [T, E] descending
+        bound = (1 + self.alpha) * ranked[:, k:k + 1]  # [T, 1]: (1+α)·S_{k+1}
+        top = (scores >= bound) & (scores >= ranked[:, k - 1:k])  # [T, E]: top-score and among the top-k
+        ids = np.flatnonzero(top.any(axis=0))
+        ids = ids[np.argsort(-scores[:, ids].sum(axis=0), kind="stable")]
+        return [ExpertKey(layer, int(e)) for e in ids]
+
+
+class ComoePrefetch(PrefetchStage):
+    name = "comoe"
+
+    def __init__(self, residency: Residency, precision: Precision, costs: RunningCosts, theta_base: float | None = None,
+                 delta: float = 0.5, top_k: int = 1) -> None:
+        """The paper gives no values for θ_base or δ. θ_base defaults to half of 1/k, the probability a routed
+        expert has on average when the router's k choices share it evenly."""
+        super().__init__(residency, precision)
+        self.costs, self.delta = costs, delta
+        self.theta_base = theta_base if theta_base is not None else 0.5 / top_k
+        if not 0.0 < self.theta_base < 1.0 or delta < 0:
+            raise ValueError(f"need 0 < theta_base < 1 and delta >= 0 (got {self.theta_base}, {delta})")
+
+    def threshold(self) -> float:
+        """θ_pre(t) = θ_base · S_b(t) · (1 + δ · m_avail/m_total) (Eq. 19, as printed: more free memory and a
+        steadier link raise the bar, although the paper's prose says a steadier link makes it more aggressive)."""
+        r = self.residency
+        free = r.free_bytes / r.capacity_bytes if r.capacity_bytes else 0.0
+        return self.theta_base * self.costs.bandwidth_stability() * (1 + self.delta * free)
+
+    def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
+        layer = min(plan.predictions)
+        scores = plan.predictions[layer]  # [T, E]
+        p = scores / np.maximum(scores.sum(axis=1, keepdims=True), 1e-30)  # a distribution per token, as Eq. 36's
+        best = p.max(axis=0)  # [E]
+        ids = np.flatnonzero(best > self.threshold())
+        return [ExpertKey(layer, int(e)) for e in ids[np.argsort(-best[ids], kind="stable")]]
+
+
+class PreSchedPrefetch(PrefetchStage):
+    name = "presched"
+
+    def __init__(self, residency: Residency, precision: Precision, costs: RunningCosts, prior_hit: float = 0.5,
+                 smoothing: float = 0.1) -> None:
+        """prior_hit: the hit rate assumed for a prefetch rank never tried; each rank's is then smoothed."""
+        super().__init__(residency, precision)
+        self.costs, self.prior_hit, self.smoothing = costs, prior_hit, smoothing
+        self.rank_hit: list[float] = []  # per rank among a layer's prefetches: how often such a prefetch was used
+        self._rank: dict[ExpertKey, int] = {}
+
+    def count(self, plan: LayerPlan) -> int:
+        """|f| per Eq. 6–7, from this plan and the running costs. Our layer has no CPU lane beside the reads: the
+        "CPU computation" that hides the link is the compute of the experts this layer does not load."""
+        c = self.costs
+        t_io, t_e = c.read_s, c.expert_s
+        reads = sum(1 for run in plan.runs if run.source != RESIDENT)  # this layer's, on the link first
+        alpha = self.reading() * t_io  # PreScope's α: link time our earlier prefetches still take
+        gap = (len(plan.runs) - reads) * t_e - alpha - reads * t_io  # T_gap
+        f = max(0.0, (gap + c.dense_s) / t_io)  # Eq. 6
+        n = round(f)
+        if n == 0:
+            return 0
+        hit = self.rank_hit[n - 1] if n - 1 < len(self.rank_hit) else self.prior_hit
+        xi = hit * (f - n + 1) * t_e - (1 - hit) * (n - f) * t_e  # Eq. 7
+        return n if xi > 0 else n - 1
+
+    def __call__(self, plan: LayerPlan) -> LayerPlan:
+        self._learn(plan)
+        return super().__call__(plan)
+
+    def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
+        if not self.costs.ready:
+            return []  # nothing measured yet: no budget to schedule against
+        layer = min(plan.predictions)
+        n = self.count(plan)
+        ranked = [ExpertKey(layer, e) for e in predicted_ids(plan.predictions[layer], plan.route.topk_ids.shape[1])]
+        missing = [key for key in ranked if key not in self.residency.entries]
+        chosen = missing[:n]
+        self._rank.update((key, i) for i, key in enumerate(chosen))
+        return [key for key in ranked if key not in missing] + chosen  # resident ones masked, n read
+
+    def _learn(self, plan: LayerPlan) -> None:
+        """Before settling: each prefetch aimed at this layer teaches its rank's hit rate."""
+        used = {run.expert for run in plan.runs}
+        for key in [key for key in self._rank if key.layer == plan.layer]:
+            rank = self._rank.pop(key)
+            while len(self.rank_hit) <= rank:
+                self.rank_hit.append(self.prior_hit)
+            self.rank_hit[rank] += self.smoothing * (float(key.expert in used) - self.rank_hit[rank])
+
+
+Factory = Callable[..., PrefetchStage]
+PREFETCHERS: dict[str, Factory] = {
+    "hobbit": HobbitPrefetch,
+    "smoe": SmoePrefetch,
+    "comoe": ComoePrefetch,
+    "presched": PreSchedPrefetch,
+}
+NEEDS_COSTS = ("comoe", "presched")
+
+
+def make_prefetcher(name: str, residency: Residency, precision: Precision, costs: RunningCosts,
+                    top_k: int, **params) -> PrefetchStage:
+    """The stage `name`, or a clear error."""
+    if name not in PREFETCHERS:
+        raise MoetierError(f"unknown prefetcher {name!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
+    if name == "comoe":
+        params.setdefault("top_k", top_k)
+    if name in NEEDS_COSTS:
+        params["costs"] = costs
+    return PREFETCHERS[name](residency, precision, **params)

@@ -1,0 +1,72 @@
+"""Prefetching in the real engine: exact mode is unchanged by any prefetch configuration (the tokens equal those
+without it, whose parity with transformers tests/model/test_parity.py holds), and the statistics add up."""
+
+import pytest
+import torch
+
+from moetier import Engine
+from moetier.engine.engine import EngineConfig
+from moetier.errors import MoetierError
+from moetier.plan.prefetchers import PREFETCHERS
+from moetier.store.store import Store
+
+
+def prompts(lengths: list[int], vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def deep(tiny_store):
+    """A four-layer OLMoE: three layers to predict from."""
+    return tiny_store("olmoe", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def reference(deep):
+    """Without prefetching, everything resident."""
+    _, path = deep
+    with Engine.from_pretrained(path, expert_memory="100%") as engine:
+        return [engine.generate([p], max_new_tokens=14, ignore_eos=True).token_ids[0] for p in prompts([6, 11])]
+
+
+@pytest.mark.parametrize("prefetch", sorted(PREFETCHERS))
+def test_any_prefetch_configuration_leaves_the_output_exact(deep, reference, prefetch):
+    _, path = deep
+    with Engine.from_pretrained(path, expert_memory="30%", prefetch=prefetch, predictor="stacked-gates") as engine:
+        singles = [engine.generate([p], max_new_tokens=14, ignore_eos=True) for p in prompts([6, 11])]
+        batch = engine.generate(prompts([6, 11]), max_new_tokens=14, ignore_eos=True)
+        slot = engine.executor.pool.slot_bytes
+    assert [o.token_ids[0] for o in singles] == reference
+    assert batch.token_ids == reference
+    for out in singles + [batch]:
+        s = out.stats
+        pf = s["prefetches"]
+        assert pf["used"] + pf["late"] <= pf["issued"] and pf["cancelled"] <= pf["wasted"]
+        for phase in ("prefill", "decode"):
+            c = s[phase]
+            assert c["bytes_read"] == (c["loads"] + c["prefetches"] - c["prefetch_cancelled"]) * slot
+            assert c["hits"] <= c["needed"]
+
+
+def test_hobbit_prefetches_and_raises_the_hit_rate(deep):
+    _, path = deep
+    p = prompts([9])
+    with Engine.from_pretrained(path, expert_memory="30%") as engine:
+        base = engine.generate(p, max_new_tokens=24, ignore_eos=True).stats
+    with Engine.from_pretrained(path, expert_memory="30%", prefetch="hobbit", predictor="stacked-gates") as engine:
+        pre = engine.generate(p, max_new_tokens=24, ignore_eos=True).stats
+    assert pre["prefetches"]["issued"] > 0 and base["prefetches"]["issued"] == 0
+    assert pre["decode"]["hits"] + pre["prefetches"]["late"] >= base["decode"]["hits"]
+
+
+def test_prefetch_configuration_errors_say_what_to_do(deep):
+    with pytest.raises(MoetierError, match="needs a predictor"):
+        EngineConfig(prefetch="hobbit")
+    with pytest.raises(MoetierError, match="unknown prefetcher 'nope'"):
+        EngineConfig(prefetch="nope", predictor="stacked-gates")
+    with pytest.raises(MoetierError, match="unknown predictor 'nope'"):
+        EngineConfig(predictor="nope")
+    _, path = deep
+    with pytest.raises(MoetierError, match="needs counts"):
+        Engine(Store(path), EngineConfig(prefetch="hobbit", predictor="hot"))

@@ -1,0 +1,181 @@
+"""The prefetch stages as pure logic on hand-made routing and predictions: what each rule chooses, how the shared
+bookkeeping settles a prefetch (used in time, late, wasted and cancelled), and that prefetch pins never leave the
+coming layer without room for its own misses."""
+
+import numpy as np
+import pytest
+
+from moetier.cache.keys import ExpertKey
+from moetier.cache.policies import LRUPolicy
+from moetier.cache.residency import PREFETCHED, Residency
+from moetier.plan.costs import RunningCosts
+from moetier.plan.layer_plan import IN_FLIGHT, RESIDENT
+from moetier.plan.on_demand import OnDemandStage
+from moetier.plan.planner import Planner
+from moetier.plan.prefetch import predicted_ids
+from moetier.plan.prefetchers import ComoePrefetch, HobbitPrefetch, PreSchedPrefetch, SmoePrefetch, make_prefetcher
+from moetier.plan.route import RouteResult
+from moetier.plan.step import LayerStep
+from moetier.predict.base import Predictor
+
+E, K = 8, 2
+BYTES = {"bf16": 100}
+
+
+class Scripted(Predictor):
+    """Predicts what the test says, per layer."""
+
+    def __init__(self, scores: dict[int, dict[int, list[float]]], distance: int = 1) -> None:
+        super().__init__(range(4), E, K, distance)
+        self.scores = scores
+
+    def predict(self, layer, gate_input):
+        return {f: np.asarray([self.scores[layer][f]], np.float32) for f in self.future_layers(layer)
+                if f in self.scores.get(layer, {})}
+
+
+def one_hot(*experts: int, high: float = 1.0) -> list[float]:
+    row = [0.01] * E
+    for i, e in enumerate(experts):
+        row[e] = high - 0.1 * i
+    return row
+
+
+def route(layer: int, ids: list[int], step: int = 1) -> RouteResult:
+    topk = np.array([ids], dtype=np.int64)
+    return RouteResult(layer, step, topk, np.ones(topk.shape, np.float32), np.zeros((1, E), np.float32))
+
+
+def make(slots: int, stage_cls=HobbitPrefetch, scores=None, distance: int = 1, **params):
+    r = Residency(slots * 100, BYTES, LRUPolicy())
+    stage = stage_cls(r, "bf16", **params)
+    step = LayerStep(r, Planner("bf16", [OnDemandStage(r), stage]), predictor=Scripted(scores or {}, distance))
+    return r, stage, step
+
+
+def run(step: LayerStep, layer: int, ids: list[int], land: bool = True):
+    """A layer as an executor runs it: plan, reads land (if `land`, prefetches too), end."""
+    plan = step.begin(route(layer, ids))
+    if land:
+        for p in plan.prefetches:
+            step.residency.landed(p.key)
+    step.end(plan)
+    return plan
+
+
+def test_predicted_ids_are_the_union_of_each_tokens_top_k_by_summed_score():
+    scores = np.array([[0.9, 0.5, 0.1, 0.0], [0.0, 0.6, 0.2, 0.7]], np.float32)
+    assert predicted_ids(scores, 2) == [1, 0, 3]  # 1.1, 0.9, 0.7
+
+
+def test_hobbit_prefetches_the_next_layers_predicted_top_k_pinned_until_its_layer_routes():
+    r, stage, step = make(6, scores={0: {1: one_hot(3, 5)}})
+    plan = run(step, 0, [0, 1])
+    assert [p.key for p in plan.prefetches] == [ExpertKey(1, 3), ExpertKey(1, 5)]
+    assert r.pinned(PREFETCHED) == {ExpertKey(1, 3), ExpertKey(1, 5)}
+    plan = run(step, 1, [3, 4])  # 3 used in time, 5 proven wrong
+    assert (plan.prefetch_used, plan.prefetch_late, plan.prefetch_wasted) == (1, 0, 1)
+    assert [run.expert for run in plan.hits] == [3]
+    assert r.pinned(PREFETCHED) == set() and ExpertKey(1, 5) in r  # unpinned, still cached, evictable
+
+
+def test_a_prefetch_still_reading_is_late_if_needed_and_cancelled_if_not():
+    r, stage, step = make(6, scores={0: {1: one_hot(3, 5)}})
+    run(step, 0, [0, 1], land=False)
+    plan = step.begin(route(1, [3, 4]))
+    sources = {run.expert: run.source for run in plan.runs}
+    assert sources[3] == IN_FLIGHT and plan.prefetch_late == 1 and plan.prefetch_used == 0
+    assert plan.cancels == [ExpertKey(1, 5)] and plan.prefetch_wasted == 1
+
+
+def test_hobbit_looks_further_while_every_predicted_expert_is_cached():
+    r, stage, step = make(8, scores={1: {2: one_hot(0, 1), 3: one_hot(6, 7)}}, distance=2)
+    run(step, 2, [0, 1])  # layer 2's predicted experts are now resident
+    plan = run(step, 1, [2, 3])
+    assert [p.key for p in plan.prefetches] == [ExpertKey(3, 6), ExpertKey(3, 7)]
+    assert {ExpertKey(2, 0), ExpertKey(2, 1)} <= r.pinned(PREFETCHED)  # masked from eviction, not read
+
+
+def test_hobbit_stops_at_the_first_layer_with_a_missing_expert():
+    r, stage, step = make(8, scores={1: {2: one_hot(0, 1), 3: one_hot(6, 7)}}, distance=2)
+    plan = run(step, 1, [2, 3])
+    assert [p.key.layer for p in plan.prefetches] == [2, 2]
+
+
+def test_prefetch_pins_leave_room_for_the_coming_layers_own_misses():
+    """Three slots, top-2: at most one may be pinned by prefetches, whatever is predicted."""
+    r, stage, step = make(3, scores={0: {1: one_hot(3, 5)}})
+    plan = run(step, 0, [0, 1])
+    assert len(plan.prefetches) == 1 and len(r.pinned(PREFETCHED)) == 1
+    plan = run(step, 1, [6, 7])  # two misses, both find room
+    assert len(plan.loads) == 2
+
+
+def test_smoe_prefetches_only_top_score_experts():
+    # scores: expert 2 towers over the (k+1)-th score (0.2); expert 4 (0.22) is inside (1+α)·S_{k+1} = 0.26
+    row = [0.01, 0.2, 0.9, 0.01, 0.22, 0.01, 0.01, 0.01]
+    r, stage, step = make(6, SmoePrefetch, scores={0: {1: row}}, alpha=0.3)
+    plan = run(step, 0, [0, 1])
+    assert [p.key for p in plan.prefetches] == [ExpertKey(1, 2)]
+
+
+def test_comoe_threshold_is_equation_19():
+    costs = RunningCosts(100)
+    for bandwidth in (100.0, 300.0, 100.0, 300.0):  # a swinging link
+        costs.observe_read(int(bandwidth), 1.0)
+    r, stage, step = make(4, ComoePrefetch, costs=costs, theta_base=0.2, delta=0.5)
+    samples = np.array([100.0, 300.0, 100.0, 300.0])
+    s_b = 1 - np.sqrt(np.mean((samples - costs.bandwidth) ** 2)) / costs.bandwidth  # Eq. 11-12 around r̂ (Eq. 10)
+    assert 0 < s_b < 1 and stage.threshold() == pytest.approx(0.2 * s_b * (1 + 0.5 * 1.0))  # empty cache: all free
+    row = [0.5, 0.3, 0.1, 0.1, 0, 0, 0, 0]  # a distribution: 0.5 and 0.3 pass a threshold near 0.15
+    step.predictor.scores = {0: {1: row}}
+    plan = run(step, 0, [6, 7])
+    assert stage.threshold() < 0.3 and [p.key for p in plan.prefetches] == [ExpertKey(1, 0), ExpertKey(1, 1)]
+
+
+def test_presched_counts_prefetches_per_equations_6_and_7():
+    costs = RunningCosts(100)
+    costs.observe_read(100, 1.0)  # t_io = 1
+    costs.observe_dense(0.8)  # t_attn
+    costs.observe_expert(0.5)  # t_e
+    r, stage, step = make(10, PreSchedPrefetch, costs=costs)
+    for e in (0, 1):  # layer 0's experts resident: the layer reads nothing
+        r.admit(ExpertKey(0, e), "bf16")
+        r.landed(ExpertKey(0, e))
+    r.unpin_all()
+    plan = step.begin(route(0, [0, 1]))
+    # T_gap = 2 resident · 0.5 − 0 − 0 reads = 1.0; f = (1.0 + 0.8) / 1 = 1.8 → |f| = 2; with the prior hit rate
+    # 0.5, ξ = 0.5·(1.8 − 2 + 1) − 0.5·(2 − 1.8) = 0.3 > 0: keep both
+    assert stage.count(plan) == 2
+    stage.rank_hit = [0.5, 0.1]  # the second prefetch is rarely used: ξ = 0.1·0.8 − 0.9·0.2 < 0 → drop it
+    assert stage.count(plan) == 1
+
+
+def test_presched_learns_each_ranks_hit_rate():
+    costs = RunningCosts(100)
+    costs.observe_read(100, 0.1)
+    costs.observe_dense(1.0)
+    costs.observe_expert(0.1)
+    r, stage, step = make(10, PreSchedPrefetch, scores={0: {1: one_hot(3, 5)}}, costs=costs, smoothing=0.5)
+    plan = run(step, 0, [0, 1])
+    assert [p.key for p in plan.prefetches] == [ExpertKey(1, 3), ExpertKey(1, 5)]
+    run(step, 1, [3, 4])  # rank 0 used, rank 1 not
+    assert stage.rank_hit == [pytest.approx(0.75), pytest.approx(0.25)]
+
+
+def test_make_prefetcher_refuses_unknown_names():
+    from moetier.errors import MoetierError
+
+    r = Residency(400, BYTES, LRUPolicy())
+    with pytest.raises(MoetierError, match="unknown prefetcher 'nope'"):
+        make_prefetcher("nope", r, "bf16", RunningCosts(100), K)
+
+
+def test_wasted_prefetches_of_resident_experts_are_not_counted_as_reads():
+    r, stage, step = make(6, scores={0: {1: one_hot(3, 5)}})
+    run(step, 1, [3, 5])  # both resident already
+    plan = run(step, 0, [0, 1])
+    assert plan.prefetches == [] and r.pinned(PREFETCHED) == {ExpertKey(1, 3), ExpertKey(1, 5)}
+    plan = run(step, 1, [6, 7])
+    assert plan.prefetch_wasted == 0 and r.pinned(PREFETCHED) == set()
+    assert all(run.source != RESIDENT for run in plan.runs)
