@@ -109,7 +109,7 @@ def test_statistics_line_has_decode_only_tok_s_beside_overall(text_store, capsys
 
 
 @pytest.mark.parametrize("kind,expected", [("models", "demo-fine"), ("policies", "flashmoe-ml"),
-                                           ("predictors", "no predictors yet"), ("profiles", "rtx4090"),
+                                           ("predictors", "stacked-gates"), ("profiles", "rtx4090"),
                                            ("shapes", "qwen3-30b-a3b")])
 def test_list(capsys, kind, expected):
     assert main(["list", kind]) == 0

@@ -47,6 +47,17 @@ def prose_documents() -> dict[str, str]:
             for p in sorted(GUTENBERG.glob("*.txt"))}
 
 
+def prompt_lines(names: list[str], n: int, words: int = 40) -> list[str]:
+    """`n` prompts of at most `words` words from the books `names`: lines of 20 words or more, spread evenly over
+    each book (the predictors' training and benchmark prompts)."""
+    books = []
+    for name in names:
+        lines = [detokenise(line) for line in (GUTENBERG / name).read_text(encoding="utf-8").splitlines()]
+        books.append([" ".join(line.split()[:words]) for line in lines if len(line.split()) >= 20])
+    per_book = (n + len(books) - 1) // len(books)
+    return [book[i * len(book) // per_book] for book in books if book for i in range(per_book)][:n]
+
+
 def code_documents() -> dict[str, str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = {}

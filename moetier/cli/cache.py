@@ -94,8 +94,8 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
     if args.out:
         out = Path(args.out)
     else:
-        out = policy_file(_model_dir(args.model, args.cache_dir), args.policy)
-        _check_trace_fits_model(trace, args.model, args.cache_dir)
+        out = policy_file(model_dir(args.model, args.cache_dir), args.policy)
+        check_trace_fits_model(trace, args.model, args.cache_dir)
     if args.policy == "flashmoe-ml":
         model = train_flashmoe(trace)
         save_params(args.policy, out, {"model": model}, model.trained_on)
@@ -110,7 +110,7 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
-def _check_trace_fits_model(trace, model: str, cache_dir: str | None) -> None:
+def check_trace_fits_model(trace, model: str, cache_dir: str | None) -> None:
     from moetier.resolve import resolve_model
     from moetier.store.store import Store
 
@@ -122,7 +122,7 @@ def _check_trace_fits_model(trace, model: str, cache_dir: str | None) -> None:
                            f"{list(spec.moe_layers)})", hint="record a trace of this model with `moetier trace record`")
 
 
-def _model_dir(model: str, cache_dir: str | None) -> Path:
+def model_dir(model: str, cache_dir: str | None) -> Path:
     from moetier.resolve import builtin_models, resolve_model
 
     return builtin_models().get(model) or resolve_model(model, cache_dir)
@@ -144,7 +144,7 @@ def add_parser(sub) -> None:
     cb.add_argument("--plot", help="write hit rate against budget per policy to this PNG")
     cb.set_defaults(func=_cache_bench)
 
-    tr = command(sub, "train", "train what moetier learns (cache policies)").add_subparsers(
+    tr = command(sub, "train", "train what moetier learns (cache policies, predictors)").add_subparsers(
         dest="train_command", required=True)
     cp = command(tr, "cache-policy", "fit a learned eviction policy on a trace and save it with the model")
     cp.add_argument("--policy", required=True, choices=LEARNED, help="the learned policy to fit")
@@ -154,3 +154,6 @@ def add_parser(sub) -> None:
     cp.add_argument("--expert-memory", default="25%", help="hobbit: the budget to fit the weights at")
     cp.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     cp.set_defaults(func=_train_cache_policy)
+    from moetier.cli.predict import add_train_parser
+
+    add_train_parser(tr)

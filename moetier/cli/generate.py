@@ -41,7 +41,8 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(args.max_tokens, args.temperature, args.top_p, args.seed)  # refuses bad values
     check_engine_args(args)
     prompts = read_prompts(args.prompt, args.prompt_file)
-    engine = open_engine(args, progress=not args.json, policy=args.policy, cache_partition=args.cache_partition)
+    engine = open_engine(args, progress=not args.json, policy=args.policy, cache_partition=args.cache_partition,
+                         prefetch=args.prefetch, predictor=args.predictor, predict_distance=args.predict_distance)
     stream = len(prompts) == 1 and not args.json
 
     def on_text(_: int, delta: str) -> None:
@@ -87,6 +88,20 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
                         "use with the C compiler, else torch's; torch; native (refuse if they cannot be built)")
 
 
+def add_prefetch_options(p: argparse.ArgumentParser) -> None:
+    """Options of every command that can prefetch (docs/prediction.md)."""
+    from moetier.plan.prefetchers import PREFETCHERS
+    from moetier.predict import PREDICTORS
+
+    p.add_argument("--prefetch", default="none", choices=["none", *PREFETCHERS],
+                   help="read experts the coming layers are predicted to need: hobbit (adaptive look-ahead), smoe "
+                        "(top-score experts), comoe (probability threshold), presched (as many as the gap fits)")
+    p.add_argument("--predictor", default="none", choices=["none", *PREDICTORS],
+                   help="what predicts the coming layers' experts (stacked-gates: the next layers' routers on the "
+                        "current hidden state)")
+    p.add_argument("--predict-distance", type=int, default=2, help="MoE layers ahead to predict (HOBBIT's p)")
+
+
 def add_parser(sub) -> None:
     g = command(sub, "generate", "generate text with experts offloaded to disk")
     add_engine_options(g, "30%")
@@ -98,6 +113,7 @@ def add_parser(sub) -> None:
                    help="expert eviction policy (`moetier list policies`, docs/cache-policies.md)")
     g.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
                    help="one expert cache for all layers, or the slots split evenly among them")
+    add_prefetch_options(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")

@@ -58,7 +58,10 @@ def _policies(_: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _predictors(_: argparse.Namespace) -> list[tuple[str, str]]:
-    return []  # next-layer expert predictors arrive with prefetching; nothing is registered yet
+    from moetier.predict import BUILT_ON, PREDICTORS
+
+    return [(name, f"{_summary(sys.modules[cls.__module__].__doc__.split(': ', 1)[-1])} [built on {BUILT_ON[name][0]}]")
+            for name, cls in PREDICTORS.items()]
 
 
 def _profiles(_: argparse.Namespace) -> list[tuple[str, str]]:

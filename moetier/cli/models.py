@@ -30,6 +30,15 @@ def model_shape(name: str, cache_dir: str | None = None) -> tuple[ModelShape, in
     return shape, store.native_layout.blob_bytes
 
 
+def routers(name: str, cache_dir: str | None) -> dict | None:
+    """Each MoE layer's router weight [E, H] of a built-in model or a model directory (None for a bare shape)."""
+    store = _store(name, cache_dir) if shape_named(name) is None else None
+    if store is None:
+        return None
+    dense = store.load_dense()
+    return {layer: dense[f"layers.{layer}.router"] for layer in store.spec.moe_layers}
+
+
 def policy_dir(name: str, cache_dir: str | None) -> Path | None:
     """Where trained policies of a built-in model or a model directory live, as the engine finds them (None for a
     bare shape)."""

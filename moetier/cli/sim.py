@@ -33,8 +33,11 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _sim(args: argparse.Namespace) -> None:
-    from moetier.cli.models import model_shape, policy_dir
+    from moetier.cli.models import model_shape, policy_dir, routers
+    from moetier.plan.prefetchers import PREFETCHERS
+    from moetier.predictor_files import TRAINED, load_nets
     from moetier.sim.cost import CostModel
+    from moetier.sim.predictors import trace_predictor
     from moetier.sim.profile import HardwareProfile
     from moetier.sim.sweep import check_fits, format_table, plot_sweep, run
     from moetier.sim.timing import plot_timeline
@@ -45,21 +48,36 @@ def _sim(args: argparse.Namespace) -> None:
     shape, blob_bytes = model_shape(args.model_shape or trace.model, args.cache_dir)
     check_fits(trace, shape)
     cost = CostModel.of(profile, shape, args.precision, blob_bytes)
-    configs = [(p, b) for p in args.policy.split(",") for b in args.expert_memory.split(",")]
-    for policy, _ in configs:
+    configs = [(p, b, f) for p in args.policy.split(",") for b in args.expert_memory.split(",")
+               for f in args.prefetch.split(",")]
+    for policy, _, prefetch in configs:
         if policy not in POLICIES:
             raise MoetierError(f"unknown policy {policy!r}", hint=f"one of {', '.join(sorted(POLICIES))}")
+        if prefetch != "none" and prefetch not in PREFETCHERS:
+            raise MoetierError(f"unknown prefetcher {prefetch!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
+    if any(f != "none" for *_, f in configs) and args.predictor == "none":
+        raise MoetierError("--prefetch needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
     timeline_steps = (args.timeline_step,) if args.timeline else ()
     model_dir = policy_dir(args.model_shape or trace.model, args.cache_dir)
+    weights = routers(args.model_shape or trace.model, args.cache_dir) if args.predictor == "stacked-gates" else None
+
+    def predictor():  # a fresh one per configuration (llapor learns online)
+        nets = load_nets(args.predictor, model_dir) if args.predictor in TRAINED else None
+        return trace_predictor(args.predictor, trace, args.predict_distance, weights, error_rate=args.oracle_error,
+                               nets=nets)
+
+    predictor()  # refuse before any work
+
     runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
-                model_dir)
-            for policy, budget in configs]
+                model_dir, prefetch, predictor)
+            for policy, budget, prefetch in configs]
     where = f"{shape.name} ({cost.precision}) on {profile.name}"
     if len(runs) == 1:
         summary = dict(runs[0].row(), profile=profile.name, model_shape=shape.name, precision=cost.precision)
         if args.timeline:
             step, timeline = next(iter(runs[0].result.timelines.items()))
-            plot_timeline(timeline, args.timeline, f"{where}, {configs[0][0]}, {configs[0][1]}: step {step}")
+            plot_timeline(timeline, args.timeline, f"{where}, {configs[0][0]}, {configs[0][1]}, prefetch "
+                                                   f"{configs[0][2]}: step {step}")
             summary["timeline_plot"] = args.timeline
         print(json.dumps(summary, indent=1))
         return
@@ -97,6 +115,15 @@ def add_parser(sub) -> None:
     sm.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
                     help="one expert cache for all layers, or the slots split evenly among them")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
+    sm.add_argument("--prefetch", default="none",
+                    help="one or more prefetch stages, comma-separated: none, hobbit, smoe, comoe, presched")
+    sm.add_argument("--predictor", default="none",
+                    choices=["none", "oracle", "hot", "stacked-gates", "llapor", "comoe-mlp"],
+                    help="oracle: the trace's own routing (a bound); hot: the trace's use counts; stacked-gates: the "
+                         "model's routers on the trace's recorded gate inputs; llapor, comoe-mlp: trained networks")
+    sm.add_argument("--predict-distance", type=int, default=2, help="MoE layers ahead to predict (HOBBIT's p)")
+    sm.add_argument("--oracle-error", type=float, default=0.0,
+                    help="share of the oracle's (token, expert) pairs made wrong, drawn uniformly")
     sm.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step (single configuration)")
     sm.add_argument("--timeline-step", type=int, default=-1, help="which step (-1: the last)")

@@ -22,6 +22,7 @@ from moetier.model.transformer import Transformer
 from moetier.plan.prefetchers import PREFETCHERS
 from moetier.policy_files import make_policy_for_model, policy_dir
 from moetier.predict import PREDICTORS, Predictor, make_predictor
+from moetier.predictor_files import TRAINED, load_nets
 from moetier.resolve import resolve_model
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
@@ -108,10 +109,12 @@ def check_device(name: str) -> torch.device:
     return device
 
 
-def predictor_inputs(name: str, dense: dict[str, torch.Tensor], spec) -> dict:
-    """What predictor `name` is built on, from the engine's own weights."""
+def predictor_inputs(name: str, dense: dict[str, torch.Tensor], store: Store) -> dict:
+    """What predictor `name` is built on: the engine's own weights, or networks trained for the model."""
     if name == "stacked-gates":
-        return {"routers": {layer: dense[f"layers.{layer}.router"] for layer in spec.moe_layers}}
+        return {"routers": {layer: dense[f"layers.{layer}.router"] for layer in store.spec.moe_layers}}
+    if name in TRAINED:
+        return {"nets": load_nets(name, policy_dir(store))}
     return {}
 
 
@@ -145,7 +148,7 @@ class Engine:
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         if predictor is None and config.predictor != "none":
             predictor = make_predictor(config.predictor, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
-                                       config.predict_distance, **predictor_inputs(config.predictor, dense, self.spec))
+                                       config.predict_distance, **predictor_inputs(config.predictor, dense, store))
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
         self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
                                        per_layer, self.device, self.kernels, config.prefetch, predictor)

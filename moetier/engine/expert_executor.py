@@ -19,7 +19,7 @@ from moetier.errors import MoetierError
 from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
-from moetier.plan.layer_plan import FAST, RESIDENT, LayerPlan, Load, Prefetch
+from moetier.plan.layer_plan import FAST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
 from moetier.plan.prefetchers import make_prefetcher
@@ -95,6 +95,9 @@ class ExpertExecutor:
                 del self.in_flight[key]
                 self.residency.drop(key)
                 plan.cancelled.append((key, precision))
+        for run in plan.runs:  # prefetches this layer needs, still reading: on-demand now, ahead of its loads
+            if run.source == IN_FLIGHT:
+                self.reader.promote(self.pools[run.precision].completions[run.slot])
         deferred: dict[int, Load] = {}
         for load in plan.loads:  # on-demand reads first, before any compute, so they overlap it
             if load.after is None:

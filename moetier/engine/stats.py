@@ -8,10 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from moetier.plan.counters import PhaseCounters
-
-PREFETCH_FIELDS = {"issued": "prefetches", "used": "prefetch_used", "late": "prefetch_late",
-                   "wasted": "prefetch_wasted", "cancelled": "prefetch_cancelled"}
+from moetier.plan.counters import PhaseCounters, prefetch_summary
 
 
 @dataclass
@@ -46,7 +43,7 @@ class GenerationStats:
             "expert_bytes_read": pre.bytes_read + dec.bytes_read,
             "expert_bytes_per_token": dec.bytes_read / self.decode_tokens if self.decode_tokens else None,
             "prefill_expert_bytes_read": pre.bytes_read,
-            "prefetches": {name: getattr(pre, f) + getattr(dec, f) for name, f in PREFETCH_FIELDS.items()},
+            "prefetches": prefetch_summary(self.phases),
             "expert_cache_bytes": self.expert_cache_bytes,
             "expert_slots": self.expert_slots,
             "total_expert_bytes": self.total_expert_bytes,

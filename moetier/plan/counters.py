@@ -40,6 +40,15 @@ class PhaseCounters:
         self.prefetch_cancelled += len(plan.cancelled)
 
 
+PREFETCH_FIELDS = {"issued": "prefetches", "used": "prefetch_used", "late": "prefetch_late",
+                   "wasted": "prefetch_wasted", "cancelled": "prefetch_cancelled"}
+
+
+def prefetch_summary(phases) -> dict[str, int]:
+    """Prefetches issued, used in time, late, wasted and cancelled unread, over `phases`."""
+    return {name: sum(getattr(p, f) for p in phases) for name, f in PREFETCH_FIELDS.items()}
+
+
 class CountingHook(LayerHook):
     """Adds each layer to the counters of its phase; `phases` is swapped per generate call."""
 

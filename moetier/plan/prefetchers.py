@@ -36,6 +36,18 @@ class HobbitPrefetch(PrefetchStage):
                 return  # something to read here: look no further
 
 
+class AheadPrefetch(PrefetchStage):
+    """Ours: the predicted top-k of every coming layer up to the predictor's distance, nearest layer first, so the
+    link always has the next predicted reads queued (HOBBIT looks further only past fully cached layers)."""
+
+    name = "ahead"
+
+    def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
+        k = plan.route.topk_ids.shape[1]
+        for layer in sorted(plan.predictions):
+            yield from (ExpertKey(layer, e) for e in predicted_ids(plan.predictions[layer], k))
+
+
 class SmoePrefetch(PrefetchStage):
     name = "smoe"
 
@@ -144,6 +156,7 @@ class PreSchedPrefetch(PrefetchStage):
 Factory = Callable[..., PrefetchStage]
 PREFETCHERS: dict[str, Factory] = {
     "hobbit": HobbitPrefetch,
+    "ahead": AheadPrefetch,
     "smoe": SmoePrefetch,
     "comoe": ComoePrefetch,
     "presched": PreSchedPrefetch,

@@ -1,6 +1,7 @@
 """Next-layer expert predictors (DESIGN.md's `Predictor`): one file each, the contract in `base.py`, the measures
 of a prediction in `quality.py`. Each is made by name from what it is built on, handed in by its caller: a
-model's router weights (`routers`), a table of use counts (`counts`), the true routing (`truth`)."""
+model's router weights (`routers`), a table of use counts (`counts`), the true routing (`truth`), trained
+networks (`nets`, read by moetier/predictor_files.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,23 @@ from collections.abc import Sequence
 
 from moetier.errors import MoetierError
 from moetier.predict.base import Predictions, Predictor
+from moetier.predict.comoe_mlp import ComoeMLPPredictor
 from moetier.predict.hot import HotPredictor
+from moetier.predict.llapor import LLaPorPredictor
 from moetier.predict.oracle import OraclePredictor
 from moetier.predict.stacked_gates import StackedGatesPredictor
 
 PREDICTORS: dict[str, type[Predictor]] = {
     "stacked-gates": StackedGatesPredictor,
+    "llapor": LLaPorPredictor,
+    "comoe-mlp": ComoeMLPPredictor,
     "hot": HotPredictor,
     "oracle": OraclePredictor,
 }
 BUILT_ON = {  # what each is made from, and where a caller gets it
     "stacked-gates": ("routers", "the model's router weights (the engine hands them over; a trace needs its model)"),
+    "llapor": ("nets", "networks trained by `moetier train predictor --predictor llapor`"),
+    "comoe-mlp": ("nets", "networks trained by `moetier train predictor --predictor comoe-mlp`"),
     "hot": ("counts", "use counts per expert, from a recorded trace"),
     "oracle": ("truth", "the true routing of the same run: a recorded trace (the simulator)"),
 }

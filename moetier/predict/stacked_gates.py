@@ -1,5 +1,5 @@
-"""`stacked-gates`: HOBBIT's layer-level predictor (§3.3, Fig. 8). The routers of the next p MoE layers, stacked
-into one matrix, applied to the current layer's router input in one product: layer l's hidden state stands in for
+"""`stacked-gates`: HOBBIT's layer-level predictor (§3.3, Figure 8) — the routers of the next p MoE layers,
+stacked into one matrix, applied to the current layer's router input in one product: layer l's hidden state stands in for
 layer l+d's (residual streams change slowly from layer to layer). One product of [T, H] by [H, p·E] costs about
 what one router does, whatever p is (HOBBIT's Fig. 17a).
 

@@ -55,6 +55,10 @@ class SimExecutor:
                 plan.cancelled.append((key, self.residency.entries[key].precision))
                 self.residency.drop(key)
         landed: dict[int, float] = {}
+        for run in plan.runs:  # prefetches this layer needs, still queued: on-demand now, ahead of its loads
+            key = ExpertKey(plan.layer, run.expert)
+            if run.source == IN_FLIGHT and self.queued.pop(key, None) is not None:  # (the queue has advanced
+                self.landing[key] = self._start(key, tl.dense_end)  # to dense_end in _land)
         deferred: dict[int, Load] = {}
         for load in plan.loads:  # on-demand reads: ahead of every queued prefetch
             if load.after is None:
@@ -94,13 +98,7 @@ class SimExecutor:
         return self._start(key, ready)
 
     def _in_flight(self, key: ExpertKey) -> float:
-        """When a read an earlier layer started (or queued) is usable: a queued one keeps its place in the queue,
-        behind this layer's on-demand reads, as the real reader's priorities do."""
-        if key in self.queued:
-            while key not in self.landing:
-                first, ready = next(iter(self.queued.items()))
-                del self.queued[first]
-                self.landing[first] = self._start(first, ready)
+        """When a read an earlier layer started is usable (one still queued was promoted when the layer routed)."""
         return self.landing.pop(key)
 
     def _advance(self, t: float) -> None:

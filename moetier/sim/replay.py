@@ -15,7 +15,7 @@ from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext
 from moetier.cache.residency import Residency
 from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
-from moetier.plan.counters import CountingHook
+from moetier.plan.counters import CountingHook, prefetch_summary
 from moetier.plan.layer_plan import LayerPlan
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
@@ -120,7 +120,8 @@ class SimResult:
                 "hit_rate": self.hit_rate,
                 "expert_bytes_per_token": float(np.asarray(self.bytes_read)[dec].sum() / dec_tokens) if dec_tokens
                 else None,
-                "miss_penalty_s": self.miss_penalty_s}
+                "miss_penalty_s": self.miss_penalty_s,
+                "prefetches": prefetch_summary(self.counts.phases)}
 
 
 def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostModel | FreeCost,

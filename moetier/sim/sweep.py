@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from moetier.cache.capacity import cache_capacity
 from moetier.cache.policies import PolicyContext
 from moetier.config import MemoryBudget, format_bytes
 from moetier.errors import MoetierError
+from moetier.predict import Predictor
 from moetier.sim.cost import CostModel
 from moetier.sim.replay import SimResult, simulate, trace_policy
 from moetier.sim.shapes import ModelShape, bytes_per_param
@@ -44,46 +46,52 @@ class SimRun:
     budget: str
     slots: int
     result: SimResult
+    prefetch: str = "none"
 
     def row(self) -> dict:
-        return {"policy": self.policy, "expert_memory": self.budget, "slots": self.slots, **self.result.summary()}
+        return {"policy": self.policy, "expert_memory": self.budget, "prefetch": self.prefetch, "slots": self.slots,
+                **self.result.summary()}
 
 
 def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool = False,
-        timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None) -> SimRun:
-    """`model_dir`: where trained policy files for the model live."""
+        timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None,
+        prefetch: str = "none", predictor: Callable[[], Predictor] | None = None) -> SimRun:
+    """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor for the
+    `prefetch` stage."""
     slots = budget_slots(budget, trace, cost)
     ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
-    return SimRun(policy, budget, slots, simulate(trace, trace_policy(policy, ctx, trace, model_dir), slots, cost,
-                                                  cost.precision, preload, per_layer, timeline_steps))
+    result = simulate(trace, trace_policy(policy, ctx, trace, model_dir), slots, cost, cost.precision, preload,
+                      per_layer, timeline_steps, prefetch=prefetch,
+                      predictor=predictor() if predictor is not None and prefetch != "none" else None)
+    return SimRun(policy, budget, slots, result, prefetch)
 
 
 def format_table(runs: list[SimRun]) -> str:
-    head = f"{'policy':>10} {'budget':>8} {'slots':>6} {'TPOT ms':>9} {'p90 ms':>8} {'TTFT ms':>9} {'hit':>7} " \
-           f"{'MiB/token':>10}"
+    head = f"{'policy':>10} {'budget':>8} {'prefetch':>9} {'slots':>6} {'TPOT ms':>9} {'p90 ms':>8} {'TTFT ms':>9} " \
+           f"{'hit':>7} {'MiB/token':>10}"
     lines = [head]
     for r in runs:
         s = r.result.summary()
         ms = lambda v: "n/a" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
         mib = "n/a" if s["expert_bytes_per_token"] is None else f"{s['expert_bytes_per_token'] / 2**20:.1f}"
-        lines.append(f"{r.policy:>10} {r.budget:>8} {r.slots:>6} {ms(s['tpot_s']):>9} {ms(s['tpot_p90_s']):>8} "
-                     f"{ms(s['ttft_s']):>9} {s['hit_rate']:>7.1%} {mib:>10}")
+        lines.append(f"{r.policy:>10} {r.budget:>8} {r.prefetch:>9} {r.slots:>6} {ms(s['tpot_s']):>9} "
+                     f"{ms(s['tpot_p90_s']):>8} {ms(s['ttft_s']):>9} {s['hit_rate']:>7.1%} {mib:>10}")
     return "\n".join(lines)
 
 
 def plot_sweep(runs: list[SimRun], path: Path, title: str) -> None:
-    """TPOT and hit rate against the expert budget, one line per policy."""
+    """TPOT and hit rate against the expert budget, one line per policy (and prefetch stage, where one ran)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
-    for policy in dict.fromkeys(r.policy for r in runs):
-        mine = sorted((r for r in runs if r.policy == policy), key=lambda r: r.slots)
-        slots = [r.slots for r in mine]
-        ax_t.plot(slots, [r.result.summary()["tpot_s"] * 1e3 for r in mine], marker="o", label=policy)
-        ax_h.plot(slots, [r.result.hit_rate * 100 for r in mine], marker="o", label=policy)
+    for policy, prefetch in dict.fromkeys((r.policy, r.prefetch) for r in runs):
+        mine = sorted((r for r in runs if (r.policy, r.prefetch) == (policy, prefetch)), key=lambda r: r.slots)
+        slots, label = [r.slots for r in mine], policy if prefetch == "none" else f"{policy} + {prefetch}"
+        ax_t.plot(slots, [r.result.summary()["tpot_s"] * 1e3 for r in mine], marker="o", label=label)
+        ax_h.plot(slots, [r.result.hit_rate * 100 for r in mine], marker="o", label=label)
     ax_t.set_ylabel("TPOT, ms (simulated)")
     ax_h.set_ylabel("hit rate, %")
     for ax in (ax_t, ax_h):

@@ -159,6 +159,18 @@ class ExpertReader:
             busy = self._busy_s + (time.perf_counter() - self._busy_since if self._running else 0.0)
             return busy, self._bytes_read
 
+    def promote(self, completion: Completion) -> None:
+        """A queued load is needed now: its chunks not yet taken move to on-demand priority, keeping their place
+        among on-demand chunks by submission order (so ahead of on-demand loads submitted after it)."""
+        with self._cv:
+            changed = False
+            for chunk in self._queue:  # a few dozen chunks at most
+                if chunk.completion is completion and chunk.generation == completion.generation \
+                        and chunk.priority != ON_DEMAND:
+                    chunk.priority, changed = ON_DEMAND, True
+            if changed:
+                heapq.heapify(self._queue)
+
     def cancel(self, completion: Completion) -> bool:
         """Cancel a queued load. True if none of its reads had started (the slot was never written);
         False if a read is running or done — a running read is never interrupted."""

@@ -157,6 +157,23 @@ def test_comoe_weighs_recent_use_and_importance():
     assert p.victim({a, b}) == b
 
 
+def test_comoe_score_is_equation_38_with_the_predictors_probability():
+    p = make_policy("comoe", CTX)
+    a, b = K[(0, 0)], K[(0, 1)]
+    use(p, a, insert=True)
+    use(p, b, insert=True)
+    for step in range(2, 10):  # both selected alike: equal frequency and importance
+        p.on_route(route(0, step, [0, 1], weights=[0.5, 0.5]))
+    assert p.next_use_source == "recent use (no predictor)"
+    p.on_predict({0: np.array([[0.1, 0.7, 0.1, 0.1]], np.float32)})  # the predictor expects expert 1
+    assert p.next_use_source == "the predictor"
+    f, i = p.freq[0][0], p.importance[0][0]
+    assert p.evict_score(a) == pytest.approx(0.5 * (1 - 0.1) + 0.5 * (0.5 / (f + 1e-3) + 0.5 / (i + 1e-3)))
+    assert p.victim({a, b}) == a  # the one the predictor gives less to leaves
+    p.on_sequence_start()
+    assert p.next_use_source == "recent use (no predictor)"
+
+
 def test_lecar_learns_against_the_policy_that_caused_misses():
     p = make_policy("lecar", PolicyContext(2, (0,), 4, 1))
     a, b, c = K[(0, 0)], K[(0, 1)], K[(0, 2)]

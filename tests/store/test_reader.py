@@ -62,6 +62,38 @@ def test_a_queued_load_can_be_cancelled_a_running_one_cannot(tiny_store, monkeyp
     assert torch.equal(torch.frombuffer(pool.views[1], dtype=torch.uint8), ref[blob.offset:blob.offset + blob.length])
 
 
+def test_a_promoted_prefetch_runs_before_on_demand_loads_submitted_after_it(tiny_store, monkeypatch):
+    import threading
+
+    from moetier.store import reader as reader_module
+
+    _, path = tiny_store("mixtral")
+    store = Store(path)
+    pool = HostSlots(store.native_layout, 3)
+    gate, order = threading.Event(), []
+    real_preadv = reader_module.os.preadv
+
+    def logged_preadv(fd, bufs, offset):  # hold the only reader thread inside the first read; log the rest
+        gate.wait()
+        order.append(offset)
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(reader_module.os, "preadv", logged_preadv)
+    blobs = [store.manifest.blob(0, e) for e in range(3)]
+    with ExpertReader(path, num_threads=1, chunk_bytes=1 << 20, verify=False) as reader:
+        running, prefetched, demanded = pool.completions
+        reader.submit(blobs[0], pool.views[0], running, PREFETCH)
+        while not running.started:
+            pass
+        reader.submit(blobs[1], pool.views[1], prefetched, PREFETCH)
+        reader.submit(blobs[2], pool.views[2], demanded, ON_DEMAND)  # would overtake the prefetch...
+        reader.promote(prefetched)  # ...unless its layer needs it now
+        gate.set()
+        for c in pool.completions:
+            c.wait()
+    assert order == [blobs[0].offset, blobs[1].offset, blobs[2].offset]
+
+
 def test_activity_counts_the_bytes_and_the_busy_time(tmp_path):
     import time
 

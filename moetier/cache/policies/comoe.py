@@ -1,7 +1,13 @@
-"""CoMoE's hybrid eviction score: a weighted sum of the expert's probability of being used next, its recent
-frequency and its importance (the gate weight it gets when selected). Until predictors exist the next-use
-probability is estimated from recent use (an exponential moving average over the last ~8 steps of its layer);
-frequency is a slower average (~64 steps); importance an average of its gate weights when selected."""
+"""CoMoE's hybrid eviction score (Eq. 38): the expert of highest
+
+    S_evict(e) = (1 − δ)·(1 − p(e)) + δ·(λ / f_recent(e) + (1 − λ) / I(e))
+
+leaves first — p(e) the predictor's probability that e is used when its layer next runs (Eq. 36's output,
+heard through on_predict), f_recent its recent access frequency, I(e) its importance (the mean gate weight it
+gets when selected). The paper gives no values for δ and λ: 0.5 each here. Without a predictor, p(e) is
+estimated from recent use (an exponential moving average over ~8 steps of its layer) and the policy says so
+(`next_use_source`). f_recent is a moving average over ~64 steps; both reciprocals are taken of the value plus
+`eps`, so an expert never used has a large but finite score."""
 
 from __future__ import annotations
 
@@ -14,14 +20,23 @@ from moetier.cache.policies.scored import ScoredPolicy
 
 class CoMoEPolicy(ScoredPolicy):
     name = "comoe"
-    next_use_source = "recent frequency (no predictor yet)"
 
-    def __init__(self, ctx: PolicyContext, weights: tuple[float, float, float] = (0.5, 0.3, 0.2),
-                 fast: float = 1 / 8, slow: float = 1 / 64) -> None:
+    def __init__(self, ctx: PolicyContext, delta: float = 0.5, lam: float = 0.5, fast: float = 1 / 8,
+                 slow: float = 1 / 64, eps: float = 1e-3) -> None:
         super().__init__(ctx)
-        self.weights, self.fast, self.slow = weights, fast, slow
+        if not (0 <= delta <= 1 and 0 <= lam <= 1):
+            raise ValueError(f"delta and lam must be within [0, 1] (got {delta}, {lam})")
+        self.delta, self.lam, self.fast, self.slow, self.eps = delta, lam, fast, slow, eps
         zeros = lambda: {layer: np.zeros(ctx.num_experts) for layer in ctx.layers}  # noqa: E731
-        self.p_next, self.freq, self.importance = zeros(), zeros(), zeros()
+        self.recent_use, self.freq, self.importance = zeros(), zeros(), zeros()
+        self.predicted: dict[int, np.ndarray] = {}  # layer -> p(e) [E], the latest prediction for it
+
+    @property
+    def next_use_source(self) -> str:
+        return "the predictor" if self.predicted else "recent use (no predictor)"
+
+    def on_sequence_start(self) -> None:
+        self.predicted.clear()
 
     def on_route(self, route) -> None:
         super().on_route(route)
@@ -31,13 +46,23 @@ class CoMoEPolicy(ScoredPolicy):
         np.add.at(weight, route.topk_ids.ravel(), route.topk_weights.ravel())
         count = np.bincount(route.topk_ids.ravel(), minlength=self.ctx.num_experts)
         layer = route.layer
-        self.p_next[layer] += self.fast * (used - self.p_next[layer])
+        self.recent_use[layer] += self.fast * (used - self.recent_use[layer])
         self.freq[layer] += self.slow * (used - self.freq[layer])
         sel = count > 0
         self.importance[layer][sel] += self.fast * (weight[sel] / count[sel] - self.importance[layer][sel])
 
+    def on_predict(self, predictions) -> None:
+        """{layer: scores [T, E]}: each token's scores as a distribution (as Eq. 36's softmax), the most any token
+        gives an expert."""
+        for layer, scores in predictions.items():
+            p = scores / np.maximum(scores.sum(axis=1, keepdims=True), 1e-30)
+            self.predicted[layer] = p.max(axis=0)
+
+    def evict_score(self, key: ExpertKey) -> float:
+        layer, e = key
+        p = self.predicted[layer][e] if layer in self.predicted else self.recent_use[layer][e]
+        return ((1 - self.delta) * (1 - p) + self.delta * (self.lam / (self.freq[layer][e] + self.eps)
+                                                           + (1 - self.lam) / (self.importance[layer][e] + self.eps)))
+
     def priority(self, key: ExpertKey) -> float:
-        a, b, c = self.weights
-        freq = self.freq[key.layer]
-        return (a * self.p_next[key.layer][key.expert] + b * freq[key.expert] / max(freq.max(), 1e-9)
-                + c * self.importance[key.layer][key.expert])
+        return -self.evict_score(key)

@@ -1,0 +1,48 @@
+"""Predictors for replaying a trace: the ones built on the trace itself (the true routing for `oracle`, use counts
+for `hot`), and `stacked-gates` from the model's routers and the trace's recorded gate inputs. The simulator's
+counterpart of the engine's predictor_inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from moetier.errors import MoetierError
+from moetier.predict import Predictor, make_predictor
+from moetier.sim.replay import steps
+from moetier.trace.format import Trace
+
+
+def trace_truth(trace: Trace):
+    """(forward step, layer) -> topk_ids [T, k] of that step, steps numbered as the replay's layer step does."""
+    rows = [r for _, r in steps(trace)]
+    column = {layer: j for j, layer in enumerate(trace.layers)}
+    return lambda step, layer: trace.topk_ids[rows[step - 1], column[layer]]
+
+
+def trace_counts(trace: Trace) -> dict[int, np.ndarray]:
+    """Per layer, how often each expert was selected in `trace` [E]."""
+    return {layer: np.bincount(trace.topk_ids[:, j].ravel().astype(np.int64), minlength=trace.num_experts)
+            for j, layer in enumerate(trace.layers)}
+
+
+def trace_predictor(name: str, trace: Trace, distance: int = 1, routers: Mapping | None = None,
+                    counts: Mapping | None = None, error_rate: float = 0.0, nets: Mapping | None = None
+                    ) -> Predictor | None:
+    """Predictor `name` for replaying `trace` (None for "none"). `hot` counts the trace itself unless `counts` are
+    given (a profile of other text: the honest setting); `stacked-gates` needs `routers`, the trained ones `nets`,
+    and both the trace's gate inputs."""
+    if name == "none":
+        return None
+    inputs: dict = {}
+    if name == "oracle":
+        inputs = {"truth": trace_truth(trace), "error_rate": error_rate}
+    elif name == "hot":
+        inputs = {"counts": counts if counts is not None else trace_counts(trace)}
+    elif name in ("stacked-gates", "llapor", "comoe-mlp"):
+        if trace.gate_inputs is None:
+            raise MoetierError(f"{name} predicts from the router's input, and this trace has none",
+                               hint="record it with `moetier trace record --gate-inputs`")
+        inputs = {"routers": routers} if name == "stacked-gates" else {"nets": nets}
+    return make_predictor(name, trace.layers, trace.num_experts, trace.top_k, distance, **inputs)

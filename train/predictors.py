@@ -1,0 +1,45 @@
+"""The demo models' trained expert predictors (`llapor`, `comoe-mlp`), written into `models/<name>/predictors/`:
+record a trace with gate inputs on the training books (train/corpus.py holds the validation books out, and the
+predictor benchmark scores on those), then `moetier train predictor` on it.
+
+    python -m train.predictors [--models demo-deep,demo-fine,demo-coarse] [--prompts 96] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+from moetier.paths import default_cache_dir
+from train.corpus import GUTENBERG, VALID_BOOKS, prompt_lines
+
+MODELS = ("demo-deep", "demo-fine", "demo-coarse")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--prompts", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--predictors", default="llapor,comoe-mlp")
+    ap.add_argument("--traces", type=Path, default=default_cache_dir() / "predictor-traces")
+    args = ap.parse_args()
+    args.traces.mkdir(parents=True, exist_ok=True)
+    prompts = args.traces / "training-prompts.txt"
+    books = sorted(p.name for p in GUTENBERG.glob("*.txt") if p.name not in VALID_BOOKS)
+    prompts.write_text("\n".join(prompt_lines(books, args.prompts)) + "\n")
+    for model in args.models.split(","):
+        trace = args.traces / f"{model}-train"
+        subprocess.run(["moetier", "trace", "record", "--model", model, "--prompts", str(prompts), "--out",
+                        str(trace), "--max-tokens", str(args.max_tokens), "--gate-inputs", "--expert-memory", "100%",
+                        "--force"], check=True)
+        for name in args.predictors.split(","):
+            out = ROOT / "models" / model / "predictors" / f"{name}.safetensors"
+            subprocess.run(["moetier", "train", "predictor", "--predictor", name, "--trace", str(trace), "--model",
+                            model, "--out", str(out)], check=True)
+
+
+if __name__ == "__main__":
+    main()
