@@ -5,7 +5,8 @@ predictor; a configuration written STAGE:oracle uses the perfect predictor inste
 run, recorded by none's run — exact mode makes every run route alike) runs in a fresh process, in rounds: round r runs them all in a rotated order, so a drift of the disk
 or the CPU during the run spreads over every configuration. Reported per configuration: the median TPOT over the
 rounds, its ratio to none's, the hit rate (a prefetch counts only if it landed in time), the prefetches issued,
-used in time, late and wasted, and the expert bytes read per token.
+used in time, late and wasted, the expert bytes read per token, and the share of the measured call during which
+the disk had a read running (near 100%, the run is I/O-bound and prefetching can only add reads).
 
     python bench/bench_prefetch.py                           # table on stdout, JSON + PNG in bench/out/
     python bench/bench_prefetch.py --models demo-deep-xl --budgets 25% --rounds 2
@@ -71,7 +72,10 @@ def child(cfg: dict) -> dict:
     prompt = engine.tokenizer.encode(" ".join(lines[1:]))[:cfg["prompt_len"]]
     with engine:
         engine.generate([warm], max_new_tokens=cfg["warmup_tokens"], ignore_eos=True)
+        busy = engine.reader.activity()[0]
         stats = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
+        wall = stats["ttft_s"] + stats["tpot_s"] * (stats["new_tokens"] - 1)
+        stats["disk_busy_share"] = (engine.reader.activity()[0] - busy) / wall  # the disk's time with a read running
     if stage == "none":
         Path(cfg["routes"]).write_bytes(pickle.dumps(log.routes))
     return stats
@@ -143,6 +147,7 @@ def main() -> None:
                                  tpot_runs_s=[s["tpot_s"] for s in stats],
                                  hit_rate=statistics.median(s["decode_hit_rate"] for s in stats),
                                  expert_bytes_per_token=statistics.median(s["expert_bytes_per_token"] for s in stats),
+                                 disk_busy_share=statistics.median(s["disk_busy_share"] for s in stats),
                                  prefetches=pf))
     bar.close()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -151,12 +156,13 @@ def main() -> None:
                   tokens=args.tokens, warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len, rows=rows)
     (args.out / "prefetch.json").write_text(json.dumps(report, indent=1))
     plot(rows, args.out / "prefetch.png")
-    print(f"{'model':>13} {'budget':>6} {'prefetch':>9} {'TPOT ms':>8} {'vs none':>8} {'hit':>6} {'MiB/tok':>8} "
-          f"{'issued':>7} {'in time':>8} {'late':>6} {'wasted':>7}")
+    print(f"{'model':>13} {'budget':>6} {'prefetch':>13} {'TPOT ms':>8} {'vs none':>8} {'hit':>6} {'MiB/tok':>8} "
+          f"{'disk busy':>9} {'issued':>7} {'in time':>8} {'late':>6} {'wasted':>7}")
     for r in rows:
         pf = r["prefetches"]
-        print(f"{r['model']:>13} {r['budget']:>6} {r['prefetch']:>9} {r['tpot_s'] * 1e3:8.1f} {r['ratio'] - 1:+8.1%} "
-              f"{r['hit_rate']:6.1%} {r['expert_bytes_per_token'] / 2**20:8.1f} {pf['issued']:7.0f} "
+        print(f"{r['model']:>13} {r['budget']:>6} {r['prefetch']:>13} {r['tpot_s'] * 1e3:8.1f} {r['ratio'] - 1:+8.1%} "
+              f"{r['hit_rate']:6.1%} {r['expert_bytes_per_token'] / 2**20:8.1f} {r['disk_busy_share']:9.0%} "
+              f"{pf['issued']:7.0f} "
               f"{share(pf, 'used'):>8} {share(pf, 'late'):>6} {share(pf, 'wasted'):>7}")
     print(f"wrote {args.out / 'prefetch.json'} and {args.out / 'prefetch.png'}")
 

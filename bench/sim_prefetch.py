@@ -28,10 +28,11 @@ def main() -> None:
     from tqdm import tqdm
 
     from moetier.cli.models import model_shape
+    from moetier.errors import BudgetError
     from moetier.sim.cost import CostModel
     from moetier.sim.predictors import trace_predictor
     from moetier.sim.profile import HardwareProfile
-    from moetier.sim.sweep import run
+    from moetier.sim.sweep import budget_slots, run
     from moetier.trace.format import Trace
     from moetier.trace.synthetic import fit_locality, generate
 
@@ -39,7 +40,7 @@ def main() -> None:
     ap.add_argument("--fit", required=True, help="a recorded trace whose skew and locality the traces copy")
     ap.add_argument("--profiles", default=",".join(PROFILES))
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--budgets", default="25%,50%")
+    ap.add_argument("--budgets", default="10%,25%")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--error-rate", type=float, default=0.16, help="the oracle's injected error rate")
     ap.add_argument("--distance", type=int, default=2)
@@ -60,6 +61,12 @@ def main() -> None:
         for profile_name in profiles:
             cost = CostModel.of(HardwareProfile.load(profile_name), shape)
             for budget in budgets:
+                try:
+                    budget_slots(budget, trace, cost)
+                except BudgetError as e:  # e.g. a quarter of Mixtral's experts is more than a 4090 holds
+                    tqdm.write(f"skipped {shape_name} on {profile_name} at {budget}: {e}")
+                    bar.update(1 + (len(stages) - 1) * len(predictors))
+                    continue
                 base = None
                 for stage in stages:
                     for name, error in [("none", 0.0)] if stage == "none" else predictors:

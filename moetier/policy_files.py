@@ -19,15 +19,6 @@ def policy_file(model_dir: Path, name: str) -> Path:
     return Path(model_dir) / "policies" / f"{name}.json"
 
 
-def policy_dir(store) -> Path:
-    """Where trained policy files for a store's model live: beside the store, or beside the model it was converted
-    from (the built-in models ship theirs)."""
-    source = Path(store.manifest.source) if store.manifest.source else None
-    if not (store.path / "policies").is_dir() and source is not None and (source / "policies").is_dir():
-        return source
-    return store.path
-
-
 def _train_hint(name: str) -> str:
     return f"`moetier train cache-policy --policy {name} --trace DIR --model M` writes it"
 

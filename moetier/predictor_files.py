@@ -1,7 +1,7 @@
 """Trained predictors beside a model: `<model>/predictors/<name>.safetensors` (the networks' weights, one set per
 MoE layer, with what they were trained on in the metadata). Read and written here only, and handed to the
 predictors as plain objects — a predictor never opens a file. The same folder as the learned cache policies'
-(`policy_files.policy_dir`): beside the store, or beside the model it was converted from."""
+(`Store.trained_dir`): beside the store, beside the model it was converted from, or the base of an inflated one."""
 
 from __future__ import annotations
 
@@ -65,14 +65,17 @@ def load_nets(name: str, model_dir: Path | None) -> dict[int, torch.nn.Module]:
 
 
 def save_nets(name: str, path: Path, nets: dict[int, torch.nn.Module], meta: dict) -> None:
-    """Write the networks through a temporary file renamed into place."""
-    tensors = {f"{layer}.{k}": v.contiguous() for layer, net in nets.items() for k, v in net.state_dict().items()}
+    """Write the networks (in float16: half the bytes a model ships; the scores move in their last bits) through a
+    temporary file renamed into place."""
+    tensors = {f"{layer}.{k}": v.detach().to(torch.float16).contiguous() for layer, net in nets.items()
+               for k, v in net.state_dict().items()}
     meta = {**meta, "predictor": name,
             "groups": {str(layer): getattr(net, "group", None) for layer, net in nets.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, tmp, metadata={"moetier": json.dumps(meta)})
+        os.chmod(tmp, 0o644)  # (written 0600)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

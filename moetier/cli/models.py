@@ -39,10 +39,8 @@ def routers(name: str, cache_dir: str | None) -> dict | None:
     return {layer: dense[f"layers.{layer}.router"] for layer in store.spec.moe_layers}
 
 
-def policy_dir(name: str, cache_dir: str | None) -> Path | None:
+def policy_dir(name: str, cache_dir: str | None, folder: str = "policies") -> Path | None:
     """Where trained policies of a built-in model or a model directory live, as the engine finds them (None for a
     bare shape)."""
-    from moetier.policy_files import policy_dir as store_policy_dir
-
     store = _store(name, cache_dir) if shape_named(name) is None else None
-    return store_policy_dir(store) if store is not None else None
+    return store.trained_dir(folder) if store is not None else None

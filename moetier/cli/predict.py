@@ -38,7 +38,7 @@ def _predict_bench(args: argparse.Namespace) -> None:
                                    hint="record it with `moetier trace record --gate-inputs`")
             if not model:
                 raise MoetierError(f"{path} does not name its model", hint="give --model")
-            weights[path], folders[path] = routers(model, args.cache_dir), policy_dir(model, args.cache_dir)
+            weights[path], folders[path] = routers(model, args.cache_dir), policy_dir(model, args.cache_dir, "predictors")
             if weights[path] is None:
                 raise MoetierError(f"{on_weights[0]} needs the weights of {model!r}, a shape without them",
                                    hint="give --model with a built-in model or a model directory")

@@ -59,10 +59,11 @@ def _sim(args: argparse.Namespace) -> None:
         raise MoetierError("--prefetch needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
     timeline_steps = (args.timeline_step,) if args.timeline else ()
     model_dir = policy_dir(args.model_shape or trace.model, args.cache_dir)
+    net_dir = policy_dir(args.model_shape or trace.model, args.cache_dir, "predictors")
     weights = routers(args.model_shape or trace.model, args.cache_dir) if args.predictor == "stacked-gates" else None
 
     def predictor():  # a fresh one per configuration (llapor learns online)
-        nets = load_nets(args.predictor, model_dir) if args.predictor in TRAINED else None
+        nets = load_nets(args.predictor, net_dir) if args.predictor in TRAINED else None
         return trace_predictor(args.predictor, trace, args.predict_distance, weights, error_rate=args.oracle_error,
                                nets=nets)
 

@@ -20,7 +20,7 @@ from moetier.memory import MemoryView, memory_available
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.plan.prefetchers import PREFETCHERS
-from moetier.policy_files import make_policy_for_model, policy_dir
+from moetier.policy_files import make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
 from moetier.predictor_files import TRAINED, load_nets
 from moetier.resolve import resolve_model
@@ -114,7 +114,7 @@ def predictor_inputs(name: str, dense: dict[str, torch.Tensor], store: Store) ->
     if name == "stacked-gates":
         return {"routers": {layer: dense[f"layers.{layer}.router"] for layer in store.spec.moe_layers}}
     if name in TRAINED:
-        return {"nets": load_nets(name, policy_dir(store))}
+        return {"nets": load_nets(name, store.trained_dir("predictors"))}
     return {}
 
 
@@ -142,7 +142,7 @@ class Engine:
                               f"layers; the budget gives {slots}", hint="give more --expert-memory")
         ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k)
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
-        policy = make_policy_for_model(config.policy, ctx, policy_dir(store))
+        policy = make_policy_for_model(config.policy, ctx, store.trained_dir())
         dense = {name: t.to(self.device) for name, t in store.load_dense().items()}
         self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)

@@ -198,11 +198,13 @@ class LLaPorPredictor(Predictor):
         if len(samples) < self.online_every:
             return
         net = self.nets[layer]
-        h, w, t = (torch.cat(x) for x in zip(*samples))
-        samples.clear()
-        net.train()
-        loss = llapor_loss(net(h, w), t, net.group, torch.ones(t.shape[1]))
-        self.opts[layer].zero_grad()
-        loss.backward()
-        self.opts[layer].step()
-        net.eval()
+        # the engine runs under inference mode, whose tensors autograd cannot use: step out of it and copy them
+        with torch.inference_mode(False), torch.enable_grad():
+            h, w, t = (torch.cat(x).clone() for x in zip(*samples))
+            samples.clear()
+            net.train()
+            loss = llapor_loss(net(h, w), t, net.group, torch.ones(t.shape[1]))
+            self.opts[layer].zero_grad()
+            loss.backward()
+            self.opts[layer].step()
+            net.eval()

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from moetier.config import ModelSpec
 from moetier.errors import ChecksumError, StoreError
 from moetier.model.families import parse_spec
-from moetier.store.format import DAMAGED, DENSE, Manifest, check_files
+from moetier.store.format import DAMAGED, DENSE, Manifest, check_files, is_store
 from moetier.store.writer import tensor_bytes
 
 
@@ -22,6 +22,12 @@ class Store:
         self.manifest = Manifest.load(self.path)
         check_files(self.path, self.manifest)
         self.spec: ModelSpec = parse_spec(self.manifest.config)
+
+    def trained_dir(self, folder: str = "policies") -> Path:
+        """Where trained files for this model live (`folder`: policies, or predictors): beside the store, or beside
+        the model it was converted from (the built-in models ship theirs), or, for a store inflated from another
+        (same routers, same routing), where that one's live."""
+        return _trained_dir(self.path, self.manifest, folder)
 
     @property
     def native_layout(self):
@@ -75,3 +81,17 @@ class Store:
 
     def total_expert_bytes(self) -> int:
         return self.manifest.expert_bytes()
+
+
+def _trained_dir(path: Path, manifest: Manifest, folder: str) -> Path:
+    if (path / folder).is_dir():
+        return path
+    source = Path(manifest.source) if manifest.source else None
+    if source is not None and (source / folder).is_dir():
+        return source
+    base = manifest.config.get("moetier_inflated", {}).get("from")
+    if base and is_store(Path(base)):
+        found = _trained_dir(Path(base), Manifest.load(Path(base)), folder)
+        if (found / folder).is_dir():
+            return found
+    return path

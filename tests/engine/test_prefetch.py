@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moetier import Engine
+from moetier.config import MemoryBudget
 from moetier.engine.engine import EngineConfig
 from moetier.errors import MoetierError
 from moetier.plan.prefetchers import PREFETCHERS
@@ -70,3 +71,29 @@ def test_prefetch_configuration_errors_say_what_to_do(deep):
     _, path = deep
     with pytest.raises(MoetierError, match="needs counts"):
         Engine(Store(path), EngineConfig(prefetch="hobbit", predictor="hot"))
+
+
+def test_a_trained_predictor_learns_online_inside_the_engine(deep):
+    """llapor's online updates run inside the engine's inference mode, and leave the output exact."""
+    import numpy as np
+
+    from moetier.predict import make_predictor
+    from moetier.predictor_files import train_nets
+
+    _, path = deep
+    store = Store(path)
+    spec = store.spec
+    rng = np.random.default_rng(0)
+    n, layers = 64, list(spec.moe_layers)
+    ids = np.stack([[rng.choice(spec.num_experts, spec.top_k, replace=False) for _ in layers] for _ in range(n)])
+    nets = train_nets("llapor", rng.standard_normal((n, len(layers), spec.hidden_size)).astype(np.float16),
+                      ids.astype(np.int16), np.full(ids.shape, 0.5, np.float16), np.zeros(n, np.int32), layers,
+                      spec.num_experts, epochs=1)
+    predictor = make_predictor("llapor", layers, spec.num_experts, spec.top_k, nets=nets, online_every=1)
+    before = [t.clone() for t in nets[layers[0]].parameters()]
+    config = EngineConfig(expert_memory=MemoryBudget.parse("30%"), prefetch="hobbit", predictor="llapor")
+    with Engine(store, config, predictor=predictor) as engine:
+        out = engine.generate(prompts([6]), max_new_tokens=14, ignore_eos=True)
+    with Engine.from_pretrained(path, expert_memory="100%") as engine:
+        assert out.token_ids == engine.generate(prompts([6]), max_new_tokens=14, ignore_eos=True).token_ids
+    assert any(not torch.equal(a, b) for a, b in zip(before, nets[layers[0]].parameters()))

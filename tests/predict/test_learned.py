@@ -51,7 +51,8 @@ def test_a_trained_predictor_learns_the_next_layers_experts(name, tmp_path):
     p.on_sequence_start()
     again.on_sequence_start()
     p.observe(0, test_gate[:1, 0], route)
-    np.testing.assert_allclose(again.predict(0, test_gate[:1, 0])[1], p.predict(0, test_gate[:1, 0])[1], rtol=1e-5)
+    # the file holds float16 weights: the scores agree to their precision
+    np.testing.assert_allclose(again.predict(0, test_gate[:1, 0])[1], p.predict(0, test_gate[:1, 0])[1], atol=2e-3)
 
 
 def test_a_missing_or_damaged_predictor_file_says_how_to_make_it(tmp_path):

@@ -105,3 +105,16 @@ def test_trace_record_on_an_xl_model_names_it_and_routes_as_the_small_one(tmp_pa
     blob = {name: Store(resolve_model(name, tmp_path / "cache")).native_layout.blob_bytes for name in sims}
     assert sims["demo-coarse-xl"]["expert_bytes_per_token"] == pytest.approx(
         sims["demo-coarse"]["expert_bytes_per_token"] * blob["demo-coarse-xl"] / blob["demo-coarse"])
+
+
+def test_an_inflated_store_finds_the_trained_files_of_the_model_it_was_inflated_from(tiny_store, tmp_path):
+    _, small = tiny_store("olmoe")
+    big = inflate(small, tmp_path / "xl", 200, progress=False)
+    assert Store(big).trained_dir("predictors") == big  # none anywhere: beside the store itself
+    (small / "predictors").mkdir()
+    try:
+        assert Store(big).trained_dir("predictors") == small  # same routers, same routing: the base's apply
+        (big / "predictors").mkdir()
+        assert Store(big).trained_dir("predictors") == big  # its own first
+    finally:
+        (small / "predictors").rmdir()
