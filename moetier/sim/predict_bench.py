@@ -17,7 +17,7 @@ import numpy as np
 from moetier.plan.route import DECODE
 from moetier.predict import Predictor
 from moetier.predict.quality import recall, top4_within_top6
-from moetier.sim.replay import _route, steps
+from moetier.sim.replay import steps, trace_route
 from moetier.trace.format import Trace
 
 
@@ -44,7 +44,7 @@ def evaluate(trace: Trace, predictor: Predictor, name: str, label: str) -> list[
             predictor.on_sequence_start()
         decode_tokens += len(rows) if phase == DECODE else 0
         for j, layer in enumerate(trace.layers):
-            route = _route(trace, rows, j, layer, index + 1)
+            route = trace_route(trace, rows, j, layer, index + 1)
             gate_input = trace.gate_inputs[rows, j] if trace.gate_inputs is not None else None
             start = time.perf_counter()
             predictor.observe(layer, gate_input, route)
@@ -55,7 +55,7 @@ def evaluate(trace: Trace, predictor: Predictor, name: str, label: str) -> list[
             for f, scores in predictions.items():
                 distance = column[f] - j
                 true_ids = trace.topk_ids[rows, column[f]].astype(np.int64)
-                true_scores = _route(trace, rows, column[f], f, index + 1).scores
+                true_scores = trace_route(trace, rows, column[f], f, index + 1).scores
                 recalls.setdefault(distance, []).append(recall(scores, true_ids))
                 tops.setdefault(distance, []).append(top4_within_top6(scores, true_ids, true_scores))
     per_token = cost_s / decode_tokens * 1e6 if decode_tokens else float("nan")

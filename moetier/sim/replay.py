@@ -164,7 +164,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
         start, loads_before = executor.now, counts.phases[phase].bytes_read
         for j, layer in enumerate(trace.layers):
             gate_input = trace.gate_inputs[rows, j] if trace.gate_inputs is not None else None
-            plan, timeline = executor.layer(_route(trace, rows, j, layer, layer_step.step), len(rows), gate_input)
+            plan, timeline = executor.layer(trace_route(trace, rows, j, layer, layer_step.step), len(rows), gate_input)
             result.miss_penalty_s += sum(cost.read_s(ExpertKey(layer, ld.expert)) for ld in plan.loads)
             if index in keep:
                 result.timelines.setdefault(index, []).append(timeline)
@@ -183,7 +183,9 @@ def replay(trace: Trace, policy: EvictionPolicy, num_slots: int, preload: bool =
     return simulate(trace, policy, num_slots, FreeCost(), precision, preload, per_layer, keep_plans=keep_plans)
 
 
-def _route(trace: Trace, rows: np.ndarray, column: int, layer: int, step: int) -> RouteResult:
+def trace_route(trace: Trace, rows: np.ndarray, column: int, layer: int, step: int) -> RouteResult:
+    """The routing of the token steps `rows` at the trace's column `column` (model layer `layer`), as a step
+    stamped `step` saw it."""
     ids = trace.topk_ids[rows, column].astype(np.int64)
     weights = trace.topk_weights[rows, column].astype(np.float32)
     scores = trace.scores[rows, column].astype(np.float32) if trace.scores is not None else \
