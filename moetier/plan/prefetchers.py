@@ -8,7 +8,8 @@
              θ_pre(t) = θ_base · S_b(t) · (1 + δ · free/total memory).
 - `presched` PreScope §4.3 (Eq. 6–7): as many of the next layer's predicted experts as fit in the gap this layer
              leaves the link, f = (T_gap + t_attn) / t_io, the fractional "critical" one kept only when its
-             expected gain beats its expected loss."""
+             expected gain beats its expected loss.
+- `ahead`    ours: the predicted top-k of every coming layer up to p, nearest first (keeps reads queued)."""
 
 from __future__ import annotations
 
