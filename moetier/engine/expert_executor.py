@@ -20,9 +20,8 @@ from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
 from moetier.plan.layer_plan import FAST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch
-from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
-from moetier.plan.prefetchers import make_prefetcher
+from moetier.plan.prefetchers import layer_stages
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
 from moetier.predict.base import Predictor
@@ -46,12 +45,8 @@ class ExpertExecutor:
                                                  self.residency.slots(self.precision), self.device)}
         self.counts = CountingHook(entry_bytes)
         self.costs = RunningCosts(entry_bytes[self.precision])
-        stages = [OnDemandStage(self.residency)]
-        if prefetch != "none":
-            if predictor is None:
-                raise MoetierError(f"prefetch {prefetch!r} needs a predictor", hint="give --predictor NAME")
-            stages.append(make_prefetcher(prefetch, self.residency, self.precision, self.costs, spec.top_k,
-                                          **(prefetch_params or {})))
+        stages = layer_stages(self.residency, self.precision, prefetch, predictor, self.costs, spec.top_k,
+                              prefetch_params)
         self.layer_step = LayerStep(self.residency, Planner(self.precision, stages), hooks=[self.counts],
                                     predictor=predictor)
         self._clock = time.perf_counter()  # when the previous MoE layer's experts were done

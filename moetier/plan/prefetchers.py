@@ -22,6 +22,7 @@ from moetier.cache.residency import Residency
 from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
 from moetier.plan.layer_plan import RESIDENT, LayerPlan
+from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.prefetch import PrefetchStage, predicted_ids
 
 
@@ -163,6 +164,18 @@ PREFETCHERS: dict[str, Factory] = {
     "presched": PreSchedPrefetch,
 }
 NEEDS_COSTS = ("comoe", "presched")
+
+
+def layer_stages(residency: Residency, precision: Precision, prefetch: str, predictor, costs: RunningCosts,
+                 top_k: int, params: dict | None = None) -> list:
+    """The planner's stages for exact mode with `prefetch` (or "none"): on-demand, then the prefetch stage, which
+    needs a predictor. What both executors build."""
+    stages = [OnDemandStage(residency)]
+    if prefetch != "none":
+        if predictor is None:
+            raise MoetierError(f"prefetch {prefetch!r} needs a predictor", hint="give a predictor (--predictor NAME)")
+        stages.append(make_prefetcher(prefetch, residency, precision, costs, top_k, **(params or {})))
+    return stages
 
 
 def make_prefetcher(name: str, residency: Residency, precision: Precision, costs: RunningCosts,

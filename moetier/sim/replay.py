@@ -13,13 +13,11 @@ import numpy as np
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext
 from moetier.cache.residency import Residency
-from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, prefetch_summary
 from moetier.plan.layer_plan import LayerPlan
-from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
-from moetier.plan.prefetchers import make_prefetcher
+from moetier.plan.prefetchers import layer_stages
 from moetier.plan.route import DECODE, PREFILL, RouteResult
 from moetier.plan.step import LayerHook, LayerStep
 from moetier.predict.base import Predictor
@@ -139,11 +137,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
                           trace.layers if per_layer else None)
     counts, log = CountingHook({precision: entry_bytes}), PlanLog()
     costs = RunningCosts(entry_bytes)
-    stages = [OnDemandStage(residency)]
-    if prefetch != "none":
-        if predictor is None:
-            raise MoetierError(f"prefetch {prefetch!r} needs a predictor", hint="give a predictor")
-        stages.append(make_prefetcher(prefetch, residency, precision, costs, trace.top_k, **(prefetch_params or {})))
+    stages = layer_stages(residency, precision, prefetch, predictor, costs, trace.top_k, prefetch_params)
     layer_step = LayerStep(residency, Planner(precision, stages), hooks=[counts, log] if keep_plans else [counts],
                            predictor=predictor)
     executor = SimExecutor(layer_step, cost, costs)

@@ -163,12 +163,16 @@ def test_presched_learns_each_ranks_hit_rate():
     assert stage.rank_hit == [pytest.approx(0.75), pytest.approx(0.25)]
 
 
-def test_make_prefetcher_refuses_unknown_names():
+def test_make_prefetcher_refuses_unknown_names_and_a_stage_without_a_predictor():
     from moetier.errors import MoetierError
+    from moetier.plan.prefetchers import layer_stages
 
     r = Residency(400, BYTES, LRUPolicy())
     with pytest.raises(MoetierError, match="unknown prefetcher 'nope'"):
         make_prefetcher("nope", r, "bf16", RunningCosts(100), K)
+    with pytest.raises(MoetierError, match="prefetch 'hobbit' needs a predictor"):
+        layer_stages(r, "bf16", "hobbit", None, RunningCosts(100), K)
+    assert [type(s).__name__ for s in layer_stages(r, "bf16", "none", None, RunningCosts(100), K)] == ["OnDemandStage"]
 
 
 def test_wasted_prefetches_of_resident_experts_are_not_counted_as_reads():
