@@ -92,6 +92,8 @@ def _sim(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub) -> None:
+    from moetier.predict import PREDICTORS
+
     cal = command(sub, "calibrate", "measure this machine into the `this-machine` hardware profile")
     cal.add_argument("--model", default=DEFAULT_MODEL, help="the model whose expert shape to measure")
     cal.add_argument("--name", default="this-machine", help="the profile's name")
@@ -117,9 +119,9 @@ def add_parser(sub) -> None:
                     help="one expert cache for all layers, or the slots split evenly among them")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
     sm.add_argument("--prefetch", default="none",
-                    help="one or more prefetch stages, comma-separated: none, hobbit, smoe, comoe, presched")
+                    help="one or more prefetch stages, comma-separated: none, hobbit, smoe, comoe, presched, ahead")
     sm.add_argument("--predictor", default="none",
-                    choices=["none", "oracle", "hot", "stacked-gates", "llapor", "comoe-mlp"],
+                    choices=["none", *PREDICTORS],
                     help="oracle: the trace's own routing (a bound); hot: the trace's use counts; stacked-gates: the "
                          "model's routers on the trace's recorded gate inputs; llapor, comoe-mlp: trained networks")
     sm.add_argument("--predict-distance", type=int, default=2, help="MoE layers ahead to predict (HOBBIT's p)")
