@@ -1,5 +1,7 @@
 """Expert predictors on held-out text of the three demo models: record a trace with gate inputs per model on the
 books the demo models never trained on (train/corpus.py holds them out), then `moetier predict-bench` on them.
+Then, in the engine on the same prompts, each predictor scored live one MoE layer ahead — the only place
+`smoe-lookahead` can run (it runs the model's next attention layer) — with what it adds to the time per token.
 
     python bench/bench_predict.py                 # traces in bench/out/traces/, table + JSON + PNG in bench/out/
     python bench/bench_predict.py --prompts 8 --max-tokens 32
@@ -17,6 +19,39 @@ sys.path.insert(0, str(ROOT.parent))
 from train.corpus import VALID_BOOKS, prompt_lines  # noqa: E402
 
 MODELS = ("demo-deep", "demo-fine", "demo-coarse")
+LIVE = ("none", "stacked-gates", "smoe-lookahead", "llapor", "comoe-mlp")
+
+
+def live(models: list[str], prompts: list[str], max_tokens: int, out: Path) -> None:
+    """Each predictor in the engine, every expert resident (so only the predictor's own time differs): decode
+    recall one MoE layer ahead, and TPOT against none's in the same run."""
+    from tqdm import tqdm
+
+    from moetier import Engine
+    from moetier.atomic import atomic_write_json
+
+    rows = []
+    bar = tqdm(total=len(models) * len(LIVE), desc="live", unit="run")
+    for model in models:
+        tpot = {}
+        for name in LIVE:
+            with Engine.from_pretrained(model, expert_memory="100%", predictor=name, progress=False) as engine:
+                engine.generate(prompts[:1], max_new_tokens=4, ignore_eos=True)  # warm-up
+                stats = [engine.generate([p], max_new_tokens=max_tokens, ignore_eos=True).stats for p in prompts]
+            right = sum(s["decode"]["predicted_right"] for s in stats)
+            total = sum(s["decode"]["predicted"] for s in stats)
+            tpot[name] = sum(s["tpot_s"] for s in stats) / len(stats)
+            rows.append({"model": model, "predictor": name, "recall": right / total if total else None,
+                         "tpot_ms": tpot[name] * 1e3, "added_ms": (tpot[name] - tpot["none"]) * 1e3,
+                         "pairs": total})
+            bar.update()
+    bar.close()
+    print(f"{'model':>12} {'predictor':>15} {'recall d1':>9} {'TPOT ms':>8} {'added ms':>8}")
+    for r in rows:
+        recall = "" if r["recall"] is None else f"{r['recall']:.1%}"
+        print(f"{r['model']:>12} {r['predictor']:>15} {recall:>9} {r['tpot_ms']:>8.1f} {r['added_ms']:>8.1f}")
+    atomic_write_json(out / "predict-live.json", rows)
+    print(f"wrote {out / 'predict-live.json'}")
 
 
 def main() -> None:
@@ -26,11 +61,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=ROOT / "out")
     ap.add_argument("--predictor", default="stacked-gates,llapor,comoe-mlp,hot")
+    ap.add_argument("--live-prompts", type=int, default=8, help="held-out prompts for the engine's live scores")
     args = ap.parse_args()
     traces = args.out / "traces"
     traces.mkdir(parents=True, exist_ok=True)
     prompt_file = traces / "held-out-prompts.txt"
-    prompt_file.write_text("\n".join(prompt_lines(list(VALID_BOOKS), args.prompts)) + "\n")
+    lines = prompt_lines(list(VALID_BOOKS), args.prompts)
+    prompt_file.write_text("\n".join(lines) + "\n")
     paths = []
     for model in args.models.split(","):
         path = traces / f"{model}-held-out"
@@ -40,6 +77,7 @@ def main() -> None:
         paths.append(str(path))
     subprocess.run(["moetier", "predict-bench", "--trace", *paths, "--predictor", args.predictor, "--out",
                     str(args.out / "predict-bench")], check=True)
+    live(args.models.split(","), lines[:args.live_prompts], args.max_tokens, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def _predict_bench(args: argparse.Namespace) -> None:
     from moetier.predict import PREDICTORS
     from moetier.predictor_files import TRAINED, load_nets
     from moetier.sim.predict_bench import format_table, plot, predict_bench, to_json
-    from moetier.sim.predictors import trace_counts, trace_predictor
+    from moetier.sim.predictors import check_replayable, trace_counts, trace_predictor
     from moetier.trace.format import Trace
 
     if not 0 < args.train_fraction < 1:
@@ -26,6 +26,8 @@ def _predict_bench(args: argparse.Namespace) -> None:
     unknown = sorted(set(names) - set(PREDICTORS))
     if unknown:
         raise MoetierError(f"unknown predictors {unknown}", hint=f"choose from {', '.join(PREDICTORS)}")
+    for name in names:
+        check_replayable(name)
     traces = {path: Trace.load(path) for path in args.trace}
     weights: dict[str, dict | None] = {}
     folders: dict[str, Path | None] = {}

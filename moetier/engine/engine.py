@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,10 +110,14 @@ def check_device(name: str) -> torch.device:
     return device
 
 
-def predictor_inputs(name: str, dense: dict[str, torch.Tensor], store: Store) -> dict:
-    """What predictor `name` is built on: the engine's own weights, or networks trained for the model."""
+def predictor_inputs(name: str, dense: dict[str, torch.Tensor], store: Store,
+                     model: Callable[[], Transformer]) -> dict:
+    """What predictor `name` is built on: the engine's own weights or model (`model()` once it exists), or networks
+    trained for the model."""
     if name == "stacked-gates":
         return {"routers": {layer: dense[f"layers.{layer}.router"] for layer in store.spec.moe_layers}}
+    if name == "smoe-lookahead":  # (the model is made after the executor that holds the predictor)
+        return {"lookahead": lambda layer, target: model().lookahead(layer, target)}
     if name in TRAINED:
         return {"nets": load_nets(name, store.trained_dir("predictors"))}
     return {}
@@ -148,7 +153,8 @@ class Engine:
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         if predictor is None and config.predictor != "none":
             predictor = make_predictor(config.predictor, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
-                                       config.predict_distance, **predictor_inputs(config.predictor, dense, store))
+                                       config.predict_distance,
+                                       **predictor_inputs(config.predictor, dense, store, lambda: self.model))
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
         self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
                                        per_layer, self.device, self.kernels, config.prefetch, predictor)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from moetier.plan.counters import PhaseCounters, prefetch_summary
+from moetier.plan.counters import PhaseCounters, predictor_recall, prefetch_summary
 
 
 @dataclass
@@ -44,6 +44,7 @@ class GenerationStats:
             "expert_bytes_per_token": dec.bytes_read / self.decode_tokens if self.decode_tokens else None,
             "prefill_expert_bytes_read": pre.bytes_read,
             "prefetches": prefetch_summary(self.phases),
+            "predictor_recall": predictor_recall(dec),  # decode steps, one MoE layer ahead
             "expert_cache_bytes": self.expert_cache_bytes,
             "expert_slots": self.expert_slots,
             "total_expert_bytes": self.total_expert_bytes,
@@ -73,9 +74,10 @@ def format_summary(s: dict) -> str:
     prefetch = (f"prefetch {pf['issued']} read: {pf['used'] / pf['issued']:.0%} used in time, "
                 f"{pf['late'] / pf['issued']:.0%} late, {pf['wasted'] / pf['issued']:.0%} wasted "
                 f"({pf['cancelled']} cancelled unread) | ") if pf.get("issued") else ""
+    predicted = "" if s.get("predictor_recall") is None else f"predictor recall {s['predictor_recall']:.0%} | "
     return (f"TTFT {ms(s['ttft_s'])} | TPOT {ms(s['tpot_s'])} (p50 {ms(s['tpot_p50_s'])}, "
             f"p90 {ms(s['tpot_p90_s'])}) | {rate(s['tokens_per_s'])} tok/s "
             f"(decode {rate(s['decode_tokens_per_s'])} tok/s) | "
-            f"expert hit rate {pct(s['hit_rate'])} | {prefetch}"
+            f"expert hit rate {pct(s['hit_rate'])} | {prefetch}{predicted}"
             f"expert read {'n/a' if per_tok is None else f'{per_tok / 2**20:.1f} MiB'}/token | "
             f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB")

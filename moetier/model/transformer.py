@@ -34,6 +34,9 @@ class Transformer:
         self.layers = [{k.removeprefix(f"layers.{i}."): v for k, v in dense.items() if k.startswith(f"layers.{i}.")}
                        for i in range(spec.num_layers)]
         self.rope: Rope | None = None
+        # the forward step in progress and its residual stream at the MoE layer running now, for `lookahead`
+        self._step: tuple[StepBatch, KVCache, Rope] | None = None
+        self._h: torch.Tensor | None = None
 
     def ensure_rope(self, max_len: int) -> Rope:
         if self.rope is None or self.rope.cos.shape[0] < max_len:
@@ -57,11 +60,37 @@ class Transformer:
         eps, norm = self.spec.rms_norm_eps, self.kernels.rms_norm
         rope = self.ensure_rope(kv.max_len)
         h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
+        self._step = (batch, kv, rope)
         for i, w in enumerate(self.layers):
             h = h + self.attn[i](norm(h, w["input_norm"], eps), batch, kv, rope)
             x = norm(h, w["post_attn_norm"], eps)
+            self._h = h  # (a reference, no copy: what `lookahead` starts from)
             h = h + (self._moe(i, x) if self.is_moe[i] else
                      self.kernels.swiglu(x, w["mlp.gate_up_proj"], w["mlp.down_proj"]))
         if not all_logits:
             h = h[batch.last]
         return self.kernels.linear(norm(h, self.w["norm"], eps), self.lm_head)
+
+    def lookahead(self, layer: int, target: int) -> torch.Tensor:
+        """Router logits [T, E] of MoE layer `target` for the tokens in flight, from the residual stream as it stands
+        before MoE layer `layer`'s experts: the layers between run on it — attention with the KV cache, dense MLPs —
+        without the experts of `layer` (SMoE's look-ahead, §IV-C). Only while `layer` runs, and `target` must be the
+        next MoE layer (the MoE layers between could not run without their experts).
+
+        The attention writes keys and values of this approximate state into the cache at the step's own positions;
+        the real forward overwrites them at each of those layers before it reads them, so exact output holds."""
+        if self._step is None or self._h is None:
+            raise RuntimeError("lookahead runs only inside a forward step, while an MoE layer runs")
+        if any(self.is_moe[i] for i in range(layer + 1, target)) or not self.is_moe[target]:
+            raise ValueError(f"lookahead from layer {layer} reaches only the next MoE layer, not {target}")
+        eps, norm = self.spec.rms_norm_eps, self.kernels.rms_norm
+        batch, kv, rope = self._step
+        h = self._h
+        for i in range(layer + 1, target + 1):
+            w = self.layers[i]
+            h = h + self.attn[i](norm(h, w["input_norm"], eps), batch, kv, rope)
+            if i < target:  # a dense layer between
+                h = h + self.kernels.swiglu(norm(h, w["post_attn_norm"], eps), w["mlp.gate_up_proj"],
+                                            w["mlp.down_proj"])
+        w = self.layers[target]
+        return F.linear(norm(h, w["post_attn_norm"], eps), w["router"])

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from moetier.cache.keys import Precision
 from moetier.plan.layer_plan import LayerPlan
 from moetier.plan.step import LayerHook
+from moetier.predict.quality import top_ids
 
 
 @dataclass
@@ -23,6 +26,8 @@ class PhaseCounters:
     prefetch_late: int = 0  # needed, but still reading when their layer needed them
     prefetch_wasted: int = 0  # not needed by the layer they were read for
     prefetch_cancelled: int = 0  # of the wasted, reads cancelled before they started (nothing read)
+    predicted: int = 0  # true (token, expert) pairs of layers the predictor scored one MoE layer ahead
+    predicted_right: int = 0  # of those, among the predicted top-k: the predictor's recall (DESIGN.md) live
 
     def add(self, plan: LayerPlan, entry_bytes: Mapping[Precision, int]) -> None:
         self.layer_steps += 1
@@ -49,12 +54,27 @@ def prefetch_summary(phases) -> dict[str, int]:
     return {name: sum(getattr(p, f) for p in phases) for name, f in PREFETCH_FIELDS.items()}
 
 
+def predictor_recall(counters: PhaseCounters) -> float | None:
+    return counters.predicted_right / counters.predicted if counters.predicted else None
+
+
 class CountingHook(LayerHook):
-    """Adds each layer to the counters of its phase; `phases` is swapped per generate call."""
+    """Adds each layer to the counters of its phase; `phases` is swapped per generate call. Scores the predictor
+    as it runs: each layer's prediction of the next MoE layer against that layer's routing, in the same step."""
 
     def __init__(self, entry_bytes: Mapping[Precision, int]) -> None:
         self.entry_bytes = entry_bytes
         self.phases = (PhaseCounters(), PhaseCounters())
+        self.pending: dict[int, np.ndarray] = {}  # next MoE layer -> predicted top-k ids [T, k], until it routes
 
     def on_plan(self, plan: LayerPlan, phase: int) -> None:
-        self.phases[phase].add(plan, self.entry_bytes)
+        counters = self.phases[phase]
+        counters.add(plan, self.entry_bytes)
+        guess = self.pending.pop(plan.layer, None)
+        true_ids = plan.route.topk_ids  # [T, k]
+        if guess is not None and guess.shape[0] == true_ids.shape[0]:
+            counters.predicted += true_ids.size
+            counters.predicted_right += int((guess[:, :, None] == true_ids[:, None, :]).any(1).sum())
+        if plan.predictions:
+            nearest = min(plan.predictions)  # the next MoE layer: layers ascend
+            self.pending[nearest] = top_ids(plan.predictions[nearest], true_ids.shape[1])

@@ -1,6 +1,6 @@
 """Next-layer expert predictors (DESIGN.md's `Predictor`): one file each, the contract in `base.py`, the measures
 of a prediction in `quality.py`. Each is made by name from what it is built on, handed in by its caller: a
-model's router weights (`routers`), a table of use counts (`counts`), the true routing (`truth`), trained
+model's router weights (`routers`), the model's look-ahead (`lookahead`), a table of use counts (`counts`), the true routing (`truth`), trained
 networks (`nets`, read by moetier/predictor_files.py)."""
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from moetier.predict.comoe_mlp import ComoeMLPPredictor
 from moetier.predict.hot import HotPredictor
 from moetier.predict.llapor import LLaPorPredictor
 from moetier.predict.oracle import OraclePredictor
+from moetier.predict.smoe_lookahead import SmoeLookaheadPredictor
 from moetier.predict.stacked_gates import StackedGatesPredictor
 
 PREDICTORS: dict[str, type[Predictor]] = {
     "stacked-gates": StackedGatesPredictor,
+    "smoe-lookahead": SmoeLookaheadPredictor,
     "llapor": LLaPorPredictor,
     "comoe-mlp": ComoeMLPPredictor,
     "hot": HotPredictor,
@@ -24,6 +26,8 @@ PREDICTORS: dict[str, type[Predictor]] = {
 }
 BUILT_ON = {  # what each is made from, and where a caller gets it
     "stacked-gates": ("routers", "the model's router weights (the engine hands them over; a trace needs its model)"),
+    "smoe-lookahead": ("lookahead", "the model's next attention layer and router, run by the engine on the hidden "
+                       "state (a trace does not hold what it needs)"),
     "llapor": ("nets", "networks trained by `moetier train predictor --predictor llapor`"),
     "comoe-mlp": ("nets", "networks trained by `moetier train predictor --predictor comoe-mlp`"),
     "hot": ("counts", "use counts per expert, from a recorded trace"),

@@ -27,6 +27,14 @@ def trace_counts(trace: Trace) -> dict[int, np.ndarray]:
             for j, layer in enumerate(trace.layers)}
 
 
+def check_replayable(name: str) -> None:
+    """Refuse a predictor a trace cannot drive, saying where it can run."""
+    if name == "smoe-lookahead":
+        raise MoetierError("smoe-lookahead runs the model's next attention layer on the hidden state, which a trace "
+                           "does not hold", hint="measure it in the engine: `moetier generate --predictor "
+                           "smoe-lookahead` reports its recall live (python bench/bench_predict.py tabulates it)")
+
+
 def trace_predictor(name: str, trace: Trace, distance: int = 1, routers: Mapping | None = None,
                     counts: Mapping | None = None, error_rate: float = 0.0, nets: Mapping | None = None
                     ) -> Predictor | None:
@@ -35,6 +43,7 @@ def trace_predictor(name: str, trace: Trace, distance: int = 1, routers: Mapping
     and both the trace's gate inputs."""
     if name == "none":
         return None
+    check_replayable(name)
     inputs: dict = {}
     if name == "oracle":
         inputs = {"truth": trace_truth(trace), "error_rate": error_rate}

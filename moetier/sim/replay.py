@@ -14,7 +14,7 @@ from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext
 from moetier.cache.residency import Residency
 from moetier.plan.costs import RunningCosts
-from moetier.plan.counters import CountingHook, prefetch_summary
+from moetier.plan.counters import CountingHook, predictor_recall, prefetch_summary
 from moetier.plan.layer_plan import LayerPlan
 from moetier.plan.planner import Planner
 from moetier.plan.prefetchers import layer_stages
@@ -119,7 +119,8 @@ class SimResult:
                 "expert_bytes_per_token": float(np.asarray(self.bytes_read)[dec].sum() / dec_tokens) if dec_tokens
                 else None,
                 "miss_penalty_s": self.miss_penalty_s,
-                "prefetches": prefetch_summary(self.counts.phases)}
+                "prefetches": prefetch_summary(self.counts.phases),
+                "predictor_recall": predictor_recall(self.counts.phases[DECODE])}
 
 
 def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostModel | FreeCost,

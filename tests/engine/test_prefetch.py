@@ -7,6 +7,7 @@ import torch
 from moetier import Engine
 from moetier.config import MemoryBudget
 from moetier.engine.engine import EngineConfig
+from moetier.engine.stats import format_summary
 from moetier.errors import MoetierError
 from moetier.plan.prefetchers import PREFETCHERS
 from moetier.store.store import Store
@@ -48,6 +49,28 @@ def test_any_prefetch_configuration_leaves_the_output_exact(deep, reference, pre
             c = s[phase]
             assert c["bytes_read"] == (c["loads"] + c["prefetches"] - c["prefetch_cancelled"]) * slot
             assert c["hits"] <= c["needed"]
+
+
+@pytest.mark.parametrize("prefetch", ["smoe", "hobbit"])
+def test_smoe_lookahead_leaves_the_output_exact_and_predicts_better_than_chance(deep, reference, prefetch):
+    """The look-ahead runs the next layer's attention on an approximate state inside the step, writing the KV
+    cache; the output stays exact, and the engine scores the predictor live."""
+    _, path = deep
+    with Engine.from_pretrained(path, expert_memory="30%", prefetch=prefetch, predictor="smoe-lookahead") as engine:
+        singles = [engine.generate([p], max_new_tokens=14, ignore_eos=True) for p in prompts([6, 11])]
+        batch = engine.generate(prompts([6, 11]), max_new_tokens=14, ignore_eos=True)
+    assert [o.token_ids[0] for o in singles] == reference and batch.token_ids == reference
+    for out in singles + [batch]:
+        dec = out.stats["decode"]
+        assert dec["predicted"] == 13 * len(out.token_ids) * 3 * 2  # decode steps · rows · predicted layers · k
+        assert out.stats["predictor_recall"] > 2 / 8  # chance: k of E
+
+
+def test_without_a_predictor_there_is_no_recall(deep):
+    _, path = deep
+    with Engine.from_pretrained(path, expert_memory="30%") as engine:
+        s = engine.generate(prompts([6]), max_new_tokens=4, ignore_eos=True).stats
+    assert s["predictor_recall"] is None and s["decode"]["predicted"] == 0 and "recall" not in format_summary(s)
 
 
 def test_hobbit_prefetches_and_raises_the_hit_rate(deep):
