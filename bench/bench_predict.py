@@ -5,6 +5,7 @@ Then, in the engine on the same prompts, each predictor scored live one MoE laye
 
     python bench/bench_predict.py                 # traces in bench/out/traces/, table + JSON + PNG in bench/out/
     python bench/bench_predict.py --prompts 8 --max-tokens 32
+    python bench/bench_predict.py --live-only      # the engine's live scores alone
 """
 
 from __future__ import annotations
@@ -62,11 +63,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "out")
     ap.add_argument("--predictor", default="stacked-gates,llapor,comoe-mlp,hot")
     ap.add_argument("--live-prompts", type=int, default=8, help="held-out prompts for the engine's live scores")
+    ap.add_argument("--live-only", action="store_true", help="only the engine's live scores (no traces)")
     args = ap.parse_args()
+    lines = prompt_lines(list(VALID_BOOKS), args.prompts)
+    if args.live_only:
+        return live(args.models.split(","), lines[:args.live_prompts], args.max_tokens, args.out)
     traces = args.out / "traces"
     traces.mkdir(parents=True, exist_ok=True)
     prompt_file = traces / "held-out-prompts.txt"
-    lines = prompt_lines(list(VALID_BOOKS), args.prompts)
     prompt_file.write_text("\n".join(lines) + "\n")
     paths = []
     for model in args.models.split(","):

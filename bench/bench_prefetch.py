@@ -2,7 +2,8 @@
 
 For each model and expert budget, every configuration (none, and each prefetch stage with the stacked-gates
 predictor; a configuration written STAGE:oracle uses the perfect predictor instead, the true routing of the same
-run, recorded by none's run — exact mode makes every run route alike) runs in a fresh process, in rounds: round r runs them all in a rotated order, so a drift of the disk
+run, recorded by none's run — exact mode makes every run route alike; STAGE:PREDICTOR@POLICY names the eviction policy too, e.g.
+none:smoe-lookahead@lru+predicted) runs in a fresh process, in rounds: round r runs them all in a rotated order, so a drift of the disk
 or the CPU during the run spreads over every configuration. Reported per configuration: the median TPOT over the
 rounds, its ratio to none's, the hit rate (a prefetch counts only if it landed in time), the prefetches issued,
 used in time, late and wasted, the expert bytes read per token, and the share of the measured call during which
@@ -52,10 +53,12 @@ def child(cfg: dict) -> dict:
     from moetier.resolve import resolve_model
     from moetier.store.store import Store
 
-    stage, _, predictor = cfg["prefetch"].partition(":")
-    predictor = "none" if stage == "none" else predictor or cfg["predictor"]
+    spec, _, policy = cfg["prefetch"].partition("@")
+    stage, _, predictor = spec.partition(":")
+    predictor = predictor or ("none" if stage == "none" else cfg["predictor"])
     store = Store(resolve_model(cfg["model"], progress=False))
-    config = EngineConfig(expert_memory=MemoryBudget.parse(cfg["budget"]), policy=cfg["policy"], prefetch=stage,
+    config = EngineConfig(expert_memory=MemoryBudget.parse(cfg["budget"]), policy=policy or cfg["policy"],
+                          prefetch=stage,
                           predictor=predictor, predict_distance=cfg["distance"], verify_checksums=cfg["verify"])
     oracle = None
     if predictor == "oracle":
@@ -65,7 +68,8 @@ def child(cfg: dict) -> dict:
                                  cfg["distance"])
     engine = Engine(store, config, predictor=oracle)
     log = RouteLog()
-    if stage == "none":
+    baseline = cfg["prefetch"] == "none"
+    if baseline:
         engine.executor.layer_step.hooks.append(log)
     lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
     warm = engine.tokenizer.encode(lines[0])
@@ -76,7 +80,7 @@ def child(cfg: dict) -> dict:
         stats = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
         wall = stats["ttft_s"] + stats["tpot_s"] * (stats["new_tokens"] - 1)
         stats["disk_busy_share"] = (engine.reader.activity()[0] - busy) / wall  # the disk's time with a read running
-    if stage == "none":
+    if baseline:
         Path(cfg["routes"]).write_bytes(pickle.dumps(log.routes))
     return stats
 
@@ -156,11 +160,11 @@ def main() -> None:
                   tokens=args.tokens, warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len, rows=rows)
     (args.out / "prefetch.json").write_text(json.dumps(report, indent=1))
     plot(rows, args.out / "prefetch.png")
-    print(f"{'model':>13} {'budget':>6} {'prefetch':>13} {'TPOT ms':>8} {'vs none':>8} {'hit':>6} {'MiB/tok':>8} "
+    print(f"{'model':>13} {'budget':>6} {'configuration':>34} {'TPOT ms':>8} {'vs none':>8} {'hit':>6} {'MiB/tok':>8} "
           f"{'disk busy':>9} {'issued':>7} {'in time':>8} {'late':>6} {'wasted':>7}")
     for r in rows:
         pf = r["prefetches"]
-        print(f"{r['model']:>13} {r['budget']:>6} {r['prefetch']:>13} {r['tpot_s'] * 1e3:8.1f} {r['ratio'] - 1:+8.1%} "
+        print(f"{r['model']:>13} {r['budget']:>6} {r['prefetch']:>34} {r['tpot_s'] * 1e3:8.1f} {r['ratio'] - 1:+8.1%} "
               f"{r['hit_rate']:6.1%} {r['expert_bytes_per_token'] / 2**20:8.1f} {r['disk_busy_share']:9.0%} "
               f"{pf['issued']:7.0f} "
               f"{share(pf, 'used'):>8} {share(pf, 'late'):>6} {share(pf, 'wasted'):>7}")

@@ -6,8 +6,14 @@ layer step (residency, planner, policy objects), on a `this-machine` profile cal
 run.
 Both TPOTs are over the measured call's decode steps. Target: within 15%.
 
+With `--prefetch STAGE:PREDICTOR,...` each prefetch configuration runs too (`none` is always there): the engine
+records the router inputs, and the simulator replays them through the same predictor and prefetch stage, so it
+must rank the configurations as the engine does (issue 13's acceptance).
+
     python bench/bench_sim_validation.py                 # demo-fine, demo-coarse, and the synthetic
                                                          # OLMoE-shaped store if bench_offload made it
+    python bench/bench_sim_validation.py --models demo-deep-xl,demo-fine-xl --budgets 25%,50% \
+        --prefetch hobbit:stacked-gates,smoe:stacked-gates --out bench/out/sim-prefetch-validation
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ def child(cfg: dict) -> dict:
     from moetier import Engine
     from moetier.cache.policies import make_policy
     from moetier.calibrate import calibrate, disk_tier
+    from moetier.predictor_files import TRAINED, load_nets
     from moetier.resolve import resolve_model
     from moetier.sim.cost import CostModel
+    from moetier.sim.predictors import trace_predictor
     from moetier.sim.profile import Tier
     from moetier.sim.replay import simulate, steps
     from moetier.sim.shapes import ModelShape
@@ -48,14 +56,16 @@ def child(cfg: dict) -> dict:
     store = Store(resolve_model(cfg["model"], progress=False))
     first = calibrate(store, progress=False)
     gc.collect()
-    engine = Engine.from_pretrained(cfg["model"], expert_memory=cfg["budget"], policy=cfg["policy"], progress=False)
+    stage, _, predictor = cfg.get("prefetch", "none").partition(":")
+    engine = Engine.from_pretrained(cfg["model"], expert_memory=cfg["budget"], policy=cfg["policy"], progress=False,
+                                    prefetch=stage, predictor=predictor or "none")
     rng = random.Random(0)
     vocab = engine.spec.vocab_size
     warm, prompt = ([rng.randrange(vocab) for _ in range(cfg["prompt_len"])] for _ in range(2))
     preload = cfg["budget"] == "100%"
     if preload:
         engine.preload()
-    with engine, TraceRecorder(engine) as recorder:
+    with engine, TraceRecorder(engine, gate_inputs=stage != "none") as recorder:
         engine.generate([warm], max_new_tokens=cfg["warmup_tokens"], ignore_eos=True)
         # the disk's speed drifts by tens of percent within minutes here: measure it just before and after
         before = disk_tier(store)
@@ -72,13 +82,23 @@ def child(cfg: dict) -> dict:
     profile = dataclasses.replace(profile, tiers=(disk,))
     precision = store.manifest.native_precision
     cost = CostModel.of(profile, ModelShape.from_spec(store.spec, cfg["model"], precision), precision, expert_bytes)
-    sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True)
+    made = None
+    if stage != "none":  # the same predictor, built for the trace as `moetier sim` builds it
+        routers = None
+        if predictor == "stacked-gates":
+            dense = store.load_dense()
+            routers = {layer: dense[f"layers.{layer}.router"] for layer in store.spec.moe_layers}
+        nets = load_nets(predictor, store.trained_dir("predictors")) if predictor in TRAINED else None
+        made = trace_predictor(predictor, trace, 2, routers, nets=nets)
+    sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True,
+                   prefetch=stage, predictor=made)
     measured = [i for i, (phase, rows) in enumerate(steps(trace)) if phase == 1 and trace.seq[rows[0]] == 1]
     sim_tpot = float(np.mean([sim.step_time_s[i] for i in measured]))
     layers = len(trace.layers)
     plans = [p for i in measured for p in sim.plans[i * layers:(i + 1) * layers]]
     sim_hit_rate = sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans)
     return {"real_tpot_s": real["tpot_s"], "sim_tpot_s": sim_tpot, "ratio": sim_tpot / real["tpot_s"],
+            "real_prefetches": real["prefetches"], "sim_prefetches": sim.summary()["prefetches"],
             "real_hit_rate": real["decode_hit_rate"], "sim_hit_rate": sim_hit_rate,
             "read_bandwidth_before": before.bandwidth_bytes_per_s, "read_bandwidth_after": after.bandwidth_bytes_per_s,
             "read_latency_s": disk.latency_s, "slots": slots}
@@ -104,6 +124,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="measure every configuration this many times")
     ap.add_argument("--small-tokens", type=int, default=256,
                     help="measured tokens for the built-in demo models (a few ms each: more tokens, less noise)")
+    ap.add_argument("--prefetch", default="", help="STAGE:PREDICTOR configurations beside none, comma-separated "
+                                                   "(predictors a trace can drive: stacked-gates, llapor, ...)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -111,27 +133,32 @@ def main() -> None:
     from tqdm import tqdm
 
     models = [m for m in args.models.split(",") if not m.startswith("/") or (Path(m) / "manifest.json").exists()]
-    configs = [(m, b) for m in models for b in args.budgets.split(",")]
-    runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
+    prefetches = ["none", *filter(None, args.prefetch.split(","))]
+    configs = [(m, b, f) for m in models for b in args.budgets.split(",") for f in prefetches]
+    runs: dict[tuple[str, str, str], list[dict]] = {c: [] for c in configs}
     with tqdm(total=len(configs) * args.rounds, desc="sim validation", unit="run") as bar:
         for _ in range(args.rounds):  # round-robin, so drift over the run touches every configuration alike
-            for model, budget in configs:
+            for model, budget, prefetch in configs:
                 tokens = args.tokens if model.startswith("/") else args.small_tokens
                 cfg = dict(model=model, budget=budget, policy=args.policy, tokens=tokens,
-                           warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len)
-                runs[(model, budget)].append(run_child(__file__, cfg))
+                           warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len, prefetch=prefetch)
+                runs[(model, budget, prefetch)].append(run_child(__file__, cfg))
                 bar.update()
-    rows = [summarize(Path(model).name, budget, runs[(model, budget)]) for model, budget in configs]
+    rows = [summarize(Path(model).name, budget, runs[c]) | {"prefetch": prefetch}
+            for c in configs for model, budget, prefetch in [c]]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sim_validation.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                               "rows": rows}, indent=1))
-    print(f"{'model':>20} {'budget':>6} {'real ms':>8} {'sim ms':>8} {'sim/real':>8} {'range':>11} {'hit real':>8} "
-          f"{'hit sim':>8} {'disk GB/s':>10}")
+    print(f"{'model':>20} {'budget':>6} {'prefetch':>22} {'real ms':>8} {'sim ms':>8} {'sim/real':>8} {'range':>11} "
+          f"{'hit real':>8} {'hit sim':>8} {'disk GB/s':>10}")
     for r in rows:
-        print(f"{r['model']:>20} {r['budget']:>6} {r['real_tpot_s'] * 1e3:8.1f} {r['sim_tpot_s'] * 1e3:8.1f} "
+        print(f"{r['model']:>20} {r['budget']:>6} {r['prefetch']:>22} {r['real_tpot_s'] * 1e3:8.1f} "
+              f"{r['sim_tpot_s'] * 1e3:8.1f} "
               f"{r['ratio']:8.2f} {r['ratio_min']:5.2f}-{r['ratio_max']:<5.2f} {r['real_hit_rate']:8.1%} "
               f"{r['sim_hit_rate']:8.1%} {r['disk_gb_s']:10.2f}")
     print(f"within 15%: {sum(abs(r['ratio'] - 1) <= 0.15 for r in rows)} of {len(rows)}")
+    if len(prefetches) > 1:
+        print(ranking(rows))
     plot(rows, args.out / "sim_validation.png")
     print(f"plot: {args.out / 'sim_validation.png'}")
 
@@ -157,13 +184,26 @@ def plot(rows: list[dict], path: Path) -> None:
                [r["ratio_max"] * x - s for s, x, r in zip(sim, real, mine)]]
         ax.errorbar(real, sim, yerr=err, fmt="o", capsize=3, label=model)
         for x, y, r in zip(real, sim, mine):
-            ax.annotate(r["budget"], (x, y), textcoords="offset points", xytext=(5, -10), fontsize=8)
+            label = r["budget"] if r.get("prefetch", "none") == "none" else f"{r['budget']} {r['prefetch']}"
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=7)
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="real TPOT, ms (median of rounds)",
            ylabel="simulated TPOT, ms", title="simulator against the engine on this machine (LRU)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def ranking(rows: list[dict]) -> str:
+    """Per model and budget, the prefetch configurations fastest first, by the engine and by the simulator."""
+    lines, agree, groups = [], 0, list(dict.fromkeys((r["model"], r["budget"]) for r in rows))
+    for model, budget in groups:
+        mine = [r for r in rows if (r["model"], r["budget"]) == (model, budget)]
+        real = [r["prefetch"] for r in sorted(mine, key=lambda r: r["real_tpot_s"])]
+        sim = [r["prefetch"] for r in sorted(mine, key=lambda r: r["sim_tpot_s"])]
+        agree += real == sim
+        lines.append(f"{model} {budget}: engine {' < '.join(real)} | simulator {' < '.join(sim)}")
+    return "\n".join(lines + [f"same ranking: {agree} of {len(groups)}"])
 
 
 def summarize(model: str, budget: str, runs: list[dict]) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moetier.atomic import atomic_write_json
 from moetier.cache.keys import ExpertKey
-from moetier.cache.policies import LEARNED, EvictionPolicy, PolicyContext, make_policy
+from moetier.cache.policies import LEARNED, EvictionPolicy, PolicyContext, base_name, make_policy
 from moetier.cache.policies.flashmoe_ml import CacheModel
 from moetier.cache.policies.hobbit import HobbitWeights
 from moetier.errors import MoetierError, parsing
@@ -53,6 +53,6 @@ def save_params(name: str, path: Path, params: dict, trained_on: str, **extra) -
 
 def make_policy_for_model(name: str, ctx: PolicyContext, model_dir: Path | None, **params) -> EvictionPolicy:
     """`make_policy`, with a learned policy's parameters read from beside the model unless given."""
-    if name in LEARNED and not params:
-        params = load_params(name, model_dir)
+    if base_name(name) in LEARNED and not params:
+        params = load_params(base_name(name), model_dir)
     return make_policy(name, ctx, **params)

@@ -1,8 +1,10 @@
-"""The demo models' trained expert predictors (`llapor`, `comoe-mlp`), written into `models/<name>/predictors/`:
+"""The demo models' trained expert predictors (`llapor`, `comoe-mlp`), written into `models/<name>/predictors/`,
+and their learned cache policies (`flashmoe-ml`, `static-hot`, `hobbit` at 25%) into `models/<name>/policies/`:
 record a trace with gate inputs on the training books (train/corpus.py holds the validation books out, and the
-predictor benchmark scores on those), then `moetier train predictor` on it.
+predictor benchmark scores on those), then `moetier train predictor` / `moetier train cache-policy` on it.
 
     python -m train.predictors [--models demo-deep,demo-fine,demo-coarse] [--prompts 96] [--max-tokens 64]
+    python -m train.predictors --predictors "" --policies flashmoe-ml      # one policy again, no predictor
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--predictors", default="llapor,comoe-mlp")
+    ap.add_argument("--predictors", default="llapor,comoe-mlp", help="comma-separated; empty for none")
+    ap.add_argument("--policies", default="flashmoe-ml,static-hot,hobbit", help="comma-separated; empty for none")
     ap.add_argument("--traces", type=Path, default=default_cache_dir() / "predictor-traces")
     args = ap.parse_args()
     args.traces.mkdir(parents=True, exist_ok=True)
@@ -35,10 +38,14 @@ def main() -> None:
         subprocess.run(["moetier", "trace", "record", "--model", model, "--prompts", str(prompts), "--out",
                         str(trace), "--max-tokens", str(args.max_tokens), "--gate-inputs", "--expert-memory", "100%",
                         "--force"], check=True)
-        for name in args.predictors.split(","):
+        for name in filter(None, args.predictors.split(",")):
             out = ROOT / "models" / model / "predictors" / f"{name}.safetensors"
             subprocess.run(["moetier", "train", "predictor", "--predictor", name, "--trace", str(trace), "--model",
                             model, "--out", str(out)], check=True)
+        for name in filter(None, args.policies.split(",")):
+            out = ROOT / "models" / model / "policies" / f"{name}.json"
+            subprocess.run(["moetier", "train", "cache-policy", "--policy", name, "--trace", str(trace), "--model",
+                            model, "--out", str(out), "--expert-memory", "25%"], check=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ bytes."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from moetier.cache.keys import ExpertKey, Precision
@@ -45,6 +45,16 @@ class _Evictable:
     def __contains__(self, key: object) -> bool:
         entry = self._r.entries.get(key)
         return entry is not None and not entry.held and (self.layer is None or key.layer == self.layer)
+
+
+class _Sparing:
+    """An evictable view less the keys `spare` names."""
+
+    def __init__(self, view: _Evictable, spare: Callable[[ExpertKey], bool]) -> None:
+        self.view, self.spare = view, spare
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.view and not self.spare(key)
 
 
 class Residency:
@@ -104,17 +114,26 @@ class Residency:
 
     # -- admitting and evicting --------------------------------------------------------------------------------
 
-    def admit(self, key: ExpertKey, precision: Precision, pin: str = IN_USE) -> tuple[int, tuple[ExpertKey, ...]] | None:
+    def admit(self, key: ExpertKey, precision: Precision, pin: str = IN_USE,
+              spare: Callable[[ExpertKey], bool] | None = None) -> tuple[int, tuple[ExpertKey, ...]] | None:
         """Room for `key` at `precision`, its read about to start (loading, pinned for `pin`): free bytes, else
-        the policy's victims among the evictable entries. Returns (slot, evicted keys), or None if evicting
-        everything evictable would not make room (nothing is evicted then)."""
+        the policy's victims among the evictable entries (less those `spare` names). Returns (slot, evicted
+        keys), or None if evicting everything evictable would not make room (nothing is evicted then) or the
+        spared keys are all there is to evict (what was evicted before that stays free)."""
         nbytes = self.entry_bytes[precision]
         if not self._can_make_room(key.layer, nbytes):
             return None
         evicted = []
         view = self._layer_evictable[key.layer] if self.layers else self._evictable
+        if spare is not None:
+            view = _Sparing(view, spare)
         while not self.has_room(key.layer, nbytes):
-            victim = self.policy.victim(view)
+            try:
+                victim = self.policy.victim(view)
+            except LookupError:
+                if spare is None:
+                    raise
+                return None
             self._evict(victim)
             evicted.append(victim)
         return self._insert(key, precision, pin), tuple(evicted)

@@ -11,15 +11,19 @@ from moetier.cli.defaults import DEFAULT_MODEL, command
 from moetier.errors import MoetierError
 
 
-def _policies(spec: str) -> list[str]:
+def _policies(spec: str, predicted: bool) -> list[str]:
+    from moetier.cache.policies import SUFFIX
     from moetier.sim.cache_bench import all_policies
 
-    names = all_policies() if spec == "all" else spec.split(",")
-    unknown = sorted(set(names) - set(all_policies()))
+    names = all_policies(predicted) if spec == "all" else spec.split(",")
+    unknown = sorted(set(names) - set(all_policies(True)))
     if unknown:
-        raise MoetierError(f"unknown policies {unknown}", hint=f"choose from {', '.join(all_policies())} or all")
+        raise MoetierError(f"unknown policies {unknown}", hint=f"choose from {', '.join(all_policies())} (each also "
+                                                               f"as NAME{SUFFIX} with --predictor) or all")
+    if not predicted and any(name.endswith(SUFFIX) for name in names):
+        raise MoetierError(f"a {SUFFIX} policy needs a predictor", hint="give --predictor (e.g. stacked-gates)")
     wanted = set(names) | {"lru", "belady"}  # the gap closed is measured between them
-    return [name for name in all_policies() if name in wanted]
+    return [name for name in all_policies(True) if name in wanted]
 
 
 def _cache_bench(args: argparse.Namespace) -> None:
@@ -27,7 +31,7 @@ def _cache_bench(args: argparse.Namespace) -> None:
 
     from moetier.atomic import atomic_write_json
     from moetier.cache.keys import ExpertKey
-    from moetier.cli.models import model_shape
+    from moetier.cli.models import model_shape, replay_predictor
     from moetier.sim.cache_bench import evaluate, format_table, plot, to_json
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile, ProfileError
@@ -36,7 +40,7 @@ def _cache_bench(args: argparse.Namespace) -> None:
 
     if not 0 < args.train_fraction < 1:
         raise MoetierError(f"--train-fraction must be in (0, 1), got {args.train_fraction}")
-    policies, budgets = _policies(args.policy), args.expert_memory.split(",")
+    policies, budgets = _policies(args.policy, args.predictor != "none"), args.expert_memory.split(",")
     partitions = ["global", "per-layer"] if args.cache_partition == "both" else [args.cache_partition]
     traces = [(path, Trace.load(path)) for path in args.trace]
     _check_budgets(budgets, traces)
@@ -53,9 +57,12 @@ def _cache_bench(args: argparse.Namespace) -> None:
                 expert_bytes, read_s = cost.expert_bytes, cost.read_s(ExpertKey(trace.layers[0], 0))
             except (ShapeError, ProfileError) as e:
                 tqdm.write(f"note: {path}: no bytes or miss penalty ({e})")
+            # (hot counts the part the learned policies fit on, never the part scored)
+            predictor = replay_predictor(args.predictor, trace, args.model or trace.model, None,
+                                         args.predict_distance, fit_on=trace.split(args.train_fraction)[0])
             for partition in partitions:
                 records += evaluate(trace, Path(path).name, budgets, policies, partition, args.train_fraction,
-                                    expert_bytes, read_s, progress=bar.update, note=tqdm.write)
+                                    expert_bytes, read_s, progress=bar.update, note=tqdm.write, predictor=predictor)
     print(format_table(records))
     if args.json:
         atomic_write_json(args.json, to_json(records))
@@ -97,7 +104,7 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
         out = policy_file(model_dir(args.model, args.cache_dir), args.policy)
         check_trace_fits_model(trace, args.model, args.cache_dir)
     if args.policy == "flashmoe-ml":
-        model = train_flashmoe(trace)
+        model = train_flashmoe(trace, progress=True)
         save_params(args.policy, out, {"model": model}, model.trained_on)
     elif args.policy == "static-hot":
         save_params(args.policy, out, {"counts": use_counts(trace)}, trace.model)
@@ -129,6 +136,8 @@ def model_dir(model: str, cache_dir: str | None) -> Path:
 
 
 def add_parser(sub) -> None:
+    from moetier.predict import PREDICTORS
+
     cb = command(sub, "cache-bench", "every eviction policy on routing traces, against the optimum")
     cb.add_argument("--trace", nargs="+", action="extend", required=True,
                     help="one or more trace folders (`--trace A B` or `--trace A --trace B`)")
@@ -142,6 +151,10 @@ def add_parser(sub) -> None:
                     help="hardware profile pricing a miss (the read of one expert) for the miss penalty")
     cb.add_argument("--json", help="write the records to this JSON file")
     cb.add_argument("--plot", help="write hit rate against budget per policy to this PNG")
+    cb.add_argument("--predictor", default="none", choices=["none", *PREDICTORS],
+                    help="every policy hears its predictions; `all` then adds each policy as NAME+predicted")
+    cb.add_argument("--predict-distance", type=int, default=2, help="MoE layers ahead to predict")
+    cb.add_argument("--model", help="the traces' model, for predictors built on its weights (default: the trace's)")
     cb.set_defaults(func=_cache_bench)
 
     tr = command(sub, "train", "train what moetier learns (cache policies, predictors)").add_subparsers(

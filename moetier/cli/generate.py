@@ -109,8 +109,9 @@ def add_parser(sub) -> None:
     g.add_argument("--prompt-file", action="append", help="a file whose text is one prompt; repeatable")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
-    g.add_argument("--policy", default="lru", choices=LIVE_POLICIES,
-                   help="expert eviction policy (`moetier list policies`, docs/cache-policies.md)")
+    g.add_argument("--policy", default="lru",
+                   help=f"expert eviction policy: {', '.join(LIVE_POLICIES)}; NAME+predicted spares what --predictor "
+                        "names for the coming layers (`moetier list policies`, docs/cache-policies.md)")
     g.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
                    help="one expert cache for all layers, or the slots split evenly among them")
     add_prefetch_options(g)

@@ -46,7 +46,8 @@ def _models(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _policies(_: argparse.Namespace) -> list[tuple[str, str]]:
-    from moetier.cache.policies import LEARNED, OFFLINE, POLICIES
+    from moetier.cache.policies import LEARNED, OFFLINE, POLICIES, SUFFIX
+    from moetier.cache.policies.predicted import PredictedPolicy
 
     rows = []
     for name, cls in POLICIES.items():
@@ -54,6 +55,8 @@ def _policies(_: argparse.Namespace) -> list[tuple[str, str]]:
         tags += ["learned: needs its file from `moetier train cache-policy`"] if name in LEARNED else []
         doc = _summary(sys.modules[cls.__module__].__doc__)
         rows.append((name, doc + (f" [{'; '.join(tags)}]" if tags else "")))
+    rows.append((f"NAME{SUFFIX}", f"{_summary(sys.modules[PredictedPolicy.__module__].__doc__.split(': ', 1)[-1])} "
+                                  "[needs --predictor]"))
     return rows
 
 

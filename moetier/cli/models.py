@@ -44,3 +44,27 @@ def policy_dir(name: str, cache_dir: str | None, folder: str = "policies") -> Pa
     bare shape)."""
     store = _store(name, cache_dir) if shape_named(name) is None else None
     return store.trained_dir(folder) if store is not None else None
+
+
+def replay_predictor(name: str, trace, model: str, cache_dir: str | None, distance: int, error_rate: float = 0.0,
+                     fit_on=None):
+    """A maker of fresh predictors `name` for replaying parts of `trace` (llapor learns online, so each replay gets
+    its own), or None for "none"; built on `model`'s routers or trained networks where it needs them, `hot` on the
+    use counts of `fit_on` (default: the trace replayed). Makes one now, so a predictor that cannot be built is
+    refused before any work."""
+    from moetier.predictor_files import TRAINED, load_nets
+    from moetier.sim.predictors import trace_counts, trace_predictor
+
+    if name == "none":
+        return None
+    weights = routers(model, cache_dir) if name == "stacked-gates" else None
+    net_dir = policy_dir(model, cache_dir, "predictors") if name in TRAINED else None
+
+    counts = trace_counts(fit_on) if name == "hot" and fit_on is not None else None
+
+    def make(part):
+        nets = load_nets(name, net_dir) if name in TRAINED else None
+        return trace_predictor(name, part, distance, weights, counts, error_rate=error_rate, nets=nets)
+
+    make(trace)
+    return make

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moetier.cache.policies import POLICIES
+from moetier.cache.policies import POLICIES, SUFFIX, check_policy
 from moetier.cli.defaults import DEFAULT_MODEL, command
 from moetier.errors import MoetierError
 
@@ -33,11 +33,9 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _sim(args: argparse.Namespace) -> None:
-    from moetier.cli.models import model_shape, policy_dir, routers
+    from moetier.cli.models import model_shape, policy_dir, replay_predictor
     from moetier.plan.prefetchers import PREFETCHERS
-    from moetier.predictor_files import TRAINED, load_nets
     from moetier.sim.cost import CostModel
-    from moetier.sim.predictors import trace_predictor
     from moetier.sim.profile import HardwareProfile
     from moetier.sim.sweep import check_fits, format_table, plot_sweep, run
     from moetier.sim.timing import plot_timeline
@@ -51,23 +49,18 @@ def _sim(args: argparse.Namespace) -> None:
     configs = [(p, b, f) for p in args.policy.split(",") for b in args.expert_memory.split(",")
                for f in args.prefetch.split(",")]
     for policy, _, prefetch in configs:
-        if policy not in POLICIES:
-            raise MoetierError(f"unknown policy {policy!r}", hint=f"one of {', '.join(sorted(POLICIES))}")
+        check_policy(policy)
         if prefetch != "none" and prefetch not in PREFETCHERS:
             raise MoetierError(f"unknown prefetcher {prefetch!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
     if any(f != "none" for *_, f in configs) and args.predictor == "none":
         raise MoetierError("--prefetch needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
+    if any(p.endswith(SUFFIX) for p, *_ in configs) and args.predictor == "none":
+        raise MoetierError(f"a {SUFFIX} policy needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
     timeline_steps = (args.timeline_step,) if args.timeline else ()
     model_dir = policy_dir(args.model_shape or trace.model, args.cache_dir)
-    net_dir = policy_dir(args.model_shape or trace.model, args.cache_dir, "predictors")
-    weights = routers(args.model_shape or trace.model, args.cache_dir) if args.predictor == "stacked-gates" else None
-
-    def predictor():  # a fresh one per configuration (llapor learns online)
-        nets = load_nets(args.predictor, net_dir) if args.predictor in TRAINED else None
-        return trace_predictor(args.predictor, trace, args.predict_distance, weights, error_rate=args.oracle_error,
-                               nets=nets)
-
-    predictor()  # refuse before any work
+    make = replay_predictor(args.predictor, trace, args.model_shape or trace.model, args.cache_dir,
+                            args.predict_distance, args.oracle_error)
+    predictor = (lambda: make(trace)) if make else (lambda: None)  # a fresh one per configuration
 
     runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
                 model_dir, prefetch, predictor)
@@ -113,7 +106,8 @@ def add_parser(sub) -> None:
     sm.add_argument("--model-shape", help="a shape name (`moetier list shapes`), a built-in model, or a model "
                                           "directory (default: the trace's model)")
     sm.add_argument("--precision", help="the experts' precision (default: the shape's checkpoint precision)")
-    sm.add_argument("--policy", default="lru", help=f"one or more of {', '.join(POLICIES)}, comma-separated")
+    sm.add_argument("--policy", default="lru", help=f"one or more of {', '.join(POLICIES)}, comma-separated; "
+                    f"NAME{SUFFIX} spares what --predictor names for the coming layers")
     sm.add_argument("--expert-memory", default="30%", help="one or more budgets (bytes or %% of the experts)")
     sm.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
                     help="one expert cache for all layers, or the slots split evenly among them")

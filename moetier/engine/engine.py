@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moetier.cache.capacity import cache_capacity
-from moetier.cache.policies import PolicyContext
+from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
 from moetier.config import KERNELS, MemoryBudget, format_bytes
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
@@ -63,6 +63,9 @@ class EngineConfig:
                                hint="give one, e.g. --predictor stacked-gates")
         if self.predict_distance < 1:
             raise MoetierError(f"predict_distance must be at least 1, not {self.predict_distance}")
+        check_policy(self.policy, live=True)
+        if self.policy.endswith(SUFFIX) and self.predictor == "none":
+            raise MoetierError(f"policy {self.policy!r} needs a predictor", hint="give one, e.g. --predictor stacked-gates")
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Engine:
         self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
                                        per_layer, self.device, self.kernels, config.prefetch, predictor)
         self.model = Transformer(self.spec, dense, self.executor, self.kernels)
+        self.executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)
         self.closed = False

@@ -10,6 +10,10 @@ The bookkeeping is shared (`PrefetchStage`); a subclass only chooses which exper
   but is no prefetch: it reads nothing.
 - Prefetch pins never crowd out the coming layer's own misses: in each cache scope (the whole cache, or a layer's
   share), `reserve` entries — one per (token, k), at most every expert — stay free of them.
+- A prefetch never evicts what the layers still to run in this step used in the previous one. In a cache shared
+  by the layers those are exactly the least recent entries, so recency-based victims would be the hits about to
+  come; where the cache holds about one step's experts, each such eviction cascades (the miss it causes evicts
+  the next layer's, and so on: the simulator showed Mixtral on an A100 at 25% fall from 52% hits to 0.5%).
 - Reads go out after the layer's on-demand loads, at the reader's lower priority: a prefetch never delays an
   on-demand read already queued, and queued on-demand reads of later layers overtake it."""
 
@@ -33,15 +37,28 @@ def predicted_ids(scores: np.ndarray, top_k: int) -> list[int]:
     return ids[np.argsort(-scores[:, ids].sum(axis=0), kind="stable")].tolist()
 
 
+class _WorkingSetAhead:
+    """The experts the layers still to run in this step needed in the previous step: the working set about to be
+    hit again, which a prefetch must not push out."""
+
+    def __init__(self, layer: int, recent: dict[int, frozenset[int]]) -> None:
+        self.layer, self.recent = layer, recent
+
+    def __call__(self, key: ExpertKey) -> bool:
+        return key.layer > self.layer and key.expert in self.recent.get(key.layer, ())
+
+
 class PrefetchStage:
     name = "prefetch"
 
     def __init__(self, residency: Residency, precision: Precision) -> None:
         self.residency, self.precision = residency, precision
         self.pinned: dict[ExpertKey, bool] = {}  # pinned for a coming layer -> whether we read it (a prefetch)
+        self.recent: dict[int, frozenset[int]] = {}  # layer -> the experts it needed when it last ran
 
     def __call__(self, plan: LayerPlan) -> LayerPlan:
         self.settle(plan)
+        self.recent[plan.layer] = frozenset(plan.experts)
         if plan.predictions:
             self.issue(plan, self.select(plan))
         return plan
@@ -91,7 +108,7 @@ class PrefetchStage:
             nbytes = r.entry_bytes[self.precision]
             if not self._room(key, nbytes, reserve):
                 break
-            got = r.admit(key, self.precision, PREFETCHED)
+            got = r.admit(key, self.precision, PREFETCHED, spare=_WorkingSetAhead(plan.layer, self.recent))
             if got is None:
                 break
             slot, evicted = got

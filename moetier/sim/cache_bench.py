@@ -2,19 +2,24 @@
 
 Each trace is split in time: policies that learn (flashmoe-ml's networks, hobbit's weights, static-hot's
 profile) are fitted on the first part, and every policy — learned or not — is evaluated on the rest from a cold
-cache, so no policy is scored on what it was fitted on and all are scored on the same accesses."""
+cache, so no policy is scored on what it was fitted on and all are scored on the same accesses.
+
+With a predictor every policy hears its predictions (DESIGN.md's `on_predict`; `comoe` uses them in Eq. 38), and
+`NAME+predicted` spares the experts it names for the coming layers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moetier.cache.capacity import cache_capacity
-from moetier.cache.policies import POLICIES
+from moetier.cache.policies import POLICIES, SUFFIX, base_name
 from moetier.cache.policies.context import PolicyContext
 from moetier.config import MemoryBudget
 from moetier.errors import MoetierError
 from moetier.plan.route import DECODE
+from moetier.predict import Predictor
 from moetier.sim.fit import fit_hobbit, train_flashmoe, use_counts
 from moetier.sim.replay import replay, trace_policy
 from moetier.trace.format import Trace
@@ -70,7 +75,8 @@ def fit_learned(train: Trace, slots: int, cache: dict, names: list[str]) -> dict
 
 def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], partition: str = "global",
              train_fraction: float = 0.7, expert_bytes: int | None = None, read_s: float | None = None,
-             progress=None, note=None) -> list[Record]:
+             progress=None, note=None, predictor: Callable[[Trace], Predictor] | None = None) -> list[Record]:
+    """`predictor`: makes a fresh predictor for the held-out part (one per replay: some learn as they go)."""
     train, test = trace.split(train_fraction)
     decoded = int((test.phase == DECODE).sum()) or test.num_tokens
     records, fitted = [], {}
@@ -84,12 +90,12 @@ def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], p
                 for _ in policies:
                     progress()
             continue
-        params = fit_learned(train, slots, fitted, policies)
+        params = fit_learned(train, slots, fitted, [base_name(p) for p in policies])
         results = {}
         for policy in policies:
             ctx = PolicyContext(slots, tuple(test.layers), test.num_experts, test.top_k)
-            result = replay(test, trace_policy(policy, ctx, test, **params.get(policy, {})), slots,
-                            per_layer=partition == "per-layer")
+            result = replay(test, trace_policy(policy, ctx, test, **params.get(base_name(policy), {})), slots,
+                            per_layer=partition == "per-layer", predictor=predictor(test) if predictor else None)
             results[policy] = result
             if progress is not None:
                 progress()
@@ -148,6 +154,7 @@ def to_json(records: list[Record]) -> list[dict]:
     return [asdict(r) for r in records]
 
 
-def all_policies() -> list[str]:
-    """Every policy, the classic ones first and the optimum last."""
-    return [name for name in POLICIES if name != "belady"] + ["belady"]
+def all_policies(predicted: bool = False) -> list[str]:
+    """Every policy, the classic ones first and the optimum last; with `predicted`, each also as NAME+predicted."""
+    online = [name for name in POLICIES if name != "belady"]
+    return online + ([name + SUFFIX for name in online] if predicted else []) + ["belady"]

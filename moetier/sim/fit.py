@@ -12,8 +12,9 @@ import numpy as np
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.context import PolicyContext
-from moetier.cache.policies.flashmoe_ml import CacheModel, LayerMLP, features
+from moetier.cache.policies.flashmoe_ml import FEATURES, CacheModel, LayerMLP, features
 from moetier.cache.policies.hobbit import HobbitPolicy, HobbitWeights
+from moetier.sim.predictors import trace_counts
 from moetier.sim.replay import replay, steps
 from moetier.trace.format import Trace
 
@@ -29,10 +30,9 @@ def use_matrix(trace: Trace) -> np.ndarray:
 
 
 def use_counts(trace: Trace) -> dict[ExpertKey, int]:
-    """Layer steps in which each expert was used: static-hot's profile."""
-    counts = use_matrix(trace).sum(axis=0)  # [L, E]
-    return {ExpertKey(layer, e): int(counts[j, e]) for j, layer in enumerate(trace.layers)
-            for e in range(trace.num_experts) if counts[j, e]}
+    """Tokens each expert processed (PreScope's Counter): static-hot's profile."""
+    return {ExpertKey(layer, e): int(n) for layer, counts in trace_counts(trace).items()
+            for e, n in enumerate(counts) if n}
 
 
 def belady_samples(used: np.ndarray, max_samples: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -63,27 +63,50 @@ def belady_samples(used: np.ndarray, max_samples: int, rng: np.random.Generator)
     return x, y
 
 
-def train_flashmoe(trace: Trace, hidden: int = 16, iterations: int = 400, max_samples: int = 40_000,
-                   seed: int = 0) -> CacheModel:
-    """One network per layer, fitted by mean squared error with Adam on the layer's Belady targets."""
+def train_flashmoe(trace: Trace, hidden: int = 128, depth: int = 3, max_epochs: int = 200, patience: int = 5,
+                   batch_size: int = 2048, max_samples: int = 40_000, seed: int = 0, progress: bool = False
+                   ) -> CacheModel:
+    """One network per layer as FlashMoE's Table 1 states it: `depth` hidden layers of `hidden` with SiLU, MSE,
+    AdamW (lr 1e-3, weight decay 1e-2), up to `max_epochs` epochs of minibatches, stopped early when the error on
+    a held-back tenth of the samples has not improved by 0.1% for `patience` epochs (the best epoch's weights
+    kept)."""
     import torch
+    from tqdm import tqdm
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     used = use_matrix(trace)
     layers = {}
-    for j, layer in enumerate(trace.layers):
+    for j, layer in enumerate(tqdm(trace.layers, desc="flashmoe-ml", unit="layer", disable=not progress)):
         x, y = belady_samples(used[:, j], max_samples, rng)
+        order = rng.permutation(len(x))
+        held = order[:max(1, len(x) // 10)]
+        fit = order[len(held):] if len(x) > len(held) else held
         x_t, y_t = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
-        net = torch.nn.Sequential(torch.nn.Linear(2, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
-        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-        for _ in range(iterations):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(net(x_t).squeeze(1), y_t)
-            loss.backward()
-            opt.step()
-        w1, b1, w2, b2 = (p.detach().double().numpy() for p in net.parameters())
-        layers[layer] = LayerMLP(w1.T.copy(), b1, w2[0], float(b2[0]))
+        sizes = [len(FEATURES), *[hidden] * depth, 1]
+        blocks = []
+        for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+            blocks += [torch.nn.Linear(a, b)] + ([torch.nn.SiLU()] if i < depth else [])
+        net = torch.nn.Sequential(*blocks)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=1e-2)
+        best, best_state, stale = float("inf"), None, 0
+        for _ in range(max_epochs):
+            for batch in torch.from_numpy(rng.permutation(fit)).split(batch_size):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(net(x_t[batch]).squeeze(1), y_t[batch]).backward()
+                opt.step()
+            with torch.no_grad():
+                held_loss = float(torch.nn.functional.mse_loss(net(x_t[held]).squeeze(1), y_t[held]))
+            if held_loss < best * (1 - 1e-3):  # an improvement of at least 0.1% resets the patience
+                best, best_state, stale = held_loss, {k: v.clone() for k, v in net.state_dict().items()}, 0
+            else:
+                stale += 1
+                if stale >= patience:
+                    break
+        net.load_state_dict(best_state)
+        linears = [m for m in net if isinstance(m, torch.nn.Linear)]
+        layers[layer] = LayerMLP(tuple(m.weight.detach().double().numpy().T.copy() for m in linears),
+                                 tuple(m.bias.detach().double().numpy().copy() for m in linears))
     return CacheModel(layers, trained_on=f"{trace.model} ({trace.num_tokens} token steps; {trace.source})")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moetier.cache.keys import ExpertKey, Precision
-from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext
+from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext, base_name
 from moetier.cache.residency import Residency
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, predictor_recall, prefetch_summary
@@ -65,7 +65,7 @@ def trace_policy(name: str, ctx: PolicyContext, trace: Trace, model_dir=None, **
     parameters (given, or read from beside `model_dir`)."""
     from moetier.policy_files import make_policy_for_model
 
-    if name in OFFLINE:
+    if base_name(name) in OFFLINE:
         params.setdefault("future", next_uses(trace))
     return make_policy_for_model(name, ctx, model_dir, **params)
 
@@ -128,7 +128,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
              timeline_steps: tuple[int, ...] = (), keep_plans: bool = False, prefetch: str = "none",
              predictor: Predictor | None = None, prefetch_params: dict | None = None) -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
-    clock. `preload` starts as Engine.preload() does (experts admitted layer by layer until the cache is full);
+    clock. A policy's start set (static-hot's hot table) is loaded first, as the engine loads it when made; `preload`
+    then starts as Engine.preload() does (experts admitted layer by layer until the cache is full);
     `per_layer` splits the cache evenly among the trace's layers; timelines are kept for `timeline_steps`
     (negative indices count from the end). Layers the trace does not cover run with their experts resident. A
     trace without full router scores hands the policies its top-k weights with zeros elsewhere. `prefetch` names a
@@ -142,8 +143,11 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     layer_step = LayerStep(residency, Planner(precision, stages), hooks=[counts, log] if keep_plans else [counts],
                            predictor=predictor)
     executor = SimExecutor(layer_step, cost, costs)
+    # as the engine starts: a policy's hot set loaded when it is made, then Engine.preload() if asked
+    starts = [policy.start_set()]
     if preload:
-        keys = (ExpertKey(layer, e) for layer in trace.layers for e in range(trace.num_experts))
+        starts.append(ExpertKey(layer, e) for layer in trace.layers for e in range(trace.num_experts))
+    for keys in starts:
         for key, _ in residency.admit_while_room(keys, precision):
             residency.landed(key)
         residency.unpin_all()
@@ -173,9 +177,11 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
 
 
 def replay(trace: Trace, policy: EvictionPolicy, num_slots: int, preload: bool = False, per_layer: bool = False,
-           precision: Precision = NATIVE, keep_plans: bool = False) -> SimResult:
-    """Hits and misses alone: `simulate` on a machine where nothing takes time."""
-    return simulate(trace, policy, num_slots, FreeCost(), precision, preload, per_layer, keep_plans=keep_plans)
+           precision: Precision = NATIVE, keep_plans: bool = False, predictor: Predictor | None = None) -> SimResult:
+    """Hits and misses alone: `simulate` on a machine where nothing takes time (the policy hears `predictor`'s
+    predictions, if one is given; nothing is prefetched)."""
+    return simulate(trace, policy, num_slots, FreeCost(), precision, preload, per_layer, keep_plans=keep_plans,
+                    predictor=predictor)
 
 
 def trace_route(trace: Trace, rows: np.ndarray, column: int, layer: int, step: int) -> RouteResult:

@@ -56,13 +56,13 @@ class SimRun:
 def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool = False,
         timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None,
         prefetch: str = "none", predictor: Callable[[], Predictor] | None = None) -> SimRun:
-    """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor for the
-    `prefetch` stage."""
+    """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor, which the
+    `prefetch` stage and the policy hear."""
     slots = budget_slots(budget, trace, cost)
     ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
     result = simulate(trace, trace_policy(policy, ctx, trace, model_dir), slots, cost, cost.precision, preload,
                       per_layer, timeline_steps, prefetch=prefetch,
-                      predictor=predictor() if predictor is not None and prefetch != "none" else None)
+                      predictor=predictor() if predictor is not None else None)
     return SimRun(policy, budget, slots, result, prefetch)
 
 

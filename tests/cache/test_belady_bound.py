@@ -36,7 +36,7 @@ def traces(draw):
 
 def params(name, trace):
     if name == "flashmoe-ml":  # any network will do for a bound
-        mlp = LayerMLP(np.array([[1.0, -1.0], [0.5, 0.2]]), np.zeros(2), np.array([1.0, -0.5]), 0.0)
+        mlp = LayerMLP((np.array([[1.0, -1.0], [0.5, 0.2]]), np.array([[1.0], [-0.5]])), (np.zeros(2), np.zeros(1)))
         return {"model": CacheModel(dict.fromkeys(trace.layers, mlp))}
     if name == "static-hot":
         return {"counts": use_counts(trace)}
@@ -48,9 +48,14 @@ def params(name, trace):
 @settings(max_examples=60, deadline=None)
 @given(traces())
 def test_no_online_policy_beats_belady(case):
+    """From the same start: a policy that loads a hot set before the first step is held to Belady starting with
+    that set loaded (optimal from any starting cache)."""
     trace, slots, per_layer = case
     ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
-    best = replay(trace, make_policy("belady", ctx, future=next_uses(trace)), slots, per_layer=per_layer).hits
     for name in sorted(set(POLICIES) - {"belady"}):
-        hits = replay(trace, make_policy(name, ctx, **params(name, trace)), slots, per_layer=per_layer).hits
+        policy = make_policy(name, ctx, **params(name, trace))
+        belady = make_policy("belady", ctx, future=next_uses(trace))
+        belady.start_set = policy.start_set
+        best = replay(trace, belady, slots, per_layer=per_layer).hits
+        hits = replay(trace, policy, slots, per_layer=per_layer).hits
         assert hits <= best, f"{name} made {hits} hits, Belady {best}"

@@ -217,7 +217,7 @@ def test_flashmoe_ml_learns_a_periodic_pattern_lru_gets_wrong():
     from moetier.sim.fit import train_flashmoe
 
     refs = [0, 1, 2, 3] * 60
-    model = train_flashmoe(one_layer_trace(refs), iterations=300)
+    model = train_flashmoe(one_layer_trace(refs))
     test = one_layer_trace(refs[:80])
     ctx = PolicyContext(3, (0,), 6, 1)
     ml = replay(test, make_policy("flashmoe-ml", ctx, model=model), 3)
@@ -245,3 +245,82 @@ def test_a_per_layer_cache_evicts_only_within_the_layer():
     r.pin(K[(0, 1)])
     r.pin(K[(0, 2)])
     assert r.admit(K[(0, 3)], "bf16") is None  # layer 0's experts are all pinned; layer 1's are not taken
+
+
+def test_flashmoe_ml_refuses_a_network_that_does_not_chain_and_an_earlier_file():
+    import numpy as np
+
+    from moetier.cache.policies.flashmoe_ml import LayerMLP
+    from moetier.errors import MoetierError
+
+    with pytest.raises(ValueError, match="must chain 2 features to 1 output"):
+        LayerMLP((np.zeros((2, 4)), np.zeros((3, 1))), (np.zeros(4), np.zeros(1)))
+    with pytest.raises(MoetierError, match="train it again"):
+        LayerMLP.from_json({"w1": [[1.0]], "b1": [0.0], "w2": [1.0], "b2": 0.0})
+
+
+def test_static_hot_ranks_by_tokens_processed_and_starts_with_the_hot_set_loaded():
+    """PreScope's hot table: ranked by tokens (a prefill of many tokens on one expert counts each), the hottest
+    loaded before the first step, so their first use is a hit."""
+    from moetier.sim.fit import use_counts
+
+    profile = one_layer_trace([4, 4, 4, 2, 2, 5])
+    counts = use_counts(profile)
+    assert counts == {ExpertKey(0, 4): 3, ExpertKey(0, 2): 2, ExpertKey(0, 5): 1}
+    ctx = PolicyContext(3, (0,), 6, 1)  # 3 slots, top-1: a hot set of 2
+    policy = make_policy("static-hot", ctx, counts=counts)
+    assert policy.start_set() == (ExpertKey(0, 4), ExpertKey(0, 2))
+    result = replay(one_layer_trace([2, 4, 1, 2]), policy, 3)
+    assert result.hits == 3  # 2 and 4 from the start, 2 again; only 1 misses
+    assert replay(one_layer_trace([2, 4, 1, 2]), make_policy("lru", ctx), 3).hits == 1
+
+
+def test_predicted_spares_what_the_predictor_names_and_forwards_every_event():
+    """LRU in a cache shared by layers evicts the next layer's experts (used a step ago, the oldest); told the
+    prediction, `lru+predicted` evicts the oldest expert that is not predicted, and falls back to LRU's choice
+    when everything evictable is predicted."""
+    ctx = PolicyContext(4, (0, 1), 4, 1)
+    policy = make_policy("lru+predicted", ctx)
+    assert policy.name == "lru+predicted"
+    for step, key in enumerate([ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 2), ExpertKey(0, 3)], 1):
+        policy.on_insert(key)
+        policy.on_access(key, "bf16", step)
+    everything = {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 2), ExpertKey(0, 3)}
+    assert policy.victim(everything) == ExpertKey(1, 0)  # nothing predicted yet: LRU
+    policy.on_predict({1: np.array([[0.1, 0.9, 0.0, 0.0], [0.8, 0.1, 0.0, 0.0]], np.float32)})  # tokens: 1, 0
+    assert policy.victim(everything) == ExpertKey(0, 2)
+    assert policy.victim({ExpertKey(1, 0), ExpertKey(1, 1)}) == ExpertKey(1, 0)  # only predicted ones: LRU's
+    policy.on_evict(ExpertKey(1, 0))
+    assert ExpertKey(1, 0) not in policy.base._order
+    policy.on_sequence_start()
+    assert policy.victim(everything - {ExpertKey(1, 0)}) == ExpertKey(1, 1)  # a new sequence forgets it
+
+
+def test_a_predicted_learned_policy_still_needs_its_parameters():
+    from moetier.errors import MoetierError
+
+    with pytest.raises(MoetierError, match="train cache-policy --policy static-hot"):
+        make_policy("static-hot+predicted", PolicyContext(4, (0,), 4, 1))
+    hot = make_policy("static-hot+predicted", PolicyContext(4, (0,), 4, 1), counts={ExpertKey(0, 1): 5})
+    assert hot.start_set() == (ExpertKey(0, 1),)
+
+
+def test_flashmoe_ml_networks_round_trip_through_their_file_and_a_damaged_one_is_refused(tmp_path):
+    import json
+
+    from moetier.cache.policies.flashmoe_ml import CacheModel, LayerMLP
+    from moetier.errors import MoetierError
+    from moetier.policy_files import load_params, save_params
+
+    rng = np.random.default_rng(0)
+    mlp = LayerMLP((rng.normal(size=(2, 8)), rng.normal(size=(8, 1))), (rng.normal(size=8), rng.normal(size=1)))
+    path = tmp_path / "policies" / "flashmoe-ml.json"
+    save_params("flashmoe-ml", path, {"model": CacheModel({0: mlp}, "t")}, "t")
+    back = load_params("flashmoe-ml", tmp_path)["model"].layers[0]
+    x = rng.random((6, 2))
+    np.testing.assert_allclose(back(x), mlp(x), atol=1e-2)  # stored in float16
+    d = json.loads(path.read_text())
+    d["layers"]["0"]["weights"][0]["float16"] = "not base64!"
+    path.write_text(json.dumps(d))
+    with pytest.raises(MoetierError, match="malformed"):
+        load_params("flashmoe-ml", tmp_path)

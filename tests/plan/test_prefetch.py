@@ -111,6 +111,30 @@ def test_prefetch_pins_leave_room_for_the_coming_layers_own_misses():
     assert len(plan.loads) == 2
 
 
+def test_a_prefetch_never_evicts_what_the_coming_layers_used_last_time():
+    """Five slots, all full: layer 2's experts are the least recent (LRU's victims), but layer 2 has not run yet
+    in this step and used them last time, so a prefetch for layer 3 takes a victim of a layer that has run — or,
+    with none, does not go out. Experts a coming layer did not use last time are fair victims."""
+    r, stage, step = make(5, scores={1: {3: one_hot(6)}}, distance=2)
+    run(step, 2, [0, 1])  # oldest
+    run(step, 0, [2, 3])
+    plan = run(step, 1, [4])  # full now: 2/0, 2/1, 0/2, 0/3, 1/4; prefetch 3/6
+    assert [p.key for p in plan.prefetches] == [ExpertKey(3, 6)]
+    assert plan.prefetches[0].evicted == (ExpertKey(0, 2),)  # not layer 2's, though they are older
+    assert {ExpertKey(2, 0), ExpertKey(2, 1)} <= set(r.entries)
+
+    r, _, step = make(3, scores={1: {3: one_hot(6)}}, distance=2)
+    run(step, 2, [0, 1])
+    plan = run(step, 1, [4])  # the only evictable experts are layer 2's working set
+    assert plan.prefetches == [] and {ExpertKey(2, 0), ExpertKey(2, 1)} <= set(r.entries)
+
+    r, _, step = make(4, scores={1: {3: one_hot(6)}}, distance=2)
+    run(step, 2, [0, 1])
+    run(step, 2, [5, 1])  # layer 2 last used 5 and 1: 2/0 is stale
+    plan = run(step, 1, [4])
+    assert [p.evicted for p in plan.prefetches] == [(ExpertKey(2, 0),)]
+
+
 def test_smoe_prefetches_only_top_score_experts():
     # scores: expert 2 towers over the (k+1)-th score (0.2); expert 4 (0.22) is inside (1+α)·S_{k+1} = 0.26
     row = [0.01, 0.2, 0.9, 0.01, 0.22, 0.01, 0.01, 0.01]

@@ -109,3 +109,16 @@ def test_training_a_policy_for_a_model_with_another_models_trace_is_refused(trac
     assert main(["train", "cache-policy", "--policy", "static-hot", "--trace", str(tmp_path / "t"), "--model",
                  "demo-coarse"]) == 1
     assert "is not of demo-coarse (top-2 of 8" in capsys.readouterr().err
+
+
+def test_with_a_predictor_every_policy_also_runs_as_name_predicted(trace, tmp_path):
+    """`--predictor oracle` (the true routing of the coming layers): `lru+predicted` never evicts what the next
+    layers need, so it hits at least as often as LRU; every policy hears the predictions."""
+    trace.save(tmp_path / "t")
+    out = tmp_path / "r.json"
+    assert main(["cache-bench", "--trace", str(tmp_path / "t"), "--expert-memory", "25%", "--predictor", "oracle",
+                 "--policy", "lru,lru+predicted,comoe,comoe+predicted", "--json", str(out)]) == 0
+    by = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert set(by) == {"lru", "lru+predicted", "comoe", "comoe+predicted", "belady"}
+    assert by["lru"]["hit_rate"] < by["lru+predicted"]["hit_rate"] <= by["belady"]["hit_rate"]
+    assert all(r["hit_rate"] <= by["belady"]["hit_rate"] for r in by.values())

@@ -21,7 +21,12 @@ def write_trained_policies(store_path, spec):
     """Hand-made files for the learned policies, where the engine looks for them (beside the store)."""
     import json
 
-    mlp = {"w1": [[1.0, -1.0], [0.5, 0.2]], "b1": [0.0, 0.1], "w2": [1.0, -0.5], "b2": 0.0}
+    import numpy as np
+
+    from moetier.cache.policies.flashmoe_ml import LayerMLP
+
+    mlp = LayerMLP((np.array([[1.0, -1.0], [0.5, 0.2]]), np.array([[1.0], [-0.5]])),
+                   (np.array([0.0, 0.1]), np.zeros(1))).to_json()
     files = {"flashmoe-ml": {"layers": {str(layer): mlp for layer in spec.moe_layers}},
              "static-hot": {"counts": [[layer, e, (7 * e + layer) % 5] for layer in spec.moe_layers
                                        for e in range(spec.num_experts)]},

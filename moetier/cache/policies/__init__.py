@@ -18,6 +18,7 @@ from moetier.cache.policies.lfu import LFUPolicy
 from moetier.cache.policies.lfu_seq import LFUSeqPolicy
 from moetier.cache.policies.lhu import LHUPolicy
 from moetier.cache.policies.lru import LRUPolicy
+from moetier.cache.policies.predicted import SUFFIX, PredictedPolicy
 from moetier.cache.policies.smoe_score import SMoEScorePolicy
 from moetier.cache.policies.static_hot import StaticHotPolicy
 from moetier.errors import MoetierError
@@ -33,9 +34,28 @@ LIVE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE)  # what 
 LEARNED = ("flashmoe-ml", "hobbit", "static-hot")  # read policies/<name>.json, written by `train cache-policy`
 
 
+def base_name(name: str) -> str:
+    """The policy a `NAME+predicted` name wraps (the name itself otherwise)."""
+    return name.removesuffix(SUFFIX)
+
+
+def check_policy(name: str, live: bool = False) -> None:
+    """Refuse an unknown policy name (or, `live`, one that needs the future), saying which there are."""
+    known = LIVE_POLICIES if live else tuple(POLICIES)
+    if base_name(name) not in known:
+        raise MoetierError(f"unknown eviction policy {name!r}" if base_name(name) not in POLICIES else
+                           f"{name} is the offline optimum and needs the future: the simulator and cache-bench only",
+                           hint=f"one of {', '.join(known)}, each also as NAME{SUFFIX} (needs --predictor)")
+
+
 def make_policy(name: str, ctx: PolicyContext | None = None, **params) -> EvictionPolicy:
     """Policy `name` for the cache `ctx` describes; a learned policy needs its trained parameters in `params`
-    (moetier/policy_files.py reads them from beside a model), the offline optimum its `future`."""
+    (moetier/policy_files.py reads them from beside a model), the offline optimum its `future`. `NAME+predicted`
+    wraps policy NAME to spare the experts the predictor names (moetier/cache/policies/predicted.py)."""
+    if name.endswith(SUFFIX):
+        if ctx is None:
+            raise ValueError(f"policy {name} needs a PolicyContext")
+        return PredictedPolicy(make_policy(base_name(name), ctx, **params), ctx.top_k)
     if name not in POLICIES:
         raise MoetierError(f"unknown eviction policy {name!r}", hint=f"choose one of {', '.join(POLICIES)}")
     if name in CONTEXT_FREE:
@@ -48,4 +68,4 @@ def make_policy(name: str, ctx: PolicyContext | None = None, **params) -> Evicti
     return POLICIES[name](ctx, **params)
 
 
-__all__ = ["LEARNED", "LIVE_POLICIES", "OFFLINE", "POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "PolicyContext", "make_policy"]
+__all__ = ["SUFFIX", "base_name", "check_policy", "LEARNED", "LIVE_POLICIES", "OFFLINE", "POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "PolicyContext", "make_policy"]

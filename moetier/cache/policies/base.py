@@ -13,6 +13,10 @@ class EvictionPolicy:
 
     name = "base"
 
+    def start_set(self) -> tuple[ExpertKey, ...]:
+        """Experts to load before the first step, most wanted first (a profiled hot set); none by default."""
+        return ()
+
     def on_sequence_start(self) -> None:
         pass
 

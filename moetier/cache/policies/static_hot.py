@@ -1,7 +1,9 @@
-"""A fixed set of the most used experts from profiling — where Fiddler, KTransformers and PreScope start — is
-never evicted while anything else can be: the cache holds the hot set plus room for one layer's experts that
-rotate (least recently used first). The profile is use counts from a trace (`moetier train cache-policy
---policy static-hot`, saved with the model by moetier/policy_files.py), handed to the policy."""
+"""PreScope's hot-expert table (§3, §5): (layer, expert) pairs ranked by the tokens they processed while profiling
+(ties to the lower key), the hottest loaded at start-up (`start_set`; the engine loads it when it is made, the
+simulator before the first step) and never evicted while anything else can be. The hot set is the cache less
+room for one layer's top-k experts, which rotate least recently used first: PreScope's buffer pool for what is
+not hot (Fiddler and KTransformers start the same way). The profile is token counts from a trace (`moetier train
+cache-policy --policy static-hot`, saved with the model by moetier/policy_files.py), handed to the policy."""
 
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ class StaticHotPolicy(ScoredPolicy):
     def __init__(self, ctx: PolicyContext, counts: Mapping[ExpertKey, int]) -> None:
         super().__init__(ctx)
         ranked = sorted(counts, key=lambda k: (-counts[k], k))
-        self.hot = frozenset(ranked[:max(0, ctx.num_slots - ctx.top_k)])
+        self.ranked = tuple(ranked[:max(0, ctx.num_slots - ctx.top_k)])  # hottest first
+        self.hot = frozenset(self.ranked)
         self.counts = dict(counts)
+
+    def start_set(self) -> tuple[ExpertKey, ...]:
+        return self.ranked
 
     def priority(self, key: ExpertKey) -> float:
         # any cold expert before any hot one; among hot ones (all candidates hot) the least used
