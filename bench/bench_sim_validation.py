@@ -180,8 +180,8 @@ def plot(rows: list[dict], path: Path) -> None:
         mine = [r for r in rows if r["model"] == model]
         real = [r["real_tpot_s"] * 1e3 for r in mine]
         sim = [r["sim_tpot_s"] * 1e3 for r in mine]
-        err = [[s - r["ratio_min"] * x for s, x, r in zip(sim, real, mine)],
-               [r["ratio_max"] * x - s for s, x, r in zip(sim, real, mine)]]
+        err = [[max(0.0, s - r["ratio_min"] * x) for s, x, r in zip(sim, real, mine)],  # (one round: 0, or -1e-17)
+               [max(0.0, r["ratio_max"] * x - s) for s, x, r in zip(sim, real, mine)]]
         ax.errorbar(real, sim, yerr=err, fmt="o", capsize=3, label=model)
         for x, y, r in zip(real, sim, mine):
             label = r["budget"] if r.get("prefetch", "none") == "none" else f"{r['budget']} {r['prefetch']}"
