@@ -146,26 +146,45 @@ def decode_logits(path, budget: str, kernels: str, prompt: list[int], steps: int
     return tokens, torch.stack(logits)
 
 
-WINDOW_DIVERGES = pytest.mark.xfail(strict=True, reason=(
-    "in bf16 with a sliding window shorter than the prompt, transformers' greedy tokens part from ours at the second "
-    "token on torch's kernels and the native ones alike (fp32 matches): not the kernels; not yet explained"))
+# ("mixtral-window" was a strict xfail: ours parted from transformers at the second token. Transformers' own
+# logits tie there within bf16's resolution for that prompt; on a prompt without an early tie they agree.)
 BF16_CASES = [("olmoe", {}), ("qwen2_moe", {}), ("mixtral", {}), ("qwen3_moe", {}),
-              pytest.param("mixtral", {"sliding_window": 6}, marks=WINDOW_DIVERGES, id="mixtral-window")]
+              pytest.param("mixtral", {"sliding_window": 6}, id="mixtral-window")]
+
+
+def decisive(scores: list[torch.Tensor]) -> int:
+    """Steps before the first whose top two logits are within bf16's resolution of the logits (2^-7 of the
+    largest): up to there greedy decoding is determined; at a near-tie, sums in another order (torch's bf16 path
+    differs between AVX2 and AVX512-BF16 machines) may pick either, and the sequences part legitimately."""
+    for step, logits in enumerate(scores):
+        top = logits.float()[0].topk(2).values
+        if (top[0] - top[1]).item() <= logits.float().abs().max().item() * 2 ** -7:
+            return step
+    return len(scores)
 
 
 @pytest.mark.parametrize("family,overrides", BF16_CASES)
 def test_bf16_engine_decodes_as_transformers(tiny_store, family, overrides):
-    """bf16 exact mode with the native kernels: transformers' greedy tokens at every expert budget, and each step's
-    logits those of torch's kernels up to a bf16 step."""
+    """bf16 exact mode with the native kernels: transformers' greedy tokens at every expert budget, up to the first
+    near-tie of transformers' logits (which must come late enough to test something), and each step's logits those
+    of torch's kernels up to a bf16 step."""
     ref, path = tiny_store(family, dtype=torch.bfloat16, **overrides)
-    torch.manual_seed(1)
-    prompt = torch.randint(3, ref.config.vocab_size, (11,)).tolist()
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                            pad_token_id=0)[0, len(prompt):].tolist()
+    for seed in range(1, 11):  # the first prompt whose greedy decoding is decided for 12 steps at least
+        torch.manual_seed(seed)
+        prompt = torch.randint(3, ref.config.vocab_size, (11,)).tolist()
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                               output_scores=True, return_dict_in_generate=True)
+        n = decisive(out.scores)
+        if n >= 12:
+            break
+    assert n >= 12, f"transformers' own logits tie within 12 steps for every prompt tried (last: step {n})"
+    want = out.sequences[0, len(prompt):].tolist()
     for budget in ("100%", "25%"):
         tokens, ours = decode_logits(path, budget, "native", prompt, 24)
         torch_tokens, theirs = decode_logits(path, budget, "torch", prompt, 24)
-        assert tokens == torch_tokens, f"the kernels choose different tokens at {budget}"
-        assert (ours - theirs).abs().max().item() <= theirs.abs().max().item() * 2 ** -7, f"logits at {budget}"
-        assert tokens == want, f"greedy tokens differ from transformers' at {budget}"
+        assert tokens[:n] == torch_tokens[:n], f"the kernels choose different tokens at {budget}"
+        steps = min(len(ours), len(theirs), n + 1)  # the same inputs up to the first near-tie
+        assert (ours[:steps] - theirs[:steps]).abs().max().item() <= theirs.abs().max().item() * 2 ** -7, \
+            f"logits at {budget}"
+        assert tokens[:n] == want[:n], f"greedy tokens differ from transformers' at {budget}"
