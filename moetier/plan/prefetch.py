@@ -13,7 +13,7 @@ The bookkeeping is shared (`PrefetchStage`); a subclass only chooses which exper
 - A prefetch never evicts what the layers still to run in this step used in the previous one. In a cache shared
   by the layers those are exactly the least recent entries, so recency-based victims would be the hits about to
   come; where the cache holds about one step's experts, each such eviction cascades (the miss it causes evicts
-  the next layer's, and so on: the simulator showed Mixtral on an A100 at 25% fall from 52% hits to 0.5%).
+  the next layer's, and so on: in the simulator Mixtral on an A100 at 25% fell from 51% hits to 0.4%).
 - Reads go out after the layer's on-demand loads, at the reader's lower priority: a prefetch never delays an
   on-demand read already queued, and queued on-demand reads of later layers overtake it."""
 

@@ -1,7 +1,7 @@
 """Next-layer expert predictors (DESIGN.md's `Predictor`): one file each, the contract in `base.py`, the measures
 of a prediction in `quality.py`. Each is made by name from what it is built on, handed in by its caller: a
-model's router weights (`routers`), the model's look-ahead (`lookahead`), a table of use counts (`counts`), the true routing (`truth`), trained
-networks (`nets`, read by moetier/predictor_files.py)."""
+model's router weights (`routers`), the model's look-ahead (`lookahead`), a table of use counts (`counts`), the
+true routing (`truth`), trained networks (`nets`, read by moetier/predictor_files.py)."""
 
 from __future__ import annotations
 

@@ -112,13 +112,13 @@ def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], p
 
 
 def format_table(records: list[Record]) -> str:
-    lines = [f"{'trace':>22} {'budget':>7} {'policy':>12} {'hit':>7} {'gap closed':>10} {'MiB/token':>10} "
+    lines = [f"{'trace':>22} {'budget':>7} {'policy':>21} {'hit':>7} {'gap closed':>10} {'MiB/token':>10} "
              f"{'penalty s':>10}"]
     for r in records:
         gap = "" if r.gap_closed is None else f"{r.gap_closed:.0%}"
         mib = "" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.1f}"
         pen = "" if r.miss_penalty_s is None else f"{r.miss_penalty_s:.2f}"
-        lines.append(f"{r.trace[-22:]:>22} {r.expert_memory:>7} {r.policy:>12} {r.hit_rate:>7.1%} {gap:>10} "
+        lines.append(f"{r.trace[-22:]:>22} {r.expert_memory:>7} {r.policy:>21} {r.hit_rate:>7.1%} {gap:>10} "
                      f"{mib:>10} {pen:>10}")
     return "\n".join(lines)
 
