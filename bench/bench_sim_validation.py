@@ -41,10 +41,9 @@ def child(cfg: dict) -> dict:
     from moetier import Engine
     from moetier.cache.policies import make_policy
     from moetier.calibrate import calibrate, disk_tier
-    from moetier.predictor_files import TRAINED, load_nets
+    from moetier.cli.models import replay_predictor
     from moetier.resolve import resolve_model
     from moetier.sim.cost import CostModel
-    from moetier.sim.predictors import trace_predictor
     from moetier.sim.profile import Tier
     from moetier.sim.replay import simulate, steps
     from moetier.sim.shapes import ModelShape
@@ -74,6 +73,7 @@ def child(cfg: dict) -> dict:
         trace = recorder.trace(["warm-up", "measured"])
         slots = engine.executor.pool.num_slots
         expert_bytes = engine.executor.pool.slot_bytes
+        distance = engine.config.predict_distance
     del engine, recorder
     gc.collect()
     profile = average(first, calibrate(store, progress=False))
@@ -84,12 +84,7 @@ def child(cfg: dict) -> dict:
     cost = CostModel.of(profile, ModelShape.from_spec(store.spec, cfg["model"], precision), precision, expert_bytes)
     made = None
     if stage != "none":  # the same predictor, built for the trace as `moetier sim` builds it
-        routers = None
-        if predictor == "stacked-gates":
-            dense = store.load_dense()
-            routers = {layer: dense[f"layers.{layer}.router"] for layer in store.spec.moe_layers}
-        nets = load_nets(predictor, store.trained_dir("predictors")) if predictor in TRAINED else None
-        made = trace_predictor(predictor, trace, 2, routers, nets=nets)
+        made = replay_predictor(predictor, trace, cfg["model"], None, distance)(trace)
     sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True,
                    prefetch=stage, predictor=made)
     measured = [i for i, (phase, rows) in enumerate(steps(trace)) if phase == 1 and trace.seq[rows[0]] == 1]

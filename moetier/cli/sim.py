@@ -60,7 +60,7 @@ def _sim(args: argparse.Namespace) -> None:
     model_dir = policy_dir(args.model_shape or trace.model, args.cache_dir)
     make = replay_predictor(args.predictor, trace, args.model_shape or trace.model, args.cache_dir,
                             args.predict_distance, args.oracle_error)
-    predictor = (lambda: make(trace)) if make else (lambda: None)  # a fresh one per configuration
+    predictor = (lambda: make(trace)) if make else None  # a fresh one per configuration
 
     runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
                 model_dir, prefetch, predictor)
