@@ -5,6 +5,9 @@ queue depth 1 with 1 MiB requests and 2-2.7 GB/s with four 2-4 MiB requests in f
 before prefetches; a queued read can be cancelled, a running one cannot (PreScope's and HOBBIT's premise).
 O_DIRECT keeps the OS page cache from silently holding "offloaded" experts; where the filesystem refuses it,
 reads fall back to buffered I/O followed by posix_fadvise(DONTNEED).
+A blob's first read is checked against its CRC-32 as its chunks land: each thread takes the CRC of its own
+chunk while the disk reads the others, and the last combines them (zlib-ng's SIMD CRC: ~0.2 ms CPU per
+12 MiB expert here; zlib 1.2's took ~3-5 ms, on 2 cores as much CPU as the layer's compute).
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ import heapq
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zlib_ng.zlib_ng import crc32, crc32_combine
+
 from moetier.errors import ChecksumError, StoreError
-from moetier.store.crc import crc32_combine
 from moetier.store.format import ALIGN, DAMAGED, BlobRef
 
 ON_DEMAND, PREFETCH = 0, 1
@@ -145,7 +148,7 @@ class ExpertReader:
                 if self._running == 0:
                     self._busy_s += time.perf_counter() - self._busy_since
             if c.chunk_crcs is not None and n:  # this thread checks its own chunk while the others read theirs
-                c.chunk_crcs[(chunk.file_offset - c.blob.offset) // self.chunk_bytes] = zlib.crc32(chunk.dest)
+                c.chunk_crcs[(chunk.file_offset - c.blob.offset) // self.chunk_bytes] = crc32(chunk.dest)
             with c.lock:
                 c.remaining -= 1
                 last = c.remaining == 0

@@ -3,11 +3,11 @@ the manifest's checksums as it is read."""
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from zlib_ng.zlib_ng import crc32
 
 from moetier.config import ModelSpec
 from moetier.errors import ChecksumError, StoreError
@@ -51,7 +51,7 @@ class Store:
             raise StoreError(f"{self.path / DENSE} does not hold the tensors its manifest lists ({diff[:3]} differ)",
                              hint=DAMAGED)
         for name, t in tensors.items():
-            if zlib.crc32(tensor_bytes(t)) != expected[name]:
+            if crc32(tensor_bytes(t)) != expected[name]:
                 raise ChecksumError(f"dense tensor {name} in {self.path / DENSE} fails its checksum", hint=DAMAGED)
         return tensors
 
@@ -62,7 +62,7 @@ class Store:
         with open(self.path / blob.file, "rb") as f:
             f.seek(blob.offset)
             data = bytearray(f.read(blob.length))
-        if len(data) != blob.length or zlib.crc32(data) != blob.crc32:
+        if len(data) != blob.length or crc32(data) != blob.crc32:
             raise ChecksumError(f"expert {expert} of layer {layer} in {self.path / blob.file} fails its checksum",
                                 hint=DAMAGED)
         return self.manifest.precisions[blob.precision].views(torch.frombuffer(data, dtype=torch.uint8))
@@ -70,7 +70,7 @@ class Store:
     def read_file(self, name: str) -> bytes:
         """A copied file (tokenizer.json, ...), verified against its checksum."""
         data = (self.path / name).read_bytes()
-        if name in self.manifest.file_crc32 and zlib.crc32(data) != self.manifest.file_crc32[name]:
+        if name in self.manifest.file_crc32 and crc32(data) != self.manifest.file_crc32[name]:
             raise ChecksumError(f"{self.path / name} fails its checksum", hint=DAMAGED)
         return data
 

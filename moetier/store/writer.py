@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import zlib
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from zlib_ng.zlib_ng import crc32
 
 from moetier.atomic import atomic_dir, check_replaceable
 from moetier.errors import StoreError
@@ -25,7 +25,7 @@ def file_crc32(path: Path, chunk: int = 16 << 20) -> int:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
     return crc
 
 
@@ -61,7 +61,7 @@ class StoreWriter:
 
     def write_dense(self, tensors: dict[str, torch.Tensor]) -> None:
         tensors = {k: v.contiguous() for k, v in tensors.items()}
-        self.dense_crc32 = {k: zlib.crc32(tensor_bytes(v)) for k, v in tensors.items()}
+        self.dense_crc32 = {k: crc32(tensor_bytes(v)) for k, v in tensors.items()}
         save_file(tensors, str(self.tmp / DENSE))
 
     def add_expert(self, layer: int, expert: int, layout: PrecisionLayout, tensors: dict[str, torch.Tensor]) -> BlobRef:
@@ -81,11 +81,11 @@ class StoreWriter:
             assert written == t.offset, "layout offsets must be contiguous in tensor order"
             buf = tensor_bytes(data)
             f.write(buf)
-            crc = zlib.crc32(buf, crc)
+            crc = crc32(buf, crc)
             written += len(buf)
         pad = bytes(layout.blob_bytes - written)
         f.write(pad)
-        crc = zlib.crc32(pad, crc)
+        crc = crc32(pad, crc)
         ref = BlobRef(layer, expert, layout.name, rel, offset, layout.blob_bytes, crc)
         self.blobs.append(ref)
         return ref
