@@ -112,6 +112,11 @@ class CostModel:
         """A read on an idle link, request to usable data."""
         return self.read_latency_s(key) + self.read_busy_s(key)
 
+    def read_cpu_s(self, key: ExpertKey) -> float:
+        """The CPU a read takes from the compute device, spread over the time it holds the link (0 unless the
+        profile's tiers say the compute device is the CPU that reads)."""
+        return self.expert_bytes * sum(t.cpu_s_per_byte for t in self.profile.tiers[:self.tier_index(key) + 1])
+
 
 def linear_fit(xs, ys) -> Linear:
     """Least-squares line through (tokens, seconds), clipped at zero (a negative intercept is noise); a flat line
@@ -147,6 +152,9 @@ class FreeCost:
         return 0.0
 
     def read_s(self, key: ExpertKey) -> float:
+        return 0.0
+
+    def read_cpu_s(self, key: ExpertKey) -> float:
         return 0.0
 
     def rest_of_step_s(self, traced_layers, tokens: int) -> float:

@@ -8,7 +8,8 @@ latency overlaps the next read, and it is never interrupted), and two compute la
 holds the cache and runs the dense layers, and the host CPU, for experts computed where their weights live. A
 layer's dense part runs first; its routing is known when that ends, and its reads go out then (a read that takes
 the slot of an expert computed earlier in the layer waits for that compute); resident experts compute while
-reads land, each loaded one once its read has."""
+reads land, each loaded one once its read has. Where the profile says a read costs the computing CPU (this
+machine: the reader's threads share its two cores), a layer takes longer by the CPU its overlapping reads took."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class SimExecutor:
         self.landing: dict[ExpertKey, float] = {}  # reads in flight for coming layers: when each one's data is usable
         self.queued: dict[ExpertKey, float] = {}  # prefetches waiting for the link, in order: when each was issued
         self._tl: LayerTimeline | None = None  # the layer whose timeline a read started now is drawn in
+        self._reading: list[tuple[float, float, float]] = []  # reads that take CPU: (start, end, CPU s per s)
 
     def layer(self, route: RouteResult, tokens: int, gate_input=None) -> tuple[LayerPlan, LayerTimeline]:
         """One MoE layer of `tokens` tokens, starting now. `gate_input` [T, H]: the router's input, for the
@@ -82,6 +84,8 @@ class SimExecutor:
         self.host_free = lane_free[HOST]
         tl.end = self.now = max([lane_free[FAST]] + [end for _, _, end, _ in tl.computes])  # all runs done
         self._advance(tl.end)  # reads that start while this layer runs are drawn in its timeline
+        tl.end = self.now = tl.end + self._cpu_taken(tl)
+        self._advance(tl.end)
         for prefetch in self.layer_step.end(plan):
             self.queued[prefetch.key] = self.now
         self._observe(plan, tokens)
@@ -110,9 +114,25 @@ class SimExecutor:
             del self.queued[key]
             self.landing[key] = self._start(key, ready)
 
+    def _cpu_taken(self, tl: LayerTimeline) -> float:
+        """The CPU that reads running beside this layer's compute took from it, where the compute device is the
+        CPU that reads (a 2-core machine: a reader thread preempts one of the kernel's threads and the kernel
+        waits for its slowest): each read's CPU spread over the time it holds the link, times its overlap with
+        the dense part and the experts computed on the compute device. First order: the layer ends that much
+        later; its computes are not shifted."""
+        if not self._reading:
+            return 0.0
+        self._reading = [r for r in self._reading if r[1] > tl.start]
+        busy = [(tl.start, tl.dense_end), *((a, b) for _, a, b, place in tl.computes if place == FAST)]
+        return sum(rate * max(0.0, min(b, end) - max(a, start)) for start, end, rate in self._reading
+                   for a, b in busy)
+
     def _start(self, key: ExpertKey, ready: float) -> float:
         start = max(self.link_free, ready)
         self.link_free = start + self.cost.read_busy_s(key)
+        cpu = self.cost.read_cpu_s(key)
+        if cpu and self.link_free > start:
+            self._reading.append((start, self.link_free, cpu / (self.link_free - start)))
         usable = self.link_free + self.cost.read_latency_s(key)
         self._tl.reads.append((key, start, usable))
         return usable

@@ -9,8 +9,10 @@ Units are bytes, seconds, bytes per second and FLOP per second throughout. Field
                         latency_s, utilisation, bytes}. `utilisation` is the share of nominal bandwidth reached
                         in practice (PCIe moves 75-85% of its line rate); `latency_s` what a read waits beyond its
                         transfer (set-up, pipeline fill; it overlaps the next read's transfer); `bytes` the tier's
-                        capacity for experts (null: all the rest). An expert that lives in a lower tier crosses
-                        every tier above it.
+                        capacity for experts (null: all the rest); `cpu_s_per_byte` (optional, 0) the CPU a read
+                        takes from the compute device when that is the CPU that reads (syscalls, the reader's
+                        threads, checksums: measured by `moetier calibrate`; 0 behind a GPU's DMA). An expert
+                        that lives in a lower tier crosses every tier above it.
   devices               compute devices by name; each {memory_bandwidth_bytes_per_s, flops: {precision: FLOP/s},
                         call_overhead_s}. Time for a kernel = call_overhead + max(bytes / memory bandwidth,
                         FLOPs / throughput): flat in tokens while memory-bound (a GPU at small batch), growing
@@ -66,10 +68,13 @@ class Tier:
     latency_s: float = 0.0
     utilisation: float = 1.0
     bytes: int | None = None  # capacity for experts; None: everything that does not fit above
+    cpu_s_per_byte: float = 0.0  # CPU a read takes from a compute device that is the reading CPU
 
     def __post_init__(self) -> None:
-        if self.bandwidth_bytes_per_s <= 0 or not 0 < self.utilisation <= 1 or self.latency_s < 0:
-            raise ProfileError(f"tier {self.name!r}: bandwidth must be positive, utilisation in (0, 1], latency >= 0")
+        if self.bandwidth_bytes_per_s <= 0 or not 0 < self.utilisation <= 1 or self.latency_s < 0 \
+                or self.cpu_s_per_byte < 0:
+            raise ProfileError(f"tier {self.name!r}: bandwidth must be positive, utilisation in (0, 1], latency "
+                               f"and cpu_s_per_byte >= 0")
 
     @property
     def effective_bandwidth(self) -> float:
@@ -206,7 +211,7 @@ def _parse(d: dict, f: _Fields) -> HardwareProfile:
         w = f"tiers[{i}]."
         tiers.append(Tier(str(f.need(t, "name", w)), float(f.need(t, "bandwidth_bytes_per_s", w)),
                           float(t.get("latency_s", 0.0)), float(t.get("utilisation", 1.0)),
-                          None if t.get("bytes") is None else int(t["bytes"])))
+                          None if t.get("bytes") is None else int(t["bytes"]), float(t.get("cpu_s_per_byte", 0.0))))
     devices = {}
     for name, dev in f.need(d, "devices").items():
         w = f"devices.{name}."

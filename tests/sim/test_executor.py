@@ -2,7 +2,10 @@
 a read that waits for the slot it takes, a prefetch that is a hit only if it landed in time — and a hand-made plan
 with a substitute, a skip and prefetches timed as computed by hand."""
 
+import dataclasses
+
 import numpy as np
+import pytest
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LRUPolicy
@@ -27,14 +30,14 @@ PROFILE = HardwareProfile("unit", 10**9, (Tier("disk", bandwidth_bytes_per_s=100
                                              dense_s_per_layer=Linear(0.0, 2.0), head_s=Linear(0.0, 0.0)),))
 
 
-def machine(slots: int, expert_bytes: int, stages_before=(), resident=()):
+def machine(slots: int, expert_bytes: int, stages_before=(), resident=(), profile=PROFILE):
     """A simulated executor over a cache of `slots` experts of `expert_bytes`, with `resident` experts in it."""
     r = Residency(slots * expert_bytes, {"bf16": expert_bytes}, LRUPolicy())
     for key, _ in r.admit_while_room(resident, "bf16"):
         r.landed(key)
     r.unpin_all()
     step = LayerStep(r, Planner("bf16", [*stages_before, OnDemandStage(r)]))
-    return SimExecutor(step, CostModel.of(PROFILE, SHAPE, "bf16", expert_bytes)), r, step
+    return SimExecutor(step, CostModel.of(profile, SHAPE, "bf16", expert_bytes)), r, step
 
 
 def route(layer: int, ids, step: int = 1) -> RouteResult:
@@ -51,6 +54,20 @@ def test_reads_are_serial_and_overlap_resident_compute():
     assert [c[:3] for c in tl.computes] == [(0, 2.0, 3.0), (1, 3.0, 4.0), (2, 5.0, 6.0), (3, 8.0, 9.0)]
     assert tl.end == ex.now == 9.0 and ex.link_free == 8.0
     assert [r.expert for r in plan.hits] == [0, 1]
+
+
+def test_reads_beside_the_compute_take_their_cpu_from_it_where_the_cpu_reads():
+    # as above, each 300 B read now taking 0.3 s of the computing CPU over its 3 s on the link (0.1 s a second):
+    # read 2-5 overlaps the computes 2-3 and 3-4 (0.2 s taken), read 5-8 the compute 5-6 (0.1 s); the dense part
+    # 0-2 overlaps no read. The layer ends 0.3 s later; the same plan and reads otherwise.
+    reading = dataclasses.replace(PROFILE, tiers=(Tier("disk", bandwidth_bytes_per_s=100.0, cpu_s_per_byte=1e-3),))
+    ex, _, _ = machine(4, 300, resident=[ExpertKey(0, 0), ExpertKey(0, 1)], profile=reading)
+    plan, tl = ex.layer(route(0, [[0, 1], [2, 3]]), tokens=2)
+    assert [(k.expert, s, e) for k, s, e in tl.reads] == [(2, 2.0, 5.0), (3, 5.0, 8.0)]
+    assert tl.end == ex.now == pytest.approx(9.3)
+    # the next layer's dense part 9.3-11.3 overlaps no read: no CPU taken
+    _, tl = ex.layer(route(1, [[0, 1]]), tokens=1)
+    assert tl.reads[0][1] == pytest.approx(11.3)
 
 
 def test_a_read_that_takes_a_slot_waits_for_the_expert_computed_in_it():
