@@ -8,7 +8,10 @@ Both TPOTs are over the measured call's decode steps. Target: within 15%.
 
 With `--prefetch STAGE:PREDICTOR,...` each prefetch configuration runs too (`none` is always there): the engine
 records the router inputs, and the simulator replays them through the same predictor and prefetch stage, so it
-must rank the configurations as the engine does (issue 13's acceptance).
+must rank the configurations as the engine does (issue 13's acceptance). Each run's own profile measures the disk
+around that run, and this disk drifts between runs: so every run is also replayed on one profile per model and
+budget (the median disk over its runs; the traces and profiles are kept under OUT/runs/), and both rankings are
+printed.
 
     python bench/bench_sim_validation.py                 # demo-fine, demo-coarse, and the synthetic
                                                          # OLMoE-shaped store if bench_offload made it
@@ -36,17 +39,10 @@ SYNTH = default_cache_dir() / "bench" / "olmoe-1b-7b-synth"
 
 
 def child(cfg: dict) -> dict:
-    import numpy as np
-
     from moetier import Engine
-    from moetier.cache.policies import make_policy
     from moetier.calibrate import calibrate, disk_tier
-    from moetier.cli.models import replay_predictor
     from moetier.resolve import resolve_model
-    from moetier.sim.cost import CostModel
     from moetier.sim.profile import Tier
-    from moetier.sim.replay import simulate, steps
-    from moetier.sim.shapes import ModelShape
     from moetier.store.store import Store
     from moetier.trace.record import TraceRecorder
 
@@ -78,8 +74,37 @@ def child(cfg: dict) -> dict:
     gc.collect()
     profile = average(first, calibrate(store, progress=False))
     disk = Tier(before.name, (before.bandwidth_bytes_per_s + after.bandwidth_bytes_per_s) / 2,
-                (before.latency_s + after.latency_s) / 2)
+                (before.latency_s + after.latency_s) / 2,
+                cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2)
     profile = dataclasses.replace(profile, tiers=(disk,))
+    run = dict(slots=slots, expert_bytes=expert_bytes, distance=distance, preload=preload)
+    if cfg.get("keep"):  # for the replay of every configuration on one profile (main)
+        keep = Path(cfg["keep"])
+        trace.save(keep / "trace", overwrite=True)
+        profile.save(keep / "profile.json")
+        (keep / "run.json").write_text(json.dumps(run))
+    sim = replay(trace, profile, cfg, **run)
+    return sim | {"real_tpot_s": real["tpot_s"], "ratio": sim["sim_tpot_s"] / real["tpot_s"],
+                  "real_prefetches": real["prefetches"], "real_hit_rate": real["decode_hit_rate"],
+                  "read_bandwidth_before": before.bandwidth_bytes_per_s,
+                  "read_bandwidth_after": after.bandwidth_bytes_per_s, "read_latency_s": disk.latency_s,
+                  "read_cpu_s_per_mib": disk.cpu_s_per_byte * 2**20, "slots": slots}
+
+
+def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: int, preload: bool) -> dict:
+    """The simulator on one run's trace: TPOT over the measured call's decode steps, hit rate, prefetches."""
+    import numpy as np
+
+    from moetier.cache.policies import make_policy
+    from moetier.cli.models import replay_predictor
+    from moetier.resolve import resolve_model
+    from moetier.sim.cost import CostModel
+    from moetier.sim.replay import simulate, steps
+    from moetier.sim.shapes import ModelShape
+    from moetier.store.store import Store
+
+    store = Store(resolve_model(cfg["model"], progress=False))
+    stage, _, predictor = cfg.get("prefetch", "none").partition(":")
     precision = store.manifest.native_precision
     cost = CostModel.of(profile, ModelShape.from_spec(store.spec, cfg["model"], precision), precision, expert_bytes)
     made = None
@@ -88,15 +113,41 @@ def child(cfg: dict) -> dict:
     sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True,
                    prefetch=stage, predictor=made)
     measured = [i for i, (phase, rows) in enumerate(steps(trace)) if phase == 1 and trace.seq[rows[0]] == 1]
-    sim_tpot = float(np.mean([sim.step_time_s[i] for i in measured]))
     layers = len(trace.layers)
     plans = [p for i in measured for p in sim.plans[i * layers:(i + 1) * layers]]
-    sim_hit_rate = sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans)
-    return {"real_tpot_s": real["tpot_s"], "sim_tpot_s": sim_tpot, "ratio": sim_tpot / real["tpot_s"],
-            "real_prefetches": real["prefetches"], "sim_prefetches": sim.summary()["prefetches"],
-            "real_hit_rate": real["decode_hit_rate"], "sim_hit_rate": sim_hit_rate,
-            "read_bandwidth_before": before.bandwidth_bytes_per_s, "read_bandwidth_after": after.bandwidth_bytes_per_s,
-            "read_latency_s": disk.latency_s, "slots": slots}
+    return {"sim_tpot_s": float(np.mean([sim.step_time_s[i] for i in measured])),
+            "sim_hit_rate": sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans),
+            "sim_prefetches": sim.summary()["prefetches"]}
+
+
+def common_profile(dirs: list[Path]):
+    """One profile for every run of a model and budget: the first run's compute figures, the disk's median
+    bandwidth, latency and CPU per byte over all runs (as a user simulating this machine would have one)."""
+    import statistics
+
+    from moetier.sim.profile import HardwareProfile
+
+    profiles = [HardwareProfile.load(d / "profile.json") for d in dirs]
+    med = lambda f: statistics.median(f(p.tiers[0]) for p in profiles)  # noqa: E731
+    disk = dataclasses.replace(profiles[0].tiers[0], bandwidth_bytes_per_s=med(lambda t: t.bandwidth_bytes_per_s),
+                               latency_s=med(lambda t: t.latency_s), cpu_s_per_byte=med(lambda t: t.cpu_s_per_byte))
+    return dataclasses.replace(profiles[0], tiers=(disk,))
+
+
+def replay_on_common(runs: dict, configs: list) -> None:
+    """Each configuration's runs again in the simulator, all on their model and budget's common profile: the
+    ranking the simulator gives free of the disk's drift between runs (each run's own profile measured it)."""
+    from moetier.trace.format import Trace
+
+    for model, budget in dict.fromkeys((m, b) for m, b, _ in configs):
+        mine = [c for c in configs if c[:2] == (model, budget)]
+        profile = common_profile([Path(r["keep"]) for c in mine for r in runs[c]])
+        for c in mine:
+            for r in runs[c]:
+                d = Path(r["keep"])
+                cfg = dict(model=model, budget=budget, policy=r["policy"], prefetch=c[2])
+                r["common_sim_tpot_s"] = replay(Trace.load(d / "trace"), profile, cfg,
+                                                **json.loads((d / "run.json").read_text()))["sim_tpot_s"]
 
 
 def average(a, b):
@@ -135,10 +186,14 @@ def main() -> None:
         for _ in range(args.rounds):  # round-robin, so drift over the run touches every configuration alike
             for model, budget, prefetch in configs:
                 tokens = args.tokens if model.startswith("/") else args.small_tokens
-                cfg = dict(model=model, budget=budget, policy=args.policy, tokens=tokens,
+                keep = args.out / "runs" / f"{Path(model).name}-{budget}-{prefetch}-{len(runs[(model, budget, prefetch)])}"
+                cfg = dict(model=model, budget=budget, policy=args.policy, tokens=tokens, keep=str(keep),
                            warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len, prefetch=prefetch)
-                runs[(model, budget, prefetch)].append(run_child(__file__, cfg))
+                runs[(model, budget, prefetch)].append(run_child(__file__, cfg) | {"keep": str(keep),
+                                                                                    "policy": args.policy})
                 bar.update()
+    if len(prefetches) > 1:
+        replay_on_common(runs, configs)
     rows = [summarize(Path(model).name, budget, runs[c]) | {"prefetch": prefetch}
             for c in configs for model, budget, prefetch in [c]]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -154,6 +209,11 @@ def main() -> None:
     print(f"within 15%: {sum(abs(r['ratio'] - 1) <= 0.15 for r in rows)} of {len(rows)}")
     if len(prefetches) > 1:
         print(ranking(rows))
+        print("every run replayed on its model and budget's one profile (median disk over the runs):")
+        for r in rows:
+            print(f"{r['model']:>20} {r['budget']:>6} {r['prefetch']:>22} real {r['real_tpot_s'] * 1e3:7.1f} "
+                  f"sim {r['common_sim_tpot_s'] * 1e3:7.1f} ({r['common_sim_tpot_s'] / r['real_tpot_s']:.2f})")
+        print(ranking(rows, "common_sim_tpot_s"))
     plot(rows, args.out / "sim_validation.png")
     print(f"plot: {args.out / 'sim_validation.png'}")
 
@@ -177,7 +237,10 @@ def plot(rows: list[dict], path: Path) -> None:
         sim = [r["sim_tpot_s"] * 1e3 for r in mine]
         err = [[max(0.0, s - r["ratio_min"] * x) for s, x, r in zip(sim, real, mine)],  # (one round: 0, or -1e-17)
                [max(0.0, r["ratio_max"] * x - s) for s, x, r in zip(sim, real, mine)]]
-        ax.errorbar(real, sim, yerr=err, fmt="o", capsize=3, label=model)
+        line = ax.errorbar(real, sim, yerr=err, fmt="o", capsize=3, label=model)
+        if "common_sim_tpot_s" in mine[0]:  # the same runs on one profile per model and budget
+            ax.scatter(real, [r["common_sim_tpot_s"] * 1e3 for r in mine], facecolors="none",
+                       edgecolors=line[0].get_color(), s=80, label=f"{model}, one profile")
         for x, y, r in zip(real, sim, mine):
             label = r["budget"] if r.get("prefetch", "none") == "none" else f"{r['budget']} {r['prefetch']}"
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=7)
@@ -189,16 +252,17 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def ranking(rows: list[dict]) -> str:
-    """Per model and budget, the prefetch configurations fastest first, by the engine and by the simulator."""
+def ranking(rows: list[dict], sim_key: str = "sim_tpot_s") -> str:
+    """Per model and budget, the prefetch configurations fastest first, by the engine and by the simulator
+    (`sim_key`: each run on its own profile, or common_sim_tpot_s: all on one)."""
     lines, agree, groups = [], 0, list(dict.fromkeys((r["model"], r["budget"]) for r in rows))
     for model, budget in groups:
         mine = [r for r in rows if (r["model"], r["budget"]) == (model, budget)]
         real = [r["prefetch"] for r in sorted(mine, key=lambda r: r["real_tpot_s"])]
-        sim = [r["prefetch"] for r in sorted(mine, key=lambda r: r["sim_tpot_s"])]
+        sim = [r["prefetch"] for r in sorted(mine, key=lambda r: r[sim_key])]
         agree += real == sim
         lines.append(f"{model} {budget}: engine {' < '.join(real)} | simulator {' < '.join(sim)}")
-    return "\n".join(lines + [f"same ranking: {agree} of {len(groups)}"])
+    return "\n".join(lines + [f"same ranking ({sim_key}): {agree} of {len(groups)}"])
 
 
 def summarize(model: str, budget: str, runs: list[dict]) -> dict:
@@ -213,7 +277,7 @@ def summarize(model: str, budget: str, runs: list[dict]) -> dict:
             "sim_hit_rate": med("sim_hit_rate"),
             "disk_gb_s": statistics.median(r[k] for r in runs for k in ("read_bandwidth_before",
                                                                           "read_bandwidth_after")) / 1e9,
-            "runs": runs}
+            "runs": runs} | ({"common_sim_tpot_s": med("common_sim_tpot_s")} if "common_sim_tpot_s" in runs[0] else {})
 
 
 if __name__ == "__main__":
