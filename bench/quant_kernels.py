@@ -1,0 +1,131 @@
+"""One expert (gate_up, SwiGLU, down) on this CPU at each precision and batch size, by every path there is:
+bf16 through the engine's kernels (native where they build) and through torch; int8 through torch's
+`_weight_int8pack_mm`; int4 through torch's `_weight_int4pack_mm_for_cpu` (plus the cost of packing our codes
+into its layout, which a load would pay); int2, which has no kernel, as dequantize-then-bf16. Each path's output is
+checked against the dequantized weights in fp32 before it is timed.
+
+    python bench/quant_kernels.py                          # three expert shapes, batch 1-32; table, JSON, PNG
+    python bench/quant_kernels.py --shapes 2048x1408 --tokens 1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+OUT = Path(__file__).resolve().parent / "out"
+SHAPES = "256x8192,2048x1024,2048x1408"  # hidden x intermediate: demo-*-xl, OLMoE-1B-7B, Qwen1.5-MoE-A2.7B
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def swiglu_out(gate_up: torch.Tensor, down_fn):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return down_fn(F.silu(gate) * up)
+
+
+def paths(hidden: int, inter: int):
+    """{name: (precision, make(x) -> out, reference out in fp32 for x)} for one random expert."""
+    from moetier.calibrate import cpu_kernels
+    from moetier.store.quantize import GROUP_SIZE, dequantize, quantize, unpack
+
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(2 * inter, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(hidden, inter, generator=g) * inter ** -0.5).to(torch.bfloat16)
+    kernels = cpu_kernels(torch.bfloat16)
+    out = {f"bf16 {kernels.name}": ("bf16", lambda x: kernels.swiglu(x, gate_up, down), (gate_up, down))}
+    if kernels.name != "torch":
+        out["bf16 torch"] = ("bf16", lambda x: swiglu_out(F.linear(x, gate_up), lambda h: F.linear(h, down)),
+                             (gate_up, down))
+    q8 = [quantize(w, "int8") for w in (gate_up, down)]
+    out["int8 torch"] = ("int8", lambda x: swiglu_out(torch.ops.aten._weight_int8pack_mm(x, q8[0].codes, q8[0].scales),
+                                                      lambda h: torch.ops.aten._weight_int8pack_mm(h, q8[1].codes,
+                                                                                                   q8[1].scales)),
+                         tuple(dequantize(q) for q in q8))
+    q4 = [quantize(w, "int4") for w in (gate_up, down)]
+    pack4 = lambda q: torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack(q.codes, 4).to(torch.int32), 1)  # noqa: E731
+    packed = [pack4(q) for q in q4]
+    sz = [torch.stack([q.scales, q.zeros], dim=-1).transpose(0, 1).contiguous() for q in q4]
+    mm4 = lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed[i], GROUP_SIZE["int4"], sz[i])  # noqa: E731
+    out["int4 torch"] = ("int4", lambda x: swiglu_out(mm4(x, 0), lambda h: mm4(h, 1)), tuple(dequantize(q) for q in q4))
+    q2 = [quantize(w, "int2") for w in (gate_up, down)]
+    out["int2 dequantize"] = ("int2", lambda x: kernels.swiglu(x, dequantize(q2[0]), dequantize(q2[1])),
+                              tuple(dequantize(q) for q in q2))
+    load_costs = {"int4 torch": lambda: [pack4(q) for q in q4]}
+    return out, load_costs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=SHAPES, help="HIDDENxINTERMEDIATE, comma-separated")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    from tqdm import tqdm
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = []
+    for hidden, inter in tqdm(shapes, desc="shapes"):
+        found, load_costs = paths(hidden, inter)
+        for name, (precision, fn, (gate_up, down)) in found.items():
+            x = torch.randn(max(tokens), hidden).to(torch.bfloat16)
+            ref = swiglu_out(x.float() @ gate_up.float().t(), lambda h, down=down: h @ down.float().t())
+            error = ((fn(x).float() - ref).norm() / ref.norm()).item()
+            if error > 0.02:  # against its own dequantized weights: bf16 rounding only
+                raise SystemExit(f"{name} on {hidden}x{inter} computes something else: relative error {error:.3g}")
+            load = median_s(load_costs[name], 5) if name in load_costs else 0.0
+            for t in tokens:
+                xt = x[:t].contiguous()
+                rows.append({"shape": f"{hidden}x{inter}", "path": name, "precision": precision, "tokens": t,
+                             "ms": median_s(lambda xt=xt, fn=fn: fn(xt), args.repeats) * 1e3, "load_ms": load * 1e3,
+                             "error": error})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quant_kernels.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
+                                                             "torch": torch.__version__, "rows": rows}, indent=1))
+    print(f"{'shape':>10} {'path':>16} " + " ".join(f"{'T=' + str(t):>8}" for t in tokens) + f" {'load ms':>8}")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for name in dict.fromkeys(r["path"] for r in rows if r["shape"] == shape):
+            mine = [r for r in rows if (r["shape"], r["path"]) == (shape, name)]
+            print(f"{shape:>10} {name:>16} " + " ".join(f"{r['ms']:8.3f}" for r in mine) + f" {mine[0]['load_ms']:8.2f}")
+    plot(rows, args.out / "quant_kernels.png")
+    print(f"json: {args.out / 'quant_kernels.json'}; plot: {args.out / 'quant_kernels.png'}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for name in dict.fromkeys(r["path"] for r in rows if r["shape"] == shape):
+            mine = [r for r in rows if (r["shape"], r["path"]) == (shape, name)]
+            ax.plot([r["tokens"] for r in mine], [r["ms"] for r in mine], marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms per expert", title=f"expert {shape}")
+        ax.legend(fontsize=7)
+    fig.suptitle("one expert per precision and path on this CPU (median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

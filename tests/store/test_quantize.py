@@ -1,0 +1,90 @@
+"""Quantized expert copies: codes pack and unpack exactly; dequantized weights stay within half a step of the
+originals; torch's CPU weight-only kernels, fed our codes, compute what the dequantized weights compute."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moetier.store.quantize import GROUP_SIZE, dequantize, pack, quantize, unpack
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([2, 4]), rows=st.integers(1, 5), blocks=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_pack_then_unpack_is_the_identity(bits, rows, blocks, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (rows, blocks * 8 // bits), generator=g, dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape == (rows, codes.shape[1] * bits // 8)
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+def test_pack_puts_the_even_column_in_the_low_bits():
+    assert pack(torch.tensor([[1, 2]], dtype=torch.uint8), 4).item() == 0x21
+    assert pack(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).item() == 0b00111001
+
+
+def weights(n=64, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[3, 7] = 0.3  # an outlier: its channel (int8) or group (int4, int2) gets a coarser step
+    return w.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+def test_dequantized_weights_are_within_half_a_step(precision):
+    w = weights().float()
+    q = quantize(w, precision)
+    error = (dequantize(q, torch.float32) - w).abs()
+    if precision == "int8":
+        step = q.scales.float()[:, None].expand_as(w)
+        bound = step / 2
+    else:
+        group = GROUP_SIZE[precision]
+        step = q.scales.float().repeat_interleave(group, dim=1)
+        # the zero is stored in bf16: the grid shifts by its rounding, which can push an end value past a clamp
+        shift = q.zeros.float().abs().repeat_interleave(group, dim=1) * 2 ** -8
+        bound = step / 2 + shift
+    assert torch.all(error <= bound * (1 + 1e-3) + 1e-9)
+    assert error.max() > 0  # something was rounded: the test could fail
+
+
+def test_fewer_bits_lose_more_and_the_bytes_shrink():
+    w = weights(k=512)
+    errors, sizes = [], []
+    for precision in ("int8", "int4", "int2"):
+        q = quantize(w, precision)
+        errors.append(((dequantize(q, torch.float32) - w.float()).norm() / w.float().norm()).item())
+        sizes.append(sum(t.numel() * t.element_size() for t in (q.codes, q.scales, q.zeros) if t is not None))
+    assert errors[0] < 0.02 < errors[1] < 0.15 < errors[2] < 0.6  # measured: 0.008, 0.10, 0.45
+    assert sizes[0] > sizes[1] > sizes[2]
+    assert sizes[1] < 0.55 * sizes[0]  # the codes dominate: about half of int8's bytes, scales included
+
+
+def test_torch_int8_kernel_computes_what_the_dequantized_weights_do():
+    w, x = weights(), torch.randn(3, 256).to(torch.bfloat16)
+    q = quantize(w, "int8")
+    out = torch.ops.aten._weight_int8pack_mm(x, q.codes, q.scales)
+    ref = x.float() @ dequantize(q, torch.float32).t()
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-2)
+
+
+def test_torch_int4_kernel_takes_our_scales_and_zeros():
+    """`_weight_int4pack_mm_for_cpu` wants codes as int32 [N, K] (it packs them its own way) and [K/group, N, 2]
+    (scale, zero) with zero the value of code 8: if our zero meant anything else the outputs would differ by
+    the weights' whole offset, far beyond bf16 rounding."""
+    w, x = weights(), torch.randn(3, 256).to(torch.bfloat16)
+    q = quantize(w, "int4")
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack(q.codes, 4).to(torch.int32), 1)
+    scales_and_zeros = torch.stack([q.scales, q.zeros], dim=-1).transpose(0, 1).contiguous()
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE["int4"], scales_and_zeros)
+    ref = x.float() @ dequantize(q, torch.float32).t()
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape, precision, match", [((8, 100), "int4", "divisible by 128"),
+                                                     ((8, 128), "int3", "unknown quantized precision"),
+                                                     ((8,), "int8", "expected a matrix")])
+def test_bad_input_says_what_is_wrong(shape, precision, match):
+    with pytest.raises(ValueError, match=match):
+        quantize(torch.zeros(shape), precision)
