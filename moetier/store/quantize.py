@@ -76,7 +76,7 @@ def _grouped(w: torch.Tensor, precision: str, group: int) -> Quantized:
     bits = BITS[precision]
     levels, mid = 2 ** bits - 1, 2 ** (bits - 1)
     n, k = w.shape
-    g = w.view(n, k // group, group)
+    g = w.reshape(n, k // group, group)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [N, K/group]
     scale = ((hi - lo) / levels).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
     zero = (lo + mid * scale.float()).to(torch.bfloat16)  # the value of the middle code
@@ -88,7 +88,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [N, K] of `bits` bits -> [N, K·bits/8], column j·(8/bits)+i in bits i·bits.. of byte j."""
     per = 8 // bits
     n, k = codes.shape
-    c = codes.view(n, k // per, per).to(torch.int32)
+    c = codes.reshape(n, k // per, per).to(torch.int32)
     out = torch.zeros(n, k // per, dtype=torch.int32)
     for i in range(per):
         out |= c[..., i] << (i * bits)

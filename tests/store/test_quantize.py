@@ -88,3 +88,10 @@ def test_torch_int4_kernel_takes_our_scales_and_zeros():
 def test_bad_input_says_what_is_wrong(shape, precision, match):
     with pytest.raises(ValueError, match=match):
         quantize(torch.zeros(shape), precision)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+def test_a_transposed_view_quantizes_as_its_copy(precision):
+    w = weights(n=256, k=128).t()  # [128, 256], not contiguous
+    a, b = quantize(w, precision), quantize(w.contiguous(), precision)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
