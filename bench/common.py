@@ -47,6 +47,14 @@ def save_panels(fig, title: str, path: Path, legend_fontsize: float | None = Non
     first = fig.axes[0]
     first.set_ylabel("ms per output token")
     first.legend(fontsize=legend_fontsize)
+    save_figure(fig, title, path, dpi=120)
+
+
+def save_figure(fig, title: str, path: Path, dpi: int = 110) -> None:
+    """The title, the PNG, and the figure closed (a sweep draws many)."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

@@ -12,25 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-OUT = Path(__file__).resolve().parent / "out"
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from common import OUT, save_figure  # noqa: E402
+
+from moetier.calibrate import median_time  # noqa: E402
+
 SHAPES = "256x8192,2048x1024,2048x1408"  # hidden x intermediate: demo-*-xl, OLMoE-1B-7B, Qwen1.5-MoE-A2.7B
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def swiglu_out(gate_up: torch.Tensor, down_fn):
@@ -89,11 +83,11 @@ def main() -> None:
             error = ((fn(x).float() - ref).norm() / ref.norm()).item()
             if error > 0.02:  # against its own dequantized weights: bf16 rounding only
                 raise SystemExit(f"{name} on {hidden}x{inter} computes something else: relative error {error:.3g}")
-            load = median_s(load_costs[name], 5) if name in load_costs else 0.0
+            load = median_time(load_costs[name], 5) if name in load_costs else 0.0
             for t in tokens:
                 xt = x[:t].contiguous()
                 rows.append({"shape": f"{hidden}x{inter}", "path": name, "precision": precision, "tokens": t,
-                             "ms": median_s(lambda xt=xt, fn=fn: fn(xt), args.repeats) * 1e3, "load_ms": load * 1e3,
+                             "ms": median_time(lambda xt=xt, fn=fn: fn(xt), args.repeats) * 1e3, "load_ms": load * 1e3,
                              "error": error})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_kernels.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
@@ -121,10 +115,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot([r["tokens"] for r in mine], [r["ms"] for r in mine], marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms per expert", title=f"expert {shape}")
         ax.legend(fontsize=7)
-    fig.suptitle("one expert per precision and path on this CPU (median)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, "one expert per precision and path on this CPU (median)", path)
 
 
 if __name__ == "__main__":

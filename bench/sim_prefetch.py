@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from common import OUT  # noqa: E402
+from common import OUT, save_figure  # noqa: E402
 
 PROFILES = ("rtx4090", "a100-pcie4")
 SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b")
@@ -116,10 +116,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{shape} on {profile}", fontsize=9)
     axes[0][0].set_ylabel("TPOT against no prefetch, %")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("simulated prefetching (synthetic traces fitted to demo-deep's held-out routing)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, "simulated prefetching (synthetic traces fitted to demo-deep's held-out routing)", path)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
 
 
-def _median_time(fn, repeats: int = 7) -> float:
+def median_time(fn, repeats: int = 7) -> float:
+    """Seconds per call of `fn`: the median of `repeats` timed calls after one untimed (warm-up) call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -83,7 +84,7 @@ def matmul_flops(dtype: torch.dtype, largest: int = 2048, long_enough_s: float =
         start = time.perf_counter()
         a @ b
         if time.perf_counter() - start >= long_enough_s or n >= largest:
-            return 2 * n ** 3 / _median_time(lambda a=a, b=b: a @ b, 5)
+            return 2 * n ** 3 / median_time(lambda a=a, b=b: a @ b, 5)
         n *= 2
 
 
@@ -94,10 +95,10 @@ def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
     linear = cpu_kernels(dtype).linear
     w = torch.randn(8192, 16384).to(dtype)
     v = torch.randn(1, 16384).to(dtype)
-    bandwidth = w.numel() * w.element_size() / _median_time(lambda: linear(v, w), 5)
+    bandwidth = w.numel() * w.element_size() / median_time(lambda: linear(v, w), 5)
     flops = matmul_flops(dtype)
     s, t = torch.randn(1, 64).to(dtype), torch.randn(64, 64).to(dtype)
-    overhead = _median_time(lambda: [s @ t for _ in range(100)]) / 100
+    overhead = median_time(lambda: [s @ t for _ in range(100)]) / 100
     return Device("cpu", bandwidth, {precision: flops}, overhead)
 
 
@@ -110,7 +111,7 @@ def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32)) -> Linear:
     ys = []
     for m in tokens:
         x = torch.randn(m, spec.hidden_size).to(dtype)
-        ys.append(_median_time(lambda x=x: [swiglu(x, g, d) for g, d in experts]) / len(experts))
+        ys.append(median_time(lambda x=x: [swiglu(x, g, d) for g, d in experts]) / len(experts))
     return linear_fit(list(tokens), ys)
 
 
@@ -129,9 +130,9 @@ def dense_and_head(store: Store, tokens=(1, 4, 16), context: int = 48) -> tuple[
     step_s, head_s = [], []
     for t in tokens:
         batch = StepBatch.decode_step([1] * t, list(range(t)), [context - 1] * t, rows)
-        step_s.append(_median_time(lambda batch=batch: model.forward(batch, kv)))
+        step_s.append(median_time(lambda batch=batch: model.forward(batch, kv)))
         h = torch.randn(t, spec.hidden_size).to(model.dtype)
-        head_s.append(_median_time(lambda h=h: model.kernels.linear(h, model.lm_head)))
+        head_s.append(median_time(lambda h=h: model.kernels.linear(h, model.lm_head)))
     head = linear_fit(list(tokens), head_s)
     dense = linear_fit(list(tokens), [(s - head(t)) / spec.num_layers for s, t in zip(step_s, tokens)])
     return dense, head
@@ -159,7 +160,7 @@ def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
             ids = torch.stack([torch.randperm(n)[:spec.top_k] for _ in range(t)])  # [t, k], all resident
             w = torch.full((t, spec.top_k), 1.0 / spec.top_k).to(dtype)
             used = len(set(ids.flatten().tolist()))
-            ys.append(_median_time(lambda x=x, s=scores, i=ids, w=w: executor(layer, x, s, i, w))
+            ys.append(median_time(lambda x=x, s=scores, i=ids, w=w: executor(layer, x, s, i, w))
                       - used * expert(t * spec.top_k / used))
     return linear_fit(list(tokens), ys)
 
