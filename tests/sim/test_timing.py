@@ -32,6 +32,13 @@ def test_profile_missing_a_field_names_it(tmp_path):
         HardwareProfile.load("nonesuch")
 
 
+@pytest.mark.parametrize("field, value", [("bandwidth_bytes_per_s", 0.0), ("utilisation", 1.5), ("latency_s", -1.0),
+                                          ("cpu_s_per_byte", -1e-9)])
+def test_a_tier_out_of_range_says_which_ranges_hold(field, value):
+    with pytest.raises(ProfileError, match="tier 'ssd': bandwidth must be positive, utilisation in"):
+        Tier(**{"name": "ssd", "bandwidth_bytes_per_s": 1.0, field: value})
+
+
 def test_profile_round_trip(tmp_path):
     PROFILE.save(tmp_path / "unit.json")
     assert HardwareProfile.load(tmp_path / "unit.json") == PROFILE
