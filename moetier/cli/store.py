@@ -13,8 +13,17 @@ from moetier.store.synth import PRESETS
 def _convert(args: argparse.Namespace) -> None:
     from moetier.store.convert import convert
 
-    path = convert(args.hf_dir, args.store, overwrite=args.force)
+    path = convert(args.hf_dir, args.store, overwrite=args.force, precisions=args.precisions or ())
     print(f"wrote {path}")
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    from moetier.resolve import resolve_model
+    from moetier.store.variants import add_precisions
+
+    store = resolve_model(args.store)
+    added = add_precisions(store, args.precisions)
+    print(f"{store}: added {', '.join(added)}" if added else f"{store} already holds {args.precisions}")
 
 
 def _synth(args: argparse.Namespace) -> None:
@@ -52,7 +61,15 @@ def add_parser(sub) -> None:
     c.add_argument("store", help="the store folder to write")
     c.add_argument("--force", action="store_true",
                    help="replace an existing store (only a moetier store; never the checkpoint itself)")
+    c.add_argument("--precisions", metavar="LIST",
+                   help="also write quantized copies of every expert, e.g. bf16,int8,int4 (int8, int4, int2)")
     c.set_defaults(func=_convert)
+
+    q = command(sub, "quantize", "add quantized copies of every expert (int8, int4, int2) to a store: atomic, "
+                                 "and a killed run resumes where it stopped")
+    q.add_argument("store", help="a store, or a built-in model's name (its store in the cache directory)")
+    q.add_argument("--precisions", required=True, metavar="LIST", help="e.g. int8,int4 (or int8,int2)")
+    q.set_defaults(func=_quantize)
 
     s = command(sub, "synth", "write a synthetic store: a real shape with random weights, or (--inflate) a model's "
                               "own experts padded to a real expert's size")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from moetier.errors import CheckpointError
 from moetier.model.families import Family, family_for, parse_spec
 from moetier.store.checkpoint import Checkpoint, read_config
 from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, is_store
+from moetier.store.quantize import quantize_expert
+from moetier.store.variants import expert_layouts, parse_precisions
 from moetier.store.writer import StoreWriter
 
 
@@ -45,9 +48,11 @@ def dense_tensors(ckpt: Checkpoint, family: Family, spec: ModelSpec) -> dict[str
     return out
 
 
-def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = False, progress: bool = True) -> Path:
+def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = False, progress: bool = True,
+            precisions: str | Iterable[str] = ()) -> Path:
     """Convert a Hugging Face MoE checkpoint into a store. Atomic: nothing is left at `store_dir` on failure.
-    `overwrite` replaces an existing store, and nothing else: never another folder, never the checkpoint."""
+    `overwrite` replaces an existing store, and nothing else: never another folder, never the checkpoint.
+    `precisions`: quantized copies of every expert to write beside the checkpoint's own (e.g. "bf16,int8,int4")."""
     model_dir, store_dir = Path(model_dir), Path(store_dir)
     check_replaceable(store_dir, "store", is_store, overwrite, (model_dir,))  # before any work
     config = read_config(model_dir)
@@ -60,6 +65,7 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
         raise CheckpointError(f"expert weights of dtype {first.dtype} are not supported (fp32, bf16, fp16 are)")
     layout = PrecisionLayout.swiglu(PRECISION_OF_DTYPE[first.dtype], str(first.dtype).removeprefix("torch."),
                                     spec.hidden_size, spec.moe_intermediate_size)
+    quantized = expert_layouts(spec, parse_precisions(precisions, layout.name)) if precisions else {}
     total = len(spec.moe_layers) * spec.num_experts
     with StoreWriter(store_dir, overwrite, (model_dir,)) as writer, \
             tqdm(total=total, desc=f"convert {model_dir.name}", unit="expert", disable=not progress) as bar:
@@ -71,9 +77,11 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
                 if any(t.dtype != first.dtype for t in tensors.values()):
                     raise CheckpointError(f"expert {e} of layer {layer} is not {first.dtype} like the others")
                 writer.add_expert(layer, e, layout, tensors)
+                for p, q_layout in quantized.items():
+                    writer.add_expert(layer, e, q_layout, quantize_expert(tensors, p))
                 bar.update()
         manifest = Manifest(
-            family=family.name, config=ckpt.config, precisions={layout.name: layout},
+            family=family.name, config=ckpt.config, precisions={layout.name: layout, **quantized},
             native_precision=layout.name, blobs=tuple(writer.blobs), source=str(model_dir.resolve()),
             tokenizer_files=writer.copy_files(model_dir, ckpt.tokenizer_files()))
         return writer.commit(manifest)

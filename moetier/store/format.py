@@ -33,8 +33,12 @@ RECONVERT = ("re-convert it (`moetier generate --reconvert` for a model converte
              "`moetier convert --force SRC STORE` otherwise)")
 DAMAGED = f"the store is damaged; {RECONVERT}"
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+          "uint8": torch.uint8}  # the integer ones: quantized codes (moetier/store/quantize.py)
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+TENSOR_ALIGN = 64  # a tensor's start inside a blob of several (a cache line)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -80,6 +84,17 @@ class PrecisionLayout:
         gate_up = TensorLayout("gate_up_proj", dtype, (2 * intermediate, hidden), 0)
         down = TensorLayout("down_proj", dtype, (hidden, intermediate), gate_up.nbytes)
         return cls(name, (gate_up, down))
+
+    @classmethod
+    def packed(cls, name: str, tensors: list[tuple[str, str, tuple[int, ...]]]) -> PrecisionLayout:
+        """(name, dtype, shape) in order, each starting at a multiple of TENSOR_ALIGN (a kernel's vector loads
+        and a dtype view both want an aligned start)."""
+        out, offset = [], 0
+        for tname, dtype, shape in tensors:
+            t = TensorLayout(tname, dtype, tuple(shape), offset)
+            out.append(t)
+            offset = align_up(t.offset + t.nbytes, TENSOR_ALIGN)
+        return cls(name, tuple(out))
 
     @classmethod
     def from_json(cls, d: dict) -> PrecisionLayout:

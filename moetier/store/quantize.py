@@ -20,8 +20,56 @@ from dataclasses import dataclass
 
 import torch
 
+from moetier.store.format import PrecisionLayout
+
 GROUP_SIZE = {"int4": 128, "int2": 64}
 BITS = {"int8": 8, "int4": 4, "int2": 2}
+MATRICES = ("gate_up_proj", "down_proj")  # an expert's, each [N, K]
+
+
+def group_size(precision: str, k: int) -> int:
+    """Inputs per (scale, zero) of a grouped precision over `k` inputs: its group, or the whole row when the row is
+    shorter (a demo model's 64-wide down_proj)."""
+    group = GROUP_SIZE[precision]
+    if k <= group:
+        return k
+    if k % group:
+        raise ValueError(f"{precision} needs in_features divisible by {group} (or at most {group}), got {k}")
+    return group
+
+
+def expert_layout(precision: str, hidden: int, intermediate: int) -> PrecisionLayout:
+    """How one SwiGLU expert's `precision` copy sits in a blob: per matrix its codes, then its scales (and zeros)."""
+    if precision not in BITS:
+        raise ValueError(f"unknown quantized precision {precision!r}; known: {', '.join(BITS)}")
+    tensors = []
+    for name, (n, k) in zip(MATRICES, ((2 * intermediate, hidden), (hidden, intermediate))):
+        if precision == "int8":
+            tensors += [(name, "int8", (n, k)), (f"{name}.scales", "bfloat16", (n,))]
+            continue
+        per = 8 // BITS[precision]
+        if k % per:
+            raise ValueError(f"{precision} packs {per} inputs a byte; in_features {k} is not a multiple of {per}")
+        groups = k // group_size(precision, k)
+        tensors += [(name, "uint8", (n, k // per)), (f"{name}.scales", "bfloat16", (n, groups)),
+                    (f"{name}.zeros", "bfloat16", (n, groups))]
+    return PrecisionLayout.packed(precision, tensors)
+
+
+def quantize_expert(tensors: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
+    """An expert's float matrices -> the named tensors of its `precision` blob (as `expert_layout` lays them)."""
+    out = {}
+    for name in MATRICES:
+        q = quantize(tensors[name], precision)
+        out[name], out[f"{name}.scales"] = q.codes, q.scales
+        if q.zeros is not None:
+            out[f"{name}.zeros"] = q.zeros
+    return out
+
+
+def expert_matrices(w: dict[str, torch.Tensor], precision: str) -> dict[str, Quantized]:
+    """The named tensors of a `precision` blob (views, as a slot holds them) -> its two quantized matrices."""
+    return {name: Quantized(precision, w[name], w[f"{name}.scales"], w.get(f"{name}.zeros")) for name in MATRICES}
 
 
 @dataclass(frozen=True)
@@ -43,23 +91,24 @@ def quantize(w: torch.Tensor, precision: str) -> Quantized:
     """[N, K] float weights -> their `precision` copy."""
     if w.dim() != 2:
         raise ValueError(f"expected a matrix [N, K], got shape {tuple(w.shape)}")
+    if precision not in BITS:
+        raise ValueError(f"unknown quantized precision {precision!r}; known: {', '.join(BITS)}")
     if precision == "int8":
         return _int8(w.float())
-    group = GROUP_SIZE.get(precision)
-    if group is None:
-        raise ValueError(f"unknown quantized precision {precision!r}; known: {', '.join(BITS)}")
-    if w.shape[1] % group:
-        raise ValueError(f"{precision} needs in_features divisible by {group}, got {w.shape[1]}")
-    return _grouped(w.float(), precision, group)
+    if w.shape[1] % (8 // BITS[precision]):
+        raise ValueError(f"{precision} packs {8 // BITS[precision]} inputs a byte; in_features {w.shape[1]} is not "
+                         f"a multiple")
+    return _grouped(w.float(), precision, group_size(precision, w.shape[1]))
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The weights a quantized copy stands for, [N, K] in `dtype` (the reference every kernel is checked against)."""
     if q.precision == "int8":
         return (q.codes.float() * q.scales.float()[:, None]).to(dtype)
-    bits, group = BITS[q.precision], GROUP_SIZE[q.precision]
+    bits = BITS[q.precision]
     codes = unpack(q.codes, bits).float()  # [N, K]
     n, k = codes.shape
+    group = k // q.scales.shape[1]
     mid = 2 ** (bits - 1)
     w = (codes.view(n, k // group, group) - mid) * q.scales.float()[..., None] + q.zeros.float()[..., None]
     return w.view(n, k).to(dtype)

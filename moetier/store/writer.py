@@ -7,6 +7,7 @@ import os
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors.torch import save_file
@@ -14,7 +15,7 @@ from zlib_ng.zlib_ng import crc32
 
 from moetier.atomic import atomic_dir, check_replaceable
 from moetier.errors import StoreError
-from moetier.store.format import DENSE, BlobRef, Manifest, PrecisionLayout, is_store
+from moetier.store.format import DENSE, DTYPES, BlobRef, Manifest, PrecisionLayout, is_store
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -27,6 +28,29 @@ def file_crc32(path: Path, chunk: int = 16 << 20) -> int:
         while block := f.read(chunk):
             crc = crc32(block, crc)
     return crc
+
+
+def expert_file(precision: str, layer: int) -> str:
+    """Where a layer's experts at one precision live, relative to the store."""
+    return f"experts/{precision}/layer_{layer:03d}.bin"
+
+
+def write_blob(f: BinaryIO, layout: PrecisionLayout, tensors: dict[str, torch.Tensor], what: str) -> int:
+    """Write one expert's tensors packed by `layout` (zeros between them and up to the blob's padded length) at
+    `f`'s position; returns the blob's CRC-32."""
+    crc, written = 0, 0
+    for t in layout.tensors:
+        data = tensors[t.name]
+        if tuple(data.shape) != t.shape or data.dtype != DTYPES[t.dtype]:
+            raise StoreError(f"{what}: {t.name} is {data.dtype} {tuple(data.shape)}, expected {t.dtype} {t.shape}")
+        assert written <= t.offset, "layout offsets must ascend in tensor order"
+        for buf in (bytes(t.offset - written), tensor_bytes(data)):  # the gap to its start, then the tensor
+            f.write(buf)
+            crc = crc32(buf, crc)
+        written = t.offset + t.nbytes
+    pad = bytes(layout.blob_bytes - written)
+    f.write(pad)
+    return crc32(pad, crc)
 
 
 class StoreWriter:
@@ -66,26 +90,13 @@ class StoreWriter:
 
     def add_expert(self, layer: int, expert: int, layout: PrecisionLayout, tensors: dict[str, torch.Tensor]) -> BlobRef:
         """Append one expert's blob (tensors packed by `layout`, zero-padded to the alignment)."""
-        rel = f"experts/{layout.name}/layer_{layer:03d}.bin"
+        rel = expert_file(layout.name, layer)
         f = self._files.get(rel)
         if f is None:
             (self.tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             f = self._files[rel] = open(self.tmp / rel, "wb")
         offset = f.tell()
-        crc, written = 0, 0
-        for t in layout.tensors:
-            data = tensors[t.name]
-            if tuple(data.shape) != t.shape:
-                raise StoreError(f"expert {expert} of layer {layer}: {t.name} has shape {tuple(data.shape)}, "
-                                 f"expected {t.shape}")
-            assert written == t.offset, "layout offsets must be contiguous in tensor order"
-            buf = tensor_bytes(data)
-            f.write(buf)
-            crc = crc32(buf, crc)
-            written += len(buf)
-        pad = bytes(layout.blob_bytes - written)
-        f.write(pad)
-        crc = crc32(pad, crc)
+        crc = write_blob(f, layout, tensors, f"expert {expert} of layer {layer}")
         ref = BlobRef(layer, expert, layout.name, rel, offset, layout.blob_bytes, crc)
         self.blobs.append(ref)
         return ref

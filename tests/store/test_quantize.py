@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetier.store.quantize import GROUP_SIZE, dequantize, pack, quantize, unpack
+from moetier.store.quantize import (GROUP_SIZE, dequantize, expert_layout, expert_matrices, pack, quantize,
+                                    quantize_expert, unpack)
 
 
 @settings(max_examples=30, deadline=None)
@@ -82,7 +83,8 @@ def test_torch_int4_kernel_takes_our_scales_and_zeros():
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-2)
 
 
-@pytest.mark.parametrize("shape, precision, match", [((8, 100), "int4", "divisible by 128"),
+@pytest.mark.parametrize("shape, precision, match", [((8, 300), "int4", "divisible by 128"),
+                                                     ((8, 66), "int2", "not a multiple"),
                                                      ((8, 128), "int3", "unknown quantized precision"),
                                                      ((8,), "int8", "expected a matrix")])
 def test_bad_input_says_what_is_wrong(shape, precision, match):
@@ -95,3 +97,30 @@ def test_a_transposed_view_quantizes_as_its_copy(precision):
     w = weights(n=256, k=128).t()  # [128, 256], not contiguous
     a, b = quantize(w, precision), quantize(w.contiguous(), precision)
     assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+
+
+@pytest.mark.parametrize("precision", ["int4", "int2"])
+def test_a_row_shorter_than_a_group_is_one_group(precision):
+    w = weights(n=16, k=32)
+    q = quantize(w, precision)
+    assert q.scales.shape == (16, 1)
+    err = (dequantize(q, torch.float32) - w).abs().amax(dim=1)
+    assert (err <= q.scales.float()[:, 0] * 0.51 + 1e-2).all()
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+def test_an_expert_blob_round_trips_through_its_layout(precision):
+    hidden, inter = 256, 64
+    g = torch.Generator().manual_seed(0)
+    expert = {"gate_up_proj": torch.randn(2 * inter, hidden, generator=g).bfloat16(),
+              "down_proj": torch.randn(hidden, inter, generator=g).bfloat16()}
+    layout = expert_layout(precision, hidden, inter)
+    tensors = quantize_expert(expert, precision)
+    blob = torch.zeros(layout.blob_bytes, dtype=torch.uint8)
+    for t in layout.tensors:
+        assert t.offset % 64 == 0  # aligned for a view of its dtype and for vector loads
+        blob[t.offset:t.offset + t.nbytes] = tensors[t.name].contiguous().view(-1).view(torch.uint8)
+    back = expert_matrices(layout.views(blob), precision)
+    for name, w in expert.items():
+        assert torch.equal(dequantize(back[name]), dequantize(quantize(w, precision)))
+    assert layout.blob_bytes < {"int8": 0.6, "int4": 0.4, "int2": 0.3}[precision] * 3 * hidden * inter * 2 + 4096
