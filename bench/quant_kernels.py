@@ -2,7 +2,9 @@
 bf16 through the engine's kernels (native where they build) and through torch; int8 through torch's
 `_weight_int8pack_mm`; int4 through torch's `_weight_int4pack_mm_for_cpu` (plus the cost of packing our codes
 into its layout, which a load would pay); int2, which has no kernel, as dequantize-then-bf16. Each path's output is
-checked against the dequantized weights in fp32 before it is timed.
+checked against the dequantized weights in fp32 before it is timed. And ours: int8/int4/int2 computed from the
+store's codes by `moetier.model.expert_kernels` (csrc/q_rows.c up to 4 tokens, dequantize-to-bf16 beyond).
+One expert called repeatedly stays in the CPU's caches: these are compute costs, not memory-bound ones.
 
     python bench/quant_kernels.py                          # three expert shapes, batch 1-32; table, JSON, PNG
     python bench/quant_kernels.py --shapes 2048x1408 --tokens 1,4
@@ -35,7 +37,8 @@ def swiglu_out(gate_up: torch.Tensor, down_fn):
 def paths(hidden: int, inter: int):
     """{name: (precision, make(x) -> out, reference out in fp32 for x)} for one random expert."""
     from moetier.calibrate import cpu_kernels
-    from moetier.store.quantize import GROUP_SIZE, dequantize, quantize, unpack
+    from moetier.model.expert_kernels import make_expert_kernel
+    from moetier.store.quantize import GROUP_SIZE, dequantize, expert_matrices, quantize, quantize_expert, unpack
 
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(2 * inter, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16)
@@ -59,8 +62,20 @@ def paths(hidden: int, inter: int):
     q2 = [quantize(w, "int2") for w in (gate_up, down)]
     out["int2 dequantize"] = ("int2", lambda x: kernels.swiglu(x, dequantize(q2[0]), dequantize(q2[1])),
                               tuple(dequantize(q) for q in q2))
+    for precision in ("int8", "int4", "int2"):  # ours: straight from the store's codes, nothing made at load
+        kernel = make_expert_kernel(precision, kernels, torch.bfloat16)
+        w = quantize_expert({"gate_up_proj": gate_up, "down_proj": down}, precision)
+        q = expert_matrices(w, precision)
+        out[f"{precision} moetier"] = (precision, lambda x, kernel=kernel, w=w: _run(kernel, x, w),
+                                       (dequantize(q["gate_up_proj"]), dequantize(q["down_proj"])))
     load_costs = {"int4 torch": lambda: [pack4(q) for q in q4]}
     return out, load_costs
+
+
+def _run(kernel, x: torch.Tensor, w: dict) -> torch.Tensor:
+    out = torch.empty_like(x)
+    kernel(out, x, w, torch.ones(x.shape[0], dtype=torch.bfloat16))
+    return out
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The native bf16 row kernels (`csrc/bf16_rows.c`): compiled on first use with the machine's C compiler into
+"""The native kernels — bf16 rows (`csrc/bf16_rows.c`) and quantized experts (`csrc/q_rows.c`): compiled on first use with the machine's C compiler into
 moetier's cache, then loaded with ctypes. Nothing to build at install time, no torch headers (it compiles in
 under a second); where there is no compiler or no AVX2, `load()` says why and the torch kernels run instead."""
 
@@ -16,7 +16,7 @@ import torch
 
 from moetier.paths import default_cache_dir
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_rows.c"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("bf16_rows.c", "q_rows.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 VECTOR_CAPABILITIES = ("AVX2", "AVX512")  # what torch.backends.cpu.get_cpu_capability() calls AVX2 or better
 
@@ -35,8 +35,8 @@ def _compiler() -> str | None:
 
 def _library_path(compiler: str) -> Path:
     """Named by what went into it, so a changed source or compiler builds anew beside the old one."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    return default_cache_dir() / "kernels" / f"bf16_rows-{key}.so"
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join((compiler, *FLAGS)).encode())
+    return default_cache_dir() / "kernels" / f"moetier-kernels-{key.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, path: Path) -> None:
@@ -45,7 +45,7 @@ def _build(compiler: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True, capture_output=True,
                        text=True)
         os.replace(tmp, path)
     finally:
@@ -64,6 +64,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_rope_bf16.restype = None
     lib.moetier_decode_attention_bf16.argtypes = [p, p, p, p, n, n, n, n, n, n, ctypes.c_float, p]
     lib.moetier_decode_attention_bf16.restype = None
+    i = ctypes.c_int
+    lib.moetier_swiglu_q.argtypes = [i, p, p, p, n, p, p, p, n, p, p, p, n, n, i, p]
+    lib.moetier_swiglu_q.restype = None
+    lib.moetier_dequant_q.argtypes = [i, p, p, p, n, n, n, p]
+    lib.moetier_dequant_q.restype = None
     return lib
 
 
@@ -81,6 +86,6 @@ def load() -> Loaded:
             _build(compiler, path)
         return Loaded(_declare(ctypes.CDLL(str(path))))
     except subprocess.CalledProcessError as e:
-        return Loaded(None, f"{compiler} failed on {SOURCE.name}: {e.stderr.strip()[-300:]}")
+        return Loaded(None, f"{compiler} failed on {', '.join(s.name for s in SOURCES)}: {e.stderr.strip()[-300:]}")
     except OSError as e:
         return Loaded(None, f"could not build or load {path}: {e}")

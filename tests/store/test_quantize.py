@@ -6,8 +6,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetier.store.quantize import (GROUP_SIZE, dequantize, expert_layout, expert_matrices, pack, quantize,
-                                    quantize_expert, unpack)
+from moetier.store.quantize import (
+    GROUP_SIZE,
+    dequantize,
+    expert_layout,
+    expert_matrices,
+    pack,
+    quantize,
+    quantize_expert,
+    unpack,
+)
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,0 +1,91 @@
+"""How one expert is computed from the tensors of its slot, per precision: `kernel(out, x, w, weights)` writes
+out [n, H] = swiglu(x [n, H]) * weights [n], `w` being the slot's named tensors.
+
+- `DenseExpert`: bf16/fp16/fp32 slots, through the engine's kernels (native rows or torch).
+- `QuantizedExpert`: int8/int4/int2 slots (moetier/store/quantize.py's codes). With the native library and bf16
+  activations: up to 4 tokens straight from the codes (`csrc/q_rows.c`; a row's codes unpacked once for all of
+  them), more tokens by dequantizing the expert to bf16 once (in C) for the engine's bf16 matmul — measured per
+  shape in bench/quant_kernels.py. Without it (fp32 models, `--kernels torch`, no compiler): dequantized with
+  torch ops, correct and slow.
+
+Chosen once per precision when the executor is made, never per call by a flag."""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.model.kernels import TorchKernels
+from moetier.store.quantize import BITS, MATRICES, Quantized, dequantize
+
+NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the codes in one pass
+
+
+class DenseExpert:
+    def __init__(self, kernels: TorchKernels) -> None:
+        self.kernels = kernels
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        self.kernels.expert(out, x, w["gate_up_proj"], w["down_proj"], weights)
+
+
+class QuantizedExpert:
+    """`lib`: the native library (None: torch's ops). `dtype`: the activations' (and the dequantized weights')."""
+
+    def __init__(self, precision: str, kernels: TorchKernels, dtype: torch.dtype, lib=None) -> None:
+        if precision not in BITS:
+            raise ValueError(f"not a quantized precision: {precision!r}")
+        self.precision, self.bits, self.kernels, self.dtype = precision, BITS[precision], kernels, dtype
+        self.lib = lib if dtype == torch.bfloat16 else None
+        self.scratch = torch.empty(0, dtype=torch.float32)
+        self.route_weights = torch.empty(NATIVE_MAX_TOKENS, dtype=torch.float32)
+        self.dense: dict[str, torch.Tensor] = {}  # dequantized matrices, reused across calls of the same shape
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        n = x.shape[0]
+        if self.lib is not None and n <= NATIVE_MAX_TOKENS and x.is_contiguous() and out.is_contiguous():
+            return self._rows(out, x, w, weights)
+        gate_up, down = (self._dequantized(name, w) for name in MATRICES)
+        self.kernels.expert(out, x, gate_up, down, weights)
+
+    def _rows(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        n, h = x.shape
+        i = w["gate_up_proj"].shape[0] // 2
+        floats = max(h, i) + n * (2 * h + 3 * i)
+        if self.scratch.numel() < floats:
+            self.scratch = torch.empty(floats, dtype=torch.float32)
+        rw = self.route_weights[:n]
+        rw.copy_(weights)
+        gu, dn = w["gate_up_proj.scales"], w["down_proj.scales"]
+        self.lib.moetier_swiglu_q(
+            self.bits, w["gate_up_proj"].data_ptr(), gu.data_ptr(), _ptr(w.get("gate_up_proj.zeros")),
+            _group(h, gu), w["down_proj"].data_ptr(), dn.data_ptr(), _ptr(w.get("down_proj.zeros")), _group(i, dn),
+            x.data_ptr(), rw.data_ptr(), out.data_ptr(), h, i, n, self.scratch.data_ptr())
+
+    def _dequantized(self, name: str, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        scales = w[f"{name}.scales"]
+        n = scales.shape[0]
+        k = w[name].shape[1] * 8 // self.bits
+        if self.lib is None:
+            return dequantize(Quantized(self.precision, w[name], scales, w.get(f"{name}.zeros")), self.dtype)
+        buf = self.dense.get(name)
+        if buf is None or buf.shape != (n, k):
+            buf = self.dense[name] = torch.empty(n, k, dtype=torch.bfloat16)
+        self.lib.moetier_dequant_q(self.bits, w[name].data_ptr(), scales.data_ptr(), _ptr(w.get(f"{name}.zeros")),
+                                   n, k, _group(k, scales), buf.data_ptr())
+        return buf
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _group(k: int, scales: torch.Tensor) -> int:
+    """Inputs per scale: the whole row for int8's one scale per row."""
+    return k if scales.dim() == 1 else k // scales.shape[1]
+
+
+def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype):
+    """The kernel for slots of `precision` in a model computing in `dtype`."""
+    if precision not in BITS:
+        return DenseExpert(kernels)
+    return QuantizedExpert(precision, kernels, dtype, getattr(kernels, "lib", None))
