@@ -18,7 +18,7 @@ class ResidentExperts:
         if len(r) < spec.num_expert_keys:
             raise ValueError("preload every expert first (budget 100%)")
         self.weights = {key: executor.pool.weights(entry.slot) for key, entry in r.entries.items()}
-        self.num_experts, self.kernels = spec.num_experts, executor.kernels
+        self.num_experts, self.kernel = spec.num_experts, executor.expert_kernels[executor.precision]
         self.policy = EvictionPolicy()
 
     def begin_step(self, phase, phases) -> None:
@@ -28,9 +28,9 @@ class ResidentExperts:
                  shared=None) -> torch.Tensor:
         ids = topk_ids.numpy()  # the one host sync of the layer, as in the engine
         counts = np.bincount(ids.ravel(), minlength=self.num_experts)
-        groups = ExpertGroups(x, ids, topk_weights.float().numpy(), counts, self.kernels, topk_weights.dtype)
+        groups = ExpertGroups(x, ids, topk_weights.float().numpy(), counts, topk_weights.dtype)
         for e in np.flatnonzero(counts).tolist():
             w = self.weights[(layer, e)]
-            groups.compute(e, w["gate_up_proj"], w["down_proj"])
+            groups.compute(e, self.kernel, w)
         out = groups.combine()
         return out + shared() if shared is not None else out

@@ -7,7 +7,11 @@ loading from its admission until its executor reports the read landed: a key bei
 (it cannot be computed from yet) nor free (its bytes are taken, and a running read is never interrupted, so it
 cannot be evicted). A pin keeps an entry from eviction and says why: in use by the layer being computed, or
 prefetched and not yet used. Capacity can change between steps: shrinking evicts by policy, growing adds free
-bytes."""
+bytes.
+
+The capacity is one whole, or split into parts that each evict only their own entries: per layer (as some papers
+partition the cache), or per precision (HOBBIT's high- and low-precision sub-caches, §3.4, each a share of the
+bytes)."""
 
 from __future__ import annotations
 
@@ -35,16 +39,17 @@ class Entry:
 
 
 class _Evictable:
-    """`in` view of the evictable keys (of one layer, with a per-layer split), handed to the policy without
-    building a list."""
+    """`in` view of the evictable keys (of one part, with a split), handed to the policy without building a
+    list."""
 
-    def __init__(self, residency: Residency, layer: int | None = None) -> None:
+    def __init__(self, residency: Residency, part=None) -> None:
         self._r = residency
-        self.layer = layer
+        self.part = part
 
     def __contains__(self, key: object) -> bool:
         entry = self._r.entries.get(key)
-        return entry is not None and not entry.held and (self.layer is None or key.layer == self.layer)
+        return (entry is not None and not entry.held
+                and (self.part is None or self._r.part_of(key, entry.precision) == self.part))
 
 
 class _Sparing:
@@ -59,24 +64,33 @@ class _Sparing:
 
 class Residency:
     """`entry_bytes`: bytes of one expert at each precision the cache may hold. `layers`: split the capacity
-    evenly among these layers, each evicting only its own experts (as some papers partition the cache); None:
-    one cache shared by all layers."""
+    evenly among these layers, each evicting only its own experts; `shares`: split it among precisions by these
+    shares of the bytes (HOBBIT's sub-caches; the precisions not named get no room). Neither: one cache shared by
+    all layers and precisions."""
 
     def __init__(self, capacity_bytes: int, entry_bytes: Mapping[Precision, int], policy: EvictionPolicy,
-                 layers: Sequence[int] | None = None) -> None:
+                 layers: Sequence[int] | None = None, shares: Mapping[Precision, float] | None = None) -> None:
         self.entry_bytes = dict(entry_bytes)
         self.policy = policy
         self.layers = tuple(layers) if layers else None
+        self.shares = dict(shares) if shares else None
+        if self.layers and self.shares:
+            raise ValueError("a cache splits by layer or by precision, not both")
+        if self.shares and (any(v < 0 for v in self.shares.values()) or sum(self.shares.values()) > 1 + 1e-9
+                            or set(self.shares) - set(self.entry_bytes)):
+            raise ValueError(f"precision shares must be non-negative, of known precisions, summing to at most 1: "
+                             f"{self.shares}")
+        self.parts = self.layers or tuple(self.shares or ())  # the keys of a split; () when whole
         self.entries: dict[ExpertKey, Entry] = {}
         self.used_bytes = 0
         self._held_bytes = 0  # of entries loading or pinned
-        self._layer_used = dict.fromkeys(self.layers or (), 0)
-        self._layer_held = dict.fromkeys(self.layers or (), 0)
+        self._part_used = dict.fromkeys(self.parts, 0)
+        self._part_held = dict.fromkeys(self.parts, 0)
         self._free_slots: dict[Precision, list[int]] = {p: [] for p in self.entry_bytes}
         self._minted = dict.fromkeys(self.entry_bytes, 0)  # slots of each precision handed out so far
         self._pinned: dict[str, set[ExpertKey]] = {IN_USE: set(), PREFETCHED: set()}
         self._evictable = _Evictable(self)
-        self._layer_evictable = {layer: _Evictable(self, layer) for layer in self.layers or ()}
+        self._part_evictable = {part: _Evictable(self, part) for part in self.parts}
         self.capacity_bytes = 0
         self.resize(capacity_bytes)
 
@@ -94,9 +108,20 @@ class Residency:
         entry = self.entries.get(key)
         return entry is not None and entry.loading
 
+    def part_of(self, key: ExpertKey, precision: Precision):
+        """The part of a split `key` at `precision` belongs to (None when the cache is whole)."""
+        return key.layer if self.layers else precision if self.shares else None
+
+    def part_capacity(self, part) -> int:
+        if part is None:
+            return self.capacity_bytes
+        if self.layers:
+            return self.capacity_bytes // len(self.layers)
+        return int(self.capacity_bytes * self.shares[part])
+
     @property
     def layer_capacity(self) -> int | None:
-        return self.capacity_bytes // len(self.layers) if self.layers else None
+        return self.part_capacity(self.layers[0]) if self.layers else None
 
     @property
     def free_bytes(self) -> int:
@@ -104,13 +129,16 @@ class Residency:
 
     def slots(self, precision: Precision) -> int:
         """Entries of `precision` the capacity holds: the size its slot pool needs."""
-        return self.capacity_bytes // self.entry_bytes[precision]
+        if not self.shares:
+            return self.capacity_bytes // self.entry_bytes[precision]
+        return self.part_capacity(precision) // self.entry_bytes[precision] if precision in self.shares else 0
 
-    def has_room(self, layer: int, nbytes: int) -> bool:
-        """`nbytes` free for `layer` without evicting."""
+    def has_room(self, layer: int, nbytes: int, precision: Precision | None = None) -> bool:
+        """`nbytes` free for an expert of `layer` at `precision` without evicting."""
         if self.used_bytes + nbytes > self.capacity_bytes:
             return False
-        return self.layers is None or self._layer_used[layer] + nbytes <= self.layer_capacity
+        part = self.part_of(ExpertKey(layer, 0), precision)
+        return part is None or self._part_used.get(part, 0) + nbytes <= self.part_capacity(part)
 
     # -- admitting and evicting --------------------------------------------------------------------------------
 
@@ -121,13 +149,14 @@ class Residency:
         keys), or None if evicting everything evictable would not make room (nothing is evicted then) or the
         spared keys are all there is to evict (what was evicted before that stays free)."""
         nbytes = self.entry_bytes[precision]
-        if not self._can_make_room(key.layer, nbytes):
+        part = self.part_of(key, precision)
+        if not self._can_make_room(part, nbytes):
             return None
         evicted = []
-        view = self._layer_evictable[key.layer] if self.layers else self._evictable
+        view = self._evictable if part is None else self._part_evictable[part]
         if spare is not None:
             view = _Sparing(view, spare)
-        while not self.has_room(key.layer, nbytes):
+        while not self.has_room(key.layer, nbytes, precision):
             try:
                 victim = self.policy.victim(view)
             except LookupError:
@@ -160,7 +189,7 @@ class Residency:
         for key in keys:
             if self.used_bytes + nbytes > self.capacity_bytes:
                 break
-            if key not in self.entries and self.has_room(key.layer, nbytes):
+            if key not in self.entries and self.has_room(key.layer, nbytes, precision):
                 admitted.append((key, self._insert(key, precision, IN_USE)))
         return admitted
 
@@ -185,11 +214,10 @@ class Residency:
             raise ValueError("capacity must not be negative")
         old, self.capacity_bytes = self.capacity_bytes, capacity_bytes
         evicted = []
-        scopes = [(layer, self._layer_evictable[layer]) for layer in self.layers] if self.layers else [
-            (None, self._evictable)]
-        for layer, view in scopes:
-            while self._over(layer):
-                if self._evictable_bytes(layer) == 0:
+        scopes = list(self._part_evictable.items()) or [(None, self._evictable)]
+        for part, view in scopes:
+            while self._over(part):
+                if self._evictable_bytes(part) == 0:
                     self.capacity_bytes = old
                     raise ValueError(f"cannot shrink the cache to {capacity_bytes} bytes: "
                                      f"{self._held_bytes} bytes are pinned or being read")
@@ -217,9 +245,10 @@ class Residency:
         if entry is not None and entry.pin == reason:
             self._release_pin(key)
 
-    def pinned_bytes(self, reason: str, layer: int | None = None) -> int:
-        """Bytes of the entries pinned for `reason` (of `layer` only, if given)."""
-        return sum(self.entries[k].nbytes for k in self._pinned[reason] if layer is None or k.layer == layer)
+    def pinned_bytes(self, reason: str, part=None) -> int:
+        """Bytes of the entries pinned for `reason` (of one part of a split only, if given)."""
+        return sum(self.entries[k].nbytes for k in self._pinned[reason]
+                   if part is None or self.part_of(k, self.entries[k].precision) == part)
 
     def unpin_all(self, reason: str = IN_USE) -> None:
         """Release every pin for `reason` (by default the layer's in-use pins, when it is done)."""
@@ -235,22 +264,20 @@ class Residency:
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
 
-    def _over(self, layer: int | None) -> bool:
-        if layer is None:
+    def _over(self, part) -> bool:
+        if part is None:
             return self.used_bytes > self.capacity_bytes
-        return self._layer_used[layer] > self.layer_capacity
+        return self._part_used[part] > self.part_capacity(part)
 
-    def _evictable_bytes(self, layer: int | None) -> int:
-        if layer is None:
+    def _evictable_bytes(self, part) -> int:
+        if part is None:
             return self.used_bytes - self._held_bytes
-        return self._layer_used[layer] - self._layer_held[layer]
+        return self._part_used[part] - self._part_held[part]
 
-    def _can_make_room(self, layer: int, nbytes: int) -> bool:
+    def _can_make_room(self, part, nbytes: int) -> bool:
         if nbytes > self.capacity_bytes - self._held_bytes:
             return False
-        if self.layers is None:
-            return True
-        return nbytes <= self.layer_capacity - self._layer_held[layer]
+        return part is None or nbytes <= self.part_capacity(part) - self._part_held[part]
 
     def _insert(self, key: ExpertKey, precision: Precision, pin: str, slot: int | None = None) -> int:
         if slot is None:
@@ -264,8 +291,8 @@ class Residency:
         self.entries[key] = entry
         self._pinned[pin].add(key)
         self.used_bytes += entry.nbytes
-        if self.layers:
-            self._layer_used[key.layer] += entry.nbytes
+        if self.parts:
+            self._part_used[self.part_of(key, precision)] += entry.nbytes
         self._hold(key, entry)
         self.policy.on_insert(key)
         return slot
@@ -275,8 +302,8 @@ class Residency:
         if entry.held:  # only drop() and replace() evict a held entry, after releasing its pin
             self._unhold(key, entry)
         self.used_bytes -= entry.nbytes
-        if self.layers:
-            self._layer_used[key.layer] -= entry.nbytes
+        if self.parts:
+            self._part_used[self.part_of(key, entry.precision)] -= entry.nbytes
         if free_slot:
             self._free_slots[entry.precision].append(entry.slot)
         self.policy.on_evict(key)
@@ -291,10 +318,10 @@ class Residency:
 
     def _hold(self, key: ExpertKey, entry: Entry) -> None:
         self._held_bytes += entry.nbytes
-        if self.layers:
-            self._layer_held[key.layer] += entry.nbytes
+        if self.parts:
+            self._part_held[self.part_of(key, entry.precision)] += entry.nbytes
 
     def _unhold(self, key: ExpertKey, entry: Entry) -> None:
         self._held_bytes -= entry.nbytes
-        if self.layers:
-            self._layer_held[key.layer] -= entry.nbytes
+        if self.parts:
+            self._part_held[self.part_of(key, entry.precision)] -= entry.nbytes

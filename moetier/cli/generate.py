@@ -42,7 +42,8 @@ def _generate(args: argparse.Namespace) -> None:
     check_engine_args(args)
     prompts = read_prompts(args.prompt, args.prompt_file)
     engine = open_engine(args, progress=not args.json, policy=args.policy, cache_partition=args.cache_partition,
-                         prefetch=args.prefetch, predictor=args.predictor, predict_distance=args.predict_distance)
+                         prefetch=args.prefetch, predictor=args.predictor, predict_distance=args.predict_distance,
+                         precision=precision_config(args))
     stream = len(prompts) == 1 and not args.json
 
     def on_text(_: int, delta: str) -> None:
@@ -88,6 +89,37 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
                         "use with the C compiler, else torch's; torch; native (refuse if they cannot be built)")
 
 
+def add_precision_options(p: argparse.ArgumentParser) -> None:
+    """Options of every command that runs the engine at chosen precisions (docs/mixed-precision.md)."""
+    from moetier.plan.precision import MODES, UNIFORM
+
+    p.add_argument("--precision", default="native", choices=MODES,
+                   help="native (exact); int8/int4/int2 (every expert at that copy); hobbit (a missing expert loaded "
+                        "at high or low precision by its gate, or skipped); low-tier (every expert resident at low "
+                        "precision, the important ones cached at high)")
+    p.add_argument("--low-precision", default="", choices=["", *UNIFORM],
+                   help="hobbit/low-tier: the low copy (default int4 for hobbit; for low-tier the most precise that "
+                        "fits in 60%% of the budget)")
+    p.add_argument("--high-precision", default="", choices=["", "int8"],
+                   help="hobbit/low-tier: the high copy (default the model's own; int8 pairs with int2 as in HOBBIT)")
+    p.add_argument("--thresholds", default=None, metavar="T1,T2",
+                   help="HOBBIT's importance thresholds (default 0.6,0.9; low-tier 0.6,1.0: no skipping)")
+    p.add_argument("--high-share", type=float, default=0.75,
+                   help="hobbit: the high-precision sub-cache's share of the expert budget")
+
+
+def precision_config(args: argparse.Namespace):
+    from moetier.plan.precision import MixedPrecision
+
+    t1, t2 = 0.6, None
+    if args.thresholds is not None:
+        try:
+            t1, t2 = (float(v) for v in args.thresholds.split(","))
+        except ValueError:
+            raise MoetierError(f"--thresholds takes T1,T2 (e.g. 0.6,0.9), got {args.thresholds!r}") from None
+    return MixedPrecision(args.precision, args.high_precision, args.low_precision, t1, t2, args.high_share)
+
+
 def add_prefetch_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that can prefetch (docs/prediction.md)."""
     from moetier.plan.prefetchers import PREFETCHERS
@@ -105,6 +137,7 @@ def add_prefetch_options(p: argparse.ArgumentParser) -> None:
 def add_parser(sub) -> None:
     g = command(sub, "generate", "generate text with experts offloaded to disk")
     add_engine_options(g, "30%")
+    add_precision_options(g)
     g.add_argument("--prompt", action="append", help="prompt text; repeat for a batch; `-` reads stdin")
     g.add_argument("--prompt-file", action="append", help="a file whose text is one prompt; repeatable")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
+from moetier.paths import default_cache_dir
+from moetier.plan.precision import UNIFORM, MixedPrecision
 from moetier.plan.prefetchers import PREFETCHERS
 from moetier.policy_files import make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
@@ -27,8 +30,10 @@ from moetier.predictor_files import TRAINED, load_nets
 from moetier.resolve import resolve_model
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
+from moetier.store.variants import add_precisions, expert_layouts
 
 PARTITIONS = ("global", "per-layer")
+LOW_TIER_SHARE = 0.6  # low-tier's default: the resident low copies take at most this share of the expert budget
 MEMORY_MARGIN = 0.2  # share of available memory left for the KV cache, activations and everything else
 
 
@@ -45,6 +50,7 @@ class EngineConfig:
     prefetch: str = "none"  # a prefetch stage of moetier.plan.prefetchers: hobbit, smoe, comoe, presched, ahead
     predictor: str = "none"  # what the prefetch stage and the eviction policy hear: a name of moetier.predict
     predict_distance: int = 2  # MoE layers ahead the predictor scores (HOBBIT's p; the other stages use the next)
+    precision: MixedPrecision = MixedPrecision()  # every expert at the model's own precision: exact mode
 
     def __post_init__(self) -> None:
         if self.reader_threads < 1:
@@ -99,6 +105,32 @@ def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView) -> Budge
     return BudgetChoice(slots, cache, note)
 
 
+def choose_low(mixed: MixedPrecision, store: Store, cache_bytes: int) -> MixedPrecision:
+    """low-tier without a low precision: the most precise copy whose every expert takes at most LOW_TIER_SHARE of
+    the expert budget (the rest is the high-precision cache)."""
+    if mixed.mode != "low-tier" or mixed.low:
+        return mixed
+    spec, n = store.spec, len(store.spec.moe_layers) * store.spec.num_experts
+    for low in UNIFORM:
+        if expert_layouts(spec, [low])[low].blob_bytes * n <= LOW_TIER_SHARE * cache_bytes:
+            return dataclasses.replace(mixed, low=low)
+    smallest = expert_layouts(spec, ["int2"])["int2"].blob_bytes * n
+    raise BudgetError(f"low-tier keeps every expert resident at low precision; even int2 ({format_bytes(smallest)}) "
+                      f"takes more than {LOW_TIER_SHARE:.0%} of the expert budget ({format_bytes(cache_bytes)})",
+                      hint="give more --expert-memory, or use --precision hobbit")
+
+
+def add_missing_precisions(store: Store, mixed: MixedPrecision, progress: bool) -> list[str]:
+    """A store moetier converted into its cache on first use gets the quantized copies a mode needs on first use
+    too (returns those added); a store the user made is never changed (the executor names the command that would
+    add them)."""
+    native = store.manifest.native_precision
+    missing = [p for p in mixed.precisions(native) if p not in store.manifest.precisions]
+    if not missing or not store.path.resolve().is_relative_to(default_cache_dir().resolve()):
+        return []
+    return add_precisions(store.path, missing, progress)
+
+
 def check_device(name: str) -> torch.device:
     """A torch device this machine has, or a clear error."""
     try:
@@ -137,7 +169,7 @@ def device_memory(device: torch.device) -> MemoryView:
 
 class Engine:
     def __init__(self, store: Store, config: EngineConfig = EngineConfig(), memory: MemoryView | None = None,
-                 predictor: Predictor | None = None) -> None:
+                 predictor: Predictor | None = None, progress: bool = True) -> None:
         """`memory`: what bounds this process's memory (default: measured now, host and cgroups). `predictor`: a
         predictor object instead of the one `config.predictor` names (e.g. an oracle built from a trace)."""
         self.store, self.config, self.spec = store, config, store.spec
@@ -158,9 +190,17 @@ class Engine:
             predictor = make_predictor(config.predictor, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
                                        config.predict_distance,
                                        **predictor_inputs(config.predictor, dense, store, lambda: self.model))
+        self.precision = choose_low(config.precision, store, self.budget.cache_bytes)
+        if add_missing_precisions(store, self.precision, progress):
+            self.store = store = Store(store.path)
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
-        self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
-                                       per_layer, self.device, self.kernels, config.prefetch, predictor)
+        try:
+            self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
+                                           per_layer, self.device, self.kernels, config.prefetch, predictor,
+                                           mixed=self.precision, dtype=dense["embed_tokens"].dtype)
+        except BaseException:
+            self.reader.close()
+            raise
         self.model = Transformer(self.spec, dense, self.executor, self.kernels)
         self.executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
@@ -173,7 +213,7 @@ class Engine:
                         reconvert: bool = False, **config) -> Engine:
         """`reconvert`: convert a Hugging Face folder again even if the cache holds its store (a damaged one)."""
         config = EngineConfig(expert_memory=MemoryBudget.parse(expert_memory), policy=policy, **config)
-        return cls(Store(resolve_model(model, cache_dir, progress, reconvert)), config)
+        return cls(Store(resolve_model(model, cache_dir, progress, reconvert)), config, progress=progress)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -205,7 +245,7 @@ class Engine:
                 if delta:
                     on_text(b, delta)
 
-        stats = GenerationStats(expert_cache_bytes=self.executor.pool.nbytes, expert_slots=self.executor.pool.num_slots,
+        stats = GenerationStats(expert_cache_bytes=self.executor.slot_bytes, expert_slots=self.executor.pool.num_slots,
                                 total_expert_bytes=self.store.total_expert_bytes())
         eos = () if ignore_eos else self.spec.eos_token_ids
         outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.step_hooks)

@@ -15,12 +15,14 @@ from moetier.cache.residency import Residency
 from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
 from moetier.engine.slots import make_slots
-from moetier.errors import MoetierError
+from moetier.errors import BudgetError, MoetierError
+from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
 from moetier.plan.layer_plan import FAST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch
 from moetier.plan.planner import Planner
+from moetier.plan.precision import UNIFORM, LowTierStage, MixedPrecision, PrecisionStage
 from moetier.plan.prefetchers import layer_stages
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
@@ -33,20 +35,58 @@ class ExpertExecutor:
     def __init__(self, spec: ModelSpec, manifest: Manifest, capacity_bytes: int, policy: EvictionPolicy,
                  reader: ExpertReader, per_layer: bool = False, device: torch.device | str = "cpu",
                  kernels: TorchKernels | None = None, prefetch: str = "none", predictor: Predictor | None = None,
-                 prefetch_params: dict | None = None) -> None:
-        """`prefetch`: a stage of moetier.plan.prefetchers (or "none"), choosing reads from `predictor`'s scores."""
+                 prefetch_params: dict | None = None, mixed: MixedPrecision | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        """`prefetch`: a stage of moetier.plan.prefetchers (or "none"), choosing reads from `predictor`'s scores.
+        `mixed`: the precision mode (default: every expert at the model's own). `dtype`: the activations'."""
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
         self.kernels = kernels or TorchKernels()
         self.device = torch.device(device)
-        self.precision = manifest.native_precision
+        self.mixed = mixed = mixed or MixedPrecision()
+        native = manifest.native_precision
+        self.precision = mixed.mode if mixed.mode in UNIFORM else mixed.pair(native)[0]  # the high one
+        missing = [p for p in mixed.precisions(native) if p not in manifest.precisions]
+        if missing:
+            raise MoetierError(f"the store holds its experts at {', '.join(manifest.precisions)}, not "
+                               f"{', '.join(missing)}", hint=f"add them: moetier quantize STORE --precisions "
+                                                             f"{','.join(missing)}")
         entry_bytes = {p: layout.blob_bytes for p, layout in manifest.precisions.items()}
-        self.residency = Residency(capacity_bytes, entry_bytes, policy, spec.moe_layers if per_layer else None)
-        self.pools = {self.precision: make_slots(manifest.precisions[self.precision],
-                                                 self.residency.slots(self.precision), self.device)}
-        self.counts = CountingHook(entry_bytes)
+        self.pools = {}
+        tier = None
+        if mixed.mode == "low-tier":
+            low = mixed.pair(native)[1]
+            tier_bytes = entry_bytes[low] * len(spec.moe_layers) * spec.num_experts
+            high_room = spec.top_k * entry_bytes[self.precision]  # one layer's top-k at high precision
+            if tier_bytes + high_room > capacity_bytes:
+                raise BudgetError(f"low-tier keeps every expert at {low} ({tier_bytes / 2**20:.1f} MiB) and needs "
+                                  f"room for one layer's top-{spec.top_k} at {self.precision} beside them: more "
+                                  f"than the expert budget ({capacity_bytes / 2**20:.1f} MiB)",
+                                  hint="give more --expert-memory, or a lower --low-precision")
+            capacity_bytes -= tier_bytes
+            tier = LowTierStage(None, low, spec.moe_layers, spec.num_experts)
+            self.pools[low] = make_slots(manifest.precisions[low], len(spec.moe_layers) * spec.num_experts,
+                                         self.device)
+        shares = None
+        if mixed.mode == "hobbit":
+            high, low = mixed.pair(native)
+            shares = {high: mixed.high_share, low: 1 - mixed.high_share}
+        cached = {self.precision: entry_bytes[self.precision]} if not shares else {p: entry_bytes[p] for p in shares}
+        self.residency = Residency(capacity_bytes, cached, policy, spec.moe_layers if per_layer else None, shares)
+        for p in cached:
+            self.pools[p] = make_slots(manifest.precisions[p], self.residency.slots(p), self.device)
+        self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype) for p in self.pools}
+        self.counts = CountingHook(entry_bytes, self.precision if mixed.mixed else None)
         self.costs = RunningCosts(entry_bytes[self.precision])
-        stages = layer_stages(self.residency, self.precision, prefetch, predictor, self.costs, spec.top_k,
-                              prefetch_params)
+        stages = []
+        if mixed.mixed:
+            high, low = mixed.pair(native)
+            stages.append(PrecisionStage(self.residency, high, low, mixed.t1, mixed.t2))
+        if tier is not None:
+            tier.residency = self.residency
+            stages.append(tier)
+            self._load_tier(tier)
+        stages += layer_stages(self.residency, self.precision, prefetch, predictor, self.costs, spec.top_k,
+                               prefetch_params)
         self.layer_step = LayerStep(self.residency, Planner(self.precision, stages), hooks=[self.counts],
                                     predictor=predictor)
         self._clock = time.perf_counter()  # when the previous MoE layer's experts were done
@@ -55,8 +95,26 @@ class ExpertExecutor:
 
     @property
     def pool(self):
-        """The slots of the model's own precision."""
+        """The cache's slots of the run's high precision (the model's own in exact mode)."""
         return self.pools[self.precision]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes every pool reserved (a low tier included)."""
+        return sum(pool.nbytes for pool in self.pools.values())
+
+    def _load_tier(self, tier: LowTierStage) -> None:
+        """Read every expert's low copy into the tier (once, at start-up)."""
+        from tqdm import tqdm
+
+        pool = self.pools[tier.low]
+        keys = [(layer, e) for layer in self.spec.moe_layers for e in range(self.spec.num_experts)]
+        for layer, e in keys:
+            slot = tier.slot(layer, e)
+            self.reader.submit(self.manifest.blob(layer, e, tier.low), pool.read_target(slot), pool.completions[slot],
+                               ON_DEMAND)
+        for layer, e in tqdm(keys, desc=f"low tier ({tier.low})", unit="expert", disable=None, leave=False):
+            pool.completions[tier.slot(layer, e)].wait()
 
     def begin_step(self, phase: int, phases: tuple[PhaseCounters, PhaseCounters]) -> None:
         """A forward step starts; its layers are counted into `phases` (one generate call's statistics)."""
@@ -101,7 +159,7 @@ class ExpertExecutor:
                 deferred[load.after] = load
         for prefetch in plan.prefetches:
             self._prefetch(prefetch)
-        groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, plan.counts, self.kernels, weight_dtype)
+        groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, plan.counts, weight_dtype)
         try:
             shared_out = shared() if shared is not None else None  # resident work first, while reads land
             for run in plan.runs:
@@ -113,7 +171,7 @@ class ExpertExecutor:
                     self.in_flight.pop(ExpertKey(layer, run.expert), None)  # a prefetch this layer waited for
                 w = pool.weights(run.slot)
                 start = time.perf_counter()
-                groups.compute(run.expert, w["gate_up_proj"], w["down_proj"])
+                groups.compute(run.expert, self.expert_kernels[run.precision], w)
                 self.costs.observe_expert(time.perf_counter() - start)
                 follower = deferred.pop(run.expert, None)
                 if follower is not None:  # its slot is free now

@@ -10,15 +10,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moetier.model.kernels import TorchKernels
-
 
 class ExpertGroups:
     def __init__(self, x: torch.Tensor, assign_ids: np.ndarray, assign_weights: np.ndarray, counts: np.ndarray,
-                 kernels: TorchKernels, weight_dtype: torch.dtype) -> None:
+                 weight_dtype: torch.dtype) -> None:
         """x [T, H]; assign_ids, assign_weights [T, k] (host); counts [E] pairs per expert (SKIP not counted);
         weight_dtype: the router's (the reference weighs each expert's output in it)."""
-        self.x, self.kernels = x, kernels
+        self.x = x
         flat = assign_ids.reshape(-1)  # [T*k]
         order = np.argsort(flat, kind="stable")  # SKIP (-1) sorts first
         order = order[flat.size - int(counts.sum()):]  # [P] the pairs that run
@@ -28,9 +26,11 @@ class ExpertGroups:
         self.ys = torch.empty_like(self.xs)
         self.offsets = [0, *np.cumsum(counts).tolist()]
 
-    def compute(self, expert: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+    def compute(self, expert: int, kernel, w: dict[str, torch.Tensor]) -> None:
+        """`kernel(out, x, w, weights)` (moetier.model.expert_kernels) on the expert's tokens, `w` its slot's
+        tensors."""
         a, b = self.offsets[expert], self.offsets[expert + 1]
-        self.kernels.expert(self.ys[a:b], self.xs[a:b], gate_up_proj, down_proj, self.ws[a:b])
+        kernel(self.ys[a:b], self.xs[a:b], w, self.ws[a:b])
 
     def combine(self) -> torch.Tensor:
         """Sum each token's expert outputs: [T, H]."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moetier.cache.keys import Precision
-from moetier.plan.layer_plan import LayerPlan
+from moetier.plan.layer_plan import SKIP, LayerPlan
 from moetier.plan.step import LayerHook
 from moetier.predict.quality import top_ids
 
@@ -28,9 +28,17 @@ class PhaseCounters:
     prefetch_cancelled: int = 0  # of the wasted, reads cancelled before they started (nothing read)
     predicted: int = 0  # true (token, expert) pairs of layers the predictor scored one MoE layer ahead
     predicted_right: int = 0  # of those, among the predicted top-k: the predictor's recall (DESIGN.md) live
+    low_runs: int = 0  # needed experts computed below the high precision (a precision stage's choice)
+    low_loads: int = 0  # of the loads, those of a low-precision copy
+    skipped: int = 0  # (token, k) assignments a precision stage skipped
 
-    def add(self, plan: LayerPlan, entry_bytes: Mapping[Precision, int]) -> None:
+    def add(self, plan: LayerPlan, entry_bytes: Mapping[Precision, int], high: Precision | None = None) -> None:
+        """`high`: the run's high precision (None: count no low runs)."""
         self.layer_steps += 1
+        if high is not None:
+            self.low_runs += sum(1 for run in plan.runs if run.precision != high)
+            self.low_loads += sum(1 for load in plan.loads if load.precision != high)
+        self.skipped += int((plan.assign_ids == SKIP).sum()) if plan.assign_ids is not plan.route.topk_ids else 0
         self.needed += len(plan.runs)
         self.hits += len(plan.hits)
         self.loads += len(plan.loads)
@@ -62,14 +70,14 @@ class CountingHook(LayerHook):
     """Adds each layer to the counters of its phase; `phases` is swapped per generate call. Scores the predictor
     as it runs: each layer's prediction of the next MoE layer against that layer's routing, in the same step."""
 
-    def __init__(self, entry_bytes: Mapping[Precision, int]) -> None:
-        self.entry_bytes = entry_bytes
+    def __init__(self, entry_bytes: Mapping[Precision, int], high: Precision | None = None) -> None:
+        self.entry_bytes, self.high = entry_bytes, high
         self.phases = (PhaseCounters(), PhaseCounters())
         self.pending: dict[int, np.ndarray] = {}  # next MoE layer -> predicted top-k ids [T, k], until it routes
 
     def on_plan(self, plan: LayerPlan, phase: int) -> None:
         counters = self.phases[phase]
-        counters.add(plan, self.entry_bytes)
+        counters.add(plan, self.entry_bytes, self.high)
         guess = self.pending.pop(plan.layer, None)
         true_ids = plan.route.topk_ids  # [T, k]
         if guess is not None and guess.shape[0] == true_ids.shape[0]:

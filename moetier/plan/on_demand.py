@@ -1,7 +1,7 @@
 """The on-demand stage: every needed expert gets a run; one not in the cache also gets a slot and a load.
 
-An expert resident at another precision than wanted runs at the precision it is held at (a later precision
-stage decides what is usable). If the budget is smaller than the experts one layer needs, a load takes the slot
+An expert resident at another precision than wanted runs at the precision it is held at (HOBBIT: a resident copy
+of any precision is used); one an earlier stage already gave a run (a resident low tier) is left to it. If the budget is smaller than the experts one layer needs, a load takes the slot
 of an expert this layer computes earlier (chosen by the eviction policy) and waits for that compute: experts
 stream through the cache, so any budget of one layer's top-k is correct, only slower."""
 
@@ -21,7 +21,10 @@ class OnDemandStage:
     def __call__(self, plan: LayerPlan) -> LayerPlan:
         r, layer = self.residency, plan.layer
         resident, in_flight, misses = [], [], []
+        planned = {run.expert for run in plan.runs}  # run from elsewhere by an earlier stage (a low tier)
         for e in plan.experts:
+            if e in planned:
+                continue
             key = ExpertKey(layer, e)
             entry = r.entries.get(key)
             if entry is None:
@@ -32,7 +35,8 @@ class OnDemandStage:
             run = Run(e, entry.precision, entry.slot, IN_FLIGHT if entry.loading else RESIDENT, plan.place[e])
             (in_flight if entry.loading else resident).append(run)
         plan.runs += resident + in_flight  # resident work first, while reads land
-        done_before = {ExpertKey(layer, run.expert): None for run in plan.runs}  # computed earlier, in order
+        done_before = {key: None for key in (ExpertKey(layer, run.expert) for run in plan.runs)
+                       if key in r.entries}  # cached, computed earlier, in order
         for e in misses:
             key, precision = ExpertKey(layer, e), plan.precision[e]
             got = r.admit(key, precision, IN_USE)

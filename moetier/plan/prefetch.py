@@ -118,9 +118,8 @@ class PrefetchStage:
     def _room(self, key: ExpertKey, nbytes: int, reserve: int) -> bool:
         """Pinning `nbytes` more for `key` still leaves `reserve` bytes of its scope unpinned by prefetches."""
         r = self.residency
-        layer = key.layer if r.layers else None
-        capacity = r.layer_capacity if r.layers else r.capacity_bytes
-        return r.pinned_bytes(PREFETCHED, layer) + nbytes + reserve <= capacity
+        part = r.part_of(key, self.precision)
+        return r.pinned_bytes(PREFETCHED, part) + nbytes + reserve <= r.part_capacity(part)
 
     def reading(self) -> int:
         """Prefetches of ours whose reads have not landed."""

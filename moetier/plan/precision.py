@@ -1,0 +1,135 @@
+"""Which precision each needed expert is computed at: HOBBIT's token-level dynamic expert loading (§3.2), and the
+`low-tier` mode built on it.
+
+`MixedPrecision` configures a run:
+- `native` (exact mode), or `int8`/`int4`/`int2`: every expert at that one precision (the store's copies);
+- `hobbit`: a missing expert is loaded at high precision if it matters for its token, at low precision if it
+  matters less, or skipped; a resident copy of either precision is used as it is. The cache is split into a
+  high- and a low-precision sub-cache (§3.4) by `high_share` of the bytes;
+- `low-tier` (ours): every expert resident at the low precision (read once at start-up, out of the budget); the
+  rest of the budget a high-precision cache. An expert the stage calls important is computed at high precision
+  (from the cache, or read from disk into it); the others from their resident low copy; nothing waits for the
+  disk unless it matters.
+
+The importance (Eq. 2): the token's selected experts in descending order of their normalised gate value, s_i the
+sum of the gates before expert i; s_i <= T1 high, T1 < s_i <= T2 low, s_i > T2 skip; the first expert always high.
+An expert several tokens of a step select takes the most important of its uses (a prompt's tokens share one
+plan): it is skipped only where every token would skip it, and then for all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moetier.cache.keys import ExpertKey, Precision
+from moetier.cache.residency import Residency
+from moetier.errors import MoetierError
+from moetier.plan.layer_plan import RESIDENT, SKIP, LayerPlan, Run
+
+MODES = ("native", "int8", "int4", "int2", "hobbit", "low-tier")
+UNIFORM = ("int8", "int4", "int2")
+HIGH, LOW, SKIPPED = 0, 1, 2  # an assignment's level
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    mode: str = "native"
+    high: Precision = ""  # "": the model's own precision
+    low: Precision = ""  # "": int4 for hobbit; for low-tier the most precise copy that fits (see engine)
+    t1: float = 0.6  # HOBBIT's defaults (§3.2)
+    t2: float | None = None  # None: HOBBIT's 0.9; for low-tier 1.0 (its low copy is resident: skipping saves no read)
+    high_share: float = 0.75  # hobbit: the high-precision sub-cache's share of the bytes
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise MoetierError(f"unknown precision mode {self.mode!r}", hint=f"one of {', '.join(MODES)}")
+        if self.t2 is None:
+            object.__setattr__(self, "t2", 1.0 if self.mode == "low-tier" else 0.9)
+        if not 0 <= self.t1 <= self.t2:
+            raise MoetierError(f"thresholds need 0 <= T1 <= T2, got T1={self.t1}, T2={self.t2}")
+        if not 0 < self.high_share <= 1:
+            raise MoetierError(f"high_share must be in (0, 1], got {self.high_share}")
+        if self.low and self.low not in UNIFORM:
+            raise MoetierError(f"unknown low precision {self.low!r}", hint=f"one of {', '.join(UNIFORM)}")
+
+    @property
+    def mixed(self) -> bool:
+        return self.mode in ("hobbit", "low-tier")
+
+    def pair(self, native: Precision, default_low: Precision = "int4") -> tuple[Precision, Precision]:
+        """(high, low) for a model whose own precision is `native`."""
+        return self.high or native, self.low or default_low
+
+    def precisions(self, native: Precision, default_low: Precision = "int4") -> tuple[Precision, ...]:
+        """The precisions the store must hold for this mode."""
+        if self.mode == "native":
+            return (native,)
+        if self.mode in UNIFORM:
+            return (self.mode,)
+        return self.pair(native, default_low)
+
+
+def levels(topk_weights: np.ndarray, t1: float, t2: float) -> np.ndarray:
+    """[T, k] router weights -> [T, k] HIGH / LOW / SKIPPED per Eq. 2 (on the weights normalised per token)."""
+    w = np.abs(topk_weights.astype(np.float64))
+    w = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-30)
+    order = np.argsort(-w, axis=1, kind="stable")  # descending gate
+    ranked = np.take_along_axis(w, order, axis=1)
+    s = np.cumsum(ranked, axis=1) - ranked  # sum of the gates before each: s_0 = 0
+    ranked_level = np.where(s <= t1, HIGH, np.where(s <= t2, LOW, SKIPPED))
+    ranked_level[:, 0] = HIGH  # the first expert is always important
+    out = np.empty_like(ranked_level)
+    np.put_along_axis(out, order, ranked_level, axis=1)
+    return out
+
+
+class PrecisionStage:
+    """HOBBIT's dynamic loader: before the on-demand stage, each missing expert gets the precision its importance
+    asks for, or its assignments are skipped. Experts with an entry in the cache (resident or being read) are
+    left alone: the on-demand stage runs them at the precision they are held at."""
+
+    name = "precision"
+
+    def __init__(self, residency: Residency, high: Precision, low: Precision, t1: float, t2: float) -> None:
+        self.residency, self.high, self.low, self.t1, self.t2 = residency, high, low, t1, t2
+
+    def __call__(self, plan: LayerPlan) -> LayerPlan:
+        ids = plan.assign_ids  # [T, k]
+        level = levels(plan.assign_weights, self.t1, self.t2)
+        level[ids == SKIP] = SKIPPED
+        entries, layer = self.residency.entries, plan.layer
+        skip = np.zeros(ids.shape, dtype=bool)
+        for e in plan.experts:
+            if ExpertKey(layer, e) in entries:
+                continue
+            mine = ids == e
+            best = level[mine].min()
+            if best == SKIPPED:
+                skip |= mine
+            else:
+                plan.precision[e] = self.high if best == HIGH else self.low
+        if skip.any():
+            plan.reassign(np.where(skip, SKIP, ids), np.where(skip, 0.0, plan.assign_weights).astype(np.float32),
+                          self.high)
+        return plan
+
+
+class LowTierStage:
+    """After the precision stage, before the on-demand one: an expert wanted at the low precision and not in the
+    cache runs from the resident low tier (slot `index(layer) * num_experts + expert` of the tier's pool)."""
+
+    name = "low-tier"
+
+    def __init__(self, residency: Residency, low: Precision, layers: tuple[int, ...], num_experts: int) -> None:
+        self.residency, self.low, self.num_experts = residency, low, num_experts
+        self.index = {layer: i for i, layer in enumerate(layers)}
+
+    def slot(self, layer: int, expert: int) -> int:
+        return self.index[layer] * self.num_experts + expert
+
+    def __call__(self, plan: LayerPlan) -> LayerPlan:
+        for e, precision in plan.precision.items():
+            if precision == self.low and ExpertKey(plan.layer, e) not in self.residency.entries:
+                plan.runs.append(Run(e, self.low, self.slot(plan.layer, e), RESIDENT, plan.place[e]))
+        return plan

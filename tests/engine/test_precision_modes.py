@@ -1,0 +1,98 @@
+"""Mixed precision in the real engine: every mode runs from the store's quantized copies, reads what its plan
+says, and leaves exact mode alone."""
+
+import shutil
+
+import pytest
+import torch
+
+from moetier import Engine
+from moetier.config import MemoryBudget
+from moetier.engine.engine import EngineConfig
+from moetier.errors import MoetierError
+from moetier.plan.precision import MixedPrecision
+from moetier.store.format import Manifest
+from moetier.store.store import Store
+from moetier.store.variants import add_precisions
+
+
+def prompts(vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 12)]
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_store, tmp_path_factory):
+    """A bf16 four-layer OLMoE with int8, int4 and int2 copies (a store the user made)."""
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    dest = tmp_path_factory.mktemp("quantized") / "store"
+    shutil.copytree(path, dest)
+    add_precisions(dest, "int8,int4,int2", progress=False)
+    return dest
+
+
+def run(path, mode, memory="100%", **kw):
+    config = EngineConfig(expert_memory=MemoryBudget.parse(memory), precision=MixedPrecision(mode, **kw))
+    with Engine(Store(path), config) as engine:
+        outs = [engine.generate([p], max_new_tokens=10, ignore_eos=True) for p in prompts()]
+    return [o.token_ids[0] for o in outs], [o.stats for o in outs]
+
+
+def test_native_mode_is_exact_mode(quantized, tiny_store):
+    _, plain = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    assert run(quantized, "native")[0] == run(plain, "native")[0]
+
+
+def test_uniform_precisions_read_their_own_bytes(quantized):
+    manifest = Manifest.load(quantized)
+    for mode in ("int8", "int4", "int2"):
+        tokens, stats = run(quantized, mode, memory="30%")
+        s = stats[0]
+        assert s["expert_bytes_read"] == s["prefill"]["loads"] * manifest.precisions[mode].blob_bytes + \
+            s["decode"]["loads"] * manifest.precisions[mode].blob_bytes
+        assert all(len(t) == 10 for t in tokens)
+
+
+def test_int8_keeps_most_tokens_and_int2_changes_more(quantized):
+    exact = sum(run(quantized, "native")[0], [])
+    agree = {m: sum(a == b for a, b in zip(exact, sum(run(quantized, m)[0], []))) / len(exact)
+             for m in ("int8", "int2")}
+    assert agree["int8"] >= 0.8 and agree["int8"] >= agree["int2"]
+
+
+def test_hobbit_loads_low_copies_and_skips(quantized):
+    _, stats = run(quantized, "hobbit", memory="30%")
+    decode = [s["decode"] for s in stats]
+    assert sum(d["low_loads"] for d in decode) > 0 and sum(d["skipped"] for d in decode) > 0
+    assert all(d["low_runs"] >= d["low_loads"] for d in decode)
+
+
+def test_low_tier_computes_unimportant_experts_from_resident_low_copies(quantized):
+    tokens, stats = run(quantized, "low-tier", memory="60%", low="int2")
+    d = stats[0]["decode"]
+    assert d["low_runs"] > 0 and d["low_loads"] == 0 and d["skipped"] == 0  # low copies are never read again
+    assert stats[0]["expert_cache_bytes"] <= 0.6 * Store(quantized).total_expert_bytes() + 4096 * 64
+
+
+def test_low_tier_chooses_the_most_precise_low_copy_that_fits(quantized):
+    config = EngineConfig(expert_memory=MemoryBudget.parse("100%"), precision=MixedPrecision("low-tier"))
+    with Engine(Store(quantized), config) as engine:
+        assert engine.precision.low == "int8"
+    config = EngineConfig(expert_memory=MemoryBudget.parse("10%"), precision=MixedPrecision("low-tier"))
+    with pytest.raises(MoetierError, match="even int2"):
+        Engine(Store(quantized), config)
+
+
+def test_a_user_store_without_the_copies_is_refused_with_the_command(tiny_store):
+    _, plain = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    with pytest.raises(MoetierError, match="not int4") as e:
+        Engine(Store(plain), EngineConfig(precision=MixedPrecision("int4")))
+    assert "moetier quantize" in e.value.hint
+    assert "int4" not in Manifest.load(plain).precisions  # never changed
+
+
+def test_a_model_converted_on_first_use_gets_its_copies_on_first_use(tiny_store):
+    _, plain = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    with Engine.from_pretrained(plain.parent / "hf", precision=MixedPrecision("int4"), progress=False) as engine:
+        assert "int4" in engine.store.manifest.precisions
+        assert len(engine.generate([prompts()[0]], max_new_tokens=3, ignore_eos=True).token_ids[0]) == 3

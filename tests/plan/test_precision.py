@@ -1,0 +1,105 @@
+"""HOBBIT's precision stage (§3.2, Eq. 2) and the low tier, as pure logic on hand-made routes."""
+
+import numpy as np
+import pytest
+
+from moetier.cache.keys import ExpertKey
+from moetier.cache.policies import LRUPolicy
+from moetier.cache.residency import Residency
+from moetier.errors import MoetierError
+from moetier.plan.layer_plan import RESIDENT, SKIP, LayerPlan
+from moetier.plan.on_demand import OnDemandStage
+from moetier.plan.precision import HIGH, LOW, SKIPPED, LowTierStage, MixedPrecision, PrecisionStage, levels
+from moetier.plan.route import RouteResult
+
+
+def route(ids, weights, layer=0, num_experts=8):
+    ids, weights = np.asarray(ids, dtype=np.int64), np.asarray(weights, dtype=np.float32)
+    return RouteResult(layer, 1, ids, weights, np.zeros((ids.shape[0], num_experts), np.float32))
+
+
+def test_levels_follow_equation_2():
+    # gates 0.5, 0.3, 0.15, 0.05 (given out of order): s = 0, 0.5, 0.8, 0.95
+    w = np.array([[0.15, 0.5, 0.05, 0.3]])
+    assert levels(w, 0.6, 0.9).tolist() == [[LOW, HIGH, SKIPPED, HIGH]]
+    # unnormalised router weights are normalised first: the same answer
+    assert levels(w * 0.37, 0.6, 0.9).tolist() == [[LOW, HIGH, SKIPPED, HIGH]]
+    # the first expert is high even when T1 = 0
+    assert levels(w, 0.0, 0.0).tolist() == [[SKIPPED, HIGH, SKIPPED, SKIPPED]]
+
+
+def residency(capacity=100, **shares):
+    return Residency(capacity, {"bf16": 10, "int4": 3}, LRUPolicy(), shares=shares or None)
+
+
+def test_misses_get_their_precision_and_the_least_important_are_skipped():
+    r = residency()
+    plan = LayerPlan.exact(route([[1, 2, 3, 4]], [[0.5, 0.3, 0.15, 0.05]]), "bf16")
+    plan = PrecisionStage(r, "bf16", "int4", 0.6, 0.9)(plan)
+    assert plan.precision == {1: "bf16", 2: "bf16", 3: "int4"}
+    assert plan.assign_ids.tolist() == [[1, 2, 3, SKIP]] and plan.assign_weights[0, 3] == 0
+    plan = OnDemandStage(r)(plan)
+    assert [(ld.expert, ld.precision) for ld in plan.loads] == [(1, "bf16"), (2, "bf16"), (3, "int4")]
+
+
+def test_a_resident_copy_of_any_precision_is_used_as_it_is():
+    r = residency()
+    for e, p in ((1, "int4"), (4, "bf16")):
+        r.admit(ExpertKey(0, e), p)
+        r.landed(ExpertKey(0, e))
+    r.unpin_all()
+    plan = LayerPlan.exact(route([[1, 2, 3, 4]], [[0.5, 0.3, 0.15, 0.05]]), "bf16")
+    plan = OnDemandStage(r)(PrecisionStage(r, "bf16", "int4", 0.6, 0.9)(plan))
+    assert plan.assign_ids.tolist() == [[1, 2, 3, 4]]  # expert 4 would be skipped, but it is resident
+    assert {run.expert: (run.precision, run.source) for run in plan.runs} == {
+        1: ("int4", RESIDENT), 4: ("bf16", RESIDENT), 2: ("bf16", "load"), 3: ("int4", "load")}
+
+
+def test_an_expert_is_skipped_only_if_every_token_would_skip_it():
+    r = residency()
+    plan = LayerPlan.exact(route([[1, 2, 3, 4], [4, 3, 2, 1]], [[0.5, 0.3, 0.15, 0.05]] * 2), "bf16")
+    plan = PrecisionStage(r, "bf16", "int4", 0.6, 0.9)(plan)
+    assert (plan.assign_ids != SKIP).all()  # 4 is important for the second token, 1 for the first
+    assert plan.precision == {1: "bf16", 2: "bf16", 3: "bf16", 4: "bf16"}
+
+
+def test_sub_caches_evict_within_their_precision():
+    r = residency(capacity=40, bf16=0.5, int4=0.5)  # 20 bytes each: two bf16, six int4
+    assert r.slots("bf16") == 2 and r.slots("int4") == 6
+    for e in range(6):
+        assert r.admit(ExpertKey(0, e), "int4")[1] == ()
+        r.landed(ExpertKey(0, e))
+    r.unpin_all()
+    slot, evicted = r.admit(ExpertKey(0, 6), "bf16")
+    assert evicted == ()  # the high sub-cache is empty: nothing of the low one leaves
+    r.landed(ExpertKey(0, 6))
+    r.unpin_all()
+    _, evicted = r.admit(ExpertKey(0, 7), "int4")
+    assert evicted == (ExpertKey(0, 0),)  # the low sub-cache's least recent
+    with pytest.raises(ValueError, match="by layer or by precision"):
+        Residency(40, {"bf16": 10}, LRUPolicy(), layers=(0,), shares={"bf16": 1.0})
+
+
+def test_the_low_tier_serves_unimportant_misses_without_a_read():
+    r = Residency(100, {"bf16": 10}, LRUPolicy())
+    plan = LayerPlan.exact(route([[5, 6]], [[0.7, 0.3]], layer=3), "bf16")
+    plan = PrecisionStage(r, "bf16", "int2", 0.6, 1.0)(plan)
+    tier = LowTierStage(r, "int2", (1, 3), 8)
+    plan = OnDemandStage(r)(tier(plan))
+    assert [(ld.expert, ld.precision) for ld in plan.loads] == [(5, "bf16")]
+    assert [(run.expert, run.precision, run.slot, run.source) for run in plan.runs if run.precision == "int2"] == [
+        (6, "int2", 1 * 8 + 6, RESIDENT)]
+
+
+@pytest.mark.parametrize("kw, match", [({"mode": "fp8"}, "unknown precision mode"),
+                                       ({"mode": "hobbit", "t1": 0.9, "t2": 0.5}, "0 <= T1 <= T2"),
+                                       ({"mode": "hobbit", "low": "int3"}, "unknown low precision"),
+                                       ({"mode": "hobbit", "high_share": 0}, "high_share")])
+def test_bad_configurations_are_refused(kw, match):
+    with pytest.raises(MoetierError, match=match):
+        MixedPrecision(**kw)
+
+
+def test_low_tier_does_not_skip_unless_asked():
+    assert MixedPrecision("low-tier").t2 == 1.0 and MixedPrecision("hobbit").t2 == 0.9
+    assert MixedPrecision("low-tier", t2=0.95).t2 == 0.95
