@@ -51,40 +51,22 @@ class ExpertExecutor:
                                f"{', '.join(missing)}", hint=f"add them: moetier quantize STORE --precisions "
                                                              f"{','.join(missing)}")
         entry_bytes = {p: layout.blob_bytes for p, layout in manifest.precisions.items()}
-        self.pools = {}
-        tier = None
-        if mixed.mode == "low-tier":
-            low = mixed.pair(native)[1]
-            tier_bytes = entry_bytes[low] * len(spec.moe_layers) * spec.num_experts
-            high_room = spec.top_k * entry_bytes[self.precision]  # one layer's top-k at high precision
-            if tier_bytes + high_room > capacity_bytes:
-                raise BudgetError(f"low-tier keeps every expert at {low} ({tier_bytes / 2**20:.1f} MiB) and needs "
-                                  f"room for one layer's top-{spec.top_k} at {self.precision} beside them: more "
-                                  f"than the expert budget ({capacity_bytes / 2**20:.1f} MiB)",
-                                  hint="give more --expert-memory, or a lower --low-precision")
-            capacity_bytes -= tier_bytes
-            tier = LowTierStage(None, low, spec.moe_layers, spec.num_experts)
+        high, low = mixed.pair(native)
+        tier_bytes = self._check_tier(entry_bytes, capacity_bytes) if mixed.mode == "low-tier" else 0
+        shares = {high: mixed.high_share, low: 1 - mixed.high_share} if mixed.mode == "hobbit" else None
+        cached = {p: entry_bytes[p] for p in (shares or (self.precision,))}
+        self.residency = Residency(capacity_bytes - tier_bytes, cached, policy,
+                                   spec.moe_layers if per_layer else None, shares)
+        self.pools = {p: make_slots(manifest.precisions[p], self.residency.slots(p), self.device) for p in cached}
+        stages = [PrecisionStage(self.residency, high, low, mixed.t1, mixed.t2)] if mixed.mixed else []
+        if tier_bytes:
+            tier = LowTierStage(self.residency, low, spec.moe_layers, spec.num_experts)
             self.pools[low] = make_slots(manifest.precisions[low], len(spec.moe_layers) * spec.num_experts,
                                          self.device)
-        shares = None
-        if mixed.mode == "hobbit":
-            high, low = mixed.pair(native)
-            shares = {high: mixed.high_share, low: 1 - mixed.high_share}
-        cached = {self.precision: entry_bytes[self.precision]} if not shares else {p: entry_bytes[p] for p in shares}
-        self.residency = Residency(capacity_bytes, cached, policy, spec.moe_layers if per_layer else None, shares)
-        for p in cached:
-            self.pools[p] = make_slots(manifest.precisions[p], self.residency.slots(p), self.device)
+            stages.append(tier)
         self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype) for p in self.pools}
         self.counts = CountingHook(entry_bytes, self.precision if mixed.mixed else None)
         self.costs = RunningCosts(entry_bytes[self.precision])
-        stages = []
-        if mixed.mixed:
-            high, low = mixed.pair(native)
-            stages.append(PrecisionStage(self.residency, high, low, mixed.t1, mixed.t2))
-        if tier is not None:
-            tier.residency = self.residency
-            stages.append(tier)
-            self._load_tier(tier)
         stages += layer_stages(self.residency, self.precision, prefetch, predictor, self.costs, spec.top_k,
                                prefetch_params)
         self.layer_step = LayerStep(self.residency, Planner(self.precision, stages), hooks=[self.counts],
@@ -92,6 +74,8 @@ class ExpertExecutor:
         self._clock = time.perf_counter()  # when the previous MoE layer's experts were done
         self._disk = reader.activity()  # (busy seconds, bytes) at that moment
         self.in_flight: dict[ExpertKey, tuple[str, int]] = {}  # prefetched keys whose reads may not have landed
+        if tier_bytes:
+            self._load_tier(tier)
 
     @property
     def pool(self):
@@ -102,6 +86,17 @@ class ExpertExecutor:
     def slot_bytes(self) -> int:
         """Bytes every pool reserved (a low tier included)."""
         return sum(pool.nbytes for pool in self.pools.values())
+
+    def _check_tier(self, entry_bytes: dict[str, int], capacity_bytes: int) -> int:
+        """The low tier's bytes, refused if they leave no room for one layer's top-k at high precision."""
+        spec, low = self.spec, self.mixed.pair(self.manifest.native_precision)[1]
+        tier_bytes = entry_bytes[low] * len(spec.moe_layers) * spec.num_experts
+        if tier_bytes + spec.top_k * entry_bytes[self.precision] > capacity_bytes:
+            raise BudgetError(f"low-tier keeps every expert at {low} ({tier_bytes / 2**20:.1f} MiB) and needs room "
+                              f"for one layer's top-{spec.top_k} at {self.precision} beside them: more than the "
+                              f"expert budget ({capacity_bytes / 2**20:.1f} MiB)",
+                              hint="give more --expert-memory, or a lower --low-precision")
+        return tier_bytes
 
     def _load_tier(self, tier: LowTierStage) -> None:
         """Read every expert's low copy into the tier (once, at start-up)."""

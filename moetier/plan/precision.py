@@ -50,6 +50,8 @@ class MixedPrecision:
             raise MoetierError(f"thresholds need 0 <= T1 <= T2, got T1={self.t1}, T2={self.t2}")
         if not 0 < self.high_share <= 1:
             raise MoetierError(f"high_share must be in (0, 1], got {self.high_share}")
+        if self.low and self.low == self.high:
+            raise MoetierError(f"high and low precision are both {self.low}", hint="give two different copies")
         if self.low and self.low not in UNIFORM:
             raise MoetierError(f"unknown low precision {self.low!r}", hint=f"one of {', '.join(UNIFORM)}")
 
