@@ -38,6 +38,7 @@ class PhaseCounters:
         if high is not None:
             self.low_runs += sum(1 for run in plan.runs if run.precision != high)
             self.low_loads += sum(1 for load in plan.loads if load.precision != high)
+        # an untouched assignment is the routing's own array (nothing skipped): no count on exact plans
         self.skipped += int((plan.assign_ids == SKIP).sum()) if plan.assign_ids is not plan.route.topk_ids else 0
         self.needed += len(plan.runs)
         self.hits += len(plan.hits)
