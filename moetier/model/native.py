@@ -16,7 +16,9 @@ import torch
 
 from moetier.paths import default_cache_dir
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("bf16_rows.c", "q_rows.c"))
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c"))
+HEADERS = (CSRC / "bf16.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 VECTOR_CAPABILITIES = ("AVX2", "AVX512")  # what torch.backends.cpu.get_cpu_capability() calls AVX2 or better
 
@@ -35,7 +37,7 @@ def _compiler() -> str | None:
 
 def _library_path(compiler: str) -> Path:
     """Named by what went into it, so a changed source or compiler builds anew beside the old one."""
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join((compiler, *FLAGS)).encode())
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join((compiler, *FLAGS)).encode())
     return default_cache_dir() / "kernels" / f"moetier-kernels-{key.hexdigest()[:16]}.so"
 
 

@@ -19,31 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PARALLEL_MIN_BYTES (256 * 1024) /* below this, waking the team costs more than it saves */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet: as c10::BFloat16 */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* Where element i of an activation vector is kept so that it meets its weight: in each full block of 16, the
    order unpacklo/unpackhi leave the weights in, [0-3, 8-11 | 4-7, 12-15]; the tail past the last full block
