@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from moetier.atomic import target_lock
+from moetier.atomic import atomic_write_json, target_lock
 from moetier.config import ModelSpec
 from moetier.errors import StoreError
 from moetier.store.format import BlobRef, PrecisionLayout
@@ -102,9 +102,7 @@ def _layer(store: Store, layer: int, layouts: dict[str, PrecisionLayout], bar) -
     try:
         for p, tmp in tmps.items():
             tmp.parent.mkdir(parents=True, exist_ok=True)
-            files[p] = open(tmp, "wb")
-        for p in todo:
-            refs[p] = []
+            files[p], refs[p] = open(tmp, "wb"), []
         for e in range(n if todo else 0):
             native = store.read_expert(layer, e)
             for p, layout in todo.items():
@@ -127,10 +125,8 @@ def _layer(store: Store, layer: int, layouts: dict[str, PrecisionLayout], bar) -
 
 
 def _write_sidecar(path: Path, sidecar: Path, layout: PrecisionLayout, refs: list[BlobRef]) -> None:
-    tmp = sidecar.with_name(f".{sidecar.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"format": SIDECAR_FORMAT, "precision": layout.name, "blob_bytes": layout.blob_bytes,
-                               "file_bytes": path.stat().st_size, "blobs": [dataclasses.astuple(r) for r in refs]}))
-    os.replace(tmp, sidecar)
+    atomic_write_json(sidecar, {"format": SIDECAR_FORMAT, "precision": layout.name, "blob_bytes": layout.blob_bytes,
+                                "file_bytes": path.stat().st_size, "blobs": [dataclasses.astuple(r) for r in refs]})
 
 
 def _kept(path: Path, sidecar: Path, layout: PrecisionLayout, n: int) -> list[BlobRef] | None:
