@@ -140,6 +140,15 @@ BAD = [
     (["synth", "{theirs}", "--inflate", "{store}", "--force"], "is not a moetier store"),
     (["synth", "{store}/xl", "--inflate", "{store}"], "is inside"),
     (["synth", "{tmp}/s", "--inflate", "/no/such"], "no model at /no/such"),
+    # precisions: refused before the model is looked for, or before anything is written
+    (["generate", "--model", "/no/such", "--prompt", "x", "--precision", "hobbit", "--thresholds", "high"],
+     "--thresholds takes T1,T2"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--precision", "hobbit", "--thresholds", "0.9,0.5"],
+     "0 <= T1 <= T2"),
+    (["generate", "--model", "{store}", "--prompt", "x", "--precision", "int4"], "moetier quantize"),
+    (["quantize", "{store}", "--precisions", "int3"], "unknown or unavailable precision 'int3'"),
+    (["convert", "{hf}", "{tmp}/s", "--precisions", "bf16,int4"],
+     "unknown or unavailable precision 'bf16' (this store's experts are fp32)"),
     # stores
     (["generate", "--model", "{no_manifest}", "--prompt", "x"], "looks like a moetier store but has no manifest"),
     (["generate", "--model", "{store}", "--prompt", "x", "--reconvert"], "is a converted store"),
