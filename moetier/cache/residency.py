@@ -152,6 +152,7 @@ class Residency:
         part = self.part_of(key, precision)
         if not self._can_make_room(part, nbytes):
             return None
+        self.policy.on_admit(key)
         evicted = []
         view = self._evictable if part is None else self._part_evictable[part]
         if spare is not None:
@@ -171,6 +172,7 @@ class Residency:
         """Put `key` in the slot of one of `candidates` — pinned entries of the same precision that the caller
         will have finished with before the slot is overwritten — chosen by the policy. How a layer needing more
         experts than the cache holds streams them through it."""
+        self.policy.on_admit(key)
         victim = self.policy.victim(candidates)
         if victim not in candidates:
             raise RuntimeError(f"policy {self.policy.name} chose {victim}, which is not a candidate")

@@ -180,7 +180,9 @@ class Engine:
         if per_layer and slots < len(self.spec.moe_layers):
             raise BudgetError(f"a per-layer cache needs a slot for each of the {len(self.spec.moe_layers)} MoE "
                               f"layers; the budget gives {slots}", hint="give more --expert-memory")
-        ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k)
+        mixed = config.precision
+        high = mixed.pair(store.manifest.native_precision)[0] if mixed.mixed else None  # what LHU counts
+        ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k, high)
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
         policy = make_policy_for_model(config.policy, ctx, store.trained_dir())
         dense = {name: t.to(self.device) for name, t in store.load_dense().items()}

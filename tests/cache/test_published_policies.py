@@ -124,6 +124,57 @@ def test_hobbit_with_one_weight_is_that_policy():
     assert lru.victim({a, b}) == b and fld.victim({a, b}) == a
 
 
+def test_hobbit_priority_is_equation_3():
+    p = make_policy("hobbit", CTX, weights=HobbitWeights(0.4, 0.3, 0.2, 0.1))
+    a, b = K[(1, 0)], K[(3, 1)]
+    p.on_route(route(0, 1, [0, 1, 2]))  # a prefill of three tokens: T = 3
+    use(p, a, insert=True, precision="bf16")
+    p.on_route(route(1, 1, [0, 1, 2]))  # the same step's next layer: still T = 3
+    use(p, b, insert=True, precision="int4")
+    p.on_route(route(0, 2, [0]))  # a decode step: T = 4
+    use(p, a, step=2, precision="int4")
+    p.on_admit(K[(2, 3)])  # making room for an expert of layer 2: l_i = 2, l_n = 4
+    # a: R = 4, F = 2, H = 1 (the int4 use is low), layer 1 is (1 - 2 + 4) % 4 = 3 layers from 2
+    assert p.priority(a) == pytest.approx(0.4 * 4 / 4 + 0.3 * 2 / 4 + 0.2 * 1 / 4 + 0.1 * (1 - 3 / 4))
+    # b: R = 3, F = 1, H = 0, layer 3 is one layer from 2
+    assert p.priority(b) == pytest.approx(0.4 * 3 / 4 + 0.3 * 1 / 4 + 0.1 * (1 - 1 / 4))
+
+
+def test_hobbit_fld_counts_from_the_layer_being_inserted():
+    keys = {K[(1, 0)], K[(3, 0)]}
+    p = make_policy("hobbit", CTX, weights=HobbitWeights(0, 0, 0, 1))
+    for key in keys:
+        use(p, key, insert=True)
+    p.on_route(route(0, 1, [0]))  # computing layer 0: layer 3 runs last
+    assert p.victim(keys) == K[(3, 0)]
+    p.on_admit(K[(2, 0)])  # a prefetch for layer 2: from there layer 1 runs last
+    assert p.victim(keys) == K[(1, 0)]
+
+
+def test_hobbit_records_reset_with_each_sequence():
+    p = make_policy("hobbit", CTX, weights=HobbitWeights(0, 1, 0, 0))
+    a, b = K[(0, 0)], K[(0, 1)]
+    p.on_route(route(0, 1, [0]))
+    for _ in range(3):
+        use(p, a, insert=True)
+    p.on_sequence_start()
+    p.on_route(route(0, 2, [1]))
+    use(p, b, insert=True)
+    assert p.tokens == 1 and p.victim({a, b}) == a  # a's three uses belonged to the last sequence
+
+
+def test_lhu_counts_the_configured_high_precision_only():
+    ctx = PolicyContext(3, (0, 1, 2, 3), 4, 1, high_precision="int8")  # HOBBIT's int8 + int2 pair
+    for name in ("lhu", "hobbit"):
+        p = make_policy(name, ctx, **({"weights": HobbitWeights(0, 0, 1, 0)} if name == "hobbit" else {}))
+        a, b = K[(0, 0)], K[(0, 1)]
+        use(p, a, insert=True, precision="int8")
+        use(p, b, insert=True, precision="int2")
+        use(p, b, precision="int2")
+        assert p.victim({a, b}) == b  # two uses of b, both at the low precision
+    assert not CTX.is_high("int8") and CTX.is_high("bf16")  # no pair configured: int8 is a quantized copy
+
+
 def test_hobbit_reads_fitted_weights_saved_with_the_model(tmp_path):
     import json
 

@@ -29,6 +29,9 @@ class EvictionPolicy:
     def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
         pass
 
+    def on_admit(self, key: ExpertKey) -> None:
+        """`key` is about to enter the cache: the victims named next make room for it."""
+
     def on_insert(self, key: ExpertKey) -> None:
         pass
 

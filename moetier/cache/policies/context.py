@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+QUANTIZED = frozenset({"int8", "int4", "int3", "int2"})
+
 
 @dataclass(frozen=True)
 class PolicyContext:
@@ -12,6 +14,14 @@ class PolicyContext:
     layers: tuple[int, ...]  # the MoE layers, in execution order
     num_experts: int
     top_k: int
+    high_precision: str | None = None  # uses at this precision are "high" (HOBBIT's LHU); None: any float one
+
+    def is_high(self, precision: str) -> bool:
+        """Whether a use at `precision` is a high-precision use: the configured high precision (int8 in HOBBIT's
+        int8+int2 pair), or, when none is configured, any unquantized one."""
+        if self.high_precision is not None:
+            return precision == self.high_precision
+        return precision not in QUANTIZED
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or not self.layers or self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:

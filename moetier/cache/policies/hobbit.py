@@ -1,8 +1,18 @@
-"""HOBBIT's multidimensional policy: a weighted sum of four keep-priorities, each scaled to [0, 1] —
-recency (LRU), frequency in the current sequence (LFU, which HOBBIT finds better per sequence), uses at full
-precision (LHU) and nearness of the expert's layer in the forward pass (FLD). The weights are fitted by
-minimising miss penalty on a calibration trace (`moetier train cache-policy --policy hobbit`) and saved with
-the model (moetier/policy_files.py), and handed to the policy."""
+"""HOBBIT's multidimensional policy (§3.4, Eq. 3): the keep-priority of a cached expert t is
+
+    p_t = w_lru·R_t/T + w_lfu·F_t/T + w_lhu·H_t/T + w_fld·(1 − ((l_t − l_i + l_n) % l_n) / l_n)
+
+with T the current token number of the sequence, R_t the token number of t's last use, F_t its uses and H_t its
+uses at the high precision in this sequence (records reset at each new sequence), l_t its layer, l_i the layer of
+the expert being inserted, l_n the number of layers. The lowest is evicted. The weights are fitted by minimising
+miss penalty on a calibration trace (`moetier train cache-policy --policy hobbit`), saved with the model
+(moetier/policy_files.py) and handed to the policy.
+
+Where we read the paper: a token is a token of the sequence (a prompt's tokens all count, so after a prefill of P
+tokens T = P); a use is a layer step that computes the expert (a prefill uses each needed expert once); layers
+are numbered by their place among the MoE layers (l_n of them: dense layers hold no experts); l_i is the layer
+of the expert the cache is making room for (a prefetch's is a later layer), or the layer being computed before
+any insertion. Ties go to the least recently used."""
 
 from __future__ import annotations
 
@@ -10,7 +20,6 @@ from dataclasses import dataclass
 
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies.context import PolicyContext
-from moetier.cache.policies.lhu import LOW_PRECISIONS
 from moetier.cache.policies.scored import ScoredPolicy
 from moetier.errors import MoetierError
 
@@ -33,26 +42,38 @@ class HobbitPolicy(ScoredPolicy):
     def __init__(self, ctx: PolicyContext, weights: HobbitWeights) -> None:
         super().__init__(ctx)
         self.weights = weights
-        self.uses: dict[ExpertKey, int] = {}  # this sequence
-        self.high_uses: dict[ExpertKey, int] = {}
-        self.max_uses = self.max_high_uses = 1
+        self.tokens = 0  # T: tokens of the current sequence so far, the current step's included
+        self.counted_step: int | None = None  # the step whose tokens `tokens` holds last
+        self.last_token: dict[ExpertKey, int] = {}  # R_t
+        self.uses: dict[ExpertKey, int] = {}  # F_t
+        self.high_uses: dict[ExpertKey, int] = {}  # H_t
+        self.inserting = ctx.layers[0]  # l_i
 
     def on_sequence_start(self) -> None:
+        self.tokens, self.counted_step = 0, None
+        self.last_token.clear()
         self.uses.clear()
         self.high_uses.clear()
-        self.max_uses = self.max_high_uses = 1
+
+    def on_route(self, route) -> None:
+        super().on_route(route)
+        if route.step != self.counted_step:  # a step's layers share its tokens: count them once
+            self.counted_step = route.step
+            self.tokens += route.topk_ids.shape[0]
+        self.inserting = route.layer
+
+    def on_admit(self, key: ExpertKey) -> None:
+        self.inserting = key.layer
 
     def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
         super().on_access(key, precision, step)
-        self.uses[key] = n = self.uses.get(key, 0) + 1
-        self.max_uses = max(self.max_uses, n)
-        if precision not in LOW_PRECISIONS:
-            self.high_uses[key] = n = self.high_uses.get(key, 0) + 1
-            self.max_high_uses = max(self.max_high_uses, n)
+        self.last_token[key] = self.tokens
+        self.uses[key] = self.uses.get(key, 0) + 1
+        if self.ctx.is_high(precision):
+            self.high_uses[key] = self.high_uses.get(key, 0) + 1
 
     def priority(self, key: ExpertKey) -> float:
-        w = self.weights
-        recency = self.last_use.get(key, 0) / max(1, self.clock)
-        nearness = 1.0 - self.layer_distance(key) / max(1, self.ctx.num_layers - 1)
-        return (w.lru * recency + w.lfu * self.uses.get(key, 0) / self.max_uses
-                + w.lhu * self.high_uses.get(key, 0) / self.max_high_uses + w.fld * nearness)
+        w, t, n = self.weights, max(1, self.tokens), self.ctx.num_layers
+        distance = (self.position[key.layer] - self.position[self.inserting] + n) % n
+        return (w.lru * self.last_token.get(key, 0) / t + w.lfu * self.uses.get(key, 0) / t
+                + w.lhu * self.high_uses.get(key, 0) / t + w.fld * (1 - distance / n))

@@ -1,12 +1,11 @@
-"""Least high-precision used (HOBBIT): like LFU, but only uses at full precision count, so an expert that is
-mostly served at low precision is cheap to lose. Without mixed precision it is LFU. Ties: least recent."""
+"""Least high-precision used (HOBBIT §3.4): like LFU, but only uses at the run's high precision count (the
+model's own, or int8 in the int8+int2 pair: `PolicyContext.high_precision`), so an expert mostly served at low
+precision is cheap to lose. Without mixed precision it is LFU. Ties: least recent."""
 
 from __future__ import annotations
 
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies.scored import ScoredPolicy
-
-LOW_PRECISIONS = frozenset({"int8", "int4", "int3", "int2"})
 
 
 class LHUPolicy(ScoredPolicy):
@@ -18,7 +17,7 @@ class LHUPolicy(ScoredPolicy):
 
     def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
         super().on_access(key, precision, step)
-        if precision not in LOW_PRECISIONS:
+        if self.ctx.is_high(precision):
             self.high_uses[key] = self.high_uses.get(key, 0) + 1
 
     def priority(self, key: ExpertKey) -> float:
