@@ -108,16 +108,22 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
                    help="hobbit: the high-precision sub-cache's share of the expert budget")
 
 
-def precision_config(args: argparse.Namespace):
-    from moetier.plan.precision import MixedPrecision
-
+def precision_fields(args: argparse.Namespace) -> dict:
+    """MixedPrecision's fields from the precision options (T2 None when not given: the mode's own default)."""
     t1, t2 = 0.6, None
     if args.thresholds is not None:
         try:
             t1, t2 = (float(v) for v in args.thresholds.split(","))
         except ValueError:
             raise MoetierError(f"--thresholds takes T1,T2 (e.g. 0.6,0.9), got {args.thresholds!r}") from None
-    return MixedPrecision(args.precision, args.high_precision, args.low_precision, t1, t2, args.high_share)
+    return {"mode": args.precision, "high": args.high_precision, "low": args.low_precision, "t1": t1, "t2": t2,
+            "high_share": args.high_share}
+
+
+def precision_config(args: argparse.Namespace):
+    from moetier.plan.precision import MixedPrecision
+
+    return MixedPrecision(**precision_fields(args))
 
 
 def add_prefetch_options(p: argparse.ArgumentParser) -> None:
