@@ -11,18 +11,17 @@ import torch
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.base import EvictionPolicy
-from moetier.cache.residency import Residency
 from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
 from moetier.engine.slots import make_slots
-from moetier.errors import BudgetError, MoetierError
+from moetier.errors import MoetierError
 from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
 from moetier.plan.layer_plan import FAST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch
 from moetier.plan.planner import Planner
-from moetier.plan.precision import UNIFORM, LowTierStage, MixedPrecision, PrecisionStage
+from moetier.plan.precision import LowTierStage, MixedPrecision, setup
 from moetier.plan.prefetchers import layer_stages
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
@@ -44,37 +43,31 @@ class ExpertExecutor:
         self.device = torch.device(device)
         self.mixed = mixed = mixed or MixedPrecision()
         native = manifest.native_precision
-        self.precision = mixed.mode if mixed.mode in UNIFORM else mixed.pair(native)[0]  # the high one
         missing = [p for p in mixed.precisions(native) if p not in manifest.precisions]
         if missing:
             raise MoetierError(f"the store holds its experts at {', '.join(manifest.precisions)}, not "
                                f"{', '.join(missing)}", hint=f"add them: moetier quantize STORE --precisions "
                                                              f"{','.join(missing)}")
         entry_bytes = {p: layout.blob_bytes for p, layout in manifest.precisions.items()}
-        high, low = mixed.pair(native)
-        tier_bytes = self._check_tier(entry_bytes, capacity_bytes) if mixed.mode == "low-tier" else 0
-        shares = {high: mixed.high_share, low: 1 - mixed.high_share} if mixed.mode == "hobbit" else None
-        cached = {p: entry_bytes[p] for p in (shares or (self.precision,))}
-        self.residency = Residency(capacity_bytes - tier_bytes, cached, policy,
-                                   spec.moe_layers if per_layer else None, shares)
-        self.pools = {p: make_slots(manifest.precisions[p], self.residency.slots(p), self.device) for p in cached}
-        stages = [PrecisionStage(self.residency, high, low, mixed.t1, mixed.t2)] if mixed.mixed else []
-        if tier_bytes:
-            tier = LowTierStage(self.residency, low, spec.moe_layers, spec.num_experts)
-            self.pools[low] = make_slots(manifest.precisions[low], len(spec.moe_layers) * spec.num_experts,
-                                         self.device)
-            stages.append(tier)
+        made = setup(mixed, native, entry_bytes, capacity_bytes, policy, spec.moe_layers, spec.num_experts,
+                     spec.top_k, per_layer)
+        self.precision, self.residency, tier = made.high, made.residency, made.tier
+        self.pools = {p: make_slots(manifest.precisions[p], self.residency.slots(p), self.device)
+                      for p in self.residency.entry_bytes}
+        if tier is not None:
+            self.pools[tier.low] = make_slots(manifest.precisions[tier.low], len(spec.moe_layers) * spec.num_experts,
+                                              self.device)
         self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype) for p in self.pools}
         self.counts = CountingHook(entry_bytes, self.precision if mixed.mixed else None)
         self.costs = RunningCosts(entry_bytes[self.precision])
-        stages += layer_stages(self.residency, self.precision, prefetch, predictor, self.costs, spec.top_k,
-                               prefetch_params)
+        stages = made.stages + layer_stages(self.residency, self.precision, prefetch, predictor, self.costs,
+                                            spec.top_k, prefetch_params)
         self.layer_step = LayerStep(self.residency, Planner(self.precision, stages), hooks=[self.counts],
                                     predictor=predictor)
         self._clock = time.perf_counter()  # when the previous MoE layer's experts were done
         self._disk = reader.activity()  # (busy seconds, bytes) at that moment
         self.in_flight: dict[ExpertKey, tuple[str, int]] = {}  # prefetched keys whose reads may not have landed
-        if tier_bytes:
+        if tier is not None:
             self._load_tier(tier)
 
     @property
@@ -86,17 +79,6 @@ class ExpertExecutor:
     def slot_bytes(self) -> int:
         """Bytes every pool reserved (a low tier included)."""
         return sum(pool.nbytes for pool in self.pools.values())
-
-    def _check_tier(self, entry_bytes: dict[str, int], capacity_bytes: int) -> int:
-        """The low tier's bytes, refused if they leave no room for one layer's top-k at high precision."""
-        spec, low = self.spec, self.mixed.pair(self.manifest.native_precision)[1]
-        tier_bytes = entry_bytes[low] * len(spec.moe_layers) * spec.num_experts
-        if tier_bytes + spec.top_k * entry_bytes[self.precision] > capacity_bytes:
-            raise BudgetError(f"low-tier keeps every expert at {low} ({tier_bytes / 2**20:.1f} MiB) and needs room "
-                              f"for one layer's top-{spec.top_k} at {self.precision} beside them: more than the "
-                              f"expert budget ({capacity_bytes / 2**20:.1f} MiB)",
-                              hint="give more --expert-memory, or a lower --low-precision")
-        return tier_bytes
 
     def _load_tier(self, tier: LowTierStage) -> None:
         """Read every expert's low copy into the tier (once, at start-up)."""

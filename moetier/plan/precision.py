@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from moetier.cache.keys import ExpertKey, Precision
+from moetier.cache.policies.base import EvictionPolicy
 from moetier.cache.residency import Residency
-from moetier.errors import MoetierError
+from moetier.config import format_bytes
+from moetier.errors import BudgetError, MoetierError
 from moetier.plan.layer_plan import RESIDENT, SKIP, LayerPlan, Run
 
 MODES = ("native", "int8", "int4", "int2", "hobbit", "low-tier")
@@ -135,3 +137,42 @@ class LowTierStage:
             if precision == self.low and ExpertKey(plan.layer, e) not in self.residency.entries:
                 plan.runs.append(Run(e, self.low, self.slot(plan.layer, e), RESIDENT, plan.place[e]))
         return plan
+
+
+@dataclass
+class PrecisionSetup:
+    """The cache and the stages a precision mode runs with, as both executors build them: a residency of the
+    precisions the cache holds (split into sub-caches for hobbit), the stages before the on-demand one, and the
+    low tier's stage and bytes (low-tier only; the executor fills the tier)."""
+
+    high: Precision
+    low: Precision
+    residency: Residency
+    stages: list
+    tier: LowTierStage | None = None
+    tier_bytes: int = 0
+
+
+def setup(mixed: MixedPrecision, native: Precision, entry_bytes: dict[Precision, int], capacity_bytes: int,
+          policy: EvictionPolicy, moe_layers: tuple[int, ...], num_experts: int, top_k: int,
+          per_layer: bool = False) -> PrecisionSetup:
+    """`entry_bytes`: one expert's bytes at each precision the store holds; `capacity_bytes`: the expert budget."""
+    high, low = mixed.pair(native)
+    if mixed.mode in UNIFORM:
+        high = mixed.mode
+    tier_bytes = 0
+    if mixed.mode == "low-tier":
+        tier_bytes = entry_bytes[low] * len(moe_layers) * num_experts
+        if tier_bytes + top_k * entry_bytes[high] > capacity_bytes:
+            raise BudgetError(f"low-tier keeps every expert at {low} ({format_bytes(tier_bytes)}) and needs room "
+                              f"for one layer's top-{top_k} at {high} beside them: more than the expert budget "
+                              f"({format_bytes(capacity_bytes)})",
+                              hint="give more --expert-memory, or a lower --low-precision")
+    shares = {high: mixed.high_share, low: 1 - mixed.high_share} if mixed.mode == "hobbit" else None
+    cached = {p: entry_bytes[p] for p in (shares or (high,))}
+    residency = Residency(capacity_bytes - tier_bytes, cached, policy, moe_layers if per_layer else None, shares)
+    stages = [PrecisionStage(residency, high, low, mixed.t1, mixed.t2)] if mixed.mixed else []
+    tier = LowTierStage(residency, low, moe_layers, num_experts) if tier_bytes else None
+    if tier is not None:
+        stages.append(tier)
+    return PrecisionSetup(high, low, residency, stages, tier, tier_bytes)

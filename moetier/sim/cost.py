@@ -8,6 +8,7 @@ the link for its bytes over that rate; its latency delays its own data, not the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -32,6 +33,12 @@ class CostModel:
            expert_bytes: int | None = None) -> CostModel:
         precision = precision or shape.precision
         return cls(profile, shape, precision, expert_bytes or shape.expert_bytes(precision))
+
+    def at(self, precision: str) -> CostModel:
+        """The same machine and shape with experts at `precision` (a quantized copy: the shape's bytes for it)."""
+        if precision == self.precision:
+            return self
+        return CostModel(self.profile, self.shape, precision, self.shape.expert_bytes(precision))
 
     @cached_property
     def _measured(self):
@@ -131,13 +138,22 @@ def linear_fit(xs, ys) -> Linear:
 
 class FreeCost:
     """A machine where nothing takes time: the clock stands still and every read lands at once. What replaying a
-    trace for hits and misses alone runs on (cache-bench, fitting).
+    trace for hits and misses alone runs on (cache-bench, fitting). It counts experts, not bytes — unless given
+    each precision's bytes (`entry_bytes`), as a mixed-precision cache needs to split its room as the engine does.
 
     One exception, an instant: a layer's dense part takes 1e-12 s, so a prefetch queued by an earlier layer has
     started (and, reads taking no time, landed) when the layer routes — on-demand reads overtake only prefetches
     still queued at that moment, and with no time passing every prefetch would be."""
 
-    expert_bytes = 0
+    def __init__(self, entry_bytes: Mapping[str, int] | None = None, precision: str = "") -> None:
+        self.entry_bytes, self.precision = dict(entry_bytes or {}), precision
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.entry_bytes.get(self.precision, 0)
+
+    def at(self, precision: str) -> FreeCost:
+        return FreeCost(self.entry_bytes, precision)
 
     def dense_s(self, layer: int, tokens: int) -> float:
         return 1e-12

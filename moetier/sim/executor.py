@@ -45,6 +45,7 @@ class SimExecutor:
         self.queued: dict[ExpertKey, float] = {}  # prefetches waiting for the link, in order: when each was issued
         self._tl: LayerTimeline | None = None  # the layer whose timeline a read started now is drawn in
         self._reading: list[tuple[float, float, float]] = []  # reads that take CPU: (start, end, CPU s per s)
+        self._by_precision: dict[str, CostModel] = {}
 
     def layer(self, route: RouteResult, tokens: int, gate_input=None) -> tuple[LayerPlan, LayerTimeline]:
         """One MoE layer of `tokens` tokens, starting now. `gate_input` [T, H]: the router's input, for the
@@ -60,11 +61,11 @@ class SimExecutor:
         for run in plan.runs:  # prefetches this layer needs, still queued: on-demand now, ahead of its loads
             key = ExpertKey(plan.layer, run.expert)
             if run.source == IN_FLIGHT and self.queued.pop(key, None) is not None:  # (the queue has advanced
-                self.landing[key] = self._start(key, tl.dense_end)  # to dense_end in _land)
+                self.landing[key] = self._start(key, tl.dense_end, run.precision)  # to dense_end in _land)
         deferred: dict[int, Load] = {}
         for load in plan.loads:  # on-demand reads: ahead of every queued prefetch
             if load.after is None:
-                landed[load.expert] = self._read(ExpertKey(plan.layer, load.expert), tl.dense_end)
+                landed[load.expert] = self._read(ExpertKey(plan.layer, load.expert), tl.dense_end, load.precision)
             else:
                 deferred[load.after] = load
         for prefetch in plan.prefetches:
@@ -76,11 +77,12 @@ class SimExecutor:
             ready = landed[run.expert] if run.source == LOAD else \
                 self._in_flight(key) if run.source == IN_FLIGHT else tl.dense_end
             start = max(lane_free[run.place], ready)
-            lane_free[run.place] = start + self.cost.expert_s(int(counts[run.expert]), run.place)
+            lane_free[run.place] = start + self._at(run.precision).expert_s(int(counts[run.expert]), run.place)
             tl.computes.append((run.expert, start, lane_free[run.place], run.place))
             follower = deferred.pop(run.expert, None)
             if follower is not None:  # its slot is free now
-                landed[follower.expert] = self._read(ExpertKey(plan.layer, follower.expert), lane_free[run.place])
+                landed[follower.expert] = self._read(ExpertKey(plan.layer, follower.expert), lane_free[run.place],
+                                                     follower.precision)
         self.host_free = lane_free[HOST]
         tl.end = self.now = max([lane_free[FAST]] + [end for _, _, end, _ in tl.computes])  # all runs done
         self._advance(tl.end)  # reads that start while this layer runs are drawn in its timeline
@@ -95,11 +97,11 @@ class SimExecutor:
         """Work on the compute device that involves no expert of the cache (dense layers, the head)."""
         self.now += seconds
 
-    def _read(self, key: ExpertKey, ready: float) -> float:
+    def _read(self, key: ExpertKey, ready: float, precision: str) -> float:
         """An on-demand read at `ready`: prefetches that started before it keep the link (a read is never
         interrupted), queued ones wait behind it. Returns when its data is usable."""
         self._advance(ready)
-        return self._start(key, ready)
+        return self._start(key, ready, precision)
 
     def _in_flight(self, key: ExpertKey) -> float:
         """When a read an earlier layer started is usable (one still queued was promoted when the layer routed)."""
@@ -112,7 +114,7 @@ class SimExecutor:
             if max(self.link_free, ready) >= t:
                 return
             del self.queued[key]
-            self.landing[key] = self._start(key, ready)
+            self.landing[key] = self._start(key, ready, self.residency.entries[key].precision)  # (pinned: there)
 
     def _cpu_taken(self, tl: LayerTimeline) -> float:
         """The CPU that reads running beside this layer's compute took from it, where the compute device is the
@@ -127,13 +129,21 @@ class SimExecutor:
         return sum(rate * max(0.0, min(b, end) - max(a, start)) for start, end, rate in self._reading
                    for a, b in busy)
 
-    def _start(self, key: ExpertKey, ready: float) -> float:
+    def _at(self, precision: str) -> CostModel:
+        """The cost model for experts at `precision` (a mixed-precision plan reads and computes several)."""
+        cost = self._by_precision.get(precision)
+        if cost is None:
+            cost = self._by_precision[precision] = self.cost.at(precision)
+        return cost
+
+    def _start(self, key: ExpertKey, ready: float, precision: str) -> float:
+        cost = self._at(precision)
         start = max(self.link_free, ready)
-        self.link_free = start + self.cost.read_busy_s(key)
-        cpu = self.cost.read_cpu_s(key)
+        self.link_free = start + cost.read_busy_s(key)
+        cpu = cost.read_cpu_s(key)
         if cpu and self.link_free > start:
             self._reading.append((start, self.link_free, cpu / (self.link_free - start)))
-        usable = self.link_free + self.cost.read_latency_s(key)
+        usable = self.link_free + cost.read_latency_s(key)
         self._tl.reads.append((key, start, usable))
         return usable
 

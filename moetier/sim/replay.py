@@ -12,11 +12,11 @@ import numpy as np
 
 from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext, base_name
-from moetier.cache.residency import Residency
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, predictor_recall, prefetch_summary
 from moetier.plan.layer_plan import LayerPlan
 from moetier.plan.planner import Planner
+from moetier.plan.precision import MixedPrecision, setup
 from moetier.plan.prefetchers import layer_stages
 from moetier.plan.route import DECODE, PREFILL, RouteResult
 from moetier.plan.step import LayerHook, LayerStep
@@ -126,21 +126,27 @@ class SimResult:
 def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostModel | FreeCost,
              precision: Precision = NATIVE, preload: bool = False, per_layer: bool = False,
              timeline_steps: tuple[int, ...] = (), keep_plans: bool = False, prefetch: str = "none",
-             predictor: Predictor | None = None, prefetch_params: dict | None = None) -> SimResult:
+             predictor: Predictor | None = None, prefetch_params: dict | None = None,
+             mixed: MixedPrecision | None = None) -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
     clock. A policy's start set (static-hot's hot table) is loaded first, as the engine loads it when made; `preload`
     then starts as Engine.preload() does (experts admitted layer by layer until the cache is full);
     `per_layer` splits the cache evenly among the trace's layers; timelines are kept for `timeline_steps`
     (negative indices count from the end). Layers the trace does not cover run with their experts resident. A
     trace without full router scores hands the policies its top-k weights with zeros elsewhere. `prefetch` names a
-    stage of moetier.plan.prefetchers fed by `predictor`, which hears the trace's gate inputs where it has them."""
-    entry_bytes = max(1, cost.expert_bytes)  # a free machine counts experts, not bytes
-    residency = Residency(num_slots * entry_bytes, {precision: entry_bytes}, policy,
-                          trace.layers if per_layer else None)
-    counts, log = CountingHook({precision: entry_bytes}), PlanLog()
-    costs = RunningCosts(entry_bytes)
-    stages = layer_stages(residency, precision, prefetch, predictor, costs, trace.top_k, prefetch_params)
-    layer_step = LayerStep(residency, Planner(precision, stages), hooks=[counts, log] if keep_plans else [counts],
+    stage of moetier.plan.prefetchers fed by `predictor`, which hears the trace's gate inputs where it has them.
+    `mixed`: a precision mode (moetier/plan/precision.py) over the model's own `precision`; `num_slots` then counts
+    the budget in experts at that precision, and the cost model prices each read and compute at its own."""
+    mixed = mixed or MixedPrecision()
+    # a free machine counts experts, not bytes
+    entry_bytes = {p: max(1, cost.at(p).expert_bytes) for p in {precision, *mixed.precisions(precision)}}
+    made = setup(mixed, precision, entry_bytes, num_slots * entry_bytes[precision], policy, tuple(trace.layers),
+                 trace.num_experts, trace.top_k, per_layer)
+    residency, high = made.residency, made.high
+    counts, log = CountingHook(entry_bytes, high if mixed.mixed else None), PlanLog()
+    costs = RunningCosts(entry_bytes[high])
+    stages = made.stages + layer_stages(residency, high, prefetch, predictor, costs, trace.top_k, prefetch_params)
+    layer_step = LayerStep(residency, Planner(high, stages), hooks=[counts, log] if keep_plans else [counts],
                            predictor=predictor)
     executor = SimExecutor(layer_step, cost, costs)
     # as the engine starts: a policy's hot set loaded when it is made, then Engine.preload() if asked
@@ -148,7 +154,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     if preload:
         starts.append(ExpertKey(layer, e) for layer in trace.layers for e in range(trace.num_experts))
     for keys in starts:
-        for key, _ in residency.admit_while_room(keys, precision):
+        for key, _ in residency.admit_while_room(keys, high):
             residency.landed(key)
         residency.unpin_all()
     all_steps = list(steps(trace))
@@ -164,7 +170,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
         for j, layer in enumerate(trace.layers):
             gate_input = trace.gate_inputs[rows, j] if trace.gate_inputs is not None else None
             plan, timeline = executor.layer(trace_route(trace, rows, j, layer, layer_step.step), len(rows), gate_input)
-            result.miss_penalty_s += sum(cost.read_s(ExpertKey(layer, ld.expert)) for ld in plan.loads)
+            result.miss_penalty_s += sum(cost.at(ld.precision).read_s(ExpertKey(layer, ld.expert)) for ld in plan.loads)
             if index in keep:
                 result.timelines.setdefault(index, []).append(timeline)
         executor.idle(cost.rest_of_step_s(trace.layers, len(rows)))  # untraced layers, the head
@@ -177,11 +183,13 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
 
 
 def replay(trace: Trace, policy: EvictionPolicy, num_slots: int, preload: bool = False, per_layer: bool = False,
-           precision: Precision = NATIVE, keep_plans: bool = False, predictor: Predictor | None = None) -> SimResult:
+           precision: Precision = NATIVE, keep_plans: bool = False, predictor: Predictor | None = None,
+           mixed: MixedPrecision | None = None, entry_bytes: dict[Precision, int] | None = None) -> SimResult:
     """Hits and misses alone: `simulate` on a machine where nothing takes time (the policy hears `predictor`'s
-    predictions, if one is given; nothing is prefetched)."""
-    return simulate(trace, policy, num_slots, FreeCost(), precision, preload, per_layer, keep_plans=keep_plans,
-                    predictor=predictor)
+    predictions, if one is given; nothing is prefetched). A mixed-precision `mixed` needs each precision's
+    `entry_bytes` (a store's blob sizes) to split the cache as the engine does."""
+    return simulate(trace, policy, num_slots, FreeCost(entry_bytes, precision), precision, preload, per_layer,
+                    keep_plans=keep_plans, predictor=predictor, mixed=mixed)
 
 
 def trace_route(trace: Trace, rows: np.ndarray, column: int, layer: int, step: int) -> RouteResult:

@@ -90,3 +90,40 @@ def test_bad_partitions_are_clear_errors(tiny_store):
     smallest = MemoryBudget("bytes", store.spec.top_k * store.native_layout.blob_bytes)
     with pytest.raises(BudgetError, match="per-layer cache needs a slot for each of the 3 MoE layers"):
         Engine(store, EngineConfig(expert_memory=smallest, cache_partition="per-layer"))
+
+
+@pytest.mark.parametrize("mode, slots", [("hobbit", 4), ("low-tier", 16), ("int4", 3)])
+def test_engine_and_replay_agree_in_every_precision_mode(tiny_store, tmp_path, mode, slots):
+    """The same loads at the same precisions, the same low-tier runs and the same skips."""
+    import shutil
+
+    import torch
+
+    from moetier.plan.precision import MixedPrecision
+    from moetier.store.variants import add_precisions
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    shutil.copytree(path, tmp_path / "s")
+    add_precisions(tmp_path / "s", "int4", progress=False)
+    store = Store(tmp_path / "s")
+    mixed = MixedPrecision(mode, low="int4" if mode == "low-tier" else "")
+    budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
+    engine = Engine(store, EngineConfig(expert_memory=budget, precision=mixed))
+    log = PlanLog()
+    engine.executor.layer_step.hooks.append(log)
+    with engine, TraceRecorder(engine) as recorder:
+        for p in PROMPTS:
+            engine.generate([p], max_new_tokens=12, ignore_eos=True)
+        trace = recorder.trace(["a", "b", "c"])
+
+    def outcomes(plans):
+        return [(p.layer, [(r.expert, r.precision, r.source) for r in p.runs],
+                 [(ld.expert, ld.precision) for ld in p.loads], p.assign_ids.tolist()) for p in plans]
+
+    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
+    entry_bytes = {p: layout.blob_bytes for p, layout in store.manifest.precisions.items()}
+    result = replay(trace, trace_policy("lru", ctx, trace), slots, precision=store.manifest.native_precision,
+                    keep_plans=True, mixed=mixed, entry_bytes=entry_bytes)
+    assert outcomes(result.plans) == outcomes(log.plans)
+    loads = [ld.precision for p in log.plans for ld in p.loads]
+    assert loads and (mode != "hobbit" or {"bf16", "int4"} <= set(loads))
