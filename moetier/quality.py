@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from moetier.errors import MoetierError
+from moetier.errors import BudgetError, MoetierError
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class Row:
     hit_rate: float | None
     low_share: float  # of the needed experts in decode steps, computed below the high precision
     skipped: int
+    note: str = ""  # why a configuration did not run (its budget cannot hold it)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -107,10 +108,18 @@ def score(engine, windows: list[Windows], prefix: int, exact: dict | None = None
 
 def sweep(make_engine: Callable[[str], object], labels: list[str], windows: list[Windows], prefix: int,
           progress: Callable[[], None] = lambda: None) -> Iterator[Row]:
-    """Exact mode (`labels[0]`), then every other label: `make_engine(label)` opens the engine of a point."""
+    """Exact mode (`labels[0]`), then every other label: `make_engine(label)` opens the engine of a point. A point
+    the budget cannot hold (low-tier on a small budget) is a row with its reason, not an end to the sweep."""
     exact = None
     for label in labels:
-        with make_engine(label) as engine:
+        try:
+            engine = make_engine(label)
+        except BudgetError as e:
+            if exact is None:
+                raise
+            yield Row(label, [], 0.0, 0.0, None, 0.0, 0, note=str(e).splitlines()[0])
+            continue
+        with engine:
             row, logps = score(engine, windows, prefix, exact, progress)
         if exact is None:
             exact = logps

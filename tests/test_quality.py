@@ -81,3 +81,20 @@ def test_eval_end_to_end_on_a_demo_model(tmp_path, capsys):
     assert rows["precision=int8"]["kl"] <= rows["precision=int2"]["kl"]
     assert rows["precision=int2"]["domains"][0]["tokens"] == 16
     assert (tmp_path / "out" / "eval.png").stat().st_size > 0
+
+
+def test_a_point_the_budget_cannot_hold_is_a_row_with_its_reason(tiny_store):
+    from moetier.errors import BudgetError
+    from moetier.quality import sweep
+
+    _, path = tiny_store("olmoe", num_hidden_layers=2)
+
+    def make_engine(label):
+        if label == "low-tier":
+            raise BudgetError("low-tier keeps every expert resident at low precision; even int2 takes more")
+        return Engine.from_pretrained(path, expert_memory="50%", progress=False)
+
+    rows = list(sweep(make_engine, ["exact", "low-tier", "again"], [Windows("t", ((5, 9, 17, 33, 65, 100),))], 2))
+    assert [r.label for r in rows] == ["exact", "low-tier", "again"]
+    assert rows[1].note.startswith("low-tier keeps") and not rows[1].domains
+    assert rows[2].domains[0]["kl"] == pytest.approx(0, abs=1e-9)  # the same configuration as exact

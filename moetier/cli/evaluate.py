@@ -105,6 +105,10 @@ def report(rows, args: argparse.Namespace) -> None:
              + f" {'d ppl':>7} {'top-1':>6} {'KL':>7} {'tok/s':>7} {'speed':>6} {'MiB/tok':>8} {'low':>5} {'skip':>5}"]
     records = []
     for row in rows:
+        if row.note:
+            records.append(row.to_json())
+            lines.append(f"{row.label:<24} does not run: {row.note}")
+            continue
         ppl = [d["perplexity"] for d in row.domains]
         change = float(sum(p / e["perplexity"] for p, e in zip(ppl, exact.domains)) / len(ppl) - 1)
         top1 = sum(d["top1_agreement"] * d["tokens"] for d in row.domains) / sum(d["tokens"] for d in row.domains)
@@ -141,7 +145,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, name in ((axes[0], "perplexity_change", "perplexity change vs exact"),
                           (axes[1], "kl", "mean KL(exact || config), nats")):
-        for r in records:
+        for r in (r for r in records if not r["note"]):
             ax.scatter(r["speedup"], r[key])
             ax.annotate(r["label"], (r["speedup"], r[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set(xlabel="decode speed vs exact (x)", ylabel=name)
