@@ -99,7 +99,7 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
                         "precision, the important ones cached at high)")
     p.add_argument("--low-precision", default="", choices=["", *UNIFORM],
                    help="hobbit/low-tier: the low copy (default int4 for hobbit; for low-tier the most precise that "
-                        "fits in 60%% of the budget)")
+                        "fits in 75%% of the budget)")
     p.add_argument("--high-precision", default="", choices=["", "int8"],
                    help="hobbit/low-tier: the high copy (default the model's own; int8 pairs with int2 as in HOBBIT)")
     p.add_argument("--thresholds", default=None, metavar="T1,T2",

@@ -1,0 +1,151 @@
+"""Decode at each precision mode against exact mode, side by side in one run, on models whose experts have a real
+size, each beside its quality cost from the harness.
+
+Models: demo-deep-xl (demo-deep's experts inflated to OLMoE's 12 MiB: real routing, real reads) and, with
+--synth, olmoe-1b-7b-synth (OLMoE-1B-7B's shape with random weights; see bench_offload.py). Each configuration
+(`native` = exact mode, `hobbit`, `low-tier`, or any --precision value; MODE:LOW names the low copy) runs in a
+fresh process, in rounds with a rotated order so a drift of the disk spreads over all of them; reported: the median
+TPOT, the speed-up over native, hit rate, expert bytes read per token and the share of experts computed at low
+precision. Quality: `moetier eval` on the same model and budget (perplexity change, top-1 agreement, KL against
+exact), unless --no-quality.
+
+    python bench/bench_precision.py                         # demo-deep-xl at 25%; table, JSON + PNG in bench/out/
+    python bench/bench_precision.py --synth --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from common import add_run_options, model_panels, run_child, save_panels  # noqa: E402
+
+CONFIGS = ("native", "hobbit", "low-tier")
+PROMPTS = ROOT / "prompts" / "mixed.txt"
+
+
+def child(cfg: dict) -> dict:
+    """One configuration, in its own process: warm the cache on one prompt, measure on the rest of the text."""
+    from moetier.config import MemoryBudget
+    from moetier.engine.engine import Engine, EngineConfig
+    from moetier.plan.precision import MixedPrecision
+    from moetier.resolve import resolve_model
+    from moetier.store.store import Store
+
+    mode, _, low = cfg["config"].partition(":")
+    config = EngineConfig(expert_memory=MemoryBudget.parse(cfg["budget"]), policy=cfg["policy"],
+                          precision=MixedPrecision(mode, low=low))
+    engine = Engine(Store(resolve_model(cfg["model"], progress=False)), config, progress=False)
+    lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
+    tok = engine.tokenizer
+    warm = tok.encode(lines[0]) if tok else list(range(3, 3 + cfg["prompt_len"]))
+    prompt = (tok.encode(" ".join(lines[1:])) if tok else list(range(40, 400)))[:cfg["prompt_len"]]
+    with engine:
+        engine.generate([warm], max_new_tokens=cfg["warmup_tokens"], ignore_eos=True)
+        stats = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
+    dec = stats["decode"]
+    stats["low_share"] = dec["low_runs"] / max(1, dec["needed"])
+    return stats
+
+
+def quality(model: str, budget: str, configs: list[str], windows: int) -> dict[str, dict]:
+    """`moetier eval` rows for the configurations (its own process: the engine's speed is measured apart)."""
+    modes = [c for c in configs if c != "native"]
+    if not modes or any(":" in c for c in modes):
+        return {}
+    out = subprocess.run(["moetier", "eval", "--model", model, "--expert-memory", budget, "--windows", str(windows),
+                          "--sweep", "precision=" + ",".join(modes), "--json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"quality of {model} not measured: {out.stderr.strip()[-300:]}", file=sys.stderr)
+        return {}
+    rows = json.loads(out.stdout)["rows"]
+    return {r["label"].removeprefix("precision=").replace("exact", "native"): r for r in rows}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    fig, panels = model_panels(rows, 5.5, 4)
+    for ax, model, mine in panels:
+        ax.bar([r["config"] for r in mine], [r["tpot_s"] * 1e3 for r in mine])
+        for i, r in enumerate(mine):
+            q = "" if r.get("perplexity_change") is None else f"\nppl {r['perplexity_change']:+.1%}"
+            ax.annotate(f"{r['speedup']:.2f}x{q}", (i, r["tpot_s"] * 1e3), ha="center", fontsize=7,
+                        xytext=(0, 3), textcoords="offset points")
+        ax.set_title(f"{model} at {mine[0]['budget']}")
+    save_panels(fig, "moetier decode by precision mode (median TPOT; speed-up and perplexity change)", path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_options(ap)
+    ap.set_defaults(budgets="25%")
+    ap.add_argument("--models", default="demo-deep-xl")
+    ap.add_argument("--synth", action="store_true", help="also the OLMoE-shaped synthetic model (13 GB, made once)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="precision modes (native is the baseline)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--quality-windows", type=int, default=3, help="windows per text for `moetier eval`")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    from tqdm import tqdm
+
+    models = args.models.split(",")
+    if args.synth:
+        from bench_offload import SYNTH, store_of
+
+        store = store_of(SYNTH)  # written once (13 GB), then its int4/int2 copies added once
+        subprocess.run(["moetier", "quantize", str(store), "--precisions", "int4,int2"], check=True)
+        models.append(str(store))
+    budgets, configs = args.budgets.split(","), args.configs.split(",")
+    if "native" not in configs:
+        configs.insert(0, "native")
+    bar = tqdm(total=len(models) * len(budgets) * len(configs) * args.rounds, desc="bench", unit="run")
+    rows = []
+    for model in models:
+        for budget in budgets:
+            runs: dict[str, list[dict]] = {c: [] for c in configs}
+            for r in range(args.rounds):
+                for config in configs[r % len(configs):] + configs[:r % len(configs)]:  # rotated each round
+                    cfg = dict(model=model, budget=budget, policy=args.policy, config=config, tokens=args.tokens,
+                               warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len)
+                    runs[config].append(run_child(__file__, cfg))
+                    bar.update()
+            qual = quality(model, budget, configs, args.quality_windows) if args.quality and "synth" not in model \
+                else {}
+            base = statistics.median(s["tpot_s"] for s in runs["native"])
+            for config, stats in runs.items():
+                tpot = statistics.median(s["tpot_s"] for s in stats)
+                q = qual.get(config, {})
+                rows.append(dict(model=Path(model).name, budget=budget, config=config, tpot_s=tpot,
+                                 speedup=base / tpot, tpot_runs_s=[s["tpot_s"] for s in stats],
+                                 hit_rate=statistics.median(s["decode_hit_rate"] for s in stats),
+                                 expert_bytes_per_token=statistics.median(s["expert_bytes_per_token"] for s in stats),
+                                 low_share=statistics.median(s["low_share"] for s in stats),
+                                 perplexity_change=q.get("perplexity_change"),
+                                 top1_agreement=q.get("top1_agreement"), kl=q.get("kl")))
+    bar.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = dict(policy=args.policy, rounds=args.rounds, tokens=args.tokens, warmup_tokens=args.warmup_tokens,
+                  prompt_len=args.prompt_len, quality_windows=args.quality_windows, rows=rows)
+    (args.out / "precision.json").write_text(json.dumps(report, indent=1))
+    plot(rows, args.out / "precision.png")
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    print(f"{'model':>18} {'budget':>6} {'config':>14} {'TPOT ms':>8} {'speed-up':>8} {'hit':>6} {'MiB/tok':>8} "
+          f"{'low':>5} {'d ppl':>7} {'top-1':>6} {'KL':>7}")
+    for r in rows:
+        print(f"{r['model']:>18} {r['budget']:>6} {r['config']:>14} {r['tpot_s'] * 1e3:8.1f} {r['speedup']:7.2f}x "
+              f"{r['hit_rate']:6.1%} {r['expert_bytes_per_token'] / 2**20:8.2f} {r['low_share']:5.0%} "
+              f"{fmt(r['perplexity_change'], '+7.1%'):>7} {fmt(r['top1_agreement'], '6.1%'):>6} "
+              f"{fmt(r['kl'], '7.4f'):>7}")
+    print(f"wrote {args.out / 'precision.json'} and {args.out / 'precision.png'}")
+
+
+if __name__ == "__main__":
+    main()
