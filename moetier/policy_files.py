@@ -56,3 +56,23 @@ def make_policy_for_model(name: str, ctx: PolicyContext, model_dir: Path | None,
     if base_name(name) in LEARNED and not params:
         params = load_params(base_name(name), model_dir)
     return make_policy(name, ctx, **params)
+
+
+THRESHOLDS = "thresholds"  # policies/thresholds.json: a model's fitted HOBBIT thresholds
+
+
+def load_thresholds(model_dir: Path | None) -> tuple[float, float] | None:
+    """The model's fitted (T1, T2), or None if it has none."""
+    path = policy_file(model_dir, THRESHOLDS) if model_dir else None
+    if path is None or not path.exists():
+        return None
+    with parsing(str(path), hint="the file is damaged; `moetier train thresholds --trace DIR --model M` writes it"):
+        d = json.loads(path.read_bytes())
+        t1, t2 = float(d["t1"]), float(d["t2"])
+        if not 0 <= t1 <= t2:
+            raise ValueError(f"thresholds need 0 <= T1 <= T2, got {t1}, {t2}")
+        return t1, t2
+
+
+def save_thresholds(path: Path, t1: float, t2: float, trained_on: str, **extra) -> None:
+    atomic_write_json(path, {"t1": t1, "t2": t2, "trained_on": trained_on, **extra})

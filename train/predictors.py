@@ -1,5 +1,6 @@
 """The demo models' trained expert predictors (`llapor`, `comoe-mlp`), written into `models/<name>/predictors/`,
-and their learned cache policies (`flashmoe-ml`, `static-hot`, `hobbit` at 25%) into `models/<name>/policies/`:
+and their learned cache policies (`flashmoe-ml`, `static-hot`, `hobbit` at 25%) and HOBBIT thresholds
+(`thresholds.json`) into `models/<name>/policies/`:
 record a trace with gate inputs on the training books (train/corpus.py holds the validation books out, and the
 predictor benchmark scores on those), then `moetier train predictor` / `moetier train cache-policy` on it.
 
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--predictors", default="llapor,comoe-mlp", help="comma-separated; empty for none")
     ap.add_argument("--policies", default="flashmoe-ml,static-hot,hobbit", help="comma-separated; empty for none")
+    ap.add_argument("--thresholds", action=argparse.BooleanOptionalAction, default=True,
+                    help="fit HOBBIT's T1/T2 to the model's routing (`moetier train thresholds`)")
     ap.add_argument("--traces", type=Path, default=default_cache_dir() / "predictor-traces")
     args = ap.parse_args()
     args.traces.mkdir(parents=True, exist_ok=True)
@@ -46,6 +49,8 @@ def main() -> None:
             out = ROOT / "models" / model / "policies" / f"{name}.json"
             subprocess.run(["moetier", "train", "cache-policy", "--policy", name, "--trace", str(trace), "--model",
                             model, "--out", str(out), "--expert-memory", "25%"], check=True)
+        if args.thresholds:
+            subprocess.run(["moetier", "train", "thresholds", "--trace", str(trace), "--model", model], check=True)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,26 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _train_thresholds(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from moetier.plan.precision import HOBBIT_SHARES, fit_thresholds
+    from moetier.policy_files import THRESHOLDS, policy_file, save_thresholds
+    from moetier.trace.format import Trace
+
+    trace = Trace.load(args.trace)
+    if args.out:
+        out = Path(args.out)
+    else:
+        out = policy_file(model_dir(args.model, args.cache_dir), THRESHOLDS)
+        check_trace_fits_model(trace, args.model, args.cache_dir)
+    t1, t2 = fit_thresholds(trace.topk_weights.astype(np.float32).reshape(-1, trace.top_k))
+    save_thresholds(out, t1, t2, trace.model, shares=list(HOBBIT_SHARES), tokens=trace.num_tokens)
+    print(f"T1 = {t1}, T2 = {t2} (loading {HOBBIT_SHARES[0]:.1%} of selected experts high, {HOBBIT_SHARES[1]:.1%} "
+          f"low, skipping {HOBBIT_SHARES[2]:.1%}, as HOBBIT's 0.6 / 0.9 do on Mixtral-8x7B)")
+    print(f"wrote {out}")
+
+
 def check_trace_fits_model(trace, model: str, cache_dir: str | None) -> None:
     from moetier.resolve import resolve_model
     from moetier.store.store import Store
@@ -167,6 +187,14 @@ def add_parser(sub) -> None:
     cp.add_argument("--expert-memory", default="25%", help="hobbit: the budget to fit the weights at")
     cp.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     cp.set_defaults(func=_train_cache_policy)
+    th = command(tr, "thresholds", "fit HOBBIT's importance thresholds T1, T2 to a model's routing and save them "
+                                   "with the model: the shares of experts loaded high, low and skipped that the "
+                                   "paper's 0.6 / 0.9 give on Mixtral-8x7B")
+    th.add_argument("--trace", required=True, help="a trace of the model")
+    th.add_argument("--model", default=DEFAULT_MODEL, help="the model to save them with (its policies/ folder)")
+    th.add_argument("--out", help="write here instead")
+    th.add_argument("--cache-dir", help="where Hugging Face folders are converted")
+    th.set_defaults(func=_train_thresholds)
     from moetier.cli.predict import add_train_parser
 
     add_train_parser(tr)

@@ -103,14 +103,15 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--high-precision", default="", choices=["", "int8"],
                    help="hobbit/low-tier: the high copy (default the model's own; int8 pairs with int2 as in HOBBIT)")
     p.add_argument("--thresholds", default=None, metavar="T1,T2",
-                   help="HOBBIT's importance thresholds (default 0.6,0.9; low-tier 0.6,1.0: no skipping)")
+                   help="HOBBIT's importance thresholds (default: the model's fitted ones if it has them, else the "
+                        "paper's 0.6,0.9; low-tier T2 1.0: no skipping)")
     p.add_argument("--high-share", type=float, default=0.75,
                    help="hobbit: the high-precision sub-cache's share of the expert budget")
 
 
 def precision_fields(args: argparse.Namespace) -> dict:
     """MixedPrecision's fields from the precision options (T2 None when not given: the mode's own default)."""
-    t1, t2 = 0.6, None
+    t1 = t2 = None  # the model's defaults
     if args.thresholds is not None:
         try:
             t1, t2 = (float(v) for v in args.thresholds.split(","))

@@ -24,7 +24,7 @@ from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
 from moetier.plan.precision import UNIFORM, MixedPrecision
 from moetier.plan.prefetchers import PREFETCHERS
-from moetier.policy_files import make_policy_for_model
+from moetier.policy_files import load_thresholds, make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
 from moetier.predictor_files import TRAINED, load_nets
 from moetier.resolve import resolve_model
@@ -193,7 +193,8 @@ class Engine:
             predictor = make_predictor(config.predictor, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
                                        config.predict_distance,
                                        **predictor_inputs(config.predictor, dense, store, lambda: self.model))
-        self.precision = choose_low(config.precision, store, self.budget.cache_bytes)
+        fitted = load_thresholds(store.trained_dir())  # the model's own T1, T2, where it has them
+        self.precision = choose_low(config.precision.with_thresholds(fitted), store, self.budget.cache_bytes)
         if add_missing_precisions(store, self.precision, progress):
             self.store = store = Store(store.path)
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)

@@ -18,6 +18,7 @@ plan): it is skipped only where every token would skip it, and then for all of t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,10 @@ from moetier.errors import BudgetError, MoetierError
 from moetier.plan.layer_plan import RESIDENT, SKIP, LayerPlan, Run
 
 MODES = ("native", "int8", "int4", "int2", "hobbit", "low-tier")
+PAPER_T1, PAPER_T2 = 0.6, 0.9  # HOBBIT §3.2
+# What the paper's thresholds do on Mixtral-8x7B's real routing (../shared/data/traces/mixtral-8x7b, 577 tokens x 32
+# layers, top-2): the shares of selected experts loaded high, low and skipped. Per-model defaults keep these shares.
+HOBBIT_SHARES = (0.636, 0.318, 0.046)
 UNIFORM = ("int8", "int4", "int2")
 HIGH, LOW, SKIPPED = 0, 1, 2  # an assignment's level
 
@@ -39,16 +44,17 @@ class MixedPrecision:
     mode: str = "native"
     high: Precision = ""  # "": the model's own precision
     low: Precision = ""  # "": int4 for hobbit; for low-tier the most precise copy that fits (see engine)
-    t1: float = 0.6  # HOBBIT's defaults (§3.2)
-    t2: float | None = None  # None: HOBBIT's 0.9; for low-tier 1.0 (its low copy is resident: skipping saves no read)
+    t1: float | None = None  # None: the model's fitted default (thresholds.json beside it), else HOBBIT's 0.6
+    t2: float | None = None  # None: likewise, else 0.9; for low-tier 1.0 (its low copy is resident: skipping saves
+    # no read)
     high_share: float = 0.75  # hobbit: the high-precision sub-cache's share of the bytes
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise MoetierError(f"unknown precision mode {self.mode!r}", hint=f"one of {', '.join(MODES)}")
-        if self.t2 is None:
-            object.__setattr__(self, "t2", 1.0 if self.mode == "low-tier" else 0.9)
-        if not 0 <= self.t1 <= self.t2:
+        if self.t2 is None and self.mode == "low-tier":
+            object.__setattr__(self, "t2", 1.0)
+        if (self.t1 is not None and self.t1 < 0) or (None not in (self.t1, self.t2) and self.t1 > self.t2):
             raise MoetierError(f"thresholds need 0 <= T1 <= T2, got T1={self.t1}, T2={self.t2}")
         if not 0 < self.high_share <= 1:
             raise MoetierError(f"high_share must be in (0, 1], got {self.high_share}")
@@ -56,6 +62,11 @@ class MixedPrecision:
             raise MoetierError(f"high and low precision are both {self.low}", hint="give two different copies")
         if self.low and self.low not in UNIFORM:
             raise MoetierError(f"unknown low precision {self.low!r}", hint=f"one of {', '.join(UNIFORM)}")
+
+    def with_thresholds(self, fitted: tuple[float, float] | None = None) -> MixedPrecision:
+        """Thresholds not given filled in: from `fitted` (a model's defaults), else the paper's."""
+        t1, t2 = fitted or (PAPER_T1, PAPER_T2)
+        return dataclasses.replace(self, t1=t1 if self.t1 is None else self.t1, t2=t2 if self.t2 is None else self.t2)
 
     @property
     def mixed(self) -> bool:
@@ -72,6 +83,24 @@ class MixedPrecision:
         if self.mode in UNIFORM:
             return (self.mode,)
         return self.pair(native, default_low)
+
+
+def fit_thresholds(topk_weights: np.ndarray, shares: tuple[float, float, float] = HOBBIT_SHARES) -> tuple[float, float]:
+    """T1, T2 for a model: the thresholds under which its selected experts (routing weights [N, k]) are loaded high,
+    low and skipped in `shares` — by default what HOBBIT's own thresholds give on Mixtral, whose top-2 they were set
+    for. (A top-8 model's later experts have small s: under 0.6 / 0.9 it would skip a third of them.)"""
+    w = np.abs(topk_weights.astype(np.float64))
+    w = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-30)
+    ranked = -np.sort(-w, axis=1)
+    s = (np.cumsum(ranked, axis=1) - ranked)[:, 1:].ravel()  # the first expert is high whatever its s
+    k = w.shape[1]
+    if k == 1 or s.size == 0:
+        return PAPER_T1, PAPER_T2
+    first = 1 / k  # of all selected experts, the share that are first
+    q_high = float(np.clip((shares[0] - first) / (1 - first), 0, 1))
+    q_kept = float(np.clip((1 - shares[2] - first) / (1 - first), 0, 1))
+    t1, t2 = (float(np.quantile(s, q)) for q in (q_high, q_kept))
+    return round(t1, 4), round(max(t1, t2), 4)
 
 
 def levels(topk_weights: np.ndarray, t1: float, t2: float) -> np.ndarray:
@@ -157,6 +186,7 @@ def setup(mixed: MixedPrecision, native: Precision, entry_bytes: dict[Precision,
           policy: EvictionPolicy, moe_layers: tuple[int, ...], num_experts: int, top_k: int,
           per_layer: bool = False) -> PrecisionSetup:
     """`entry_bytes`: one expert's bytes at each precision the store holds; `capacity_bytes`: the expert budget."""
+    mixed = mixed.with_thresholds()  # any still unset: the paper's
     high, low = mixed.pair(native)
     if mixed.mode in UNIFORM:
         high = mixed.mode

@@ -96,3 +96,33 @@ def test_a_model_converted_on_first_use_gets_its_copies_on_first_use(tiny_store)
     with Engine.from_pretrained(plain.parent / "hf", precision=MixedPrecision("int4"), progress=False) as engine:
         assert "int4" in engine.store.manifest.precisions
         assert len(engine.generate([prompts()[0]], max_new_tokens=3, ignore_eos=True).token_ids[0]) == 3
+
+
+def test_a_models_fitted_thresholds_are_its_defaults(quantized):
+    from moetier.policy_files import save_thresholds
+
+    path = quantized / "policies" / "thresholds.json"
+    save_thresholds(path, 0.3, 0.5, "hand-made")
+    try:
+        for given, expected in (({}, (0.3, 0.5)), ({"t1": 0.2}, (0.2, 0.5)), ({"t1": 0.4, "t2": 0.8}, (0.4, 0.8))):
+            config = EngineConfig(precision=MixedPrecision("hobbit", **given))
+            with Engine(Store(quantized), config) as engine:
+                assert (engine.precision.t1, engine.precision.t2) == expected
+        path.write_text('{"t1": 0.9, "t2": 0.1}')
+        with pytest.raises(MoetierError, match="damaged"):
+            Engine(Store(quantized), EngineConfig(precision=MixedPrecision("hobbit")))
+    finally:
+        path.unlink()
+
+
+def test_train_thresholds_writes_what_the_engine_reads(tmp_path, capsys):
+    import json
+
+    from moetier.cli import main
+    from tests.test_cli_inputs import olmoe_trace
+
+    olmoe_trace(tokens=60).save(tmp_path / "t")
+    out = tmp_path / "thresholds.json"
+    assert main(["train", "thresholds", "--trace", str(tmp_path / "t"), "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert 0 <= d["t1"] <= d["t2"] <= 1 and "T1 = " in capsys.readouterr().out

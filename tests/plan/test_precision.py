@@ -9,7 +9,16 @@ from moetier.cache.residency import Residency
 from moetier.errors import MoetierError
 from moetier.plan.layer_plan import RESIDENT, SKIP, LayerPlan
 from moetier.plan.on_demand import OnDemandStage
-from moetier.plan.precision import HIGH, LOW, SKIPPED, LowTierStage, MixedPrecision, PrecisionStage, levels
+from moetier.plan.precision import (
+    HIGH,
+    LOW,
+    SKIPPED,
+    LowTierStage,
+    MixedPrecision,
+    PrecisionStage,
+    fit_thresholds,
+    levels,
+)
 from moetier.plan.route import RouteResult
 
 
@@ -101,5 +110,20 @@ def test_bad_configurations_are_refused(kw, match):
 
 
 def test_low_tier_does_not_skip_unless_asked():
-    assert MixedPrecision("low-tier").t2 == 1.0 and MixedPrecision("hobbit").t2 == 0.9
-    assert MixedPrecision("low-tier", t2=0.95).t2 == 0.95
+    assert MixedPrecision("low-tier").with_thresholds((0.5, 0.7)).t2 == 1.0
+    assert MixedPrecision("hobbit").with_thresholds().t2 == 0.9  # the paper's, without a fitted default
+    assert MixedPrecision("low-tier", t2=0.95).with_thresholds().t2 == 0.95
+
+
+def test_thresholds_given_win_over_fitted_ones_and_fitted_over_the_papers():
+    assert MixedPrecision("hobbit", t1=0.3).with_thresholds((0.2, 0.5)) == MixedPrecision("hobbit", t1=0.3, t2=0.5)
+    assert MixedPrecision("hobbit").with_thresholds() == MixedPrecision("hobbit", t1=0.6, t2=0.9)
+
+
+def test_fitted_thresholds_reproduce_the_shares():
+    rng = np.random.default_rng(0)
+    w = rng.dirichlet(np.full(8, 0.7), size=4000)  # [N, 8] routing weights of a top-8 model
+    t1, t2 = fit_thresholds(w, (0.6, 0.3, 0.1))
+    shares = [float((levels(w, t1, t2) == i).mean()) for i in (HIGH, LOW, SKIPPED)]
+    assert shares == pytest.approx([0.6, 0.3, 0.1], abs=0.01)
+    assert fit_thresholds(np.ones((5, 1))) == (0.6, 0.9)  # top-1: nothing to fit
