@@ -141,6 +141,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, name in ((axes[0], "perplexity_change", "perplexity change vs exact"),
@@ -150,6 +151,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
             ax.annotate(r["label"], (r["speedup"], r[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set(xlabel="decode speed vs exact (x)", ylabel=name)
         ax.grid(alpha=0.3)
+    axes[0].yaxis.set_major_formatter(PercentFormatter(1.0))
     fig.suptitle(f"speed against quality: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
