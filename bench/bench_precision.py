@@ -71,7 +71,7 @@ def quality(model: str, budget: str, configs: list[str], windows: int) -> dict[s
 def plot(rows: list[dict], path: Path) -> None:
     fig, panels = model_panels(rows, 5.5, 4)
     for ax, model, mine in panels:
-        ax.bar([r["config"] for r in mine], [r["tpot_s"] * 1e3 for r in mine])
+        ax.bar([r["config"] for r in mine], [r["tpot_s"] * 1e3 for r in mine], label="median TPOT")
         for i, r in enumerate(mine):
             q = "" if r.get("perplexity_change") is None else f"\nppl {r['perplexity_change']:+.1%}"
             ax.annotate(f"{r['speedup']:.2f}x{q}", (i, r["tpot_s"] * 1e3), ha="center", fontsize=7,
