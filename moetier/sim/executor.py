@@ -77,7 +77,7 @@ class SimExecutor:
             ready = landed[run.expert] if run.source == LOAD else \
                 self._in_flight(key) if run.source == IN_FLIGHT else tl.dense_end
             start = max(lane_free[run.place], ready)
-            lane_free[run.place] = start + self._at(run.precision).expert_s(int(counts[run.expert]), run.place)
+            lane_free[run.place] = start + self.cost_at(run.precision).expert_s(int(counts[run.expert]), run.place)
             tl.computes.append((run.expert, start, lane_free[run.place], run.place))
             follower = deferred.pop(run.expert, None)
             if follower is not None:  # its slot is free now
@@ -129,7 +129,7 @@ class SimExecutor:
         return sum(rate * max(0.0, min(b, end) - max(a, start)) for start, end, rate in self._reading
                    for a, b in busy)
 
-    def _at(self, precision: str) -> CostModel:
+    def cost_at(self, precision: str) -> CostModel:
         """The cost model for experts at `precision` (a mixed-precision plan reads and computes several)."""
         cost = self._by_precision.get(precision)
         if cost is None:
@@ -137,7 +137,7 @@ class SimExecutor:
         return cost
 
     def _start(self, key: ExpertKey, ready: float, precision: str) -> float:
-        cost = self._at(precision)
+        cost = self.cost_at(precision)
         start = max(self.link_free, ready)
         self.link_free = start + cost.read_busy_s(key)
         cpu = cost.read_cpu_s(key)

@@ -170,7 +170,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
         for j, layer in enumerate(trace.layers):
             gate_input = trace.gate_inputs[rows, j] if trace.gate_inputs is not None else None
             plan, timeline = executor.layer(trace_route(trace, rows, j, layer, layer_step.step), len(rows), gate_input)
-            result.miss_penalty_s += sum(cost.at(ld.precision).read_s(ExpertKey(layer, ld.expert)) for ld in plan.loads)
+            result.miss_penalty_s += sum(executor.cost_at(ld.precision).read_s(ExpertKey(layer, ld.expert))
+                                         for ld in plan.loads)
             if index in keep:
                 result.timelines.setdefault(index, []).append(timeline)
         executor.idle(cost.rest_of_step_s(trace.layers, len(rows)))  # untraced layers, the head
