@@ -2,8 +2,9 @@
 the engine on held-out text.
 
 For each text (a domain: prose, code), `windows` windows of `window` tokens spread evenly over it are scored
-teacher-forced (moetier/engine/score.py): a prefill of `prefix` tokens, then one decode step per token. Per
-configuration and domain:
+teacher-forced (moetier/engine/score.py): a prefill of `prefix` tokens, then one decode step per token, `batch`
+windows of a domain decoded together (SMoE's batch-aware substitution acts across them). Per configuration and
+domain:
 
 - perplexity: exp of the mean negative log-likelihood of the true next tokens;
 - top-1 agreement: the share of positions whose most likely next token equals exact mode's;
@@ -73,6 +74,7 @@ class Row:
     hit_rate: float | None
     low_share: float  # of the needed experts in decode steps, computed below the high precision
     skipped: int
+    substituted: int = 0  # decode (token, k) assignments given another expert than the router's
     note: str = ""  # why a configuration did not run (its budget cannot hold it)
 
     def to_json(self) -> dict:
@@ -80,34 +82,37 @@ class Row:
 
 
 def score(engine, windows: list[Windows], prefix: int, exact: dict | None = None,
-          progress: Callable[[], None] = lambda: None) -> tuple[Row, dict]:
-    """Score every window with `engine`. `exact`: exact mode's log-probabilities per (domain, window index), from
-    an earlier call (None: this is exact mode, and its own are returned for the calls that follow)."""
+          progress: Callable[[int], None] = lambda n: None, batch: int = 1) -> tuple[Row, dict]:
+    """Score every window with `engine`, `batch` windows of a domain at a time. `exact`: exact mode's
+    log-probabilities per (domain, window index), from an earlier call (None: this is exact mode, and its own are
+    returned for the calls that follow). `progress(n)`: n more windows scored."""
     from moetier.engine.score import teacher_forced
 
     logps, scores = {}, []
-    seconds = tokens = bytes_read = needed = hits = low = skipped = 0
+    seconds = tokens = bytes_read = needed = hits = low = skipped = substituted = 0
     for w in windows:
         s = DomainScore(w.domain)
-        for i, row in enumerate(w.rows):
-            logp, stats = teacher_forced(engine, list(row), prefix)
-            reference = logp if exact is None else exact[(w.domain, i)]
-            s.add(logp, reference, torch.tensor(row[prefix:], dtype=torch.int64))
-            logps[(w.domain, i)] = logp
+        for first in range(0, len(w.rows), batch):
+            rows = [list(row) for row in w.rows[first:first + batch]]
+            logp, stats = teacher_forced(engine, rows, prefix)  # [b, n, V]
+            for i, row in enumerate(rows, start=first):
+                reference = logp[i - first] if exact is None else exact[(w.domain, i)]
+                s.add(logp[i - first], reference, torch.tensor(row[prefix:], dtype=torch.int64))
+                logps[(w.domain, i)] = logp[i - first]
             dec = stats.phases[1]
             seconds += sum(stats.decode_step_s)
             tokens += stats.decode_tokens
             bytes_read, needed, hits = bytes_read + dec.bytes_read, needed + dec.needed, hits + dec.hits
-            low, skipped = low + dec.low_runs, skipped + dec.skipped
-            progress()
+            low, skipped, substituted = low + dec.low_runs, skipped + dec.skipped, substituted + dec.substituted
+            progress(len(rows))
         scores.append(s.summary())
     row = Row("", scores, tokens / seconds if seconds else 0.0, bytes_read / max(1, tokens),
-              hits / needed if needed else None, low / max(1, needed), skipped)
+              hits / needed if needed else None, low / max(1, needed), skipped, substituted)
     return row, logps
 
 
 def sweep(make_engine: Callable[[str], object], labels: list[str], windows: list[Windows], prefix: int,
-          progress: Callable[[], None] = lambda: None) -> Iterator[Row]:
+          progress: Callable[[int], None] = lambda n: None, batch: int = 1) -> Iterator[Row]:
     """Exact mode (`labels[0]`), then every other label: `make_engine(label)` opens the engine of a point. A point
     the budget cannot hold (low-tier on a small budget) is a row with its reason, not an end to the sweep."""
     exact = None
@@ -120,7 +125,7 @@ def sweep(make_engine: Callable[[str], object], labels: list[str], windows: list
             yield Row(label, [], 0.0, 0.0, None, 0.0, 0, note=str(e).splitlines()[0])
             continue
         with engine:
-            row, logps = score(engine, windows, prefix, exact, progress)
+            row, logps = score(engine, windows, prefix, exact, progress, batch)
         if exact is None:
             exact = logps
         row.label = label

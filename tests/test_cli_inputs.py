@@ -149,6 +149,16 @@ BAD = [
     (["quantize", "{store}", "--precisions", "int3"], "unknown or unavailable precision 'int3'"),
     (["convert", "{hf}", "{tmp}/s", "--precisions", "bf16,int4"],
      "unknown or unavailable precision 'bf16' (this store's experts are fp32)"),
+    # substitution: refused before the model is looked for
+    (["generate", "--model", "/no/such", "--prompt", "x", "--substitute", "lots"],
+     "--substitute takes off, auto or a number"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--substitute", "1.5"], "must be within [0, 1)"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--tpot-budget", "fast"], "'fast' is not a duration"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--tpot-budget", "0ms"], "must be positive"),
+    (["generate", "--model", "/no/such", "--prompt", "x", "--tpot-budget", "80ms", "--substitute", "0.3"],
+     "--tpot-budget chooses alpha itself"),
+    (["eval", "--model", "/no/such", "--sweep", "alpha=0,big"], "--sweep alpha: 'big' is not a number"),
+    (["eval", "--model", "/no/such", "--sweep", "policy=lru,nope"], "nope"),
     # stores
     (["generate", "--model", "{no_manifest}", "--prompt", "x"], "looks like a moetier store but has no manifest"),
     (["generate", "--model", "{store}", "--prompt", "x", "--reconvert"], "is a converted store"),

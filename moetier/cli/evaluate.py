@@ -8,10 +8,20 @@ import json
 from pathlib import Path
 
 from moetier.cli.defaults import command
-from moetier.cli.generate import add_engine_options, add_precision_options, check_engine_args, precision_fields
+from moetier.cli.generate import (
+    add_engine_options,
+    add_precision_options,
+    add_substitution_options,
+    check_engine_args,
+    precision_fields,
+    substitution_config,
+)
 from moetier.errors import MoetierError
 
-SWEEPABLE = {"precision": "precision", "t1": "t1", "t2": "t2", "low-precision": "low", "high-share": "high_share"}
+# sweepable parameter -> the MixedPrecision field it sets; SUBSTITUTION's set the Substitution, POLICY the policy
+SWEEPABLE = {"precision": "precision", "t1": "t1", "t2": "t2", "low-precision": "low", "high-share": "high_share",
+             "alpha": "alpha", "substitute-weight": "weight", "policy": "policy"}
+SUBSTITUTION = ("alpha", "substitute-weight")
 
 
 def parse_sweep(text: str | None) -> tuple[str | None, list[str]]:
@@ -28,7 +38,7 @@ def point(fields: dict, param: str | None, value: str):
     """The precision configuration of one sweep point (refused before any engine starts if it is invalid)."""
     from moetier.plan.precision import MixedPrecision
 
-    if param is None:
+    if param is None or param in SUBSTITUTION or param == "policy":
         return MixedPrecision(**fields)
     field = {"precision": "mode"}.get(param, SWEEPABLE[param])
     try:
@@ -36,6 +46,29 @@ def point(fields: dict, param: str | None, value: str):
     except ValueError:
         raise MoetierError(f"--sweep {param}: {value!r} is not a number") from None
     return MixedPrecision(**(fields | {field: v}))
+
+
+def engine_config(args: argparse.Namespace, fields: dict, param: str | None, value: str) -> dict:
+    """The engine options of one sweep point: precision, substitution and policy (checked before any engine runs)."""
+    import dataclasses
+
+    from moetier.cache.policies import check_policy
+    from moetier.plan.substitute import Substitution
+
+    substitution = substitution_config(args)
+    policy = value if param == "policy" else args.policy
+    check_policy(policy, live=True)
+    if param in SUBSTITUTION:
+        base = substitution or Substitution(None, args.substitute_weight, args.batch_aware)
+        if param == "alpha":
+            try:
+                alpha = float(value)
+            except ValueError:
+                raise MoetierError(f"--sweep alpha: {value!r} is not a number") from None
+            substitution = dataclasses.replace(base, alpha=alpha)
+        else:
+            substitution = dataclasses.replace(base, weight=value)
+    return {"precision": point(fields, param, value), "substitution": substitution, "policy": policy}
 
 
 def texts(pairs: list[str] | None) -> dict[str, str]:
@@ -72,19 +105,22 @@ def _eval(args: argparse.Namespace) -> None:
     check_engine_args(args)
     fields = precision_fields(args)
     param, values = parse_sweep(args.sweep)
-    labels = ["exact"] + ([f"{param}={v}" for v in values] if param else [args.precision])
-    configs = {"exact": point(fields | {"mode": "native"}, None, "")}
-    configs.update({f"{param}={v}": point(fields, param, v) for v in values} if param else
-                   {args.precision: point(fields, None, "")})
-    if args.windows < 1 or args.prefix < 1 or args.window < args.prefix + 2:
-        raise MoetierError(f"--windows {args.windows}, --prefix {args.prefix}, --window {args.window}: need at least "
-                           f"one window, a prefix of at least one token, and two tokens to score after it")
+    own = args.precision if args.substitute == "off" else f"{args.precision}+substitute {args.substitute}"
+    labels = ["exact"] + ([f"{param}={v}" for v in values] if param else [own])
+    configs = {"exact": {"precision": point(fields | {"mode": "native"}, None, ""), "substitution": None,
+                         "policy": args.policy}}  # exact plans, the same cache policy
+    configs.update({f"{param}={v}": engine_config(args, fields, param, v) for v in values} if param else
+                   {own: engine_config(args, fields, None, "")})
+    if args.windows < 1 or args.prefix < 1 or args.window < args.prefix + 2 or args.batch < 1:
+        raise MoetierError(f"--windows {args.windows}, --prefix {args.prefix}, --window {args.window}, --batch "
+                           f"{args.batch}: need at least one window, a prefix of at least one token, two tokens to "
+                           f"score after it, and a batch of at least one")
     sources = texts(args.text)
 
     def make_engine(label: str):
         return Engine.from_pretrained(args.model, expert_memory=args.expert_memory, cache_dir=args.cache_dir,
                                       progress=False, reader_threads=args.reader_threads, device=args.device,
-                                      kernels=args.kernels, policy=args.policy, precision=configs[label])
+                                      kernels=args.kernels, **configs[label])
 
     with make_engine("exact") as engine:  # the tokenizer, and the model's first conversion with its progress
         if engine.tokenizer is None:
@@ -94,7 +130,7 @@ def _eval(args: argparse.Namespace) -> None:
     total = len(labels) * sum(len(w.rows) for w in windows)
     rows = []
     with tqdm(total=total, desc="eval", unit="window", disable=args.json) as bar:
-        for row in sweep(make_engine, labels, windows, args.prefix, bar.update):
+        for row in sweep(make_engine, labels, windows, args.prefix, bar.update, args.batch):
             rows.append(row)
     report(rows, args)
 
@@ -102,7 +138,8 @@ def _eval(args: argparse.Namespace) -> None:
 def report(rows, args: argparse.Namespace) -> None:
     exact = rows[0]
     lines = [f"{'configuration':<24} " + " ".join(f"{'ppl ' + d['domain']:>11}" for d in exact.domains)
-             + f" {'d ppl':>7} {'top-1':>6} {'KL':>7} {'tok/s':>7} {'speed':>6} {'MiB/tok':>8} {'low':>5} {'skip':>5}"]
+             + f" {'d ppl':>7} {'top-1':>6} {'KL':>7} {'tok/s':>7} {'speed':>6} {'MiB/tok':>8} {'hits':>5} {'low':>5} "
+                f"{'skip':>5} {'subst':>5}"]
     records = []
     for row in rows:
         if row.note:
@@ -118,9 +155,11 @@ def report(rows, args: argparse.Namespace) -> None:
                                         "speedup": speed})
         lines.append(f"{row.label:<24} " + " ".join(f"{p:11.2f}" for p in ppl)
                      + f" {change:+7.1%} {top1:6.1%} {kl:7.4f} {row.decode_tokens_per_s:7.1f} {speed:5.2f}x "
-                     f"{row.expert_bytes_per_token / 2**20:8.2f} {row.low_share:5.0%} {row.skipped:5d}")
+                     f"{row.expert_bytes_per_token / 2**20:8.2f} {row.hit_rate or 0:5.0%} {row.low_share:5.0%} "
+                     f"{row.skipped:5d} {row.substituted:5d}")
     meta = {"model": args.model, "expert_memory": args.expert_memory, "window": args.window, "prefix": args.prefix,
-            "windows": args.windows, "sweep": args.sweep, "rows": records}
+            "windows": args.windows, "batch": args.batch, "policy": args.policy, "sweep": args.sweep,
+            "rows": records}
     if args.json:
         print(json.dumps(meta, indent=1))
     else:
@@ -131,7 +170,7 @@ def report(rows, args: argparse.Namespace) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "eval.json", meta)
-        plot(records, out / "eval.png", f"{args.model} at {args.expert_memory}")
+        plot(records, out / "eval.png", f"{args.model} at {args.expert_memory}, batch {args.batch}")
         if not args.json:
             print(f"json: {out / 'eval.json'}; plot: {out / 'eval.png'}")
 
@@ -163,6 +202,7 @@ def add_parser(sub) -> None:
                              "agreement, KL) and what it gains in speed, in the engine on held-out text")
     add_engine_options(e, "25%")
     add_precision_options(e)
+    add_substitution_options(e)
     e.add_argument("--policy", default="lru", help="eviction policy (`moetier list policies`)")
     e.add_argument("--sweep", metavar="PARAM=V1,V2",
                    help=f"one row per value of PARAM ({', '.join(SWEEPABLE)}), e.g. precision=int8,int4,hobbit")
@@ -171,6 +211,7 @@ def add_parser(sub) -> None:
     e.add_argument("--windows", type=int, default=8, help="windows scored per text")
     e.add_argument("--window", type=int, default=128, help="tokens per window")
     e.add_argument("--prefix", type=int, default=16, help="tokens of each window fed as a prefill before scoring")
+    e.add_argument("--batch", type=int, default=1, help="windows of a text decoded together (a batch of sequences)")
     e.add_argument("--out", help="folder for eval.json and eval.png (speed against quality)")
     e.add_argument("--json", action="store_true", help="print the records as JSON")
     e.set_defaults(func=_eval)

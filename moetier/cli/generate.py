@@ -43,7 +43,7 @@ def _generate(args: argparse.Namespace) -> None:
     prompts = read_prompts(args.prompt, args.prompt_file)
     engine = open_engine(args, progress=not args.json, policy=args.policy, cache_partition=args.cache_partition,
                          prefetch=args.prefetch, predictor=args.predictor, predict_distance=args.predict_distance,
-                         precision=precision_config(args))
+                         precision=precision_config(args), substitution=substitution_config(args))
     stream = len(prompts) == 1 and not args.json
 
     def on_text(_: int, delta: str) -> None:
@@ -51,6 +51,9 @@ def _generate(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
     with engine:
+        if args.tpot_budget is not None:
+            choice = engine.tune_substitution(parse_seconds(args.tpot_budget), prompts, progress=not args.json)
+            print(f"moetier: {choice.describe()}", file=sys.stderr)
         if stream:
             sys.stdout.write(prompts[0])
         out = engine.generate(prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
@@ -127,6 +130,66 @@ def precision_config(args: argparse.Namespace):
     return MixedPrecision(**precision_fields(args))
 
 
+def add_substitution_options(p: argparse.ArgumentParser) -> None:
+    """Options of every command that runs the engine with SMoE's substitution (docs/substitution.md)."""
+    from moetier.plan.substitute import WEIGHTS
+
+    p.add_argument("--substitute", default="off", metavar="ALPHA",
+                   help="replace a missing low-score expert by a cached one of similar score (SMoE): off (default, "
+                        "exact), auto (the paper's alpha for the model's size: 0.35 up to 20B expert parameters), or "
+                        "alpha in [0, 1)")
+    p.add_argument("--substitute-weight", default="scaled", choices=WEIGHTS,
+                   help="a substitute's weight: scaled (its own gate under the routing's normalisation) or inherit "
+                        "(the replaced expert's)")
+    p.add_argument("--no-batch-aware", dest="batch_aware", action="store_false",
+                   help="substitute only cached experts, not other tokens' top-score experts of the step")
+
+
+def add_budget_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tpot-budget", metavar="TIME",
+                   help="decode-time budget per token (80ms): a short calibration run on the prompt measures TPOT at "
+                        "alpha 0-0.6 and substitutes with the smallest alpha whose fitted TPOT meets it (SMoE §V-C)")
+
+
+def parse_seconds(text: str) -> float:
+    """A duration: `80ms`, `0.08s`, or `80` (milliseconds)."""
+    t = text.strip().lower()
+    scale = 1e-3
+    if t.endswith("ms"):
+        t = t[:-2]
+    elif t.endswith("s"):
+        t, scale = t[:-1], 1.0
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise MoetierError(f"{text!r} is not a duration", hint="e.g. 80ms, 0.08s") from None
+    if not value > 0:
+        raise MoetierError(f"a TPOT budget must be positive, got {text!r}")
+    return value
+
+
+def substitution_config(args: argparse.Namespace):
+    """The run's Substitution, or None (off). A TPOT budget turns it on (α tuned at start: 0 until then)."""
+    from moetier.plan.substitute import Substitution
+
+    text = args.substitute.strip().lower()
+    if getattr(args, "tpot_budget", None) is not None:
+        parse_seconds(args.tpot_budget)  # refused before any model is loaded
+        if text not in ("off", "auto"):
+            raise MoetierError("--tpot-budget chooses alpha itself", hint="leave out --substitute, or give no budget")
+        return Substitution(0.0, args.substitute_weight, args.batch_aware)
+    if text == "off":
+        return None
+    if text == "auto":
+        alpha = None
+    else:
+        try:
+            alpha = float(text)
+        except ValueError:
+            raise MoetierError(f"--substitute takes off, auto or a number in [0, 1), got {args.substitute!r}") from None
+    return Substitution(alpha, args.substitute_weight, args.batch_aware)
+
+
 def add_prefetch_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that can prefetch (docs/prediction.md)."""
     from moetier.plan.prefetchers import PREFETCHERS
@@ -145,6 +208,8 @@ def add_parser(sub) -> None:
     g = command(sub, "generate", "generate text with experts offloaded to disk")
     add_engine_options(g, "30%")
     add_precision_options(g)
+    add_substitution_options(g)
+    add_budget_option(g)
     g.add_argument("--prompt", action="append", help="prompt text; repeat for a batch; `-` reads stdin")
     g.add_argument("--prompt-file", action="append", help="a file whose text is one prompt; repeatable")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")

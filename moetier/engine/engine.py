@@ -22,8 +22,10 @@ from moetier.memory import MemoryView, memory_available
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
+from moetier.plan.alpha_budget import CALIBRATION_ALPHAS, AlphaChoice, choose_alpha
 from moetier.plan.precision import UNIFORM, MixedPrecision
 from moetier.plan.prefetchers import PREFETCHERS
+from moetier.plan.substitute import Substitution
 from moetier.policy_files import load_thresholds, make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
 from moetier.predictor_files import TRAINED, load_nets
@@ -52,6 +54,7 @@ class EngineConfig:
     predictor: str = "none"  # what the prefetch stage and the eviction policy hear: a name of moetier.predict
     predict_distance: int = 2  # MoE layers ahead the predictor scores (HOBBIT's p; the other stages use the next)
     precision: MixedPrecision = MixedPrecision()  # every expert at the model's own precision: exact mode
+    substitution: Substitution | None = None  # SMoE's substitution of low-score experts (None: exact mode)
 
     def __post_init__(self) -> None:
         if self.reader_threads < 1:
@@ -201,7 +204,8 @@ class Engine:
         try:
             self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
                                            per_layer, self.device, self.kernels, config.prefetch, predictor,
-                                           mixed=self.precision, dtype=dense["embed_tokens"].dtype)
+                                           mixed=self.precision, dtype=dense["embed_tokens"].dtype,
+                                           substitution=config.substitution)
         except BaseException:
             self.reader.close()
             raise
@@ -257,6 +261,32 @@ class Engine:
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes
         return GenerationOutput(texts, outputs, summary)
+
+    def tune_substitution(self, budget_s: float, prompts: str | list[str] | list[list[int]], tokens: int = 24,
+                          alphas: tuple[float, ...] = CALIBRATION_ALPHAS, progress: bool = False) -> AlphaChoice:
+        """SMoE §V-C: decode `tokens` tokens of `prompts` at each α of `alphas` (after one warm-up run, so every
+        point starts from a warm cache), fit T(α), and set the substitution's α to the smallest that meets the TPOT
+        budget — or, if none does, to the fastest (the choice says by how much the budget is missed)."""
+        from tqdm import tqdm
+
+        self._check_open()
+        stage = self.executor.substitution
+        if stage is None:
+            raise MoetierError("this engine substitutes nothing, so there is no alpha to tune",
+                               hint="make it with substitution=Substitution() (--substitute auto)")
+        bar = tqdm(total=len(alphas) + 1, desc="calibrating alpha", unit="run", disable=not progress, leave=False)
+
+        def measure(alpha: float) -> float:
+            stage.alpha = alpha
+            tpot = self.generate(prompts, max_new_tokens=tokens, ignore_eos=True).stats["tpot_s"]
+            bar.update()
+            return tpot
+
+        with bar:
+            measure(alphas[0])  # warm-up: the cache fills
+            choice = choose_alpha(measure, budget_s, alphas)
+        stage.alpha = choice.alpha
+        return choice
 
     def preload(self) -> int:
         """Fill the expert cache before generating (every expert, if the budget holds them all)."""

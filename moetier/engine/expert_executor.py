@@ -20,11 +20,12 @@ from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
 from moetier.plan.layer_plan import FAST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch
+from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
 from moetier.plan.precision import LowTierStage, MixedPrecision, setup
-from moetier.plan.prefetchers import layer_stages
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
+from moetier.plan.substitute import Substitution, SubstitutionStage
 from moetier.predict.base import Predictor
 from moetier.store.format import Manifest
 from moetier.store.reader import ON_DEMAND, PREFETCH, ExpertReader
@@ -35,9 +36,10 @@ class ExpertExecutor:
                  reader: ExpertReader, per_layer: bool = False, device: torch.device | str = "cpu",
                  kernels: TorchKernels | None = None, prefetch: str = "none", predictor: Predictor | None = None,
                  prefetch_params: dict | None = None, mixed: MixedPrecision | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, substitution: Substitution | None = None) -> None:
         """`prefetch`: a stage of moetier.plan.prefetchers (or "none"), choosing reads from `predictor`'s scores.
-        `mixed`: the precision mode (default: every expert at the model's own). `dtype`: the activations'."""
+        `mixed`: the precision mode (default: every expert at the model's own). `dtype`: the activations'.
+        `substitution`: SMoE's (α None: the paper's for the model's size), or None."""
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
         self.kernels = kernels or TorchKernels()
         self.device = torch.device(device)
@@ -60,8 +62,11 @@ class ExpertExecutor:
         self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype) for p in self.pools}
         self.counts = CountingHook(entry_bytes, self.precision if mixed.mixed else None)
         self.costs = RunningCosts(entry_bytes[self.precision])
-        stages = made.stages + layer_stages(self.residency, self.precision, prefetch, predictor, self.costs,
-                                            spec.top_k, prefetch_params)
+        if substitution is not None:
+            substitution = substitution.resolved(spec.num_expert_keys * spec.expert_params)
+        stages = plan_stages(made, substitution, prefetch, predictor, self.costs, spec.top_k, prefetch_params)
+        # the substitution stage, if any: its α is tuned at run time (--tpot-budget)
+        self.substitution = next((s for s in stages if isinstance(s, SubstitutionStage)), None)
         self.layer_step = LayerStep(self.residency, Planner(self.precision, stages), hooks=[self.counts],
                                     predictor=predictor)
         self._clock = time.perf_counter()  # when the previous MoE layer's experts were done
@@ -103,7 +108,7 @@ class ExpertExecutor:
         """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""
         # The one host sync of the layer: which experts to read is decided on the host from the routing.
         route = RouteResult(layer, self.layer_step.step, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy(),
-                            scores.cpu().numpy())
+                            scores.cpu().numpy(), self.layer_step.phase)
         if layer != self.spec.moe_layers[0]:  # (the first one's gap holds the previous step's head too)
             self.costs.observe_dense(time.perf_counter() - self._clock)
         self._poll_landed()

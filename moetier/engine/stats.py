@@ -78,9 +78,10 @@ def format_summary(s: dict) -> str:
     dec = s.get("decode") or {}
     mixed = (f"low precision {dec['low_runs'] / dec['needed']:.0%} of experts ({dec['low_loads']} read), "
              f"{dec['skipped']} skipped | ") if dec.get("low_runs") or dec.get("skipped") else ""
+    substituted = f"{dec['substituted']} substituted | " if dec.get("substituted") else ""
     return (f"TTFT {ms(s['ttft_s'])} | TPOT {ms(s['tpot_s'])} (p50 {ms(s['tpot_p50_s'])}, "
             f"p90 {ms(s['tpot_p90_s'])}) | {rate(s['tokens_per_s'])} tok/s "
             f"(decode {rate(s['decode_tokens_per_s'])} tok/s) | "
-            f"expert hit rate {pct(s['hit_rate'])} | {mixed}{prefetch}{predicted}"
+            f"expert hit rate {pct(s['hit_rate'])} | {mixed}{substituted}{prefetch}{predicted}"
             f"expert read {'n/a' if per_tok is None else f'{per_tok / 2**20:.1f} MiB'}/token | "
             f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB")

@@ -31,6 +31,7 @@ class PhaseCounters:
     low_runs: int = 0  # needed experts computed below the high precision (a precision stage's choice)
     low_loads: int = 0  # of the loads, those of a low-precision copy
     skipped: int = 0  # (token, k) assignments a precision stage skipped
+    substituted: int = 0  # (token, k) assignments given another expert than the router's (a substitution stage)
 
     def add(self, plan: LayerPlan, entry_bytes: Mapping[Precision, int], high: Precision | None = None) -> None:
         """`high`: the run's high precision (None: count no low runs)."""
@@ -39,7 +40,10 @@ class PhaseCounters:
             self.low_runs += sum(1 for run in plan.runs if run.precision != high)
             self.low_loads += sum(1 for load in plan.loads if load.precision != high)
         # an untouched assignment is the routing's own array (nothing skipped): no count on exact plans
-        self.skipped += int((plan.assign_ids == SKIP).sum()) if plan.assign_ids is not plan.route.topk_ids else 0
+        if plan.assign_ids is not plan.route.topk_ids:
+            ids = plan.assign_ids
+            self.skipped += int((ids == SKIP).sum())
+            self.substituted += int(((ids != plan.route.topk_ids) & (ids != SKIP)).sum())
         self.needed += len(plan.runs)
         self.hits += len(plan.hits)
         self.loads += len(plan.loads)

@@ -16,3 +16,9 @@ class RouteResult:
     topk_ids: np.ndarray  # [T, k] int64
     topk_weights: np.ndarray  # [T, k] float32
     scores: np.ndarray  # [T, E] float32, after the family's scoring function (softmax)
+    phase: int = DECODE  # the step's: PREFILL or DECODE
+
+    @property
+    def prefill(self) -> bool:
+        """A prompt's step (policies hear routes without importing this module)."""
+        return self.phase == PREFILL

@@ -15,11 +15,12 @@ from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext, base_
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, predictor_recall, prefetch_summary
 from moetier.plan.layer_plan import LayerPlan
+from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
 from moetier.plan.precision import MixedPrecision, setup
-from moetier.plan.prefetchers import layer_stages
 from moetier.plan.route import DECODE, PREFILL, RouteResult
 from moetier.plan.step import LayerHook, LayerStep
+from moetier.plan.substitute import Substitution
 from moetier.predict.base import Predictor
 from moetier.sim.cost import CostModel, FreeCost
 from moetier.sim.executor import LayerTimeline, SimExecutor
@@ -127,7 +128,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
              precision: Precision = NATIVE, preload: bool = False, per_layer: bool = False,
              timeline_steps: tuple[int, ...] = (), keep_plans: bool = False, prefetch: str = "none",
              predictor: Predictor | None = None, prefetch_params: dict | None = None,
-             mixed: MixedPrecision | None = None) -> SimResult:
+             mixed: MixedPrecision | None = None, substitution: Substitution | None = None) -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
     clock. A policy's start set (static-hot's hot table) is loaded first, as the engine loads it when made; `preload`
     then starts as Engine.preload() does (experts admitted layer by layer until the cache is full);
@@ -136,7 +137,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     trace without full router scores hands the policies its top-k weights with zeros elsewhere. `prefetch` names a
     stage of moetier.plan.prefetchers fed by `predictor`, which hears the trace's gate inputs where it has them.
     `mixed`: a precision mode (moetier/plan/precision.py) over the model's own `precision`; `num_slots` then counts
-    the budget in experts at that precision, and the cost model prices each read and compute at its own."""
+    the budget in experts at that precision, and the cost model prices each read and compute at its own.
+    `substitution`: SMoE's (α None: the paper's for the model's size, from the cost model's shape)."""
     mixed = mixed or MixedPrecision()
     # a free machine counts experts, not bytes
     entry_bytes = {p: max(1, cost.at(p).expert_bytes) for p in {precision, *mixed.precisions(precision)}}
@@ -145,7 +147,11 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     residency, high = made.residency, made.high
     counts, log = CountingHook(entry_bytes, high if mixed.mixed else None), PlanLog()
     costs = RunningCosts(entry_bytes[high])
-    stages = made.stages + layer_stages(residency, high, prefetch, predictor, costs, trace.top_k, prefetch_params)
+    if substitution is not None and substitution.alpha is None:
+        if not isinstance(cost, CostModel):
+            raise ValueError("a replay knows no model size: give the substitution its alpha")
+        substitution = substitution.resolved(cost.shape.total_expert_params)
+    stages = plan_stages(made, substitution, prefetch, predictor, costs, trace.top_k, prefetch_params)
     layer_step = LayerStep(residency, Planner(high, stages), hooks=[counts, log] if keep_plans else [counts],
                            predictor=predictor)
     executor = SimExecutor(layer_step, cost, costs)
@@ -185,12 +191,13 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
 
 def replay(trace: Trace, policy: EvictionPolicy, num_slots: int, preload: bool = False, per_layer: bool = False,
            precision: Precision = NATIVE, keep_plans: bool = False, predictor: Predictor | None = None,
-           mixed: MixedPrecision | None = None, entry_bytes: dict[Precision, int] | None = None) -> SimResult:
+           mixed: MixedPrecision | None = None, entry_bytes: dict[Precision, int] | None = None,
+           substitution: Substitution | None = None) -> SimResult:
     """Hits and misses alone: `simulate` on a machine where nothing takes time (the policy hears `predictor`'s
     predictions, if one is given; nothing is prefetched). A mixed-precision `mixed` needs each precision's
-    `entry_bytes` (a store's blob sizes) to split the cache as the engine does."""
+    `entry_bytes` (a store's blob sizes) to split the cache as the engine does; a `substitution` its alpha."""
     return simulate(trace, policy, num_slots, FreeCost(entry_bytes, precision), precision, preload, per_layer,
-                    keep_plans=keep_plans, predictor=predictor, mixed=mixed)
+                    keep_plans=keep_plans, predictor=predictor, mixed=mixed, substitution=substitution)
 
 
 def trace_route(trace: Trace, rows: np.ndarray, column: int, layer: int, step: int) -> RouteResult:
@@ -200,4 +207,4 @@ def trace_route(trace: Trace, rows: np.ndarray, column: int, layer: int, step: i
     weights = trace.topk_weights[rows, column].astype(np.float32)
     scores = trace.scores[rows, column].astype(np.float32) if trace.scores is not None else \
         topk_scores(ids, weights, trace.num_experts)
-    return RouteResult(layer, step, ids, weights, scores)
+    return RouteResult(layer, step, ids, weights, scores, int(trace.phase[rows[0]]))

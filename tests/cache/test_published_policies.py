@@ -8,7 +8,7 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import make_policy
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.hobbit import HobbitWeights
-from moetier.plan.route import DECODE, RouteResult
+from moetier.plan.route import DECODE, PREFILL, RouteResult
 from moetier.sim.replay import replay, trace_policy
 from moetier.trace.format import Trace
 
@@ -16,11 +16,11 @@ CTX = PolicyContext(num_slots=3, layers=(0, 1, 2, 3), num_experts=4, top_k=1)
 K = {(layer, e): ExpertKey(layer, e) for layer in range(4) for e in range(4)}
 
 
-def route(layer, step, ids, scores=None, weights=None):
+def route(layer, step, ids, scores=None, weights=None, phase=DECODE):
     ids = np.asarray(ids, np.int64).reshape(len(ids), -1)  # [T, k]
     w = np.full(ids.shape, 1.0, np.float32) if weights is None else np.asarray(weights, np.float32).reshape(ids.shape)
     s = np.zeros((len(ids), 4), np.float32) if scores is None else np.asarray(scores, np.float32).reshape(len(ids), 4)
-    return RouteResult(layer, step, ids, w, s)
+    return RouteResult(layer, step, ids, w, s, phase)
 
 
 def use(policy, key, step=1, precision="bf16", insert=False):
@@ -196,6 +196,24 @@ def test_smoe_score_keeps_an_expert_the_router_rates_highly_without_selecting_it
         p.on_route(route(0, step, [0], scores=[0.5, 0.45, 0.05, 0.0]))
     p.on_route(route(0, 6, [2], scores=[0.05, 0.4, 0.55, 0.0]))
     assert p.victim({a, b}) == a  # mean 0.41 against 0.44
+
+
+def test_smoe_score_window_counts_decode_tokens_and_ignores_prefill():
+    """Eq. 3 per token: a batch step of three tokens enters three rows of a window of 3; a prompt enters none."""
+    p = make_policy("smoe-score", CTX, window=3)
+    a, b = K[(0, 0)], K[(0, 1)]
+    use(p, a, insert=True)
+    use(p, b, insert=True)
+    p.on_route(route(0, 1, [0] * 8, scores=[[0.0, 1.0, 0.0, 0.0]] * 8, phase=PREFILL))  # the prompt: not counted
+    assert p.priority(a) == p.priority(b) == 0.0
+    p.on_route(route(0, 2, [0], scores=[1.0, 0.0, 0.0, 0.0]))  # one token: a scores 1
+    p.on_route(route(0, 3, [1, 1], scores=[[0.0, 1.0, 0.0, 0.0]] * 2))  # two tokens: b scores 1 twice
+    assert p.priority(a) == pytest.approx(1 / 3) and p.priority(b) == pytest.approx(2 / 3)
+    p.on_route(route(0, 4, [1, 1, 1], scores=[[0.0, 1.0, 0.0, 0.0]] * 3))  # three more rows push a's out
+    assert p.priority(a) == 0.0 and p.priority(b) == pytest.approx(1.0)
+    assert p.victim({a, b}) == a
+    p.on_sequence_start()  # Eq. 3's j counts a sequence's generations
+    assert p.priority(b) == 0.0
 
 
 def test_comoe_weighs_recent_use_and_importance():

@@ -127,3 +127,33 @@ def test_engine_and_replay_agree_in_every_precision_mode(tiny_store, tmp_path, m
     assert outcomes(result.plans) == outcomes(log.plans)
     loads = [ld.precision for p in log.plans for ld in p.loads]
     assert loads and (mode != "hobbit" or {"bf16", "int4"} <= set(loads))
+
+
+@pytest.mark.parametrize("policy", ["lru", "smoe-score"])
+def test_engine_and_replay_agree_when_substituting(tiny_store, policy):
+    """SMoE's substitution decides from the router's scores and the cache: the same substitutes, hits and loads."""
+    from moetier.plan.substitute import Substitution
+
+    _, path = tiny_store("qwen2_moe", num_hidden_layers=4)
+    store = Store(path)
+    slots = 16  # of 32 experts
+    budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
+    sub = Substitution(alpha=0.5)
+    engine = Engine(store, EngineConfig(expert_memory=budget, policy=policy, substitution=sub))
+    log = PlanLog()
+    engine.executor.layer_step.hooks.append(log)
+    with engine, TraceRecorder(engine) as recorder:
+        for p in PROMPTS:
+            engine.generate([p], max_new_tokens=12, ignore_eos=True)
+        trace = recorder.trace(["a", "b", "c"])
+
+    def outcomes(plans):
+        return [(p.layer, p.assign_ids.tolist(), [r.expert for r in p.hits], [ld.expert for ld in p.loads])
+                for p in plans]
+
+    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
+    result = replay(trace, trace_policy(policy, ctx, trace), slots, precision=store.manifest.native_precision,
+                    keep_plans=True, substitution=sub)
+    assert outcomes(result.plans) == outcomes(log.plans)
+    assert result.counts.phases[1].substituted > 0  # something was substituted, in decode steps only
+    assert result.counts.phases[0].substituted == 0

@@ -1,7 +1,11 @@
-"""SMoE's score-based eviction: evict the expert with the lowest mean gate score over the last `window` steps
-of its layer, counting the scores of experts that were scored but not selected — an expert the router keeps
-rating highly stays even when it narrowly misses the top-k. A step's score is the mean over its tokens.
-(Replaying a trace without full scores gives top-k weights with zeros elsewhere; `cache-bench` says so.)"""
+"""SMoE's score-based eviction (§IV-B, Eq. 3): evict the expert with the lowest mean gate score over the last
+`window` tokens generated, counting the scores of experts that were scored but not selected — an expert the router
+keeps rating highly stays even when it narrowly misses the top-k (and stays at hand as a substitute).
+
+As the paper defines it: S_{i,j} is expert i's score at the j-th token generation during decoding, so the window
+is per token (a batch step of B tokens enters B rows) and a prompt's prefill does not enter it. Before the first
+decode token every score is 0 and ties go to the least recently used. Each layer keeps its own window (its experts'
+scores). (Replaying a trace without full scores gives top-k weights with zeros elsewhere; `cache-bench` says so.)"""
 
 from __future__ import annotations
 
@@ -17,19 +21,29 @@ class SMoEScorePolicy(ScoredPolicy):
 
     def __init__(self, ctx: PolicyContext, window: int = 16) -> None:
         super().__init__(ctx)
+        if window < 1:
+            raise ValueError(f"window must be at least 1 token, not {window}")
         self.window = window
         self._ring = {layer: np.zeros((window, ctx.num_experts)) for layer in ctx.layers}  # [n, E] per layer
         self._sum = {layer: np.zeros(ctx.num_experts) for layer in ctx.layers}  # [E] sum over the ring
-        self._filled = dict.fromkeys(ctx.layers, 0)
+        self._filled = dict.fromkeys(ctx.layers, 0)  # tokens entered so far
+
+    def on_sequence_start(self) -> None:
+        for layer in self.ctx.layers:  # Eq. 3's j counts a sequence's generations
+            self._ring[layer][:] = 0
+            self._sum[layer][:] = 0
+            self._filled[layer] = 0
 
     def on_route(self, route) -> None:
         super().on_route(route)
-        ring, n = self._ring[route.layer], self._filled[route.layer]
-        row = n % self.window
-        step_scores = route.scores.mean(axis=0)  # [E]
-        self._sum[route.layer] += step_scores - ring[row]
-        ring[row] = step_scores
-        self._filled[route.layer] = n + 1
+        if route.prefill:
+            return
+        ring, layer = self._ring[route.layer], route.layer
+        for token_scores in route.scores[-self.window:]:  # [E] each; a decode step holds a few tokens
+            row = self._filled[layer] % self.window
+            self._sum[layer] += token_scores - ring[row]
+            ring[row] = token_scores
+            self._filled[layer] += 1
 
     def priority(self, key: ExpertKey) -> float:
         n = min(self._filled[key.layer], self.window)
