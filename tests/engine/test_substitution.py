@@ -8,8 +8,8 @@ from moetier import Engine
 from moetier.config import MemoryBudget
 from moetier.engine.engine import EngineConfig
 from moetier.errors import MoetierError
-from moetier.sim.replay import PlanLog
 from moetier.plan.substitute import Substitution
+from moetier.sim.replay import PlanLog
 from moetier.store.store import Store
 
 
