@@ -18,7 +18,12 @@ def check_engine_args(args: argparse.Namespace) -> None:
     from moetier.engine.engine import check_device
 
     MemoryBudget.parse(args.expert_memory)
-    check_device(args.device)
+    device = check_device(args.device)
+    if getattr(args, "placement", "none") != "none" and device.type == "cpu":
+        raise MoetierError(f"--placement {args.placement} chooses between reading an expert into the GPU and "
+                           f"computing it on the CPU beside it: it needs --device cuda",
+                           hint=f"on a CPU-only machine the simulator runs it: moetier sim --placement "
+                                f"{args.placement} --profile rtx4090 ...")
     if args.reader_threads < 1:
         raise MoetierError(f"--reader-threads must be at least 1, got {args.reader_threads}")
 
@@ -43,7 +48,8 @@ def _generate(args: argparse.Namespace) -> None:
     prompts = read_prompts(args.prompt, args.prompt_file)
     engine = open_engine(args, progress=not args.json, policy=args.policy, cache_partition=args.cache_partition,
                          prefetch=args.prefetch, predictor=args.predictor, predict_distance=args.predict_distance,
-                         precision=precision_config(args), substitution=substitution_config(args))
+                         precision=precision_config(args), substitution=substitution_config(args),
+                         placement=args.placement)
     stream = len(prompts) == 1 and not args.json
 
     def on_text(_: int, delta: str) -> None:
@@ -205,6 +211,8 @@ def add_prefetch_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub) -> None:
+    from moetier.plan.placement import PLACEMENTS
+
     g = command(sub, "generate", "generate text with experts offloaded to disk")
     add_engine_options(g, "30%")
     add_precision_options(g)
@@ -220,6 +228,9 @@ def add_parser(sub) -> None:
     g.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
                    help="one expert cache for all layers, or the slots split evenly among them")
     add_prefetch_options(g)
+    g.add_argument("--placement", default="none", choices=["none", *PLACEMENTS],
+                   help="with --device cuda: per missing expert, read it into the GPU or compute it on the CPU from "
+                        "host memory (every expert is kept there): smoe-two-pointer, prescope, greedy, hobbit-coop")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")

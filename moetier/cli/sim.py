@@ -33,6 +33,7 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _sim(args: argparse.Namespace) -> None:
+    from moetier.cli.generate import substitution_config
     from moetier.cli.models import model_shape, policy_dir, replay_predictor
     from moetier.plan.prefetchers import PREFETCHERS
     from moetier.sim.cost import CostModel
@@ -56,6 +57,7 @@ def _sim(args: argparse.Namespace) -> None:
         raise MoetierError("--prefetch needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
     if any(p.endswith(SUFFIX) for p, *_ in configs) and args.predictor == "none":
         raise MoetierError(f"a {SUFFIX} policy needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
+    substitution = substitution_config(args)
     timeline_steps = (args.timeline_step,) if args.timeline else ()
     model_dir = policy_dir(args.model_shape or trace.model, args.cache_dir)
     make = replay_predictor(args.predictor, trace, args.model_shape or trace.model, args.cache_dir,
@@ -63,7 +65,7 @@ def _sim(args: argparse.Namespace) -> None:
     predictor = (lambda: make(trace)) if make else None  # a fresh one per configuration
 
     runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
-                model_dir, prefetch, predictor)
+                model_dir, prefetch, predictor, args.placement, substitution)
             for policy, budget, prefetch in configs]
     where = f"{shape.name} ({cost.precision}) on {profile.name}"
     if len(runs) == 1:
@@ -85,6 +87,8 @@ def _sim(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub) -> None:
+    from moetier.cli.generate import add_substitution_options
+    from moetier.plan.placement import PLACEMENTS
     from moetier.predict import PREDICTORS
 
     cal = command(sub, "calibrate", "measure this machine into the `this-machine` hardware profile")
@@ -121,6 +125,10 @@ def add_parser(sub) -> None:
     sm.add_argument("--predict-distance", type=int, default=2, help="MoE layers ahead to predict (HOBBIT's p)")
     sm.add_argument("--oracle-error", type=float, default=0.0,
                     help="share of the oracle's (token, expert) pairs made wrong, drawn uniformly")
+    sm.add_argument("--placement", default="none", choices=["none", *PLACEMENTS],
+                    help="per missing expert, load it or compute it on the profile's host CPU: smoe-two-pointer (SMoE "
+                         "Alg. 2), prescope (PreSched, cross-layer), greedy (layer by layer), hobbit-coop")
+    add_substitution_options(sm)
     sm.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step (single configuration)")
     sm.add_argument("--timeline-step", type=int, default=-1, help="which step (-1: the last)")

@@ -23,6 +23,7 @@ from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
 from moetier.plan.alpha_budget import CALIBRATION_ALPHAS, AlphaChoice, choose_alpha
+from moetier.plan.placement import PLACEMENTS
 from moetier.plan.precision import UNIFORM, MixedPrecision
 from moetier.plan.prefetchers import PREFETCHERS
 from moetier.plan.substitute import Substitution
@@ -55,6 +56,9 @@ class EngineConfig:
     predict_distance: int = 2  # MoE layers ahead the predictor scores (HOBBIT's p; the other stages use the next)
     precision: MixedPrecision = MixedPrecision()  # every expert at the model's own precision: exact mode
     substitution: Substitution | None = None  # SMoE's substitution of low-score experts (None: exact mode)
+    placement: str = "none"  # load a missing expert or compute it on the host CPU (moetier.plan.placement); every
+    # expert is then held in host memory too. Made for a GPU (--device cuda); on the CPU the same memory stands in
+    # for both, which tests the mechanism and gains nothing
 
     def __post_init__(self) -> None:
         if self.reader_threads < 1:
@@ -74,6 +78,8 @@ class EngineConfig:
         if self.predict_distance < 1:
             raise MoetierError(f"predict_distance must be at least 1, not {self.predict_distance}")
         check_policy(self.policy, live=True)
+        if self.placement != "none" and self.placement not in PLACEMENTS:
+            raise MoetierError(f"unknown placement {self.placement!r}", hint=f"one of none, {', '.join(PLACEMENTS)}")
         if self.policy.endswith(SUFFIX) and self.predictor == "none":
             raise MoetierError(f"policy {self.policy!r} needs a predictor", hint="give one, e.g. --predictor stacked-gates")
 
@@ -149,6 +155,18 @@ def check_device(name: str) -> torch.device:
     return device
 
 
+def check_host_tier(store: Store, budget: BudgetChoice, memory: MemoryView, device: torch.device) -> None:
+    """Placement keeps every expert in host memory beside the dense weights (and, on the CPU, the cache): refused
+    where the host cannot hold them."""
+    on_host = store.total_expert_bytes() + (store.dense_bytes + budget.cache_bytes if device.type == "cpu" else 0)
+    room = int(memory.available * (1 - MEMORY_MARGIN))
+    if on_host > room:
+        raise BudgetError(f"placement computes experts where they live, so every expert is kept in host memory: "
+                          f"{format_bytes(on_host)} with what else the host holds, more than the "
+                          f"{format_bytes(room)} {memory.describe()} allows after a {MEMORY_MARGIN:.0%} margin",
+                          hint="run without --placement (experts are then read from disk as needed)")
+
+
 def predictor_inputs(name: str, dense: dict[str, torch.Tensor], store: Store,
                      model: Callable[[], Transformer]) -> dict:
     """What predictor `name` is built on: the engine's own weights or model (`model()` once it exists), or networks
@@ -200,12 +218,16 @@ class Engine:
         self.precision = choose_low(config.precision.with_thresholds(fitted), store, self.budget.cache_bytes)
         if add_missing_precisions(store, self.precision, progress):
             self.store = store = Store(store.path)
+        if config.placement != "none":
+            check_host_tier(store, self.budget, memory or memory_available(), self.device)
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
         try:
             self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
                                            per_layer, self.device, self.kernels, config.prefetch, predictor,
                                            mixed=self.precision, dtype=dense["embed_tokens"].dtype,
-                                           substitution=config.substitution)
+                                           substitution=config.substitution, placement=config.placement,
+                                           host_kernels=make_kernels(config.kernels, dense["embed_tokens"].dtype,
+                                                                     "cpu") if self.device.type != "cpu" else None)
         except BaseException:
             self.reader.close()
             raise

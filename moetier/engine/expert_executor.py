@@ -19,10 +19,10 @@ from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
-from moetier.plan.layer_plan import FAST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch
+from moetier.plan.layer_plan import HOST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch
 from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
-from moetier.plan.precision import LowTierStage, MixedPrecision, setup
+from moetier.plan.precision import MixedPrecision, setup
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
 from moetier.plan.substitute import Substitution, SubstitutionStage
@@ -36,10 +36,14 @@ class ExpertExecutor:
                  reader: ExpertReader, per_layer: bool = False, device: torch.device | str = "cpu",
                  kernels: TorchKernels | None = None, prefetch: str = "none", predictor: Predictor | None = None,
                  prefetch_params: dict | None = None, mixed: MixedPrecision | None = None,
-                 dtype: torch.dtype = torch.bfloat16, substitution: Substitution | None = None) -> None:
+                 dtype: torch.dtype = torch.bfloat16, substitution: Substitution | None = None,
+                 placement: str = "none", host_kernels: TorchKernels | None = None) -> None:
         """`prefetch`: a stage of moetier.plan.prefetchers (or "none"), choosing reads from `predictor`'s scores.
         `mixed`: the precision mode (default: every expert at the model's own). `dtype`: the activations'.
-        `substitution`: SMoE's (α None: the paper's for the model's size), or None."""
+        `substitution`: SMoE's (α None: the paper's for the model's size), or None. `placement`: a stage of
+        moetier.plan.placement choosing per missing expert between a read into the cache and computing it on the
+        host CPU from the host tier — every expert at the model's precision in host memory, read at start-up —
+        with `host_kernels` (the CPU's; default `kernels`, right when the device is the CPU itself)."""
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
         self.kernels = kernels or TorchKernels()
         self.device = torch.device(device)
@@ -64,7 +68,11 @@ class ExpertExecutor:
         self.costs = RunningCosts(entry_bytes[self.precision])
         if substitution is not None:
             substitution = substitution.resolved(spec.num_expert_keys * spec.expert_params)
-        stages = plan_stages(made, substitution, prefetch, predictor, self.costs, spec.top_k, prefetch_params)
+        if placement != "none" and mixed.mode != "native":
+            raise MoetierError(f"placement with --precision {mixed.mode} is not built: the host tier holds the "
+                               f"model's own precision", hint="use one of them")
+        stages = plan_stages(made, substitution, prefetch, predictor, self.costs, spec.top_k, prefetch_params,
+                             placement)
         # the substitution stage, if any: its α is tuned at run time (--tpot-budget)
         self.substitution = next((s for s in stages if isinstance(s, SubstitutionStage)), None)
         self.layer_step = LayerStep(self.residency, Planner(self.precision, stages), hooks=[self.counts],
@@ -73,7 +81,15 @@ class ExpertExecutor:
         self._disk = reader.activity()  # (busy seconds, bytes) at that moment
         self.in_flight: dict[ExpertKey, tuple[str, int]] = {}  # prefetched keys whose reads may not have landed
         if tier is not None:
-            self._load_tier(tier)
+            self._fill(self.pools[tier.low], tier.low, tier.slot, f"low tier ({tier.low})")
+        self.host_device = torch.device("cpu")
+        self.host_pool = None  # every expert at self.precision in host memory, when placement computes there
+        if placement != "none":
+            self.host_pool = make_slots(manifest.precisions[self.precision], spec.num_expert_keys, self.host_device)
+            self._host_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+            self.host_kernel = make_expert_kernel(self.precision, host_kernels or self.kernels, dtype)
+            self._fill(self.host_pool, self.precision, self.host_slot, "host tier")
+            self._probe_host(dtype)
 
     @property
     def pool(self):
@@ -85,18 +101,32 @@ class ExpertExecutor:
         """Bytes every pool reserved (a low tier included)."""
         return sum(pool.nbytes for pool in self.pools.values())
 
-    def _load_tier(self, tier: LowTierStage) -> None:
-        """Read every expert's low copy into the tier (once, at start-up)."""
+    def _fill(self, pool, precision: str, slot_of, desc: str) -> None:
+        """Read every expert's `precision` copy into `pool` at `slot_of(layer, expert)` (once, at start-up): a low
+        tier, or the host tier."""
         from tqdm import tqdm
 
-        pool = self.pools[tier.low]
         keys = [(layer, e) for layer in self.spec.moe_layers for e in range(self.spec.num_experts)]
         for layer, e in keys:
-            slot = tier.slot(layer, e)
-            self.reader.submit(self.manifest.blob(layer, e, tier.low), pool.read_target(slot), pool.completions[slot],
+            slot = slot_of(layer, e)
+            self.reader.submit(self.manifest.blob(layer, e, precision), pool.read_target(slot), pool.completions[slot],
                                ON_DEMAND)
-        for layer, e in tqdm(keys, desc=f"low tier ({tier.low})", unit="expert", disable=None, leave=False):
-            pool.completions[tier.slot(layer, e)].wait()
+        for layer, e in tqdm(keys, desc=desc, unit="expert", disable=None, leave=False):
+            pool.completions[slot_of(layer, e)].wait()
+
+    def host_slot(self, layer: int, expert: int) -> int:
+        """An expert's slot in the host tier (layer-major, as the low tier's)."""
+        return self._host_index[layer] * self.spec.num_experts + expert
+
+    def _probe_host(self, dtype: torch.dtype) -> None:
+        """What one host expert costs, measured once before any plan weighs it (later host computes refine it)."""
+        w = self.host_pool.weights(self.host_slot(self.spec.moe_layers[0], 0))
+        x = torch.zeros(1, self.spec.hidden_size, dtype=dtype)
+        out, weights = torch.empty_like(x), torch.ones(1, dtype=dtype)
+        self.host_kernel(out, x, w, weights)  # warm: first calls pay for allocation and dispatch
+        start = time.perf_counter()
+        self.host_kernel(out, x, w, weights)
+        self.costs.observe_host(1, time.perf_counter() - start)
 
     def begin_step(self, phase: int, phases: tuple[PhaseCounters, PhaseCounters]) -> None:
         """A forward step starts; its layers are counted into `phases` (one generate call's statistics)."""
@@ -141,12 +171,17 @@ class ExpertExecutor:
                 deferred[load.after] = load
         for prefetch in plan.prefetches:
             self._prefetch(prefetch)
-        groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, plan.counts, weight_dtype)
+        counts = plan.counts  # [E]
+        groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, counts, weight_dtype)
         try:
             shared_out = shared() if shared is not None else None  # resident work first, while reads land
             for run in plan.runs:
-                if run.place != FAST:
-                    raise MoetierError(f"computing experts where their weights live ({run.place}) is not built yet")
+                if run.place == HOST:  # where its weights live: the host tier, on the host CPU
+                    start = time.perf_counter()
+                    groups.compute_on(run.expert, self.host_kernel, self.host_pool.weights(
+                        self.host_slot(layer, run.expert)), self.host_device)
+                    self.costs.observe_host(int(counts[run.expert]), time.perf_counter() - start)
+                    continue
                 pool = self.pools[run.precision]
                 if run.source != RESIDENT:
                     pool.completions[run.slot].wait()

@@ -32,6 +32,16 @@ class ExpertGroups:
         a, b = self.offsets[expert], self.offsets[expert + 1]
         kernel(self.ys[a:b], self.xs[a:b], w, self.ws[a:b])
 
+    def compute_on(self, expert: int, kernel, w: dict[str, torch.Tensor], device: torch.device) -> None:
+        """`compute` on `device`, where `w` lives (the host CPU beside a GPU): the expert's tokens go there and its
+        output comes back (HOBBIT's ④–⑥). On the device the activations are on already, just `compute`."""
+        if device == self.xs.device:
+            return self.compute(expert, kernel, w)
+        a, b = self.offsets[expert], self.offsets[expert + 1]
+        out = torch.empty((b - a, self.xs.shape[1]), dtype=self.xs.dtype, device=device)
+        kernel(out, self.xs[a:b].to(device), w, self.ws[a:b].to(device))
+        self.ys[a:b].copy_(out)
+
     def combine(self) -> torch.Tensor:
         """Sum each token's expert outputs: [T, H]."""
         return torch.zeros_like(self.x).index_add_(0, self.token_of, self.ys)

@@ -1,9 +1,12 @@
-"""What layer steps cost lately, for the stages that weigh time (PreSched's prefetch count, CoMoE's bandwidth
-stability). The executor that carries the plans out reports what it measured — the real one from its clocks and
+"""What layer steps cost lately, for the stages that weigh time (PreSched's prefetch count and placement, SMoE's
+two-pointer split, CoMoE's bandwidth stability). The executor that carries the plans out reports what it measured — the real one from its clocks and
 its reader, the simulated one from its cost model — so a stage decides from the same numbers in both.
 
 Each cost is an exponentially weighted moving average (CoMoE Eq. 10, r̂(t) = α·r(t) + (1−α)·r̂(t−1)); the read
-bandwidth also keeps its last `window` samples for CoMoE's stability indicator (Eq. 11–12)."""
+bandwidth also keeps its last `window` samples for CoMoE's stability indicator (Eq. 11–12). An expert computed on
+the host, where its weights live, is PreScope's t_c = β·m + C (Eq. 3), fitted to its last `window` instances (SMoE:
+"the past p instances"); flat (β = 0) while they all had one token count (SMoE Fig. 8: CPU time hardly moves with
+a small batch)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ class RunningCosts:
         self.expert_s: float | None = None  # one expert's compute at the current batch
         self.bandwidth: float | None = None  # bytes/s of expert reads, smoothed
         self._bandwidths: deque[float] = deque(maxlen=window)
+        self._host: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of host computes
+        self._host_fit: tuple[float, float] | None = None  # (β, C)
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else self.smoothing * new + (1 - self.smoothing) * old
@@ -46,9 +51,33 @@ class RunningCosts:
     def observe_expert(self, seconds: float) -> None:
         self.expert_s = self._smooth(self.expert_s, seconds)
 
+    def observe_host(self, tokens: int, seconds: float) -> None:
+        """An expert of `tokens` tokens took `seconds` on the host."""
+        self._host.append((tokens, seconds))
+        ms, ts = zip(*self._host)
+        if len(set(ms)) < 2:
+            self._host_fit = (0.0, sum(ts) / len(ts))
+        else:
+            mean_m, mean_t = sum(ms) / len(ms), sum(ts) / len(ts)
+            beta = sum((m - mean_m) * (t - mean_t) for m, t in self._host) / sum((m - mean_m) ** 2 for m in ms)
+            beta = max(0.0, beta)
+            self._host_fit = (beta, max(0.0, mean_t - beta * mean_m))
+
+    def host_s(self, tokens: int) -> float:
+        """t_c(m) = β·m + C (0 until observed)."""
+        if self._host_fit is None:
+            return 0.0
+        beta, c = self._host_fit
+        return beta * tokens + c
+
     @property
     def ready(self) -> bool:
         return None not in (self.read_s, self.dense_s, self.expert_s)
+
+    @property
+    def placement_ready(self) -> bool:
+        """Reads, the compute device's experts and the host's all measured: what placement weighs."""
+        return self.ready and self._host_fit is not None
 
     def bandwidth_stability(self) -> float:
         """CoMoE's S_b(t) = 1 − σ/r̂ over the last `window` bandwidth samples (Eq. 11–12), within [0, 1]; 1 until

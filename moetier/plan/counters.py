@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moetier.cache.keys import Precision
-from moetier.plan.layer_plan import SKIP, LayerPlan
+from moetier.plan.layer_plan import HOST, SKIP, LayerPlan
 from moetier.plan.step import LayerHook
 from moetier.predict.quality import top_ids
 
@@ -32,6 +32,7 @@ class PhaseCounters:
     low_loads: int = 0  # of the loads, those of a low-precision copy
     skipped: int = 0  # (token, k) assignments a precision stage skipped
     substituted: int = 0  # (token, k) assignments given another expert than the router's (a substitution stage)
+    host_runs: int = 0  # needed experts computed where their weights live (a placement stage's choice)
 
     def add(self, plan: LayerPlan, entry_bytes: Mapping[Precision, int], high: Precision | None = None) -> None:
         """`high`: the run's high precision (None: count no low runs)."""
@@ -45,6 +46,7 @@ class PhaseCounters:
             self.skipped += int((ids == SKIP).sum())
             self.substituted += int(((ids != plan.route.topk_ids) & (ids != SKIP)).sum())
         self.needed += len(plan.runs)
+        self.host_runs += sum(1 for run in plan.runs if run.place == HOST)
         self.hits += len(plan.hits)
         self.loads += len(plan.loads)
         read = sum(entry_bytes[load.precision] for load in plan.loads)

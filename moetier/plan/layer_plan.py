@@ -23,6 +23,7 @@ from moetier.plan.route import RouteResult
 
 SKIP = -1  # an assignment that runs no expert (its weight is dropped)
 RESIDENT, IN_FLIGHT, LOAD = "resident", "in-flight", "load"  # how a run's weights get to its slot
+IN_PLACE = "in-place"  # a HOST run's: computed where its weights live, no slot and no read
 FAST, HOST = "fast", "host"  # where an expert runs: on the compute device from the cache, or where its weights live
 
 
@@ -49,8 +50,9 @@ class Run:
 
     expert: int
     precision: Precision
-    slot: int
-    source: str  # RESIDENT, IN_FLIGHT (wait for a read an earlier layer started) or LOAD (this plan's load)
+    slot: int  # in its precision's pool (-1 for a HOST run)
+    source: str  # RESIDENT, IN_FLIGHT (wait for a read an earlier layer started), LOAD (this plan's load) or
+    # IN_PLACE (a HOST run)
     place: str = FAST
 
 

@@ -1,18 +1,27 @@
-"""The planner's stages in their order, as both executors build them: substitution (SMoE, ours to enable), the
-precision mode's (HOBBIT's loader, the low tier), on-demand, then a prefetch stage."""
+"""The planner's stages in their order, as both executors build them: substitution (SMoE), the precision mode's
+(HOBBIT's loader, the low tier), placement (load or compute where the weights live), on-demand, then a prefetch
+stage."""
 
 from __future__ import annotations
 
 from moetier.plan.costs import RunningCosts
+from moetier.plan.placement import make_placement
 from moetier.plan.precision import PrecisionSetup
+from moetier.plan.prefetch import PrefetchStage
 from moetier.plan.prefetchers import layer_stages
 from moetier.plan.substitute import Substitution
 
 
 def plan_stages(made: PrecisionSetup, substitution: Substitution | None, prefetch: str, predictor, costs: RunningCosts,
-                top_k: int, prefetch_params: dict | None = None) -> list:
+                top_k: int, prefetch_params: dict | None = None, placement: str = "none") -> list:
     """`substitution`: resolved (its α known), or None for none (α 0 keeps the stage, which then changes nothing,
-    for a run whose α is tuned as it goes)."""
+    for a run whose α is tuned as it goes). `placement`: a name of moetier.plan.placement, or "none"."""
     front = [substitution.stage(made.residency, made.high)] if substitution is not None else []
-    return front + made.stages + layer_stages(made.residency, made.high, prefetch, predictor, costs, top_k,
-                                              prefetch_params)
+    tail = layer_stages(made.residency, made.high, prefetch, predictor, costs, top_k, prefetch_params)
+    if placement != "none":
+        prefetcher = next((s for s in tail if isinstance(s, PrefetchStage)), None)
+        reading = prefetcher.reading if prefetcher is not None else (lambda: 0)  # PreScope's α
+        front_of_tail = [make_placement(placement, made.residency, costs, reading)]
+    else:
+        front_of_tail = []
+    return front + made.stages + front_of_tail + tail

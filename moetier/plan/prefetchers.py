@@ -21,7 +21,7 @@ from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.residency import Residency
 from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
-from moetier.plan.layer_plan import RESIDENT, LayerPlan
+from moetier.plan.layer_plan import HOST, IN_FLIGHT, LOAD, LayerPlan
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.prefetch import PrefetchStage, predicted_ids
 
@@ -115,13 +115,18 @@ class PreSchedPrefetch(PrefetchStage):
         self._rank: dict[ExpertKey, int] = {}
 
     def count(self, plan: LayerPlan) -> int:
-        """|f| per Eq. 6–7, from this plan and the running costs. Our layer has no CPU lane beside the reads: the
-        "CPU computation" that hides the link is the compute of the experts this layer does not load."""
+        """|f| per Eq. 6–7, from this plan and the running costs. T_gap is the CPU computation of the experts a
+        placement stage put on the host, less the link time before it; with none (no CPU lane), the compute of the
+        experts this layer does not load stands in for it."""
         c = self.costs
         t_io, t_e = c.read_s, c.expert_s
-        reads = sum(1 for run in plan.runs if run.source != RESIDENT)  # this layer's, on the link first
+        reads = sum(1 for run in plan.runs if run.source in (LOAD, IN_FLIGHT))  # this layer's, on the link first
         alpha = self.reading() * t_io  # PreScope's α: link time our earlier prefetches still take
-        gap = (len(plan.runs) - reads) * t_e - alpha - reads * t_io  # T_gap
+        host = [run for run in plan.runs if run.place == HOST]
+        counts = plan.counts
+        busy = sum(c.host_s(int(counts[run.expert])) for run in host) if host else \
+            (len(plan.runs) - reads) * t_e
+        gap = busy - alpha - reads * t_io  # T_gap
         f = max(0.0, (gap + c.dense_s) / t_io)  # Eq. 6
         n = round(f)
         if n == 0:

@@ -159,7 +159,8 @@ class SimExecutor:
         if self.costs is None:
             return
         counts = plan.counts
-        per_expert = int(round(counts.sum() / max(1, len(plan.runs))))  # tokens an expert of this layer took
+        per_expert = max(1, int(round(counts.sum() / max(1, len(plan.runs)))))  # tokens an expert of this layer took
         self.costs.observe_dense(self.cost.dense_s(plan.layer, tokens))
-        self.costs.observe_expert(self.cost.expert_s(max(1, per_expert)))
+        self.costs.observe_expert(self.cost.expert_s(per_expert))
+        self.costs.observe_host(per_expert, self.cost.expert_s(per_expert, HOST))  # what computing in place costs
         self.costs.observe_read(self.costs.expert_bytes, self.cost.read_busy_s(ExpertKey(plan.layer, 0)))

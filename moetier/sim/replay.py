@@ -121,6 +121,8 @@ class SimResult:
                 else None,
                 "miss_penalty_s": self.miss_penalty_s,
                 "prefetches": prefetch_summary(self.counts.phases),
+                "substituted": self.counts.phases[DECODE].substituted,
+                "host_share": self.counts.phases[DECODE].host_runs / max(1, self.counts.phases[DECODE].needed),
                 "predictor_recall": predictor_recall(self.counts.phases[DECODE])}
 
 
@@ -128,7 +130,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
              precision: Precision = NATIVE, preload: bool = False, per_layer: bool = False,
              timeline_steps: tuple[int, ...] = (), keep_plans: bool = False, prefetch: str = "none",
              predictor: Predictor | None = None, prefetch_params: dict | None = None,
-             mixed: MixedPrecision | None = None, substitution: Substitution | None = None) -> SimResult:
+             mixed: MixedPrecision | None = None, substitution: Substitution | None = None,
+             placement: str = "none") -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
     clock. A policy's start set (static-hot's hot table) is loaded first, as the engine loads it when made; `preload`
     then starts as Engine.preload() does (experts admitted layer by layer until the cache is full);
@@ -138,7 +141,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     stage of moetier.plan.prefetchers fed by `predictor`, which hears the trace's gate inputs where it has them.
     `mixed`: a precision mode (moetier/plan/precision.py) over the model's own `precision`; `num_slots` then counts
     the budget in experts at that precision, and the cost model prices each read and compute at its own.
-    `substitution`: SMoE's (α None: the paper's for the model's size, from the cost model's shape)."""
+    `substitution`: SMoE's (α None: the paper's for the model's size, from the cost model's shape). `placement`: a
+    stage of moetier.plan.placement choosing per missing expert between a read and the profile's host CPU."""
     mixed = mixed or MixedPrecision()
     # a free machine counts experts, not bytes
     entry_bytes = {p: max(1, cost.at(p).expert_bytes) for p in {precision, *mixed.precisions(precision)}}
@@ -151,7 +155,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
         if not isinstance(cost, CostModel):
             raise ValueError("a replay knows no model size: give the substitution its alpha")
         substitution = substitution.resolved(cost.shape.total_expert_params)
-    stages = plan_stages(made, substitution, prefetch, predictor, costs, trace.top_k, prefetch_params)
+    stages = plan_stages(made, substitution, prefetch, predictor, costs, trace.top_k, prefetch_params, placement)
     layer_step = LayerStep(residency, Planner(high, stages), hooks=[counts, log] if keep_plans else [counts],
                            predictor=predictor)
     executor = SimExecutor(layer_step, cost, costs)

@@ -10,6 +10,7 @@ from moetier.cache.capacity import cache_capacity
 from moetier.cache.policies import PolicyContext
 from moetier.config import MemoryBudget, format_bytes
 from moetier.errors import MoetierError
+from moetier.plan.substitute import Substitution
 from moetier.predict import Predictor
 from moetier.sim.cost import CostModel
 from moetier.sim.replay import SimResult, simulate, trace_policy
@@ -47,23 +48,30 @@ class SimRun:
     slots: int
     result: SimResult
     prefetch: str = "none"
+    placement: str = "none"
+    alpha: float | None = None  # the substitution's, if any
 
     def row(self) -> dict:
         return {"policy": self.policy, "expert_memory": self.budget, "prefetch": self.prefetch, "slots": self.slots,
-                **self.result.summary()}
+                "placement": self.placement, "substitution_alpha": self.alpha, **self.result.summary()}
 
 
 def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool = False,
         timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None,
-        prefetch: str = "none", predictor: Callable[[], Predictor] | None = None) -> SimRun:
+        prefetch: str = "none", predictor: Callable[[], Predictor] | None = None, placement: str = "none",
+        substitution: Substitution | None = None) -> SimRun:
     """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor, which the
-    `prefetch` stage and the policy hear."""
+    `prefetch` stage and the policy hear. `placement`, `substitution`: as `simulate`'s."""
     slots = budget_slots(budget, trace, cost)
     ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
+    if substitution is not None:
+        substitution = substitution.resolved(cost.shape.total_expert_params)
     result = simulate(trace, trace_policy(policy, ctx, trace, model_dir), slots, cost, cost.precision, preload,
                       per_layer, timeline_steps, prefetch=prefetch,
-                      predictor=predictor() if predictor is not None else None)
-    return SimRun(policy, budget, slots, result, prefetch)
+                      predictor=predictor() if predictor is not None else None, substitution=substitution,
+                      placement=placement)
+    return SimRun(policy, budget, slots, result, prefetch, placement,
+                  substitution.alpha if substitution is not None else None)
 
 
 def format_table(runs: list[SimRun]) -> str:
