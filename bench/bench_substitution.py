@@ -70,6 +70,8 @@ def child(cfg: dict) -> dict:
         engine.generate([tok.encode(lines[0])] * b, max_new_tokens=cfg["warmup_tokens"], ignore_eos=True)
         stats = engine.generate(prompts, max_new_tokens=cfg["tokens"], ignore_eos=True).stats
     stats["alpha"] = engine.executor.substitution.alpha if engine.executor.substitution else None
+    dec = stats["decode"]  # every decode (token, k) assignment of every MoE layer
+    stats["substituted_share"] = dec["substituted"] / max(1, dec["layer_steps"] * b * engine.spec.top_k)
     return stats
 
 
@@ -83,6 +85,8 @@ def quality(model: str, budget: str, configs: list[str], batch: int, windows: in
         alpha = "auto" if opts["alpha"] is None else str(opts["alpha"])
         cmd = ["moetier", "eval", "--model", model, "--expert-memory", budget, "--windows", str(windows),
                "--batch", str(batch), "--policy", opts["policy"], "--substitute", alpha, "--json"]
+        if "prefetch" in opts:
+            cmd += ["--prefetch", opts["prefetch"], "--predictor", opts["predictor"]]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             print(f"quality of {config} not measured: {run.stderr.strip()[-300:]}", file=sys.stderr)
@@ -151,14 +155,12 @@ def main() -> None:
             for config, stats in runs.items():
                 tpot = statistics.median(s["tpot_s"] for s in stats)
                 q = qual.get(config, {})
-                dec = [s["decode"] for s in stats]
                 rows.append(dict(model=Path(args.model).name, budget=budget, batch=batch, config=config,
                                  alpha=stats[0]["alpha"], tpot_s=tpot, speedup=base / tpot,
                                  tpot_runs_s=[s["tpot_s"] for s in stats],
                                  hit_rate=statistics.median(s["decode_hit_rate"] for s in stats),
                                  expert_bytes_per_token=statistics.median(s["expert_bytes_per_token"] for s in stats),
-                                 substituted_share=statistics.median(d["substituted"] / max(1, d["needed"])
-                                                                     for d in dec),
+                                 substituted_share=statistics.median(s["substituted_share"] for s in stats),
                                  perplexity_change=q.get("perplexity_change"),
                                  top1_agreement=q.get("top1_agreement"), kl=q.get("kl")))
     bar.close()

@@ -11,11 +11,13 @@ batch boundaries):
    layers cyclically (layer j takes demo-deep's layer j mod 12) with the shape's top-k re-selected from the
    scores.
 2. PreScope's PreSched (cross-layer placement + its prefetch count) against greedy layer-by-layer placement
-   (Eq. 5 alone, no prefetch), and against no placement: v100-pcie3 and a100-pcie4 with Mixtral-8x7B (the shared
+   (Eq. 5 alone, no prefetch), and against no placement, fp16 experts: v100-pcie3 and a100-pcie4 with Mixtral-8x7B (the shared
    real trace) and Qwen3-30B-A3B (a synthetic trace fitted to Qwen1.5-MoE's real one). The predictor is the trace's
    own routing made 6% wrong (LLaPor's top-4 accuracy is at least 94%, PreScope Table 3).
 3. HOBBIT's CPU-GPU cooperative mode on rtx4090 with Mixtral-8x7B (fp16): every decode miss computed on the CPU,
-   against GPU-centric loading.
+   against GPU-centric loading; both start with the cache filled (HOBBIT places "a portion of experts" in GPU
+   memory; the shared trace has no prompts to fill it, and in the cooperative mode only a prompt loads), with LFU
+   (global LRU thrashes on a 32-layer cycle: every read evicts what the next token needs).
 
     moetier trace import ../shared/data/traces/mixtral-8x7b --out bench/out/traces/mixtral        # once
     moetier trace import ../shared/data/traces/qwen1.5-moe-a2.7b --out bench/out/traces/qwen15     # once
@@ -52,6 +54,35 @@ PRESCHED_ARMS = {"no placement": ("none", "none"), "greedy": ("greedy", "none"),
 SMOE_PREDICTOR_ERROR, LLAPOR_ERROR = 0.18, 0.06
 
 
+def score_oracle(trace, error: float, seed: int = 0):
+    """A predictor of the next MoE layer's full router scores, read from `trace`: the truth for most tokens, for a
+    share `error` of them another token's scores of that layer (a plausible, wrong routing). SMoE's look-ahead
+    predicts scores, not just ids, and its prefetch needs them to tell top-score experts from low-score ones."""
+    from moetier.predict.base import Predictor
+    from moetier.sim.replay import steps
+
+    rows = [r for _, r in steps(trace)]
+    column = {layer: j for j, layer in enumerate(trace.layers)}
+    rng = np.random.default_rng(seed)
+
+    class ScoreOracle(Predictor):
+        name = "score-oracle"
+
+        def observe(self, layer, gate_input, route) -> None:
+            self.step = route.step
+
+        def predict(self, layer, gate_input):
+            out = {}
+            for f in self.future_layers(layer):
+                mine = rows[self.step - 1]
+                wrong = rng.random(len(mine)) < error
+                picked = np.where(wrong, rng.integers(0, trace.num_tokens, len(mine)), mine)
+                out[f] = trace.scores[picked, column[f]].astype(np.float32)  # [T, E]
+            return out
+
+    return ScoreOracle(trace.layers, trace.num_experts, trace.top_k, 1)
+
+
 def retarget(trace, shape):
     """`trace`'s routing (with full scores) on `shape`'s MoE layers: layer j takes the trace's layer j mod L, the
     shape's top-k re-selected from the scores (weights: the scores themselves, as families without
@@ -77,7 +108,7 @@ def synthetic_trace(shape, source, tokens: int):
 
 
 def simulate_one(trace, shape, profile, budget, policy="lru", substitute=False, prefetch="none", placement="none",
-                 error=0.0):
+                 error=0.0, preload=False):
     from moetier.cache.policies import PolicyContext
     from moetier.plan.substitute import Substitution
     from moetier.sim.cost import CostModel
@@ -89,9 +120,12 @@ def simulate_one(trace, shape, profile, budget, policy="lru", substitute=False, 
     cost = CostModel.of(HardwareProfile.load(profile), shape)
     slots = budget_slots(budget, trace, cost)
     ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
-    predictor = trace_predictor("oracle", trace, 1, error_rate=error) if prefetch != "none" else None
+    predictor = None
+    if prefetch != "none":
+        predictor = score_oracle(trace, error) if trace.scores is not None else \
+            trace_predictor("oracle", trace, 1, error_rate=error)
     sub = Substitution().resolved(shape.total_expert_params) if substitute else None
-    result = simulate(trace, trace_policy(policy, ctx, trace), slots, cost, cost.precision, prefetch=prefetch,
+    result = simulate(trace, trace_policy(policy, ctx, trace), slots, cost, cost.precision, preload, prefetch=prefetch,
                       predictor=predictor, substitution=sub, placement=placement)
     return dict(profile=profile, shape=shape.name, budget=budget, slots=slots, policy=policy,
                 alpha=sub.alpha if sub else None, prefetch=prefetch, placement=placement, **result.summary())
@@ -109,6 +143,8 @@ def main() -> None:
     ap.add_argument("--presched-budgets", default="10%,25%")
     ap.add_argument("--coop-budgets", default="10%,20%,auto")
     ap.add_argument("--tokens", type=int, default=400, help="tokens of the synthetic Qwen3-30B trace")
+    ap.add_argument("--demo-share", type=float, default=0.35,
+                    help="SMoE's part: the share of demo-deep's trace replayed (its first prompts)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -118,6 +154,8 @@ def main() -> None:
     mixtral = Trace.load(TRACES / "mixtral")
     if "smoe" in parts:
         demo = Trace.load(TRACES / "demo-deep-held-out")
+        if args.demo_share < 1:
+            demo = demo.split(args.demo_share)[0]
         budgets = args.budgets.split(",")
         for profile, name in tqdm(SMOE_SETUPS, desc="smoe ablation"):
             trace = retarget(demo, shapes[name])
@@ -130,17 +168,17 @@ def main() -> None:
         qwen3 = synthetic_trace(shapes["qwen3-30b-a3b"], Trace.load(TRACES / "qwen15"), args.tokens)
         traces = {"mixtral-8x7b": mixtral, "qwen3-30b-a3b": qwen3}
         for profile, name in tqdm(PRESCHED_SETUPS, desc="presched vs greedy"):
+            shape = dataclasses.replace(shapes[name], precision="fp16")  # (a V100 has no bf16)
             for budget in args.presched_budgets.split(","):
                 for arm, (placement, prefetch) in PRESCHED_ARMS.items():
                     rows.append(dict(part="presched", step=arm, **simulate_one(
-                        traces[name], shapes[name], profile, budget, "lru", False, prefetch, placement,
-                        LLAPOR_ERROR)))
+                        traces[name], shape, profile, budget, "lru", False, prefetch, placement, LLAPOR_ERROR)))
     if "coop" in parts:
         shape = dataclasses.replace(shapes["mixtral-8x7b"], precision="fp16")
         for budget in tqdm(args.coop_budgets.split(","), desc="hobbit coop"):
             for arm, placement in (("gpu-centric", "none"), ("hobbit-coop", "hobbit-coop")):
-                rows.append(dict(part="coop", step=arm, **simulate_one(mixtral, shape, "rtx4090", budget,
-                                                                        placement=placement)))
+                rows.append(dict(part="coop", step=arm, **simulate_one(mixtral, shape, "rtx4090", budget, "lfu",
+                                                                        placement=placement, preload=True)))
     for r in rows:  # speed-up over each group's first row
         group = [b for b in rows if (b["part"], b["profile"], b["shape"], b["budget"]) ==
                  (r["part"], r["profile"], r["shape"], r["budget"])]

@@ -11,6 +11,7 @@ from moetier.cli.defaults import command
 from moetier.cli.generate import (
     add_engine_options,
     add_precision_options,
+    add_prefetch_options,
     add_substitution_options,
     check_engine_args,
     precision_fields,
@@ -68,7 +69,8 @@ def engine_config(args: argparse.Namespace, fields: dict, param: str | None, val
             substitution = dataclasses.replace(base, alpha=alpha)
         else:
             substitution = dataclasses.replace(base, weight=value)
-    return {"precision": point(fields, param, value), "substitution": substitution, "policy": policy}
+    return {"precision": point(fields, param, value), "substitution": substitution, "policy": policy,
+            "prefetch": args.prefetch, "predictor": args.predictor, "predict_distance": args.predict_distance}
 
 
 def texts(pairs: list[str] | None) -> dict[str, str]:
@@ -203,6 +205,7 @@ def add_parser(sub) -> None:
     add_engine_options(e, "25%")
     add_precision_options(e)
     add_substitution_options(e)
+    add_prefetch_options(e)  # a prefetch changes what is cached, so what substitution finds at hand
     e.add_argument("--policy", default="lru", help="eviction policy (`moetier list policies`)")
     e.add_argument("--sweep", metavar="PARAM=V1,V2",
                    help=f"one row per value of PARAM ({', '.join(SWEEPABLE)}), e.g. precision=int8,int4,hobbit")

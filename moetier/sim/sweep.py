@@ -76,14 +76,15 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
 
 def format_table(runs: list[SimRun]) -> str:
     head = f"{'policy':>21} {'budget':>8} {'prefetch':>9} {'slots':>6} {'TPOT ms':>9} {'p90 ms':>8} {'TTFT ms':>9} " \
-           f"{'hit':>7} {'MiB/token':>10}"
+           f"{'hit':>7} {'MiB/token':>10} {'host':>5} {'subst':>6}"
     lines = [head]
     for r in runs:
         s = r.result.summary()
         ms = lambda v: "n/a" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
         mib = "n/a" if s["expert_bytes_per_token"] is None else f"{s['expert_bytes_per_token'] / 2**20:.1f}"
         lines.append(f"{r.policy:>21} {r.budget:>8} {r.prefetch:>9} {r.slots:>6} {ms(s['tpot_s']):>9} "
-                     f"{ms(s['tpot_p90_s']):>8} {ms(s['ttft_s']):>9} {s['hit_rate']:>7.1%} {mib:>10}")
+                     f"{ms(s['tpot_p90_s']):>8} {ms(s['ttft_s']):>9} {s['hit_rate']:>7.1%} {mib:>10} "
+                     f"{s['host_share']:>5.0%} {s['substituted']:>6}")
     return "\n".join(lines)
 
 
