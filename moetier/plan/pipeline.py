@@ -21,7 +21,7 @@ def plan_stages(made: PrecisionSetup, substitution: Substitution | None, prefetc
     if placement != "none":
         prefetcher = next((s for s in tail if isinstance(s, PrefetchStage)), None)
         reading = prefetcher.reading if prefetcher is not None else (lambda: 0)  # PreScope's α
-        front_of_tail = [make_placement(placement, made.residency, costs, reading)]
+        placing = [make_placement(placement, made.residency, costs, reading)]
     else:
-        front_of_tail = []
-    return front + made.stages + front_of_tail + tail
+        placing = []
+    return front + made.stages + placing + tail
