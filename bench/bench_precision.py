@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from common import add_run_options, model_panels, run_child, save_panels  # noqa: E402
+from common import add_run_options, median_row, model_panels, rotated_rounds, save_panels  # noqa: E402
 
 CONFIGS = ("native", "hobbit", "low-tier")
 PROMPTS = ROOT / "prompts" / "mixed.txt"
@@ -110,26 +110,15 @@ def main() -> None:
     rows = []
     for model in models:
         for budget in budgets:
-            runs: dict[str, list[dict]] = {c: [] for c in configs}
-            for r in range(args.rounds):
-                for config in configs[r % len(configs):] + configs[:r % len(configs)]:  # rotated each round
-                    cfg = dict(model=model, budget=budget, policy=args.policy, config=config, tokens=args.tokens,
-                               warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len)
-                    runs[config].append(run_child(__file__, cfg))
-                    bar.update()
+            runs = rotated_rounds(__file__, configs, args.rounds,
+                                  dict(model=model, budget=budget, policy=args.policy, tokens=args.tokens,
+                                       warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len), bar)
             qual = quality(model, budget, configs, args.quality_windows) if args.quality and "synth" not in model \
                 else {}
             base = statistics.median(s["tpot_s"] for s in runs["native"])
             for config, stats in runs.items():
-                tpot = statistics.median(s["tpot_s"] for s in stats)
-                q = qual.get(config, {})
-                rows.append(dict(model=Path(model).name, budget=budget, config=config, tpot_s=tpot,
-                                 speedup=base / tpot, tpot_runs_s=[s["tpot_s"] for s in stats],
-                                 hit_rate=statistics.median(s["decode_hit_rate"] for s in stats),
-                                 expert_bytes_per_token=statistics.median(s["expert_bytes_per_token"] for s in stats),
-                                 low_share=statistics.median(s["low_share"] for s in stats),
-                                 perplexity_change=q.get("perplexity_change"),
-                                 top1_agreement=q.get("top1_agreement"), kl=q.get("kl")))
+                rows.append(dict(model=Path(model).name, budget=budget, config=config,
+                                 **median_row(stats, base, qual.get(config, {}), medians=("low_share",))))
     bar.close()
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(policy=args.policy, rounds=args.rounds, tokens=args.tokens, warmup_tokens=args.warmup_tokens,

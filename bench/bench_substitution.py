@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from common import add_run_options, run_child, save_figure  # noqa: E402
+from common import add_run_options, median_row, rotated_rounds, save_figure  # noqa: E402
 
 PROMPTS = ROOT / "prompts" / "mixed.txt"
 STEPS = {  # name -> engine options (alpha None: the model's default)
@@ -143,26 +143,15 @@ def main() -> None:
     rows = []
     for budget in budgets:
         for batch in batches:
-            runs: dict[str, list[dict]] = {c: [] for c in configs}
-            for r in range(args.rounds):
-                for config in configs[r % len(configs):] + configs[:r % len(configs)]:  # rotated each round
-                    cfg = dict(model=args.model, budget=budget, config=config, tokens=args.tokens, batch=batch,
-                               warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len)
-                    runs[config].append(run_child(__file__, cfg))
-                    bar.update()
+            runs = rotated_rounds(__file__, configs, args.rounds,
+                                  dict(model=args.model, budget=budget, tokens=args.tokens, batch=batch,
+                                       warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len), bar)
             qual = quality(args.model, budget, configs, batch, args.quality_windows) if args.quality else {}
             base = statistics.median(s["tpot_s"] for s in runs["exact"])
             for config, stats in runs.items():
-                tpot = statistics.median(s["tpot_s"] for s in stats)
-                q = qual.get(config, {})
                 rows.append(dict(model=Path(args.model).name, budget=budget, batch=batch, config=config,
-                                 alpha=stats[0]["alpha"], tpot_s=tpot, speedup=base / tpot,
-                                 tpot_runs_s=[s["tpot_s"] for s in stats],
-                                 hit_rate=statistics.median(s["decode_hit_rate"] for s in stats),
-                                 expert_bytes_per_token=statistics.median(s["expert_bytes_per_token"] for s in stats),
-                                 substituted_share=statistics.median(s["substituted_share"] for s in stats),
-                                 perplexity_change=q.get("perplexity_change"),
-                                 top1_agreement=q.get("top1_agreement"), kl=q.get("kl")))
+                                 alpha=stats[0]["alpha"],
+                                 **median_row(stats, base, qual.get(config, {}), medians=("substituted_share",))))
     bar.close()
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(rounds=args.rounds, tokens=args.tokens, warmup_tokens=args.warmup_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,25 @@ def save_figure(fig, title: str, path: Path, dpi: int = 110) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def rotated_rounds(script: str, configs: list[str], rounds: int, cfg: dict, bar) -> dict[str, list[dict]]:
+    """Each configuration `rounds` times, each run in a fresh process (`cfg` plus its `config`), the order rotated
+    every round so a drift of the machine spreads over all of them. Returns the runs' statistics per configuration."""
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    for r in range(rounds):
+        for config in configs[r % len(configs):] + configs[:r % len(configs)]:
+            runs[config].append(run_child(script, dict(cfg, config=config)))
+            bar.update()
+    return runs
+
+
+def median_row(stats: list[dict], base_tpot_s: float, quality: dict, medians: tuple[str, ...] = ()) -> dict:
+    """One configuration's row: median TPOT, its speed-up over `base_tpot_s`, every run's TPOT, median decode hit
+    rate and bytes per token, the median of each of the runs' `medians` statistics, and `quality`'s measures."""
+    median = lambda key: statistics.median(s[key] for s in stats)  # noqa: E731
+    tpot = median("tpot_s")
+    return dict(tpot_s=tpot, speedup=base_tpot_s / tpot, tpot_runs_s=[s["tpot_s"] for s in stats],
+                hit_rate=median("decode_hit_rate"), expert_bytes_per_token=median("expert_bytes_per_token"),
+                **{key: median(key) for key in medians}, perplexity_change=quality.get("perplexity_change"),
+                top1_agreement=quality.get("top1_agreement"), kl=quality.get("kl"))
