@@ -56,3 +56,15 @@ def direct(x, ids: np.ndarray, weights: np.ndarray, experts: dict[int, tuple]):
                 gate_up, down = experts[int(ids[t, k])]
                 out[t] += float(weights[t, k]) * swiglu(x[t:t + 1], gate_up, down)[0]
     return out
+
+
+def resident(*experts: int, layer: int = 0, capacity: int = 1000) -> Residency:
+    """An LRU cache of bf16 experts (10 bytes each) holding `experts` of `layer`, landed and unpinned."""
+    from moetier.cache.policies import LRUPolicy
+
+    r = Residency(capacity, {"bf16": 10}, LRUPolicy())
+    for e in experts:
+        r.admit(ExpertKey(layer, e), "bf16")
+        r.landed(ExpertKey(layer, e))
+    r.unpin_all()
+    return r

@@ -4,15 +4,13 @@ hand-made plans and costs."""
 import numpy as np
 import pytest
 
-from moetier.cache.keys import ExpertKey
-from moetier.cache.policies import LRUPolicy
-from moetier.cache.residency import Residency
 from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
 from moetier.plan.layer_plan import FAST, HOST, IN_PLACE, RESIDENT, LayerPlan
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.placement import GreedyPlacement, HobbitCoop, PreSchedPlacement, SMoETwoPointer, make_placement
 from moetier.plan.route import DECODE, PREFILL, RouteResult
+from tests.handmade_plan import resident as cache
 
 E = 8
 
@@ -34,15 +32,6 @@ def plan(ids, weights, phase=DECODE, predictions=None):
     p = LayerPlan.exact(RouteResult(0, 1, ids, weights, np.zeros((len(ids), E), np.float32), phase), "bf16")
     p.predictions = predictions or {}
     return p
-
-
-def cache(*experts):
-    r = Residency(1000, {"bf16": 10}, LRUPolicy())
-    for e in experts:
-        r.admit(ExpertKey(0, e), "bf16")
-        r.landed(ExpertKey(0, e))
-    r.unpin_all()
-    return r
 
 
 def hosted(p):

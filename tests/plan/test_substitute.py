@@ -3,14 +3,12 @@
 import numpy as np
 import pytest
 
-from moetier.cache.keys import ExpertKey
-from moetier.cache.policies import LRUPolicy
-from moetier.cache.residency import Residency
 from moetier.errors import MoetierError
 from moetier.plan.layer_plan import SKIP, LayerPlan
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.route import DECODE, PREFILL, RouteResult
 from moetier.plan.substitute import Substitution, SubstitutionStage, default_alpha
+from tests.handmade_plan import resident as cache
 
 E = 8
 
@@ -21,15 +19,6 @@ def route(scores, k, phase=DECODE):
     ids = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     w = np.take_along_axis(scores, ids, axis=1)
     return RouteResult(0, 1, ids.astype(np.int64), (w / w.sum(1, keepdims=True)).astype(np.float32), scores, phase)
-
-
-def cache(*experts):
-    r = Residency(100, {"bf16": 10}, LRUPolicy())
-    for e in experts:
-        r.admit(ExpertKey(0, e), "bf16")
-        r.landed(ExpertKey(0, e))
-    r.unpin_all()
-    return r
 
 
 def substitute(r, rt, alpha=0.3, **kw):

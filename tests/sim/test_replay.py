@@ -36,19 +36,25 @@ def write_trained_policies(store_path, spec):
         (store_path / "policies" / f"{name}.json").write_text(json.dumps(payload))
 
 
-def run_both(tiny_store, family, slots, policy, partition="global"):
-    _, path = tiny_store(family)
-    store = Store(path)
-    write_trained_policies(path, store.spec)
-    budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
-    engine = Engine(store, EngineConfig(expert_memory=budget, policy=policy, cache_partition=partition))
+def record(engine):
+    """The engine's plans and its recorded trace over PROMPTS, 12 new tokens each (the engine is closed after)."""
     log = PlanLog()
     engine.executor.layer_step.hooks.append(log)
     with engine, TraceRecorder(engine) as recorder:
         for p in PROMPTS:
             engine.generate([p], max_new_tokens=12, ignore_eos=True)
         trace = recorder.trace(["a", "b", "c"])
-    engine_outcomes = [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in log.plans]
+    return log.plans, trace
+
+
+def run_both(tiny_store, family, slots, policy, partition="global"):
+    _, path = tiny_store(family)
+    store = Store(path)
+    write_trained_policies(path, store.spec)
+    budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
+    engine = Engine(store, EngineConfig(expert_memory=budget, policy=policy, cache_partition=partition))
+    plans, trace = record(engine)
+    engine_outcomes = [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in plans]
     ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
     result = replay(trace, trace_policy(policy, ctx, trace, path), slots, per_layer=partition == "per-layer",
                     precision=store.manifest.native_precision, keep_plans=True)
@@ -109,12 +115,7 @@ def test_engine_and_replay_agree_in_every_precision_mode(tiny_store, tmp_path, m
     mixed = MixedPrecision(mode, low="int4" if mode == "low-tier" else "")
     budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
     engine = Engine(store, EngineConfig(expert_memory=budget, precision=mixed))
-    log = PlanLog()
-    engine.executor.layer_step.hooks.append(log)
-    with engine, TraceRecorder(engine) as recorder:
-        for p in PROMPTS:
-            engine.generate([p], max_new_tokens=12, ignore_eos=True)
-        trace = recorder.trace(["a", "b", "c"])
+    plans, trace = record(engine)
 
     def outcomes(plans):
         return [(p.layer, [(r.expert, r.precision, r.source) for r in p.runs],
@@ -124,8 +125,8 @@ def test_engine_and_replay_agree_in_every_precision_mode(tiny_store, tmp_path, m
     entry_bytes = {p: layout.blob_bytes for p, layout in store.manifest.precisions.items()}
     result = replay(trace, trace_policy("lru", ctx, trace), slots, precision=store.manifest.native_precision,
                     keep_plans=True, mixed=mixed, entry_bytes=entry_bytes)
-    assert outcomes(result.plans) == outcomes(log.plans)
-    loads = [ld.precision for p in log.plans for ld in p.loads]
+    assert outcomes(result.plans) == outcomes(plans)
+    loads = [ld.precision for p in plans for ld in p.loads]
     assert loads and (mode != "hobbit" or {"bf16", "int4"} <= set(loads))
 
 
@@ -140,12 +141,7 @@ def test_engine_and_replay_agree_when_substituting(tiny_store, policy):
     budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
     sub = Substitution(alpha=0.5)
     engine = Engine(store, EngineConfig(expert_memory=budget, policy=policy, substitution=sub))
-    log = PlanLog()
-    engine.executor.layer_step.hooks.append(log)
-    with engine, TraceRecorder(engine) as recorder:
-        for p in PROMPTS:
-            engine.generate([p], max_new_tokens=12, ignore_eos=True)
-        trace = recorder.trace(["a", "b", "c"])
+    plans, trace = record(engine)
 
     def outcomes(plans):
         return [(p.layer, p.assign_ids.tolist(), [r.expert for r in p.hits], [ld.expert for ld in p.loads])
@@ -154,6 +150,6 @@ def test_engine_and_replay_agree_when_substituting(tiny_store, policy):
     ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
     result = replay(trace, trace_policy(policy, ctx, trace), slots, precision=store.manifest.native_precision,
                     keep_plans=True, substitution=sub)
-    assert outcomes(result.plans) == outcomes(log.plans)
+    assert outcomes(result.plans) == outcomes(plans)
     assert result.counts.phases[1].substituted > 0  # something was substituted, in decode steps only
     assert result.counts.phases[0].substituted == 0
