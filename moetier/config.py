@@ -12,6 +12,105 @@ KERNELS = ("auto", "torch", "native")  # the arithmetic a forward step runs on (
 ALIGN = 4096  # an expert blob's alignment on disk and in memory: O_DIRECT needs block-aligned offsets, lengths
 # and buffers
 QK_NORMS = ("none", "head", "full")  # none; per head over head_dim (Qwen3); over all heads (OLMoE)
+NORMS = ("rms", "rms-fp32-weight", "layernorm")  # RMSNorm cast before the weight (Llama), after it (gpt-oss);
+# LayerNorm with a bias (Phi-MoE)
+ACTIVATIONS = ("swiglu", "swiglu-clamped", "relu")  # silu(gate)·up; gpt-oss's clamped one with biases; Switch's
+ROPE_KINDS = ("default", "yarn", "longrope")
+ROUTERS = ("softmax", "group-limited", "noaux-tc", "sparsemixer", "topk-softmax", "top1")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding as config.json's rope parameters name it (moetier/model/rope.py computes it)."""
+
+    theta: float = 10000.0
+    dim: int = 0  # rotated dimensions of a head, the rest pass unrotated (GLM's partial rotary); 0: all of it
+    interleaved: bool = False  # rotate pairs (x0, x1), (x2, x3)... (DeepSeek) instead of the two halves
+    kind: str = "default"  # default | yarn (DeepSeek-V3, gpt-oss) | longrope (Phi-3.5)
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0  # yarn's ramp
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # yarn's attention factor from mscale / mscale_all_dim (DeepSeek)
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # cos and sin are scaled by it; None: derived from the factor
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()  # longrope's per-frequency factors
+    long_factor: tuple[float, ...] = ()
+    short_mscale: float | None = None  # Phi-MoE's cos/sin scale below / beyond original_max_position_embeddings
+    long_mscale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise UnsupportedModelError(f"RoPE type {self.kind!r} is not supported",
+                                        hint=f"moetier runs {', '.join(ROPE_KINDS)}")
+        if self.theta <= 0 or self.dim < 0 or self.dim % 2:
+            raise UnsupportedModelError(f"RoPE: theta must be positive and the rotated dimensions even, got theta "
+                                        f"{self.theta}, {self.dim} dimensions")
+        if self.kind != "default" and (self.factor <= 0 or self.original_max_position_embeddings <= 0):
+            raise UnsupportedModelError(f"RoPE {self.kind}: factor and original_max_position_embeddings must be "
+                                        f"positive")
+        if self.kind == "longrope" and (len(self.short_factor) != self.dim // 2
+                                        or len(self.long_factor) != self.dim // 2):
+            raise UnsupportedModelError(f"RoPE longrope: short_factor and long_factor need {self.dim // 2} entries "
+                                        f"(one per rotated pair), got {len(self.short_factor)} and "
+                                        f"{len(self.long_factor)}")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a token chooses its experts and weighs them (moetier/model/router.py)."""
+
+    kind: str = "softmax"  # softmax over all experts, top-k (Mixtral, Qwen, OLMoE, DeepSeek-V2 greedy);
+    # group-limited (DeepSeek-V2: top-k within the best groups); noaux-tc (DeepSeek-V3, GLM-4.5: sigmoid with a
+    # correction bias, groups by their two best); sparsemixer (Phi-MoE's top-2 at evaluation); topk-softmax
+    # (gpt-oss: softmax over the top-k logits); top1 (Switch: argmax with an expert capacity per sequence)
+    norm_topk_prob: bool = False
+    scaling_factor: float = 1.0  # routed_scaling_factor
+    num_groups: int = 1
+    topk_groups: int = 1
+    fp32: bool = False  # logits from fp32 copies of input and weight (DeepSeek, GLM, Switch)
+    fp32_weights: bool = False  # the top-k weights stay fp32 (Mixtral, DeepSeek, GLM)
+    bias: bool = False  # the router has a bias (gpt-oss)
+    jitter_eps: float = 0.0  # sparsemixer's threshold
+    capacity: int = 0  # top1: tokens an expert takes per sequence in one forward (0: unlimited)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTERS:
+            raise UnsupportedModelError(f"router {self.kind!r} is not supported", hint=f"one of {ROUTERS}")
+        if self.num_groups < 1 or not 1 <= self.topk_groups <= self.num_groups:
+            raise UnsupportedModelError(f"config.json: topk_group {self.topk_groups} must be between 1 and n_group "
+                                        f"{self.num_groups}")
+        if self.capacity < 0:
+            raise UnsupportedModelError(f"config.json: expert_capacity must not be negative, got {self.capacity}")
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec:
+    """DeepSeek's multi-head latent attention: keys and values come from one compressed latent per token (what the
+    KV cache holds) plus a small rotary key shared by all heads."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q projected directly
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModelError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise UnsupportedModelError(f"config.json: q_lora_rank must be positive or null, got {self.q_lora_rank}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """What one token's cache entry holds per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -28,16 +127,24 @@ class ModelSpec:
     num_experts: int
     top_k: int
     moe_intermediate_size: int
-    norm_topk_prob: bool
     moe_layers: tuple[int, ...]
-    rope_theta: float
     rms_norm_eps: float
     max_position_embeddings: int
-    intermediate_size: int = 0  # dense MLP layers (mlp_only_layers / decoder_sparse_step)
+    rope: RopeSpec = RopeSpec()
+    router: RouterSpec = RouterSpec()
+    intermediate_size: int = 0  # dense MLP layers (mlp_only_layers / decoder_sparse_step / first_k_dense_replace)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = False  # Qwen2-MoE scales it by sigmoid(shared_expert_gate(x)); DeepSeek does not
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = "none"
+    latent_attention: LatentAttentionSpec | None = None  # MLA (DeepSeek-V2/V3) instead of grouped-query attention
+    attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
+    norm: str = "rms"
+    activation: str = "swiglu"  # of the experts and the dense MLPs
+    swiglu_alpha: float = 1.702  # swiglu-clamped: gate·sigmoid(alpha·gate)·(up + 1), both clamped to limit
+    swiglu_limit: float = 7.0
+    lm_head_bias: bool = False
     clip_qkv: float | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means none anywhere
     tie_word_embeddings: bool = False
@@ -66,6 +173,26 @@ class ModelSpec:
             raise ValueError("sliding_windows must list one entry per layer")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise UnsupportedModelError("config.json: dense MLP layers need intermediate_size > 0")
+        if self.norm not in NORMS or self.activation not in ACTIVATIONS:
+            raise ValueError(f"norm must be one of {NORMS} and activation one of {ACTIVATIONS}")
+        rotated = self.latent_attention.qk_rope_head_dim if self.latent_attention else self.head_dim
+        if self.rope.dim > rotated:
+            raise UnsupportedModelError(f"config.json: {self.rope.dim} rotary dimensions exceed the {rotated} of a head")
+        if self.router.kind in ("group-limited", "noaux-tc") and self.num_experts % self.router.num_groups:
+            raise UnsupportedModelError(f"config.json: {self.num_experts} experts do not split into n_group "
+                                        f"{self.router.num_groups} groups")
+        if self.router.kind == "noaux-tc" and self.num_experts // self.router.num_groups < 2:
+            raise UnsupportedModelError("config.json: noaux_tc ranks groups by their two best experts; a group "
+                                        "holds fewer")
+        if self.router.kind in ("group-limited", "noaux-tc") and (
+                self.top_k > self.router.topk_groups * (self.num_experts // self.router.num_groups)):
+            raise UnsupportedModelError(f"config.json: top-{self.top_k} cannot be chosen from {self.router.topk_groups}"
+                                        f" groups of {self.num_experts // self.router.num_groups}")
+        if self.router.kind == "sparsemixer" and self.top_k != 2:
+            raise UnsupportedModelError(f"config.json: Phi-MoE's sparsemixer chooses exactly 2 experts, not "
+                                        f"num_experts_per_tok={self.top_k}")
+        if self.router.kind == "top1" and self.top_k != 1:
+            raise UnsupportedModelError(f"config.json: a top-1 router chooses 1 expert, not {self.top_k}")
 
     @property
     def is_moe_layer(self) -> tuple[bool, ...]:
@@ -77,8 +204,11 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """Parameters of one routed expert: gate, up and down projections."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
+        """Parameters of one routed expert: gate, up and down projections (up and down for a ReLU MLP), and biases."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        if self.activation == "relu":
+            return 2 * h * i
+        return 3 * h * i + (2 * i + h if self.activation == "swiglu-clamped" else 0)
 
     @property
     def num_expert_keys(self) -> int:

@@ -13,6 +13,25 @@ FAMILY_CONFIGS = {
                       intermediate_size=96, norm_topk_prob=False),
     "qwen3_moe": dict(num_experts=8, moe_intermediate_size=48, intermediate_size=96, norm_topk_prob=True),
     "olmoe": dict(num_experts=8, intermediate_size=48, norm_topk_prob=False),
+    # a dense first layer, one shared expert, MLA with a compressed q (V3) and without (V2)
+    "deepseek_v2": dict(n_routed_experts=8, moe_intermediate_size=48, intermediate_size=96, n_shared_experts=1,
+                        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy", routed_scaling_factor=1.5,
+                        num_key_value_heads=4),  # (MLA expands keys per head; transformers needs kv = q heads)
+    "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=48, intermediate_size=96, n_shared_experts=1,
+                        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, max_position_embeddings=256, num_key_value_heads=4,
+                        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8)),
+    "glm4_moe": dict(n_routed_experts=8, moe_intermediate_size=48, intermediate_size=96, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True, head_dim=16,
+                     partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.0),
+    # LayerNorm, biases everywhere, LongRoPE with its two scales (the long one beyond 32 positions)
+    "phimoe": dict(num_local_experts=8, intermediate_size=48, attention_bias=True, lm_head_bias=True,
+                   rope_scaling=dict(type="longrope", short_factor=[1.0 + i / 8 for i in range(8)],
+                                     long_factor=[2.0 + i / 4 for i in range(8)], short_mscale=1.1, long_mscale=1.3,
+                                     original_max_position_embeddings=32)),
 }
 
 
@@ -35,9 +54,11 @@ def build_tiny(family: str, out: Path, seed: int = 0, dtype: torch.dtype = torch
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
     with torch.no_grad():  # larger router weights make routing decisive, so near-ties do not decide tokens
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] > 1:
                 p.normal_(0, 0.5)
+            if name.endswith("e_score_correction_bias"):  # zeros as initialised: give the bias something to do
+                p.normal_(0, 0.3)
     model = model.to(dtype).eval()
     model.save_pretrained(out)
     return model

@@ -1,4 +1,5 @@
-"""Grouped-query attention with RoPE, optional q/k norms (per head or over all heads) and a sliding window."""
+"""Grouped-query attention with RoPE (whole heads or their first dimensions), optional q/k norms (per head or over
+all heads), biases and a sliding window; `SinkAttention` adds gpt-oss's learned per-head sink logit."""
 
 from __future__ import annotations
 
@@ -9,7 +10,23 @@ from moetier.config import ModelSpec
 from moetier.model.batch import StepBatch, causal_mask
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import Rope
+from moetier.model.rope import RopeTables
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
+                      window: int | None, scale: float) -> torch.Tensor:
+    """q [N, Hq, D] of a prefill step against the layer's cache keys [R, Hkv, S, D], values [R, Hkv, S, Dv] (the
+    step's own already written) -> [N, Hq, Dv], segment by segment."""
+    out = q.new_empty(*q.shape[:2], values.shape[-1])
+    for row, first, start, length in batch.segments:
+        qs = q[first:first + length].transpose(0, 1)[None]  # [1, Hq, t, D]
+        ks = keys[row:row + 1, :, :start + length]  # [1, Hkv, start+t, D]
+        vs = values[row:row + 1, :, :start + length]
+        mask = causal_mask(start, length, window, q.device)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=True)
+        out[first:first + length] = o[0].transpose(0, 1)
+    return out
 
 
 class Attention:
@@ -22,7 +39,7 @@ class Attention:
         self.window = spec.sliding_window(layer)
         self.scale = spec.head_dim ** -0.5
 
-    def __call__(self, x: torch.Tensor, batch: StepBatch, kv: KVCache, rope: Rope) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor:
         spec, n = self.spec, x.shape[0]
         linear, norm = self.kernels.linear, self.kernels.rms_norm
         q = linear(x, self.q_proj, self.q_bias)  # [N, Hq*D]
@@ -35,24 +52,56 @@ class Attention:
         q = q.view(n, spec.num_heads, spec.head_dim)
         k = k.view(n, spec.num_kv_heads, spec.head_dim)
         v = v.view(n, spec.num_kv_heads, spec.head_dim)
-        if spec.qk_norm == "head":  # Qwen3: per head, over head_dim
+        if spec.qk_norm == "head":  # Qwen3, GLM: per head, over head_dim
             q, k = norm(q, self.q_norm, spec.rms_norm_eps), norm(k, self.k_norm, spec.rms_norm_eps)
         q, k = self.kernels.rope(rope, q, batch), self.kernels.rope(rope, k, batch)
         kv.write(self.layer, batch.rows, batch.positions, k, v)
-        if batch.decode:
-            out = self.kernels.decode_attention(q, kv.k[self.layer], kv.v[self.layer], batch, self.window, self.scale)
-        else:
-            out = self._prefill(q, batch, kv)  # [N, Hq, D]
+        out = self.attend(q, batch, kv)  # [N, Hq, D]
         return linear(out.reshape(n, -1), self.o_proj, self.o_bias)
 
-    def _prefill(self, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        keys, values = kv.k[self.layer], kv.v[self.layer]
+        if batch.decode:
+            return self.kernels.decode_attention(q, keys, values, batch, self.window, self.scale)
+        return prefill_attention(q, keys, values, batch, self.window, self.scale)
+
+
+class SinkAttention(Attention):
+    """gpt-oss: each head's softmax has one more logit, the learned sink, which takes probability and contributes
+    no value. Written out (SDPA has no sinks) as the reference's eager attention computes it, in the model's dtype."""
+
+    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], kernels: TorchKernels) -> None:
+        super().__init__(spec, layer, w, kernels)
+        self.sinks = w[f"layers.{layer}.sinks"]  # [Hq]
+
+    def attend(self, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        keys, values = kv.k[self.layer], kv.v[self.layer]
+        if batch.decode:
+            s = batch.end
+            ks, vs = keys[:, :, :s], values[:, :, :s]
+            if not batch.all_rows:
+                ks, vs = ks.index_select(0, batch.rows), vs.index_select(0, batch.rows)
+            return self._softmax_attend(q[:, :, None, :], ks, vs, batch.decode_mask(self.window))[:, :, 0]
         out = torch.empty_like(q)
         for row, first, start, length in batch.segments:
-            qs = q[first:first + length].transpose(0, 1)[None]  # [1, Hq, t, D]
-            keys = kv.k[self.layer][row:row + 1, :, :start + length]  # [1, Hkv, start+t, D]
-            values = kv.v[self.layer][row:row + 1, :, :start + length]
             mask = causal_mask(start, length, self.window, q.device)
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, is_causal=mask is None,
-                                               scale=self.scale, enable_gqa=True)
+            if mask is None:
+                mask = torch.ones(length, start + length, dtype=torch.bool, device=q.device).tril()
+            qs = q[first:first + length].transpose(0, 1)[None]  # [1, Hq, t, D]
+            o = self._softmax_attend(qs, keys[row:row + 1, :, :start + length], values[row:row + 1, :, :start + length],
+                                     mask)
             out[first:first + length] = o[0].transpose(0, 1)
         return out
+
+    def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        visible: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, t, D], keys/values [B, Hkv, S, D], visible [.., t, S] bool -> [B, Hq, t, D]."""
+        groups = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        logits = (q @ keys.transpose(2, 3)) * self.scale  # [B, Hq, t, S]
+        logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        combined = torch.cat((logits, sinks), dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]  # the sink's share is dropped
+        return probs.to(values.dtype) @ values

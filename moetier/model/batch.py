@@ -44,6 +44,13 @@ class StepBatch:
                    rows_host=rows, lengths_host=[p + 1 for p in positions], all_rows=rows == list(range(num_rows)))
 
     @property
+    def end(self) -> int:
+        """One past the furthest position of the step."""
+        if self.decode:
+            return max(self.lengths_host)
+        return max(start + length for _, _, start, length in self.segments)
+
+    @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
 

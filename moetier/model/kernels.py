@@ -17,7 +17,8 @@ from moetier.config import KERNELS
 from moetier.errors import MoetierError
 from moetier.model import native
 from moetier.model.batch import StepBatch
-from moetier.model.layers import Rope, rms_norm
+from moetier.model.layers import rms_norm
+from moetier.model.rope import RopeTables
 
 
 class TorchKernels:
@@ -40,7 +41,7 @@ class TorchKernels:
         """Over the last dimension."""
         return rms_norm(x, weight, eps)
 
-    def rope(self, rope: Rope, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """x [N, heads, D] rotated to each token's position."""
         return rope(x, batch.positions)
 
@@ -109,8 +110,8 @@ class NativeKernels(TorchKernels):
         self.lib.moetier_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
         return y
 
-    def rope(self, rope: Rope, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        if x.shape[0] != 1 or not batch.decode or not x.is_contiguous():
+    def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        if x.shape[0] != 1 or not batch.decode or not x.is_contiguous() or not rope.plain(x.shape[-1]):
             return rope(x, batch.positions)
         position = batch.lengths_host[0] - 1  # the one token's, known on the host: no read of batch.positions
         _, heads, d = x.shape

@@ -1,21 +1,138 @@
-"""Routing as the reference does it: softmax over all experts in fp32, top-k, renormalise if the family does."""
+"""Routing as each family's reference does it: x [T, H] -> scores [T, E] fp32 (what policies read), topk_ids [T, k]
+int64, topk_weights [T, k] (fp32 or the model's dtype, as the reference weighs expert outputs).
+
+One class per published router, chosen once per model by `make_router`; each reads the layer's `router` weight
+(and `router.bias`, `router.e_score_correction_bias` where the family has them)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from moetier.config import RouterSpec
 
-def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
-          weights_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, H] -> scores [T, E] fp32, topk_ids [T, k] int64, topk_weights [T, k].
+Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-    Mixtral keeps the top-k weights in fp32; the Qwen and OLMoE routers cast them to the model dtype."""
-    logits = F.linear(x, router_weight)  # [T, E]
-    scores = F.softmax(logits, dim=-1, dtype=torch.float32)
-    topk_weights, topk_ids = torch.topk(scores, top_k, dim=-1)  # [T, k]
-    if renormalize:
-        topk_weights /= topk_weights.sum(dim=-1, keepdim=True)
-    if not weights_in_fp32:
-        topk_weights = topk_weights.to(logits.dtype)
-    return scores, topk_ids, topk_weights
+
+class SoftmaxRouter:
+    """Softmax over all experts in fp32, top-k, renormalised if the family does, times routed_scaling_factor
+    (Mixtral, Qwen, OLMoE; DeepSeek-V2's greedy with fp32 logits)."""
+
+    def __init__(self, spec: RouterSpec, top_k: int) -> None:
+        self.spec, self.top_k = spec, top_k
+
+    def logits(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.spec.fp32:  # DeepSeek, GLM, Switch: fp32 copies of input and weight
+            return F.linear(x.float(), w["router"].float(), _float(w.get("router.bias")))
+        return F.linear(x, w["router"], w.get("router.bias"))
+
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights, topk_ids) from the fp32 scores [T, E]."""
+        return torch.topk(scores, self.top_k, dim=-1)
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
+        logits = self.logits(x, w)  # [T, E]
+        scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+        topk_weights, topk_ids = self.choose(scores)  # [T, k]
+        return scores, topk_ids, self.finish(topk_weights, x.dtype)
+
+    def finish(self, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.spec.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        if self.spec.scaling_factor != 1.0:
+            topk_weights = topk_weights * self.spec.scaling_factor
+        return topk_weights if self.spec.fp32_weights else topk_weights.to(dtype)
+
+
+class GroupLimitedRouter(SoftmaxRouter):
+    """DeepSeek-V2's group_limited_greedy: experts in n_group groups, a group ranked by its best score; top-k among
+    the topk_group best groups (the others' scores set to 0)."""
+
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = _group_mask(scores.view(scores.shape[0], self.spec.num_groups, -1).amax(dim=-1), self.spec.topk_groups,
+                           scores.shape[-1])
+        return torch.topk(scores.masked_fill(~mask, 0.0), self.top_k, dim=-1)
+
+
+class NoAuxRouter(SoftmaxRouter):
+    """DeepSeek-V3 / Moonlight / GLM-4.5 (noaux_tc): sigmoid scores; experts chosen by score plus the
+    e_score_correction_bias, within the topk_group groups whose two best biased scores sum highest; weighted by
+    their unbiased scores, renormalised (+1e-20) if norm_topk_prob, times routed_scaling_factor."""
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
+        scores = self.logits(x, w).sigmoid()  # [T, E] fp32
+        choice = scores + w["router.e_score_correction_bias"]
+        groups = choice.view(choice.shape[0], self.spec.num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        mask = _group_mask(groups, self.spec.topk_groups, choice.shape[-1])
+        topk_ids = torch.topk(choice.masked_fill(~mask, float("-inf")), self.top_k, dim=-1)[1]
+        topk_weights = scores.gather(1, topk_ids)
+        if self.spec.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, topk_ids, topk_weights * self.spec.scaling_factor
+
+
+class SparseMixerRouter(SoftmaxRouter):
+    """Phi-MoE's sparsemixer at evaluation: the best expert, weighted by a softmax over the experts whose logits lie
+    within 2·jitter_eps (relative) of it; then the same for the best of the rest. Always two experts."""
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
+        logits = self.logits(x, w)  # [T, E] in the model's dtype, as the reference's
+        first, w1 = self._pick(logits, logits)
+        rest = torch.scatter(logits, -1, first, float("-inf"))
+        second, w2 = self._pick(logits, rest)
+        scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+        return scores, torch.cat((first, second), dim=-1), torch.cat((w1, w2), dim=-1)
+
+    def _pick(self, logits: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        best, ids = candidates.max(dim=-1, keepdim=True)  # [T, 1]
+        factor = logits.abs().clamp(min=best)
+        far = ((best - logits) / factor) > 2 * self.spec.jitter_eps
+        gates = torch.softmax(candidates.masked_fill(far, float("-inf")), dim=-1)
+        return ids, gates.gather(-1, ids)
+
+
+class TopkSoftmaxRouter(SoftmaxRouter):
+    """gpt-oss: top-k of the (biased) logits, softmax over those k alone, in the logits' dtype."""
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
+        logits = self.logits(x, w)  # [T, E]
+        top, topk_ids = torch.topk(logits, self.top_k, dim=-1)
+        topk_weights = F.softmax(top, dim=1, dtype=top.dtype)
+        return F.softmax(logits, dim=-1, dtype=torch.float32), topk_ids, topk_weights
+
+
+class Top1Router(SoftmaxRouter):
+    """Switch: the argmax expert, weighted by its probability (in the model's dtype). An expert takes at most
+    `capacity` tokens of one sequence in one forward, in order; the reference computes nothing for the tokens
+    beyond, and neither do we in effect: they keep the expert with weight 0 (its output times 0 adds exactly 0)."""
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
+        scores = F.softmax(self.logits(x, w), dim=-1, dtype=torch.float32)  # [T, E]
+        topk_weights, topk_ids = scores.to(x.dtype).max(dim=-1, keepdim=True)  # [T, 1]
+        for first, length in segments or ():
+            if length > self.spec.capacity:  # only a long prompt can fill an expert
+                ids = topk_ids[first:first + length, 0]
+                one_hot = F.one_hot(ids, scores.shape[-1])
+                rank = one_hot.cumsum(dim=0).gather(1, ids[:, None])  # [t, 1] the token's place in its expert's queue
+                topk_weights[first:first + length].masked_fill_(rank > self.spec.capacity, 0.0)
+        return scores, topk_ids, topk_weights
+
+
+def _group_mask(group_scores: torch.Tensor, topk_groups: int, num_experts: int) -> torch.Tensor:
+    """[T, E] True for the experts of each token's topk_groups best groups."""
+    t, g = group_scores.shape
+    chosen = torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)  # [T, G]
+    return mask[:, :, None].expand(t, g, num_experts // g).reshape(t, num_experts)
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+ROUTER_CLASSES = {"softmax": SoftmaxRouter, "group-limited": GroupLimitedRouter, "noaux-tc": NoAuxRouter,
+                  "sparsemixer": SparseMixerRouter, "topk-softmax": TopkSoftmaxRouter, "top1": Top1Router}
+
+
+def make_router(spec: RouterSpec, top_k: int) -> SoftmaxRouter:
+    return ROUTER_CLASSES[spec.kind](spec, top_k)

@@ -8,17 +8,40 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ModelSpec
-from moetier.model.attention import Attention
+from moetier.model.attention import Attention, SinkAttention
 from moetier.model.batch import StepBatch
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import Rope
-from moetier.model.router import route
+from moetier.model.layers import rms_norm_fp32_weight
+from moetier.model.mla import LatentAttention
+from moetier.model.rope import Rope, RopeTables
+from moetier.model.router import make_router
 
 
 class Experts(Protocol):
     def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, shared=None) -> torch.Tensor: ...
+
+
+def attention_class(spec: ModelSpec) -> type:
+    if spec.latent_attention is not None:
+        return LatentAttention
+    return SinkAttention if spec.attention_sinks else Attention
+
+
+class Norm:
+    """The family's norm over the last dimension: `norm(x, w, name)` with the weight `w[name]` (and the bias
+    `w[name + ".bias"]` of a LayerNorm)."""
+
+    def __init__(self, kind: str, eps: float, kernels: TorchKernels) -> None:
+        self.kind, self.eps, self.kernels = kind, eps, kernels
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        if self.kind == "rms":
+            return self.kernels.rms_norm(x, w[name], self.eps)
+        if self.kind == "rms-fp32-weight":
+            return rms_norm_fp32_weight(x, w[name], self.eps)
+        return F.layer_norm(x, x.shape[-1:], w[name], w[name + ".bias"], self.eps)
 
 
 class Transformer:
@@ -28,48 +51,60 @@ class Transformer:
         self.kernels = kernels or TorchKernels()
         self.dtype, self.device = dense["embed_tokens"].dtype, dense["embed_tokens"].device
         self.lm_head = dense.get("lm_head", dense["embed_tokens"])
-        self.attn = [Attention(spec, i, dense, self.kernels) for i in range(spec.num_layers)]
+        self.lm_head_bias = dense.get("lm_head.bias")
+        attention = attention_class(spec)
+        self.attn = [attention(spec, i, dense, self.kernels) for i in range(spec.num_layers)]
+        self.norm = Norm(spec.norm, spec.rms_norm_eps, self.kernels)
+        self.router = make_router(spec.router, spec.top_k)
         self.is_moe = spec.is_moe_layer
         # Each layer's weights by short name, looked up once here rather than formatted in the hot loop.
         self.layers = [{k.removeprefix(f"layers.{i}."): v for k, v in dense.items() if k.startswith(f"layers.{i}.")}
                        for i in range(spec.num_layers)]
         self.rope: Rope | None = None
         # the forward step in progress and its residual stream at the MoE layer running now, for `lookahead`
-        self._step: tuple[StepBatch, KVCache, Rope] | None = None
+        self._step: tuple[StepBatch, KVCache, RopeTables] | None = None
         self._h: torch.Tensor | None = None
 
     def ensure_rope(self, max_len: int) -> Rope:
-        if self.rope is None or self.rope.cos.shape[0] < max_len:
-            self.rope = Rope(self.spec.head_dim, self.spec.rope_theta, max_len, self.dtype, self.device)
+        if self.rope is None or self.rope.max_len < max_len:
+            mla = self.spec.latent_attention
+            self.rope = Rope(self.spec.rope, mla.qk_rope_head_dim if mla else self.spec.head_dim, max_len, self.dtype,
+                             self.device)
         return self.rope
 
-    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         spec, w, kernels = self.spec, self.layers[layer], self.kernels
-        scores, topk_ids, topk_weights = route(x, w["router"], spec.top_k, spec.norm_topk_prob,
-                                               weights_in_fp32=spec.family == "mixtral")
+        segments = None if batch.decode else [(first, length) for _, first, _, length in batch.segments]
+        scores, topk_ids, topk_weights = self.router(x, w, segments)
         shared = None
         if spec.shared_expert_intermediate_size:
-            def shared() -> torch.Tensor:  # Qwen2-MoE: sigmoid-gated shared expert, resident like attention
+            def shared() -> torch.Tensor:  # resident like attention
                 out = kernels.swiglu(x, w["shared.gate_up_proj"], w["shared.down_proj"])
-                return torch.sigmoid(F.linear(x, w["shared_gate"])) * out
+                if spec.shared_expert_gated:  # Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x))
+                    return torch.sigmoid(F.linear(x, w["shared_gate"])) * out
+                return out
         return self.experts(layer, x, scores, topk_ids, topk_weights, shared)
+
+    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """A layer without experts: its dense SwiGLU MLP."""
+        w = self.layers[layer]
+        return self.kernels.swiglu(x, w["mlp.gate_up_proj"], w["mlp.down_proj"])
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [B, V] for each sequence's last token (or [N, V] for every token with all_logits)."""
-        eps, norm = self.spec.rms_norm_eps, self.kernels.rms_norm
-        rope = self.ensure_rope(kv.max_len)
+        norm = self.norm
+        rope = self.ensure_rope(kv.max_len).tables(batch)
         h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         self._step = (batch, kv, rope)
         for i, w in enumerate(self.layers):
-            h = h + self.attn[i](norm(h, w["input_norm"], eps), batch, kv, rope)
-            x = norm(h, w["post_attn_norm"], eps)
+            h = h + self.attn[i](norm(h, w, "input_norm"), batch, kv, rope)
+            x = norm(h, w, "post_attn_norm")
             self._h = h  # (a reference, no copy: what `lookahead` starts from)
-            h = h + (self._moe(i, x) if self.is_moe[i] else
-                     self.kernels.swiglu(x, w["mlp.gate_up_proj"], w["mlp.down_proj"]))
+            h = h + (self._moe(i, x, batch) if self.is_moe[i] else self._mlp(i, x))
         if not all_logits:
             h = h[batch.last]
-        return self.kernels.linear(norm(h, self.w["norm"], eps), self.lm_head)
+        return self.kernels.linear(norm(h, self.w, "norm"), self.lm_head, self.lm_head_bias)
 
     def lookahead(self, layer: int, target: int) -> torch.Tensor:
         """Router logits [T, E] of MoE layer `target` for the tokens in flight, from the residual stream as it stands
@@ -83,14 +118,13 @@ class Transformer:
             raise RuntimeError("lookahead runs only inside a forward step, while an MoE layer runs")
         if any(self.is_moe[i] for i in range(layer + 1, target)) or not self.is_moe[target]:
             raise ValueError(f"lookahead from layer {layer} reaches only the next MoE layer, not {target}")
-        eps, norm = self.spec.rms_norm_eps, self.kernels.rms_norm
+        norm = self.norm
         batch, kv, rope = self._step
         h = self._h
         for i in range(layer + 1, target + 1):
             w = self.layers[i]
-            h = h + self.attn[i](norm(h, w["input_norm"], eps), batch, kv, rope)
+            h = h + self.attn[i](norm(h, w, "input_norm"), batch, kv, rope)
             if i < target:  # a dense layer between
-                h = h + self.kernels.swiglu(norm(h, w["post_attn_norm"], eps), w["mlp.gate_up_proj"],
-                                            w["mlp.down_proj"])
+                h = h + self._mlp(i, norm(h, w, "post_attn_norm"))
         w = self.layers[target]
-        return F.linear(norm(h, w["post_attn_norm"], eps), w["router"])
+        return self.router.logits(norm(h, w, "post_attn_norm"), w)

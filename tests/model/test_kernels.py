@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetier.config import MemoryBudget
+from moetier.config import MemoryBudget, RopeSpec
 from moetier.engine.engine import Engine, EngineConfig
 from moetier.errors import MoetierError
 from moetier.model import native
 from moetier.model.batch import StepBatch
 from moetier.model.kernels import NativeKernels, TorchKernels, make_kernels
-from moetier.model.layers import Rope
+from moetier.model.rope import Rope
 from moetier.store.store import Store
 
 CPU = torch.device("cpu")
@@ -70,9 +70,9 @@ def test_rms_norm_matches_torch(kernels, shape):
 
 
 def test_rope_matches_torch(kernels):
-    rope = Rope(16, 10000.0, 64, torch.bfloat16)
-    x = torch.randn(1, 4, 16).bfloat16()
     batch = StepBatch.decode_step([5], [0], [37], 1)
+    rope = Rope(RopeSpec(), 16, 64, torch.bfloat16).tables(batch)
+    x = torch.randn(1, 4, 16).bfloat16()
     assert torch.equal(kernels.rope(rope, x, batch), TorchKernels().rope(rope, x, batch))
 
 

@@ -16,6 +16,7 @@ from moetier.errors import (
     StoreError,
     UnsupportedModelError,
 )
+from moetier.model.families import FAMILIES
 from moetier.store.convert import convert
 from moetier.store.format import ALIGN, Manifest
 from moetier.store.store import Store
@@ -65,7 +66,18 @@ def test_missing_expert_tensor_names_it_and_leaves_nothing(tmp_path):
 def test_unsupported_family_names_the_supported_ones(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(UnsupportedModelError, match="mixtral, olmoe, qwen2_moe, qwen3_moe"):
+    with pytest.raises(UnsupportedModelError) as refused:
+        convert(tmp_path / "m", tmp_path / "store", progress=False)
+    assert "'llama' is not supported" in str(refused.value)
+    for family in FAMILIES:
+        assert family in refused.value.hint
+    assert not (tmp_path / "store").exists()
+
+
+def test_deepseek_v1_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "deepseek", "n_routed_experts": 64}))
+    with pytest.raises(UnsupportedModelError, match="remote code.*no reference"):
         convert(tmp_path / "m", tmp_path / "store", progress=False)
 
 

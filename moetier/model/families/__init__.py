@@ -5,19 +5,31 @@ from __future__ import annotations
 from moetier.config import ModelSpec
 from moetier.errors import UnsupportedModelError, parsing
 from moetier.model.families.base import Family
+from moetier.model.families.deepseek import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE
 from moetier.model.families.mixtral import MIXTRAL
 from moetier.model.families.olmoe import OLMOE
+from moetier.model.families.phimoe import PHIMOE
 from moetier.model.families.qwen2_moe import QWEN2_MOE
 from moetier.model.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3,
+                                                    GLM4_MOE, PHIMOE)}
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
+# model types refused for a reason beyond "not built"
+REFUSED = {
+    "deepseek": "DeepSeek-MoE-16B (V1) has no class in transformers: its checkpoint runs only with remote code, so "
+                "there is no reference to hold moetier's output against. The simulator has its shape "
+                "(`moetier sim --model-shape deepseek-moe-16b ...`)",
+}
 
 
 def family_for(cfg: dict) -> Family:
     if not isinstance(cfg, dict):
         raise UnsupportedModelError(f"config.json must hold a JSON object, not {type(cfg).__name__}")
     model_type = cfg.get("model_type")
+    if isinstance(model_type, str) and model_type in REFUSED:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]}",
+                                    hint=f"moetier runs these families: {', '.join(sorted(_BY_MODEL_TYPE))}")
     if not isinstance(model_type, str) or model_type not in _BY_MODEL_TYPE:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported",

@@ -1,6 +1,6 @@
 """Mixtral: softmax over all experts, top-k, renormalised; no biases, no q/k norms; optional sliding window."""
 
-from moetier.config import ModelSpec
+from moetier.config import ModelSpec, RouterSpec
 from moetier.model.families.base import Family, common_fields, optional_int, require
 
 
@@ -12,7 +12,7 @@ class MixtralFamily(Family):
             family=self.name,
             num_experts=require(cfg, "num_local_experts"),
             moe_intermediate_size=require(cfg, "intermediate_size"),
-            norm_topk_prob=True,
+            router=RouterSpec(norm_topk_prob=True, fp32_weights=True),
             moe_layers=tuple(range(fields["num_layers"])),
             sliding_windows=(window,) * fields["num_layers"] if window else (),
             **fields,

@@ -1,7 +1,7 @@
 """OLMoE: RMSNorm on the whole q and k projections (all heads at once), optional clip_qkv,
 and no renormalisation of the top-k weights unless norm_topk_prob."""
 
-from moetier.config import ModelSpec
+from moetier.config import ModelSpec, RouterSpec
 from moetier.model.families.base import Family, common_fields, number, require
 
 
@@ -13,7 +13,7 @@ class OlmoeFamily(Family):
             family=self.name,
             num_experts=require(cfg, "num_experts"),
             moe_intermediate_size=require(cfg, "intermediate_size"),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            router=RouterSpec(norm_topk_prob=bool(cfg.get("norm_topk_prob", False))),
             moe_layers=tuple(range(fields["num_layers"])),
             qkv_bias=bias,
             o_bias=bias,

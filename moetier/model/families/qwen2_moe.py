@@ -1,7 +1,7 @@
 """Qwen2-MoE (Qwen1.5-MoE): q/k/v biases, a shared expert scaled by sigmoid(shared_expert_gate(x)),
 top-k weights renormalised only if norm_topk_prob, sliding windows on the first max_window_layers."""
 
-from moetier.config import ModelSpec
+from moetier.config import ModelSpec, RouterSpec
 from moetier.errors import UnsupportedModelError
 from moetier.model.families.base import Family, common_fields, optional_int, require, sparse_layers
 
@@ -28,7 +28,8 @@ class Qwen2MoeFamily(Family):
             moe_intermediate_size=require(cfg, "moe_intermediate_size"),
             intermediate_size=optional_int(cfg, "intermediate_size", 0),
             shared_expert_intermediate_size=require(cfg, "shared_expert_intermediate_size"),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_gated=True,
+            router=RouterSpec(norm_topk_prob=bool(cfg.get("norm_topk_prob", False))),
             moe_layers=sparse_layers(cfg, fields["num_layers"]),
             qkv_bias=bool(cfg.get("qkv_bias", True)),
             sliding_windows=qwen2_windows(cfg, fields["num_layers"]),

@@ -1,6 +1,6 @@
 """Qwen3-MoE: RMSNorm on q and k per head (over head_dim) before RoPE; no shared expert."""
 
-from moetier.config import ModelSpec
+from moetier.config import ModelSpec, RouterSpec
 from moetier.model.families.base import Family, common_fields, optional_int, require, sparse_layers
 
 
@@ -14,7 +14,7 @@ class Qwen3MoeFamily(Family):
             num_experts=optional_int(cfg, "num_experts") or require(cfg, "num_local_experts"),
             moe_intermediate_size=require(cfg, "moe_intermediate_size"),
             intermediate_size=optional_int(cfg, "intermediate_size", 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            router=RouterSpec(norm_topk_prob=bool(cfg.get("norm_topk_prob", False))),
             moe_layers=sparse_layers(cfg, fields["num_layers"]),
             qkv_bias=bias,
             o_bias=bias,
