@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -203,12 +204,21 @@ class ModelSpec:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
     @property
-    def expert_params(self) -> int:
-        """Parameters of one routed expert: gate, up and down projections (up and down for a ReLU MLP), and biases."""
+    def expert_shapes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """One routed expert's tensors as a store holds them: its matrices [out, in] (gate and up packed as
+        gate_up_proj [2I, H], gate rows first), then its biases."""
         h, i = self.hidden_size, self.moe_intermediate_size
-        if self.activation == "relu":
-            return 2 * h * i
-        return 3 * h * i + (2 * i + h if self.activation == "swiglu-clamped" else 0)
+        if self.activation == "relu":  # Switch: up (wi) and down (wo)
+            return (("up_proj", (i, h)), ("down_proj", (h, i)))
+        shapes = (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i)))
+        if self.activation == "swiglu-clamped":  # gpt-oss
+            shapes += (("gate_up_proj.bias", (2 * i,)), ("down_proj.bias", (h,)))
+        return shapes
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert: its matrices and biases."""
+        return sum(math.prod(shape) for _, shape in self.expert_shapes)
 
     @property
     def num_expert_keys(self) -> int:

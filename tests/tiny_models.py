@@ -32,6 +32,11 @@ FAMILY_CONFIGS = {
                    rope_scaling=dict(type="longrope", short_factor=[1.0 + i / 8 for i in range(8)],
                                      long_factor=[2.0 + i / 4 for i in range(8)], short_mscale=1.1, long_mscale=1.3,
                                      original_max_position_embeddings=32)),
+    # sinks, alternating windows, YaRN, biased router and experts, clamped SwiGLU (a limit the tiny model reaches)
+    "gpt_oss": dict(num_local_experts=8, intermediate_size=48, head_dim=16, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.3,
+                    rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                                      beta_fast=32.0, beta_slow=1.0, truncate=False)),
 }
 
 
@@ -59,6 +64,8 @@ def build_tiny(family: str, out: Path, seed: int = 0, dtype: torch.dtype = torch
                 p.normal_(0, 0.5)
             if name.endswith("e_score_correction_bias"):  # zeros as initialised: give the bias something to do
                 p.normal_(0, 0.3)
+            elif name.endswith(("bias", "sinks")) and not p.any():  # likewise biases and attention sinks (small:
+                p.normal_(0, 0.02)  # a tiny model's logits are, and a large head bias would decide every token)
     model = model.to(dtype).eval()
     model.save_pretrained(out)
     return model

@@ -63,7 +63,7 @@ class ExpertExecutor:
         if tier is not None:
             self.pools[tier.low] = make_slots(manifest.precisions[tier.low], len(spec.moe_layers) * spec.num_experts,
                                               self.device)
-        self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype) for p in self.pools}
+        self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype, spec) for p in self.pools}
         self.counts = CountingHook(entry_bytes, self.precision if mixed.mixed else None)
         self.costs = RunningCosts(entry_bytes[self.precision])
         if substitution is not None:
@@ -87,7 +87,7 @@ class ExpertExecutor:
         if placement != "none":
             self.host_pool = make_slots(manifest.precisions[self.precision], spec.num_expert_keys, self.host_device)
             self._host_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
-            self.host_kernel = make_expert_kernel(self.precision, host_kernels or self.kernels, dtype)
+            self.host_kernel = make_expert_kernel(self.precision, host_kernels or self.kernels, dtype, spec)
             self._fill(self.host_pool, self.precision, self.host_slot, "host tier")
             self._probe_host(dtype)
 

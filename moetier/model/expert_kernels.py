@@ -1,7 +1,8 @@
-"""How one expert is computed from the tensors of its slot, per precision: `kernel(out, x, w, weights)` writes
-out [n, H] = swiglu(x [n, H]) * weights [n], `w` being the slot's named tensors.
+"""How one expert is computed from the tensors of its slot, per precision and activation: `kernel(out, x, w,
+weights)` writes out [n, H] = expert(x [n, H]) * weights [n], `w` being the slot's named tensors.
 
-- `DenseExpert`: bf16/fp16/fp32 slots, through the engine's kernels (native rows or torch).
+- `DenseExpert`: bf16/fp16/fp32 SwiGLU slots, through the engine's kernels (native rows or torch).
+- `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
 - `QuantizedExpert`: int8/int4/int2 slots (moetier/store/quantize.py's codes). With the native library and bf16
   activations: up to 4 tokens straight from the codes (`csrc/q_rows.c`; a row's codes unpacked once for all of
   them), more tokens by dequantizing the expert to bf16 once (in C) for the engine's bf16 matmul — measured per
@@ -13,9 +14,11 @@ Chosen once per precision when the executor is made, never per call by a flag.""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from moetier.config import ModelSpec
 from moetier.model.kernels import TorchKernels
-from moetier.store.quantize import BITS, MATRICES, Quantized, dequantize
+from moetier.store.quantize import BITS, Quantized, dequantize, matrix_names
 
 NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the codes in one pass
 
@@ -28,14 +31,49 @@ class DenseExpert:
         self.kernels.expert(out, x, w["gate_up_proj"], w["down_proj"], weights)
 
 
-class QuantizedExpert:
-    """`lib`: the native library (None: torch's ops). `dtype`: the activations' (and the dequantized weights')."""
+class ClampedSwigluExpert:
+    """gpt-oss: gate and up (with biases) clamped to ±limit (gate only from above), gate·sigmoid(alpha·gate)·(up + 1),
+    then down with its bias. Gate and up are packed as halves of gate_up_proj (the checkpoint interleaves them;
+    conversion splits them, so the same dot products run)."""
 
-    def __init__(self, precision: str, kernels: TorchKernels, dtype: torch.dtype, lib=None) -> None:
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        gate, up = F.linear(x, w["gate_up_proj"], w["gate_up_proj.bias"]).chunk(2, dim=-1)  # [n, I] each
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        out.copy_(F.linear(h, w["down_proj"], w["down_proj.bias"]) * weights[:, None])
+
+
+class ReluExpert:
+    """Switch: down(relu(up(x))), no gate, no biases."""
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        out.copy_(F.linear(F.relu(F.linear(x, w["up_proj"])), w["down_proj"]) * weights[:, None])
+
+
+def dense_expert(kernels: TorchKernels, spec: ModelSpec | None = None):
+    """The float kernel of the model's activation (SwiGLU when no spec is given)."""
+    if spec is None or spec.activation == "swiglu":
+        return DenseExpert(kernels)
+    if spec.activation == "swiglu-clamped":
+        return ClampedSwigluExpert(spec.swiglu_alpha, spec.swiglu_limit)
+    return ReluExpert()
+
+
+class QuantizedExpert:
+    """`lib`: the native library (None: torch's ops). `dtype`: the activations' (and the dequantized weights').
+    `dense`: the float kernel that computes the dequantized expert (None: SwiGLU through `kernels`); the native
+    from-the-codes path is SwiGLU's alone."""
+
+    def __init__(self, precision: str, kernels: TorchKernels, dtype: torch.dtype, lib=None, dense=None) -> None:
         if precision not in BITS:
             raise ValueError(f"not a quantized precision: {precision!r}")
         self.precision, self.bits, self.kernels, self.dtype = precision, BITS[precision], kernels, dtype
-        self.lib = lib if dtype == torch.bfloat16 else None
+        self.lib = lib if dtype == torch.bfloat16 and dense is None else None
+        self.dense_kernel = dense
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.route_weights = torch.empty(NATIVE_MAX_TOKENS, dtype=torch.float32)
         self.dense: dict[str, torch.Tensor] = {}  # dequantized matrices, reused across calls of the same shape
@@ -44,8 +82,11 @@ class QuantizedExpert:
         n = x.shape[0]
         if self.lib is not None and n <= NATIVE_MAX_TOKENS and x.is_contiguous() and out.is_contiguous():
             return self._rows(out, x, w, weights)
-        gate_up, down = (self._dequantized(name, w) for name in MATRICES)
-        self.kernels.expert(out, x, gate_up, down, weights)
+        if self.dense_kernel is not None:  # another activation: its float kernel on the dequantized matrices
+            dense = {name: self._dequantized(name, w) for name in matrix_names(w)}
+            biases = {name: t.to(self.dtype) for name, t in w.items() if name.endswith(".bias")}  # (kept in bf16)
+            return self.dense_kernel(out, x, {**dense, **biases}, weights)
+        self.kernels.expert(out, x, self._dequantized("gate_up_proj", w), self._dequantized("down_proj", w), weights)
 
     def _rows(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         n, h = x.shape
@@ -84,8 +125,10 @@ def _group(k: int, scales: torch.Tensor) -> int:
     return k if scales.dim() == 1 else k // scales.shape[1]
 
 
-def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype):
-    """The kernel for slots of `precision` in a model computing in `dtype`."""
+def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype, spec: ModelSpec | None = None):
+    """The kernel for slots of `precision` in a model computing in `dtype` (`spec`: the model, for its activation;
+    None: SwiGLU)."""
     if precision not in BITS:
-        return DenseExpert(kernels)
-    return QuantizedExpert(precision, kernels, dtype, getattr(kernels, "lib", None))
+        return dense_expert(kernels, spec)
+    other = None if spec is None or spec.activation == "swiglu" else dense_expert(kernels, spec)
+    return QuantizedExpert(precision, kernels, dtype, getattr(kernels, "lib", None), other)

@@ -54,7 +54,7 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         shard = self._where.get(name)
         if shard is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}",
@@ -62,7 +62,14 @@ class Checkpoint:
         handle = self._handles.get(shard)
         if handle is None:
             handle = self._handles[shard] = safe_open(str(shard), framework="pt")
-        return handle.get_tensor(name)
+        return handle
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str, index: int) -> torch.Tensor:
+        """`get(name)[index]`, reading only that slice (one expert of a tensor stacking them all)."""
+        return self._handle(name).get_slice(name)[index]
 
     def tokenizer_files(self) -> list[str]:
         return [n for n in TOKENIZER_FILES if (self.dir / n).exists()]

@@ -15,23 +15,18 @@ from moetier.model.families import Family, family_for, parse_spec
 from moetier.store.checkpoint import Checkpoint, read_config
 from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, is_store
 from moetier.store.quantize import quantize_expert
+from moetier.store.sources import expert_source
 from moetier.store.variants import expert_layouts, parse_precisions
 from moetier.store.writer import StoreWriter
 
 
-class ExpertSource:
-    """One layer's expert weights, whether the checkpoint stores them per expert or fused [E, ...]."""
-
-    def __init__(self, ckpt: Checkpoint, family: Family, layer: int) -> None:
-        self.ckpt, self.family, self.layer = ckpt, family, layer
-        gate_up, down = family.fused_expert_names(layer)
-        self.fused = (ckpt.get(gate_up), ckpt.get(down)) if gate_up in ckpt and down in ckpt else None
-
-    def get(self, expert: int) -> dict[str, torch.Tensor]:
-        if self.fused is not None:
-            return {"gate_up_proj": self.fused[0][expert], "down_proj": self.fused[1][expert]}
-        gate, up, down = (self.ckpt.get(n) for n in self.family.expert_names(self.layer, expert))
-        return {"gate_up_proj": torch.cat([gate, up], dim=0), "down_proj": down}
+def native_layout(spec: ModelSpec, dtype: torch.dtype) -> PrecisionLayout:
+    """The blob of an expert at the checkpoint's own precision: SwiGLU's two matrices back to back (the layout
+    every store before other activations had), any other expert's tensors packed in ModelSpec.expert_shapes order."""
+    name, dtype_name = PRECISION_OF_DTYPE[dtype], str(dtype).removeprefix("torch.")
+    if spec.activation == "swiglu":
+        return PrecisionLayout.swiglu(name, dtype_name, spec.hidden_size, spec.moe_intermediate_size)
+    return PrecisionLayout.packed(name, [(n, dtype_name, shape) for n, shape in spec.expert_shapes])
 
 
 def dense_tensors(ckpt: Checkpoint, family: Family, spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -48,6 +43,14 @@ def dense_tensors(ckpt: Checkpoint, family: Family, spec: ModelSpec) -> dict[str
     return out
 
 
+def check_shapes(tensors: dict[str, torch.Tensor], spec: ModelSpec, layer: int, expert: int) -> None:
+    """An expert whose tensors are not the shapes config.json implies is refused, naming the tensor."""
+    for name, shape in spec.expert_shapes:
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"expert {expert} of layer {layer}: {name} is {tuple(tensors[name].shape)}, config.json "
+                                  f"implies {shape}", hint="the checkpoint does not match its config.json")
+
+
 def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = False, progress: bool = True,
             precisions: str | Iterable[str] = ()) -> Path:
     """Convert a Hugging Face MoE checkpoint into a store. Atomic: nothing is left at `store_dir` on failure.
@@ -60,22 +63,23 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
     spec = parse_spec(config)
     ckpt = Checkpoint(model_dir)
     dense = dense_tensors(ckpt, family, spec)
-    first = ExpertSource(ckpt, family, spec.moe_layers[0]).get(0)["gate_up_proj"]
+    first = expert_source(ckpt, family, spec, spec.moe_layers[0]).get(0)["down_proj"]
     if first.dtype not in PRECISION_OF_DTYPE:
-        raise CheckpointError(f"expert weights of dtype {first.dtype} are not supported (fp32, bf16, fp16 are)")
-    layout = PrecisionLayout.swiglu(PRECISION_OF_DTYPE[first.dtype], str(first.dtype).removeprefix("torch."),
-                                    spec.hidden_size, spec.moe_intermediate_size)
+        raise CheckpointError(f"expert weights of dtype {first.dtype} are not supported (fp32, bf16, fp16 are)",
+                              hint="moetier reads float checkpoints (and gpt-oss's MXFP4); dequantize others first")
+    layout = native_layout(spec, first.dtype)
     quantized = expert_layouts(spec, parse_precisions(precisions, layout.name)) if precisions else {}
     total = len(spec.moe_layers) * spec.num_experts
     with StoreWriter(store_dir, overwrite, (model_dir,)) as writer, \
             tqdm(total=total, desc=f"convert {model_dir.name}", unit="expert", disable=not progress) as bar:
         writer.write_dense(dense)
         for layer in spec.moe_layers:
-            source = ExpertSource(ckpt, family, layer)
+            source = expert_source(ckpt, family, spec, layer)
             for e in range(spec.num_experts):
                 tensors = source.get(e)
                 if any(t.dtype != first.dtype for t in tensors.values()):
                     raise CheckpointError(f"expert {e} of layer {layer} is not {first.dtype} like the others")
+                check_shapes(tensors, spec, layer, e)
                 writer.add_expert(layer, e, layout, tensors)
                 for p, q_layout in quantized.items():
                     writer.add_expert(layer, e, q_layout, quantize_expert(tensors, p))

@@ -11,7 +11,8 @@ native kernel reads these directly).
   bit per weight).
 
 Scales and zeros are bfloat16 (the engine's compute dtype). Every function takes and returns CPU tensors; a
-matrix is [N, K] = [out_features, in_features], as `gate_up_proj` and `down_proj` are stored.
+matrix is [N, K] = [out_features, in_features], as `gate_up_proj` and `down_proj` are stored. An expert's
+biases (gpt-oss) are kept, in bfloat16.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from moetier.store.format import PrecisionLayout
 
 GROUP_SIZE = {"int4": 128, "int2": 64}
 BITS = {"int8": 8, "int4": 4, "int2": 2}
-MATRICES = ("gate_up_proj", "down_proj")  # an expert's, each [N, K]
+MATRICES = ("gate_up_proj", "down_proj")  # a SwiGLU expert's, each [N, K]
+
+
+def swiglu_shapes(hidden: int, intermediate: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A SwiGLU expert's tensors (what ModelSpec.expert_shapes gives for most families)."""
+    return (("gate_up_proj", (2 * intermediate, hidden)), ("down_proj", (hidden, intermediate)))
 
 
 def group_size(precision: str, k: int) -> int:
@@ -38,12 +44,17 @@ def group_size(precision: str, k: int) -> int:
     return group
 
 
-def expert_layout(precision: str, hidden: int, intermediate: int) -> PrecisionLayout:
-    """How one SwiGLU expert's `precision` copy sits in a blob: per matrix its codes, then its scales (and zeros)."""
+def expert_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> PrecisionLayout:
+    """How one expert's `precision` copy sits in a blob: per matrix its codes, then its scales (and zeros); then its
+    biases as they are (`shapes`: ModelSpec.expert_shapes)."""
     if precision not in BITS:
         raise ValueError(f"unknown quantized precision {precision!r}; known: {', '.join(BITS)}")
     tensors = []
-    for name, (n, k) in zip(MATRICES, ((2 * intermediate, hidden), (hidden, intermediate))):
+    for name, shape in shapes:
+        if len(shape) == 1:
+            tensors.append((name, "bfloat16", shape))
+            continue
+        n, k = shape
         if precision == "int8":
             tensors += [(name, "int8", (n, k)), (f"{name}.scales", "bfloat16", (n,))]
             continue
@@ -57,19 +68,27 @@ def expert_layout(precision: str, hidden: int, intermediate: int) -> PrecisionLa
 
 
 def quantize_expert(tensors: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
-    """An expert's float matrices -> the named tensors of its `precision` blob (as `expert_layout` lays them)."""
+    """An expert's float tensors -> the named tensors of its `precision` blob (as `expert_layout` lays them)."""
     out = {}
-    for name in MATRICES:
-        q = quantize(tensors[name], precision)
+    for name, t in tensors.items():
+        if t.dim() == 1:  # a bias
+            out[name] = t.to(torch.bfloat16)
+            continue
+        q = quantize(t, precision)
         out[name], out[f"{name}.scales"] = q.codes, q.scales
         if q.zeros is not None:
             out[f"{name}.zeros"] = q.zeros
     return out
 
 
+def matrix_names(w: dict[str, torch.Tensor]) -> list[str]:
+    """The quantized matrices among a blob's tensors: those with scales."""
+    return [name.removesuffix(".scales") for name in w if name.endswith(".scales")]
+
+
 def expert_matrices(w: dict[str, torch.Tensor], precision: str) -> dict[str, Quantized]:
-    """The named tensors of a `precision` blob (views, as a slot holds them) -> its two quantized matrices."""
-    return {name: Quantized(precision, w[name], w[f"{name}.scales"], w.get(f"{name}.zeros")) for name in MATRICES}
+    """The named tensors of a `precision` blob (views, as a slot holds them) -> its quantized matrices."""
+    return {name: Quantized(precision, w[name], w[f"{name}.scales"], w.get(f"{name}.zeros")) for name in matrix_names(w)}
 
 
 @dataclass(frozen=True)

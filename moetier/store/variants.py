@@ -49,7 +49,7 @@ def parse_precisions(text: str | Iterable[str], native: str) -> list[str]:
 def expert_layouts(spec: ModelSpec, precisions: Iterable[str]) -> dict[str, PrecisionLayout]:
     """The blob layout of each quantized precision for this model's experts (refused if its shape cannot be)."""
     try:
-        return {p: expert_layout(p, spec.hidden_size, spec.moe_intermediate_size) for p in precisions}
+        return {p: expert_layout(p, spec.expert_shapes) for p in precisions}
     except ValueError as e:
         raise StoreError(f"cannot quantize this model's experts: {e}") from None
 

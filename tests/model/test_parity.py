@@ -38,6 +38,10 @@ CASES = [
     # LayerNorm, biases, LongRoPE with the long scale reached while decoding, sparsemixer
     ("phimoe", {}),
     ("phimoe", {"sliding_window": 5, "rope_scaling": None, "lm_head_bias": False}),
+    # attention sinks, alternating sliding windows, YaRN, biased top-k-softmax router, clamped SwiGLU with biases
+    ("gpt_oss", {}),
+    ("gpt_oss", {"num_experts_per_tok": 4, "num_hidden_layers": 3, "sliding_window": 3,
+                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
 ]
 
 

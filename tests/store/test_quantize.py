@@ -14,6 +14,7 @@ from moetier.store.quantize import (
     pack,
     quantize,
     quantize_expert,
+    swiglu_shapes,
     unpack,
 )
 
@@ -122,7 +123,7 @@ def test_an_expert_blob_round_trips_through_its_layout(precision):
     g = torch.Generator().manual_seed(0)
     expert = {"gate_up_proj": torch.randn(2 * inter, hidden, generator=g).bfloat16(),
               "down_proj": torch.randn(hidden, inter, generator=g).bfloat16()}
-    layout = expert_layout(precision, hidden, inter)
+    layout = expert_layout(precision, swiglu_shapes(hidden, inter))
     tensors = quantize_expert(expert, precision)
     blob = torch.zeros(layout.blob_bytes, dtype=torch.uint8)
     for t in layout.tensors:
@@ -132,3 +133,21 @@ def test_an_expert_blob_round_trips_through_its_layout(precision):
     for name, w in expert.items():
         assert torch.equal(dequantize(back[name]), dequantize(quantize(w, precision)))
     assert layout.blob_bytes < {"int8": 0.6, "int4": 0.4, "int2": 0.3}[precision] * 3 * hidden * inter * 2 + 4096
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_an_expert_with_biases_keeps_them(precision):
+    """gpt-oss's experts: the matrices quantized, the biases carried in bf16."""
+    hidden, inter = 128, 32
+    g = torch.Generator().manual_seed(1)
+    shapes = (*swiglu_shapes(hidden, inter), ("gate_up_proj.bias", (2 * inter,)), ("down_proj.bias", (hidden,)))
+    expert = {name: torch.randn(*shape, generator=g) for name, shape in shapes}
+    layout = expert_layout(precision, shapes)
+    tensors = quantize_expert(expert, precision)
+    blob = torch.zeros(layout.blob_bytes, dtype=torch.uint8)
+    for t in layout.tensors:
+        blob[t.offset:t.offset + t.nbytes] = tensors[t.name].contiguous().view(-1).view(torch.uint8)
+    views = layout.views(blob)
+    assert sorted(expert_matrices(views, precision)) == ["down_proj", "gate_up_proj"]
+    for name in ("gate_up_proj.bias", "down_proj.bias"):
+        assert torch.equal(views[name], expert[name].bfloat16())

@@ -157,6 +157,8 @@ class Family:
     router_name: str  # router weight inside moe_prefix
     expert_proj: tuple[str, str, str]  # per-expert (gate, up, down) names in the legacy layout
     expert_intermediate_key: str = "intermediate_size"  # the config.json field that sizes a routed expert
+    expert_format: str = "stacked"  # how the checkpoint lays out experts (moetier/store/sources.py)
+    dequantizes: tuple[str, ...] = ()  # quantization methods whose checkpoints conversion dequantizes
 
     def parse(self, cfg: dict) -> ModelSpec:
         raise NotImplementedError
