@@ -87,6 +87,25 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class EncoderDecoderSpec:
+    """A text-to-text model (Switch Transformers, T5's layout): the first `encoder_layers` of ModelSpec's layers
+    are the encoder's blocks, the rest the decoder's; attention is T5's, unscaled, with a learned bias per head for
+    each bucket of relative position (computed in each stack's first block, shared by the others)."""
+
+    encoder_layers: int
+    num_buckets: int = 32
+    max_distance: int = 128
+    decoder_start_token_id: int = 0
+    scale_tied_head: bool = True  # a head tied to the embedding sees the output times d_model^-0.5
+
+    def __post_init__(self) -> None:
+        if self.encoder_layers <= 0 or self.num_buckets < 2 or self.max_distance <= self.num_buckets // 2:
+            raise UnsupportedModelError(f"config.json: an encoder-decoder needs encoder layers, at least 2 relative "
+                                        f"attention buckets and a max distance beyond half of them, got "
+                                        f"{self.encoder_layers}, {self.num_buckets}, {self.max_distance}")
+
+
+@dataclass(frozen=True)
 class LatentAttentionSpec:
     """DeepSeek's multi-head latent attention: keys and values come from one compressed latent per token (what the
     KV cache holds) plus a small rotary key shared by all heads."""
@@ -140,6 +159,7 @@ class ModelSpec:
     o_bias: bool = False
     qk_norm: str = "none"
     latent_attention: LatentAttentionSpec | None = None  # MLA (DeepSeek-V2/V3) instead of grouped-query attention
+    encoder_decoder: EncoderDecoderSpec | None = None  # a text-to-text model (Switch) instead of a decoder alone
     attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
     norm: str = "rms"
     activation: str = "swiglu"  # of the experts and the dense MLPs
@@ -174,6 +194,8 @@ class ModelSpec:
             raise ValueError("sliding_windows must list one entry per layer")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise UnsupportedModelError("config.json: dense MLP layers need intermediate_size > 0")
+        if self.encoder_decoder and not 0 < self.encoder_decoder.encoder_layers < self.num_layers:
+            raise UnsupportedModelError("config.json: an encoder-decoder needs layers in both stacks")
         if self.norm not in NORMS or self.activation not in ACTIVATIONS:
             raise ValueError(f"norm must be one of {NORMS} and activation one of {ACTIVATIONS}")
         rotated = self.latent_attention.qk_rope_head_dim if self.latent_attention else self.head_dim

@@ -38,11 +38,20 @@ FAMILY_CONFIGS = {
                     rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
                                       beta_fast=32.0, beta_slow=1.0, truncate=False)),
 }
+SEQ2SEQ_CONFIGS = {
+    # 4 + 4 blocks, every other one sparse (blocks 1 and 3 of each stack), top-1 of 8 ReLU experts
+    "switch_transformers": dict(d_model=64, d_kv=16, d_ff=96, num_layers=4, num_decoder_layers=4, num_heads=4,
+                                num_experts=8, num_sparse_encoder_layers=2, num_sparse_decoder_layers=2,
+                                vocab_size=128, expert_capacity=64, decoder_start_token_id=0, eos_token_id=1,
+                                pad_token_id=0, relative_attention_num_buckets=8, relative_attention_max_distance=20),
+}
 
 
 def tiny_config(family: str, num_layers: int = 2, top_k: int = 2, **overrides):
     from transformers import AutoConfig
 
+    if family in SEQ2SEQ_CONFIGS:
+        return AutoConfig.for_model(family, **{**SEQ2SEQ_CONFIGS[family], **overrides})
     kw = dict(hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=128, num_experts_per_tok=top_k, max_position_embeddings=256, bos_token_id=1,
               eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
@@ -54,13 +63,14 @@ def tiny_config(family: str, num_layers: int = 2, top_k: int = 2, **overrides):
 def build_tiny(family: str, out: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """Save a random checkpoint (fp32 unless `dtype` says) with `family`'s real transformers class; return the model
     (eval mode)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    auto = AutoModelForSeq2SeqLM if family in SEQ2SEQ_CONFIGS else AutoModelForCausalLM
+    model = auto.from_config(tiny_config(family, **overrides), dtype=torch.float32)
     with torch.no_grad():  # larger router weights make routing decisive, so near-ties do not decide tokens
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] > 1:
+            if name.endswith(("gate.weight", "router.weight", "classifier.weight")) and p.dim() == 2 and p.shape[0] > 1:
                 p.normal_(0, 0.5)
             if name.endswith("e_score_correction_bias"):  # zeros as initialised: give the bias something to do
                 p.normal_(0, 0.3)

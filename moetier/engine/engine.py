@@ -19,6 +19,7 @@ from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available
+from moetier.model.build import make_model
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
@@ -231,7 +232,7 @@ class Engine:
         except BaseException:
             self.reader.close()
             raise
-        self.model = Transformer(self.spec, dense, self.executor, self.kernels)
+        self.model = make_model(self.spec, dense, self.executor, self.kernels)
         self.executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)

@@ -38,8 +38,9 @@ def dense_tensors(ckpt: Checkpoint, family: Family, spec: ModelSpec) -> dict[str
             out[f"layers.{i}.shared.gate_up_proj"] = torch.cat(
                 [out.pop(f"layers.{i}.shared.gate_proj"), out.pop(f"layers.{i}.shared.up_proj")], dim=0)
     for i in set(range(spec.num_layers)) - set(spec.moe_layers):
-        out[f"layers.{i}.mlp.gate_up_proj"] = torch.cat(
-            [out.pop(f"layers.{i}.mlp.gate_proj"), out.pop(f"layers.{i}.mlp.up_proj")], dim=0)
+        if f"layers.{i}.mlp.gate_proj" in out:  # a SwiGLU MLP (Switch's ReLU one has no gate)
+            out[f"layers.{i}.mlp.gate_up_proj"] = torch.cat(
+                [out.pop(f"layers.{i}.mlp.gate_proj"), out.pop(f"layers.{i}.mlp.up_proj")], dim=0)
     return out
 
 

@@ -18,7 +18,7 @@ from moetier.store.mxfp4 import dequantize_mxfp4
 
 
 class StackedExperts:
-    def __init__(self, ckpt: Checkpoint, family: Family, layer: int) -> None:
+    def __init__(self, ckpt: Checkpoint, family: Family, spec: ModelSpec, layer: int) -> None:
         self.ckpt, self.family, self.layer = ckpt, family, layer
         gate_up, down = family.fused_expert_names(layer)
         self.fused = (gate_up, down) if gate_up in ckpt and down in ckpt else None
@@ -32,7 +32,7 @@ class StackedExperts:
 
 
 class GptOssExperts:
-    def __init__(self, ckpt: Checkpoint, family: Family, layer: int) -> None:
+    def __init__(self, ckpt: Checkpoint, family: Family, spec: ModelSpec, layer: int) -> None:
         self.ckpt = ckpt
         self.base = f"model.layers.{layer}.{family.moe_prefix}.experts."
         self.mxfp4 = self.base + "gate_up_proj_blocks" in ckpt
@@ -54,11 +54,11 @@ class GptOssExperts:
 
 
 class SwitchExperts:
-    def __init__(self, ckpt: Checkpoint, family: Family, layer: int) -> None:
-        self.ckpt, self.family, self.layer = ckpt, family, layer
+    def __init__(self, ckpt: Checkpoint, family: Family, spec: ModelSpec, layer: int) -> None:
+        self.ckpt, self.family, self.spec, self.layer = ckpt, family, spec, layer
 
     def get(self, expert: int) -> dict[str, torch.Tensor]:
-        up, down = (self.ckpt.get(n) for n in self.family.expert_names(self.layer, expert)[:2])
+        up, down = (self.ckpt.get(n) for n in self.family.expert_names(self.layer, expert, self.spec))
         return {"up_proj": up, "down_proj": down}
 
 
@@ -66,4 +66,4 @@ SOURCES = {"stacked": StackedExperts, "gpt-oss": GptOssExperts, "switch": Switch
 
 
 def expert_source(ckpt: Checkpoint, family: Family, spec: ModelSpec, layer: int):
-    return SOURCES[family.expert_format](ckpt, family, layer)
+    return SOURCES[family.expert_format](ckpt, family, spec, layer)

@@ -7,9 +7,9 @@ from moetier.config import ModelSpec
 from moetier.errors import MoetierError
 from moetier.model.families import parse_spec
 from tests.json_mutations import json_values, mutated
-from tests.tiny_models import FAMILY_CONFIGS, tiny_config
+from tests.tiny_models import FAMILY_CONFIGS, SEQ2SEQ_CONFIGS, tiny_config
 
-CONFIGS = [tiny_config(family).to_dict() for family in FAMILY_CONFIGS]
+CONFIGS = [tiny_config(family).to_dict() for family in [*FAMILY_CONFIGS, *SEQ2SEQ_CONFIGS]]
 
 
 @settings(max_examples=400, deadline=None)

@@ -12,9 +12,10 @@ from moetier.model.families.olmoe import OLMOE
 from moetier.model.families.phimoe import PHIMOE
 from moetier.model.families.qwen2_moe import QWEN2_MOE
 from moetier.model.families.qwen3_moe import QWEN3_MOE
+from moetier.model.families.switch import SWITCH
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3,
-                                                    GLM4_MOE, PHIMOE, GPT_OSS)}
+                                                    GLM4_MOE, PHIMOE, GPT_OSS, SWITCH)}
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 # model types refused for a reason beyond "not built"
 REFUSED = {

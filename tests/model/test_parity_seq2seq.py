@@ -1,0 +1,86 @@
+"""Exact mode for a text-to-text model (Switch Transformers): the decoder's logits equal transformers' (fp32) after
+the encoder's pass and for 16 decode steps, and greedy generation gives the same tokens, under every expert budget
+from one expert to all of them (the encoder's and the decoder's)."""
+
+import pytest
+import torch
+
+from moetier.engine.stats import GenerationStats
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
+from moetier.plan.route import DECODE, PREFILL
+from moetier.store.store import Store
+from tests.model.test_parity import ATOL, engine_with_slots
+
+CASES = [
+    ({}, 1e-5),  # tied head (scaled by d_model^-0.5); blocks 1 and 3 of each stack sparse
+    ({"tie_word_embeddings": False}, 1e-4),  # its own head and embeddings (larger logits: 1e-4 absolute)
+    # every encoder block sparse, one decoder block; an expert takes 2 tokens of a prompt (the rest are dropped)
+    ({"num_sparse_encoder_layers": 4, "num_sparse_decoder_layers": 1, "expert_capacity": 2}, 1e-5),
+]
+
+
+def reference_steps(ref, prompt: list[int], fed: list[int]):
+    """The decoder's logits [V] after the start token and after each token of `fed`."""
+    with torch.no_grad():
+        encoded = ref.get_encoder()(input_ids=torch.tensor([prompt]))
+        out = ref(encoder_outputs=encoded, decoder_input_ids=torch.tensor([[ref.config.decoder_start_token_id]]),
+                  use_cache=True)
+        logits, past = [out.logits[0, -1]], out.past_key_values
+        for token in fed:
+            out = ref(encoder_outputs=encoded, decoder_input_ids=torch.tensor([[token]]), past_key_values=past,
+                      use_cache=True)
+            logits.append(out.logits[0, -1])
+            past = out.past_key_values
+    return logits
+
+
+@pytest.mark.parametrize("overrides,atol", CASES, ids=["tied", "untied", "capacity"])
+def test_exact_mode_matches_transformers(tiny_store, overrides, atol):
+    assert atol <= ATOL
+    ref, path = tiny_store("switch_transformers", **overrides)
+    spec = Store(path).spec
+    torch.manual_seed(1)
+    prompt = torch.randint(3, spec.vocab_size, (11,)).tolist()
+    fed = torch.randint(3, spec.vocab_size, (16,)).tolist()  # teacher-forced: a random tied model repeats a token
+    expected = reference_steps(ref, prompt, fed)
+    ref_greedy = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, 1:].tolist()
+    assert len(ref_greedy) == 32 or ref_greedy[-1] == ref.config.eos_token_id
+
+    hit_rates = []
+    for slots in range(spec.top_k, spec.num_expert_keys + 1):
+        with engine_with_slots(path, slots) as engine:
+            kv = KVCache(engine.spec, 1, 64, torch.float32)
+            stats = GenerationStats()
+            engine.executor.begin_step(PREFILL, stats.phases)
+            steps = [engine.model.forward(StepBatch.prefill([prompt], [0]), kv)[0]]
+            for i, token in enumerate(fed):
+                engine.executor.begin_step(DECODE, stats.phases)
+                steps.append(engine.model.forward(StepBatch.decode_step([token], [0], [len(prompt) + i], 1), kv)[0])
+            for i, (ours, theirs) in enumerate(zip(steps, expected)):
+                assert (ours - theirs).abs().max().item() <= atol, f"step {i} differs at {slots} slots"
+            out = engine.generate([prompt], max_new_tokens=32, ignore_eos=True)
+            assert out.token_ids[0][:len(ref_greedy)] == ref_greedy, f"greedy tokens differ at {slots} slots"
+            hit_rates.append(out.stats["hit_rate"])
+    assert hit_rates[-1] > hit_rates[0]
+
+
+def test_a_batch_of_prompts_decodes_as_each_alone(tiny_store):
+    """Prompts of different lengths in one batch: each sequence's tokens are those it gets alone."""
+    _, path = tiny_store("switch_transformers", tie_word_embeddings=False)
+    prompts = [[5, 9, 17, 33, 2, 70], [44, 3, 3, 90, 12, 7, 8, 61, 100, 4, 6], [11]]
+    with engine_with_slots(path, 6) as engine:
+        together = engine.generate(prompts, max_new_tokens=12, ignore_eos=True).token_ids
+        alone = [engine.generate([p], max_new_tokens=12, ignore_eos=True).token_ids[0] for p in prompts]
+    assert together == alone
+
+
+def test_cache_holds_each_prompt_encoding(tiny_store):
+    """Cross-attention keys and values per decoder layer, as long as each prompt; none for the encoder's blocks."""
+    _, path = tiny_store("switch_transformers")
+    spec = Store(path).spec
+    kv = KVCache(spec, 2, 20, torch.float32)
+    enc = spec.encoder_decoder.encoder_layers
+    assert all(t is None for t in kv.k[:enc] + kv.cross_k[:enc])
+    per_layer = 4 * 2 * spec.num_heads * 20 * spec.head_dim * 4  # self k, v and cross k, v; 2 rows of 20, fp32
+    assert kv.nbytes == (spec.num_layers - enc) * per_layer
