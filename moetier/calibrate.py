@@ -22,9 +22,10 @@ from tqdm import tqdm
 
 from moetier.engine.slots import HostSlots
 from moetier.model.batch import StepBatch
+from moetier.model.build import make_model
+from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels, make_kernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.transformer import Transformer
 from moetier.sim.cost import CostModel, linear_fit
 from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Tier
 from moetier.sim.shapes import ModelShape
@@ -104,14 +105,14 @@ def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
 
 def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32)) -> Linear:
     spec, dtype = store.spec, store.load_dense()["embed_tokens"].dtype
-    swiglu = cpu_kernels(dtype).swiglu
+    kernel = make_expert_kernel(store.manifest.native_precision, cpu_kernels(dtype), dtype, spec)
     # Several experts in rotation, so weights come from memory rather than cache, as in decoding.
-    experts = [(torch.randn(2 * spec.moe_intermediate_size, spec.hidden_size).to(dtype),
-                torch.randn(spec.hidden_size, spec.moe_intermediate_size).to(dtype)) for _ in range(8)]
+    experts = [{name: torch.randn(shape).to(dtype) for name, shape in spec.expert_shapes} for _ in range(8)]
     ys = []
     for m in tokens:
-        x = torch.randn(m, spec.hidden_size).to(dtype)
-        ys.append(median_time(lambda x=x: [swiglu(x, g, d) for g, d in experts]) / len(experts))
+        x, out, weights = torch.randn(m, spec.hidden_size).to(dtype), torch.empty(m, spec.hidden_size, dtype=dtype), \
+            torch.ones(m, dtype=dtype)
+        ys.append(median_time(lambda x=x, out=out, w=weights: [kernel(out, x, e, w) for e in experts]) / len(experts))
     return linear_fit(list(tokens), ys)
 
 
@@ -124,9 +125,10 @@ class _DenseOnly:
 
 def dense_and_head(store: Store, tokens=(1, 4, 16), context: int = 48) -> tuple[Linear, Linear]:
     spec, dense = store.spec, store.load_dense()
-    model = Transformer(spec, dense, _DenseOnly(), cpu_kernels(dense["embed_tokens"].dtype))
+    model = make_model(spec, dense, _DenseOnly(), cpu_kernels(dense["embed_tokens"].dtype))
     rows = max(tokens)
     kv = KVCache(spec, rows, context + 1, model.dtype)
+    kv.encoder_lengths = [context // 2] * rows  # (an encoder-decoder's decoder attends to a prompt this long)
     step_s, head_s = [], []
     for t in tokens:
         batch = StepBatch.decode_step([1] * t, list(range(t)), [context - 1] * t, rows)

@@ -10,6 +10,7 @@ import time
 import torch
 
 from moetier.engine.stats import GenerationStats
+from moetier.errors import MoetierError
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
 from moetier.plan.route import DECODE, PREFILL
@@ -19,6 +20,9 @@ def teacher_forced(engine, ids: list[int] | list[list[int]], prefix: int) -> tup
     """Log-probabilities (fp32) of the distribution each token from position `prefix` on was predicted from —
     [len - prefix, V] for one text, [B, len - prefix, V] for a batch of B texts of one length — and the run's
     statistics (decode step times, reads, hits)."""
+    if engine.spec.encoder_decoder is not None:
+        raise MoetierError("teacher-forced scoring feeds one text through a decoder; a text-to-text model reads its "
+                           "input with an encoder and writes another text", hint="use a decoder-only model")
     batch = [list(row) for row in ids] if ids and isinstance(ids[0], list) else [list(ids)]
     n = len(batch[0])
     if any(len(row) != n for row in batch):

@@ -50,6 +50,7 @@ class ModelShape:
     kv_per_token: int  # key and value elements cached per token per layer (what attention reads back)
     vocab_size: int
     expert_matrices: int = 3  # per MLP, experts and dense alike: 3 gated SwiGLU; 2 plain (Switch's ReLU)
+    expert_bias_params: int = 0  # an expert's biases (gpt-oss: gate, up and down)
     shared_expert_intermediate_size: int = 0
     dense_intermediate_size: int = 0  # the MLP of the layers without experts
     precision: str = "bf16"  # the published checkpoint's
@@ -70,7 +71,7 @@ class ModelShape:
 
     @property
     def expert_params(self) -> int:
-        return self.expert_matrices * self.hidden_size * self.moe_intermediate_size
+        return self.expert_matrices * self.hidden_size * self.moe_intermediate_size + self.expert_bias_params
 
     def expert_bytes(self, precision: str | None = None) -> int:
         """One expert's blob as the store lays it out: packed, rounded up to the 4096-byte alignment."""
@@ -94,10 +95,23 @@ class ModelShape:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, name: str, precision: str | None = None) -> ModelShape:
-        return cls(name=name, hidden_size=spec.hidden_size, num_layers=spec.num_layers, moe_layers=spec.moe_layers,
+        """Any model moetier can load. Latent attention counts its projections and caches its latent; an
+        encoder-decoder is shaped as its decoder runs (self- and cross-attention in every layer), as `_switch`."""
+        mla, h = spec.latent_attention, spec.hidden_size
+        if mla is not None:
+            attention = mla_params(h, spec.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
+                                   mla.v_head_dim, mla.q_lora_rank)
+            kv = mla.cache_dim
+        else:
+            attention = gqa_params(h, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            kv = 2 * spec.num_kv_heads * spec.head_dim
+        if spec.encoder_decoder is not None:
+            attention, kv = 2 * attention, 2 * kv
+        return cls(name=name, hidden_size=h, num_layers=spec.num_layers, moe_layers=spec.moe_layers,
                    num_experts=spec.num_experts, top_k=spec.top_k, moe_intermediate_size=spec.moe_intermediate_size,
-                   attention_params=gqa_params(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim),
-                   kv_per_token=2 * spec.num_kv_heads * spec.head_dim, vocab_size=spec.vocab_size,
+                   attention_params=attention, kv_per_token=kv, vocab_size=spec.vocab_size,
+                   expert_matrices=2 if spec.activation == "relu" else 3,
+                   expert_bias_params=2 * spec.moe_intermediate_size + h if spec.activation == "swiglu-clamped" else 0,
                    shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
                    dense_intermediate_size=spec.intermediate_size,
                    precision=precision or _DTYPE_PRECISION.get(spec.dtype, "bf16"), source="the model's config.json")
@@ -152,6 +166,18 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in [
     ModelShape("olmoe-1b-7b", 2048, 16, tuple(range(16)), 64, 8, 1024, gqa_params(2048, 16, 16, 128),
                2 * 16 * 128, 50304, source=_hf("allenai/OLMoE-1B-7B-0924")),
     *[_switch(n) for n in (8, 16, 32, 64, 128, 256)],
+    # today's: gpt-oss (released in MXFP4; a store holds its experts dequantized to bf16), DeepSeek-V3 (released in
+    # FP8, refused: a bf16 conversion is what a store would hold), GLM-4.5-Air
+    *[ModelShape(f"gpt-oss-{size}b", 2880, layers, tuple(range(layers)), experts, 4, 2880, gqa_params(2880, 64, 8, 64),
+                 2 * 8 * 64, 201088, expert_bias_params=3 * 2880, source=_hf(f"openai/gpt-oss-{size}b"))
+      for size, layers, experts in ((20, 24, 32), (120, 36, 128))],
+    ModelShape("deepseek-v3", 7168, 61, tuple(range(3, 61)), 256, 8, 2048,
+               attention_params=mla_params(7168, 128, 512, 128, 64, 128, q_lora_rank=1536), kv_per_token=512 + 64,
+               vocab_size=129280, shared_expert_intermediate_size=2048, dense_intermediate_size=18432,
+               source=_hf("deepseek-ai/DeepSeek-V3")),
+    ModelShape("glm-4.5-air", 4096, 46, tuple(range(1, 46)), 128, 8, 1408, gqa_params(4096, 96, 8, 128), 2 * 8 * 128,
+               151552, shared_expert_intermediate_size=1408, dense_intermediate_size=10944,
+               source=_hf("zai-org/GLM-4.5-Air")),
 ]}
 
 

@@ -1,6 +1,7 @@
 """Model shapes against the sizes their publishers state, and how names resolve."""
 
 import pytest
+import torch
 
 from moetier.cli.models import model_shape
 from moetier.sim.shapes import SHAPES, ModelShape, ShapeError
@@ -14,7 +15,8 @@ def total_params(s: ModelShape, tied: bool = False) -> float:
 @pytest.mark.parametrize("name, billions", [
     ("mixtral-8x7b", 46.7), ("phi-3.5-moe", 41.9), ("qwen2-57b-a14b", 57.4), ("deepseek-moe-16b", 16.4),
     ("deepseek-v2-lite", 15.7), ("qwen3-30b-a3b", 30.5), ("moonlight-16b-a3b", 16.0), ("olmoe-1b-7b", 6.9),
-    ("qwen1.5-moe-a2.7b", 14.3)])
+    ("qwen1.5-moe-a2.7b", 14.3), ("gpt-oss-20b", 20.9), ("gpt-oss-120b", 116.8), ("deepseek-v3", 671),
+    ("glm-4.5-air", 106)])
 def test_parameter_counts_match_the_published_totals(name, billions):
     # norms and biases are left out of the shapes, so a total may fall short by a fraction of a percent
     assert total_params(SHAPES[name]) / 1e9 == pytest.approx(billions, rel=0.02)
@@ -48,3 +50,30 @@ def test_a_bad_shape_is_refused():
         ModelShape("x", 8, 2, (0, 1), 8, 9, 16, 64, 8, 32)
     with pytest.raises(ShapeError, match="need dense_intermediate_size"):
         ModelShape("x", 8, 2, (1,), 8, 2, 16, 64, 8, 32)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "phimoe", "gpt_oss",
+                                    "switch_transformers"])
+def test_shape_of_a_store_counts_what_it_holds(tiny_store, family):
+    """from_spec against the store's own tensors: an expert's parameters, a layer's attention, the KV per token."""
+    import math
+
+    from moetier.model.kv_cache import KVCache
+    from moetier.store.store import Store
+
+    _, path = tiny_store(family)
+    store = Store(path)
+    spec, dense = store.spec, store.load_dense()
+    shape = ModelShape.from_spec(spec, family)
+    assert shape.expert_params == sum(t.numel() for t in store.read_expert(spec.moe_layers[0], 0).values())
+    layer = spec.num_layers - 1  # (a decoder layer of an encoder-decoder)
+    attention = [t for name, t in dense.items() if name.startswith(f"layers.{layer}.") and t.dim() == 2
+                 and name.split(".")[2].removeprefix("cross_") in ATTENTION_WEIGHTS]
+    assert shape.attention_params == sum(t.numel() for t in attention)
+    kv = KVCache(spec, 1, 10, torch.float32)
+    decoder_layers = spec.num_layers - (spec.encoder_decoder.encoder_layers if spec.encoder_decoder else 0)
+    assert shape.kv_per_token * decoder_layers * 10 * 4 == kv.nbytes  # (Switch's: cross-attention's too)
+    assert math.isclose(shape.expert_bytes(), store.native_layout.blob_bytes)
+
+
+ATTENTION_WEIGHTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"}

@@ -167,3 +167,26 @@ def test_synthetic_trace_reproduces_the_fitted_locality(tmp_path, capsys):
     assert main(["trace", "synth", "--fit", str(tmp_path / "src"), "--num-layers", "3", "--num-experts", "8",
                  "--top-k", "2", "--tokens", "300", "--out", str(tmp_path / "syn")]) == 0
     assert Trace.load(tmp_path / "syn").meta()["synthetic"] is True
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "phimoe", "switch_transformers"])
+def test_recorder_on_the_new_families(tiny_store, tmp_path, family):
+    """Every family records: decoder-only ones a row per token; Switch a row per decoder token."""
+    from moetier import Engine
+    from moetier.trace.record import TraceRecorder
+
+    _, path = tiny_store(family)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    with Engine.from_pretrained(path, expert_memory="50%") as engine, TraceRecorder(engine) as rec:
+        engine.generate(prompts, max_new_tokens=4, ignore_eos=True)
+        trace = rec.trace(["a", "b"])
+    spec = engine.spec
+    if spec.encoder_decoder is None:
+        assert trace.layers == list(spec.moe_layers) and len(trace.seq) == 8 + 2 * 3
+    else:
+        enc = spec.encoder_decoder.encoder_layers
+        assert trace.layers == [layer for layer in spec.moe_layers if layer >= enc] and trace.partial
+        assert trace.seq.tolist() == [0, 1] + [0, 1] * 3 and trace.pos.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert any("encoder" in note for note in trace.notes)
+    trace.save(tmp_path / "t")
+    assert Trace.load(tmp_path / "t").topk_ids.shape == trace.topk_ids.shape
