@@ -13,8 +13,13 @@ from moetier.store.synth import PRESETS
 def _convert(args: argparse.Namespace) -> None:
     from moetier.store.convert import convert
 
+    from moetier.store.store import Store
+
     path = convert(args.hf_dir, args.store, overwrite=args.force, precisions=args.precisions or ())
-    print(f"wrote {path}")
+    manifest = Store(path).manifest
+    quantized = (manifest.config.get("quantization_config") or {}).get("quant_method")
+    held = ", ".join(manifest.precisions) + (f" (dequantized from the checkpoint's {quantized})" if quantized else "")
+    print(f"wrote {path}: {manifest.family}, experts held as {held}")
 
 
 def _quantize(args: argparse.Namespace) -> None:

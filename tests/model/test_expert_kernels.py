@@ -69,3 +69,33 @@ def test_without_the_native_library_the_torch_path_is_the_reference(precision):
 def test_a_float_precision_gets_the_dense_kernel():
     assert isinstance(make_expert_kernel("bf16", TorchKernels(), torch.bfloat16), DenseExpert)
     assert isinstance(make_expert_kernel("int4", TorchKernels(), torch.bfloat16), QuantizedExpert)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "switch_transformers"])
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_other_activations_compute_their_quantized_copy_as_its_dequantized_weights(tiny_store, family, precision):
+    """gpt-oss's clamped SwiGLU with biases and Switch's ReLU MLP: the quantized kernel equals the float kernel on
+    the dequantized matrices (and the biases, kept in bf16)."""
+    from moetier.model.expert_kernels import dense_expert
+    from moetier.store.store import Store
+
+    _, path = tiny_store(family)
+    store = Store(path)
+    spec = store.spec
+    native = store.read_expert(spec.moe_layers[0], 3)
+    w = quantize_expert(native, precision)
+    kernel = make_expert_kernel(precision, TorchKernels(), torch.float32, spec)
+    assert isinstance(kernel, QuantizedExpert) and kernel.dense_kernel is not None
+    x, weights = torch.randn(5, spec.hidden_size), torch.rand(5)
+    out = torch.full_like(x, float("nan"))
+    kernel(out, x, w, weights)
+    dense = {name: dequantize(q, torch.float32) for name, q in expert_matrices(w, precision).items()}
+    dense.update({name: t.float() for name, t in w.items() if name.endswith(".bias")})
+    ref = torch.empty_like(x)
+    dense_expert(TorchKernels(), spec)(ref, x, dense, weights)
+    assert torch.equal(out, ref)
+    # and the quantized copy is near the float expert (its error is the quantizer's: int4 of 64 random weights a
+    # group errs by ~10%)
+    exact = torch.empty_like(x)
+    dense_expert(TorchKernels(), spec)(exact, x, native, weights)
+    assert (out - exact).abs().max() < {"int8": 0.05, "int4": 0.25}[precision] * exact.abs().max()
