@@ -12,7 +12,6 @@ from moetier.store.synth import PRESETS
 
 def _convert(args: argparse.Namespace) -> None:
     from moetier.store.convert import convert
-
     from moetier.store.store import Store
 
     path = convert(args.hf_dir, args.store, overwrite=args.force, precisions=args.precisions or ())
