@@ -110,7 +110,8 @@ def test_statistics_line_has_decode_only_tok_s_beside_overall(text_store, capsys
 
 @pytest.mark.parametrize("kind,expected", [("models", "demo-fine"), ("policies", "flashmoe-ml"),
                                            ("predictors", "stacked-gates"), ("profiles", "rtx4090"),
-                                           ("shapes", "qwen3-30b-a3b")])
+                                           ("shapes", "qwen3-30b-a3b"), ("shapes", "gpt-oss-120b"),
+                                           ("families", "switch_transformers"), ("families", "refused")])
 def test_list(capsys, kind, expected):
     assert main(["list", kind]) == 0
     assert expected in capsys.readouterr().out

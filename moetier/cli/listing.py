@@ -1,4 +1,4 @@
-"""`moetier list models|policies|predictors|profiles|shapes`: what the other commands accept by name."""
+"""`moetier list models|families|policies|predictors|profiles|shapes`: what the other commands accept by name."""
 
 from __future__ import annotations
 
@@ -79,6 +79,13 @@ def _profiles(_: argparse.Namespace) -> list[tuple[str, str]]:
     return rows
 
 
+def _families(_: argparse.Namespace) -> list[tuple[str, str]]:
+    from moetier.model.families import FAMILIES, REFUSED
+
+    rows = [(name, " ".join((type(f).__doc__ or "").split())) for name, f in FAMILIES.items()]
+    return rows + [(name, f"refused: {_summary(why, 100)}") for name, why in REFUSED.items()]
+
+
 def _shapes(_: argparse.Namespace) -> list[tuple[str, str]]:
     from moetier.resolve import builtin_names
     from moetier.sim.shapes import SHAPES
@@ -88,7 +95,7 @@ def _shapes(_: argparse.Namespace) -> list[tuple[str, str]]:
     return rows + [(name, "built-in model (its shape is read from its config.json)") for name in builtin_names()]
 
 
-KINDS = {"models": _models, "policies": _policies, "predictors": _predictors, "profiles": _profiles,
+KINDS = {"models": _models, "families": _families, "policies": _policies, "predictors": _predictors, "profiles": _profiles,
          "shapes": _shapes}
 EMPTY = {"predictors": "no predictors yet: next-layer expert prediction arrives with prefetching",
          "models": "no models"}
@@ -105,8 +112,8 @@ def _list(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub) -> None:
-    ls = command(sub, "list", "what the other commands accept by name: models, policies, predictors, profiles, "
-                              "model shapes")
+    ls = command(sub, "list", "what the other commands accept by name: models, model families (config.json's "
+                              "model_type), policies, predictors, profiles, model shapes")
     ls.add_argument("kind", choices=list(KINDS), help="what to list")
     ls.add_argument("--cache-dir", help="models: also list conversions here (default: $MOETIER_CACHE or "
                                         "~/.cache/moetier)")

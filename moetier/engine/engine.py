@@ -175,6 +175,9 @@ def predictor_inputs(name: str, dense: dict[str, torch.Tensor], store: Store,
     if name == "stacked-gates":
         return {"routers": {layer: dense[f"layers.{layer}.router"] for layer in store.spec.moe_layers}}
     if name == "smoe-lookahead":  # (the model is made after the executor that holds the predictor)
+        if store.spec.encoder_decoder is not None:
+            raise MoetierError("the smoe-lookahead predictor runs a decoder-only model's next layer; this is an "
+                               "encoder-decoder", hint="use another predictor, e.g. stacked-gates")
         return {"lookahead": lambda layer, target: model().lookahead(layer, target)}
     if name in TRAINED:
         return {"nets": load_nets(name, store.trained_dir("predictors"))}

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from moetier.atomic import check_replaceable
 from moetier.errors import MoetierError
-from moetier.model.families import family_for
+from moetier.model.families import family_for, parse_spec
 from moetier.store.format import DTYPES, Manifest, PrecisionLayout, is_store
 from moetier.store.store import Store
 from moetier.store.writer import StoreWriter
@@ -62,12 +62,18 @@ def inflate(source: Path | str, out: Path | str, intermediate: int, overwrite: b
         raise MoetierError(f"--expert-intermediate {intermediate} does not inflate {src.path.name}: its experts "
                            f"already have intermediate size {spec.moe_intermediate_size}",
                            hint=f"give a size above {spec.moe_intermediate_size}")
+    if spec.activation != "swiglu":
+        raise MoetierError(f"inflate pads SwiGLU experts; {src.path.name}'s ({m.family}) are {spec.activation}",
+                           hint="inflate a model of another family")
     old = src.native_layout
     layout = PrecisionLayout.swiglu(old.name, old.tensors[0].dtype, spec.hidden_size, intermediate)
     key = family_for(m.config).expert_intermediate_key
     config = dict(m.config, **{key: intermediate},
                   moetier_inflated={"from": str(src.path.resolve()), "intermediate_size": spec.moe_intermediate_size,
                                     "seed": seed})
+    if parse_spec(config).shared_expert_intermediate_size != spec.shared_expert_intermediate_size:
+        raise MoetierError(f"{src.path.name}'s ({m.family}) shared experts are sized by {key}: inflating the routed "
+                           f"ones would misstate them", hint="inflate a model of another family")
     needed = len(spec.moe_layers) * spec.num_experts * layout.blob_bytes + src.dense_bytes
     existing = next(p for p in [out.absolute(), *out.absolute().parents] if p.exists())
     free = shutil.disk_usage(existing).free

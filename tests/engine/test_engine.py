@@ -12,7 +12,7 @@ def prompts(n: int, lengths: list[int], vocab: int = 128) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "phimoe"])
 def test_batch_of_different_lengths_matches_one_at_a_time(tiny_store, family):
     _, path = tiny_store(family)
     batch = prompts(0, [5, 13, 9])

@@ -23,12 +23,18 @@ CASES = [
     ("qwen3_moe", {"num_experts_per_tok": 3, "num_hidden_layers": 3}),
     # MLA without q compression, a dense first layer, a shared expert, greedy softmax routing scaled by 1.5
     ("deepseek_v2", {}),
+    # V2-Lite's YaRN (mscale = mscale_all_dim = 0.707: the softmax scale changes, cos/sin do not)
+    ("deepseek_v2", {"rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                      "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1}}),
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3,
                      "num_hidden_layers": 3}),
     # MLA with q compression, YaRN (mscale ≠ mscale_all_dim), noaux_tc over 2 groups, renormalised and scaled
     ("deepseek_v3", {}),
     ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False, "n_shared_experts": 0,
                      "first_k_dense_replace": 0, "num_experts_per_tok": 1, "rope_scaling": None}),
+    # Moonlight's: no q compression, one group, two shared experts, top-6, scaled by 2.446, plain RoPE
+    ("deepseek_v3", {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
+                     "num_experts_per_tok": 6, "routed_scaling_factor": 2.446, "rope_scaling": None}),
     ("deepseek_v3", {"num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "attention_bias": True,
                      "num_hidden_layers": 3}),
     # partial RoPE, per-head q/k norms, q/k/v biases, V3's routing

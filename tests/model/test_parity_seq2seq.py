@@ -84,3 +84,14 @@ def test_cache_holds_each_prompt_encoding(tiny_store):
     assert all(t is None for t in kv.k[:enc] + kv.cross_k[:enc])
     per_layer = 4 * 2 * spec.num_heads * 20 * spec.head_dim * 4  # self k, v and cross k, v; 2 rows of 20, fp32
     assert kv.nbytes == (spec.num_layers - enc) * per_layer
+
+
+def test_lookahead_predictor_is_refused_before_anything_runs(tiny_store):
+    from moetier.config import MemoryBudget
+    from moetier.engine.engine import Engine, EngineConfig
+    from moetier.errors import MoetierError
+
+    _, path = tiny_store("switch_transformers")
+    with pytest.raises(MoetierError, match="decoder-only"):
+        Engine(Store(path), EngineConfig(expert_memory=MemoryBudget("share", 0.5), prefetch="smoe",
+                                         predictor="smoe-lookahead"), progress=False)

@@ -118,3 +118,11 @@ def test_an_inflated_store_finds_the_trained_files_of_the_model_it_was_inflated_
         assert Store(big).trained_dir("predictors") == big  # its own first
     finally:
         (small / "predictors").rmdir()
+
+
+@pytest.mark.parametrize("family,why", [("gpt_oss", "pads SwiGLU experts"), ("deepseek_v3", "shared experts are sized")])
+def test_families_inflate_cannot_pad_are_refused(tiny_store, tmp_path, family, why):
+    _, small = tiny_store(family)
+    with pytest.raises(MoetierError, match=why):
+        inflate(small, tmp_path / "xl", 200, progress=False)
+    assert not (tmp_path / "xl").exists()

@@ -85,6 +85,8 @@ class DeepseekFamily(Family):
 
 
 class DeepseekV2Family(DeepseekFamily):
+    """DeepSeek-V2 / V2-Lite: MLA, softmax greedy or group-limited top-k, shared experts, dense first layers."""
+
     def router(self, cfg: dict) -> RouterSpec:
         method = cfg.get("topk_method") or "greedy"
         if method not in V2_TOPK_METHODS:
@@ -98,6 +100,8 @@ class DeepseekV2Family(DeepseekFamily):
 
 
 class DeepseekV3Family(DeepseekFamily):
+    """DeepSeek-V3 / Moonlight: MLA, sigmoid noaux_tc routing, shared experts, dense first layers, YaRN."""
+
     def router(self, cfg: dict) -> RouterSpec:
         return noaux_router(cfg)
 
@@ -106,7 +110,7 @@ class DeepseekV3Family(DeepseekFamily):
 
 
 class Glm4MoeFamily(DeepseekFamily):
-    """GLM-4.5 / 4.5-Air: V3's routing and shared experts on grouped-query attention."""
+    """GLM-4.5 / 4.5-Air: DeepSeek-V3's routing and shared experts on GQA with partial RoPE."""
 
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)

@@ -1,8 +1,8 @@
 """gpt-oss: attention with a learned sink logit per head, sliding-window and full layers alternating (layer_types),
 q/k/v/o biases, YaRN; a router with a bias whose top-k logits alone are softmaxed; experts with biases and a clamped
 SwiGLU (gate·sigmoid(1.702·gate)·(up + 1), ±7); RMSNorm applying its weight in fp32. The released checkpoints hold
-the experts in MXFP4, which conversion dequantizes to bf16 (the store holds bf16 experts, 4.25/16 of a bf16 expert's
-bytes in the checkpoint become 16/16 in the store)."""
+the experts in MXFP4, which conversion dequantizes to bf16: the store holds bf16 experts, 3.8× the checkpoint's
+expert bytes (MXFP4 is 4.25 bits a weight)."""
 
 from moetier.config import ModelSpec, RouterSpec
 from moetier.errors import UnsupportedModelError
@@ -21,6 +21,8 @@ def windows(cfg: dict, num_layers: int) -> tuple:
 
 
 class GptOssFamily(Family):
+    """gpt-oss: attention sinks, alternating sliding windows, clamped SwiGLU experts with biases; MXFP4 dequantized."""
+
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)
         bias = bool(cfg.get("attention_bias", True))

@@ -5,6 +5,8 @@ from moetier.model.families.base import Family, common_fields, optional_int, req
 
 
 class MixtralFamily(Family):
+    """Mixtral: softmax top-k renormalised, GQA with RoPE and an optional sliding window."""
+
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)
         window = optional_int(cfg, "sliding_window")

@@ -6,6 +6,8 @@ from moetier.model.families.base import Family, common_fields, number, require
 
 
 class OlmoeFamily(Family):
+    """OLMoE: softmax top-k, q/k norms over all heads, optional clip_qkv."""
+
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)
         bias = bool(cfg.get("attention_bias", False))

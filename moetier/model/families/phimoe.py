@@ -8,6 +8,8 @@ from moetier.model.families.base import Family, common_fields, number, optional_
 
 
 class PhimoeFamily(Family):
+    """Phi-3.5-MoE: sparsemixer top-2, LayerNorm, biases, LongRoPE."""
+
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)
         window = optional_int(cfg, "sliding_window")

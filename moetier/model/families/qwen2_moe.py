@@ -20,6 +20,8 @@ def qwen2_windows(cfg: dict, num_layers: int) -> tuple:
 
 
 class Qwen2MoeFamily(Family):
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B): a sigmoid-gated shared expert, q/k/v biases."""
+
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)
         return ModelSpec(

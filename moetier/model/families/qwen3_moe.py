@@ -5,6 +5,8 @@ from moetier.model.families.base import Family, common_fields, optional_int, req
 
 
 class Qwen3MoeFamily(Family):
+    """Qwen3-MoE: softmax top-k renormalised, per-head q/k norms."""
+
     def parse(self, cfg: dict) -> ModelSpec:
         fields = common_fields(cfg)
         window = optional_int(cfg, "sliding_window") if cfg.get("use_sliding_window") else None

@@ -28,6 +28,8 @@ def sparse_blocks(num_layers: int, num_sparse: int) -> list[int]:
 
 
 class SwitchFamily(Family):
+    """Switch Transformers: T5 encoder-decoder, top-1 ReLU experts with capacity in both stacks."""
+
     def parse(self, cfg: dict) -> ModelSpec:
         if cfg.get("dense_act_fn", "relu") != "relu":
             raise UnsupportedModelError(f"config.json: dense_act_fn {cfg['dense_act_fn']!r} is not supported (relu)")
