@@ -95,13 +95,15 @@ class SinkAttention(Attention):
 
     def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         visible: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, t, D], keys/values [B, Hkv, S, D], visible [.., t, S] bool -> [B, Hq, t, D]."""
-        groups = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        logits = (q @ keys.transpose(2, 3)) * self.scale  # [B, Hq, t, S]
+        """q [B, Hq, t, D], keys/values [B, Hkv, S, D], visible [.., t, S] bool -> [B, Hq, t, D]. Query head h reads
+        kv head h // (Hq / Hkv) (transformers' repeat_kv), here by grouping the queries instead of copying the cache."""
+        b, hq, t, d = q.shape
+        hkv, s = keys.shape[1], keys.shape[2]
+        logits = (q.reshape(b, hkv, -1, d) @ keys.transpose(2, 3)).view(b, hq, t, s) * self.scale  # [B, Hq, t, S]
         logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
-        sinks = self.sinks.reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, hq, t, 1)
         combined = torch.cat((logits, sinks), dim=-1)
         combined = combined - combined.amax(dim=-1, keepdim=True)
         probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]  # the sink's share is dropped
-        return probs.to(values.dtype) @ values
+        out = probs.to(values.dtype).reshape(b, hkv, -1, s) @ values  # [B, Hkv, g·t, D]
+        return out.view(b, hq, t, d)
