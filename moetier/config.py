@@ -90,13 +90,13 @@ class RouterSpec:
 class EncoderDecoderSpec:
     """A text-to-text model (Switch Transformers, T5's layout): the first `encoder_layers` of ModelSpec's layers
     are the encoder's blocks, the rest the decoder's; attention is T5's, unscaled, with a learned bias per head for
-    each bucket of relative position (computed in each stack's first block, shared by the others)."""
+    each bucket of relative position (computed in each stack's first block, shared by the others); a head tied to
+    the embedding sees the decoder's output times d_model^-0.5."""
 
     encoder_layers: int
     num_buckets: int = 32
     max_distance: int = 128
     decoder_start_token_id: int = 0
-    scale_tied_head: bool = True  # a head tied to the embedding sees the output times d_model^-0.5
 
     def __post_init__(self) -> None:
         if self.encoder_layers <= 0 or self.num_buckets < 2 or self.max_distance <= self.num_buckets // 2:

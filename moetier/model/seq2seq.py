@@ -54,7 +54,7 @@ class EncoderDecoder:
         self.router = make_router(spec.router, spec.top_k)
         self.is_moe = spec.is_moe_layer
         self.lm_head = dense.get("lm_head", dense["embed_tokens"])
-        self.head_scale = spec.hidden_size ** -0.5 if spec.tie_word_embeddings and self.s2s.scale_tied_head else None
+        self.head_scale = spec.hidden_size ** -0.5 if spec.tie_word_embeddings else None  # T5's tied head
         self.decoder_layers = range(self.s2s.encoder_layers, spec.num_layers)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

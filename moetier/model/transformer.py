@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -29,19 +30,14 @@ def attention_class(spec: ModelSpec) -> type:
     return SinkAttention if spec.attention_sinks else Attention
 
 
-class Norm:
-    """The family's norm over the last dimension: `norm(x, w, name)` with the weight `w[name]` (and the bias
-    `w[name + ".bias"]` of a LayerNorm)."""
-
-    def __init__(self, kind: str, eps: float, kernels: TorchKernels) -> None:
-        self.kind, self.eps, self.kernels = kind, eps, kernels
-
-    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        if self.kind == "rms":
-            return self.kernels.rms_norm(x, w[name], self.eps)
-        if self.kind == "rms-fp32-weight":
-            return rms_norm_fp32_weight(x, w[name], self.eps)
-        return F.layer_norm(x, x.shape[-1:], w[name], w[name + ".bias"], self.eps)
+def make_norm(kind: str, eps: float, kernels: TorchKernels) -> Callable[[torch.Tensor, dict, str], torch.Tensor]:
+    """The family's norm over the last dimension, chosen once: `norm(x, w, name)` with the weight `w[name]` (and
+    the bias `w[name + ".bias"]` of a LayerNorm)."""
+    if kind == "rms":
+        return lambda x, w, name: kernels.rms_norm(x, w[name], eps)
+    if kind == "rms-fp32-weight":
+        return lambda x, w, name: rms_norm_fp32_weight(x, w[name], eps)
+    return lambda x, w, name: F.layer_norm(x, x.shape[-1:], w[name], w[name + ".bias"], eps)
 
 
 class Transformer:
@@ -54,7 +50,7 @@ class Transformer:
         self.lm_head_bias = dense.get("lm_head.bias")
         attention = attention_class(spec)
         self.attn = [attention(spec, i, dense, self.kernels) for i in range(spec.num_layers)]
-        self.norm = Norm(spec.norm, spec.rms_norm_eps, self.kernels)
+        self.norm = make_norm(spec.norm, spec.rms_norm_eps, self.kernels)
         self.router = make_router(spec.router, spec.top_k)
         self.is_moe = spec.is_moe_layer
         # Each layer's weights by short name, looked up once here rather than formatted in the hot loop.

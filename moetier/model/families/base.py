@@ -87,8 +87,10 @@ def rope_spec(cfg: dict, head_dim: int, interleaved: bool = False) -> RopeSpec:
                   factor=require(cfg, "max_position_embeddings") / original if factor is None else factor,
                   attention_factor=optional_number(p, "attention_factor"))
     if kind == "yarn":
-        fields.update(beta_fast=optional_number(p, "beta_fast") or 32.0, beta_slow=optional_number(p, "beta_slow") or 1.0,
-                      mscale=optional_number(p, "mscale") or 0.0, mscale_all_dim=optional_number(p, "mscale_all_dim") or 0.0,
+        fields.update(beta_fast=optional_number(p, "beta_fast") or 32.0,  # (transformers: a 0 or null is the default)
+                      beta_slow=optional_number(p, "beta_slow") or 1.0,
+                      mscale=optional_number(p, "mscale") or 0.0,
+                      mscale_all_dim=optional_number(p, "mscale_all_dim") or 0.0,
                       truncate=bool(p.get("truncate", True)))
     else:
         fields.update(short_factor=numbers(p, "short_factor"), long_factor=numbers(p, "long_factor"),

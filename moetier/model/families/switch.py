@@ -64,8 +64,8 @@ class SwitchFamily(Family):
             encoder_decoder=EncoderDecoderSpec(
                 encoder_layers=enc, num_buckets=optional_int(cfg, "relative_attention_num_buckets", 32),
                 max_distance=optional_int(cfg, "relative_attention_max_distance", 128),
-                decoder_start_token_id=optional_int(cfg, "decoder_start_token_id")
-                or optional_int(cfg, "pad_token_id", 0), scale_tied_head=tied),
+                decoder_start_token_id=optional_int(cfg, "decoder_start_token_id",
+                                                    optional_int(cfg, "pad_token_id", 0))),  # T5's: the pad token
             tie_word_embeddings=tied,
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch."),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
