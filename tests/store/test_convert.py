@@ -137,3 +137,19 @@ def test_corrupt_blob_fails_its_checksum_naming_layer_and_expert(tiny_store, tmp
         with pytest.raises(ChecksumError, match=r"expert 6 of layer 1.*(?s:.*)re-convert"):
             engine.preload()
         assert (1, 6) not in engine.executor.residency  # a failed load leaves nothing behind
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"topk_method": "noaux_tc"}, "topk_method"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "RoPE type 'llama3'"),
+    ({"num_experts_per_tok": 9}, "exceeds the number of experts"),
+])
+def test_what_a_family_does_not_run_is_refused(tmp_path, change, match):
+    """A DeepSeek-V2 config naming something moetier does not run: refused, naming it, before any tensor is read."""
+    from moetier.model.families import parse_spec
+    from tests.tiny_models import tiny_config
+
+    cfg = {**tiny_config("deepseek_v2").to_dict(), **change}
+    with pytest.raises(UnsupportedModelError, match=match):
+        parse_spec(cfg)

@@ -24,6 +24,8 @@ V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 def moe_fields(cfg: dict, num_layers: int) -> dict:
     """Experts, shared experts and the dense first layers, as DeepSeek and GLM name them."""
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError("config.json: mlp_bias (biases on the dense and shared MLPs) is not supported")
     first_dense = optional_int(cfg, "first_k_dense_replace", 0)
     if first_dense >= num_layers:
         raise UnsupportedModelError(f"config.json: first_k_dense_replace {first_dense} leaves no MoE layer of "
