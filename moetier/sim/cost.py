@@ -76,10 +76,11 @@ class CostModel:
                                                                   2 * params * tokens, self.shape.precision)
 
     def rest_of_step_s(self, traced_layers, tokens: int) -> float:
-        """What a step costs besides the layers a trace covers: those it does not (run with their experts
-        resident), and the head."""
+        """What a decode step costs besides the layers a trace covers: those it does not (run with their experts
+        resident), and the head. An encoder-decoder's encoder layers do not run in a decode step."""
         traced = set(traced_layers)
-        return sum(self.resident_layer_s(layer, tokens) for layer in range(self.shape.num_layers)
+        return sum(self.resident_layer_s(layer, tokens) for layer in range(self.shape.encoder_layers,
+                                                                            self.shape.num_layers)
                    if layer not in traced) + self.head_s(tokens)
 
     def resident_layer_s(self, layer: int, tokens: int) -> float:

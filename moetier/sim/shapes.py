@@ -51,6 +51,8 @@ class ModelShape:
     vocab_size: int
     expert_matrices: int = 3  # per MLP, experts and dense alike: 3 gated SwiGLU; 2 plain (Switch's ReLU)
     expert_bias_params: int = 0  # an expert's biases (gpt-oss: gate, up and down)
+    encoder_layers: int = 0  # an encoder-decoder's first layers, the encoder's: they run once per prompt, not per
+    # decoded token
     shared_expert_intermediate_size: int = 0
     dense_intermediate_size: int = 0  # the MLP of the layers without experts
     precision: str = "bf16"  # the published checkpoint's
@@ -68,6 +70,8 @@ class ModelShape:
             raise ShapeError(f"model shape {self.name}: layers without experts need dense_intermediate_size")
         if self.precision not in BYTES_PER_PARAM:
             raise ShapeError(f"model shape {self.name}: unknown precision {self.precision!r}")
+        if not 0 <= self.encoder_layers < self.num_layers:
+            raise ShapeError(f"model shape {self.name}: {self.encoder_layers} encoder layers of {self.num_layers}")
 
     @property
     def expert_params(self) -> int:
@@ -105,13 +109,15 @@ class ModelShape:
         else:
             attention = gqa_params(h, spec.num_heads, spec.num_kv_heads, spec.head_dim)
             kv = 2 * spec.num_kv_heads * spec.head_dim
-        if spec.encoder_decoder is not None:
-            attention, kv = 2 * attention, 2 * kv
+        encoder = 0
+        if spec.encoder_decoder is not None:  # (the decoder's layers: self- and cross-attention)
+            attention, kv, encoder = 2 * attention, 2 * kv, spec.encoder_decoder.encoder_layers
         return cls(name=name, hidden_size=h, num_layers=spec.num_layers, moe_layers=spec.moe_layers,
                    num_experts=spec.num_experts, top_k=spec.top_k, moe_intermediate_size=spec.moe_intermediate_size,
                    attention_params=attention, kv_per_token=kv, vocab_size=spec.vocab_size,
                    expert_matrices=2 if spec.activation == "relu" else 3,
                    expert_bias_params=2 * spec.moe_intermediate_size + h if spec.activation == "swiglu-clamped" else 0,
+                   encoder_layers=encoder,
                    shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
                    dense_intermediate_size=spec.intermediate_size,
                    precision=precision or _DTYPE_PRECISION.get(spec.dtype, "bf16"), source="the model's config.json")

@@ -77,3 +77,20 @@ def test_shape_of_a_store_counts_what_it_holds(tiny_store, family):
 
 
 ATTENTION_WEIGHTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"}
+
+
+def test_an_encoder_decoders_decode_step_leaves_the_encoder_out(tiny_store):
+    """Switch's shape from its spec: a decode step runs the decoder's layers and the head, never the encoder's."""
+    from moetier.sim.cost import CostModel
+    from moetier.sim.profile import HardwareProfile
+    from moetier.store.store import Store
+
+    _, path = tiny_store("switch_transformers")
+    spec = Store(path).spec
+    enc = spec.encoder_decoder.encoder_layers
+    shape = ModelShape.from_spec(spec, "switch")
+    assert shape.encoder_layers == enc
+    cost = CostModel.of(HardwareProfile.load("rtx4090"), shape)
+    traced = [layer for layer in spec.moe_layers if layer >= enc]  # what a recorded trace of it holds
+    expected = sum(cost.dense_s(layer, 1) for layer in range(enc, spec.num_layers) if layer not in traced)
+    assert cost.rest_of_step_s(traced, 1) == pytest.approx(expected + cost.head_s(1))
