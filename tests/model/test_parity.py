@@ -105,3 +105,23 @@ def test_exact_mode_matches_transformers(tiny_store, family, overrides):
             hit_rates.append(out.stats["hit_rate"])
     # the budgets really were different caches: all experts resident hits more than one layer's top-k
     assert hit_rates[-1] > hit_rates[0]
+
+
+def test_the_parity_check_for_a_users_checkpoint_runs(tiny_store, tmp_path):
+    """bench/check_parity.py (README: checking exact mode on one's own checkpoint) on a converted folder."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, store = tiny_store("phimoe")
+    hf = Path(store).parent / "hf"
+    out = tmp_path / "parity.json"
+    script = Path(__file__).resolve().parents[2] / "bench" / "check_parity.py"
+    done = subprocess.run([sys.executable, str(script), "--model", str(hf), "--expert-memory", "1%,50%,100%",
+                           "--steps", "4", "--tokens", "8", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["expert_memory"] for r in rows] == ["50%", "100%"]  # 1% holds no layer's top-k: said, skipped
+    assert "1%: expert memory 1%" in done.stderr
+    assert all(r["max_abs_logit_diff"] <= ATOL and r["greedy_tokens_equal"] == r["greedy_tokens"] for r in rows)
