@@ -60,7 +60,8 @@ def _generate(args: argparse.Namespace) -> None:
         if args.tpot_budget is not None:
             choice = engine.tune_substitution(parse_seconds(args.tpot_budget), prompts, progress=not args.json)
             print(f"moetier: {choice.describe()}", file=sys.stderr)
-        if stream:
+        text_to_text = engine.spec.encoder_decoder is not None  # its output is a new text, not a continuation
+        if stream and not text_to_text:
             sys.stdout.write(prompts[0])
         out = engine.generate(prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                               top_p=params.top_p, seed=params.seed, ignore_eos=args.ignore_eos,
@@ -72,7 +73,7 @@ def _generate(args: argparse.Namespace) -> None:
         print()
     else:
         for i, (prompt, text) in enumerate(zip(prompts, out.texts)):
-            print(f"--- [{i}] {prompt}{text}")
+            print(f"--- [{i}] {prompt} → {text}" if text_to_text else f"--- [{i}] {prompt}{text}")
     sys.stdout.flush()  # the text first, then the notes and the statistics line
     context = engine.spec.max_position_embeddings
     for b in out.stats["stopped_at_context"]:

@@ -95,3 +95,24 @@ def test_lookahead_predictor_is_refused_before_anything_runs(tiny_store):
     with pytest.raises(MoetierError, match="decoder-only"):
         Engine(Store(path), EngineConfig(expert_memory=MemoryBudget("share", 0.5), prefetch="smoe",
                                          predictor="smoe-lookahead"), progress=False)
+
+
+def test_generate_prints_the_new_text_alone(tmp_path, capsys):
+    """`moetier generate` on a text-to-text model: the decoder's text, not an echo of the prompt continued."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from moetier.cli import main
+    from tests.tiny_models import build_tiny
+
+    hf = tmp_path / "hf"
+    ref = build_tiny("switch_transformers", hf, tie_word_embeddings=False)
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tok.save(str(hf / "tokenizer.json"))
+    assert main(["generate", "--model", str(hf), "--prompt", "w5 w9 w17 w33", "--max-tokens", "6",
+                 "--ignore-eos"]) == 0
+    printed = capsys.readouterr().out.strip()
+    expected = ref.generate(torch.tensor([[5, 9, 17, 33, 1]]), max_new_tokens=6, do_sample=False)[0, 1:].tolist()
+    assert printed.split()[:len(expected)] == [tok.id_to_token(i) for i in expected]
