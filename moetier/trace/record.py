@@ -27,7 +27,7 @@ class TraceRecorder(LayerHook):
         self.engine, self.gate_inputs = engine, gate_inputs
         s2s = engine.spec.encoder_decoder
         self.first = s2s.encoder_layers if s2s else 0  # layers before this one are the encoder's: not recorded
-        self.columns = {layer: j for j, layer in enumerate(l for l in engine.spec.moe_layers if l >= self.first)}
+        self.columns = {layer: j for j, layer in enumerate(x for x in engine.spec.moe_layers if x >= self.first)}
         self._encoded: dict[int, int] = {}  # an encoder-decoder's prompt length per KV row
         self._steps: list[dict] = []
         self._seq_offset = 0  # sequences of earlier generate calls
@@ -88,5 +88,5 @@ class TraceRecorder(LayerHook):
             f"dense MLP layers {sorted(set(range(spec.num_layers)) - set(spec.moe_layers))} have no routing"]
         if self.first:
             notes.append(f"encoder-decoder: the decoder's tokens only; the encoder's MoE layers "
-                         f"{[l for l in spec.moe_layers if l < self.first]} route the prompts and are not recorded")
+                         f"{[x for x in spec.moe_layers if x < self.first]} route the prompts and are not recorded")
         return notes
