@@ -18,3 +18,10 @@ def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * h).to(x.dtype)
+
+
+def layer_weights(dense: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
+    """Each layer's weights by short name (`layers.3.router` -> `router`), split once when a model is built rather
+    than formatted in the hot loop."""
+    return [{k.removeprefix(f"layers.{i}."): v for k, v in dense.items() if k.startswith(f"layers.{i}.")}
+            for i in range(num_layers)]

@@ -20,6 +20,7 @@ from moetier.errors import MoetierError
 from moetier.model.batch import StepBatch
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
+from moetier.model.layers import layer_weights
 from moetier.model.router import make_router
 from moetier.model.transformer import Experts
 
@@ -49,8 +50,7 @@ class EncoderDecoder:
         self.kernels = kernels or TorchKernels()
         self.dtype, self.device = dense["embed_tokens"].dtype, dense["embed_tokens"].device
         self.s2s = spec.encoder_decoder
-        self.layers = [{k.removeprefix(f"layers.{i}."): v for k, v in dense.items() if k.startswith(f"layers.{i}.")}
-                       for i in range(spec.num_layers)]
+        self.layers = layer_weights(dense, spec.num_layers)
         self.router = make_router(spec.router, spec.top_k)
         self.is_moe = spec.is_moe_layer
         self.lm_head = dense.get("lm_head", dense["embed_tokens"])

@@ -13,7 +13,7 @@ from moetier.model.attention import Attention, SinkAttention
 from moetier.model.batch import StepBatch
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import rms_norm_fp32_weight
+from moetier.model.layers import layer_weights, rms_norm_fp32_weight
 from moetier.model.mla import LatentAttention
 from moetier.model.rope import Rope, RopeTables
 from moetier.model.router import make_router
@@ -53,9 +53,7 @@ class Transformer:
         self.norm = make_norm(spec.norm, spec.rms_norm_eps, self.kernels)
         self.router = make_router(spec.router, spec.top_k)
         self.is_moe = spec.is_moe_layer
-        # Each layer's weights by short name, looked up once here rather than formatted in the hot loop.
-        self.layers = [{k.removeprefix(f"layers.{i}."): v for k, v in dense.items() if k.startswith(f"layers.{i}.")}
-                       for i in range(spec.num_layers)]
+        self.layers = layer_weights(dense, spec.num_layers)
         self.rope: Rope | None = None
         # the forward step in progress and its residual stream at the MoE layer running now, for `lookahead`
         self._step: tuple[StepBatch, KVCache, RopeTables] | None = None
@@ -68,9 +66,10 @@ class Transformer:
                              self.device)
         return self.rope
 
-    def _moe(self, layer: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def _moe(self, layer: int, x: torch.Tensor, segments: list[tuple[int, int]] | None) -> torch.Tensor:
+        """`segments`: each prompt's (first token, length) in a prefill (a router with an expert capacity counts per
+        prompt); None in a decode step."""
         spec, w, kernels = self.spec, self.layers[layer], self.kernels
-        segments = None if batch.decode else [(first, length) for _, first, _, length in batch.segments]
         scores, topk_ids, topk_weights = self.router(x, w, segments)
         shared = None
         if spec.shared_expert_intermediate_size:
@@ -93,11 +92,12 @@ class Transformer:
         rope = self.ensure_rope(kv.max_len).tables(batch)
         h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         self._step = (batch, kv, rope)
+        segments = None if batch.decode else [(first, length) for _, first, _, length in batch.segments]
         for i, w in enumerate(self.layers):
             h = h + self.attn[i](norm(h, w, "input_norm"), batch, kv, rope)
             x = norm(h, w, "post_attn_norm")
             self._h = h  # (a reference, no copy: what `lookahead` starts from)
-            h = h + (self._moe(i, x, batch) if self.is_moe[i] else self._mlp(i, x))
+            h = h + (self._moe(i, x, segments) if self.is_moe[i] else self._mlp(i, x))
         if not all_logits:
             h = h[batch.last]
         return self.kernels.linear(norm(h, self.w, "norm"), self.lm_head, self.lm_head_bias)
