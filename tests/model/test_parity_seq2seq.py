@@ -116,3 +116,19 @@ def test_generate_prints_the_new_text_alone(tmp_path, capsys):
     printed = capsys.readouterr().out.strip()
     expected = ref.generate(torch.tensor([[5, 9, 17, 33, 1]]), max_new_tokens=6, do_sample=False)[0, 1:].tolist()
     assert printed.split()[:len(expected)] == [tok.id_to_token(i) for i in expected]
+
+
+def test_what_a_text_to_text_model_cannot_do_is_refused(tiny_store):
+    """Logits per prompt token, continuing a prompt, and teacher-forced scoring: each refused, saying why."""
+    from moetier.engine.score import teacher_forced
+    from moetier.errors import MoetierError
+
+    _, path = tiny_store("switch_transformers")
+    with engine_with_slots(path, 8) as engine:
+        kv = KVCache(engine.spec, 1, 16, torch.float32)
+        with pytest.raises(MoetierError, match="one next-token distribution per sequence"):
+            engine.model.forward(StepBatch.prefill([[5, 6, 7]], [0]), kv, all_logits=True)
+        with pytest.raises(MoetierError, match="cannot continue one"):
+            engine.model.forward(StepBatch.prefill([[5, 6, 7]], [0], starts=[3]), kv)
+        with pytest.raises(MoetierError, match="reads its input with an encoder"):
+            teacher_forced(engine, [5, 6, 7, 8, 9], prefix=2)

@@ -153,3 +153,35 @@ def test_what_a_family_does_not_run_is_refused(tmp_path, change, match):
     cfg = {**tiny_config("deepseek_v2").to_dict(), **change}
     with pytest.raises(UnsupportedModelError, match=match):
         parse_spec(cfg)
+
+
+@pytest.mark.parametrize("family,change,match", [
+    ("phimoe", {"num_experts_per_tok": 3}, "exactly 2 experts"),
+    ("deepseek_v3", {"n_group": 3, "topk_group": 1}, "do not split"),
+    ("deepseek_v3", {"n_group": 8, "topk_group": 1}, "two best"),
+    ("deepseek_v3", {"num_experts_per_tok": 5}, "cannot be chosen"),
+    ("deepseek_v2", {"first_k_dense_replace": 2}, "leaves no MoE layer"),
+    ("glm4_moe", {"partial_rotary_factor": 1.5, "rope_parameters": None}, "partial_rotary_factor"),
+    ("phimoe", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0],
+                                    "long_factor": [1.0], "original_max_position_embeddings": 32}}, "need 8 entries"),
+    ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types must list"),
+    ("switch_transformers", {"dense_act_fn": "gelu"}, "dense_act_fn"),
+    ("switch_transformers", {"router_dtype": "bfloat16"}, "router_dtype"),
+    ("switch_transformers", {"num_sparse_encoder_layers": 0, "num_sparse_decoder_layers": 0}, "dense T5"),
+])
+def test_what_the_new_families_do_not_run_is_refused(family, change, match):
+    from moetier.model.families import parse_spec
+    from tests.tiny_models import tiny_config
+
+    with pytest.raises(UnsupportedModelError, match=match):
+        parse_spec({**tiny_config(family).to_dict(), **change})
+
+
+def test_an_expert_not_of_the_configs_shape_is_refused(tmp_path):
+    build_tiny("mixtral", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["intermediate_size"] = 40  # the checkpoint's experts are 48 wide
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"gate_up_proj is \(96, 64\), config.json implies \(80, 64\)"):
+        convert(tmp_path / "hf", tmp_path / "store", progress=False)
+    assert not (tmp_path / "store").exists()
