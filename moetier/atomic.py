@@ -93,6 +93,15 @@ def atomic_dir(dest: Path | str) -> Iterator[Path]:
         raise
 
 
+def discard_dir(path: Path | str) -> None:
+    """Remove a directory moetier made so that a kill at any moment leaves it whole or gone: it is first renamed
+    to a temporary name of this process (one rename), which the next sweep removes if this process dies midway."""
+    path = Path(path)
+    aside = path.parent / f".{path.name}.tmp-{_owner_tag()}-{secrets.token_hex(4)}"
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _swap_in(new: Path, dest: Path) -> None:
     if not os.path.lexists(dest):
         os.rename(new, dest)

@@ -5,11 +5,12 @@ into the cache)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from moetier.atomic import sweep, target_lock
+from moetier.atomic import atomic_write_json, discard_dir, sweep, target_lock
 from moetier.errors import ModelNotFoundError, StoreError
 from moetier.paths import default_cache_dir
 from moetier.store.checkpoint import read_config
@@ -18,6 +19,7 @@ from moetier.store.format import DENSE, MANIFEST, RECONVERT, Manifest
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "models"
 XL = "-xl"  # a built-in model with real-size experts: `demo-fine-xl`
+BUILT_FROM = "built-from.json"  # in each cache entry: the folder it was built from
 
 
 def builtin_models() -> dict[str, Path]:
@@ -79,20 +81,67 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
     cache.mkdir(parents=True, exist_ok=True)
     sweep(cache)  # what conversions killed earlier left behind
     store = cache / f"{path.name}-{_fingerprint(path)}"
-    return _build_once(store, lambda: convert(path, store, overwrite=True, progress=progress), reconvert, progress)
+    return _build_once(store, path, lambda: convert(path, store, overwrite=True, progress=progress), reconvert,
+                       progress)
 
 
-def _build_once(store: Path, build: Callable[[], Path], rebuild: bool, progress: bool) -> Path:
-    """`store` in the cache, built by `build` unless a whole one is there (or `rebuild`); under the target's lock,
-    so several processes asking at once build it once and the others reuse it."""
+def _build_once(store: Path, source: Path, build: Callable[[], Path], rebuild: bool, progress: bool) -> Path:
+    """`store` in the cache, built from `source` by `build` unless a whole one is there (or `rebuild`); under the
+    target's lock, so several processes asking at once build it once and the others reuse it. Then the cache's
+    older builds of the same source go (`_discard_stale`)."""
     with target_lock(store, on_wait=_note if progress else None):
-        if not rebuild and (store / MANIFEST).exists():
+        if rebuild or not _whole(store):
+            build()
+        if _built_from(store) is None:  # also marks a store an earlier moetier built without the note
+            atomic_write_json(store / BUILT_FROM, {"source": str(source.resolve())})
+    _discard_stale(store, progress)
+    return store
+
+
+def _whole(store: Path) -> bool:
+    if not (store / MANIFEST).exists():
+        return False
+    try:
+        Manifest.load(store)
+        return True
+    except StoreError:
+        return False  # an earlier build was damaged: build again
+
+
+def _built_from(entry: Path) -> str | None:
+    """The folder a cache entry was built from, if moetier built it (its manifest and note are there)."""
+    try:
+        note = json.loads((entry / BUILT_FROM).read_text())
+    except (OSError, ValueError):
+        return None
+    source = note.get("source") if isinstance(note, dict) else None
+    return source if isinstance(source, str) and (entry / MANIFEST).exists() else None
+
+
+def _discard_stale(keep: Path, progress: bool) -> None:
+    """Remove the cache entries nothing can resolve to any more: builds of the folder `keep` was built from,
+    made before that folder last changed (a fingerprint names each build), and builds made from a cache entry
+    that is gone (the -xl model of a removed conversion). Without this the cache keeps a full copy of a model's
+    experts per change of its folder: tens of GiB for one -xl model. Only entries carrying moetier's note are
+    looked at; a process still reading a removed store loses the files it had not opened yet."""
+    cache, source = keep.parent, _built_from(keep)
+    changed = True
+    while changed:  # removing a conversion orphans what was built from it
+        changed = False
+        for entry in sorted(p for p in cache.iterdir() if p.is_dir() and p != keep):
+            origin = _built_from(entry)
+            orphan = origin is not None and Path(origin).parent == cache and not Path(origin).exists()
+            if origin is None or (origin != source and not orphan):
+                continue
             try:
-                Manifest.load(store)
-                return store
-            except StoreError:
-                pass  # an earlier build was damaged: build again
-        return build()
+                size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+                discard_dir(entry)
+            except FileNotFoundError:  # another process resolving into this cache removed it first
+                continue
+            changed = True
+            if progress:
+                why = f"built from {Path(origin).name}, which is gone" if orphan else f"an older build of {origin}"
+                _note(f"removed {entry.name} from the cache ({size / 2**30:.1f} GiB): {why}")
 
 
 def _inflated(name: str, cache_dir: str | Path | None, progress: bool, rebuild: bool) -> Path:
@@ -111,4 +160,4 @@ def _inflated(name: str, cache_dir: str | Path | None, progress: bool, rebuild: 
                   f"into {store}")
         return inflate(base, store, n, overwrite=True, progress=progress)
 
-    return _build_once(store, build, rebuild, progress)
+    return _build_once(store, base, build, rebuild, progress)
