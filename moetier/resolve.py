@@ -125,12 +125,13 @@ def _discard_stale(keep: Path, progress: bool) -> None:
     experts per change of its folder: tens of GiB for one -xl model. Only entries carrying moetier's note are
     looked at; a process still reading a removed store loses the files it had not opened yet."""
     cache, source = keep.parent, _built_from(keep)
+    where = cache.resolve()  # notes hold resolved paths
     changed = True
     while changed:  # removing a conversion orphans what was built from it
         changed = False
         for entry in sorted(p for p in cache.iterdir() if p.is_dir() and p != keep):
             origin = _built_from(entry)
-            orphan = origin is not None and Path(origin).parent == cache and not Path(origin).exists()
+            orphan = origin is not None and Path(origin).parent == where and not Path(origin).exists()
             if origin is None or (origin != source and not orphan):
                 continue
             try:

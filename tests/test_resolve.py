@@ -53,7 +53,9 @@ def test_a_changed_folder_replaces_its_older_build_and_nothing_else(hf, tmp_path
 
 
 def test_an_xl_model_of_a_replaced_build_goes_with_it(hf, tmp_path, monkeypatch):
-    models, cache = tmp_path / "models", tmp_path / "cache"
+    models, cache = tmp_path / "models", tmp_path / "cache"  # reached through a link, as $MOETIER_CACHE may be
+    (tmp_path / "real-cache").mkdir()
+    cache.symlink_to(tmp_path / "real-cache")
     shutil.copytree(hf, models / "tiny")
     monkeypatch.setattr(resolve, "BUILTIN_DIR", models)  # `tiny` is a built-in model, `tiny-xl` its inflation
     monkeypatch.setattr(inflate_module, "OLMOE_EXPERT_BYTES", 3 * 96 * 64 * 4)  # twice the tiny fp32 experts
