@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moetier.atomic import atomic_write_json, discard_dir, sweep, target_lock
+from moetier.config import format_bytes
 from moetier.errors import ModelNotFoundError, StoreError
 from moetier.paths import default_cache_dir
 from moetier.store.checkpoint import read_config
@@ -142,7 +143,7 @@ def _discard_stale(keep: Path, progress: bool) -> None:
             changed = True
             if progress:
                 why = f"built from {Path(origin).name}, which is gone" if orphan else f"an older build of {origin}"
-                _note(f"removed {entry.name} from the cache ({size / 2**30:.1f} GiB): {why}")
+                _note(f"removed {entry.name} from the cache ({format_bytes(size)}): {why}")
 
 
 def _inflated(name: str, cache_dir: str | Path | None, progress: bool, rebuild: bool) -> Path:
