@@ -86,3 +86,18 @@ def test_discard_dir_leaves_nothing_behind(tmp_path):
     (victim / "sub" / "blob").write_bytes(b"x" * 100)
     discard_dir(victim)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_older_build_another_process_removed_first_is_passed_over(hf, tmp_path, monkeypatch, capsys):
+    cache, model = tmp_path / "cache", tmp_path / "tiny"
+    shutil.copytree(hf, model)
+    first = resolve.resolve_model(model, cache, progress=False)
+    change(model)
+
+    def gone(path):
+        raise FileNotFoundError(path)  # as when a second process resolving into this cache renamed it away
+
+    monkeypatch.setattr(resolve, "discard_dir", gone)
+    second = resolve.resolve_model(model, cache, progress=True)
+    assert second != first and first.exists()  # nothing removed here, no error, no note
+    assert "removed" not in capsys.readouterr().err
