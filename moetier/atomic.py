@@ -12,6 +12,7 @@ of the same target in several processes take `target_lock` in turn.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -51,6 +52,25 @@ def _owner_alive(pid: int, start: int) -> bool:
         return True
 
 
+def umask() -> int:
+    """The process's umask, read without changing it (Linux's /proc; elsewhere set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def ordinary_mode(directory: bool = False) -> int:
+    """The mode an ordinary file (0666) or folder (0777) gets under the umask: what a library that writes its files
+    private (safetensors, mkdtemp: 0600/0700) is given back, so a store one user made another can read."""
+    return (0o777 if directory else 0o666) & ~umask()
+
+
 def sweep(folder: Path | str) -> list[Path]:
     """Remove the temporary directories of dead owners in `folder` and put back any old directory left aside
     without its replacement. Returns what was removed or restored."""
@@ -84,7 +104,7 @@ def atomic_dir(dest: Path | str) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     sweep(dest.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{_owner_tag()}-", dir=dest.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    os.chmod(tmp, ordinary_mode(directory=True))  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
         _swap_in(tmp, dest)
@@ -120,20 +140,41 @@ def _swap_in(new: Path, dest: Path) -> None:
 def target_lock(dest: Path | str, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
     """Hold an exclusive lock on `dest` (a `.NAME.lock` file beside it) while writing it. A second process waits
     (telling `on_wait` once) and then sees the first one's result. The kernel releases the lock if the holder
-    dies, even by SIGKILL."""
+    dies, even by SIGKILL. If `dest` does not exist when the holder is done (an attempt refused or failed), the
+    lock file goes too: the holder unlinks it while still holding it, and a waiter that then wins the lock on the
+    unlinked file sees the path no longer names it and locks the path afresh, so two writers never both hold it."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(dest.parent / f".{dest.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    lock, told = dest.parent / f".{dest.name}.lock", False
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if on_wait is not None:
+            if on_wait is not None and not told:
                 on_wait(f"waiting for another moetier process writing {dest}")
+                told = True
             fcntl.flock(fd, fcntl.LOCK_EX)
+        if _names(lock, fd):
+            break
+        os.close(fd)  # the holder before us removed this lock file: lock the one the path names now
+    try:
         yield
     finally:
+        if not os.path.lexists(dest):
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
         os.close(fd)  # releases the lock
+
+
+def _names(path: Path, fd: int) -> bool:
+    """True if `path` still names the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def check_replaceable(dest: Path | str, what: str, is_ours: Callable[[Path], bool], force: bool,

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from moetier.atomic import ordinary_mode
 from moetier.errors import MoetierError, parsing
 from moetier.predict.comoe_mlp import ComoeNet, multi_hot, running_context
 from moetier.predict.comoe_mlp import train_layer as train_comoe_layer
@@ -75,7 +76,7 @@ def save_nets(name: str, path: Path, nets: dict[int, torch.nn.Module], meta: dic
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, tmp, metadata={"moetier": json.dumps(meta)})
-        os.chmod(tmp, 0o644)  # (written 0600)
+        os.chmod(tmp, ordinary_mode())  # (safetensors writes 0600)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ into the cache)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import sys
@@ -78,23 +79,48 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
         raise StoreError(f"{path} looks like a moetier store but has no {MANIFEST} (its conversion never finished, "
                          f"or the file was removed)", hint=RECONVERT)
     read_config(path)  # clear errors for a folder without a readable config.json
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = _cache(cache_dir)
     sweep(cache)  # what conversions killed earlier left behind
     store = cache / f"{path.name}-{_fingerprint(path)}"
     return _build_once(store, path, lambda: convert(path, store, overwrite=True, progress=progress), reconvert,
                        progress)
 
 
+def _cache(cache_dir: str | Path | None) -> Path:
+    """The cache folder, made if missing; one that cannot be made is refused in one line."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot create the cache folder {cache}: {e.strerror or e}", hint=CACHE_HINT) from None
+    return cache
+
+
+CACHE_HINT = "point --cache-dir (or $MOETIER_CACHE) at a folder you can write"
+
+
 def _build_once(store: Path, source: Path, build: Callable[[], Path], rebuild: bool, progress: bool) -> Path:
     """`store` in the cache, built from `source` by `build` unless a whole one is there (or `rebuild`); under the
     target's lock, so several processes asking at once build it once and the others reuse it. Then the cache's
-    older builds of the same source go (`_discard_stale`)."""
-    with target_lock(store, on_wait=_note if progress else None):
-        if rebuild or not _whole(store):
-            build()
-        if _built_from(store) is None:  # also marks a store an earlier moetier built without the note
-            atomic_write_json(store / BUILT_FROM, {"source": str(source.resolve())})
+    older builds of the same source go (`_discard_stale`). A whole, marked store is used without the lock (it
+    only ever appears or is replaced by a rename), so a read-only cache that holds what is needed works."""
+    if not rebuild and _whole(store) and _built_from(store) is not None:
+        _discard_stale(store, progress)
+        return store
+    try:
+        with target_lock(store, on_wait=_note if progress else None):
+            if rebuild or not _whole(store):
+                build()
+            if _built_from(store) is None:  # also marks a store an earlier moetier built without the note
+                atomic_write_json(store / BUILT_FROM, {"source": str(source.resolve())})
+    except PermissionError as e:
+        raise StoreError(f"cannot write {store.name} into the cache {store.parent}: {e.strerror}",
+                         hint=CACHE_HINT) from None
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        raise StoreError(f"cannot write {store.name} into the cache {store.parent}: it is on a read-only file "
+                         f"system", hint=CACHE_HINT) from None
     _discard_stale(store, progress)
     return store
 
@@ -140,6 +166,8 @@ def _discard_stale(keep: Path, progress: bool) -> None:
                 discard_dir(entry)
             except FileNotFoundError:  # another process resolving into this cache removed it first
                 continue
+            except OSError:  # a read-only cache: what cannot be removed stays
+                continue
             changed = True
             if progress:
                 why = f"built from {Path(origin).name}, which is gone" if orphan else f"an older build of {origin}"
@@ -152,7 +180,7 @@ def _inflated(name: str, cache_dir: str | Path | None, progress: bool, rebuild: 
     from moetier.store.store import Store
 
     base = resolve_model(inflated_builtins()[name], cache_dir, progress, rebuild)
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache = _cache(cache_dir)
     store = cache / f"{name}-{_fingerprint(base)}"  # a new base store (re-converted) gets a new inflation
 
     def build() -> Path:

@@ -44,8 +44,11 @@ def test_every_option_of_every_command_has_a_help_line_with_its_default(monkeypa
             if isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
                 continue
             assert action.help, f"{' '.join(path)} {action.option_strings or action.dest} has no help"
-            if action.option_strings and action.default not in (None, False):
+            flag = action.nargs == 0 and isinstance(action.const, bool)  # --x / --no-x: no default to show
+            if action.option_strings and action.default not in (None, False, "") and not flag:
                 assert f"(default: {action.default})" in help_text, (path, action.dest)
+        # what says nothing: an empty default, a flag's True (`--no-batch-aware (default: True)`)
+        assert "(default: )" not in help_text and "(default: True)" not in help_text, path
 
 
 def test_one_option_name_for_the_cache_partition():

@@ -11,8 +11,8 @@ from moetier.resolve import resolve_model
 from moetier.sim.profile import HardwareProfile, known_profiles, user_profiles_dir
 from moetier.cli.models import model_shape
 from moetier.store.store import Store
-model_shape("demo-coarse")                         # converts a built-in model
-Store(resolve_model("demo-fine", progress=False))  # converts another
+model_shape("demo-coarse-xl")                      # reads config.json alone: converts nothing
+Store(resolve_model("demo-fine", progress=False))  # converts a built-in model
 known_profiles(); HardwareProfile.load("rtx4090")
 print(user_profiles_dir())
 """
@@ -32,4 +32,4 @@ def test_nothing_is_written_outside_moetier_cache(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(cache / "profiles")
     assert not (home / ".cache" / "moetier").exists()
-    assert sorted(p.name.split("-")[1] for p in cache.iterdir() if not p.name.startswith(".")) == ["coarse", "fine"]
+    assert sorted(p.name.split("-")[1] for p in cache.iterdir() if not p.name.startswith(".")) == ["fine"]

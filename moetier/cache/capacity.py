@@ -20,14 +20,13 @@ def cache_capacity(budget: MemoryBudget, total_bytes: int, entry_bytes: int, min
         if budget.kind == "auto":
             raise BudgetError(f"expert memory auto: too little memory for one layer's top-{min_entries} experts "
                               f"({format_bytes(need)}): {room}", hint="free memory, or raise the limit")
-        share = f"{-(-need * 1000 // total_bytes) / 10:.1f}%"
+        share = f"{-(-need * 1000 // total_bytes) / 10:.1f}%"  # rounded up: a share that, given back, suffices
         if entry_bytes == 1:
             raise BudgetError(f"expert memory {label or budget.label()} holds {entries} expert(s); one layer's "
                               f"top-{min_entries} needs {min_entries}", hint=f"give at least {min_entries} ({share})")
         raise BudgetError(
             f"expert memory {label or budget.label()} holds {entries} expert(s) of {format_bytes(entry_bytes)}; one "
-            f"layer's top-{min_entries} needs {min_entries} ({format_bytes(need)}, {need / total_bytes:.1%} of all "
-            f"expert bytes)", hint=f"give --expert-memory of at least {need} bytes ({share})")
+            f"layer's top-{min_entries} needs {min_entries} ({format_bytes(need)}, {share} of all expert bytes)", hint=f"give --expert-memory of at least {need} bytes ({share})")
     if fits is not None and capacity > fits:
         raise BudgetError(f"expert memory {format_bytes(capacity)} does not fit: {room}",
                           hint=f"give --expert-memory {fits // 2**20}MiB or less, or auto")

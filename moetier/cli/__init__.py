@@ -8,14 +8,14 @@ import sys
 
 from moetier import __version__
 from moetier.cli import cache, evaluate, generate, listing, predict, sim, store, trace
-from moetier.cli.defaults import HELP
+from moetier.cli.defaults import HELP, Parser
 from moetier.errors import MoetierError
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what `yes | head -1` gives a shell
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moetier", formatter_class=HELP,
         description="Run Mixture-of-Experts language models on machines too small to hold all their experts: "
                     "experts stay on disk, a bounded cache holds the ones in use.")

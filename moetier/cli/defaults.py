@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -11,11 +14,27 @@ from moetier.errors import MoetierError
 DEFAULT_MODEL = "demo-fine"  # shipped in models/
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, refusing as every moetier error does: one line and a hint, exit status 1 (argparse's own prints
+    the whole usage and exits 2). A value that starts with `-` and a digit (`--expert-memory -5%`, `--seed -1`) is
+    a value, so the option's own check names what is wrong with it, not "expected one argument"."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse's private pattern for "a negative number, not an option" (its own: -5 and -.5, not -5%)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+    def error(self, message: str):
+        self.exit(1, f"moetier: error: {message}\n  hint: `{self.prog} --help` lists the options\n")
+
+
 class HELP(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help line shows its default, unless there is none (None, or an unset flag)."""
+    """Every option's help line shows its default, unless there is none (None, empty, or a flag: `--x` off and
+    `--no-x` on say nothing by default)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False:
+        flag = action.nargs == 0 and isinstance(action.const, bool)  # store_true / store_false
+        if action.default is None or action.default is False or action.default == "" or flag:
             return action.help or ""
         return super()._get_help_string(action)
 
@@ -23,6 +42,22 @@ class HELP(argparse.ArgumentDefaultsHelpFormatter):
 def command(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
     """A subcommand whose --help lists every option with its default."""
     return sub.add_parser(name, help=help, description=kw.pop("description", help), formatter_class=HELP, **kw)
+
+
+def write_plot(draw, path: str | Path) -> bool:
+    """`draw(path)` writes a plot beside results already printed; a plot that cannot be written (a read-only
+    folder, a full disk) is a one-line warning, not the loss of what was computed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # whole or absent, as every file we write
+    try:
+        draw(tmp)
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        with contextlib.suppress(OSError):  # on a read-only folder nothing was made
+            tmp.unlink(missing_ok=True)
+        print(f"moetier: warning: cannot write the plot {path}: {e.strerror or e}", file=sys.stderr)
+        return False
 
 
 def check_utf8(text: str, what: str) -> str:

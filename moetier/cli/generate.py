@@ -16,6 +16,7 @@ def check_engine_args(args: argparse.Namespace) -> None:
     """What a run's engine options say, refused before any model is resolved, converted or loaded."""
     from moetier.config import MemoryBudget
     from moetier.engine.engine import check_device
+    from moetier.store.reader import check_reader_threads
 
     MemoryBudget.parse(args.expert_memory)
     device = check_device(args.device)
@@ -24,14 +25,32 @@ def check_engine_args(args: argparse.Namespace) -> None:
                            f"computing it on the CPU beside it: it needs --device cuda",
                            hint=f"on a CPU-only machine the simulator runs it: moetier sim --placement "
                                 f"{args.placement} --profile rtx4090 ...")
-    if args.reader_threads < 1:
-        raise MoetierError(f"--reader-threads must be at least 1, got {args.reader_threads}")
+    check_reader_threads(args.reader_threads)
 
 
-def open_engine(args: argparse.Namespace, progress: bool = True, **config):
-    """The engine for `args`, with the one stderr line saying what expert cache it reserved and why."""
-    from moetier.engine.engine import Engine
+def check_prompt_lengths(model: str, prompts: list[str]) -> None:
+    """Each prompt tokenised with the model's own tokenizer and checked against its context window before anything
+    is converted or loaded (config.json and the tokenizer files alone), so a refused prompt costs nothing and
+    prints nothing of itself."""
+    from moetier.engine.generate import check_prompts
+    from moetier.model_info import inspect_model
 
+    info = inspect_model(model)
+    tokenizer = info.tokenizer()
+    if tokenizer is not None:
+        check_prompts([tokenizer.encode(p) for p in prompts], info.spec.max_position_embeddings, info.spec.vocab_size)
+
+
+def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[str] | None = None, **config):
+    """The engine for `args`, with the one stderr line saying what expert cache it reserved and why. Its options,
+    then `prompts` against the model's context window, are checked before anything is converted or loaded."""
+    from moetier.config import MemoryBudget
+    from moetier.engine.engine import Engine, EngineConfig
+
+    EngineConfig(expert_memory=MemoryBudget.parse(args.expert_memory), reader_threads=args.reader_threads,
+                 device=args.device, kernels=args.kernels, **config)  # refuses what the options say, first
+    if prompts:
+        check_prompt_lengths(args.model, prompts)
     engine = Engine.from_pretrained(args.model, expert_memory=args.expert_memory, cache_dir=args.cache_dir,
                                     progress=progress, reader_threads=args.reader_threads, device=args.device,
                                     kernels=args.kernels, reconvert=getattr(args, "reconvert", False), **config)
@@ -46,8 +65,8 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(args.max_tokens, args.temperature, args.top_p, args.seed)  # refuses bad values
     check_engine_args(args)
     prompts = read_prompts(args.prompt, args.prompt_file)
-    engine = open_engine(args, progress=not args.json, policy=args.policy, cache_partition=args.cache_partition,
-                         prefetch=args.prefetch, predictor=args.predictor, predict_distance=args.predict_distance,
+    engine = open_engine(args, progress=not args.json, prompts=prompts, policy=args.policy,
+                         cache_partition=args.cache_partition, prefetch=args.prefetch, predictor=args.predictor, predict_distance=args.predict_distance,
                          precision=precision_config(args), substitution=substitution_config(args),
                          placement=args.placement)
     stream = len(prompts) == 1 and not args.json
@@ -107,10 +126,10 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
                    help="native (exact); int8/int4/int2 (every expert at that copy); hobbit (a missing expert loaded "
                         "at high or low precision by its gate, or skipped); low-tier (every expert resident at low "
                         "precision, the important ones cached at high)")
-    p.add_argument("--low-precision", default="", choices=["", *UNIFORM],
+    p.add_argument("--low-precision", default="", choices=["", *UNIFORM], metavar="{" + ",".join(UNIFORM) + "}",
                    help="hobbit/low-tier: the low copy (default int4 for hobbit; for low-tier the most precise that "
                         "fits in 75%% of the budget)")
-    p.add_argument("--high-precision", default="", choices=["", "int8"],
+    p.add_argument("--high-precision", default="", choices=["", "int8"], metavar="{int8}",
                    help="hobbit/low-tier: the high copy (default the model's own; int8 pairs with int2 as in HOBBIT)")
     p.add_argument("--thresholds", default=None, metavar="T1,T2",
                    help="HOBBIT's importance thresholds (default: the model's fitted ones if it has them, else the "

@@ -8,13 +8,27 @@ from pathlib import Path
 
 from moetier.cli.defaults import command
 
+ABBREVIATIONS = ("Eq", "Eqs", "Fig", "Alg", "Sec", "al", "vs", "e.g", "i.e", "cf")  # a full stop that ends no sentence
+
 
 def _summary(doc: str | None, width: int = 80) -> str:
-    """A module docstring's opening phrase: up to its first colon, dash or full stop, at most `width` characters."""
+    """A module docstring's opening phrase: up to its first colon, dash or full stop outside parentheses (not the
+    stop of an abbreviation, `Eq. 3`), at most `width` characters, cut at a word."""
     text = " ".join((doc or "").split())
-    for stop in (": ", " — ", ". "):
-        text = text.split(stop)[0]
-    return text if len(text) <= width else text[:width - 1] + "…"
+    depth = 0
+    for i, c in enumerate(text):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and (text.startswith((": ", " — "), i) or (text.startswith(". ", i) and not text[:i].endswith(
+                ABBREVIATIONS))):
+            text = text[:i]
+            break
+    text = text.removesuffix(".")
+    if len(text) <= width:
+        return text
+    cut = text[:width - 1].rsplit(" ", 1)[0]
+    if cut.count("(") > cut.count(")"):  # never end inside a parenthesis: drop it whole
+        cut = cut[:cut.rfind("(")].rstrip(" ,")
+    return cut + "…"
 
 
 def _models(args: argparse.Namespace) -> list[tuple[str, str]]:

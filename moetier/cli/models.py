@@ -5,29 +5,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moetier.resolve import builtin_names, resolve_model
+from moetier.model_info import inspect_model
+from moetier.resolve import builtin_names, inflated_builtins, resolve_model
 from moetier.sim.shapes import SHAPES, ModelShape, ShapeError, shape_named
 from moetier.store.store import Store
 
 
 def _store(name: str, cache_dir: str | None) -> Store | None:
+    """The store whose weights or trained files `name` uses. An `-xl` model's routers and trained files are its
+    base model's (inflating touches only the experts), so the small base is converted, never the 9 GiB -xl."""
     if name not in builtin_names() and not Path(name).is_dir():
         return None
-    return Store(resolve_model(name, cache_dir, progress=False))
+    base = inflated_builtins().get(name, name) if not Path(name).exists() else name
+    return Store(resolve_model(base, cache_dir, progress=False))
 
 
-def model_shape(name: str, cache_dir: str | None = None) -> tuple[ModelShape, int | None]:
+def model_shape(name: str) -> tuple[ModelShape, int | None]:
     """(shape, expert blob bytes if known) for a shape name, a Hugging Face id naming one, a built-in model, or a
-    model or store directory."""
+    model or store directory: read from its config.json or manifest, nothing converted or built."""
     shape = shape_named(name)
     if shape is not None:
         return shape, None
-    store = _store(name, cache_dir)
-    if store is None:
+    if name not in builtin_names() and not Path(name).is_dir():
         known = ", ".join(sorted(SHAPES) + builtin_names())
         raise ShapeError(f"no model shape {name!r}", hint=f"known shapes: {known}; or give a model or store directory")
-    shape = ModelShape.from_spec(store.spec, Path(name).name, store.manifest.native_precision)
-    return shape, store.native_layout.blob_bytes
+    info = inspect_model(name)
+    return ModelShape.from_spec(info.spec, Path(name).name, info.precision), info.blob_bytes
 
 
 def routers(name: str, cache_dir: str | None) -> dict | None:

@@ -6,8 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from moetier.atomic import atomic_write_json
 from moetier.cache.policies import POLICIES, SUFFIX, check_policy
-from moetier.cli.defaults import DEFAULT_MODEL, command
+from moetier.cli.defaults import DEFAULT_MODEL, command, write_plot
 from moetier.errors import MoetierError
 
 
@@ -15,8 +16,10 @@ def _calibrate(args: argparse.Namespace) -> None:
     from moetier.calibrate import calibrate
     from moetier.resolve import resolve_model
     from moetier.sim.profile import HardwareProfile, user_profiles_dir
+    from moetier.store.reader import check_reader_threads
     from moetier.store.store import Store
 
+    check_reader_threads(args.reader_threads)
     profile = calibrate(Store(resolve_model(args.model, args.cache_dir)), args.name, args.reader_threads)
     path = Path(args.out) if args.out else user_profiles_dir() / f"{args.name}.json"
     if path.exists():  # keep what earlier runs measured for other shapes
@@ -33,40 +36,50 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _sim(args: argparse.Namespace) -> None:
+    """Every cell of the sweep is checked (budgets, policies, stages, trained files, the predictor) before any
+    runs: a sweep is refused whole or runs whole."""
+    from moetier.cache.policies import LEARNED, base_name
     from moetier.cli.generate import substitution_config
     from moetier.cli.models import model_shape, policy_dir, replay_predictor
     from moetier.plan.prefetchers import PREFETCHERS
+    from moetier.policy_files import load_params
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
-    from moetier.sim.sweep import check_fits, format_table, plot_sweep, run
+    from moetier.sim.sweep import budget_slots, check_fits, format_table, plot_sweep, run
     from moetier.sim.timing import plot_timeline
     from moetier.trace.format import Trace
 
     trace = Trace.load(args.trace)
     profile = HardwareProfile.load(args.profile)
-    shape, blob_bytes = model_shape(args.model_shape or trace.model, args.cache_dir)
+    model = args.model_shape or trace.model
+    shape, blob_bytes = model_shape(model)  # config.json alone: nothing is converted or built for a shape
     check_fits(trace, shape)
     cost = CostModel.of(profile, shape, args.precision, blob_bytes)
-    configs = [(p, b, f) for p in args.policy.split(",") for b in args.expert_memory.split(",")
-               for f in args.prefetch.split(",")]
-    for policy, _, prefetch in configs:
+    configs = [(p, b, f) for p in _items(args.policy, "--policy") for b in _items(args.expert_memory, "--expert-memory")
+               for f in _items(args.prefetch, "--prefetch")]
+    for policy, budget, prefetch in configs:
         check_policy(policy)
         if prefetch != "none" and prefetch not in PREFETCHERS:
             raise MoetierError(f"unknown prefetcher {prefetch!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
+        budget_slots(budget, trace, cost)  # a budget the profile cannot hold is refused before any cell runs
     if any(f != "none" for *_, f in configs) and args.predictor == "none":
         raise MoetierError("--prefetch needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
     if any(p.endswith(SUFFIX) for p, *_ in configs) and args.predictor == "none":
         raise MoetierError(f"a {SUFFIX} policy needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
+    if args.timeline and len(configs) > 1:
+        raise MoetierError("--timeline draws one configuration", hint="give one policy, budget and prefetch stage")
     substitution = substitution_config(args)
     timeline_steps = (args.timeline_step,) if args.timeline else ()
-    model_dir = policy_dir(args.model_shape or trace.model, args.cache_dir)
-    make = replay_predictor(args.predictor, trace, args.model_shape or trace.model, args.cache_dir,
-                            args.predict_distance, args.oracle_error)
+    learned = sorted({base_name(p) for p, *_ in configs} & set(LEARNED))
+    model_dir = policy_dir(model, args.cache_dir) if learned else None
+    for name in learned:
+        load_params(name, model_dir)  # a missing or damaged trained file, before any cell runs
+    make = replay_predictor(args.predictor, trace, model, args.cache_dir, args.predict_distance, args.oracle_error)
     predictor = (lambda: make(trace)) if make else None  # a fresh one per configuration
 
     runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
                 model_dir, prefetch, predictor, args.placement, substitution)
-            for policy, budget, prefetch in configs]
+            for policy, budget, prefetch in _progress(configs)]
     where = f"{shape.name} ({cost.precision}) on {profile.name}"
     if len(runs) == 1:
         summary = dict(runs[0].row(), profile=profile.name, model_shape=shape.name, precision=cost.precision)
@@ -79,11 +92,27 @@ def _sim(args: argparse.Namespace) -> None:
         return
     out = Path(args.out or "sim-sweep")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({"profile": profile.name, "model_shape": shape.name,
-                                                "precision": cost.precision, "trace": str(args.trace),
-                                                "runs": [r.row() for r in runs]}, indent=1))
-    plot_sweep(runs, out / "sweep.png", where)
-    print(f"{where}, trace {args.trace}\n{format_table(runs)}\nwrote {out / 'sweep.json'} and {out / 'sweep.png'}")
+    atomic_write_json(out / "sweep.json", {"profile": profile.name, "model_shape": shape.name,
+                                           "precision": cost.precision, "trace": str(args.trace),
+                                           "runs": [r.row() for r in runs]})
+    print(f"{where}, trace {args.trace}\n{format_table(runs)}\nwrote {out / 'sweep.json'}", flush=True)
+    if write_plot(lambda path: plot_sweep(runs, path, where), out / "sweep.png"):
+        print(f"plot: {out / 'sweep.png'}")
+
+
+def _items(text: str, option: str) -> list[str]:
+    """A comma-separated list of a sweep option, each item stripped; an empty item is refused."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise MoetierError(f"{option} {text!r} has an empty item", hint=f"e.g. {option} a,b")
+    return items
+
+
+def _progress(configs: list) -> list:
+    """A sweep of several cells shows a bar on stderr (each cell can take tens of seconds)."""
+    from tqdm import tqdm
+
+    return tqdm(configs, desc="sim", unit="cell", disable=len(configs) < 2, leave=False)
 
 
 def add_parser(sub) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moetier.cli.defaults import command, read_text_file
+from moetier.cli.defaults import command, read_text_file, write_plot
 from moetier.cli.generate import add_engine_options, check_engine_args, open_engine
 from moetier.errors import MoetierError
 
@@ -23,11 +23,20 @@ def _trace_import(args: argparse.Namespace) -> None:
     from moetier.trace.importers import import_trace
 
     _check_out(args, args.path)
-    trace = import_trace(args.path, args.num_layers, args.num_experts)
+    trace = import_trace(args.path, args.num_layers, args.num_experts, _warmup(args.warmup))
     trace.save(args.out, overwrite=args.force, sources=(args.path,))
     print(f"wrote {args.out}: {trace.num_tokens} tokens, layers {trace.layers}")
     for note in trace.notes:
         print(f"  note: {note}")
+
+
+def _warmup(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise MoetierError(f"--warmup takes auto or a number of records, got {text!r}") from None
 
 
 def _trace_record(args: argparse.Namespace) -> None:
@@ -43,7 +52,7 @@ def _trace_record(args: argparse.Namespace) -> None:
     if not prompts:
         raise MoetierError(f"{args.prompts} holds no prompt", hint="write one prompt per line")
     _check_out(args, args.prompts)
-    engine = open_engine(args)
+    engine = open_engine(args, prompts=prompts)
     with engine, TraceRecorder(engine, gate_inputs=args.gate_inputs) as recorder:
         for prompt in tqdm(prompts, desc="record", unit="prompt"):
             engine.generate(prompt, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
@@ -86,11 +95,8 @@ def _trace_stats(args: argparse.Namespace) -> None:
     trace = Trace.load(args.trace)
     summary = summarize(trace)
     png = Path(args.plot or Path(args.trace) / "stats.png")
-    plot(trace, summary, png)
-    if args.json:
-        print(json.dumps(summary, indent=1))
-    else:
-        print(format_table(summary))
+    print(json.dumps(summary, indent=1) if args.json else format_table(summary), flush=True)  # before the plot
+    if write_plot(lambda path: plot(trace, summary, path), png) and not args.json:
         print(f"plot: {png}")
 
 
@@ -103,6 +109,9 @@ def add_parser(sub) -> None:
     ti.add_argument("--out", required=True, help="the trace folder to write")
     ti.add_argument("--num-layers", type=int, help="the model's layers, if the trace cannot tell")
     ti.add_argument("--num-experts", type=int, help="experts per layer, if the trace cannot tell")
+    ti.add_argument("--warmup", default="auto",
+                    help="vLLM-MoE-Logger files: records to drop from the start of each layer (auto: a warm-up pass of "
+                         "64 or more records routed alike, as the shared traces begin with; 0 keeps every record)")
     ti.add_argument("--force", action="store_true", help=force)
     ti.set_defaults(func=_trace_import)
     tr = command(t, "record", "record routing (full router scores) from moetier's engine")

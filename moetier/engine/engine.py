@@ -32,7 +32,7 @@ from moetier.policy_files import load_thresholds, make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
 from moetier.predictor_files import TRAINED, load_nets
 from moetier.resolve import resolve_model
-from moetier.store.reader import ExpertReader
+from moetier.store.reader import ExpertReader, check_reader_threads
 from moetier.store.store import Store
 from moetier.store.variants import add_precisions, expert_layouts
 
@@ -62,8 +62,7 @@ class EngineConfig:
     # for both, which tests the mechanism and gains nothing
 
     def __post_init__(self) -> None:
-        if self.reader_threads < 1:
-            raise MoetierError("reader_threads must be at least 1")
+        check_reader_threads(self.reader_threads, "reader_threads")
         check_device(self.device)
         if self.kernels not in KERNELS:
             raise MoetierError(f"unknown kernels {self.kernels!r}", hint=f"one of {', '.join(KERNELS)}")

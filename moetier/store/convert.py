@@ -29,6 +29,12 @@ def native_layout(spec: ModelSpec, dtype: torch.dtype) -> PrecisionLayout:
     return PrecisionLayout.packed(name, [(n, dtype_name, shape) for n, shape in spec.expert_shapes])
 
 
+def check_expert_dtype(dtype: torch.dtype) -> None:
+    if dtype not in PRECISION_OF_DTYPE:
+        raise CheckpointError(f"expert weights of dtype {dtype} are not supported (fp32, bf16, fp16 are)",
+                              hint="moetier reads float checkpoints (and gpt-oss's MXFP4); dequantize others first")
+
+
 def dense_tensors(ckpt: Checkpoint, family: Family, spec: ModelSpec) -> dict[str, torch.Tensor]:
     out = {}
     for ours, theirs in family.dense_names(spec).items():
@@ -65,9 +71,7 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
     ckpt = Checkpoint(model_dir)
     dense = dense_tensors(ckpt, family, spec)
     first = expert_source(ckpt, family, spec, spec.moe_layers[0]).get(0)["down_proj"]
-    if first.dtype not in PRECISION_OF_DTYPE:
-        raise CheckpointError(f"expert weights of dtype {first.dtype} are not supported (fp32, bf16, fp16 are)",
-                              hint="moetier reads float checkpoints (and gpt-oss's MXFP4); dequantize others first")
+    check_expert_dtype(first.dtype)
     layout = native_layout(spec, first.dtype)
     quantized = expert_layouts(spec, parse_precisions(precisions, layout.name)) if precisions else {}
     total = len(spec.moe_layers) * spec.num_experts

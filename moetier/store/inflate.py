@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from moetier.atomic import check_replaceable
+from moetier.config import ModelSpec
 from moetier.errors import MoetierError
 from moetier.model.families import family_for, parse_spec
 from moetier.store.format import DTYPES, Manifest, PrecisionLayout, is_store
@@ -31,10 +32,13 @@ OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2  # OLMoE-1B-7B's routed expert in bf16:
 def intermediate_for(store: Store, expert_bytes: int | None = None) -> int:
     """The intermediate size that makes one of `store`'s experts weigh `expert_bytes` (default OLMoE's) at its
     native precision."""
+    return intermediate_for_spec(store.spec, DTYPES[store.native_layout.tensors[0].dtype].itemsize, expert_bytes)
+
+
+def intermediate_for_spec(spec: ModelSpec, itemsize: int, expert_bytes: int | None = None) -> int:
+    """As `intermediate_for`, from the model's spec and its experts' bytes per weight (nothing opened)."""
     expert_bytes = expert_bytes or OLMOE_EXPERT_BYTES
-    layout = store.native_layout
-    itemsize = DTYPES[layout.tensors[0].dtype].itemsize
-    return max(1, round(expert_bytes / (3 * store.spec.hidden_size * itemsize)))
+    return max(1, round(expert_bytes / (3 * spec.hidden_size * itemsize)))
 
 
 def inflate_expert(tensors: dict[str, torch.Tensor], intermediate: int, g: torch.Generator) -> dict[str, torch.Tensor]:

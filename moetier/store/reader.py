@@ -21,8 +21,19 @@ from pathlib import Path
 
 from zlib_ng.zlib_ng import crc32, crc32_combine
 
-from moetier.errors import ChecksumError, StoreError
+from moetier.errors import ChecksumError, MoetierError, StoreError
 from moetier.store.format import ALIGN, DAMAGED, BlobRef
+
+# Reads in flight past what any disk queues usefully (an NVMe drive saturates at 16-32 outstanding 2 MiB reads;
+# each thread holds one), and below what a container's thread limit refuses.
+MAX_READER_THREADS = 64
+
+
+def check_reader_threads(n: int, name: str = "--reader-threads") -> int:
+    if not 1 <= n <= MAX_READER_THREADS:
+        raise MoetierError(f"{name} must be between 1 and {MAX_READER_THREADS}, got {n}",
+                           hint=f"more than {MAX_READER_THREADS} read threads fill no disk faster; the default is 4")
+    return n
 
 ON_DEMAND, PREFETCH = 0, 1
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from zlib_ng.zlib_ng import crc32
 
-from moetier.atomic import atomic_dir, check_replaceable
+from moetier.atomic import atomic_dir, check_replaceable, ordinary_mode
 from moetier.errors import StoreError
 from moetier.store.format import DENSE, DTYPES, BlobRef, Manifest, PrecisionLayout, is_store
 
@@ -87,6 +87,7 @@ class StoreWriter:
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         self.dense_crc32 = {k: crc32(tensor_bytes(v)) for k, v in tensors.items()}
         save_file(tensors, str(self.tmp / DENSE))
+        os.chmod(self.tmp / DENSE, ordinary_mode())  # safetensors writes it 0600; the store's other files are not
 
     def add_expert(self, layer: int, expert: int, layout: PrecisionLayout, tensors: dict[str, torch.Tensor]) -> BlobRef:
         """Append one expert's blob (tensors packed by `layout`, zero-padded to the alignment)."""
@@ -103,7 +104,7 @@ class StoreWriter:
 
     def copy_files(self, src_dir: Path, names: list[str]) -> tuple[str, ...]:
         for name in names:
-            shutil.copy2(src_dir / name, self.tmp / name)
+            shutil.copyfile(src_dir / name, self.tmp / name)  # the bytes; the mode is the umask's, as the rest
             self.add_file(name)
         return tuple(names)
 

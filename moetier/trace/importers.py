@@ -3,7 +3,8 @@
 - Mixtral logger (`{"dataset", "problem_id", "layer", "experts", "gating_probs", "token_idx"}`), records ordered
   by layer within a token; `problem_id` separates sequences.
 - vLLM-MoE-Logger (a `{"type": "meta"}` line, then `{"type": "route", "layer", "topk_ids", "topk_weights"}`):
-  Qwen1.5-MoE and OLMoE. Each file starts with a warm-up pass of identical records, dropped here; sequence
+  Qwen1.5-MoE and OLMoE. Each shared file starts with a warm-up pass of identical records (thousands: vLLM's
+  profiling batch), detected and dropped here, with a note saying how many; sequence
   boundaries are not recoverable (token_idx restarts within vLLM batches), so the rest is one stream, and
   files holding different layers are aligned by record order.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,10 @@ from moetier.plan.route import DECODE
 from moetier.trace.format import Trace, TraceError
 
 # model name fragment -> (num_layers, num_experts), from the models' published configurations
+# A leading run of at least this many records routed alike is a warm-up pass (the shared files' are 2,048 and
+# 8,448 long); real tokens routed to the same top-k that many times in a row do not occur in them, and
+# `--warmup 0` keeps everything where they might.
+WARMUP_MIN_RUN = 64
 KNOWN_MODELS = {"mixtral-8x7b": (32, 8), "qwen1.5-moe-a2.7b": (24, 60), "olmoe-1b-7b": (16, 64)}
 
 
@@ -92,6 +98,19 @@ def shape_for(hint: str, num_layers: int | None, num_experts: int | None) -> tup
     return layers, experts
 
 
+def _warmups(streams: dict[int, tuple[list, list]], warmup: int | None) -> dict[int, int]:
+    """Records to drop per layer: `warmup` if given, else each layer's detected warm-up pass. Layers logged in the
+    same run share its length, so when every stream has the same length the longest detected warm-up applies to
+    every layer that has one (a layer's warm-up can end with a few records that differ from its first)."""
+    if warmup is not None:
+        return dict.fromkeys(streams, warmup)
+    warm = {layer: warmup_run(ids) for layer, (ids, _) in streams.items()}
+    if len({len(ids) for ids, _ in streams.values()}) == 1 and any(warm.values()):
+        longest = max(warm.values())
+        warm = {layer: longest if n else 0 for layer, n in warm.items()}
+    return warm
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(path.glob("*.jsonl"))
@@ -103,18 +122,33 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def import_trace(path: Path | str, num_layers: int | None = None, num_experts: int | None = None) -> Trace:
+def import_trace(path: Path | str, num_layers: int | None = None, num_experts: int | None = None,
+                 warmup: int | None = None) -> Trace:
+    """`warmup`: records to drop from the start of each layer's stream of a vLLM-MoE-Logger file (None: detect a
+    warm-up pass, WARMUP_MIN_RUN or more records routed alike; 0 keeps every record). The trace's notes say what
+    was dropped."""
+    if warmup is not None and warmup < 0:
+        raise TraceError(f"--warmup must be auto or a number of records (0 keeps all), got {warmup}")
     files = _files(Path(path))
-    _, first = next(read_jsonl(files[0]), (0, {}))
+    lineno, first = next(read_jsonl(files[0]), (0, None))
+    if first is None:
+        raise TraceError(f"{files[0]} is empty", hint="a trace file holds one JSON record per line")
     if first.get("type") == "meta":
-        importer = _import_vllm
+        importer = partial(_import_vllm, warmup=warmup)
     elif "experts" in first:
         importer = _import_mixtral
     else:
-        raise TraceError(f"{files[0]}:1: unknown trace format (neither a vLLM-MoE-Logger meta line nor a Mixtral "
-                         f"logger record)")
+        raise TraceError(f"{files[0]}:{lineno}: unknown trace format (neither a vLLM-MoE-Logger meta line nor a "
+                         f"Mixtral logger record)")
     with parsing(str(path), TraceError):  # anything the checks above missed still ends as a TraceError
         return importer(files, num_layers, num_experts)
+
+
+def warmup_run(ids: list) -> int:
+    """The length of the leading run of records routed as the first is, if it is long enough to be a warm-up pass
+    (WARMUP_MIN_RUN), else 0."""
+    run = next((i for i, x in enumerate(ids) if x != ids[0]), len(ids))
+    return run if run >= WARMUP_MIN_RUN else 0
 
 
 def _import_mixtral(files: list[Path], num_layers: int | None, num_experts: int | None) -> Trace:
@@ -155,7 +189,8 @@ def _import_mixtral(files: list[Path], num_layers: int | None, num_experts: int 
                         + ", ".join(f"{k[0]} problem {json.loads(k[2])} token {k[3]}" for k in incomplete[:5])])
 
 
-def _import_vllm(files: list[Path], num_layers: int | None, num_experts: int | None) -> Trace:
+def _import_vllm(files: list[Path], num_layers: int | None, num_experts: int | None,
+                 warmup: int | None = None) -> Trace:
     streams: dict[int, tuple[list, list]] = {}
     notes, model, top_k = [], "", None
     for path in files:
@@ -182,15 +217,11 @@ def _import_vllm(files: list[Path], num_layers: int | None, num_experts: int | N
     if not streams or not all(ids for ids, _ in streams.values()):
         raise TraceError(f"{files[0]}: no route records after the meta line",
                          hint="a vLLM-MoE-Logger trace holds {\"type\": \"route\", ...} records")
-    # The warm-up pass repeats one record; layers logged in the same run share its length, so when every
-    # stream has the same length the longest detected warm-up applies to all (a layer's warm-up can end
-    # with a few records that differ from its first).
-    warm = {layer: next((i for i, x in enumerate(ids) if x != ids[0]), len(ids))
-            for layer, (ids, _) in streams.items()}
-    if len({len(ids) for ids, _ in streams.values()}) == 1:
-        warm = dict.fromkeys(warm, max(warm.values()))
+    warm = _warmups(streams, warmup)
     for layer, (ids, weights) in list(streams.items()):
-        notes.append(f"layer {layer}: dropped {warm[layer]} warm-up records, kept {len(ids) - warm[layer]}")
+        how = "as --warmup asked" if warmup is not None else "a run of identical records"
+        notes.append(f"layer {layer}: dropped {warm[layer]} warm-up records ({how}), kept {len(ids) - warm[layer]}"
+                     if warm[layer] else f"layer {layer}: no warm-up pass found, kept all {len(ids)} records")
         streams[layer] = (ids[warm[layer]:], weights[warm[layer]:])
     layers = sorted(streams)
     n = min(len(streams[layer][0]) for layer in layers)
