@@ -1,6 +1,15 @@
 """moetier: run Mixture-of-Experts language models on machines too small to hold all their experts."""
 
-from moetier.engine.engine import Engine, EngineConfig, GenerationOutput
+import os
+
+# libgomp (the OpenMP runtime of torch's Linux wheels, which moetier's native kernels share) spins 300,000 times at
+# each barrier before it sleeps. Beside another busy process a spinning thread holds a core the other thread of
+# the region needs: resident decode ran 4.0x slower beside one CPU hog per core (bench/bench_contention.py, AMD
+# EPYC Zen 4, 2 cores), 1.9x with 100,000 spins, at the same speed alone (passive waiting: 2.4x, and 12% slower
+# alone). It is read when torch loads libgomp, so it is set before torch is imported; a value the user set wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+
+from moetier.engine.engine import Engine, EngineConfig, GenerationOutput  # noqa: E402
 
 __all__ = ["Engine", "EngineConfig", "GenerationOutput"]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ of the same target in several processes take `target_lock` in turn.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import psutil
 
+from moetier.config import format_bytes
 from moetier.errors import MoetierError
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<start>\d+)-[A-Za-z0-9_]+$")
@@ -33,6 +35,32 @@ _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<sta
 
 class ReplaceError(MoetierError):
     """A destination moetier refuses to write: a file, the source itself, or a folder it did not make."""
+
+
+class DiskFullError(MoetierError):
+    """What is to be written does not fit, or the disk filled up while writing it (nothing of it is left)."""
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+FREE_HINT = "free disk space, or write somewhere else (a store goes to --cache-dir or $MOETIER_CACHE when converted " \
+            "on first use)"
+
+
+def check_free_space(dest: Path | str, needed: int, what: str) -> None:
+    """Refuse, before anything is written, `what` of `needed` bytes that the filesystem holding `dest` (or the
+    nearest folder of it that exists) has no room for."""
+    dest = Path(dest).absolute()
+    existing = next(p for p in [dest, *dest.parents] if p.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise DiskFullError(f"{what} needs {format_bytes(needed)} at {dest}; {existing} has {format_bytes(free)} free",
+                            hint=FREE_HINT)
+
+
+def disk_full(dest: Path | str, error: OSError) -> DiskFullError:
+    """The one line for a disk that filled up while `dest` was written (its partial files already removed)."""
+    return DiskFullError(f"the disk filled up while writing {dest} ({error.strerror}); nothing of it was kept",
+                         hint=FREE_HINT)
 
 
 def _start_time(pid: int) -> int:
@@ -108,6 +136,11 @@ def atomic_dir(dest: Path | str) -> Iterator[Path]:
     try:
         yield tmp
         _swap_in(tmp, dest)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in FULL:
+            raise disk_full(dest, e) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

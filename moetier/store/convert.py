@@ -17,7 +17,7 @@ from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, 
 from moetier.store.quantize import quantize_expert
 from moetier.store.sources import expert_source
 from moetier.store.variants import expert_layouts, parse_precisions
-from moetier.store.writer import StoreWriter
+from moetier.store.writer import StoreWriter, store_bytes
 
 
 def native_layout(spec: ModelSpec, dtype: torch.dtype) -> PrecisionLayout:
@@ -75,7 +75,11 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
     layout = native_layout(spec, first.dtype)
     quantized = expert_layouts(spec, parse_precisions(precisions, layout.name)) if precisions else {}
     total = len(spec.moe_layers) * spec.num_experts
-    with StoreWriter(store_dir, overwrite, (model_dir,)) as writer, \
+    files = ckpt.tokenizer_files()
+    needed = store_bytes(sum(t.nbytes for t in dense.values()), total * (1 + len(quantized)),
+                         (layout.blob_bytes + sum(q.blob_bytes for q in quantized.values())) // (1 + len(quantized)),
+                         sum((model_dir / f).stat().st_size for f in files))
+    with StoreWriter(store_dir, overwrite, (model_dir,), needed) as writer, \
             tqdm(total=total, desc=f"convert {model_dir.name}", unit="expert", disable=not progress) as bar:
         writer.write_dense(dense)
         for layer in spec.moe_layers:
@@ -92,5 +96,5 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
         manifest = Manifest(
             family=family.name, config=ckpt.config, precisions={layout.name: layout, **quantized},
             native_precision=layout.name, blobs=tuple(writer.blobs), source=str(model_dir.resolve()),
-            tokenizer_files=writer.copy_files(model_dir, ckpt.tokenizer_files()))
+            tokenizer_files=writer.copy_files(model_dir, files))
         return writer.commit(manifest)

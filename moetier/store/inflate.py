@@ -12,7 +12,6 @@ real model. Demo models route for real but have ~200 KB experts; inflated, they 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from moetier.errors import MoetierError
 from moetier.model.families import family_for, parse_spec
 from moetier.store.format import DTYPES, Manifest, PrecisionLayout, is_store
 from moetier.store.store import Store
-from moetier.store.writer import StoreWriter
+from moetier.store.writer import StoreWriter, store_bytes
 
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2  # OLMoE-1B-7B's routed expert in bf16: 12 MiB
 
@@ -78,15 +77,10 @@ def inflate(source: Path | str, out: Path | str, intermediate: int, overwrite: b
     if parse_spec(config).shared_expert_intermediate_size != spec.shared_expert_intermediate_size:
         raise MoetierError(f"{src.path.name}'s ({m.family}) shared experts are sized by {key}: inflating the routed "
                            f"ones would misstate them", hint="inflate a model of another family")
-    needed = len(spec.moe_layers) * spec.num_experts * layout.blob_bytes + src.dense_bytes
-    existing = next(p for p in [out.absolute(), *out.absolute().parents] if p.exists())
-    free = shutil.disk_usage(existing).free
-    if needed > free:
-        raise MoetierError(f"inflating {src.path.name} to intermediate {intermediate} writes {needed / 2**30:.1f} GiB; "
-                           f"{existing} has {free / 2**30:.1f} GiB free",
-                           hint="free disk space, write elsewhere, or choose a smaller --expert-intermediate")
+    files = sum(len(src.read_file(name)) for name in m.tokenizer_files)
+    needed = store_bytes(src.dense_bytes, len(spec.moe_layers) * spec.num_experts, layout.blob_bytes, files)
     g = torch.Generator().manual_seed(seed)
-    with StoreWriter(out, overwrite, (src.path,)) as writer, \
+    with StoreWriter(out, overwrite, (src.path,), needed) as writer, \
             tqdm(total=len(spec.moe_layers) * spec.num_experts, unit="expert", desc=f"inflate {out.name}",
                  disable=not progress) as bar:
         writer.write_dense(src.load_dense())

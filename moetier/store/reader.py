@@ -38,6 +38,13 @@ def check_reader_threads(n: int, name: str = "--reader-threads") -> int:
 ON_DEMAND, PREFETCH = 0, 1
 
 
+def read_error(store_dir: Path, blob: BlobRef, cause: str) -> StoreError:
+    """A read that failed (an I/O error, a file that shrank or went away): which expert, which file, why."""
+    return StoreError(f"cannot read expert {blob.expert} of layer {blob.layer} ({blob.precision}) from "
+                      f"{store_dir / blob.file}: {cause}",
+                      hint="check the disk the store is on (dmesg); if the file was changed, " + DAMAGED)
+
+
 class Completion:
     """Reusable completion state of one load (one per cache slot: no allocation per load)."""
 
@@ -100,22 +107,25 @@ class ExpertReader:
         for t in self._threads:
             t.start()
 
-    def _fd(self, rel: str) -> tuple[int, bool]:
-        entry = self._fds.get(rel)
+    def _fd(self, blob: BlobRef) -> tuple[int, bool]:
+        entry = self._fds.get(blob.file)
         if entry is None:
-            path = str(self.store_dir / rel)
+            path = str(self.store_dir / blob.file)
             try:
                 entry = (os.open(path, os.O_RDONLY | os.O_DIRECT), True) if self.direct else None
             except OSError:  # e.g. tmpfs: no O_DIRECT
                 entry = None
             if entry is None:
-                entry = (os.open(path, os.O_RDONLY), False)
-            self._fds[rel] = entry
+                try:
+                    entry = (os.open(path, os.O_RDONLY), False)
+                except OSError as e:  # the file is gone, or its drive
+                    raise read_error(self.store_dir, blob, e.strerror or str(e)) from None
+            self._fds[blob.file] = entry
         return entry
 
     def submit(self, blob: BlobRef, dest: memoryview, completion: Completion, priority: int = ON_DEMAND) -> None:
         """Queue a read of `blob` into `dest` (ALIGN-aligned, blob.length bytes); `completion` fires when done."""
-        fd, _ = self._fd(blob.file)
+        fd, _ = self._fd(blob)
         n = (blob.length + self.chunk_bytes - 1) // self.chunk_bytes
         verify = self.verify and (blob.layer, blob.expert, blob.precision) not in self._verified
         completion.reset(blob, dest, n, verify)
@@ -147,12 +157,14 @@ class ExpertReader:
             try:
                 n = os.preadv(chunk.fd, [chunk.dest], chunk.file_offset)  # releases the GIL
                 if n != len(chunk.dest):
-                    raise StoreError(f"short read in {self.store_dir / c.blob.file} at {chunk.file_offset}: "
-                                     f"{n} of {len(chunk.dest)} bytes", hint=DAMAGED)
+                    raise read_error(self.store_dir, c.blob, f"the file ends early ({n} of {len(chunk.dest)} bytes "
+                                                             f"at offset {chunk.file_offset}): it changed since it "
+                                                             f"was written")
                 if not self._fds[c.blob.file][1]:
                     os.posix_fadvise(chunk.fd, chunk.file_offset, n, os.POSIX_FADV_DONTNEED)
             except BaseException as e:  # reported to the waiter, never lost in the thread
-                c.error = c.error or (e if isinstance(e, StoreError) else StoreError(f"read failed: {e}"))
+                c.error = c.error or (e if isinstance(e, StoreError) else
+                                      read_error(self.store_dir, c.blob, getattr(e, "strerror", None) or repr(e)))
             with self._cv:
                 self._running -= 1
                 self._bytes_read += n

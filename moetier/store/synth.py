@@ -15,7 +15,7 @@ from tqdm import tqdm
 from moetier.atomic import check_replaceable
 from moetier.errors import MoetierError
 from moetier.store.format import Manifest, PrecisionLayout, is_store
-from moetier.store.writer import StoreWriter
+from moetier.store.writer import StoreWriter, store_bytes
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -102,7 +102,9 @@ def synthesize(spec: SynthSpec, out: Path | str, overwrite: bool = False, progre
                   p + "router": randn(spec.num_experts, h)}
     layout = PrecisionLayout.swiglu(spec.precision, str(dtype).removeprefix("torch."), h, spec.intermediate_size)
     out = Path(out)
-    with StoreWriter(out, overwrite) as writer, tqdm(total=spec.num_layers * spec.num_experts, unit="expert",
+    needed = store_bytes(sum(t.nbytes for t in dense.values()), spec.num_layers * spec.num_experts,
+                         layout.blob_bytes, 1 << 20)  # (the byte tokenizer: ~20 KiB)
+    with StoreWriter(out, overwrite, expected_bytes=needed) as writer, tqdm(total=spec.num_layers * spec.num_experts, unit="expert",
                                                      desc=f"synth {out.name}", disable=not progress) as bar:
         writer.write_dense(dense)
         for layer in range(spec.num_layers):

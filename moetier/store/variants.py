@@ -16,13 +16,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from moetier.atomic import atomic_write_json, target_lock
+from moetier.atomic import FULL, atomic_write_json, check_free_space, disk_full, target_lock
 from moetier.config import ModelSpec
 from moetier.errors import StoreError
 from moetier.store.format import BlobRef, PrecisionLayout
 from moetier.store.quantize import BITS, expert_layout, quantize_expert
 from moetier.store.store import Store
-from moetier.store.writer import expert_file, write_blob
+from moetier.store.writer import MANIFEST_BYTES_PER_BLOB, expert_file, write_blob
 
 SIDECAR_FORMAT = "moetier-layer-blobs"
 
@@ -67,10 +67,16 @@ def add_precisions(store_dir: Path | str, precisions: str | Iterable[str], progr
         blobs = list(manifest.blobs)
         spec = store.spec
         total = len(wanted) * len(spec.moe_layers) * spec.num_experts
+        _check_room(store, layouts)
         with tqdm(total=total, desc=f"quantize {store_dir.name} to {','.join(wanted)}", unit="expert",
                   disable=not progress) as bar:
-            for layer in spec.moe_layers:
-                blobs += _layer(store, layer, layouts, bar)
+            try:
+                for layer in spec.moe_layers:
+                    blobs += _layer(store, layer, layouts, bar)
+            except OSError as e:  # the layer's partial file is gone; the store is as it was, finished layers kept
+                if e.errno in FULL:
+                    raise disk_full(store_dir, e) from None
+                raise
         manifest = dataclasses.replace(manifest, precisions={**manifest.precisions, **layouts}, blobs=tuple(blobs))
         manifest.save(store_dir)  # the commit point
         for p in wanted:
@@ -81,6 +87,17 @@ def add_precisions(store_dir: Path | str, precisions: str | Iterable[str], progr
 
 def _sidecar(store_dir: Path, precision: str, layer: int) -> Path:
     return (store_dir / expert_file(precision, layer)).with_suffix(".json")
+
+
+def _check_room(store: Store, layouts: dict[str, PrecisionLayout]) -> None:
+    """The copies still to write (a resumed run keeps what an earlier one finished), refused before any is
+    written if the store's disk has no room for them."""
+    n, layers = store.spec.num_experts, store.spec.moe_layers
+    done = sum((store.path / expert_file(p, layer)).stat().st_size for p, layout in layouts.items()
+               for layer in layers if _kept(store.path / expert_file(p, layer), _sidecar(store.path, p, layer), layout,
+                                            n) is not None)
+    needed = sum(len(layers) * n * (layout.blob_bytes + MANIFEST_BYTES_PER_BLOB) for layout in layouts.values())
+    check_free_space(store.path, needed - done, f"{', '.join(layouts)} copies of {store.path.name}'s experts")
 
 
 def _layer(store: Store, layer: int, layouts: dict[str, PrecisionLayout], bar) -> list[BlobRef]:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from zlib_ng.zlib_ng import crc32
 
-from moetier.atomic import atomic_dir, check_replaceable, ordinary_mode
+from moetier.atomic import atomic_dir, check_free_space, check_replaceable, ordinary_mode
 from moetier.errors import StoreError
 from moetier.store.format import DENSE, DTYPES, BlobRef, Manifest, PrecisionLayout, is_store
 
@@ -53,15 +53,28 @@ def write_blob(f: BinaryIO, layout: PrecisionLayout, tensors: dict[str, torch.Te
     return crc32(pad, crc)
 
 
+MANIFEST_BYTES_PER_BLOB = 256  # a blob's entry in manifest.json is ~130 characters; the rest is slack
+
+
+def store_bytes(dense_bytes: int, blobs: int, blob_bytes: int, file_bytes: int = 0) -> int:
+    """What a store of `blobs` expert blobs of `blob_bytes` (on average), `dense_bytes` of dense tensors and
+    `file_bytes` of copied files takes on disk, its manifest included (a safetensors header and the folder's own
+    blocks are inside the 64 KiB of slack)."""
+    return dense_bytes + blobs * (blob_bytes + MANIFEST_BYTES_PER_BLOB) + file_bytes + (64 << 10)
+
+
 class StoreWriter:
     """with StoreWriter(dest) as w: w.write_dense(...); w.add_expert(...); w.commit(...)
 
-    `overwrite` replaces an existing store (only a store: any other folder is refused), never one of `sources`."""
+    `overwrite` replaces an existing store (only a store: any other folder is refused), never one of `sources`.
+    `expected_bytes` (see `store_bytes`): refused before anything is written if the disk has no room for it."""
 
-    def __init__(self, dest: Path | str, overwrite: bool = False, sources: tuple[Path, ...] = ()) -> None:
+    def __init__(self, dest: Path | str, overwrite: bool = False, sources: tuple[Path, ...] = (),
+                 expected_bytes: int = 0) -> None:
         self.dest = Path(dest)
         self.overwrite = overwrite
         self.sources = sources
+        self.expected_bytes = expected_bytes
         self.blobs: list[BlobRef] = []
         self.dense_crc32: dict[str, int] = {}
         self.file_crc32: dict[str, int] = {}
@@ -71,6 +84,7 @@ class StoreWriter:
 
     def __enter__(self) -> StoreWriter:
         check_replaceable(self.dest, "store", is_store, self.overwrite, self.sources)
+        check_free_space(self.dest, self.expected_bytes, f"the store {self.dest.name}")
         self.tmp = self._stack.enter_context(atomic_dir(self.dest))  # renamed into place on a clean exit
         return self
 

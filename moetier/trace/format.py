@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moetier.atomic import atomic_dir, check_replaceable, marked_json
+from moetier.atomic import atomic_dir, check_free_space, check_replaceable, marked_json
 from moetier.errors import MoetierError, integer, parsing
 from moetier.plan.route import PREFILL
 
@@ -119,6 +119,9 @@ class Trace:
         """Write the trace folder atomically. `overwrite` replaces an existing trace (only a trace: any other
         folder is refused), never one of `sources`."""
         check_replaceable(out, "trace", is_trace, overwrite, sources)
+        arrays = [getattr(self, name) for name in {**ARRAYS, **OPTIONAL}]
+        check_free_space(out, sum(np.asarray(a).nbytes for a in arrays if a is not None) + (64 << 10) +
+                         len(json.dumps(self.meta())), f"the trace {Path(out).name}")
         with atomic_dir(out) as tmp:
             for name, dtype in {**ARRAYS, **OPTIONAL}.items():
                 value = getattr(self, name)
