@@ -57,9 +57,21 @@ def check_free_space(dest: Path | str, needed: int, what: str) -> None:
                             hint=FREE_HINT)
 
 
+def is_disk_full(error: OSError, where: Path) -> bool:
+    """ENOSPC or EDQUOT, or a short write that says no errno (numpy's `tofile`) on a filesystem with no room left."""
+    if error.errno in FULL:
+        return True
+    try:
+        st = os.statvfs(where)
+        return error.errno is None and st.f_bavail * st.f_frsize < (1 << 20)
+    except OSError:
+        return False
+
+
 def disk_full(dest: Path | str, error: OSError) -> DiskFullError:
     """The one line for a disk that filled up while `dest` was written (its partial files already removed)."""
-    return DiskFullError(f"the disk filled up while writing {dest} ({error.strerror}); nothing of it was kept",
+    return DiskFullError(f"the disk filled up while writing {dest} ({error.strerror or error}); nothing of it was "
+                         f"kept",
                          hint=FREE_HINT)
 
 
@@ -137,8 +149,9 @@ def atomic_dir(dest: Path | str) -> Iterator[Path]:
         yield tmp
         _swap_in(tmp, dest)
     except OSError as e:
+        full = is_disk_full(e, dest.parent)  # (asked before the partial files go and free the space again)
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in FULL:
+        if full:
             raise disk_full(dest, e) from None
         raise
     except BaseException:

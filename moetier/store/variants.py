@@ -8,6 +8,7 @@ writes only the rest. Readers of the store may run meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -136,7 +137,8 @@ def _layer(store: Store, layer: int, layouts: dict[str, PrecisionLayout], bar) -
             _write_sidecar(paths[p], _sidecar(store.path, p, layer), todo[p], refs[p])
     finally:
         for p, f in files.items():
-            f.close()
+            with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails too; remove it anyway
+                f.close()
             tmps[p].unlink(missing_ok=True)
     return [r for p in layouts for r in refs[p]]
 
