@@ -40,6 +40,12 @@ PARTITIONS = ("global", "per-layer")
 LOW_TIER_SHARE = 0.75  # low-tier's default: the resident low copies take at most this share of the expert budget
 # (int2 of a 12 MiB expert is 16% of its bf16 bytes: at a 25% budget, 62% of it)
 MEMORY_MARGIN = 0.2  # share of available memory left for the KV cache, activations and everything else
+# What the process takes beyond the expert cache and the dense weights, measured (peak RSS less both, AMD EPYC,
+# torch 2.13): 269-306 MiB at short prompts (the interpreter, torch, the tokenizer, the kernels), growing with
+# the tokens of a packed prefill by 36-219 KiB a token (demo-fine to an OLMoE-width model, 4 prompts of 1,000).
+# The budget note promises peak RSS within the two plus these bounds; tests/engine/test_budget.py holds it.
+RUNTIME_BYTES = 384 << 20
+PREFILL_BYTES_PER_TOKEN = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,11 @@ class BudgetChoice:
     slots: int
     cache_bytes: int
     note: str
+    dense_bytes: int = 0
+
+    def peak_rss_bound(self, prompt_tokens: int) -> int:
+        """What the note promises this process's peak RSS stays within, for a prefill of `prompt_tokens`."""
+        return self.cache_bytes + self.dense_bytes + RUNTIME_BYTES + prompt_tokens * PREFILL_BYTES_PER_TOKEN
 
 
 def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView) -> BudgetChoice:
@@ -111,8 +122,10 @@ def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView) -> Budge
     cache = cache_capacity(budget, total, slot_bytes, spec.top_k, fits, room)
     slots = cache // slot_bytes
     note = (f"expert cache {format_bytes(cache)} ({slots} slots, {cache / total:.0%} of {format_bytes(total)} of "
-            f"experts; asked {budget.label()}); {memory.describe()}")
-    return BudgetChoice(slots, cache, note)
+            f"experts; asked {budget.label()}); {memory.describe()}; peak RSS at most "
+            f"{format_bytes(cache + store.dense_bytes + RUNTIME_BYTES)} (with the dense weights and "
+            f"{format_bytes(RUNTIME_BYTES)} of runtime) + {PREFILL_BYTES_PER_TOKEN >> 10} KiB per prompt token")
+    return BudgetChoice(slots, cache, note, store.dense_bytes)
 
 
 def choose_low(mixed: MixedPrecision, store: Store, cache_bytes: int) -> MixedPrecision:

@@ -95,3 +95,59 @@ def test_under_a_1_gib_cgroup(huge):
         assert "MiB or less, or auto" in r.stderr and "Traceback" not in r.stderr
     finally:
         cgroup.rmdir()
+
+
+def promised_and_peak(r: subprocess.CompletedProcess) -> tuple[int, int]:
+    """(the peak RSS the budget note promised for this run's prompt tokens, the peak RSS the run reached)."""
+    import json
+    import re
+
+    note = next(line for line in r.stderr.splitlines() if line.startswith("moetier: expert cache"))
+    m = re.search(r"peak RSS at most ([\d.]+) (MiB|GiB) .* \+ (\d+) KiB per prompt token", note)
+    assert m, note
+    base = float(m[1]) * (2**20 if m[2] == "MiB" else 2**30)
+    stats = json.loads(r.stdout)["stats"]
+    return int(base + int(m[3]) * 1024 * stats["prompt_tokens"]), stats["peak_rss_bytes"]
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "demo-fine", "--expert-memory", "30%"],
+    ["--model", "demo-deep", "--expert-memory", "100%", "--prompt-file", "{long}", "--prompt-file", "{long}"],
+])
+def test_peak_rss_stays_within_what_the_budget_note_promises(tmp_path, args):
+    long = tmp_path / "long.txt"
+    long.write_text("The sea was calm and the ship went on through the night. " * 60)  # ~700 tokens
+    args = [a.format(long=long) for a in args]
+    if "--prompt-file" not in args:
+        args += ["--prompt", "The sea was"]
+    r = subprocess.run([sys.executable, "-m", "moetier.cli", "generate", *args, "--max-tokens", "16", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    promised, peak = promised_and_peak(r)
+    assert peak <= promised, (peak / 2**20, promised / 2**20)
+
+
+def test_a_neighbour_taking_memory_in_the_same_cgroup_leaves_moetier_running(tmp_path):
+    """Memory pressure without --adapt: in a 1 GiB cgroup another process takes all that moetier's promise leaves,
+    while moetier decodes. Had moetier grown past its promise, the cgroup would run out and one of the two be
+    killed; both finish."""
+    cgroup = make_cgroup(GiB)
+    if cgroup is None:
+        pytest.skip("this machine does not let the test create a memory cgroup")
+    neighbour = ("import sys, time\nchunks = []\nfor _ in range(int(sys.argv[1])):\n"
+                 "    chunks.append(bytearray(8 << 20)); time.sleep(0.02)\nprint('held', flush=True)\ntime.sleep(30)")
+    try:
+        r = run_in(cgroup, "generate", "--prompt", "The sea was", "--max-tokens", "4", "--json")  # the promise
+        promised, _ = promised_and_peak(r)
+        room = (GiB - promised - (64 << 20)) // (8 << 20)  # what the promise leaves, less a little slack
+        hog = subprocess.Popen(["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$0" -c "$1" {room}',
+                                sys.executable, neighbour], stdout=subprocess.PIPE, text=True)
+        try:
+            r = run_in(cgroup, "generate", "--prompt", "The sea was", "--max-tokens", "48", "--ignore-eos", "--json")
+            assert r.returncode == 0, r.stderr  # not killed (-9), not refused
+            assert hog.poll() is None  # and the neighbour still holds its memory
+        finally:
+            hog.kill()
+            hog.wait()
+    finally:
+        cgroup.rmdir()
