@@ -234,6 +234,11 @@ def check_replaceable(dest: Path | str, what: str, is_ours: Callable[[Path], boo
             where = "is a file" if parent == dest else f"cannot be created: {parent} is a file"
             raise ReplaceError(f"{dest} {where}", hint=f"give a folder path for the {what}")
     target = dest.resolve()
+    here = Path.cwd().resolve()
+    if target == here or target in here.parents:  # `--out ""` is `.`: never replace the folder the user is in
+        where = "the folder you are in" if target == here else "a folder around the one you are in"
+        raise ReplaceError(f"{str(dest) or '(an empty path)'} is {where}",
+                           hint=f"give a new folder path for the {what}")
     for source in sources:
         src = Path(source).expanduser().resolve()
         if target == src or src in target.parents or target in src.parents:

@@ -10,8 +10,17 @@ class MoetierError(Exception):
     """Base class. The CLI prints the message and exits non-zero without a traceback."""
 
     def __init__(self, message: str, hint: str | None = None) -> None:
+        message, hint = one_line(message), None if hint is None else one_line(hint)
         self.hint = hint
         super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
+
+
+def one_line(text: str) -> str:
+    """`text` with any control character a user's input brought in (a newline in a path) written as its escape, so
+    an error stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 class ModelNotFoundError(MoetierError):

@@ -9,7 +9,7 @@ import sys
 from moetier import __version__
 from moetier.cli import cache, evaluate, generate, listing, predict, sim, store, trace
 from moetier.cli.defaults import HELP, Parser
-from moetier.errors import MoetierError
+from moetier.errors import MoetierError, one_line
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what `yes | head -1` gives a shell
 
@@ -39,4 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return SIGPIPE_EXIT
+    except OSError as e:  # a path the checks before the work did not foresee (a folder where a file goes, ...)
+        print(f"moetier: error: {one_line(f'{e.strerror or e}' + (f': {e.filename}' if e.filename else ''))}\n"
+              f"  hint: check the path and the disk", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("moetier: error: out of memory\n  hint: smaller sizes, or free memory", file=sys.stderr)
+        return 1
     return 0

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from moetier.cache.policies import LEARNED
-from moetier.cli.defaults import DEFAULT_MODEL, command
+from moetier.cli.defaults import DEFAULT_MODEL, command, count, write_plot
 from moetier.errors import MoetierError
 
 
@@ -67,8 +67,7 @@ def _cache_bench(args: argparse.Namespace) -> None:
     if args.json:
         atomic_write_json(args.json, to_json(records))
         print(f"wrote {args.json}")
-    if args.plot:
-        plot(records, Path(args.plot))
+    if args.plot and write_plot(lambda path: plot(records, path), Path(args.plot)):
         print(f"plot: {args.plot}")
 
 
@@ -173,7 +172,7 @@ def add_parser(sub) -> None:
     cb.add_argument("--plot", help="write hit rate against budget per policy to this PNG")
     cb.add_argument("--predictor", default="none", choices=["none", *PREDICTORS],
                     help="every policy hears its predictions; `all` then adds each policy as NAME+predicted")
-    cb.add_argument("--predict-distance", type=int, default=2, help="MoE layers ahead to predict")
+    cb.add_argument("--predict-distance", type=count(1, 1024), default=2, help="MoE layers ahead to predict")
     cb.add_argument("--model", help="the traces' model, for predictors built on its weights (default: the trace's)")
     cb.set_defaults(func=_cache_bench)
 

@@ -44,11 +44,56 @@ def command(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=help, description=kw.pop("description", help), formatter_class=HELP, **kw)
 
 
+def count(minimum: int = 1, maximum: int | None = None):
+    """An argparse type: a whole number in [minimum, maximum], refused in argparse's one line otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < minimum or (maximum is not None and n > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {n}")
+        return n
+
+    return parse
+
+
+SEED = count(0, 2**63 - 1)  # what numpy's and torch's generators take
+
+
+def out_folder(path: str | Path, option: str = "--out") -> Path:
+    """An output folder, checked before any work: an existing one must be a folder, a new one must be makeable
+    under a folder. Made when the results are written (`make_folder`)."""
+    path = Path(path)
+    if not str(path).strip():
+        raise MoetierError(f"{option} is empty", hint="give a folder path")
+    for p in [path, *path.parents]:
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"cannot be made: {p} is a file"
+                raise MoetierError(f"{option} {path} {where}", hint="give a folder path")
+            break
+    return path
+
+
+def make_folder(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MoetierError(f"cannot make the folder {path}: {e.strerror or e}", hint="give another --out") from None
+    return path
+
+
 def write_plot(draw, path: str | Path) -> bool:
     """`draw(path)` writes a plot beside results already printed; a plot that cannot be written (a read-only
     folder, a full disk) is a one-line warning, not the loss of what was computed."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # whole or absent, as every file we write
+    if not path.name or path.is_dir():
+        print(f"moetier: warning: cannot write the plot {path}: it is a folder (give a file path)", file=sys.stderr)
+        return False
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")  # whole or absent; PNG whatever the name says
     try:
         draw(tmp)
         os.replace(tmp, path)

@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from moetier.cli.defaults import command
+from moetier.cli.defaults import command, count, make_folder, out_folder, write_plot
 from moetier.cli.generate import (
     add_engine_options,
     add_precision_options,
@@ -105,6 +105,8 @@ def _eval(args: argparse.Namespace) -> None:
     from moetier.quality import Windows, sweep
 
     check_engine_args(args)
+    if args.out:
+        out_folder(args.out)
     fields = precision_fields(args)
     param, values = parse_sweep(args.sweep)
     own = args.precision if args.substitute == "off" else f"{args.precision}+substitute {args.substitute}"
@@ -169,12 +171,12 @@ def report(rows, args: argparse.Namespace) -> None:
     if args.out:
         from moetier.atomic import atomic_write_json
 
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = make_folder(Path(args.out))
         atomic_write_json(out / "eval.json", meta)
-        plot(records, out / "eval.png", f"{args.model} at {args.expert_memory}, batch {args.batch}")
+        drawn = write_plot(lambda path: plot(records, path, f"{args.model} at {args.expert_memory}, batch "
+                                                         f"{args.batch}"), out / "eval.png")
         if not args.json:
-            print(f"json: {out / 'eval.json'}; plot: {out / 'eval.png'}")
+            print(f"json: {out / 'eval.json'}" + (f"; plot: {out / 'eval.png'}" if drawn else ""))
 
 
 def plot(records: list[dict], path: Path, title: str) -> None:
@@ -211,10 +213,10 @@ def add_parser(sub) -> None:
                    help=f"one row per value of PARAM ({', '.join(SWEEPABLE)}), e.g. precision=int8,int4,hobbit")
     e.add_argument("--text", action="append", metavar="NAME=FILE",
                    help="a held-out text to score (repeatable; default: the demo models' held-out prose and code)")
-    e.add_argument("--windows", type=int, default=8, help="windows scored per text")
-    e.add_argument("--window", type=int, default=128, help="tokens per window")
-    e.add_argument("--prefix", type=int, default=16, help="tokens of each window fed as a prefill before scoring")
-    e.add_argument("--batch", type=int, default=1, help="windows of a text decoded together (a batch of sequences)")
+    e.add_argument("--windows", type=count(), default=8, help="windows scored per text")
+    e.add_argument("--window", type=count(), default=128, help="tokens per window")
+    e.add_argument("--prefix", type=count(), default=16, help="tokens of each window fed as a prefill before scoring")
+    e.add_argument("--batch", type=count(), default=1, help="windows of a text decoded together (a batch of sequences)")
     e.add_argument("--out", help="folder for eval.json and eval.png (speed against quality)")
     e.add_argument("--json", action="store_true", help="print the records as JSON")
     e.set_defaults(func=_eval)

@@ -7,7 +7,7 @@ import json
 import sys
 
 from moetier.cache.policies import LIVE_POLICIES
-from moetier.cli.defaults import DEFAULT_MODEL, command, read_prompts
+from moetier.cli.defaults import DEFAULT_MODEL, SEED, command, count, read_prompts
 from moetier.config import KERNELS
 from moetier.errors import MoetierError
 
@@ -227,7 +227,7 @@ def add_prefetch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default="none", choices=["none", *PREDICTORS],
                    help="what predicts the coming layers' experts (stacked-gates: the next layers' routers on the "
                         "current hidden state)")
-    p.add_argument("--predict-distance", type=int, default=2, help="MoE layers ahead to predict (HOBBIT's p)")
+    p.add_argument("--predict-distance", type=count(1, 1024), default=2, help="MoE layers ahead to predict (HOBBIT's p)")
 
 
 def add_parser(sub) -> None:
@@ -253,7 +253,7 @@ def add_parser(sub) -> None:
                         "host memory (every expert is kept there): smoe-two-pointer, prescope, greedy, hobbit-coop")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--seed", type=SEED, default=0, help="sampling seed")
     g.add_argument("--reconvert", action="store_true",
                    help="convert a Hugging Face folder again even if the cache holds it (a damaged conversion)")
     g.add_argument("--json", action="store_true", help="print texts, token ids and statistics as JSON")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moetier.cli.defaults import command
+from moetier.cli.defaults import command, count, make_folder, out_folder, write_plot
 from moetier.errors import MoetierError
 
 BENCHED = ("stacked-gates", "llapor", "comoe-mlp", "hot")  # unless told (the oracle scores 100% by construction)
@@ -18,6 +18,8 @@ def _predict_bench(args: argparse.Namespace) -> None:
     from moetier.predictor_files import TRAINED, load_nets
     from moetier.sim.predict_bench import format_table, plot, predict_bench, to_json
     from moetier.sim.predictors import check_replayable, trace_counts, trace_predictor
+
+    out_folder(args.out)
     from moetier.trace.format import Trace
 
     if not 0 < args.train_fraction < 1:
@@ -58,11 +60,11 @@ def _predict_bench(args: argparse.Namespace) -> None:
     for path, trace in traces.items():
         records += predict_bench({path: trace}, {name: maker(name, path) for name in names}, args.train_fraction)
     print(format_table(records))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out))
     atomic_write_json(out / "predict-bench.json", to_json(records))
-    plot(records, out / "predict-bench.png")
-    print(f"wrote {out / 'predict-bench.json'} and {out / 'predict-bench.png'}")
+    print(f"wrote {out / 'predict-bench.json'}")
+    if write_plot(lambda path: plot(records, path), out / "predict-bench.png"):
+        print(f"plot: {out / 'predict-bench.png'}")
 
 
 def add_parser(sub) -> None:
@@ -71,7 +73,7 @@ def add_parser(sub) -> None:
                     help="trace folders recorded with --gate-inputs (`moetier trace record`)")
     pb.add_argument("--predictor", default=",".join(BENCHED), help="comma-separated (`moetier list predictors`)")
     pb.add_argument("--model", help="the traces' model, for predictors built on its weights (default: the trace's)")
-    pb.add_argument("--distance", type=int, default=3, help="MoE layers ahead to score (1..N)")
+    pb.add_argument("--distance", type=count(1, 1024), default=3, help="MoE layers ahead to score (1..N)")
     pb.add_argument("--train-fraction", type=float, default=0.3,
                     help="share of each trace that predictors which learn learn from; the rest is scored")
     pb.add_argument("--cache-dir", help="where Hugging Face folders are converted")
@@ -119,7 +121,7 @@ def add_train_parser(train) -> None:
     tp.add_argument("--trace", nargs="+", action="extend", required=True,
                     help="traces of the model recorded with --gate-inputs")
     tp.add_argument("--model", default=DEFAULT_MODEL, help="the model to save it with (its predictors/ folder)")
-    tp.add_argument("--epochs", type=int, default=30, help="passes over the traces (LLaPor's paper: 30)")
+    tp.add_argument("--epochs", type=count(), default=30, help="passes over the traces (LLaPor's paper: 30)")
     tp.add_argument("--out", help="write here instead")
     tp.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     tp.set_defaults(func=_train_predictor)

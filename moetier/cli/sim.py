@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moetier.atomic import atomic_write_json
 from moetier.cache.policies import POLICIES, SUFFIX, check_policy
-from moetier.cli.defaults import DEFAULT_MODEL, command, write_plot
+from moetier.cli.defaults import DEFAULT_MODEL, command, count, make_folder, out_folder, write_plot
 from moetier.errors import MoetierError
 
 
@@ -66,6 +66,8 @@ def _sim(args: argparse.Namespace) -> None:
         raise MoetierError("--prefetch needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
     if any(p.endswith(SUFFIX) for p, *_ in configs) and args.predictor == "none":
         raise MoetierError(f"a {SUFFIX} policy needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
+    if len(configs) > 1:
+        out_folder(args.out or "sim-sweep")
     if args.timeline and len(configs) > 1:
         raise MoetierError("--timeline draws one configuration", hint="give one policy, budget and prefetch stage")
     substitution = substitution_config(args)
@@ -85,13 +87,12 @@ def _sim(args: argparse.Namespace) -> None:
         summary = dict(runs[0].row(), profile=profile.name, model_shape=shape.name, precision=cost.precision)
         if args.timeline:
             step, timeline = next(iter(runs[0].result.timelines.items()))
-            plot_timeline(timeline, args.timeline, f"{where}, {configs[0][0]}, {configs[0][1]}, prefetch "
-                                                   f"{configs[0][2]}: step {step}")
-            summary["timeline_plot"] = args.timeline
+            title = f"{where}, {configs[0][0]}, {configs[0][1]}, prefetch {configs[0][2]}: step {step}"
+            if write_plot(lambda path: plot_timeline(timeline, path, title), Path(args.timeline)):
+                summary["timeline_plot"] = args.timeline
         print(json.dumps(summary, indent=1))
         return
-    out = Path(args.out or "sim-sweep")
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out or "sim-sweep"))
     atomic_write_json(out / "sweep.json", {"profile": profile.name, "model_shape": shape.name,
                                            "precision": cost.precision, "trace": str(args.trace),
                                            "runs": [r.row() for r in runs]})
@@ -151,7 +152,7 @@ def add_parser(sub) -> None:
                     choices=["none", *PREDICTORS],
                     help="oracle: the trace's own routing (a bound); hot: the trace's use counts; stacked-gates: the "
                          "model's routers on the trace's recorded gate inputs; llapor, comoe-mlp: trained networks")
-    sm.add_argument("--predict-distance", type=int, default=2, help="MoE layers ahead to predict (HOBBIT's p)")
+    sm.add_argument("--predict-distance", type=count(1, 1024), default=2, help="MoE layers ahead to predict (HOBBIT's p)")
     sm.add_argument("--oracle-error", type=float, default=0.0,
                     help="share of the oracle's (token, expert) pairs made wrong, drawn uniformly")
     sm.add_argument("--placement", default="none", choices=["none", *PLACEMENTS],

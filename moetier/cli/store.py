@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from moetier.cli.defaults import command
+from moetier.cli.defaults import SEED, command, count
 from moetier.errors import MoetierError
 from moetier.store.synth import PRESETS
 
@@ -82,11 +82,12 @@ def add_parser(sub) -> None:
     s.add_argument("--inflate", metavar="MODEL",
                    help="a model (built-in name, Hugging Face folder or store) whose experts get extra hidden units "
                         "that contribute exactly zero: same routing and tokens, real-size reads")
-    s.add_argument("--expert-intermediate", dest="expert_intermediate", type=int, metavar="N",
+    s.add_argument("--expert-intermediate", dest="expert_intermediate", type=count(), metavar="N",
                    help="with --inflate: the experts' new intermediate size (default: OLMoE-1B-7B's 12 MiB expert)")
     for name in ("hidden_size", "num_layers", "num_experts", "intermediate_size", "top_k", "num_heads",
                  "num_kv_heads", "vocab_size", "seed"):
-        s.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=f"override the preset's {name}")
+        s.add_argument("--" + name.replace("_", "-"), dest=name, type=SEED if name == "seed" else count(),
+                       help=f"override the preset's {name}")
     s.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="override the preset's precision")
     s.add_argument("--embed-std", dest="embed_std", type=float,
                    help="standard deviation of the token embedding (large keeps routing near-uniform)")

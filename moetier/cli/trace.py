@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moetier.cli.defaults import command, read_text_file, write_plot
+from moetier.cli.defaults import SEED, command, count, read_text_file, write_plot
 from moetier.cli.generate import add_engine_options, check_engine_args, open_engine
 from moetier.errors import MoetierError
 
@@ -63,6 +63,7 @@ def _trace_record(args: argparse.Namespace) -> None:
 
 
 def _trace_synth(args: argparse.Namespace) -> None:
+    from moetier.atomic import check_free_space
     from moetier.trace.format import Trace
     from moetier.trace.synthetic import fit_locality, generate
 
@@ -80,6 +81,8 @@ def _trace_synth(args: argparse.Namespace) -> None:
                                                                        "--num-experts and --top-k")
     else:
         dims = dict(num_layers=args.num_layers, num_experts=args.num_experts, top_k=args.top_k, model=args.name)
+    rows = args.tokens * len(dims.get("layers") or range(dims["num_layers"])) * dims["top_k"]
+    check_free_space(args.out, rows * 4 + args.tokens * 9, f"the trace {Path(args.out).name}")  # before drawing it
     fit = fit_locality(Trace.load(args.fit))
     trace = generate(fit, tokens=args.tokens, seed=args.seed, **dims)
     trace.save(args.out, overwrite=args.force, sources=(args.fit,))
@@ -107,8 +110,8 @@ def add_parser(sub) -> None:
     ti = command(t, "import", "import a JSONL routing trace (a file, or a folder of them)")
     ti.add_argument("path", help="a JSON-lines trace file, or a folder of *.jsonl files")
     ti.add_argument("--out", required=True, help="the trace folder to write")
-    ti.add_argument("--num-layers", type=int, help="the model's layers, if the trace cannot tell")
-    ti.add_argument("--num-experts", type=int, help="experts per layer, if the trace cannot tell")
+    ti.add_argument("--num-layers", type=count(1, 4096), help="the model's layers, if the trace cannot tell")
+    ti.add_argument("--num-experts", type=count(1, 32768), help="experts per layer, if the trace cannot tell")
     ti.add_argument("--warmup", default="auto",
                     help="vLLM-MoE-Logger files: records to drop from the start of each layer (auto: a warm-up pass of "
                          "64 or more records routed alike, as the shared traces begin with; 0 keeps every record)")
@@ -120,18 +123,18 @@ def add_parser(sub) -> None:
     tr.add_argument("--out", required=True, help="the trace folder to write")
     tr.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")
     tr.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    tr.add_argument("--seed", type=int, default=0, help="sampling seed")
+    tr.add_argument("--seed", type=SEED, default=0, help="sampling seed")
     tr.add_argument("--gate-inputs", action="store_true", help="also record the router's inputs")
     tr.add_argument("--force", action="store_true", help=force)
     tr.set_defaults(func=_trace_record)
     tsy = command(t, "synth", "a synthetic trace of any shape, skew and locality fitted to a real one")
     tsy.add_argument("--fit", required=True, help="the trace to fit")
     tsy.add_argument("--model-shape", help="a model shape (`moetier list shapes`)")
-    tsy.add_argument("--num-layers", type=int, help="without --model-shape: the model's layers")
-    tsy.add_argument("--num-experts", type=int, help="without --model-shape: experts per layer")
-    tsy.add_argument("--top-k", type=int, help="without --model-shape: experts per token")
-    tsy.add_argument("--tokens", type=int, default=2000, help="token steps to generate")
-    tsy.add_argument("--seed", type=int, default=0, help="random seed")
+    tsy.add_argument("--num-layers", type=count(1, 4096), help="without --model-shape: the model's layers")
+    tsy.add_argument("--num-experts", type=count(1, 32768), help="without --model-shape: experts per layer")
+    tsy.add_argument("--top-k", type=count(1, 32768), help="without --model-shape: experts per token")
+    tsy.add_argument("--tokens", type=count(), default=2000, help="token steps to generate")
+    tsy.add_argument("--seed", type=SEED, default=0, help="random seed")
     tsy.add_argument("--name", default="synthetic", help="without --model-shape: the model name recorded")
     tsy.add_argument("--out", required=True, help="the trace folder to write")
     tsy.add_argument("--force", action="store_true", help=force)

@@ -5,6 +5,7 @@ drawing the token embedding with a much larger standard deviation restores near-
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
-from moetier.atomic import check_replaceable
+from moetier.atomic import check_free_space, check_replaceable
 from moetier.errors import MoetierError
 from moetier.store.format import Manifest, PrecisionLayout, is_store
 from moetier.store.writer import StoreWriter, store_bytes
@@ -44,6 +45,9 @@ class SynthSpec:
         bad = [f"{name}={getattr(self, name)}" for name in sizes if getattr(self, name) < 1]
         if bad or self.embed_std <= 0 or self.std <= 0:
             raise MoetierError(f"synthetic model sizes must be positive: {', '.join(bad) or 'std'}")
+        if self.num_layers > 4096 or self.num_experts > 32768:  # past any real model; traces hold int16 ids
+            raise MoetierError(f"a synthetic model has at most 4096 layers of 32768 experts, got {self.num_layers} "
+                               f"of {self.num_experts}")
         if self.num_heads % self.num_kv_heads:
             raise MoetierError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} kv heads")
         if self.precision not in DTYPE_NAMES:
@@ -82,30 +86,40 @@ def byte_tokenizer() -> Tokenizer:
     return tok
 
 
+def dense_shapes(spec: SynthSpec) -> dict[str, tuple[tuple[int, ...], float | None]]:
+    """Every dense tensor's shape and the std it is drawn with (None: ones, a norm's weight), in drawing order."""
+    h, kv = spec.hidden_size, spec.num_kv_heads * (spec.hidden_size // spec.num_heads)
+    shapes = {"embed_tokens": ((spec.vocab_size, h), spec.embed_std), "lm_head": ((spec.vocab_size, h), spec.std),
+              "norm": ((h,), None)}
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        shapes |= {p + "input_norm": ((h,), None), p + "post_attn_norm": ((h,), None), p + "q_proj": ((h, h), spec.std),
+                   p + "k_proj": ((kv, h), spec.std), p + "v_proj": ((kv, h), spec.std),
+                   p + "o_proj": ((h, h), spec.std), p + "q_norm": ((h,), None), p + "k_norm": ((kv,), None),
+                   p + "router": ((spec.num_experts, h), spec.std)}
+    return shapes
+
+
 def synthesize(spec: SynthSpec, out: Path | str, overwrite: bool = False, progress: bool = True) -> Path:
     check_replaceable(out, "store", is_store, overwrite)  # before drawing gigabytes of weights
-    g = torch.Generator().manual_seed(spec.seed)
     dtype = DTYPE_NAMES[spec.precision]
-    h, d = spec.hidden_size, spec.hidden_size // spec.num_heads
+    h = spec.hidden_size
+    shapes = dense_shapes(spec)
+    layout = PrecisionLayout.swiglu(spec.precision, str(dtype).removeprefix("torch."), h, spec.intermediate_size)
+    out = Path(out)
+    dense_bytes = sum(math.prod(shape) for shape, _ in shapes.values()) * dtype.itemsize
+    needed = store_bytes(dense_bytes, spec.num_layers * spec.num_experts, layout.blob_bytes, 1 << 20)  # (tokenizer)
+    check_free_space(out, needed, f"the store {out.name}")  # before drawing gigabytes of weights
+    g = torch.Generator().manual_seed(spec.seed)
 
     def randn(*shape: int, std: float = spec.std) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).to(dtype)
 
-    dense = {"embed_tokens": randn(spec.vocab_size, h, std=spec.embed_std), "lm_head": randn(spec.vocab_size, h),
-             "norm": torch.ones(h, dtype=dtype)}
-    for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        dense |= {p + "input_norm": torch.ones(h, dtype=dtype), p + "post_attn_norm": torch.ones(h, dtype=dtype),
-                  p + "q_proj": randn(h, h), p + "k_proj": randn(spec.num_kv_heads * d, h),
-                  p + "v_proj": randn(spec.num_kv_heads * d, h), p + "o_proj": randn(h, h),
-                  p + "q_norm": torch.ones(h, dtype=dtype), p + "k_norm": torch.ones(spec.num_kv_heads * d, dtype=dtype),
-                  p + "router": randn(spec.num_experts, h)}
-    layout = PrecisionLayout.swiglu(spec.precision, str(dtype).removeprefix("torch."), h, spec.intermediate_size)
-    out = Path(out)
-    needed = store_bytes(sum(t.nbytes for t in dense.values()), spec.num_layers * spec.num_experts,
-                         layout.blob_bytes, 1 << 20)  # (the byte tokenizer: ~20 KiB)
-    with StoreWriter(out, overwrite, expected_bytes=needed) as writer, tqdm(total=spec.num_layers * spec.num_experts, unit="expert",
-                                                     desc=f"synth {out.name}", disable=not progress) as bar:
+    dense = {name: torch.ones(shape, dtype=dtype) if std is None else randn(*shape, std=std)
+             for name, (shape, std) in shapes.items()}
+    with StoreWriter(out, overwrite, expected_bytes=needed) as writer, \
+            tqdm(total=spec.num_layers * spec.num_experts, unit="expert", desc=f"synth {out.name}",
+                 disable=not progress) as bar:
         writer.write_dense(dense)
         for layer in range(spec.num_layers):
             for e in range(spec.num_experts):
