@@ -129,10 +129,7 @@ def test_every_subcommand_refuses_any_value_in_one_line(world, clean_tree, tmp_p
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(64 << 20, 0, 64 << 20))
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            code = main(argv)
-        except SystemExit as e:  # argparse: --help, --version, its own refusals
-            code = e.code
+        code = main(argv)
     stderr = err.getvalue()
     assert "Traceback" not in stderr, (argv, stderr)
     assert code in (0, 1), (argv, code, stderr)

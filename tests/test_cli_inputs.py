@@ -132,7 +132,7 @@ BAD = [
     (["cache-bench", "--trace", "{trace}", "--expert-memory", "25%,lots"], "cannot read the budget 'lots'"),
     (["cache-bench", "--trace", "{trace}", "--train-fraction", "1.5"], "--train-fraction"),
     (["trace", "synth", "--fit", "{trace}", "--out", "{tmp}/s", "--tokens", "0"], "--tokens"),
-    (["synth", "{tmp}/s", "--preset", "tiny", "--num-heads", "0"], "must be positive"),
+    (["synth", "{tmp}/s", "--preset", "tiny", "--num-heads", "0"], "--num-heads: must be at least 1"),
     (["convert", "{bad_config}", "{tmp}/s"], "num_hidden_layers must be a positive integer"),
     (["synth", "{tmp}/s", "--inflate", "{store}", "--num-layers", "3"], "--num-layers sets a random model's shape"),
     (["synth", "{tmp}/s", "--expert-intermediate", "64"], "--expert-intermediate sizes an inflated model"),

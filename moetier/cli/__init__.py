@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version (0), or argparse's one-line refusal (1): its status, returned
+        return e.code if isinstance(e.code, int) else 1
     try:
         args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush

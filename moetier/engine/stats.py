@@ -56,6 +56,16 @@ class GenerationStats:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory: Linux's VmHWM, the high-water mark of its own address space.
+    (getrusage's ru_maxrss survives exec: a moetier started by a 400 MiB Python process reported 405 MiB where it
+    had used 277.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
