@@ -43,7 +43,9 @@ def child(cfg: dict) -> dict:
             os.environ.pop(name, None)
     from moetier import Engine
 
-    with Engine.from_pretrained(cfg["store"], expert_memory="100%", kernels=cfg["kernels"], progress=False) as e:
+    share = cfg.get("share_cpu", True)
+    with Engine.from_pretrained(cfg["store"], expert_memory="100%", kernels=cfg["kernels"], progress=False,
+                                share_cpu=share) as e:
         e.preload()
         prompt = [[(7 * i) % 200 + 1 for i in range(16)]]
         e.generate(prompt, max_new_tokens=4, ignore_eos=True)  # warm: pages, kernels
@@ -56,7 +58,7 @@ def child(cfg: dict) -> dict:
 
 def _wait_env(policy: str) -> dict[str, str]:
     """default (what moetier sets), ACTIVE, PASSIVE, or spin=N (libgomp spins N times at a barrier, then sleeps)."""
-    if policy == "default":
+    if policy in ("default", "fixed-threads"):
         return {}
     if policy.startswith("spin="):
         return {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": policy.removeprefix("spin=")}
@@ -83,7 +85,8 @@ def main() -> None:
     ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--kernels", default="native,torch")
     ap.add_argument("--wait-policies", default="default",
-                    help="OpenMP waiting to compare: default (what moetier sets), ACTIVE, PASSIVE, spin=N")
+                    help="what to compare: default (what moetier does), fixed-threads (moetier's threads kept as started, "
+                         "not fewer while others run), ACTIVE, PASSIVE, spin=N (libgomp's own is 300000)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     if args.child:
@@ -96,7 +99,8 @@ def main() -> None:
     for r in range(args.rounds):
         for kernels, wait in settings:
             for mode in (("quiet", "hog") if r % 2 == 0 else ("hog", "quiet")):  # alternated
-                cfg = {"store": str(store), "kernels": kernels, "tokens": args.tokens, "wait_policy": wait}
+                cfg = {"store": str(store), "kernels": kernels, "tokens": args.tokens, "wait_policy": wait,
+                       "share_cpu": wait != "fixed-threads"}
                 res = with_hogs(args.hogs, run_child, __file__, cfg) if mode == "hog" else run_child(__file__, cfg)
                 rows.append({"round": r, "kernels": kernels, "wait_policy": wait, "mode": mode,
                              "hogs": args.hogs if mode == "hog" else 0, "loadavg": os.getloadavg()[0], **res})

@@ -12,6 +12,7 @@ import torch
 from moetier.cache.capacity import cache_capacity
 from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
 from moetier.config import KERNELS, MemoryBudget, format_bytes
+from moetier.engine.cpu_share import CpuShare
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
 from moetier.engine.sampling import SamplingParams
@@ -63,6 +64,7 @@ class EngineConfig:
     predict_distance: int = 2  # MoE layers ahead the predictor scores (HOBBIT's p; the other stages use the next)
     precision: MixedPrecision = MixedPrecision()  # every expert at the model's own precision: exact mode
     substitution: Substitution | None = None  # SMoE's substitution of low-score experts (None: exact mode)
+    share_cpu: bool = True  # on the CPU: as many compute threads as other runnable processes leave cores for
     placement: str = "none"  # load a missing expert or compute it on the host CPU (moetier.plan.placement); every
     # expert is then held in host memory too. Made for a GPU (--device cuda); on the CPU the same memory stands in
     # for both, which tests the mechanism and gains nothing
@@ -251,6 +253,10 @@ class Engine:
         self.executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)
+        # fewer compute threads while other processes want the cores (moetier/engine/cpu_share.py)
+        self.cpu_share = CpuShare() if self.device.type == "cpu" and config.share_cpu else None
+        if self.cpu_share is not None:
+            self.step_hooks.append(self.cpu_share)
         self.closed = False
 
     @classmethod
@@ -342,6 +348,8 @@ class Engine:
         if not self.closed:
             self.closed = True
             self.reader.close()
+            if self.cpu_share is not None:
+                self.cpu_share.restore()
 
     def __enter__(self) -> Engine:
         return self

@@ -1,0 +1,45 @@
+"""CpuShare as pure logic on hand-made machine states: threads follow the cores other processes leave."""
+
+from moetier.engine.cpu_share import CHECK_EVERY, CpuShare, runnable_elsewhere
+
+
+def drive(others: list[int], cores: int = 4, threads: int = 4) -> list[int]:
+    """The thread count after each check, the machine showing `others` runnable threads at successive checks."""
+    seen, calls = [], iter(others)
+    share = CpuShare(cores=cores, elsewhere=lambda: next(calls), set_threads=seen.append, threads=threads)
+    counts = []
+    for _ in others:
+        for _ in range(CHECK_EVERY):
+            share()
+        counts.append(share.current)
+    return counts, seen
+
+
+def test_threads_follow_the_cores_others_leave_and_come_back():
+    counts, calls = drive([0, 1, 3, 7, 2, 0])
+    assert counts == [4, 3, 1, 1, 2, 4]  # never fewer than one, never more than it started with
+    assert calls == [3, 1, 2, 4]  # set only when it changes
+
+
+def test_a_machine_that_cannot_say_leaves_the_threads_alone():
+    def no_proc():
+        raise OSError("no /proc")
+
+    seen = []
+    share = CpuShare(cores=2, elsewhere=no_proc, set_threads=seen.append, threads=2)
+    for _ in range(3 * CHECK_EVERY):
+        share()
+    assert seen == [] and share.current == 2
+
+
+def test_restore_gives_back_the_threads_it_started_with():
+    counts, calls = drive([2], cores=2, threads=2)
+    assert counts == [1]
+    share = CpuShare(cores=2, elsewhere=lambda: 2, set_threads=calls.append, threads=2)
+    share()
+    share.restore()
+    assert calls[-2:] == [1, 2] and share.current == 2
+
+
+def test_this_machine_is_read():
+    assert runnable_elsewhere() >= 0
