@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moetier.config import ModelSpec
-from moetier.errors import ModelNotFoundError, StoreError
+from moetier.errors import StoreError
 from moetier.model.families import family_for, parse_spec
-from moetier.resolve import builtin_models, builtin_names, inflated_builtins
+from moetier.resolve import inflated_builtins, model_path
 from moetier.store.checkpoint import Checkpoint, read_config
-from moetier.store.format import DENSE, MANIFEST, PRECISION_OF_DTYPE, RECONVERT, Manifest
+from moetier.store.format import MANIFEST, PRECISION_OF_DTYPE, RECONVERT, Manifest
 
 
 @dataclass(frozen=True)
@@ -48,19 +48,11 @@ def inspect_model(model: str | Path) -> ModelInfo:
     name = str(model)
     if name in inflated_builtins() and not Path(model).exists():
         return _inflated(name, inspect_model(inflated_builtins()[name]))
-    builtin = builtin_models()
-    path = builtin[name] if name in builtin else Path(model).expanduser()
+    path = model_path(model)
     if (path / MANIFEST).exists():
         m = Manifest.load(path)
         native = m.precisions[m.native_precision]
         return ModelInfo(name, parse_spec(m.config), m.native_precision, native.blob_bytes, path)
-    if not path.exists():
-        names = ", ".join(builtin_names()) or "none shipped yet"
-        raise ModelNotFoundError(f"no model at {path}", hint=f"give a Hugging Face model folder, a converted store, "
-                                                             f"or a built-in model name ({names})")
-    if path.is_dir() and (path / DENSE).exists() and not (path / "config.json").exists():
-        raise StoreError(f"{path} looks like a moetier store but has no {MANIFEST} (its conversion never finished, "
-                         f"or the file was removed)", hint=RECONVERT)
     config = read_config(path)
     family, spec = family_for(config), parse_spec(config)
     return _checkpoint_info(name, path, family, spec)

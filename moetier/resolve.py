@@ -56,19 +56,12 @@ def _note(message: str) -> None:
     print(f"moetier: {message}", file=sys.stderr)
 
 
-def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progress: bool = True,
-                  reconvert: bool = False) -> Path:
-    """The store directory for `model`, converting a Hugging Face folder into the cache if needed (or, with
-    `reconvert`, again). Several processes resolving the same folder at once convert it once: the others wait
-    for the first and reuse its store."""
+def model_path(model: str | Path) -> Path:
+    """The folder `model` names (a built-in name, or a path): a store, or a folder to convert; refused if there is
+    none, or if it is a store whose conversion never finished."""
     builtin = builtin_models()
-    if str(model) in inflated_builtins() and not Path(model).exists():
-        return _inflated(str(model), cache_dir, progress, reconvert)
     path = builtin[str(model)] if str(model) in builtin else Path(model).expanduser()
     if (path / MANIFEST).exists():
-        if reconvert:
-            raise StoreError(f"{path} is a converted store, not a model converted on first use",
-                             hint="convert its source again with `moetier convert --force SRC STORE`")
         return path
     if not path.exists():
         names = ", ".join(builtin_names()) or "none shipped yet"
@@ -78,6 +71,22 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
     if path.is_dir() and (path / DENSE).exists() and not (path / "config.json").exists():
         raise StoreError(f"{path} looks like a moetier store but has no {MANIFEST} (its conversion never finished, "
                          f"or the file was removed)", hint=RECONVERT)
+    return path
+
+
+def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progress: bool = True,
+                  reconvert: bool = False) -> Path:
+    """The store directory for `model`, converting a Hugging Face folder into the cache if needed (or, with
+    `reconvert`, again). Several processes resolving the same folder at once convert it once: the others wait
+    for the first and reuse its store."""
+    if str(model) in inflated_builtins() and not Path(model).exists():
+        return _inflated(str(model), cache_dir, progress, reconvert)
+    path = model_path(model)
+    if (path / MANIFEST).exists():
+        if reconvert:
+            raise StoreError(f"{path} is a converted store, not a model converted on first use",
+                             hint="convert its source again with `moetier convert --force SRC STORE`")
+        return path
     read_config(path)  # clear errors for a folder without a readable config.json
     cache = _cache(cache_dir)
     sweep(cache)  # what conversions killed earlier left behind
