@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--kernels", default="native,torch")
     ap.add_argument("--wait-policies", default="default",
-                    help="what to compare: default (what moetier does), fixed-threads (moetier's threads kept as started, "
+                    help="what to compare: default (what moetier does), fixed-threads (the threads kept as started, "
                          "not fewer while others run), ACTIVE, PASSIVE, spin=N (libgomp's own is 300000)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()

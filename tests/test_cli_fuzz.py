@@ -104,7 +104,9 @@ def clean_tree():
     assert git_status() == before  # nothing made in the checkout
 
 
-@settings(max_examples=int(os.environ.get("MOETIER_FUZZ_EXAMPLES", "250")), deadline=None, derandomize=os.environ.get("MOETIER_FUZZ_RANDOM") is None,
+# MOETIER_FUZZ_RANDOM=1 MOETIER_FUZZ_EXAMPLES=5000 explores beyond the fixed examples the suite runs
+@settings(max_examples=int(os.environ.get("MOETIER_FUZZ_EXAMPLES", "250")), deadline=None,
+          derandomize=os.environ.get("MOETIER_FUZZ_RANDOM") is None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_every_subcommand_refuses_any_value_in_one_line(world, clean_tree, tmp_path_factory, monkeypatch, data):

@@ -26,7 +26,8 @@ def cache_capacity(budget: MemoryBudget, total_bytes: int, entry_bytes: int, min
                               f"top-{min_entries} needs {min_entries}", hint=f"give at least {min_entries} ({share})")
         raise BudgetError(
             f"expert memory {label or budget.label()} holds {entries} expert(s) of {format_bytes(entry_bytes)}; one "
-            f"layer's top-{min_entries} needs {min_entries} ({format_bytes(need)}, {share} of all expert bytes)", hint=f"give --expert-memory of at least {need} bytes ({share})")
+            f"layer's top-{min_entries} needs {min_entries} ({format_bytes(need)}, {share} of all expert bytes)",
+            hint=f"give --expert-memory of at least {need} bytes ({share})")
     if fits is not None and capacity > fits:
         raise BudgetError(f"expert memory {format_bytes(capacity)} does not fit: {room}",
                           hint=f"give --expert-memory {fits // 2**20}MiB or less, or auto")

@@ -66,9 +66,9 @@ def _generate(args: argparse.Namespace) -> None:
     check_engine_args(args)
     prompts = read_prompts(args.prompt, args.prompt_file)
     engine = open_engine(args, progress=not args.json, prompts=prompts, policy=args.policy,
-                         cache_partition=args.cache_partition, prefetch=args.prefetch, predictor=args.predictor, predict_distance=args.predict_distance,
-                         precision=precision_config(args), substitution=substitution_config(args),
-                         placement=args.placement)
+                         cache_partition=args.cache_partition, prefetch=args.prefetch, predictor=args.predictor,
+                         predict_distance=args.predict_distance, precision=precision_config(args),
+                         substitution=substitution_config(args), placement=args.placement)
     stream = len(prompts) == 1 and not args.json
 
     def on_text(_: int, delta: str) -> None:
@@ -227,7 +227,8 @@ def add_prefetch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default="none", choices=["none", *PREDICTORS],
                    help="what predicts the coming layers' experts (stacked-gates: the next layers' routers on the "
                         "current hidden state)")
-    p.add_argument("--predict-distance", type=count(1, 1024), default=2, help="MoE layers ahead to predict (HOBBIT's p)")
+    p.add_argument("--predict-distance", type=count(1, 1024), default=2,
+                   help="MoE layers ahead to predict (HOBBIT's p)")
 
 
 def add_parser(sub) -> None:

@@ -152,7 +152,8 @@ def add_parser(sub) -> None:
                     choices=["none", *PREDICTORS],
                     help="oracle: the trace's own routing (a bound); hot: the trace's use counts; stacked-gates: the "
                          "model's routers on the trace's recorded gate inputs; llapor, comoe-mlp: trained networks")
-    sm.add_argument("--predict-distance", type=count(1, 1024), default=2, help="MoE layers ahead to predict (HOBBIT's p)")
+    sm.add_argument("--predict-distance", type=count(1, 1024), default=2,
+                    help="MoE layers ahead to predict (HOBBIT's p)")
     sm.add_argument("--oracle-error", type=float, default=0.0,
                     help="share of the oracle's (token, expert) pairs made wrong, drawn uniformly")
     sm.add_argument("--placement", default="none", choices=["none", *PLACEMENTS],
