@@ -6,7 +6,8 @@ time slice: resident decode of an OLMoE-width model beside one CPU hog per core 
 (bench/bench_contention.py), however the waiting threads wait. With as many threads as there are cores the
 others leave free, no region waits on a parked thread and the step degrades with the CPU it gets.
 
-Checked every few steps (two small reads of /proc: ~30 us, against a decode step of milliseconds), on Linux only.
+Checked every other step (two small reads of /proc, against a decode step of tens of milliseconds), on Linux
+only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-CHECK_EVERY = 8  # forward steps between looks at the machine
+# forward steps between looks at the machine: a look costs ~0.1 ms (two /proc reads), a step tens of ms; with 8,
+# the two looks that lower the threads came 9 steps late, and those steps ran at up to 1 s each beside a hog
+CHECK_EVERY = 2
 
 
 def runnable_elsewhere() -> int:
@@ -36,7 +39,9 @@ def runnable_elsewhere() -> int:
 
 class CpuShare:
     """A step hook (Engine.step_hooks): every CHECK_EVERY forward steps, compute with as many threads as the cores
-    other runnable threads leave (at least one, at most the threads it started with)."""
+    other runnable threads leave (at least one, at most the threads it started with). Fewer threads once two looks
+    in a row see the cores taken (on a quiet machine a lone look sometimes catches a passing kernel thread: TPOT's
+    p90 rose 25% when one look sufficed), more at once."""
 
     def __init__(self, cores: int | None = None, elsewhere: Callable[[], int] = runnable_elsewhere,
                  set_threads: Callable[[int], None] = torch.set_num_threads, threads: int | None = None) -> None:
@@ -45,6 +50,7 @@ class CpuShare:
         self.current = self.full
         self.elsewhere, self.set_threads = elsewhere, set_threads
         self.steps = 0
+        self.was_fewer = False  # the last look also saw the cores taken (a lone look may catch a passing task)
 
     def __call__(self, batch=None, phase: int | None = None) -> None:
         self.steps += 1
@@ -55,9 +61,11 @@ class CpuShare:
         except (OSError, ValueError, IndexError):  # no /proc (not Linux): leave the threads as they are
             return
         want = max(1, min(self.full, self.cores - others))
-        if want != self.current:
+        fewer = want < self.current
+        if want > self.current or (fewer and self.was_fewer):  # fewer only when two looks in a row say so
             self.set_threads(want)
             self.current = want
+        self.was_fewer = fewer
 
     def restore(self) -> None:
         if self.current != self.full:
