@@ -252,6 +252,9 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
 
 
+_BUDGET_HINT = "--expert-memory takes bytes ('512MiB', '2GB'), a share of all expert bytes ('30%'), or 'auto'"
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """The fast tier's expert budget as the user gave it: bytes, a share of all expert bytes, a number of experts
@@ -264,9 +267,9 @@ class MemoryBudget:
         if self.kind not in ("bytes", "share", "entries", "auto"):
             raise ValueError(f"unknown budget kind {self.kind!r}")
         if self.kind == "share" and not 0 < self.value <= 1:
-            raise BudgetError(f"expert memory share must be in (0%, 100%], got {self.value:.0%}")
+            raise BudgetError(f"expert memory share must be in (0%, 100%], got {self.value:.0%}", hint=_BUDGET_HINT)
         if self.kind in ("bytes", "entries") and self.value <= 0:
-            raise BudgetError("expert memory must be positive")
+            raise BudgetError("expert memory must be positive", hint=_BUDGET_HINT)
 
     def label(self) -> str:
         """As a user would write it."""
@@ -296,8 +299,7 @@ class MemoryBudget:
         m = _SIZE.match(s)
         if m and m.group(2).lower() in _UNITS:
             return cls("bytes", float(m.group(1)) * _UNITS[m.group(2).lower()])
-        raise BudgetError(f"cannot read expert memory {text!r}",
-                          hint="give bytes ('512MiB', '2GB'), a share of all expert bytes ('30%'), or 'auto'")
+        raise BudgetError(f"cannot read expert memory {text!r}", hint=_BUDGET_HINT)
 
     def resolve(self, total_expert_bytes: int, available_bytes: int | None = None, entry_bytes: int = 1) -> int:
         """Bytes for the expert cache. `available_bytes` is what auto may use (free memory less what else is
