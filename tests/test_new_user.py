@@ -118,7 +118,8 @@ def test_argparse_refusals_are_one_line_with_status_1(capsys, args, message):
 
 def test_a_value_starting_with_a_dash_reaches_its_own_check(capsys):
     assert main(["generate", "--model", "/no/such", "--prompt", "x", "--expert-memory", "-5%"]) == 1
-    assert "expert memory share must be in (0%, 100%], got -5%" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "expert memory share must be in (0%, 100%], got -5%" in err and "hint: --expert-memory takes" in err
     assert main(["generate", "--model", "/no/such", "--prompt", "x", "--max-tokens", "-3"]) == 1
     assert "--max-tokens" in capsys.readouterr().err
     args = build_parser().parse_args(["generate", "--temperature", "-0.5", "--top-p", "-.5"])
