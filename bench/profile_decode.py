@@ -2,7 +2,7 @@
 
 Each part is timed by wrapping the function that does it (inclusive times: `attention` contains its
 projections, `moe` contains everything the expert executor does); the wrappers cost ~1 us a call, a few
-hundred calls a token. Prefill is measured on its own and subtracted, so the numbers are decode steps only.
+hundred calls a token. Only calls made during decode steps count (a step hook says which step runs).
 
     python bench/profile_decode.py --model demo-deep-xl
     python bench/profile_decode.py --model ~/.cache/moetier/bench/olmoe-1b-7b-synth --kernels native
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import random
 import sys
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from common import run_child  # noqa: E402
+from common import OUT, run_child  # noqa: E402
 
 # (label, module, class or None, attribute): what is timed. Indented labels are parts of the one above.
 PARTS = (
@@ -29,7 +30,7 @@ PARTS = (
     ("  kv write", "moetier.model.kv_cache", "KVCache", "write"),
     ("rms_norm (every norm)", "moetier.model.kernels", "{kernels}", "rms_norm"),
     ("linear (attention, lm_head)", "moetier.model.kernels", "{kernels}", "linear"),
-    ("router", "moetier.model.transformer", None, "route"),
+    ("router", "moetier.model.router", "{router}", "__call__"),
     ("moe: the executor (all of it)", "moetier.engine.expert_executor", "ExpertExecutor", "__call__"),
     ("  layer step: begin (plan)", "moetier.plan.step", "LayerStep", "begin"),
     ("  grouping", "moetier.engine.grouping", "ExpertGroups", "__init__"),
@@ -44,11 +45,14 @@ def child(cfg: dict) -> dict:
     import importlib
 
     from moetier import Engine
+    from moetier.plan.route import DECODE
 
     engine = Engine.from_pretrained(cfg["model"], expert_memory="100%", progress=False, kernels=cfg["kernels"])
     totals: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
-    kernels_class = type(engine.kernels).__name__
+    phase = [None]  # the step running now, as the engine's step hook hears it before each forward
+    engine.step_hooks.append(lambda batch, p: phase.__setitem__(0, p))
+    names = {"kernels": type(engine.kernels).__name__, "router": type(engine.model.router).__name__}
 
     def timed(label, fn):
         def wrapper(*args, **kw):
@@ -56,14 +60,15 @@ def child(cfg: dict) -> dict:
             try:
                 return fn(*args, **kw)
             finally:
-                totals[label] += time.perf_counter() - start
-                calls[label] += 1
+                if phase[0] == DECODE:  # decode steps only: a prefill's calls are not counted
+                    totals[label] += time.perf_counter() - start
+                    calls[label] += 1
         return wrapper
 
     for label, module, owner, attr in PARTS:
         target = importlib.import_module(module)
         if owner is not None:
-            target = getattr(target, owner.format(kernels=kernels_class))
+            target = getattr(target, owner.format(**names))
         setattr(target, attr, timed(label, getattr(target, attr)))
     engine.preload()
     rng = random.Random(0)
@@ -71,13 +76,10 @@ def child(cfg: dict) -> dict:
     with engine:
         engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
         totals.clear(), calls.clear()
-        engine.generate([prompt], max_new_tokens=1, ignore_eos=True)  # the prefill alone
-        prefill, prefill_calls = dict(totals), dict(calls)
-        totals.clear(), calls.clear()
         stats = engine.generate([prompt], max_new_tokens=cfg["tokens"] + 1, ignore_eos=True).stats
     steps = cfg["tokens"]
-    parts = {label: (totals[label] - prefill.get(label, 0.0)) / steps for label, *_ in PARTS}
-    per_step_calls = {label: (calls[label] - prefill_calls.get(label, 0)) / steps for label, *_ in PARTS}
+    parts = {label: totals[label] / steps for label, *_ in PARTS}
+    per_step_calls = {label: calls[label] / steps for label, *_ in PARTS}
     return dict(kernels=engine.kernels.name, tpot_s=stats["tpot_s"], parts=parts, calls=per_step_calls)
 
 
@@ -88,14 +90,15 @@ def main() -> None:
     ap.add_argument("--kernels", default="torch,native", help="comma-separated kernel sets, each in its own process")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=OUT, help="folder for profile_decode.json")
     args = ap.parse_args()
     if args.child:
-        import json
-
         print(json.dumps(child(json.loads(args.child))))
         return
     runs = [run_child(__file__, dict(model=args.model, kernels=k, tokens=args.tokens, prompt_len=args.prompt_len))
             for k in args.kernels.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile_decode.json").write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
     print(f"{args.model}, resident, batch 1: ms per decode step (calls per step)")
     print(f"{'':34}" + "".join(f"{r['kernels']:>18}" for r in runs))
     print(f"{'TPOT':34}" + "".join(f"{r['tpot_s'] * 1e3:18.2f}" for r in runs))
