@@ -4,10 +4,11 @@ weights)` writes out [n, H] = expert(x [n, H]) * weights [n], `w` being the slot
 - `DenseExpert`: bf16/fp16/fp32 SwiGLU slots, through the engine's kernels (native rows or torch).
 - `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
 - `QuantizedExpert`: int8/int4/int2 slots (moetier/store/quantize.py's codes). With the native library and bf16
-  activations: up to 4 tokens straight from the codes (`csrc/q_rows.c`; a row's codes unpacked once for all of
-  them), more tokens by dequantizing the expert to bf16 once (in C) for the engine's bf16 matmul — measured per
-  shape in bench/quant_kernels.py. Without it (fp32 models, `--kernels torch`, no compiler): dequantized with
-  torch ops, correct and slow.
+  activations: up to 4 tokens straight from the codes — by integer dot products against the activations quantized
+  to int8 per 32 (`csrc/q_int.c`, llama.cpp's way: VNNI or AVX2) where the shapes tile its vectors, else unpacked
+  to floats (`csrc/q_rows.c`); a row's codes are unpacked once for all the tokens —, more tokens by dequantizing
+  the expert to bf16 once (in C) for the engine's bf16 matmul — measured per shape in bench/quant_kernels.py.
+  Without it (fp32 models, `--kernels torch`, no compiler): dequantized with torch ops, correct and slow.
 
 Chosen once per precision when the executor is made, never per call by a flag."""
 
@@ -68,13 +69,16 @@ class QuantizedExpert:
     `dense`: the float kernel that computes the dequantized expert (None: SwiGLU through `kernels`); the native
     from-the-codes path is SwiGLU's alone."""
 
-    def __init__(self, precision: str, kernels: TorchKernels, dtype: torch.dtype, lib=None, dense=None) -> None:
+    def __init__(self, precision: str, kernels: TorchKernels, dtype: torch.dtype, lib=None, dense=None,
+                 integer: bool = True) -> None:
         if precision not in BITS:
             raise ValueError(f"not a quantized precision: {precision!r}")
         self.precision, self.bits, self.kernels, self.dtype = precision, BITS[precision], kernels, dtype
         self.lib = lib if dtype == torch.bfloat16 and dense is None else None
+        self.integer = integer  # integer dot products where the shapes fit (False: always unpack to floats)
         self.dense_kernel = dense
         self.scratch = torch.empty(0, dtype=torch.float32)
+        self.fits: dict[tuple[int, int, int, int], bool] = {}  # (h, i, group sizes) -> whether q_int.c covers them
         self.route_weights = torch.empty(NATIVE_MAX_TOKENS, dtype=torch.float32)
         self.dense: dict[str, torch.Tensor] = {}  # dequantized matrices, reused across calls of the same shape
 
@@ -91,16 +95,31 @@ class QuantizedExpert:
     def _rows(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         n, h = x.shape
         i = w["gate_up_proj"].shape[0] // 2
-        floats = max(h, i) + n * (2 * h + 3 * i)
-        if self.scratch.numel() < floats:
-            self.scratch = torch.empty(floats, dtype=torch.float32)
+        gu, dn = w["gate_up_proj.scales"], w["down_proj.scales"]
+        gu_group, dn_group = _group(h, gu), _group(i, dn)
         rw = self.route_weights[:n]
         rw.copy_(weights)
-        gu, dn = w["gate_up_proj.scales"], w["down_proj.scales"]
-        self.lib.moetier_swiglu_q(
-            self.bits, w["gate_up_proj"].data_ptr(), gu.data_ptr(), _ptr(w.get("gate_up_proj.zeros")),
-            _group(h, gu), w["down_proj"].data_ptr(), dn.data_ptr(), _ptr(w.get("down_proj.zeros")), _group(i, dn),
-            x.data_ptr(), rw.data_ptr(), out.data_ptr(), h, i, n, self.scratch.data_ptr())
+        lib, args = self.lib, (
+            self.bits, w["gate_up_proj"].data_ptr(), gu.data_ptr(), _ptr(w.get("gate_up_proj.zeros")), gu_group,
+            w["down_proj"].data_ptr(), dn.data_ptr(), _ptr(w.get("down_proj.zeros")), dn_group, x.data_ptr(),
+            rw.data_ptr(), out.data_ptr(), h, i, n)
+        if self._fits(h, i, gu_group, dn_group):
+            lib.moetier_swiglu_qi(*args, self._scratch(lib.moetier_swiglu_qi_scratch(self.bits, gu_group, dn_group,
+                                                                                     h, i, n)))
+        else:
+            lib.moetier_swiglu_q(*args, self._scratch(4 * (max(h, i) + n * (2 * h + 3 * i))))
+
+    def _fits(self, h: int, i: int, gu_group: int, dn_group: int) -> bool:
+        key = (h, i, gu_group, dn_group)
+        if key not in self.fits:  # (once per shape: not a C call per expert)
+            self.fits[key] = self.integer and bool(self.lib.moetier_qi_fits(self.bits, h, gu_group)
+                                                   and self.lib.moetier_qi_fits(self.bits, i, dn_group))
+        return self.fits[key]
+
+    def _scratch(self, nbytes: int) -> int:
+        if self.scratch.numel() * 4 < nbytes:
+            self.scratch = torch.empty((nbytes + 3) // 4, dtype=torch.float32)
+        return self.scratch.data_ptr()
 
     def _dequantized(self, name: str, w: dict[str, torch.Tensor]) -> torch.Tensor:
         scales = w[f"{name}.scales"]

@@ -63,8 +63,8 @@ class NativeKernels(TorchKernels):
 
     name = "native"
 
-    def __init__(self, lib) -> None:
-        self.lib = lib
+    def __init__(self, lib, isa: str = "") -> None:
+        self.lib, self.isa = lib, isa  # isa: the instruction set the library was built for (native.ISAS)
         self.scratch = torch.empty(0, dtype=torch.float32)  # fp32 work space, grown to the largest shape seen
 
     def _scratch(self, floats: int) -> int:
@@ -149,7 +149,7 @@ def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKe
                            hint="use kernels 'auto' or 'torch'")
     loaded = native.load()
     if loaded.lib is not None:
-        return NativeKernels(loaded.lib)
+        return NativeKernels(loaded.lib, loaded.isa)
     if name == "native":
         raise MoetierError(f"the native kernels are not available: {loaded.reason}", hint="use kernels 'torch'")
     warnings.warn(f"moetier: bf16 decoding on torch's kernels, slower than the native ones: {loaded.reason}",

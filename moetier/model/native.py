@@ -1,6 +1,12 @@
-"""The native kernels — bf16 rows (`csrc/bf16_rows.c`) and quantized experts (`csrc/q_rows.c`): compiled on first use with the machine's C compiler into
-moetier's cache, then loaded with ctypes. Nothing to build at install time, no torch headers (it compiles in
-under a second); where there is no compiler or no AVX2, `load()` says why and the torch kernels run instead."""
+"""The native kernels — bf16 rows (`csrc/bf16_rows.c`), quantized experts unpacked to floats (`csrc/q_rows.c`) and
+by integer dot products (`csrc/q_int.c`): compiled on first use with the machine's C compiler into moetier's
+cache, then loaded with ctypes. Nothing to build at install time, no torch headers (it compiles in about a
+second); where there is no compiler or no AVX2, `load()` says why and the torch kernels run instead.
+
+One library per instruction set (`ISAS`), built for the best this CPU has: AVX2 + FMA is the floor; `avx512`
+adds AVX-512 VNNI (vpdpbusd: the integer kernels' 64 products an instruction) and BF16. The sources choose their
+paths by the compiler's own macros (`__AVX512VNNI__`, ...), so each library is the same code built for another
+CPU; the tests run every library the machine can run."""
 
 from __future__ import annotations
 
@@ -17,38 +23,82 @@ import torch
 from moetier.paths import default_cache_dir
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c"))
+SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c", "q_int.c"))
 HEADERS = (CSRC / "bf16.h",)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 VECTOR_CAPABILITIES = ("AVX2", "AVX512")  # what torch.backends.cpu.get_cpu_capability() calls AVX2 or better
 
 
 @dataclass(frozen=True)
+class Isa:
+    """An instruction-set level: the compiler's flags, and the CPU flags (/proc/cpuinfo) it needs."""
+
+    name: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]
+
+
+# best last; each includes the ones before it
+ISAS = (
+    Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    Isa("avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                   "-mavx512vnni", "-mavx512bf16"),
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")),
+)
+
+
+@dataclass(frozen=True)
 class Loaded:
-    """The library, or why there is none."""
+    """The library, or why there is none; `isa`: the instruction set it was built for."""
 
     lib: ctypes.CDLL | None
     reason: str = ""
+    isa: str = ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where there is no /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The instruction sets this CPU runs, best last. Without a flag list (not Linux), AVX2 when torch sees it."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags:
+        return ["avx2"] if torch.backends.cpu.get_cpu_capability() in VECTOR_CAPABILITIES else []
+    return [isa.name for isa in ISAS if set(isa.needs) <= flags]
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _library_path(compiler: str) -> Path:
+def _flags(isa: str) -> tuple[str, ...]:
+    return (*FLAGS, *next(i.flags for i in ISAS if i.name == isa))
+
+
+def _library_path(compiler: str, isa: str) -> Path:
     """Named by what went into it, so a changed source or compiler builds anew beside the old one."""
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join((compiler, *FLAGS)).encode())
-    return default_cache_dir() / "kernels" / f"moetier-kernels-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+                         + " ".join((compiler, *_flags(isa))).encode())
+    return default_cache_dir() / "kernels" / f"moetier-kernels-{isa}-{key.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, path: Path) -> None:
+def _build(compiler: str, isa: str, path: Path) -> None:
     """Compile to a temporary name beside `path` and rename into place (two processes building at once both
     succeed; nothing half-written is ever loaded)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True, capture_output=True,
-                       text=True)
+        subprocess.run([compiler, *_flags(isa), *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True,
+                       capture_output=True, text=True)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -71,22 +121,38 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_swiglu_q.restype = None
     lib.moetier_dequant_q.argtypes = [i, p, p, p, n, n, n, p]
     lib.moetier_dequant_q.restype = None
+    lib.moetier_qi_isa.argtypes = []
+    lib.moetier_qi_isa.restype = ctypes.c_char_p
+    lib.moetier_qi_fits.argtypes = [i, n, n]
+    lib.moetier_qi_fits.restype = i
+    lib.moetier_swiglu_qi_scratch.argtypes = [i, n, n, n, n, i]
+    lib.moetier_swiglu_qi_scratch.restype = n
+    lib.moetier_swiglu_qi.argtypes = [i, p, p, p, n, p, p, p, n, p, p, p, n, n, i, p]
+    lib.moetier_swiglu_qi.restype = None
+    lib.moetier_linear_qi_scratch.argtypes = [i, n, n, n, i]
+    lib.moetier_linear_qi_scratch.restype = n
+    lib.moetier_linear_qi.argtypes = [i, p, p, p, n, p, p, n, n, i, p]
+    lib.moetier_linear_qi.restype = None
     return lib
 
 
-def load() -> Loaded:
-    """Build (once per machine and source) and load the kernels."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in VECTOR_CAPABILITIES:
-        return Loaded(None, f"this CPU has no AVX2 (torch reports {capability})")
+def load(isa: str | None = None) -> Loaded:
+    """Build (once per machine, source and instruction set) and load the kernels: for `isa`, or the best this CPU
+    runs."""
+    runnable = runnable_isas()
+    if not runnable:
+        return Loaded(None, f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})")
+    isa = isa or runnable[-1]
+    if isa not in runnable:
+        return Loaded(None, f"this CPU cannot run {isa} (it runs {', '.join(runnable)})")
     compiler = _compiler()
     if compiler is None:
         return Loaded(None, "no C compiler found (set CC, or install gcc)")
-    path = _library_path(compiler)
+    path = _library_path(compiler, isa)
     try:
         if not path.exists():
-            _build(compiler, path)
-        return Loaded(_declare(ctypes.CDLL(str(path))))
+            _build(compiler, isa, path)
+        return Loaded(_declare(ctypes.CDLL(str(path))), isa=isa)
     except subprocess.CalledProcessError as e:
         return Loaded(None, f"{compiler} failed on {', '.join(s.name for s in SOURCES)}: {e.stderr.strip()[-300:]}")
     except OSError as e:

@@ -19,11 +19,15 @@ from moetier.store.store import Store
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def kernels() -> NativeKernels:
-    k = make_kernels("native", torch.bfloat16, CPU)
-    assert isinstance(k, NativeKernels)
-    return k
+@pytest.fixture(scope="module", params=[
+    pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
+                                                     reason=f"this CPU cannot run {isa.name}"))
+    for isa in native.ISAS])
+def kernels(request) -> NativeKernels:
+    """The native kernels built for each instruction set this CPU runs (the others skipped with the reason)."""
+    loaded = native.load(request.param)
+    assert loaded.lib is not None, loaded.reason
+    return NativeKernels(loaded.lib)
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -95,6 +99,27 @@ def test_several_rows_and_views_fall_back_to_torch(kernels):
     assert torch.equal(kernels.linear(x, w), TorchKernels().linear(x, w))
     strided = torch.randn(32, 2).bfloat16()[:, :1].T  # one row, not contiguous
     assert torch.equal(kernels.linear(strided, w), TorchKernels().linear(strided, w))
+
+
+def test_the_instruction_sets_follow_the_cpus_flags():
+    avx2 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
+    zen4 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
+    assert native.runnable_isas(avx2) == ["avx2"]
+    assert native.runnable_isas(zen4) == ["avx2", "avx512"]
+    assert native.runnable_isas(zen4 - {"avx512_bf16"}) == ["avx2"]  # (Cascade Lake: VNNI without BF16)
+    assert native.runnable_isas(frozenset({"sse4_2"})) == []
+
+
+def test_the_best_library_the_cpu_runs_is_built_and_one_it_cannot_run_is_refused(monkeypatch):
+    runnable = native.runnable_isas()
+    if not runnable:
+        pytest.skip("this CPU runs no native kernels")
+    loaded = native.load()
+    assert loaded.lib is not None and loaded.isa == runnable[-1]
+    assert loaded.lib.moetier_qi_isa().decode() == {"avx2": "avx2", "avx512": "avx512-vnni"}[loaded.isa]
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    refused = native.load("avx512")
+    assert refused.lib is None and refused.reason == "this CPU cannot run avx512 (it runs avx2)"
 
 
 def test_choice_of_kernels():

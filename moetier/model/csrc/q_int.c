@@ -1,0 +1,358 @@
+/* Quantized experts by integer dot products, as llama.cpp computes its quantized matrices: each token's
+   activation row is quantized to int8 in blocks of 32 inputs (llama.cpp's Q8_0 block), and each row's codes meet it in int8 x uint8 multiply-adds into int32 —
+   AVX-512 VNNI's vpdpbusd (64 products an instruction) where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
+   otherwise. The codes stay as the store holds them (moetier/store/quantize.py): nothing is repacked at load.
+
+   Why: unpacking codes to floats (q_rows.c) made int4 compute-bound at ~10 GB/s of codes, slower per weight than
+   bf16 streams from memory; here a 64-byte load of int4 codes is one and, one shift and two vpdpbusd, so the
+   codes stream at the memory's speed and a quantized expert costs in proportion to its bytes.
+
+   Arithmetic, per row r and token t: y = sum_b s_g(b) * dx_b * I_b + sum_g (z_g * A_g - mid * s_g * B_g), where
+   for block b (32 inputs) I_b = sum of q * xq (exact, int32), xq = round(x / dx_b), dx_b = max|x| / 127 over the
+   block; for weight group g (128 inputs for int4, 64 for int2) A_g = sum of x (fp32) and B_g = sum over
+   its blocks of dx_b * sum of xq. int8 (w = q * s, one s a row): the AVX-512 path feeds q + 128 as the unsigned
+   operand (vpdpbusd multiplies unsigned by signed) and takes 128 * s * sum_b dx_b * sum of xq off; the AVX2 path
+   multiplies |xq| by q with xq's sign (no int16 overflow in vpmaddubsw), needing no correction. Against the
+   dequantized weights (the reference) the difference is the activations' rounding to int8: measured on a random
+   2048x1024 expert ~1% of the output's mean size with blocks of 32 (2.3% with 128) — beside int4's own 18% from
+   the weights, and measured on text by `moetier eval`. Outputs are rounded to bf16 where torch's ops round.
+
+   Layout of a token's quantized activation for one matrix: the row's code bytes are cut into chunks of W bytes
+   (the vector width: 64 on AVX-512, 32 on AVX2); a chunk's codes hold W * S inputs (S = 8 / bits per byte), and
+   the activation is stored per chunk as S streams of W values — stream s holding the inputs that sit in bits
+   s * bits of each byte — so each unpacked code vector meets a contiguous activation vector. A last, shorter
+   chunk of L < W bytes is laid out the same way with streams of L values and computed by scalar code. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define QI_MAX_TOKENS 4
+#define QI_PARALLEL_MIN_BYTES (128 * 1024)
+#define QI_BLOCK 32 /* inputs per activation scale */
+
+/* P bf16 values (P = 1, 2, 4 or 8; exactly those bytes read) as floats in the low lanes. */
+static inline __m256 load_bf16(const uint16_t *p, int P) {
+    __m128i v = P == 8   ? _mm_loadu_si128((const __m128i *)p)
+                : P == 4 ? _mm_loadl_epi64((const __m128i *)p)
+                : P == 2 ? _mm_cvtsi32_si128(*(const int32_t *)p)
+                         : _mm_cvtsi32_si128(*p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define W 64
+#define INT8_BIAS 128
+typedef __m512i vi;
+typedef __m512 vf;
+static inline vi loadv(const void *p) { return _mm512_loadu_si512(p); }
+static inline vi zerov(void) { return _mm512_setzero_si512(); }
+static inline vi maskv(vi v, int bits) { return _mm512_and_si512(v, _mm512_set1_epi8((char)((1 << bits) - 1))); }
+static inline vi shiftv(vi v, int n) { return _mm512_srli_epi16(v, n); }
+static inline vi dpu(vi acc, vi u, vi x) { return _mm512_dpbusd_epi32(acc, u, x); }
+static inline vi dp8(vi acc, vi codes, vi x) { /* int8 codes: (q + 128) as unsigned, times xq */
+    return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(codes, _mm512_set1_epi8((char)0x80)), x);
+}
+static inline vf zerof(void) { return _mm512_setzero_ps(); }
+static inline vf loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf cvtmul(vi acc, vf scale) { return _mm512_mul_ps(_mm512_cvtepi32_ps(acc), scale); }
+static inline vf addf(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf fmaf_v(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float hsumf(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf bcast(float s) { return _mm512_set1_ps(s); }
+/* Floats v[0..P) (P = 2, 4 or 8) each spread over 16 / P lanes. */
+static inline vf spread(__m256 v, int P) {
+    __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_permutexvar_ps(_mm512_srli_epi32(lane, P == 2 ? 3 : P == 4 ? 2 : 1), _mm512_castps256_ps512(v));
+}
+#define QI_ISA "avx512-vnni"
+#else
+#define W 32
+#define INT8_BIAS 0
+typedef __m256i vi;
+typedef __m256 vf;
+static inline vi loadv(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi zerov(void) { return _mm256_setzero_si256(); }
+static inline vi maskv(vi v, int bits) { return _mm256_and_si256(v, _mm256_set1_epi8((char)((1 << bits) - 1))); }
+static inline vi shiftv(vi v, int n) { return _mm256_srli_epi16(v, n); }
+static inline vi dpu(vi acc, vi u, vi x) { /* codes <= 15 times |x| <= 127, in pairs: no int16 overflow */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+static inline vi dp8(vi acc, vi codes, vi x) { /* |xq| times q with xq's sign: pairs of at most 127 * 127 */
+    return dpu(acc, _mm256_abs_epi8(x), _mm256_sign_epi8(codes, x));
+}
+static inline vf zerof(void) { return _mm256_setzero_ps(); }
+static inline vf loadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf cvtmul(vi acc, vf scale) { return _mm256_mul_ps(_mm256_cvtepi32_ps(acc), scale); }
+static inline vf addf(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf fmaf_v(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float hsumf(vf v) { return hsum(v); }
+static inline vf bcast(float s) { return _mm256_set1_ps(s); }
+static inline vf spread(__m256 v, int P) { /* P = 2, 4 or 8 */
+    return _mm256_permutevar8x32_ps(v, P == 2   ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+                                       : P == 4 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                                : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#define QI_ISA "avx2"
+#endif
+#define LANES (W / 4) /* int32 (and float) lanes of a vector */
+
+/* A matrix's codes and scales. int8: scales [N] (one a row), no zeros, one group a row. */
+typedef struct {
+    int bits, S; /* S: codes a byte */
+    const uint8_t *codes;
+    const uint16_t *scales, *zeros;
+    long N, K, group, groups, RB, GB, blocks; /* RB code bytes a row, GB code bytes a group */
+    float mid;
+} qim;
+
+/* One token's activation for one matrix (see the layout above). */
+typedef struct {
+    int8_t *xq;
+    float *dx;    /* [blocks] */
+    float *lanes; /* [full chunks * LANES]: each int32 lane's block scale dx, spread as the chunk's lanes lie */
+    float *a, *b; /* [groups]: sum of x, sum of dx * xq */
+    float c;      /* sum of b: int8's correction */
+} qia;
+
+const char *moetier_qi_isa(void) { return QI_ISA; }
+
+static qim make_qim(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, long N, long K,
+                    long group) {
+    qim m = {bits, 8 / bits, codes, scales, bits == 8 ? NULL : zeros, N, K, bits == 8 ? K : group, 0, 0, 0, 0, 0};
+    m.groups = K / m.group, m.RB = K / m.S, m.GB = m.group / m.S, m.blocks = K / QI_BLOCK;
+    m.mid = bits == 8 ? (float)INT8_BIAS : (float)(1 << (bits - 1));
+    return m;
+}
+
+/* Whether the integer path covers this matrix: whole blocks in whole groups, a group's bytes a multiple or a
+   divisor of the vector's (at most 8 groups a vector). */
+int moetier_qi_fits(int bits, long K, long group) {
+    if (bits != 8 && bits != 4 && bits != 2) return 0;
+    if (K % QI_BLOCK) return 0;
+    if (bits == 8) return 1;
+    if (group % QI_BLOCK || K % group) return 0;
+    long GB = group / (8 / bits);
+    return GB >= W ? GB % W == 0 : (W % GB == 0 && W / GB <= 8);
+}
+
+/* One block of 32 activations quantized to int8 (round to nearest even): returns dx; the sums of x and codes. */
+static inline float quantize_block(const float *x, int8_t *v, float *sum, int *isum) {
+    float amax = 0, total = 0;
+    for (int k = 0; k < QI_BLOCK; k++) {
+        amax = fmaxf(amax, fabsf(x[k]));
+        total += x[k];
+    }
+    float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int codes = 0;
+    for (int k = 0; k < QI_BLOCK; k++) {
+        int c = (int)nearbyintf(x[k] * inv);
+        codes += c;
+        v[k] = (int8_t)c;
+    }
+    *sum = total, *isum = codes;
+    return amax / 127.0f;
+}
+
+/* The block's codes v (in input order) into the layout (input k = S * byte + stream), and its scale into the
+   lanes its bytes fill. */
+static inline __attribute__((always_inline)) void arrange_block(const qim *m, long blk, const int8_t *v, float dx,
+                                                                qia *q, const int S) {
+    const long BB = QI_BLOCK / S, byte0 = blk * BB, c = byte0 / W, full = m->RB / W;
+    const long len = c < full ? W : m->RB - full * W;
+    int8_t *base = q->xq + c * W * S + (byte0 - c * W);
+    for (int s = 0; s < S; s++)
+        for (long j = 0; j < BB; j++) base[s * len + j] = v[j * S + s];
+    if (c < full)
+        for (long l = (byte0 - c * W) / 4; l < (byte0 - c * W + BB) / 4; l++) q->lanes[c * LANES + l] = dx;
+}
+
+/* x [K] fp32 -> the token's quantized activation for m. */
+static void quantize_act(const qim *m, const float *x, qia *q) {
+    long per = m->group / QI_BLOCK;
+    for (long g = 0; g < m->groups; g++) q->a[g] = q->b[g] = 0;
+    q->c = 0;
+    for (long blk = 0; blk < m->blocks; blk++) {
+        int8_t v[QI_BLOCK];
+        float sum;
+        int isum;
+        float dx = quantize_block(x + blk * QI_BLOCK, v, &sum, &isum);
+        switch (m->S) {
+            case 1: arrange_block(m, blk, v, dx, q, 1); break;
+            case 2: arrange_block(m, blk, v, dx, q, 2); break;
+            default: arrange_block(m, blk, v, dx, q, 4);
+        }
+        q->dx[blk] = dx;
+        q->a[blk / per] += sum;
+        q->b[blk / per] += dx * (float)isum;
+        q->c += dx * (float)isum;
+    }
+}
+
+/* sum over groups of z_g * a_g - mid * s_g * b_g for one row, eight groups at a time. */
+static inline float zero_terms(const qim *m, long r, const qia *x) {
+    const uint16_t *sc = m->scales + r * m->groups, *zr = m->zeros + r * m->groups;
+    __m256 acc = _mm256_setzero_ps(), mid = _mm256_set1_ps(m->mid);
+    long g = 0;
+    for (; g + 8 <= m->groups; g += 8) {
+        __m256 s = load_bf16(sc + g, 8), z = load_bf16(zr + g, 8);
+        acc = _mm256_fmadd_ps(z, _mm256_loadu_ps(x->a + g), acc);
+        acc = _mm256_fnmadd_ps(_mm256_mul_ps(mid, s), _mm256_loadu_ps(x->b + g), acc);
+    }
+    float o = hsum(acc);
+    for (; g < m->groups; g++) o += bf16_to_f32(zr[g]) * x->a[g] - m->mid * bf16_to_f32(sc[g]) * x->b[g];
+    return o;
+}
+
+/* Row r of m against T tokens' activations: y[t] = sum_k w[r, k] x_t[k]. */
+static inline __attribute__((always_inline)) void qi_row_t(const qim *m, long r, const qia *x, float *y, const int T,
+                                                             const int bits) {
+    const int S = 8 / bits;
+    const uint8_t *q = m->codes + r * m->RB;
+    const uint16_t *sc = m->scales + (bits == 8 ? r : r * m->groups);
+    const long full = m->RB / W;
+    const int P = m->GB >= W ? 1 : (int)(W / m->GB); /* groups a chunk */
+    vf sum[QI_MAX_TOKENS];
+    for (int t = 0; t < T; t++) sum[t] = zerof();
+    for (long c = 0; c < full; c++) {
+        vi codes = loadv(q + c * W), acc[QI_MAX_TOKENS];
+        for (int t = 0; t < T; t++) acc[t] = zerov();
+        if (bits == 8) {
+            for (int t = 0; t < T; t++) acc[t] = dp8(acc[t], codes, loadv(x[t].xq + c * W));
+        } else {
+            for (int s = 0; s < S; s++) {
+                vi u = maskv(s ? shiftv(codes, s * bits) : codes, bits);
+                for (int t = 0; t < T; t++) acc[t] = dpu(acc[t], u, loadv(x[t].xq + (c * S + s) * W));
+            }
+        }
+        if (bits == 8) { /* one scale a row: applied at the end */
+            for (int t = 0; t < T; t++) sum[t] = addf(sum[t], cvtmul(acc[t], loadf(x[t].lanes + c * LANES)));
+        } else {
+            vf s = P == 1 ? bcast(bf16_to_f32(sc[c * W / m->GB])) : spread(load_bf16(sc + c * P, P), P);
+            for (int t = 0; t < T; t++) sum[t] = fmaf_v(cvtmul(acc[t], loadf(x[t].lanes + c * LANES)), s, sum[t]);
+        }
+    }
+    float rs = bits == 8 ? bf16_to_f32(sc[0]) : 1.0f;
+    for (int t = 0; t < T; t++) {
+        float dot = hsumf(sum[t]);
+        long len = m->RB - full * W; /* the last, shorter chunk: scalar */
+        for (long j = 0; j < len; j++) {
+            long byte = full * W + j, blk = byte * S / QI_BLOCK;
+            float s = bits == 8 ? 1.0f : bf16_to_f32(sc[byte / m->GB]);
+            int isum = 0;
+            for (int st = 0; st < S; st++) {
+                int code = bits == 8 ? (int)(int8_t)q[byte] + INT8_BIAS : (q[byte] >> (st * bits)) & ((1 << bits) - 1);
+                isum += code * x[t].xq[full * W * S + st * len + j];
+            }
+            dot += s * x[t].dx[blk] * (float)isum;
+        }
+        y[t] = bits == 8 ? rs * (dot - (float)INT8_BIAS * x[t].c) : dot + zero_terms(m, r, &x[t]);
+    }
+}
+
+#define QI_CASES(B)                                                                                              \
+    case B * 8 + 1: qi_row_t(m, r, x, y, 1, B); break;                                                           \
+    case B * 8 + 2: qi_row_t(m, r, x, y, 2, B); break;                                                           \
+    case B * 8 + 3: qi_row_t(m, r, x, y, 3, B); break;                                                           \
+    case B * 8 + 4: qi_row_t(m, r, x, y, 4, B); break;
+
+static void qi_row(const qim *m, long r, const qia *x, int T, float *y) {
+    switch (m->bits * 8 + T) {
+        QI_CASES(8)
+        QI_CASES(4)
+        QI_CASES(2)
+    }
+}
+
+static long round64(long n) { return (n + 63) & ~63L; }
+
+/* Bytes of scratch a token needs for one matrix's activation (64-aligned pieces). */
+static long act_bytes(const qim *m) {
+    return round64(m->K) + round64(m->blocks * 4) + round64(m->RB / W * LANES * 4) + 2 * round64(m->groups * 4);
+}
+
+static char *take_act(const qim *m, char *p, qia *q) {
+    q->xq = (int8_t *)p, p += round64(m->K);
+    q->dx = (float *)p, p += round64(m->blocks * 4);
+    q->lanes = (float *)p, p += round64(m->RB / W * LANES * 4);
+    q->a = (float *)p, p += round64(m->groups * 4);
+    q->b = (float *)p, p += round64(m->groups * 4);
+    return p;
+}
+
+/* Bytes of scratch moetier_swiglu_qi needs. */
+long moetier_swiglu_qi_scratch(int bits, long gu_group, long d_group, long H, long I, int T) {
+    qim gu = make_qim(bits, NULL, NULL, NULL, 2 * I, H, gu_group), dn = make_qim(bits, NULL, NULL, NULL, H, I, d_group);
+    return 64 + T * (act_bytes(&gu) + act_bytes(&dn)) + T * I * 4;
+}
+
+/* One SwiGLU expert for T <= QI_MAX_TOKENS tokens x [T, H] bf16, integer dot products (see above):
+   y[t] = bf16(bf16(down . h) * weight[t]), h = bf16(bf16(silu(g)) * u), g, u = bf16(gate_up . x). Both matrices
+   must fit (moetier_qi_fits). scratch: moetier_swiglu_qi_scratch bytes. */
+void moetier_swiglu_qi(int bits, const uint8_t *gu_codes, const uint16_t *gu_scales, const uint16_t *gu_zeros,
+                       long gu_group, const uint8_t *d_codes, const uint16_t *d_scales, const uint16_t *d_zeros,
+                       long d_group, const uint16_t *x, const float *weight, uint16_t *y, long H, long I, int T,
+                       char *scratch) {
+    qim gu = make_qim(bits, gu_codes, gu_scales, gu_zeros, 2 * I, H, gu_group);
+    qim dn = make_qim(bits, d_codes, d_scales, d_zeros, H, I, d_group);
+    qia xa[QI_MAX_TOKENS], ha[QI_MAX_TOKENS];
+    char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float xf[H];
+    for (int t = 0; t < T; t++) {
+        p = take_act(&gu, p, &xa[t]);
+        for (long k = 0; k < H; k++) xf[k] = bf16_to_f32(x[t * H + k]);
+        quantize_act(&gu, xf, &xa[t]);
+    }
+    for (int t = 0; t < T; t++) p = take_act(&dn, p, &ha[t]);
+    float *h = (float *)p; /* [T, I] */
+#pragma omp parallel if (3 * H * I * bits / 8 >= QI_PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < I; r++) {
+            float g[QI_MAX_TOKENS], u[QI_MAX_TOKENS];
+            qi_row(&gu, r, xa, T, g);
+            qi_row(&gu, I + r, xa, T, u);
+            for (int t = 0; t < T; t++) {
+                float gr = round_bf16(g[t]);
+                h[t * I + r] = round_bf16(round_bf16(gr / (1.0f + expf(-gr))) * round_bf16(u[t]));
+            }
+        } /* barrier: every h is written before it is quantized */
+#pragma omp single
+        for (int t = 0; t < T; t++) quantize_act(&dn, h + t * I, &ha[t]);
+#pragma omp for schedule(static)
+        for (long k = 0; k < H; k++) {
+            float o[QI_MAX_TOKENS];
+            qi_row(&dn, k, ha, T, o);
+            for (int t = 0; t < T; t++) y[t * H + k] = f32_to_bf16(round_bf16(o[t]) * weight[t]);
+        }
+    }
+}
+
+/* y [T, N] = bf16(x [T, K] . W^T) for a quantized matrix (F.linear without bias on T <= QI_MAX_TOKENS rows): the
+   dense weights of a quantized model (attention, the head). scratch: moetier_linear_qi_scratch bytes. */
+long moetier_linear_qi_scratch(int bits, long group, long N, long K, int T) {
+    qim m = make_qim(bits, NULL, NULL, NULL, N, K, group);
+    return 64 + T * act_bytes(&m);
+}
+
+void moetier_linear_qi(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, long group,
+                       const uint16_t *x, uint16_t *y, long N, long K, int T, char *scratch) {
+    qim m = make_qim(bits, codes, scales, zeros, N, K, group);
+    qia xa[QI_MAX_TOKENS];
+    char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float xf[K];
+    for (int t = 0; t < T; t++) {
+        p = take_act(&m, p, &xa[t]);
+        for (long k = 0; k < K; k++) xf[k] = bf16_to_f32(x[t * K + k]);
+        quantize_act(&m, xf, &xa[t]);
+    }
+#pragma omp parallel for schedule(static) if (N * K * bits / 8 >= QI_PARALLEL_MIN_BYTES)
+    for (long n = 0; n < N; n++) {
+        float o[QI_MAX_TOKENS];
+        qi_row(&m, n, xa, T, o);
+        for (int t = 0; t < T; t++) y[t * N + n] = f32_to_bf16(o[t]);
+    }
+}
