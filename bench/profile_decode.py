@@ -47,7 +47,10 @@ def child(cfg: dict) -> dict:
     from moetier import Engine
     from moetier.plan.route import DECODE
 
-    engine = Engine.from_pretrained(cfg["model"], expert_memory="100%", progress=False, kernels=cfg["kernels"])
+    from moetier.plan.precision import MixedPrecision
+
+    engine = Engine.from_pretrained(cfg["model"], expert_memory="100%", progress=False, kernels=cfg["kernels"],
+                                    precision=MixedPrecision(cfg.get("precision", "native")))
     totals: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     phase = [None]  # the step running now, as the engine's step hook hears it before each forward
@@ -90,16 +93,18 @@ def main() -> None:
     ap.add_argument("--kernels", default="torch,native", help="comma-separated kernel sets, each in its own process")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--precision", default="native", help="the experts' precision mode (native, int8, int4, ...)")
     ap.add_argument("--out", type=Path, default=OUT, help="folder for profile_decode.json")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    runs = [run_child(__file__, dict(model=args.model, kernels=k, tokens=args.tokens, prompt_len=args.prompt_len))
+    runs = [run_child(__file__, dict(model=args.model, kernels=k, tokens=args.tokens, prompt_len=args.prompt_len,
+                                     precision=args.precision))
             for k in args.kernels.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_decode.json").write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
-    print(f"{args.model}, resident, batch 1: ms per decode step (calls per step)")
+    print(f"{args.model}, {args.precision}, resident, batch 1: ms per decode step (calls per step)")
     print(f"{'':34}" + "".join(f"{r['kernels']:>18}" for r in runs))
     print(f"{'TPOT':34}" + "".join(f"{r['tpot_s'] * 1e3:18.2f}" for r in runs))
     for label, *_ in PARTS:
