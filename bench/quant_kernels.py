@@ -38,7 +38,7 @@ def paths(hidden: int, inter: int):
     """{name: (precision, make(x) -> out, reference out in fp32 for x)} for one random expert."""
     from moetier.calibrate import cpu_kernels
     from moetier.model.expert_kernels import make_expert_kernel
-    from moetier.store.quantize import GROUP_SIZE, dequantize, expert_matrices, quantize, quantize_expert, unpack
+    from moetier.quant.codes import GROUP_SIZE, dequantize, expert_matrices, quantize, quantize_expert, unpack
 
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(2 * inter, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16)

@@ -3,7 +3,7 @@ weights)` writes out [n, H] = expert(x [n, H]) * weights [n], `w` being the slot
 
 - `DenseExpert`: bf16/fp16/fp32 SwiGLU slots, through the engine's kernels (native rows or torch).
 - `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
-- `QuantizedExpert`: int8/int4/int2 slots (moetier/store/quantize.py's codes). With the native library and bf16
+- `QuantizedExpert`: int8/int4/int2 slots (moetier/quant/codes.py's codes). With the native library and bf16
   activations: up to 4 tokens straight from the codes — by integer dot products against the activations quantized
   to int8 per 32 (`csrc/q_int.c`, llama.cpp's way: VNNI or AVX2) where the shapes tile its vectors, else unpacked
   to floats (`csrc/q_rows.c`); a row's codes are unpacked once for all the tokens —, more tokens by dequantizing
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from moetier.config import ModelSpec
 from moetier.model.kernels import TorchKernels
-from moetier.store.quantize import BITS, Quantized, dequantize, matrix_names
+from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
 
 NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the codes in one pass
 

@@ -14,7 +14,7 @@ from moetier.errors import CheckpointError
 from moetier.model.families import Family, family_for, parse_spec
 from moetier.store.checkpoint import Checkpoint, read_config
 from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, is_store
-from moetier.store.quantize import quantize_expert
+from moetier.quant.codes import quantize_expert
 from moetier.store.sources import expert_source
 from moetier.store.variants import expert_layouts, parse_precisions
 from moetier.store.writer import StoreWriter, store_bytes

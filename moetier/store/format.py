@@ -34,7 +34,7 @@ RECONVERT = ("re-convert it (`moetier generate --reconvert` for a model converte
 DAMAGED = f"the store is damaged; {RECONVERT}"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
-          "uint8": torch.uint8}  # the integer ones: quantized codes (moetier/store/quantize.py)
+          "uint8": torch.uint8}  # the integer ones: quantized codes (moetier/quant/codes.py)
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

@@ -6,7 +6,7 @@ import torch
 from moetier.model import native
 from moetier.model.expert_kernels import DenseExpert, QuantizedExpert, make_expert_kernel
 from moetier.model.kernels import TorchKernels
-from moetier.store.quantize import BITS, MATRICES, Quantized, dequantize, expert_matrices, quantize_expert
+from moetier.quant.codes import BITS, MATRICES, Quantized, dequantize, expert_matrices, quantize_expert
 
 LIB = native.load().lib
 needs_native = pytest.mark.skipif(LIB is None, reason="no native kernels on this machine")

@@ -1,7 +1,7 @@
 /* Quantized experts by integer dot products, as llama.cpp computes its quantized matrices: each token's
-   activation row is quantized to int8 in blocks of 32 inputs (llama.cpp's Q8_0 block), and each row's codes meet it in int8 x uint8 multiply-adds into int32 —
-   AVX-512 VNNI's vpdpbusd (64 products an instruction) where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
-   otherwise. The codes stay as the store holds them (moetier/store/quantize.py): nothing is repacked at load.
+   activation row is quantized to int8 in blocks of 32 inputs (llama.cpp's Q8_0 block), and each row's codes meet
+   it in uint8 x int8 multiply-adds into int32 — AVX-512 VNNI's vpdpbusd (64 products an instruction) where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
+   otherwise. The codes stay as the store holds them (moetier/quant/codes.py): nothing is repacked at load.
 
    Why: unpacking codes to floats (q_rows.c) made int4 compute-bound at ~10 GB/s of codes, slower per weight than
    bf16 streams from memory; here a 64-byte load of int4 codes is one and, one shift and two vpdpbusd, so the

@@ -1,4 +1,4 @@
-/* Quantized experts (moetier/store/quantize.py's plain codes) on AVX2 CPUs, without repacking them at load.
+/* Quantized experts (moetier/quant/codes.py's plain codes) on AVX2 CPUs, without repacking them at load.
 
    Why native: torch's CPU int4 matmul wants its own packing, which costs 19-27 ms per 2048x1408 expert to make —
    longer than reading the expert — and has no int2 at all; dequantizing with torch ops costs ~20 ms for int2.

@@ -6,17 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetier.store.quantize import (
-    GROUP_SIZE,
-    dequantize,
-    expert_layout,
-    expert_matrices,
-    pack,
-    quantize,
-    quantize_expert,
-    swiglu_shapes,
-    unpack,
-)
+from moetier.quant.codes import (GROUP_SIZE, dequantize, expert_matrices, pack, quantize, quantize_expert,
+                                 swiglu_shapes, unpack)
+from moetier.store.quantize import expert_layout
 
 
 @settings(max_examples=30, deadline=None)
