@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from moetier.cache.capacity import cache_capacity
 from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
 from moetier.config import KERNELS, MemoryBudget, format_bytes
+from moetier.engine.budget import check_host_tier, plan_budget
 from moetier.engine.cpu_share import CpuShare
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
@@ -40,13 +40,6 @@ from moetier.store.variants import add_precisions, expert_layouts
 PARTITIONS = ("global", "per-layer")
 LOW_TIER_SHARE = 0.75  # low-tier's default: the resident low copies take at most this share of the expert budget
 # (int2 of a 12 MiB expert is 16% of its bf16 bytes: at a 25% budget, 62% of it)
-MEMORY_MARGIN = 0.2  # share of available memory left for the KV cache, activations and everything else
-# What the process takes beyond the expert cache and the dense weights, measured (peak RSS less both, AMD EPYC,
-# torch 2.13): 269-306 MiB at short prompts (the interpreter, torch, the tokenizer, the kernels), growing with
-# the tokens of a packed prefill by 36-219 KiB a token (demo-fine to an OLMoE-width model, 4 prompts of 1,000).
-# The budget note promises peak RSS within the two plus these bounds; tests/engine/test_budget.py holds it.
-RUNTIME_BYTES = 384 << 20
-PREFILL_BYTES_PER_TOKEN = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -99,37 +92,6 @@ class GenerationOutput:
     stats: dict
 
 
-@dataclass(frozen=True)
-class BudgetChoice:
-    """The expert cache a run reserves, and the one line that says why."""
-
-    slots: int
-    cache_bytes: int
-    note: str
-    dense_bytes: int = 0
-
-    def peak_rss_bound(self, prompt_tokens: int) -> int:
-        """What the note promises this process's peak RSS stays within, for a prefill of `prompt_tokens`."""
-        return self.cache_bytes + self.dense_bytes + RUNTIME_BYTES + prompt_tokens * PREFILL_BYTES_PER_TOKEN
-
-
-def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView) -> BudgetChoice:
-    """The expert cache for the budget: at least one layer's top-k, at most every expert, and never more than fits
-    in the memory this process may still take (host or cgroup) after the dense weights and a margin. Decided
-    before anything is loaded or reserved."""
-    spec, slot_bytes, total = store.spec, store.native_layout.blob_bytes, store.total_expert_bytes()
-    fits = max(0, int(memory.available * (1 - MEMORY_MARGIN)) - store.dense_bytes)
-    room = (f"{memory.describe()}; after the dense weights ({format_bytes(store.dense_bytes)}) and a "
-            f"{MEMORY_MARGIN:.0%} margin, {format_bytes(fits)} fits")
-    cache = cache_capacity(budget, total, slot_bytes, spec.top_k, fits, room)
-    slots = cache // slot_bytes
-    note = (f"expert cache {format_bytes(cache)} ({slots} slots, {cache / total:.0%} of {format_bytes(total)} of "
-            f"experts; asked {budget.label()}); {memory.describe()}; peak RSS at most "
-            f"{format_bytes(cache + store.dense_bytes + RUNTIME_BYTES)} (with the dense weights and "
-            f"{format_bytes(RUNTIME_BYTES)} of runtime) + {PREFILL_BYTES_PER_TOKEN >> 10} KiB per prompt token")
-    return BudgetChoice(slots, cache, note, store.dense_bytes)
-
-
 def choose_low(mixed: MixedPrecision, store: Store, cache_bytes: int) -> MixedPrecision:
     """low-tier without a low precision: the most precise copy whose every expert takes at most LOW_TIER_SHARE of
     the expert budget (the rest is the high-precision cache)."""
@@ -170,18 +132,6 @@ def check_device(name: str) -> torch.device:
     return device
 
 
-def check_host_tier(store: Store, budget: BudgetChoice, memory: MemoryView, device: torch.device) -> None:
-    """Placement keeps every expert in host memory beside the dense weights (and, on the CPU, the cache): refused
-    where the host cannot hold them."""
-    on_host = store.total_expert_bytes() + (store.dense_bytes + budget.cache_bytes if device.type == "cpu" else 0)
-    room = int(memory.available * (1 - MEMORY_MARGIN))
-    if on_host > room:
-        raise BudgetError(f"placement computes experts where they live, so every expert is kept in host memory: "
-                          f"{format_bytes(on_host)} with what else the host holds, more than the "
-                          f"{format_bytes(room)} {memory.describe()} allows after a {MEMORY_MARGIN:.0%} margin",
-                          hint="run without --placement (experts are then read from disk as needed)")
-
-
 def predictor_inputs(name: str, dense: dict[str, torch.Tensor], store: Store,
                      model: Callable[[], Transformer]) -> dict:
     """What predictor `name` is built on: the engine's own weights or model (`model()` once it exists), or networks
@@ -214,7 +164,8 @@ class Engine:
         predictor object instead of the one `config.predictor` names (e.g. an oracle built from a trace)."""
         self.store, self.config, self.spec = store, config, store.spec
         self.device = check_device(config.device)
-        self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device))
+        self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device),
+                                  config.precision)
         slots = self.budget.slots
         per_layer = config.cache_partition == "per-layer"
         if per_layer and slots < len(self.spec.moe_layers):
@@ -237,7 +188,7 @@ class Engine:
         if add_missing_precisions(store, self.precision, progress):
             self.store = store = Store(store.path)
         if config.placement != "none":
-            check_host_tier(store, self.budget, memory or memory_available(), self.device)
+            check_host_tier(store, self.budget, memory or memory_available(), self.device.type == "cpu")
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
         try:
             self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,

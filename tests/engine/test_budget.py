@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from moetier.config import MemoryBudget
-from moetier.engine.engine import MEMORY_MARGIN, plan_budget
+from moetier.engine.budget import AUTO_PROMPT_TOKENS, PREFILL_BYTES_PER_TOKEN, RUNTIME_BYTES, plan_budget
 from moetier.errors import BudgetError
 from moetier.memory import MemoryView
+from moetier.plan.precision import MixedPrecision
 from moetier.store.store import Store
+from moetier.store.variants import expert_layouts
 from tests.tiny_models import sparse_store
 
 GiB = 2**30
@@ -24,25 +26,40 @@ def huge(tmp_path_factory):
     return Store(sparse_store(tmp_path_factory.mktemp("huge") / "store", 2**18))
 
 
-def fits(store, available):
-    return int(available * (1 - MEMORY_MARGIN)) - store.dense_bytes
+def fits(store, available, auto=False):
+    """What a budget may take, for a process holding nothing yet (held=0): the runtime is all to come."""
+    return available - RUNTIME_BYTES - store.dense_bytes - (AUTO_PROMPT_TOKENS * PREFILL_BYTES_PER_TOKEN if auto else 0)
 
 
 def test_auto_takes_what_fits_and_says_so(huge):
     view = MemoryView(2 * GiB, "cgroup v2 /box", 4 * GiB, 2 * GiB)
-    choice = plan_budget(huge, MemoryBudget.parse("auto"), view)
+    choice = plan_budget(huge, MemoryBudget.parse("auto"), view, held=0)
     slot = huge.native_layout.blob_bytes
-    assert choice.slots == fits(huge, 2 * GiB) // slot and choice.cache_bytes <= fits(huge, 2 * GiB)
+    assert choice.slots == fits(huge, 2 * GiB, auto=True) // slot
     assert "asked auto" in choice.note and "cgroup v2 /box: limit 4.0 GiB" in choice.note
+
+
+def test_auto_leaves_only_the_measured_overhead_not_a_share(huge):
+    """With room for every expert and the measured overhead, auto takes every expert (a fixed 20% margin would
+    leave 725 MiB unused and hold 15 of the 16). What this process already holds is already in the view's usage,
+    so it is not left twice."""
+    slot = huge.native_layout.blob_bytes
+    overhead = RUNTIME_BYTES + AUTO_PROMPT_TOKENS * PREFILL_BYTES_PER_TOKEN
+    view = MemoryView(huge.total_expert_bytes() + huge.dense_bytes + overhead, "cgroup v2 /box", 8 * GiB, 4 * GiB)
+    fresh = plan_budget(huge, MemoryBudget.parse("auto"), view, held=0)
+    assert fresh.slots == 16 and int(view.available * 0.8 - huge.dense_bytes) // slot == 15
+    short = MemoryView(view.available - 1, "host")
+    assert plan_budget(huge, MemoryBudget.parse("auto"), short, held=0).slots == 15
+    assert plan_budget(huge, MemoryBudget.parse("auto"), short, held=RUNTIME_BYTES).slots == 16
 
 
 @pytest.mark.parametrize("budget", ["2GiB", "60%"])
 def test_an_explicit_budget_that_cannot_fit_is_refused_with_what_fits(huge, budget):
     view = MemoryView(2 * GiB, "cgroup v1 /box", 4 * GiB, 2 * GiB)
     with pytest.raises(BudgetError, match="does not fit: 2.0 GiB available") as e:
-        plan_budget(huge, MemoryBudget.parse(budget), view)
+        plan_budget(huge, MemoryBudget.parse(budget), view, held=0)
     assert f"give --expert-memory {fits(huge, 2 * GiB) // 2**20}MiB or less, or auto" in str(e.value)
-    assert plan_budget(huge, MemoryBudget.parse("1GiB"), view).cache_bytes == 5 * 192 * 2**20  # what fits runs
+    assert plan_budget(huge, MemoryBudget.parse("1GiB"), view, held=0).cache_bytes == 5 * 192 * 2**20  # fits, runs
 
 
 def test_a_budget_above_all_experts_reserves_only_the_experts(tiny_store):
@@ -52,9 +69,27 @@ def test_a_budget_above_all_experts_reserves_only_the_experts(tiny_store):
     assert choice.cache_bytes == store.total_expert_bytes()
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4", "int2"])
+def test_a_uniform_precision_counts_the_budget_in_its_own_copies(tiny_store, mode):
+    """100% of an int4 run is every int4 copy (not 100% of the bf16 bytes filled with int4 slots), and the note
+    counts int4 slots; a mixed mode keeps the model's own precision as its unit."""
+    _, path = tiny_store("olmoe")
+    store = Store(path)
+    layout = expert_layouts(store.spec, [mode])[mode]
+    n = store.spec.num_expert_keys
+    full = plan_budget(store, MemoryBudget.parse("100%"), MemoryView(GiB, "host"), MixedPrecision(mode))
+    assert (full.slots, full.cache_bytes, full.precision) == (n, n * layout.blob_bytes, mode)
+    assert f"({n} {mode} slots, 100% of" in full.note
+    half = plan_budget(store, MemoryBudget.parse("50%"), MemoryView(GiB, "host"), MixedPrecision(mode))
+    assert half.slots == n // 2
+    mixed = plan_budget(store, MemoryBudget.parse("50%"), MemoryView(GiB, "host"), MixedPrecision("hobbit"))
+    native = store.manifest.native_precision
+    assert mixed.cache_bytes == (n // 2) * store.native_layout.blob_bytes and mixed.precision == native
+
+
 def test_auto_with_too_little_memory_says_what_is_missing(huge):
     with pytest.raises(BudgetError, match="too little memory for one layer's top-2 experts"):
-        plan_budget(huge, MemoryBudget.parse("auto"), MemoryView(256 * 2**20, "host"))
+        plan_budget(huge, MemoryBudget.parse("auto"), MemoryView(256 * 2**20, "host"), held=0)
 
 
 def make_cgroup(limit: int) -> Path | None:

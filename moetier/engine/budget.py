@@ -1,0 +1,102 @@
+"""The expert cache a run reserves, decided before anything is loaded or reserved: the user's budget, counted in
+the experts the run computes (a uniform int4 run's share is a share of the int4 copies' bytes, and its slots are
+int4 slots), bounded by what the memory this process may still take (host or cgroup) leaves after the dense
+weights and the runtime's measured overhead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from moetier.cache.capacity import cache_capacity
+from moetier.config import MemoryBudget, format_bytes
+from moetier.errors import BudgetError
+from moetier.memory import MemoryView
+from moetier.plan.precision import UNIFORM, MixedPrecision
+from moetier.store.store import Store
+from moetier.store.variants import expert_layouts
+
+# What the process takes beyond the expert cache and the dense weights, measured (peak RSS less both, AMD EPYC,
+# torch 2.13): 269-306 MiB at short prompts (the interpreter, torch, the tokenizer, the kernels), growing with
+# the tokens of a packed prefill by 36-219 KiB a token (demo-fine to an OLMoE-width model, 4 prompts of 1,000).
+# The budget note promises peak RSS within the two plus these bounds; tests/engine/test_budget.py holds it.
+RUNTIME_BYTES = 384 << 20
+PREFILL_BYTES_PER_TOKEN = 256 << 10
+# `auto` also leaves room for a prefill of this many tokens (an explicit budget is refused only where the cache,
+# the dense weights and the runtime cannot fit at all; the note says what a longer prompt adds).
+AUTO_PROMPT_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The expert cache a run reserves, and the one line that says why. `slots` and `cache_bytes` are in experts
+    of `precision`, the copy the run computes (a mixed mode's: its high precision)."""
+
+    slots: int
+    cache_bytes: int
+    note: str
+    dense_bytes: int = 0
+    precision: str = ""
+
+    def peak_rss_bound(self, prompt_tokens: int) -> int:
+        """What the note promises this process's peak RSS stays within, for a prefill of `prompt_tokens`."""
+        return self.cache_bytes + self.dense_bytes + RUNTIME_BYTES + prompt_tokens * PREFILL_BYTES_PER_TOKEN
+
+
+def budget_precision(store: Store, mixed: MixedPrecision) -> str:
+    """The copy a budget is counted in: a uniform mode's, else the model's own (a mixed mode's high copy)."""
+    return mixed.mode if mixed.mode in UNIFORM else store.manifest.native_precision
+
+
+def runtime_to_come(held: int | None = None) -> int:
+    """What the runtime will still take: RUNTIME_BYTES less what this process already holds (`held`, default its
+    resident memory now: the interpreter and torch are loaded by then, and `memory` already counts them as used)."""
+    held = psutil.Process().memory_info().rss if held is None else held
+    return max(0, RUNTIME_BYTES - held)
+
+
+def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView, mixed: MixedPrecision = MixedPrecision(),
+                dense_bytes: int | None = None, held: int | None = None) -> BudgetChoice:
+    """The expert cache for `budget`: at least one layer's top-k, at most every expert, and never more than fits in
+    `memory` after the dense weights (`dense_bytes`, default the store's) and the runtime still to come
+    (`runtime_to_come(held)`); `auto` takes that less a prefill of AUTO_PROMPT_TOKENS. Counted in experts of the
+    precision the run computes (`budget_precision`)."""
+    spec = store.spec
+    dense = store.dense_bytes if dense_bytes is None else dense_bytes
+    precision = budget_precision(store, mixed)
+    if precision == store.manifest.native_precision:
+        slot_bytes, total = store.native_layout.blob_bytes, store.total_expert_bytes()
+    else:  # (the store may not hold the copy yet: a store in the cache gets it after this check)
+        slot_bytes = expert_layouts(spec, [precision])[precision].blob_bytes
+        total = slot_bytes * spec.num_expert_keys
+    runtime = runtime_to_come(held)
+    fits = max(0, memory.available - dense - runtime)
+    room = f"{memory.describe()}; after the dense weights ({format_bytes(dense)})"
+    if budget.kind == "auto":
+        prompt = AUTO_PROMPT_TOKENS * PREFILL_BYTES_PER_TOKEN
+        fits = max(0, fits - prompt)
+        room += f", the runtime still to come ({format_bytes(runtime)}) and a {AUTO_PROMPT_TOKENS:,}-token prompt"
+    else:
+        room += f" and the runtime still to come ({format_bytes(runtime)})"
+    room += f", {format_bytes(fits)} fits"
+    cache = cache_capacity(budget, total, slot_bytes, spec.top_k, fits, room)
+    slots = cache // slot_bytes
+    unit = "" if precision == store.manifest.native_precision else f" {precision}"
+    note = (f"expert cache {format_bytes(cache)} ({slots}{unit} slots, {cache / total:.0%} of {format_bytes(total)} "
+            f"of{unit} experts; asked {budget.label()}); {memory.describe()}; peak RSS at most "
+            f"{format_bytes(cache + dense + RUNTIME_BYTES)} (with the dense weights and "
+            f"{format_bytes(RUNTIME_BYTES)} of runtime) + {PREFILL_BYTES_PER_TOKEN >> 10} KiB per prompt token")
+    return BudgetChoice(slots, cache, note, dense, precision)
+
+
+def check_host_tier(store: Store, budget: BudgetChoice, memory: MemoryView, on_cpu: bool) -> None:
+    """Placement keeps every expert in host memory beside the dense weights (and, on the CPU, the cache): refused
+    where the host cannot hold them."""
+    on_host = store.total_expert_bytes() + (budget.dense_bytes + budget.cache_bytes if on_cpu else 0)
+    room = max(0, memory.available - runtime_to_come())
+    if on_host > room:
+        raise BudgetError(f"placement computes experts where they live, so every expert is kept in host memory: "
+                          f"{format_bytes(on_host)} with what else the host holds, more than the "
+                          f"{format_bytes(room)} {memory.describe()} leaves for them",
+                          hint="run without --placement (experts are then read from disk as needed)")
