@@ -21,8 +21,9 @@ from moetier.errors import MoetierError
 
 # sweepable parameter -> the MixedPrecision field it sets; SUBSTITUTION's set the Substitution, POLICY the policy
 SWEEPABLE = {"precision": "precision", "t1": "t1", "t2": "t2", "low-precision": "low", "high-share": "high_share",
-             "alpha": "alpha", "substitute-weight": "weight", "policy": "policy"}
+             "alpha": "alpha", "substitute-weight": "weight", "policy": "policy", "dense-precision": "dense_precision"}
 SUBSTITUTION = ("alpha", "substitute-weight")
+ENGINE = ("policy", "dense-precision")  # set an engine option, not a precision or substitution field
 
 
 def parse_sweep(text: str | None) -> tuple[str | None, list[str]]:
@@ -39,7 +40,7 @@ def point(fields: dict, param: str | None, value: str):
     """The precision configuration of one sweep point (refused before any engine starts if it is invalid)."""
     from moetier.plan.precision import MixedPrecision
 
-    if param is None or param in SUBSTITUTION or param == "policy":
+    if param is None or param in SUBSTITUTION or param in ENGINE:
         return MixedPrecision(**fields)
     field = {"precision": "mode"}.get(param, SWEEPABLE[param])
     try:
@@ -54,11 +55,15 @@ def engine_config(args: argparse.Namespace, fields: dict, param: str | None, val
     import dataclasses
 
     from moetier.cache.policies import check_policy
+    from moetier.model.dense_quant import DENSE_PRECISIONS
     from moetier.plan.substitute import Substitution
 
     substitution = substitution_config(args)
     policy = value if param == "policy" else args.policy
     check_policy(policy, live=True)
+    dense = value if param == "dense-precision" else args.dense_precision
+    if dense not in DENSE_PRECISIONS:
+        raise MoetierError(f"unknown dense precision {dense!r}", hint=f"one of {', '.join(DENSE_PRECISIONS)}")
     if param in SUBSTITUTION:
         base = substitution or Substitution(None, args.substitute_weight, args.batch_aware)
         if param == "alpha":
@@ -70,7 +75,8 @@ def engine_config(args: argparse.Namespace, fields: dict, param: str | None, val
         else:
             substitution = dataclasses.replace(base, weight=value)
     return {"precision": point(fields, param, value), "substitution": substitution, "policy": policy,
-            "prefetch": args.prefetch, "predictor": args.predictor, "predict_distance": args.predict_distance}
+            "prefetch": args.prefetch, "predictor": args.predictor, "predict_distance": args.predict_distance,
+            "dense_precision": dense}
 
 
 def texts(pairs: list[str] | None) -> dict[str, str]:
@@ -110,6 +116,7 @@ def _eval(args: argparse.Namespace) -> None:
     fields = precision_fields(args)
     param, values = parse_sweep(args.sweep)
     own = args.precision if args.substitute == "off" else f"{args.precision}+substitute {args.substitute}"
+    own += "" if args.dense_precision == "native" else f"+dense {args.dense_precision}"
     labels = ["exact"] + ([f"{param}={v}" for v in values] if param else [own])
     configs = {"exact": {"precision": point(fields | {"mode": "native"}, None, ""), "substitution": None,
                          "policy": args.policy}}  # exact plans, the same cache policy

@@ -68,7 +68,8 @@ def _generate(args: argparse.Namespace) -> None:
     engine = open_engine(args, progress=not args.json, prompts=prompts, policy=args.policy,
                          cache_partition=args.cache_partition, prefetch=args.prefetch, predictor=args.predictor,
                          predict_distance=args.predict_distance, precision=precision_config(args),
-                         substitution=substitution_config(args), placement=args.placement)
+                         substitution=substitution_config(args), placement=args.placement,
+                         dense_precision=args.dense_precision)
     stream = len(prompts) == 1 and not args.json
 
     def on_text(_: int, delta: str) -> None:
@@ -106,8 +107,9 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hugging Face folder, converted store, or built-in model name (`moetier list models`)")
     p.add_argument("--expert-memory", default=expert_memory,
-                   help="expert cache: bytes (512MiB, 2GB), a share of all expert bytes (30%%), or auto (80%% of "
-                        "the memory the host and the container allow, less the dense weights)")
+                   help="expert cache: bytes (512MiB, 2GB), a share of all expert bytes at the run's precision "
+                        "(30%%), or auto (what the host and the container allow, less the dense weights, the "
+                        "runtime and a 1,024-token prompt)")
     p.add_argument("--cache-dir", help="where Hugging Face folders are converted (default: $MOETIER_CACHE or "
                                        "~/.cache/moetier)")
     p.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
@@ -136,6 +138,9 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
                         "paper's 0.6,0.9; low-tier T2 1.0: no skipping)")
     p.add_argument("--high-share", type=float, default=0.75,
                    help="hobbit: the high-precision sub-cache's share of the expert budget")
+    p.add_argument("--dense-precision", default="native", choices=["native", "int8", "int4"],
+                   help="the attention projections and the head: native (exact), or quantized at load to int8/int4 "
+                        "(as llama.cpp's Q8_0 and Q4_K_M files hold them; the embedding and norms stay)")
 
 
 def precision_fields(args: argparse.Namespace) -> dict:

@@ -21,6 +21,8 @@ from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available
 from moetier.model.build import make_model
+from moetier.model.dense_quant import (DENSE_PRECISIONS, check_dense_precision, dense_bytes, quantize_dense, quantized_dense_bytes,
+                                       with_dense_precision)
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
@@ -57,6 +59,8 @@ class EngineConfig:
     predict_distance: int = 2  # MoE layers ahead the predictor scores (HOBBIT's p; the other stages use the next)
     precision: MixedPrecision = MixedPrecision()  # every expert at the model's own precision: exact mode
     substitution: Substitution | None = None  # SMoE's substitution of low-score experts (None: exact mode)
+    dense_precision: str = "native"  # or int8/int4: attention projections and the head quantized at load (as
+    # llama.cpp's Q8_0/Q4_K_M files hold them); not exact
     share_cpu: bool = True  # on the CPU: as many compute threads as other runnable processes leave cores for
     placement: str = "none"  # load a missing expert or compute it on the host CPU (moetier.plan.placement); every
     # expert is then held in host memory too. Made for a GPU (--device cuda); on the CPU the same memory stands in
@@ -79,6 +83,9 @@ class EngineConfig:
         if self.predict_distance < 1:
             raise MoetierError(f"predict_distance must be at least 1, not {self.predict_distance}")
         check_policy(self.policy, live=True)
+        if self.dense_precision not in DENSE_PRECISIONS:
+            raise MoetierError(f"unknown dense precision {self.dense_precision!r}",
+                               hint=f"one of {', '.join(DENSE_PRECISIONS)}")
         if self.placement != "none" and self.placement not in PLACEMENTS:
             raise MoetierError(f"unknown placement {self.placement!r}", hint=f"one of none, {', '.join(PLACEMENTS)}")
         if self.policy.endswith(SUFFIX) and self.predictor == "none":
@@ -164,8 +171,9 @@ class Engine:
         predictor object instead of the one `config.predictor` names (e.g. an oracle built from a trace)."""
         self.store, self.config, self.spec = store, config, store.spec
         self.device = check_device(config.device)
+        check_dense_precision(self.spec, config.dense_precision)
         self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device),
-                                  config.precision)
+                                  config.precision, quantized_dense_bytes(store.dense_tensors(), config.dense_precision))
         slots = self.budget.slots
         per_layer = config.cache_partition == "per-layer"
         if per_layer and slots < len(self.spec.moe_layers):
@@ -177,7 +185,8 @@ class Engine:
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
         policy = make_policy_for_model(config.policy, ctx, store.trained_dir())
         dense = {name: t.to(self.device) for name, t in store.load_dense().items()}
-        self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
+        dense = quantize_dense(dense, self.spec, config.dense_precision)  # (native: unchanged)
+        self.dense_bytes = dense_bytes(dense)
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         if predictor is None and config.predictor != "none":
             predictor = make_predictor(config.predictor, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
@@ -200,7 +209,8 @@ class Engine:
         except BaseException:
             self.reader.close()
             raise
-        self.model = make_model(self.spec, dense, self.executor, self.kernels)
+        self.model = make_model(self.spec, dense, self.executor,
+                                with_dense_precision(self.kernels, config.dense_precision))
         self.executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)

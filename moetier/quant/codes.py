@@ -42,6 +42,14 @@ def group_size(precision: str, k: int) -> int:
     return group
 
 
+def quantized_nbytes(precision: str, n: int, k: int) -> int:
+    """Bytes of an [N, K] matrix's `precision` copy: its codes, scales and zeros (as `quantize` makes them)."""
+    if precision == "int8":
+        return n * k + 2 * n
+    groups = k // group_size(precision, k)
+    return n * k * BITS[precision] // 8 + 2 * 2 * n * groups
+
+
 def quantize_expert(tensors: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
     """An expert's float tensors -> the named tensors of its `precision` blob (as `expert_layout` lays them)."""
     out = {}

@@ -1,0 +1,153 @@
+"""Dense weights at a quantized precision (`--dense-precision int8|int4`), as llama.cpp's Q4_K_M and Q8_0 files
+quantize attention and the head beside the experts: at batch 1 a decode step reads every attention projection and
+the head once (0.74 GB of OLMoE-1B-7B's 2.35 GB a token in bf16), so with int4 experts they are most of the bytes.
+
+The matrices that only ever meet `kernels.linear` — each layer's q/k/v/o projections and the head — are quantized
+when the engine loads (moetier/quant/codes.py's formats; the store is not changed), and `QuantizedDenseKernels`
+computes them: up to 4 rows by integer dot products from the codes (csrc/q_int.c), more rows (a prefill) through
+the matrix dequantized to bf16 once per call. Embeddings, norms, routers, shared experts and dense MLPs stay as
+they are. Not exact by definition: `moetier eval --sweep dense-precision=int8,int4` measures what it costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moetier.config import ModelSpec
+from moetier.errors import MoetierError
+from moetier.model.kernels import TorchKernels
+from moetier.quant.codes import BITS, Quantized, dequantize, group_size, quantize, quantized_nbytes
+
+DENSE_PRECISIONS = ("native", "int8", "int4")
+MAX_ROWS = 4  # csrc/q_int.c's QI_MAX_TOKENS
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A dense [N, K] weight kept as its quantized copy; `group`: inputs per scale (K for int8's one a row)."""
+
+    q: Quantized
+    shape: tuple[int, int]
+    group: int
+
+    def __post_init__(self) -> None:
+        if self.shape[1] % self.group:
+            raise ValueError(f"group {self.group} does not divide in_features {self.shape[1]}")
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.q.precision]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q.codes, self.q.scales, self.q.zeros)
+                   if t is not None)
+
+
+def quantize_matrix(w: torch.Tensor, precision: str) -> QuantizedMatrix:
+    n, k = w.shape
+    group = k if precision == "int8" else group_size(precision, k)
+    return QuantizedMatrix(quantize(w, precision), (n, k), group)
+
+
+def check_dense_precision(spec: ModelSpec, precision: str) -> None:
+    """Refused before anything is loaded: an unknown precision, or a model whose attention is not grouped-query
+    (MLA's latent projections and an encoder-decoder's cross-attention are not quantized)."""
+    if precision not in DENSE_PRECISIONS:
+        raise MoetierError(f"unknown dense precision {precision!r}", hint=f"one of {', '.join(DENSE_PRECISIONS)}")
+    if precision != "native" and (spec.latent_attention is not None or spec.encoder_decoder is not None):
+        raise MoetierError(f"--dense-precision {precision} quantizes grouped-query attention and the head; "
+                           f"{spec.family}'s attention is not that", hint="use --dense-precision native")
+
+
+def quantized_names(names: list[str]) -> list[str]:
+    """The dense tensors a quantized precision replaces: each layer's attention projections."""
+    return [n for n in names if n.startswith("layers.") and n.rsplit(".", 1)[-1] in PROJECTIONS]
+
+
+def quantized_dense_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], precision: str) -> int:
+    """The dense weights' bytes at `precision` from each tensor's (shape, bytes) alone, before loading them (a tied
+    head gets a quantized copy of its own beside the embedding)."""
+    if precision == "native":
+        return sum(nbytes for _, nbytes in tensors.values())
+    quantized = set(quantized_names(list(tensors)))
+    kept = sum(nbytes for n, (_, nbytes) in tensors.items() if n not in quantized and n != "lm_head")
+    head = tensors.get("lm_head", tensors["embed_tokens"])[0]
+    return kept + sum(quantized_nbytes(precision, *tensors[n][0]) for n in quantized) \
+        + quantized_nbytes(precision, *head)
+
+
+def quantize_dense(dense: dict[str, torch.Tensor], spec: ModelSpec, precision: str) -> dict:
+    """`dense` with its attention projections and head replaced by `precision` copies (a tied head gets its own,
+    the embedding staying as it is). "native" returns `dense` unchanged."""
+    check_dense_precision(spec, precision)
+    if precision == "native":
+        return dense
+    out = dict(dense)
+    for name in quantized_names(list(dense)):
+        out[name] = quantize_matrix(dense[name], precision)
+    out["lm_head"] = quantize_matrix(dense.get("lm_head", dense["embed_tokens"]), precision)
+    return out
+
+
+def dense_bytes(dense: dict) -> int:
+    return sum(t.nbytes if isinstance(t, QuantizedMatrix) else t.numel() * t.element_size() for t in dense.values())
+
+
+class QuantizedDenseKernels:
+    """`base`'s kernels, with `linear` also taking a QuantizedMatrix weight."""
+
+    def __init__(self, base: TorchKernels) -> None:
+        self.base, self.name = base, base.name
+        self.lib = getattr(base, "lib", None)
+        # the rest of the interface is the base's, bound once (no lookup through a fallback per call)
+        self.swiglu, self.expert, self.rms_norm = base.swiglu, base.expert, base.rms_norm
+        self.rope, self.decode_attention = base.rope, base.decode_attention
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.dense = torch.empty(0, dtype=torch.bfloat16)  # a prefill's dequantized matrix, reused across calls
+        self.fits: dict[tuple[int, int, int], bool] = {}
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(weight, QuantizedMatrix):
+            return self.base.linear(x, weight, bias)
+        n, k = weight.shape
+        rows = x.shape[0]
+        if (self.lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and rows <= MAX_ROWS
+                and x.is_contiguous() and self._fits(weight)):
+            y = torch.empty(rows, n, dtype=x.dtype)
+            q = weight.q
+            need = self.lib.moetier_linear_qi_scratch(weight.bits, weight.group, n, k, rows)
+            if self.scratch.numel() < need:
+                self.scratch = torch.empty(need, dtype=torch.uint8)
+            self.lib.moetier_linear_qi(weight.bits, q.codes.data_ptr(), q.scales.data_ptr(),
+                                       None if q.zeros is None else q.zeros.data_ptr(), weight.group, x.data_ptr(),
+                                       y.data_ptr(), n, k, rows, self.scratch.data_ptr())
+            return y if bias is None else y + bias
+        return F.linear(x, self._dequantized(weight, x.dtype), bias)
+
+    def _fits(self, weight: QuantizedMatrix) -> bool:
+        key = (weight.bits, weight.shape[1], weight.group)
+        if key not in self.fits:  # (once per shape)
+            self.fits[key] = bool(self.lib.moetier_qi_fits(*key))
+        return self.fits[key]
+
+    def _dequantized(self, weight: QuantizedMatrix, dtype: torch.dtype) -> torch.Tensor:
+        if self.lib is None or dtype != torch.bfloat16:
+            return dequantize(weight.q, dtype)
+        n, k = weight.shape
+        if self.dense.numel() < n * k:
+            self.dense = torch.empty(n * k, dtype=torch.bfloat16)
+        out = self.dense[:n * k].view(n, k)
+        q = weight.q
+        self.lib.moetier_dequant_q(weight.bits, q.codes.data_ptr(), q.scales.data_ptr(),
+                                   None if q.zeros is None else q.zeros.data_ptr(), n, k, weight.group,
+                                   out.data_ptr())
+        return out
+
+
+def with_dense_precision(kernels: TorchKernels, precision: str):
+    """The kernels a model with `precision` dense weights computes on."""
+    return kernels if precision == "native" else QuantizedDenseKernels(kernels)

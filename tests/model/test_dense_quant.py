@@ -1,0 +1,118 @@
+"""Dense weights at a quantized precision (--dense-precision): the attention projections and the head replaced by
+int8/int4 copies at load, computed from their codes (native, up to 4 rows) or dequantized (more rows, or torch),
+their bytes known before loading, refused where the attention is not grouped-query."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetier.config import MemoryBudget
+from moetier.engine.engine import Engine, EngineConfig
+from moetier.errors import MoetierError
+from moetier.model import native
+from moetier.model.dense_quant import (QuantizedDenseKernels, QuantizedMatrix, dense_bytes, quantize_dense,
+                                       quantize_matrix, quantized_dense_bytes)
+from moetier.model.kernels import TorchKernels, make_kernels
+from moetier.quant.codes import dequantize
+from moetier.store.store import Store
+
+ISAS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
+                                                         reason=f"this CPU cannot run {isa.name}"))
+        for isa in native.ISAS]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_a_quantized_linear_computes_its_dequantized_matrix(isa, precision, rows):
+    """Up to 4 rows from the codes by integer dot products (the activations' int8 rounding: ~1% of the output),
+    more rows through the matrix dequantized once (exactly the reference)."""
+    from moetier.model.kernels import NativeKernels
+
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(384, 512, generator=g) / 512 ** 0.5).bfloat16()
+    m = quantize_matrix(w, precision)
+    x = torch.randn(rows, 512, generator=g).bfloat16()
+    kernels = QuantizedDenseKernels(NativeKernels(native.load(isa).lib, isa))
+    out = kernels.linear(x, m)
+    ref = F.linear(x, dequantize(m.q))
+    if rows > 4:
+        assert torch.equal(out, ref)
+    else:
+        err = (out.float() - ref.float()).abs()
+        assert err.mean() < 0.02 * ref.float().abs().mean() and err.max() < 0.06 * ref.float().abs().max()
+    bias = torch.randn(384, generator=g).bfloat16()
+    with_bias = F.linear(x, dequantize(m.q), bias) if rows > 4 else out + bias
+    assert torch.equal(kernels.linear(x, m, bias), with_bias)
+    plain = torch.randn(5, 512).bfloat16()  # an unquantized weight goes to the base kernels
+    assert torch.equal(kernels.linear(x, plain[:, :512]), NativeKernels(native.load(isa).lib).linear(x, plain))
+
+
+def test_without_the_native_library_a_quantized_linear_is_the_reference():
+    w = torch.randn(96, 64)
+    m = quantize_matrix(w, "int4")
+    x = torch.randn(2, 64)
+    assert torch.equal(QuantizedDenseKernels(TorchKernels()).linear(x, m), F.linear(x, dequantize(m.q, torch.float32)))
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("precision", ["native", "int8", "int4"])
+def test_the_dense_bytes_are_known_before_loading(tiny_store, family, precision):
+    _, path = tiny_store(family)
+    store = Store(path)
+    dense = quantize_dense(store.load_dense(), store.spec, precision)
+    assert quantized_dense_bytes(store.dense_tensors(), precision) == dense_bytes(dense)
+    quantized = [n for n, t in dense.items() if isinstance(t, QuantizedMatrix)]
+    if precision == "native":
+        assert not quantized
+    else:  # every layer's four projections, and the head (tied or not)
+        assert len(quantized) == 4 * store.spec.num_layers + 1 and "lm_head" in quantized
+        assert dense_bytes(dense) < store.dense_bytes
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_an_engine_with_quantized_dense_weights_scores_near_exact(tiny_store, precision):
+    """bf16 OLMoE, teacher-forced through prefill and decode steps: each next-token distribution near exact mode's
+    (KL below 0.01 at int8, 0.1 at int4; a misread scale or code gives KL of order one), and the budget counts the
+    quantized dense bytes."""
+    from moetier.engine.score import teacher_forced
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    ids = [5, 9, 2, 33, 17, 4, 8, 61, 22, 7, 90, 3]
+    everything = MemoryBudget("share", 1.0)
+    with Engine(Store(path), EngineConfig(expert_memory=everything), progress=False) as exact:
+        want, _ = teacher_forced(exact, ids, 4)
+    with Engine(Store(path), EngineConfig(expert_memory=everything, dense_precision=precision),
+                progress=False) as engine:
+        assert isinstance(engine.model.lm_head, QuantizedMatrix)
+        assert engine.budget.dense_bytes == engine.dense_bytes < Store(path).dense_bytes
+        got, _ = teacher_forced(engine, ids, 4)
+        tokens = engine.generate([ids], max_new_tokens=4, ignore_eos=True).token_ids
+    kl = (want.exp() * (want - got)).sum(-1)  # [positions]
+    assert kl.max() < {"int8": 0.01, "int4": 0.1}[precision] and kl.max() > 0
+    assert len(tokens[0]) == 4
+
+
+def test_latent_attention_is_refused_before_loading(tiny_store):
+    _, path = tiny_store("deepseek_v3")
+    with pytest.raises(MoetierError, match="quantizes grouped-query attention"):
+        Engine(Store(path), EngineConfig(dense_precision="int4"), progress=False)
+
+
+def test_the_option_is_checked_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "moetier.cli", "generate", "--dense-precision", "int2", "--prompt", "x"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("moetier: error: argument --dense-precision")
+    with pytest.raises(MoetierError, match="unknown dense precision"):
+        EngineConfig(dense_precision="fp8")
+
+
+def test_auto_kernels_are_wrapped_only_when_asked():
+    base = make_kernels("torch", torch.bfloat16, "cpu")
+    from moetier.model.dense_quant import with_dense_precision
+
+    assert with_dense_precision(base, "native") is base
+    assert isinstance(with_dense_precision(base, "int4"), QuantizedDenseKernels)
