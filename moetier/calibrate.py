@@ -53,7 +53,7 @@ def disk_tier(store: Store, threads: int = 4, chunk_bytes: int = 2 << 20, reads:
     blobs = random.Random(0).sample(list(store.manifest.blobs), min(len(store.manifest.blobs), 2 * reads))
     alone, queued = blobs[:len(blobs) // 2], blobs[len(blobs) // 2:]
     pool = HostSlots(store.native_layout, len(queued))
-    with ExpertReader(store.path, threads, chunk_bytes, verify=False) as reader:
+    with ExpertReader(store.path, threads, chunk_bytes, verify=False, manifest=store.manifest) as reader:
         def read(batch) -> tuple[float, float]:
             start, cpu = time.perf_counter(), time.process_time()
             for slot, blob in enumerate(batch):
@@ -150,7 +150,7 @@ def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
     spec = store.spec
     n = min(spec.num_experts, 2 * spec.top_k)
     layer = spec.moe_layers[0]
-    with ExpertReader(store.path, verify=False) as reader:
+    with ExpertReader(store.path, verify=False, manifest=store.manifest) as reader:
         dtype = store.load_dense()["embed_tokens"].dtype
         executor = ExpertExecutor(spec, store.manifest, n * store.native_layout.blob_bytes, make_policy("lru"),
                                   reader, kernels=cpu_kernels(dtype))

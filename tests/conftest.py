@@ -26,12 +26,14 @@ def tiny_store(tmp_path_factory):
     """(reference model, store path) for a family, built once per session."""
     made = {}
 
-    def get(family: str, dtype: torch.dtype = torch.float32, **overrides):
-        key = (family, dtype, repr(sorted(overrides.items())))
+    def get(family: str, dtype: torch.dtype = torch.float32, copy: bool = False, **overrides):
+        """`copy`: the experts copied into the store's own blobs (default: a linked store reading the checkpoint's
+        files, as `convert` makes by default)."""
+        key = (family, dtype, copy, repr(sorted(overrides.items())))
         if key not in made:
             root = tmp_path_factory.mktemp(family)
             ref = build_tiny(family, root / "hf", dtype=dtype, **overrides)
-            made[key] = (ref, convert(root / "hf", root / "store", progress=False))
+            made[key] = (ref, convert(root / "hf", root / "store", progress=False, copy=copy))
         return made[key]
 
     return get

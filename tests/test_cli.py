@@ -56,7 +56,7 @@ def test_bad_input_exits_non_zero_with_a_message(tiny_store, tmp_path, capsys, a
 def test_console_script_exit_code_on_a_damaged_store(tiny_store, tmp_path):
     from moetier.store.synth import byte_tokenizer
 
-    _, path = tiny_store("olmoe")
+    _, path = tiny_store("olmoe", copy=True)
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
     byte_tokenizer().save(str(bad / "tokenizer.json"))

@@ -53,16 +53,20 @@ def python(script: str, *args: str) -> list[str]:
 def test_converting_onto_a_full_disk_is_refused_first_and_then_succeeds_with_room(hf, tmp_path):
     small = tmp_path / "small"
     small.mkdir()
-    r = run_with_mounts(moetier("convert", str(hf), str(small / "store")), small={small: SMALL})
+    r = run_with_mounts(moetier("convert", "--copy", str(hf), str(small / "store")), small={small: SMALL})
     refused_in_one_line(r, "the store store needs ", "free", "free disk space")
     # the same with the check gone: the disk fills while writing; nothing of the store is left behind
-    script = NO_CHECK + ("from moetier.cli import main\nimport os\ncode = main(['convert', sys.argv[1], sys.argv[2]])\n"
+    script = NO_CHECK + ("from moetier.cli import main\nimport os\n"
+                         "code = main(['convert', '--copy', sys.argv[1], sys.argv[2]])\n"
                          "print(sorted(os.listdir(sys.argv[3])))\nsys.exit(code)")
     r = run_with_mounts(python(script, hf, small / "store", small), small={small: SMALL})
     refused_in_one_line(r, "the disk filled up while writing", "nothing of it was kept")
     assert r.stdout.strip() == "[]"  # no temporary folder, no half store
-    r = run_with_mounts(moetier("convert", str(hf), str(small / "store")), small={small: 4 << 20})
+    r = run_with_mounts(moetier("convert", "--copy", str(hf), str(small / "store")), small={small: 4 << 20})
     assert r.returncode == 0, r.stderr  # with room, the same command succeeds
+    # a linked store (the default) writes no expert: it fits where the copy did not
+    r = run_with_mounts(moetier("convert", str(hf), str(small / "store")), small={small: SMALL})
+    assert r.returncode == 0, r.stderr
 
 
 def test_quantizing_onto_a_full_disk_leaves_the_store_as_it_was_and_resumes_with_room(hf, tmp_path):
@@ -142,7 +146,7 @@ def run_briefly(fn, seconds: float = 60):
 
 @pytest.mark.parametrize("fault", ["shrunk", "removed", "eio"])
 def test_a_read_that_fails_names_the_expert_and_file_and_the_engine_stops_cleanly(hf, tmp_path, monkeypatch, fault):
-    store = convert(hf, tmp_path / "store", progress=False)
+    store = convert(hf, tmp_path / "store", progress=False, copy=True)
     layer_file = store / "experts" / "fp32" / "layer_001.bin"
     engine = Engine.from_pretrained(store, expert_memory="50%")
     assert len(reader_threads()) >= 4
@@ -180,7 +184,7 @@ def test_a_read_that_fails_names_the_expert_and_file_and_the_engine_stops_cleanl
 
 def test_a_store_damaged_before_it_is_opened_is_refused_at_open(hf, tmp_path):
     """(A file that shrank before the engine opened the store is found by the size check at open.)"""
-    store = convert(hf, tmp_path / "store", progress=False)
+    store = convert(hf, tmp_path / "store", progress=False, copy=True)
     os.truncate(store / "experts" / "fp32" / "layer_000.bin", 4096)
     script = ("from moetier import Engine\nfrom moetier.errors import MoetierError\n"
               "try:\n    Engine.from_pretrained(sys.argv[1], expert_memory='50%').generate([[5, 6, 7]], 4)\n"
@@ -189,3 +193,20 @@ def test_a_store_damaged_before_it_is_opened_is_refused_at_open(hf, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "layer_000.bin is truncated" in r.stderr and "--reconvert" in r.stderr
     assert Manifest.load(store)  # nothing else touched
+
+
+def test_a_checkpoint_that_shrinks_under_an_engine_on_a_linked_store_is_named(tmp_path):
+    """A linked store reads the checkpoint's own file: that file, not the store's, is named."""
+    build_tiny("olmoe", tmp_path / "hf")
+    store = convert(tmp_path / "hf", tmp_path / "store", progress=False)
+    engine = Engine.from_pretrained(store, expert_memory="50%")
+    os.truncate(tmp_path / "hf" / "model.safetensors", 4096)
+    with engine:
+        box = run_briefly(lambda: engine.generate([[5, 6, 7, 8, 9, 10]], max_new_tokens=8, ignore_eos=True))
+    message = str(box.get("error"))
+    assert isinstance(box.get("error"), StoreError) and "model.safetensors" in message, box
+    assert "the file ends early" in message and " of layer " in message
+    deadline = time.monotonic() + 10
+    while reader_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reader_threads() == []

@@ -14,11 +14,13 @@ def _convert(args: argparse.Namespace) -> None:
     from moetier.store.convert import convert
     from moetier.store.store import Store
 
-    path = convert(args.hf_dir, args.store, overwrite=args.force, precisions=args.precisions or ())
+    path = convert(args.hf_dir, args.store, overwrite=args.force, precisions=args.precisions or (), copy=args.copy)
     manifest = Store(path).manifest
     quantized = (manifest.config.get("quantization_config") or {}).get("quant_method")
     held = ", ".join(manifest.precisions) + (f" (dequantized from the checkpoint's {quantized})" if quantized else "")
-    print(f"wrote {path}: {manifest.family}, experts held as {held}")
+    where = (f"; its {manifest.native_precision} experts are read from {args.hf_dir}'s files, which must stay there "
+             f"unchanged (--copy copies them instead)" if manifest.sources else "")
+    print(f"wrote {path}: {manifest.family}, experts held as {held}{where}")
 
 
 def _quantize(args: argparse.Namespace) -> None:
@@ -67,6 +69,9 @@ def add_parser(sub) -> None:
                    help="replace an existing store (only a moetier store; never the checkpoint itself)")
     c.add_argument("--precisions", metavar="LIST",
                    help="also write quantized copies of every expert, e.g. bf16,int8,int4 (int8, int4, int2)")
+    c.add_argument("--copy", action="store_true",
+                   help="copy the experts into the store (by default the store reads them from the checkpoint's "
+                        "safetensors files, writing only the dense weights and an index)")
     c.set_defaults(func=_convert)
 
     q = command(sub, "quantize", "add quantized copies of every expert (int8, int4, int2) to a store: atomic, "

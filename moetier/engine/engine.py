@@ -198,7 +198,8 @@ class Engine:
             self.store = store = Store(store.path)
         if config.placement != "none":
             check_host_tier(store, self.budget, memory or memory_available(), self.device.type == "cpu")
-        self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums)
+        self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
+                                   manifest=store.manifest)
         try:
             self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
                                            per_layer, self.device, self.kernels, config.prefetch, predictor,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +32,34 @@ def read_config(model_dir: Path) -> dict:
         raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
+ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8", "U8": "uint8"}
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a tensor's bytes lie in its safetensors file (row-major, contiguous: safetensors stores no strides)."""
+
+    path: Path
+    offset: int  # from the start of the file
+    nbytes: int
+    dtype: str  # torch's name ("bfloat16"), or safetensors' own for types torch has no name for here
+    shape: tuple[int, ...]
+
+    def slice(self, index: int) -> Located:
+        """The `index`-th slice along the first dimension (one expert of a stacked tensor)."""
+        step = self.nbytes // self.shape[0]
+        return Located(self.path, self.offset + index * step, step, self.dtype, self.shape[1:])
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """(the header's tensor entries, where the data begins) of a safetensors file."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 class Checkpoint:
     """Lazy access to named tensors across shards; each tensor is read only when asked for."""
 
@@ -43,6 +73,7 @@ class Checkpoint:
                                        "save_pretrained(safe_serialization=True)")
         self._where: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[dict, int]] = {}
         for shard in shards:
             try:
                 with safe_open(str(shard), framework="pt") as f:
@@ -70,6 +101,18 @@ class Checkpoint:
     def get_slice(self, name: str, index: int) -> torch.Tensor:
         """`get(name)[index]`, reading only that slice (one expert of a tensor stacking them all)."""
         return self._handle(name).get_slice(name)[index]
+
+    def locate(self, name: str) -> Located:
+        """Where tensor `name`'s bytes lie on disk (read from its shard's header, once per shard)."""
+        self._handle(name)  # a missing tensor is refused as `get` refuses it
+        shard = self._where[name]
+        if shard not in self._headers:
+            self._headers[shard] = safetensors_header(shard)
+        header, start = self._headers[shard]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        return Located(shard, start + begin, end - begin, ST_DTYPES.get(entry["dtype"], entry["dtype"]),
+                       tuple(entry["shape"]))
 
     def tokenizer_files(self) -> list[str]:
         return [n for n in TOKENIZER_FILES if (self.dir / n).exists()]

@@ -1,4 +1,4 @@
-"""Store format version 1: the manifest and the layout of one expert blob.
+"""Store format: the manifest and the layout of one expert blob.
 
 STORE/
   manifest.json                           written last; a store without it (or with complete=false) is invalid
@@ -10,10 +10,17 @@ A blob's layout is described per precision as a list of tensors with byte offset
 (int8/int4 with their scales) add tensors without changing the format. Every byte a run depends on has a CRC-32 in
 the manifest: each expert blob, each dense tensor, each copied file (version 2 added the last two; a version 1
 store is refused with a hint to re-convert).
+
+Version 3 (a *linked* store) adds blobs that are not in the store: the model's own experts read where they lie in
+the checkpoint's safetensors files, each blob a list of segments (a file, an offset and a length there, and where
+the bytes go in the blob). The manifest names each such source file with its size and modification time, checked
+at every open: a changed source is never read. Quantized copies are always real blobs in the store. A store
+without segments is written as version 2, which every moetier since reads alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -27,6 +34,8 @@ from moetier.errors import StoreError, integer, parsing
 
 FORMAT = "moetier-store"
 VERSION = 2
+LINKED_VERSION = 3  # a store whose blobs may point into its source's files
+VERSIONS = (VERSION, LINKED_VERSION)
 MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
 RECONVERT = ("re-convert it (`moetier generate --reconvert` for a model converted on first use, "
@@ -103,16 +112,46 @@ class PrecisionLayout:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Bytes of a linked blob that lie in a source file: `length` bytes at `offset` there, at `dest` in the blob."""
+
+    source: str  # a key of Manifest.sources
+    offset: int
+    length: int
+    dest: int
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A file a linked store reads from, as it was when the store indexed it."""
+
+    path: str  # absolute
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> SourceFile:
+        st = path.stat()
+        return cls(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
 class BlobRef:
-    """Where one expert at one precision lives on disk."""
+    """Where one expert at one precision lives on disk: `length` bytes at `offset` in the store's `file`, or, for a
+    linked blob, its `segments` in source files (`file` empty; `crc32` over the segments' bytes in blob order)."""
 
     layer: int
     expert: int
     precision: str
-    file: str  # relative to the store
+    file: str  # relative to the store ("" for a linked blob)
     offset: int
     length: int  # padded to ALIGN
     crc32: int
+    segments: tuple[Segment, ...] = ()
+
+    @property
+    def linked(self) -> bool:
+        return bool(self.segments)
 
 
 @dataclass(frozen=True)
@@ -126,8 +165,12 @@ class Manifest:
     source: str = ""
     dense_crc32: dict[str, int] = field(default_factory=dict)  # per dense tensor, over its raw bytes
     file_crc32: dict[str, int] = field(default_factory=dict)  # per copied file (tokenizer, generation config)
+    sources: dict[str, SourceFile] = field(default_factory=dict)  # what linked blobs read, by name
     complete: bool = True
-    version: int = VERSION
+
+    @property
+    def version(self) -> int:
+        return LINKED_VERSION if self.sources else VERSION
 
     def blob(self, layer: int, expert: int, precision: str | None = None) -> BlobRef:
         return self._index[(layer, expert, precision or self.native_precision)]
@@ -148,7 +191,10 @@ class Manifest:
             "native_precision": self.native_precision,
             "precisions": {k: asdict(v) for k, v in self.precisions.items()},
             "dense_crc32": self.dense_crc32, "file_crc32": self.file_crc32,
-            "experts": [[b.layer, b.expert, b.precision, b.file, b.offset, b.length, b.crc32] for b in self.blobs],
+            **({"sources": {k: asdict(v) for k, v in self.sources.items()}} if self.sources else {}),
+            "experts": [[b.layer, b.expert, b.precision, b.file, b.offset, b.length, b.crc32]
+                        + ([[list(dataclasses.astuple(s)) for s in b.segments]] if b.segments else [])
+                        for b in self.blobs],
         }
 
     def save(self, store_dir: Path) -> None:
@@ -166,9 +212,9 @@ class Manifest:
             raise StoreError(f"cannot read {path}: {e}", hint=DAMAGED) from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise StoreError(f"{path} is not a moetier store manifest", hint=DAMAGED)
-        if d.get("version") != VERSION:
-            raise StoreError(f"{path}: store format version {d.get('version')!r}; this moetier reads version "
-                             f"{VERSION}", hint=RECONVERT)
+        if d.get("version") not in VERSIONS:
+            raise StoreError(f"{path}: store format version {d.get('version')!r}; this moetier reads versions "
+                             f"{', '.join(map(str, VERSIONS))}", hint=RECONVERT)
         if d.get("complete") is not True:
             raise StoreError(f"{store_dir} is incomplete (conversion did not finish)", hint=DAMAGED)
         with parsing(str(path), StoreError, hint=DAMAGED):
@@ -180,14 +226,23 @@ def _parse_manifest(d: dict) -> Manifest:
     native = d["native_precision"]
     if native not in precisions:
         raise ValueError(f"native precision {native!r} has no layout")
-    blobs = tuple(_parse_blob(row, precisions) for row in d["experts"])
+    sources = {_text(k, "source name"): _parse_source(v) for k, v in _mapping(d.get("sources", {}), "sources").items()}
+    blobs = tuple(_parse_blob(row, precisions, sources) for row in d["experts"])
     return Manifest(
         family=_text(d["family"], "family"), config=_mapping(d["config"], "config"), precisions=precisions,
         native_precision=native, blobs=blobs, source=_text(d.get("source", ""), "source"),
         tokenizer_files=tuple(_relative(f) for f in d.get("tokenizer_files", ())),
         dense_crc32={_text(k, "tensor name"): integer(v, "crc32", 0) for k, v in _mapping(d["dense_crc32"],
                                                                                             "dense_crc32").items()},
-        file_crc32={_relative(k): integer(v, "crc32", 0) for k, v in _mapping(d["file_crc32"], "file_crc32").items()})
+        file_crc32={_relative(k): integer(v, "crc32", 0) for k, v in _mapping(d["file_crc32"], "file_crc32").items()},
+        sources=sources)
+
+
+def _parse_source(d: dict) -> SourceFile:
+    path = _text(d["path"], "source path")
+    if not PurePosixPath(path).is_absolute():
+        raise ValueError(f"source file {path!r} is not an absolute path")
+    return SourceFile(path, integer(d["size"], "source size", 0), integer(d["mtime_ns"], "source time", 0))
 
 
 def _parse_layout(name, d: dict) -> PrecisionLayout:
@@ -202,16 +257,30 @@ def _parse_layout(name, d: dict) -> PrecisionLayout:
     return PrecisionLayout(name, tuple(tensors))
 
 
-def _parse_blob(row: list, precisions: dict[str, PrecisionLayout]) -> BlobRef:
-    layer, expert, precision, file, offset, length, crc = row
+def _parse_blob(row: list, precisions: dict[str, PrecisionLayout], sources: dict[str, SourceFile]) -> BlobRef:
+    layer, expert, precision, file, offset, length, crc, *rest = row
     if precision not in precisions:
         raise ValueError(f"expert blob of unknown precision {precision!r}")
     if integer(length, "blob length", 1) < precisions[precision].nbytes:
         raise ValueError(f"expert {expert} of layer {layer}: blob of {length} bytes is shorter than its layout")
     if integer(offset, "blob offset", 0) % ALIGN or length % ALIGN:
         raise ValueError(f"expert {expert} of layer {layer}: blob not {ALIGN}-aligned")
-    return BlobRef(integer(layer, "layer", 0), integer(expert, "expert", 0), precision, _relative(file), offset,
-                   length, integer(crc, "crc32", 0))
+    segments = tuple(_parse_segment(s, sources, length) for s in rest[0]) if rest else ()
+    if len(rest) > 1 or (rest and not segments):
+        raise ValueError(f"expert {expert} of layer {layer}: a malformed row")
+    return BlobRef(integer(layer, "layer", 0), integer(expert, "expert", 0), precision,
+                   "" if segments else _relative(file), offset, length, integer(crc, "crc32", 0), segments)
+
+
+def _parse_segment(row: list, sources: dict[str, SourceFile], blob_length: int) -> Segment:
+    source, offset, length, dest = row
+    if source not in sources:
+        raise ValueError(f"a segment reads from {source!r}, which the manifest's sources do not name")
+    seg = Segment(source, integer(offset, "segment offset", 0), integer(length, "segment length", 1),
+                  integer(dest, "segment destination", 0))
+    if seg.dest + seg.length > blob_length or seg.offset + seg.length > sources[source].size:
+        raise ValueError(f"a segment of {seg.length} bytes reaches past its blob or its source file")
+    return seg
 
 
 def _text(value, name: str) -> str:
@@ -251,13 +320,29 @@ def _is_json(path: Path) -> bool:
 
 
 def check_files(store_dir: Path, manifest: Manifest) -> None:
-    """A truncated store (a file shorter than its blobs reach) is refused before anything runs."""
+    """A truncated store (a file shorter than its blobs reach) is refused before anything runs; so is a linked
+    store whose source files changed since it indexed them (their size or modification time)."""
+    for name, source in manifest.sources.items():
+        check_source(store_dir, source)
     needed: dict[str, int] = {DENSE: 1}
     for b in manifest.blobs:
-        needed[b.file] = max(needed.get(b.file, 0), b.offset + b.length)
+        if not b.linked:
+            needed[b.file] = max(needed.get(b.file, 0), b.offset + b.length)
     for name, size in needed.items():
         path = store_dir / name
         actual = path.stat().st_size if path.exists() else -1
         if actual < size:
             what = "is missing" if actual < 0 else f"is truncated ({actual} of {size} bytes)"
             raise StoreError(f"store file {path} {what}", hint=DAMAGED)
+
+
+def check_source(store_dir: Path, source: SourceFile) -> None:
+    path = Path(source.path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise StoreError(f"{store_dir} reads its experts from {path}, which cannot be opened ({e.strerror})",
+                         hint=f"put the model back where it was, or {RECONVERT}") from None
+    if (st.st_size, st.st_mtime_ns) != (source.size, source.mtime_ns):
+        raise StoreError(f"{path} changed since {store_dir} indexed it (size {source.size} -> {st.st_size}, or its "
+                         f"modification time): its experts are not read stale", hint=RECONVERT)

@@ -8,11 +8,18 @@ reads fall back to buffered I/O followed by posix_fadvise(DONTNEED).
 A blob's first read is checked against its CRC-32 as its chunks land: each thread takes the CRC of its own
 chunk while the disk reads the others, and the last combines them (zlib-ng's SIMD CRC: ~0.2 ms CPU per
 12 MiB expert here; zlib 1.2's took ~3-5 ms, on 2 cores as much CPU as the layer's compute).
+
+A linked blob (moetier/store/format.py, version 3) is read from its segments in the source's safetensors files,
+which sit wherever the checkpoint put them: a piece whose file offset, length or destination is not aligned for
+O_DIRECT is read as the aligned span around it into the thread's own bounce buffer and copied out (a memmove that
+releases the GIL).
 """
 
 from __future__ import annotations
 
+import ctypes
 import heapq
+import mmap
 import os
 import threading
 import time
@@ -22,7 +29,7 @@ from pathlib import Path
 from zlib_ng.zlib_ng import crc32, crc32_combine
 
 from moetier.errors import ChecksumError, MoetierError, StoreError
-from moetier.store.format import ALIGN, DAMAGED, BlobRef
+from moetier.store.format import ALIGN, DAMAGED, MANIFEST, BlobRef, Manifest
 
 # Reads in flight past what any disk queues usefully (an NVMe drive saturates at 16-32 outstanding 2 MiB reads;
 # each thread holds one), and below what a container's thread limit refuses.
@@ -38,11 +45,19 @@ def check_reader_threads(n: int, name: str = "--reader-threads") -> int:
 ON_DEMAND, PREFETCH = 0, 1
 
 
-def read_error(store_dir: Path, blob: BlobRef, cause: str) -> StoreError:
+def read_error(store_dir: Path, blob: BlobRef, cause: str, path: str | Path | None = None) -> StoreError:
     """A read that failed (an I/O error, a file that shrank or went away): which expert, which file, why."""
     return StoreError(f"cannot read expert {blob.expert} of layer {blob.layer} ({blob.precision}) from "
-                      f"{store_dir / blob.file}: {cause}",
+                      f"{path or store_dir / blob.file}: {cause}",
                       hint="check the disk the store is on (dmesg); if the file was changed, " + DAMAGED)
+
+
+def _align_down(n: int) -> int:
+    return n - n % ALIGN
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 class Completion:
@@ -60,13 +75,15 @@ class Completion:
         self.blob: BlobRef | None = None
         self.dest: memoryview | None = None
         self.chunk_crcs: list[int] | None = None  # when the blob is checked: each chunk's crc32, as it lands
+        self.chunk_lens: list[int] = []  # each chunk's bytes, in blob order (what the CRCs combine over)
 
-    def reset(self, blob: BlobRef, dest: memoryview, chunks: int, verify: bool = False) -> None:
+    def reset(self, blob: BlobRef, dest: memoryview, lengths: list[int], verify: bool = False) -> None:
         self.done.clear()
         self.generation += 1
-        self.remaining, self.started, self.cancelled = chunks, 0, False
+        self.remaining, self.started, self.cancelled = len(lengths), 0, False
         self.error, self.blob, self.dest = None, blob, dest
-        self.chunk_crcs = [0] * chunks if verify else None
+        self.chunk_crcs = [0] * len(lengths) if verify else None
+        self.chunk_lens = lengths
 
     def wait(self) -> None:
         self.done.wait()
@@ -83,14 +100,22 @@ class _Chunk:
     fd: int = field(compare=False)
     file_offset: int = field(compare=False)
     dest: memoryview = field(compare=False)
+    index: int = field(compare=False)  # its place in the blob (the order its CRC combines in)
+    bounce: bool = field(compare=False)  # O_DIRECT cannot read it in place: read the aligned span around it
+    path: str = field(compare=False)
 
 
 class ExpertReader:
     def __init__(self, store_dir: Path | str, num_threads: int = 4, chunk_bytes: int = 2 << 20,
-                 verify: bool = True, direct: bool = True) -> None:
+                 verify: bool = True, direct: bool = True, manifest: Manifest | None = None) -> None:
+        """`manifest`: the store's, for linked blobs (where their source files are); read from `store_dir` if not
+        given and there is one."""
         if chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a multiple of {ALIGN}")
         self.store_dir = Path(store_dir)
+        if manifest is None and (self.store_dir / MANIFEST).exists():
+            manifest = Manifest.load(self.store_dir)
+        self.sources = {name: src.path for name, src in manifest.sources.items()} if manifest else {}
         self.chunk_bytes = chunk_bytes
         self.verify = verify
         self.direct = direct
@@ -107,10 +132,9 @@ class ExpertReader:
         for t in self._threads:
             t.start()
 
-    def _fd(self, blob: BlobRef) -> tuple[int, bool]:
-        entry = self._fds.get(blob.file)
+    def _fd(self, path: str, blob: BlobRef) -> tuple[int, bool]:
+        entry = self._fds.get(path)
         if entry is None:
-            path = str(self.store_dir / blob.file)
             try:
                 entry = (os.open(path, os.O_RDONLY | os.O_DIRECT), True) if self.direct else None
             except OSError:  # e.g. tmpfs: no O_DIRECT
@@ -119,26 +143,52 @@ class ExpertReader:
                 try:
                     entry = (os.open(path, os.O_RDONLY), False)
                 except OSError as e:  # the file is gone, or its drive
-                    raise read_error(self.store_dir, blob, e.strerror or str(e)) from None
-            self._fds[blob.file] = entry
+                    raise read_error(self.store_dir, blob, e.strerror or str(e), path) from None
+            self._fds[path] = entry
         return entry
+
+    def _pieces(self, blob: BlobRef) -> list[tuple[str, int, int, int]]:
+        """(file, offset in it, length, offset in the blob) of each chunk to read, in blob order."""
+        if not blob.linked:
+            path = str(self.store_dir / blob.file)
+            return [(path, blob.offset + a, min(self.chunk_bytes, blob.length - a), a)
+                    for a in range(0, blob.length, self.chunk_bytes)]
+        pieces = []
+        for seg in sorted(blob.segments, key=lambda s: s.dest):
+            path = self.sources[seg.source]
+            pieces += [(path, seg.offset + a, min(self.chunk_bytes, seg.length - a), seg.dest + a)
+                       for a in range(0, seg.length, self.chunk_bytes)]
+        return pieces
 
     def submit(self, blob: BlobRef, dest: memoryview, completion: Completion, priority: int = ON_DEMAND) -> None:
         """Queue a read of `blob` into `dest` (ALIGN-aligned, blob.length bytes); `completion` fires when done."""
-        fd, _ = self._fd(blob)
-        n = (blob.length + self.chunk_bytes - 1) // self.chunk_bytes
+        pieces = self._pieces(blob)
+        fds = {path: self._fd(path, blob) for path in {p[0] for p in pieces}}
         verify = self.verify and (blob.layer, blob.expert, blob.precision) not in self._verified
-        completion.reset(blob, dest, n, verify)
+        completion.reset(blob, dest, [p[2] for p in pieces], verify)
         with self._cv:
-            for i in range(n):
-                a = i * self.chunk_bytes
-                b = min(a + self.chunk_bytes, blob.length)
+            for i, (path, offset, length, at) in enumerate(pieces):
+                fd, direct = fds[path]
+                bounce = direct and bool(offset % ALIGN or length % ALIGN or at % ALIGN)
                 self._seq += 1
                 heapq.heappush(self._queue, _Chunk(priority, self._seq, completion, completion.generation, fd,
-                                                   blob.offset + a, dest[a:b]))
-            self._cv.notify(n)
+                                                   offset, dest[at:at + length], i, bounce, path))
+            self._cv.notify(len(pieces))
+
+    def _read(self, chunk: _Chunk, bounce: memoryview | None) -> int:
+        """Read one chunk into its destination (through `bounce` where O_DIRECT cannot read it in place)."""
+        if not chunk.bounce:
+            return os.preadv(chunk.fd, [chunk.dest], chunk.file_offset)  # releases the GIL
+        lo = _align_down(chunk.file_offset)
+        span = _align_up(chunk.file_offset + len(chunk.dest)) - lo
+        got = os.preadv(chunk.fd, [bounce[:span]], lo)
+        n = min(len(chunk.dest), max(0, got - (chunk.file_offset - lo)))
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(chunk.dest)),
+                       ctypes.addressof(ctypes.c_char.from_buffer(bounce)) + chunk.file_offset - lo, n)
+        return n
 
     def _work(self) -> None:
+        bounce = None  # this thread's, made on its first unaligned piece: a chunk and an aligned page either side
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -155,23 +205,26 @@ class ExpertReader:
                 self._running += 1
             n = 0
             try:
-                n = os.preadv(chunk.fd, [chunk.dest], chunk.file_offset)  # releases the GIL
+                if chunk.bounce and bounce is None:
+                    bounce = memoryview(mmap.mmap(-1, self.chunk_bytes + 2 * ALIGN))  # page-aligned
+                n = self._read(chunk, bounce)
                 if n != len(chunk.dest):
                     raise read_error(self.store_dir, c.blob, f"the file ends early ({n} of {len(chunk.dest)} bytes "
                                                              f"at offset {chunk.file_offset}): it changed since it "
-                                                             f"was written")
-                if not self._fds[c.blob.file][1]:
+                                                             f"was written", chunk.path)
+                if not self._fds[chunk.path][1]:
                     os.posix_fadvise(chunk.fd, chunk.file_offset, n, os.POSIX_FADV_DONTNEED)
             except BaseException as e:  # reported to the waiter, never lost in the thread
                 c.error = c.error or (e if isinstance(e, StoreError) else
-                                      read_error(self.store_dir, c.blob, getattr(e, "strerror", None) or repr(e)))
+                                      read_error(self.store_dir, c.blob, getattr(e, "strerror", None) or repr(e),
+                                                 chunk.path))
             with self._cv:
                 self._running -= 1
                 self._bytes_read += n
                 if self._running == 0:
                     self._busy_s += time.perf_counter() - self._busy_since
             if c.chunk_crcs is not None and n:  # this thread checks its own chunk while the others read theirs
-                c.chunk_crcs[(chunk.file_offset - c.blob.offset) // self.chunk_bytes] = crc32(chunk.dest)
+                c.chunk_crcs[chunk.index] = crc32(chunk.dest)
             with c.lock:
                 c.remaining -= 1
                 last = c.remaining == 0
@@ -212,12 +265,14 @@ class ExpertReader:
         key = (blob.layer, blob.expert, blob.precision)
         if c.error is None and c.chunk_crcs is not None:
             crc = c.chunk_crcs[0]
-            for i, chunk_crc in enumerate(c.chunk_crcs[1:], 1):
-                crc = crc32_combine(crc, chunk_crc, min(self.chunk_bytes, blob.length - i * self.chunk_bytes))
+            for chunk_crc, length in zip(c.chunk_crcs[1:], c.chunk_lens[1:]):
+                crc = crc32_combine(crc, chunk_crc, length)
             if crc != blob.crc32:
+                where = (", ".join(sorted({self.sources[s.source] for s in blob.segments})) if blob.linked
+                         else self.store_dir / blob.file)
                 c.error = ChecksumError(
                     f"expert {blob.expert} of layer {blob.layer} ({blob.precision}) fails its checksum "
-                    f"in {self.store_dir / blob.file}", hint=DAMAGED)
+                    f"in {where}", hint=DAMAGED)
             else:
                 self._verified.add(key)
         c.done.set()

@@ -1,5 +1,8 @@
 """One layer's routed experts read out of a Hugging Face checkpoint into the store's layout (ModelSpec.expert_shapes),
-whatever the checkpoint's own: `expert_source(ckpt, family, spec, layer).get(e)`.
+whatever the checkpoint's own: `expert_source(ckpt, family, spec, layer).get(e)`. `locate(e)` says where an
+expert's tensors lie in the checkpoint's files, for a store that reads them there instead of copying them: the
+pieces of each of the store's tensors in order ({tensor: [Located, ...]}), or None where the checkpoint's layout is
+not the store's (gpt-oss's transposed, interleaved or MXFP4 experts).
 
 - `StackedExperts`: SwiGLU experts per expert (gate, up, down weights; the hub's layout and what transformers saves)
   or fused [E, 2I, H] / [E, H, I] (transformers 5's in-memory layout).
@@ -13,7 +16,7 @@ import torch
 
 from moetier.config import ModelSpec
 from moetier.model.families import Family
-from moetier.store.checkpoint import Checkpoint
+from moetier.store.checkpoint import Checkpoint, Located
 from moetier.store.mxfp4 import dequantize_mxfp4
 
 
@@ -30,6 +33,13 @@ class StackedExperts:
         gate, up, down = (self.ckpt.get(n) for n in self.family.expert_names(self.layer, expert))
         return {"gate_up_proj": torch.cat([gate, up], dim=0), "down_proj": down}
 
+    def locate(self, expert: int) -> dict[str, list[Located]]:
+        if self.fused is not None:
+            gate_up, down = (self.ckpt.locate(name).slice(expert) for name in self.fused)
+            return {"gate_up_proj": [gate_up], "down_proj": [down]}
+        gate, up, down = (self.ckpt.locate(n) for n in self.family.expert_names(self.layer, expert))
+        return {"gate_up_proj": [gate, up], "down_proj": [down]}
+
 
 class GptOssExperts:
     def __init__(self, ckpt: Checkpoint, family: Family, spec: ModelSpec, layer: int) -> None:
@@ -43,6 +53,9 @@ class GptOssExperts:
             return dequantize_mxfp4(self.ckpt.get_slice(self.base + name + "_blocks", expert),
                                     self.ckpt.get_slice(self.base + name + "_scales", expert))
         return self.ckpt.get_slice(self.base + name, expert).T  # stored [in, out]: the reference computes x @ W
+
+    def locate(self, expert: int) -> None:
+        return None  # stored transposed with gate and up interleaved (or as MXFP4): the store's layout is made
 
     def get(self, expert: int) -> dict[str, torch.Tensor]:
         gate_up = self._matrix("gate_up_proj", expert)  # [2I, H], rows gate0, up0, gate1, up1...
@@ -60,6 +73,10 @@ class SwitchExperts:
     def get(self, expert: int) -> dict[str, torch.Tensor]:
         up, down = (self.ckpt.get(n) for n in self.family.expert_names(self.layer, expert, self.spec))
         return {"up_proj": up, "down_proj": down}
+
+    def locate(self, expert: int) -> dict[str, list[Located]]:
+        up, down = (self.ckpt.locate(n) for n in self.family.expert_names(self.layer, expert, self.spec))
+        return {"up_proj": [up], "down_proj": [down]}
 
 
 SOURCES = {"stacked": StackedExperts, "gpt-oss": GptOssExperts, "switch": SwitchExperts}

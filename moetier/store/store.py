@@ -75,12 +75,19 @@ class Store:
         """One expert's tensors, read synchronously and verified against its checksum (for tools that rewrite
         a store; the engine reads through ExpertReader)."""
         blob = self.manifest.blob(layer, expert, precision)
-        with open(self.path / blob.file, "rb") as f:
-            f.seek(blob.offset)
-            data = bytearray(f.read(blob.length))
-        if len(data) != blob.length or crc32(data) != blob.crc32:
-            raise ChecksumError(f"expert {expert} of layer {layer} in {self.path / blob.file} fails its checksum",
-                                hint=DAMAGED)
+        data, crc, where = bytearray(blob.length), 0, self.path / blob.file
+        if blob.linked:  # its segments, in blob order: the CRC covers them back to back
+            for seg in sorted(blob.segments, key=lambda s: s.dest):
+                where = self.manifest.sources[seg.source].path
+                piece = _read_at(where, seg.offset, seg.length)
+                data[seg.dest:seg.dest + len(piece)] = piece
+                crc = crc32(piece, crc)
+        else:
+            piece = _read_at(where, blob.offset, blob.length)
+            data[:len(piece)] = piece
+            crc = crc32(piece) if len(piece) == blob.length else None
+        if crc != blob.crc32:
+            raise ChecksumError(f"expert {expert} of layer {layer} in {where} fails its checksum", hint=DAMAGED)
         return self.manifest.precisions[blob.precision].views(torch.frombuffer(data, dtype=torch.uint8))
 
     def read_file(self, name: str) -> bytes:
@@ -97,6 +104,12 @@ class Store:
 
     def total_expert_bytes(self) -> int:
         return self.manifest.expert_bytes()
+
+
+def _read_at(path: str | Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
 
 
 def _trained_dir(path: Path, manifest: Manifest, folder: str) -> Path:

@@ -15,7 +15,7 @@ from zlib_ng.zlib_ng import crc32
 
 from moetier.atomic import atomic_dir, check_free_space, check_replaceable, ordinary_mode
 from moetier.errors import StoreError
-from moetier.store.format import DENSE, DTYPES, BlobRef, Manifest, PrecisionLayout, is_store
+from moetier.store.format import DENSE, DTYPES, BlobRef, Manifest, PrecisionLayout, Segment, is_store
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -54,6 +54,7 @@ def write_blob(f: BinaryIO, layout: PrecisionLayout, tensors: dict[str, torch.Te
 
 
 MANIFEST_BYTES_PER_BLOB = 256  # a blob's entry in manifest.json is ~130 characters; the rest is slack
+MANIFEST_BYTES_PER_LINKED_BLOB = 768  # with its segments: ~60 characters each beside the file name, up to three
 
 
 def store_bytes(dense_bytes: int, blobs: int, blob_bytes: int, file_bytes: int = 0) -> int:
@@ -113,6 +114,13 @@ class StoreWriter:
         offset = f.tell()
         crc = write_blob(f, layout, tensors, f"expert {expert} of layer {layer}")
         ref = BlobRef(layer, expert, layout.name, rel, offset, layout.blob_bytes, crc)
+        self.blobs.append(ref)
+        return ref
+
+    def add_linked(self, layer: int, expert: int, layout: PrecisionLayout, segments: tuple[Segment, ...],
+                   crc: int) -> BlobRef:
+        """A blob that stays in the source's files: its segments there, and their checksum."""
+        ref = BlobRef(layer, expert, layout.name, "", 0, layout.blob_bytes, crc, segments)
         self.blobs.append(ref)
         return ref
 

@@ -8,7 +8,6 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LRUPolicy
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.plan.layer_plan import RESIDENT
-from moetier.store.format import DTYPES
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
 from tests.handmade_plan import PrefetchAfter, Substitute, direct
@@ -18,10 +17,7 @@ def expert_weights(store: Store, layer: int) -> dict[int, tuple]:
     """Each expert of `layer` read straight from its blob: (gate_up_proj, down_proj)."""
     out = {}
     for e in range(store.spec.num_experts):
-        blob = store.manifest.blob(layer, e)
-        data = bytearray((store.path / blob.file).read_bytes()[blob.offset:blob.offset + blob.length])
-        t = {tl.name: torch.frombuffer(data, dtype=DTYPES[tl.dtype], count=tl.nbytes // DTYPES[tl.dtype].itemsize,
-                                       offset=tl.offset).view(tl.shape) for tl in store.native_layout.tensors}
+        t = store.read_expert(layer, e)
         out[e] = (t["gate_up_proj"], t["down_proj"])
     return out
 

@@ -24,7 +24,7 @@ from tests.tiny_models import build_tiny
 
 
 def test_layout_is_aligned_and_checksummed(tiny_store):
-    ref, path = tiny_store("qwen2_moe")
+    ref, path = tiny_store("qwen2_moe", copy=True)
     m = Manifest.load(path)
     assert m.native_precision == "fp32" and len(m.blobs) == 2 * 8
     for b in m.blobs:
@@ -103,7 +103,7 @@ def copy_store(src, dst):
 
 
 def test_truncated_store_is_refused(tiny_store, tmp_path):
-    _, path = tiny_store("olmoe")
+    _, path = tiny_store("olmoe", copy=True)
     store = copy_store(path, tmp_path / "s")
     f = store / "experts" / "fp32" / "layer_001.bin"
     os.truncate(f, f.stat().st_size - ALIGN)
@@ -127,7 +127,7 @@ def test_incomplete_store_is_refused(tiny_store, tmp_path):
 def test_corrupt_blob_fails_its_checksum_naming_layer_and_expert(tiny_store, tmp_path):
     from moetier import Engine
 
-    _, path = tiny_store("olmoe")
+    _, path = tiny_store("olmoe", copy=True)
     store = copy_store(path, tmp_path / "s")
     blob = Manifest.load(store).blob(1, 6)
     with open(store / blob.file, "r+b") as f:

@@ -23,10 +23,12 @@ def test_reads_land_exactly_in_slots(tiny_store, direct, chunk):
 
 
 def test_on_demand_chunks_go_before_queued_prefetches():
-    late_demand = _Chunk(ON_DEMAND, 10, None, 0, 0, 0, None)
-    early_prefetch = _Chunk(PREFETCH, 1, None, 0, 0, 0, None)
-    assert late_demand < early_prefetch
-    assert _Chunk(ON_DEMAND, 1, None, 0, 0, 0, None) < late_demand  # FIFO within a priority
+    def chunk(priority, seq):
+        return _Chunk(priority, seq, None, 0, 0, 0, None, 0, False, "")
+
+    late_demand = chunk(ON_DEMAND, 10)
+    assert late_demand < chunk(PREFETCH, 1)
+    assert chunk(ON_DEMAND, 1) < late_demand  # FIFO within a priority
 
 
 def test_a_queued_load_can_be_cancelled_a_running_one_cannot(tiny_store, monkeypatch):
@@ -34,7 +36,7 @@ def test_a_queued_load_can_be_cancelled_a_running_one_cannot(tiny_store, monkeyp
 
     from moetier.store import reader as reader_module
 
-    _, path = tiny_store("mixtral")
+    _, path = tiny_store("mixtral", copy=True)
     store = Store(path)
     pool = HostSlots(store.native_layout, 2)
     gate = threading.Event()
@@ -67,7 +69,7 @@ def test_a_promoted_prefetch_runs_before_on_demand_loads_submitted_after_it(tiny
 
     from moetier.store import reader as reader_module
 
-    _, path = tiny_store("mixtral")
+    _, path = tiny_store("mixtral", copy=True)
     store = Store(path)
     pool = HostSlots(store.native_layout, 3)
     gate, order = threading.Event(), []
