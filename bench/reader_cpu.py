@@ -25,7 +25,7 @@ def measure(store, blobs, verify: bool) -> tuple[float, float]:
     from moetier.store.reader import ExpertReader
 
     pool = HostSlots(store.native_layout, 2)
-    with ExpertReader(store.path, verify=verify) as reader:
+    with ExpertReader(store.path, verify=verify, manifest=store.manifest) as reader:
         cpu, wall = time.process_time(), time.perf_counter()
         for i, blob in enumerate(blobs):
             reader.submit(blob, pool.views[i % 2], pool.completions[i % 2])

@@ -1,0 +1,243 @@
+"""moetier against llama.cpp on the same weights, on this machine, side by side: decode tokens/s with everything
+resident and under memory caps, for each format and its moetier counterpart —
+
+    bf16    llama.cpp BF16     moetier native (exact)
+    q8_0    llama.cpp Q8_0     moetier --precision int8 --dense-precision int8
+    q4_k_m  llama.cpp Q4_K_M   moetier --precision int4 / hobbit / low-tier, --dense-precision int4
+
+The weights: the synthetic OLMoE-1B-7B store (written on first use, 13 GB), exported to a Hugging Face folder and
+converted by llama.cpp's own converter, then llama-quantize (bench/peers/llamacpp.py builds llama.cpp from PyPI's
+llama-cpp-python source distribution on first use). moetier reads its store, whose int8/int4 copies it adds.
+
+Each run is its own process, in its own memory cgroup for a cap (cap = a share of that format's GGUF file: 100%,
+60%, 35%, 20% by default), with both engines' files dropped from the page cache first; the engines alternate, the
+order turning every round. Resident: llama.cpp loads the file into memory up front (`-lm none`), moetier holds
+every expert (100%, preloaded). Under a cap: llama.cpp maps the file (`-lm mmap`, what a user runs) and moetier
+takes `--expert-memory auto`. llama.cpp's speed is llama-bench's last repetition (the first warms its mapping);
+moetier's is the TPOT of the measured tokens after as many warm-up tokens.
+
+    python bench/peers/compare.py [--formats bf16,q8_0,q4_k_m] [--caps resident,100,60,35,20] [--rounds 2]
+
+Writes OUT/compare.json (every run, and medians with the ratio per row), OUT/compare.png, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
+
+from cage import drop_cache, make_cage, run_caged  # noqa: E402
+from llamacpp import LlamaCpp, build, parse_bench  # noqa: E402
+
+from moetier.paths import default_cache_dir  # noqa: E402
+
+MODES = {  # format -> moetier's counterparts: (label, precision, dense precision)
+    "bf16": [("native", "native", "native")],
+    "q8_0": [("int8", "int8", "int8")],
+    "q4_k_m": [("int4", "int4", "int4"), ("hobbit", "hobbit", "int4"), ("low-tier", "low-tier", "int4")],
+}
+STORE_PRECISIONS = {"q8_0": "int8", "q4_k_m": "int4,int2"}  # the copies a format's modes read
+
+
+def cpu_description() -> dict:
+    flags = set()
+    model = platform.processor()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return dict(model=model, cores=os.cpu_count(), vector_flags=vector)
+
+
+def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dict[str, Path]:
+    """The GGUF of each format (made once), and the store's quantized copies."""
+    from export import export_hf
+
+    work.mkdir(parents=True, exist_ok=True)
+    bf16 = work / "olmoe-1b-7b-synth-bf16.gguf"
+    if not bf16.exists():
+        hf = export_hf(store, work / "olmoe-1b-7b-synth-hf")
+        print("converting to GGUF with llama.cpp's converter ...", flush=True)
+        llama.convert(hf, bf16)
+        shutil.rmtree(hf)
+    out = {"bf16": bf16}
+    for f in formats:
+        if f != "bf16":
+            print(f"llama-quantize {f} ...", flush=True)
+            out[f] = llama.quantize(bf16, work / f"olmoe-1b-7b-synth-{f}.gguf", f)
+    wanted = ",".join(sorted({p for f in formats if f in STORE_PRECISIONS for p in STORE_PRECISIONS[f].split(",")}))
+    if wanted:
+        subprocess.run(["moetier", "quantize", str(store), "--precisions", wanted], check=True)
+    return {f: out[f] for f in formats}
+
+
+def llama_run(llama: LlamaCpp, gguf: Path, cap: int | None, tokens: int, threads: int, timeout: float) -> dict:
+    argv = llama.bench_argv(gguf, tokens, threads, repetitions=2, load="none" if cap is None else "mmap")
+    proc, peak = run_caged(argv, cap, "moetier-peer", timeout)
+    if proc.returncode != 0:
+        return dict(error=f"llama-bench exit {proc.returncode}: {proc.stderr.strip()[-300:]}", peak=peak)
+    r = parse_bench(proc.stdout)
+    return dict(tok_s=r["samples_tok_s"][-1], samples_tok_s=r["samples_tok_s"], peak=peak, build=r["build"])
+
+
+def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens: int, timeout: float) -> dict:
+    _, precision, dense = mode
+    cfg = dict(store=str(store), budget="100%" if cap is None else "auto", preload=cap is None, precision=precision,
+               dense_precision=dense, tokens=tokens, warmup_tokens=tokens, prompt_len=16)
+    env = dict(os.environ, OMP_NUM_THREADS=str(2))
+    proc, peak = run_caged([sys.executable, str(HERE / "moetier_run.py"), json.dumps(cfg)], cap, "moetier-peer",
+                           timeout, env)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [""])[-1]
+        return dict(error=f"exit {proc.returncode}: {last[-300:]}", peak=peak)
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]), peak=peak)
+
+
+def rows_of(formats: list[str], caps: list[str], ggufs: dict[str, Path]) -> list[dict]:
+    rows = []
+    for f in formats:
+        size = ggufs[f].stat().st_size
+        for c in caps:
+            cap = None if c == "resident" else int(size * float(c) / 100)
+            rows.append(dict(format=f, setting=c if c == "resident" else f"{c}% cap", cap_bytes=cap, gguf_bytes=size))
+    return rows
+
+
+def summarize(rows: list[dict], runs: list[dict]) -> list[dict]:
+    out = []
+    for row in rows:
+        mine = [r for r in runs if r["format"] == row["format"] and r["setting"] == row["setting"]]
+        llama = [r["tok_s"] for r in mine if r["engine"] == "llama.cpp" and "tok_s" in r]
+        base = statistics.median(llama) if llama else None
+        for mode in ["llama.cpp"] + [m[0] for m in MODES[row["format"]]]:
+            ok = [r for r in mine if r["engine"] == mode and "tok_s" in r]
+            errors = [r["error"] for r in mine if r["engine"] == mode and "error" in r]
+            med = statistics.median(r["tok_s"] for r in ok) if ok else None
+            out.append(dict(row, engine=mode, tok_s=med, runs_tok_s=[r["tok_s"] for r in ok],
+                            peak_bytes=max((r.get("peak", -1) for r in ok), default=None),
+                            ratio=(med / base) if med and base and mode != "llama.cpp" else None,
+                            error=errors[0] if errors and not ok else None))
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    lines = [f"{'format':>7} {'setting':>10} {'engine':>10} {'tok/s':>8} {'runs':>16} {'peak GiB':>9} {'x llama':>8}"]
+    for s in summary:
+        tok = f"{s['tok_s']:.2f}" if s["tok_s"] else "—"
+        runs = ",".join(f"{t:.2f}" for t in s["runs_tok_s"])
+        peak = f"{s['peak_bytes'] / 2**30:.2f}" if s["peak_bytes"] and s["peak_bytes"] > 0 else ""
+        ratio = f"{s['ratio']:.2f}" if s["ratio"] else ""
+        lines.append(f"{s['format']:>7} {s['setting']:>10} {s['engine']:>10} {tok:>8} {runs:>16} {peak:>9} {ratio:>8}"
+                     + (f"  ({s['error'][:80]})" if s["error"] else ""))
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    formats = list(dict.fromkeys(s["format"] for s in summary))
+    fig, axes = plt.subplots(1, len(formats), figsize=(5.2 * len(formats), 4), squeeze=False)
+    for ax, f in zip(axes[0], formats):
+        mine = [s for s in summary if s["format"] == f]
+        settings = list(dict.fromkeys(s["setting"] for s in mine))
+        engines = list(dict.fromkeys(s["engine"] for s in mine))
+        width = 0.8 / len(engines)
+        for i, e in enumerate(engines):
+            ys = [next((s["tok_s"] or 0 for s in mine if s["setting"] == st and s["engine"] == e), 0)
+                  for st in settings]
+            ax.bar([j + (i - (len(engines) - 1) / 2) * width for j in range(len(settings))], ys, width, label=e)
+        ax.set_xticks(range(len(settings)), settings, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(f"{f} (GGUF {mine[0]['gguf_bytes'] / 2**30:.1f} GiB)")
+        ax.set_ylabel("decode tokens/s (log)")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="bf16,q8_0,q4_k_m")
+    ap.add_argument("--caps", default="resident,100,60,35,20", help="resident, and caps in %% of the format's file")
+    ap.add_argument("--modes", default="", help="only these moetier modes (e.g. native,int4)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32, help="measured tokens (resident); caps measure --cap-tokens")
+    ap.add_argument("--cap-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it counts as failed")
+    ap.add_argument("--out", type=Path, default=HERE.parent / "out" / "peers")
+    args = ap.parse_args()
+    formats = [f for f in args.formats.split(",") if f]
+    if unknown := [f for f in formats if f not in MODES]:
+        raise SystemExit(f"unknown format(s) {unknown}; known: {', '.join(MODES)}")
+    caps = [c for c in args.caps.split(",") if c]
+    if any(c != "resident" for c in caps):
+        cage = make_cage(1 << 30, "moetier-peer-probe")
+        if isinstance(cage, str):
+            print(f"skipping the caps: {cage}", file=sys.stderr)
+            caps = [c for c in caps if c == "resident"]
+        else:
+            cage.remove()
+    if args.modes:
+        keep = set(args.modes.split(","))
+        for f in MODES:
+            MODES[f] = [m for m in MODES[f] if m[0] in keep]
+    sys.path.insert(0, str(HERE.parent))
+    from bench_offload import SYNTH, store_of
+
+    store = store_of(SYNTH)
+    llama = build(default_cache_dir())
+    ggufs = prepare(formats, llama, default_cache_dir() / "peers" / "models", store)
+    rows = rows_of(formats, caps, ggufs)
+    runs = []
+    jobs = [(row, e) for row in rows for e in ["llama.cpp"] + [m[0] for m in MODES[row["format"]]]]
+    print(f"{len(jobs) * args.rounds} runs; load {os.getloadavg()[0]:.2f}", flush=True)
+    for rnd in range(args.rounds):
+        for row in rows:
+            engines = ["llama.cpp"] + [m[0] for m in MODES[row["format"]]]
+            engines = engines[rnd % len(engines):] + engines[:rnd % len(engines)]  # the order turns each round
+            for engine in engines:
+                capped = row["cap_bytes"] is not None
+                if capped:
+                    drop_cache([ggufs[row["format"]], store])
+                tokens = args.cap_tokens if capped else args.tokens
+                t0 = time.perf_counter()
+                if engine == "llama.cpp":
+                    r = llama_run(llama, ggufs[row["format"]], row["cap_bytes"], tokens, args.threads, args.timeout)
+                else:
+                    mode = next(m for m in MODES[row["format"]] if m[0] == engine)
+                    r = moetier_run(store, mode, row["cap_bytes"], tokens, args.timeout)
+                runs.append(dict(row, engine=engine, round=rnd, wall_s=time.perf_counter() - t0, **r))
+                shown = f"{r['tok_s']:.2f} tok/s" if "tok_s" in r else r["error"][:120]
+                print(f"round {rnd + 1} {row['format']:>7} {row['setting']:>9} {engine:>9}: {shown}", flush=True)
+    summary = summarize(rows, runs)
+    print(table(summary))
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(cpu=cpu_description(), llama_cpp=llama.version(), threads=args.threads, tokens=args.tokens,
+                cap_tokens=args.cap_tokens, rounds=args.rounds, date=time.strftime("%Y-%m-%d"))
+    (args.out / "compare.json").write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1))
+    plot(summary, args.out / "compare.png",
+         f"OLMoE-1B-7B-shaped, same weights, {args.threads} threads, {meta['cpu']['model']}")
+    print(f"wrote {args.out / 'compare.json'} and {args.out / 'compare.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""llama.cpp as a peer: built from the llama.cpp tree vendored in llama-cpp-python's source distribution on PyPI
+(the only way to it from a machine that reaches PyPI alone), once per version into moetier's cache; the same
+weights converted with its own `convert_hf_to_gguf.py` and quantized with `llama-quantize`; decoding timed with
+`llama-bench`, quality with `llama-perplexity`.
+
+Nothing here is a dependency of moetier: the peer comparison (bench/peers/compare.py) builds it on first use
+(~10 minutes on two cores) and says so."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+VERSION = "0.3.36"  # llama-cpp-python's; its vendor/llama.cpp is the tree built
+TARGETS = ("llama-bench", "llama-perplexity", "llama-quantize")
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF")
+GGUF_TYPES = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}  # our names -> llama-quantize's
+
+# Run by the converter's interpreter: llama.cpp's converter with the allowances our tokenizers need. Both are
+# byte-level BPE with GPT-2's pre-tokenizer regex, which the converter knows only by the hashes of tokenizers
+# it has seen; and the synthetic model's has no merges, without which llama.cpp will not load a BPE vocabulary.
+CONVERT = """
+import sys
+tree, src, out = sys.argv[1:4]
+sys.path[:0] = [tree + "/gguf-py", tree]
+import gguf, convert_hf_to_gguf, conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+add = gguf.SpecialVocab.add_to_gguf
+def add_with_a_merge(self, gw, quiet=False):
+    self.merges = self.merges or ["a b"]
+    return add(self, gw, quiet)
+gguf.SpecialVocab.add_to_gguf = add_with_a_merge
+sys.argv = ["convert_hf_to_gguf.py", src, "--outtype", "bf16", "--outfile", out]
+convert_hf_to_gguf.main()
+"""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    tree: Path  # the source tree (its converter and gguf-py)
+
+    @property
+    def bin(self) -> Path:
+        return self.tree / "build" / "bin"
+
+    def version(self) -> str:
+        """What llama-bench says it is (a source distribution carries no commit: the PyPI version names it)."""
+        out = subprocess.run([str(self.bin / "llama-bench"), "--version"], capture_output=True, text=True)
+        line = next((ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version")), "")
+        return f"llama-cpp-python {VERSION}'s llama.cpp, {line.removeprefix('version: ')}"
+
+    def convert(self, hf_dir: Path, gguf: Path) -> Path:
+        """A Hugging Face folder -> a bf16 GGUF (written under a temporary name, renamed when whole)."""
+        if gguf.exists():
+            return gguf
+        tmp = gguf.with_name(gguf.name + ".tmp")
+        try:
+            subprocess.run([sys.executable, "-c", CONVERT, str(self.tree), str(hf_dir), str(tmp)], check=True,
+                           capture_output=True, text=True)
+            tmp.rename(gguf)
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{e.stderr[-3000:]}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        return gguf
+
+    def quantize(self, bf16: Path, gguf: Path, kind: str, threads: int = 2) -> Path:
+        if gguf.exists():
+            return gguf
+        tmp = gguf.with_name(gguf.name + ".tmp")
+        try:
+            subprocess.run([str(self.bin / "llama-quantize"), str(bf16), str(tmp), GGUF_TYPES[kind], str(threads)],
+                           check=True, capture_output=True, text=True)
+            tmp.rename(gguf)
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"llama-quantize {kind} failed:\n{e.stderr[-3000:]}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        return gguf
+
+    def bench_argv(self, gguf: Path, tokens: int, threads: int, repetitions: int, load: str) -> list[str]:
+        """llama-bench decoding `tokens` from an empty context, `repetitions` times after its warm-up token;
+        `load`: "none" (read into memory up front) or "mmap" (what a user with too little memory runs)."""
+        return [str(self.bin / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
+                "-r", str(repetitions), "-lm", load, "-o", "json"]
+
+    def perplexity_argv(self, gguf: Path, text: Path, ctx: int, chunks: int, threads: int,
+                        kl_base: Path | None = None, kl: bool = False) -> list[str]:
+        argv = [str(self.bin / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
+                "--chunks", str(chunks), "-t", str(threads), "-b", str(ctx)]
+        if kl_base is not None:
+            argv += ["--kl-divergence-base", str(kl_base)] + (["--kl-divergence"] if kl else [])
+        return argv
+
+
+def parse_bench(stdout: str) -> dict:
+    """llama-bench's JSON: tokens/s of each repetition, and their mean."""
+    row = json.loads(stdout)[0]
+    return dict(tok_s=row["avg_ts"], samples_tok_s=row.get("samples_ts", [row["avg_ts"]]),
+                build=row.get("build_commit"), cpu=row.get("cpu_info"), model_bytes=row.get("model_size"))
+
+
+def home(cache: Path) -> Path:
+    return cache / "peers" / f"llama.cpp-{VERSION}"
+
+
+def build(cache: Path, log=print) -> LlamaCpp:
+    """llama.cpp built for this CPU (GGML_NATIVE) under `cache`, once; a build that did not finish is redone."""
+    root = home(cache)
+    tree = root / "llama.cpp"
+    done = root / "built"
+    if done.exists() and all((tree / "build" / "bin" / t).exists() for t in TARGETS):
+        return LlamaCpp(tree)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    log(f"building llama.cpp (llama-cpp-python {VERSION}'s) into {root}: about 10 minutes on two cores, once")
+    subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}", "--no-deps",
+                    "--no-binary", ":all:", "-d", str(root), "--quiet"], check=True)
+    sdist = next(root.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+        tar.extractall(root, members=members, filter="data")
+    vendored = next(root.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    vendored.rename(tree)
+    shutil.rmtree(next(root.glob("llama_cpp_python-*")), ignore_errors=True)
+    sdist.unlink()
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(tree / "build"), *CMAKE_FLAGS], check=True,
+                   capture_output=True)
+    subprocess.run(["cmake", "--build", str(tree / "build"), "-j", "2", "--target", *TARGETS], check=True,
+                   capture_output=True)
+    done.write_text(VERSION)
+    return LlamaCpp(tree)

@@ -1,0 +1,44 @@
+"""One moetier decode measurement, in its own process (so a memory cgroup holds it alone): the engine on a store at
+a budget and precision, a random prompt, warm-up tokens, then the measured ones. Prints one JSON line.
+
+    python bench/peers/moetier_run.py '{"store": ..., "budget": "auto", "precision": "int4", ...}'
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def run(cfg: dict) -> dict:
+    from moetier import Engine
+    from moetier.plan.precision import MixedPrecision
+
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(cfg["store"], expert_memory=cfg["budget"], progress=False,
+                                    precision=MixedPrecision(cfg.get("precision", "native")),
+                                    dense_precision=cfg.get("dense_precision", "native"))
+    load_s = time.perf_counter() - t0
+    if cfg.get("preload"):
+        engine.preload()
+    rng = random.Random(cfg.get("seed", 0))
+    vocab = engine.spec.vocab_size
+    warm, prompt = ([rng.randrange(vocab) for _ in range(cfg.get("prompt_len", 16))] for _ in range(2))
+    if cfg.get("warmup_tokens", 16):
+        engine.generate([warm], max_new_tokens=cfg.get("warmup_tokens", 16), ignore_eos=True)
+    stats = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
+    note = engine.budget.note
+    engine.close()
+    return dict(tok_s=1 / stats["tpot_s"], tpot_s=stats["tpot_s"], tpot_p50_s=stats.get("tpot_p50_s"),
+                hit_rate=stats.get("decode_hit_rate", stats.get("hit_rate")),
+                expert_bytes_per_token=stats.get("expert_bytes_per_token"), peak_rss=stats.get("peak_rss_bytes"),
+                load_s=load_s, budget_note=note)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(sys.argv[1]))))
