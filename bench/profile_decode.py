@@ -29,7 +29,7 @@ PARTS = (
     ("  rope", "moetier.model.kernels", "{kernels}", "rope"),
     ("  kv write", "moetier.model.kv_cache", "KVCache", "write"),
     ("rms_norm (every norm)", "moetier.model.kernels", "{kernels}", "rms_norm"),
-    ("linear (attention, lm_head)", "moetier.model.kernels", "{kernels}", "linear"),
+    ("linear (attention, lm_head)", "{linear_module}", "{linear_owner}", "linear"),
     ("router", "moetier.model.router", "{router}", "__call__"),
     ("moe: the executor (all of it)", "moetier.engine.expert_executor", "ExpertExecutor", "__call__"),
     ("  layer step: begin (plan)", "moetier.plan.step", "LayerStep", "begin"),
@@ -50,12 +50,15 @@ def child(cfg: dict) -> dict:
     from moetier.plan.precision import MixedPrecision
 
     engine = Engine.from_pretrained(cfg["model"], expert_memory="100%", progress=False, kernels=cfg["kernels"],
-                                    precision=MixedPrecision(cfg.get("precision", "native")))
+                                    precision=MixedPrecision(cfg.get("precision", "native")),
+                                    dense_precision=cfg.get("dense_precision", "native"))
     totals: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     phase = [None]  # the step running now, as the engine's step hook hears it before each forward
     engine.step_hooks.append(lambda batch, p: phase.__setitem__(0, p))
-    names = {"kernels": type(engine.kernels).__name__, "router": type(engine.model.router).__name__}
+    linear = type(engine.model.kernels)  # the model's: QuantizedDenseKernels with --dense-precision
+    names = {"kernels": type(engine.kernels).__name__, "router": type(engine.model.router).__name__,
+             "linear_module": linear.__module__, "linear_owner": linear.__name__}
 
     def timed(label, fn):
         def wrapper(*args, **kw):
@@ -69,7 +72,7 @@ def child(cfg: dict) -> dict:
         return wrapper
 
     for label, module, owner, attr in PARTS:
-        target = importlib.import_module(module)
+        target = importlib.import_module(module.format(**names))
         if owner is not None:
             target = getattr(target, owner.format(**names))
         setattr(target, attr, timed(label, getattr(target, attr)))
@@ -94,17 +97,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--precision", default="native", help="the experts' precision mode (native, int8, int4, ...)")
+    ap.add_argument("--dense-precision", default="native", help="the attention projections' and head's (int8, int4)")
     ap.add_argument("--out", type=Path, default=OUT, help="folder for profile_decode.json")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
     runs = [run_child(__file__, dict(model=args.model, kernels=k, tokens=args.tokens, prompt_len=args.prompt_len,
-                                     precision=args.precision))
+                                     precision=args.precision, dense_precision=args.dense_precision))
             for k in args.kernels.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_decode.json").write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
-    print(f"{args.model}, {args.precision}, resident, batch 1: ms per decode step (calls per step)")
+    print(f"{args.model}, {args.precision} (dense {args.dense_precision}), resident, batch 1: ms per decode step "
+          f"(calls per step)")
     print(f"{'':34}" + "".join(f"{r['kernels']:>18}" for r in runs))
     print(f"{'TPOT':34}" + "".join(f"{r['tpot_s'] * 1e3:18.2f}" for r in runs))
     for label, *_ in PARTS:
