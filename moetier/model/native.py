@@ -125,6 +125,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_qi_isa.restype = ctypes.c_char_p
     lib.moetier_qi_fits.argtypes = [i, n, n]
     lib.moetier_qi_fits.restype = i
+    lib.moetier_qi_block.argtypes = [i, n, n]
+    lib.moetier_qi_block.restype = n
     lib.moetier_swiglu_qi_scratch.argtypes = [i, n, n, n, n, i]
     lib.moetier_swiglu_qi_scratch.restype = n
     lib.moetier_swiglu_qi.argtypes = [i, p, p, p, n, p, p, p, n, p, p, p, n, n, i, p]

@@ -29,12 +29,16 @@ def reference(x, q: dict[str, Quantized], weights):
     return out
 
 
-def integer_emulation(x, q: dict[str, Quantized], weights):
-    """csrc/q_int.c's arithmetic in torch (fp64): activations quantized to int8 per 32 (dx = max|x| / 127, round
-    half to even), the weights exact ((q - mid) * s + z, not rounded to bf16), each group's zero term on the
-    unquantized activations; rounded to bf16 where the kernel rounds."""
+def integer_emulation(x, q: dict[str, Quantized], weights, lib):
+    """csrc/q_int.c's arithmetic in torch (fp64): activations quantized to int8 per block (dx = max|x| / 127, round
+    half to even; the block the library takes for the matrix: 128 inputs for int8 rows and int4 groups, else 32),
+    the weights exact ((q - mid) * s + z, not rounded to bf16), each group's zero term on the unquantized
+    activations; rounded to bf16 where the kernel rounds."""
     def matmul(a, m: Quantized):  # a [T, K] fp64 -> [T, N]
-        blocks = a.float().view(a.shape[0], -1, 32)
+        k = a.shape[1]
+        group = k if m.zeros is None else k // m.scales.shape[1]
+        block = lib.moetier_qi_block(BITS[m.precision], k, group)
+        blocks = a.float().view(a.shape[0], -1, block)
         amax = blocks.abs().amax(-1, keepdim=True)
         inv = torch.where(amax > 0, 127 / amax, 0)  # in fp32, as the kernel: x * (127 / amax), not x / dx
         dx = (amax / 127).double()
@@ -107,7 +111,7 @@ def test_integer_path_computes_what_it_says(isa, precision, h, i, tokens):
     weights = torch.rand(tokens, generator=g).bfloat16()
     out = torch.full_like(x, float("nan"))
     QuantizedExpert(precision, TorchKernels(), torch.bfloat16, lib)(out, x, w, weights)
-    emulated = integer_emulation(x, q, weights).float()
+    emulated = integer_emulation(x, q, weights, lib).float()
     err = (out.float() - emulated).abs()
     assert err.mean() < 0.008 * emulated.abs().mean() and err.max() < 0.03 * emulated.abs().max()
 

@@ -1,21 +1,26 @@
 /* Quantized experts by integer dot products, as llama.cpp computes its quantized matrices: each token's
-   activation row is quantized to int8 in blocks of 32 inputs (llama.cpp's Q8_0 block), and each row's codes meet
-   it in uint8 x int8 multiply-adds into int32 — AVX-512 VNNI's vpdpbusd (64 products an instruction) where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
-   otherwise. The codes stay as the store holds them (moetier/quant/codes.py): nothing is repacked at load.
+   activation row is quantized to int8 in blocks (128 inputs where a block is an int4 weight group or a stretch of
+   an int8 row, as llama.cpp's k-quants take 256 (Q8_K); otherwise 32, its Q8_0 block), and each row's codes meet
+   it in uint8 x int8 multiply-adds into int32 — AVX-512 VNNI's vpdpbusd (64 products an instruction) where the CPU
+   has it, AVX2's vpmaddubsw + vpmaddwd otherwise. The codes stay as the store holds them
+   (moetier/quant/codes.py): nothing is repacked at load.
 
    Why: unpacking codes to floats (q_rows.c) made int4 compute-bound at ~10 GB/s of codes, slower per weight than
    bf16 streams from memory; here a 64-byte load of int4 codes is one and, one shift and two vpdpbusd, so the
    codes stream at the memory's speed and a quantized expert costs in proportion to its bytes.
 
    Arithmetic, per row r and token t: y = sum_b s_g(b) * dx_b * I_b + sum_g (z_g * A_g - mid * s_g * B_g), where
-   for block b (32 inputs) I_b = sum of q * xq (exact, int32), xq = round(x / dx_b), dx_b = max|x| / 127 over the
-   block; for weight group g (128 inputs for int4, 64 for int2) A_g = sum of x (fp32) and B_g = sum over
+   for block b (moetier_qi_block's inputs) I_b = sum of q * xq (exact, int32), xq = round(x / dx_b),
+   dx_b = max|x| / 127 over the block; for weight group g (128 inputs for int4, 64 for int2) A_g = sum of x (fp32) and B_g = sum over
    its blocks of dx_b * sum of xq. int8 (w = q * s, one s a row): the AVX-512 path feeds q + 128 as the unsigned
    operand (vpdpbusd multiplies unsigned by signed) and takes 128 * s * sum_b dx_b * sum of xq off; the AVX2 path
    multiplies |xq| by q with xq's sign (no int16 overflow in vpmaddubsw), needing no correction. Against the
    dequantized weights (the reference) the difference is the activations' rounding to int8: measured on a random
    2048x1024 expert ~1% of the output's mean size with blocks of 32 (2.3% with 128) — beside int4's own 18% from
    the weights, and measured on text by `moetier eval`. Outputs are rounded to bf16 where torch's ops round.
+   Blocks of 128 let a block's chunks add up in int32 and meet their scales once (qi_row_blocks): with blocks of
+   32 every chunk needed its own conversion, multiply and fma, and int4 ran at ~9 GB/s of codes a core here
+   (Zen 3, AVX2) against ~15 with blocks of 128.
 
    Layout of a token's quantized activation for one matrix: the row's code bytes are cut into chunks of W bytes
    (the vector width: 64 on AVX-512, 32 on AVX2); a chunk's codes hold W * S inputs (S = 8 / bits per byte), and
@@ -32,7 +37,8 @@
 
 #define QI_MAX_TOKENS 4
 #define QI_PARALLEL_MIN_BYTES (128 * 1024)
-#define QI_BLOCK 32 /* inputs per activation scale */
+#define QI_BLOCK 32      /* inputs per activation scale, at least (and the unit codes are arranged in) */
+#define QI_BIG_BLOCK 128 /* ...and at most: llama.cpp's k-quants take 256 (Q8_K) */
 #define QI_PREFETCH_AHEAD 512 /* bytes of codes: a compute-heavy loop runs ahead of the hardware prefetcher */
 
 /* P bf16 values (P = 1, 2, 4 or 8; exactly those bytes read) as floats in the low lanes. */
@@ -67,6 +73,7 @@ static inline vf zerof(void) { return _mm512_setzero_ps(); }
 static inline vf loadf(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf cvtmul(vi acc, vf scale) { return _mm512_mul_ps(_mm512_cvtepi32_ps(acc), scale); }
 static inline vf _cvt(vi acc) { return _mm512_cvtepi32_ps(acc); }
+static inline vi _add32(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vf addf(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf fmaf_v(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float hsumf(vf v) { return _mm512_reduce_add_ps(v); }
@@ -106,6 +113,7 @@ static inline vf zerof(void) { return _mm256_setzero_ps(); }
 static inline vf loadf(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf cvtmul(vi acc, vf scale) { return _mm256_mul_ps(_mm256_cvtepi32_ps(acc), scale); }
 static inline vf _cvt(vi acc) { return _mm256_cvtepi32_ps(acc); }
+static inline vi _add32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vf addf(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf fmaf_v(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline float hsumf(vf v) { return hsum(v); }
@@ -124,14 +132,15 @@ typedef struct {
     int bits, S; /* S: codes a byte */
     const uint8_t *codes;
     const uint16_t *scales, *zeros;
-    long N, K, group, groups, RB, GB, blocks; /* RB code bytes a row, GB code bytes a group */
+    long N, K, group, groups, RB, GB, block, blocks; /* RB code bytes a row, GB code bytes a group, block: inputs
+                                                       an activation scale covers */
     float mid;
 } qim;
 
 /* One token's activation for one matrix (see the layout above). */
 typedef struct {
     int8_t *xq;
-    float *dx;    /* [blocks] */
+    float *dx;    /* [blocks]: per activation block (qim.block inputs) */
     float *lanes; /* [full chunks * LANES]: each int32 lane's block scale dx, spread as the chunk's lanes lie */
     float *a, *b; /* [groups]: sum of x, sum of dx * xq */
     float c;      /* sum of b: int8's correction */
@@ -139,10 +148,21 @@ typedef struct {
 
 const char *moetier_qi_isa(void) { return QI_ISA; }
 
+/* Inputs an activation scale covers: a weight group of whole vectors of codes (int4's 128; at most
+   QI_BIG_BLOCK), or QI_BIG_BLOCK for int8's rows, so a block's chunks add up in int32 and meet their scales once
+   (one conversion and one fma a block instead of one a chunk, and no per-lane scales); otherwise QI_BLOCK. */
+long moetier_qi_block(int bits, long K, long group) {
+    int S = 8 / bits;
+    if (bits == 8) return K % QI_BIG_BLOCK == 0 ? QI_BIG_BLOCK : QI_BLOCK;
+    long GB = group / S;
+    return group <= QI_BIG_BLOCK && GB >= W && GB % W == 0 ? group : QI_BLOCK;
+}
+
 static qim make_qim(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, long N, long K,
                     long group) {
-    qim m = {bits, 8 / bits, codes, scales, bits == 8 ? NULL : zeros, N, K, bits == 8 ? K : group, 0, 0, 0, 0, 0};
-    m.groups = K / m.group, m.RB = K / m.S, m.GB = m.group / m.S, m.blocks = K / QI_BLOCK;
+    qim m = {bits, 8 / bits, codes, scales, bits == 8 ? NULL : zeros, N, K, bits == 8 ? K : group, 0, 0, 0, 0, 0, 0};
+    m.groups = K / m.group, m.RB = K / m.S, m.GB = m.group / m.S;
+    m.block = moetier_qi_block(bits, K, group), m.blocks = K / m.block;
     m.mid = bits == 8 ? (float)INT8_BIAS : (float)(1 << (bits - 1));
     return m;
 }
@@ -161,17 +181,20 @@ int moetier_qi_fits(int bits, long K, long group) {
 /* One block of 32 activations quantized to int8 (round to nearest even): returns dx; the sums of x and codes. */
 /* Eight vectors at a time (measured 8-12 us a 2,048-wide row in scalar code, run once per matrix and token). The
    rounding is vcvtps2dq's under the default MXCSR: to nearest, ties to even, as nearbyintf. */
-static inline float quantize_block(const float *x, int8_t *v, float *sum, int *isum) {
+static inline float absmax(const float *x, long n) { /* n: a multiple of 8 */
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
-           x3 = _mm256_loadu_ps(x + 24);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+    __m256 m = _mm256_setzero_ps();
+    for (long k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
     m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
     m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
     m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1));
-    float amax = _mm256_cvtss_f32(m);
-    float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    return _mm256_cvtss_f32(m);
+}
+
+/* 32 activations quantized against inv (= 127 / their block's max |x|) into v; their sum, and their codes'. */
+static inline void quantize_block(const float *x, float inv, int8_t *v, float *sum, int *isum) {
+    __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
+           x3 = _mm256_loadu_ps(x + 24);
     __m256 s = _mm256_set1_ps(inv);
     __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, s)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, s)),
             i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, s)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, s));
@@ -184,7 +207,6 @@ static inline float quantize_block(const float *x, int8_t *v, float *sum, int *i
     _mm256_storeu_si256((__m256i *)v, packed);
     *sum = hsum(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
     *isum = _mm_cvtsi128_si32(t);
-    return amax / 127.0f;
 }
 
 /* The block's codes v (in input order) into the layout (input k = S * byte + stream), and its scale into the
@@ -202,23 +224,27 @@ static inline __attribute__((always_inline)) void arrange_block(const qim *m, lo
 
 /* x [K] fp32 -> the token's quantized activation for m. */
 static void quantize_act(const qim *m, const float *x, qia *q) {
-    long per = m->group / QI_BLOCK;
+    const long per = m->group / QI_BLOCK, sub = m->block / QI_BLOCK; /* 32-input pieces a group, a block */
     for (long g = 0; g < m->groups; g++) q->a[g] = q->b[g] = 0;
     q->c = 0;
     for (long blk = 0; blk < m->blocks; blk++) {
-        int8_t v[QI_BLOCK];
-        float sum;
-        int isum;
-        float dx = quantize_block(x + blk * QI_BLOCK, v, &sum, &isum);
-        switch (m->S) {
-            case 1: arrange_block(m, blk, v, dx, q, 1); break;
-            case 2: arrange_block(m, blk, v, dx, q, 2); break;
-            default: arrange_block(m, blk, v, dx, q, 4);
-        }
+        float amax = absmax(x + blk * m->block, m->block);
+        float inv = amax > 0 ? 127.0f / amax : 0.0f, dx = amax / 127.0f;
         q->dx[blk] = dx;
-        q->a[blk / per] += sum;
-        q->b[blk / per] += dx * (float)isum;
-        q->c += dx * (float)isum;
+        for (long p = blk * sub; p < (blk + 1) * sub; p++) { /* each 32-input piece, arranged as the codes lie */
+            int8_t v[QI_BLOCK];
+            float sum;
+            int isum;
+            quantize_block(x + p * QI_BLOCK, inv, v, &sum, &isum);
+            switch (m->S) {
+                case 1: arrange_block(m, p, v, dx, q, 1); break;
+                case 2: arrange_block(m, p, v, dx, q, 2); break;
+                default: arrange_block(m, p, v, dx, q, 4);
+            }
+            q->a[p / per] += sum;
+            q->b[p / per] += dx * (float)isum;
+            q->c += dx * (float)isum;
+        }
     }
 }
 
@@ -249,12 +275,6 @@ static inline __attribute__((always_inline)) void qi_chunk(const qim *m, const u
             sum[t] = addf(sum[t], cvtmul(dp8(zerov(), codes, loadv(x[t].xq + c * W)), loadf(x[t].lanes + c * LANES)));
         return;
     }
-    if (P == 0) { /* the caller applies the group's scale */
-        for (int t = 0; t < T; t++)
-            sum[t] = fmaf_v(_cvt(dp_streams(codes, x[t].xq + c * S * W, bits, S)), loadf(x[t].lanes + c * LANES),
-                            sum[t]);
-        return;
-    }
     vf s = P == 1 ? bcast(bf16_to_f32(**gs)) : spread(load_bf16(sc + c * P, P), P);
     if (P == 1 && --*left == 0) ++*gs, *left = cpg;
     for (int t = 0; t < T; t++)
@@ -263,9 +283,72 @@ static inline __attribute__((always_inline)) void qi_chunk(const qim *m, const u
     (void)m;
 }
 
-/* Row r of m against T tokens' activations: y[t] = sum_k w[r, k] x_t[k]. */
-static inline __attribute__((always_inline)) void qi_row_t(const qim *m, long r, const qia *x, float *y, const int T,
-                                                             const int bits) {
+/* Whether m's rows take the block path: activation blocks of whole chunks, each meeting one weight scale. */
+static inline int qi_blocked(const qim *m) {
+    return m->block % (W * m->S) == 0 && (m->bits == 8 || m->block == m->group);
+}
+
+/* y[t] from the row's dot product `dot[t]` (its whole chunks) plus the last, shorter chunk (scalar) and the zero
+   terms (int4/int2) or int8's bias and row scale. */
+static inline __attribute__((always_inline)) void qi_finish(const qim *m, long r, const qia *x, const float *dot,
+                                                             float *y, const int T, const int bits) {
+    const int S = 8 / bits;
+    const uint8_t *q = m->codes + r * m->RB;
+    const uint16_t *sc = m->scales + (bits == 8 ? r : r * m->groups);
+    const long full = m->RB / W, len = m->RB - full * W;
+    for (int t = 0; t < T; t++) {
+        float d = dot[t];
+        for (long j = 0; j < len; j++) {
+            long byte = full * W + j, blk = byte * S / m->block;
+            float s = bits == 8 ? 1.0f : bf16_to_f32(sc[byte / m->GB]);
+            int isum = 0;
+            for (int st = 0; st < S; st++) {
+                int code = bits == 8 ? (int)(int8_t)q[byte] + INT8_BIAS : (q[byte] >> (st * bits)) & ((1 << bits) - 1);
+                isum += code * x[t].xq[full * W * S + st * len + j];
+            }
+            d += s * x[t].dx[blk] * (float)isum;
+        }
+        y[t] = bits == 8 ? bf16_to_f32(sc[0]) * (d - (float)INT8_BIAS * x[t].c) : d + zero_terms(m, r, &x[t]);
+    }
+}
+
+/* Row r (block path: qi_blocked): each block's chunks add up in int32, then meet their scales once — the
+   activation block's dx, and for int4/int2 the group's (int8's row scale comes at the end). */
+static inline __attribute__((always_inline)) void qi_row_blocks(const qim *m, long r, const qia *x, float *y,
+                                                                  const int T, const int bits) {
+    const int S = 8 / bits;
+    const uint8_t *q = m->codes + r * m->RB;
+    const uint16_t *sc = m->scales + r * m->groups;
+    const long cpb = m->block / (W * S), blocks = m->blocks;
+    vf sum[QI_MAX_TOKENS], odd[QI_MAX_TOKENS]; /* even and odd blocks: the fma's latency is not the bound */
+    for (int t = 0; t < T; t++) sum[t] = odd[t] = zerof();
+    for (long blk = 0; blk < blocks; blk++) {
+        vi acc[QI_MAX_TOKENS];
+        for (int t = 0; t < T; t++) acc[t] = zerov();
+        for (long c = blk * cpb; c < (blk + 1) * cpb; c++) {
+            _mm_prefetch((const char *)(q + c * W + QI_PREFETCH_AHEAD), _MM_HINT_T0);
+            vi codes = loadv(q + c * W);
+            for (int t = 0; t < T; t++)
+                acc[t] = bits == 8 ? dp8(acc[t], codes, loadv(x[t].xq + c * W))
+                                   : _add32(acc[t], dp_streams(codes, x[t].xq + c * S * W, bits, S));
+        }
+        float s = bits == 8 ? 1.0f : bf16_to_f32(sc[blk]);
+        for (int t = 0; t < T; t++) {
+            vf scale = bcast(s * x[t].dx[blk]);
+            if (blk & 1) odd[t] = fmaf_v(_cvt(acc[t]), scale, odd[t]);
+            else sum[t] = fmaf_v(_cvt(acc[t]), scale, sum[t]);
+        }
+    }
+    float dot[QI_MAX_TOKENS];
+    for (int t = 0; t < T; t++) dot[t] = hsumf(addf(sum[t], odd[t]));
+    qi_finish(m, r, x, dot, y, T, bits);
+}
+
+/* Row r (lanes path: a chunk spans several activation blocks or weight groups): each chunk's int32 lanes meet
+   their own activation scales (the `lanes` vector) and group scales (P groups a chunk, or a group of several
+   chunks). */
+static inline __attribute__((always_inline)) void qi_row_lanes(const qim *m, long r, const qia *x, float *y,
+                                                                 const int T, const int bits) {
     const int S = 8 / bits;
     const uint8_t *q = m->codes + r * m->RB;
     const uint16_t *sc = m->scales + (bits == 8 ? r : r * m->groups);
@@ -274,52 +357,28 @@ static inline __attribute__((always_inline)) void qi_row_t(const qim *m, long r,
     const long cpg = P == 1 ? m->GB / W : 1;        /* chunks a group (P == 1): no division in the loop */
     const uint16_t *gs = sc;                          /* P == 1: the scale of the group chunk c is in */
     long left = cpg;
-    vf sum[QI_MAX_TOKENS], odd[QI_MAX_TOKENS]; /* two accumulators a token (even and odd chunks): the fma's latency
-                                                  (4 cycles) would otherwise bound a chunk */
+    vf sum[QI_MAX_TOKENS], odd[QI_MAX_TOKENS];
     for (int t = 0; t < T; t++) sum[t] = odd[t] = zerof();
     long c = 0;
-    if (bits != 8 && P == 1) { /* a group spans whole chunks: its scale once, after its chunks (fits: no tail) */
-        for (long g = 0; c < full; g++) {
-            vf part[QI_MAX_TOKENS];
-            for (int t = 0; t < T; t++) part[t] = zerof();
-            for (long k = 0; k < cpg; k++, c++) qi_chunk(m, q, x, part, c, NULL, NULL, NULL, 0, T, bits, S, 0);
-            vf s = bcast(bf16_to_f32(sc[g]));
-            for (int t = 0; t < T; t++) {
-                if (g & 1) odd[t] = fmaf_v(part[t], s, odd[t]);
-                else sum[t] = fmaf_v(part[t], s, sum[t]);
-            }
-        }
-    }
     for (; c + 2 <= full; c += 2) {
         qi_chunk(m, q, x, sum, c, sc, &gs, &left, cpg, T, bits, S, P);
         qi_chunk(m, q, x, odd, c + 1, sc, &gs, &left, cpg, T, bits, S, P);
     }
     if (c < full) qi_chunk(m, q, x, sum, c, sc, &gs, &left, cpg, T, bits, S, P);
-    float rs = bits == 8 ? bf16_to_f32(sc[0]) : 1.0f;
-    for (int t = 0; t < T; t++) {
-        float dot = hsumf(addf(sum[t], odd[t]));
-        long len = m->RB - full * W; /* the last, shorter chunk: scalar */
-        for (long j = 0; j < len; j++) {
-            long byte = full * W + j, blk = byte * S / QI_BLOCK;
-            float s = bits == 8 ? 1.0f : bf16_to_f32(sc[byte / m->GB]);
-            int isum = 0;
-            for (int st = 0; st < S; st++) {
-                int code = bits == 8 ? (int)(int8_t)q[byte] + INT8_BIAS : (q[byte] >> (st * bits)) & ((1 << bits) - 1);
-                isum += code * x[t].xq[full * W * S + st * len + j];
-            }
-            dot += s * x[t].dx[blk] * (float)isum;
-        }
-        y[t] = bits == 8 ? rs * (dot - (float)INT8_BIAS * x[t].c) : dot + zero_terms(m, r, &x[t]);
-    }
+    float dot[QI_MAX_TOKENS];
+    for (int t = 0; t < T; t++) dot[t] = hsumf(addf(sum[t], odd[t]));
+    qi_finish(m, r, x, dot, y, T, bits);
 }
 
 #define QI_CASES(B)                                                                                              \
-    case B * 8 + 1: qi_row_t(m, r, x, y, 1, B); break;                                                           \
-    case B * 8 + 2: qi_row_t(m, r, x, y, 2, B); break;                                                           \
-    case B * 8 + 3: qi_row_t(m, r, x, y, 3, B); break;                                                           \
-    case B * 8 + 4: qi_row_t(m, r, x, y, 4, B); break;
+    case B * 8 + 1: blocked ? qi_row_blocks(m, r, x, y, 1, B) : qi_row_lanes(m, r, x, y, 1, B); break;          \
+    case B * 8 + 2: blocked ? qi_row_blocks(m, r, x, y, 2, B) : qi_row_lanes(m, r, x, y, 2, B); break;          \
+    case B * 8 + 3: blocked ? qi_row_blocks(m, r, x, y, 3, B) : qi_row_lanes(m, r, x, y, 3, B); break;          \
+    case B * 8 + 4: blocked ? qi_row_blocks(m, r, x, y, 4, B) : qi_row_lanes(m, r, x, y, 4, B); break;
 
+/* Row r of m against T tokens' activations: y[t] = sum_k w[r, k] x_t[k]. */
 static void qi_row(const qim *m, long r, const qia *x, int T, float *y) {
+    const int blocked = qi_blocked(m);
     switch (m->bits * 8 + T) {
         QI_CASES(8)
         QI_CASES(4)
