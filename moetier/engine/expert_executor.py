@@ -172,7 +172,7 @@ class ExpertExecutor:
         for prefetch in plan.prefetches:
             self._prefetch(prefetch)
         counts = plan.counts  # [E]
-        groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, counts, weight_dtype)
+        groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, counts, weight_dtype, self.kernels.combine)
         try:
             shared_out = shared() if shared is not None else None  # resident work first, while reads land
             for run in plan.runs:

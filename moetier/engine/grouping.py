@@ -13,10 +13,12 @@ import torch
 
 class ExpertGroups:
     def __init__(self, x: torch.Tensor, assign_ids: np.ndarray, assign_weights: np.ndarray, counts: np.ndarray,
-                 weight_dtype: torch.dtype) -> None:
+                 weight_dtype: torch.dtype, combine=None) -> None:
         """x [T, H]; assign_ids, assign_weights [T, k] (host); counts [E] pairs per expert (SKIP not counted);
-        weight_dtype: the router's (the reference weighs each expert's output in it)."""
+        weight_dtype: the router's (the reference weighs each expert's output in it); `combine`: the kernels' (the
+        reference's index_add_ by default)."""
         self.x = x
+        self._combine = combine
         flat = assign_ids.reshape(-1)  # [T*k]
         order = np.argsort(flat, kind="stable")  # SKIP (-1) sorts first
         order = order[flat.size - int(counts.sum()):]  # [P] the pairs that run
@@ -44,4 +46,6 @@ class ExpertGroups:
 
     def combine(self) -> torch.Tensor:
         """Sum each token's expert outputs: [T, H]."""
+        if self._combine is not None:
+            return self._combine(self.x, self.token_of, self.ys)
         return torch.zeros_like(self.x).index_add_(0, self.token_of, self.ys)

@@ -41,6 +41,11 @@ class TorchKernels:
         """Over the last dimension."""
         return rms_norm(x, weight, eps)
 
+    def combine(self, x: torch.Tensor, token_of: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        """Each token's expert outputs summed: [T, H] from ys [P, H], row p belonging to token token_of[p] (the
+        reference's index_add_ into zeros, in the order the rows come)."""
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
+
     def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """x [N, heads, D] rotated to each token's position."""
         return rope(x, batch.positions)
@@ -108,6 +113,13 @@ class NativeKernels(TorchKernels):
         n = x.shape[-1]
         y = torch.empty_like(x)
         self.lib.moetier_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+        return y
+
+    def combine(self, x: torch.Tensor, token_of: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 1 or not ys.is_contiguous():  # (one token: every row is its own)
+            return super().combine(x, token_of, ys)
+        y = torch.empty_like(x)
+        self.lib.moetier_sum_rows_bf16(ys.data_ptr(), ys.shape[0], ys.shape[1], y.data_ptr())
         return y
 
     def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -213,3 +213,16 @@ def test_bf16_engine_decodes_as_transformers(tiny_store, family, overrides):
         assert (ours[:steps] - theirs[:steps]).abs().max().item() <= theirs.abs().max().item() * 2 ** -7, \
             f"logits at {budget}"
         assert tokens[:n] == want[:n], f"greedy tokens differ from transformers' at {budget}"
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 8, 16])
+def test_one_tokens_expert_outputs_combine_as_index_add_does(kernels, rows):
+    """The reference's index_add_ into a bf16 zero row sums in fp32 and rounds once: bit for bit the same."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, 300, generator=g).bfloat16()
+    ys = (torch.randn(rows, 300, generator=g) * 10 ** torch.randn(rows, 1, generator=g)).bfloat16()
+    token_of = torch.zeros(rows, dtype=torch.long)
+    assert torch.equal(kernels.combine(x, token_of, ys), TorchKernels().combine(x, token_of, ys))
+    two = torch.randn(2, 300, generator=g).bfloat16()  # more tokens: the reference itself
+    token_of = torch.arange(rows) % 2
+    assert torch.equal(kernels.combine(two, token_of, ys), TorchKernels().combine(two, token_of, ys))
