@@ -21,8 +21,8 @@ from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available
 from moetier.model.build import make_model
-from moetier.model.dense_quant import (DENSE_PRECISIONS, check_dense_precision, dense_bytes, quantize_dense, quantized_dense_bytes,
-                                       with_dense_precision)
+from moetier.model.dense_quant import (DENSE_PRECISIONS, check_dense_precision, dense_bytes, quantize_dense,
+                                       quantized_dense_bytes, quantizing, with_dense_precision)
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
@@ -86,6 +86,9 @@ class EngineConfig:
         if self.dense_precision not in DENSE_PRECISIONS:
             raise MoetierError(f"unknown dense precision {self.dense_precision!r}",
                                hint=f"one of {', '.join(DENSE_PRECISIONS)}")
+        if self.dense_precision != "native" and torch.device(self.device).type != "cpu":
+            raise MoetierError(f"--dense-precision {self.dense_precision} computes on the CPU's kernels; the dense "
+                               f"weights are on {self.device}", hint="use --dense-precision native with a GPU")
         if self.placement != "none" and self.placement not in PLACEMENTS:
             raise MoetierError(f"unknown placement {self.placement!r}", hint=f"one of none, {', '.join(PLACEMENTS)}")
         if self.policy.endswith(SUFFIX) and self.predictor == "none":
@@ -184,8 +187,10 @@ class Engine:
         ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k, high)
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
         policy = make_policy_for_model(config.policy, ctx, store.trained_dir())
-        dense = {name: t.to(self.device) for name, t in store.load_dense().items()}
-        dense = quantize_dense(dense, self.spec, config.dense_precision)  # (native: unchanged)
+        convert = quantizing(config.dense_precision)  # (native: None, every tensor as it is)
+        dense = {name: t.to(self.device) if convert is None else t
+                 for name, t in store.load_dense(convert).items()}
+        dense = quantize_dense(dense, self.spec, config.dense_precision)  # a tied head's copy (native: unchanged)
         self.dense_bytes = dense_bytes(dense)
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         if predictor is None and config.predictor != "none":

@@ -80,16 +80,30 @@ def quantized_dense_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], preci
         + quantized_nbytes(precision, *head)
 
 
-def quantize_dense(dense: dict[str, torch.Tensor], spec: ModelSpec, precision: str) -> dict:
-    """`dense` with its attention projections and head replaced by `precision` copies (a tied head gets its own,
-    the embedding staying as it is). "native" returns `dense` unchanged."""
+def quantizing(precision: str):
+    """What `Store.load_dense(convert)` keeps of each tensor as it reads it: a `precision` copy of each projection
+    and of an untied head (None for "native"), so the float matrices are never all in memory beside their copies."""
+    if precision == "native":
+        return None
+
+    def convert(name: str, t: torch.Tensor):
+        return quantize_matrix(t, precision) if name == "lm_head" or quantized_names([name]) else t
+
+    return convert
+
+
+def quantize_dense(dense: dict, spec: ModelSpec, precision: str) -> dict:
+    """`dense` with its attention projections and head as `precision` copies (those `quantizing` made while
+    loading are kept; a tied head gets its own, the embedding staying as it is). "native" returns `dense`."""
     check_dense_precision(spec, precision)
     if precision == "native":
         return dense
     out = dict(dense)
     for name in quantized_names(list(dense)):
-        out[name] = quantize_matrix(dense[name], precision)
-    out["lm_head"] = quantize_matrix(dense.get("lm_head", dense["embed_tokens"]), precision)
+        if not isinstance(out[name], QuantizedMatrix):
+            out[name] = quantize_matrix(dense[name], precision)
+    head = out.get("lm_head", dense["embed_tokens"])
+    out["lm_head"] = head if isinstance(head, QuantizedMatrix) else quantize_matrix(head, precision)
     return out
 
 
