@@ -19,7 +19,7 @@ from moetier.engine.sampling import SamplingParams
 from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
-from moetier.memory import MemoryView, memory_available
+from moetier.memory import MemoryView, memory_available, release_freed_memory
 from moetier.model.build import make_model
 from moetier.model.dense_quant import (DENSE_PRECISIONS, check_dense_precision, dense_bytes, quantize_dense,
                                        quantized_dense_bytes, quantizing, with_dense_precision)
@@ -191,6 +191,7 @@ class Engine:
         dense = {name: t.to(self.device) if convert is None else t
                  for name, t in store.load_dense(convert).items()}
         dense = quantize_dense(dense, self.spec, config.dense_precision)  # a tied head's copy (native: unchanged)
+        release_freed_memory()  # what reading (and quantizing) them left, before the cache is reserved
         self.dense_bytes = dense_bytes(dense)
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         if predictor is None and config.predictor != "none":

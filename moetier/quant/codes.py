@@ -89,18 +89,31 @@ class Quantized:
             raise ValueError(f"unknown quantized precision {self.precision!r}; known: {', '.join(BITS)}")
 
 
+ROWS_AT_ONCE = 1 << 22  # weights quantized at once: the fp32 temporaries of a 50k x 2k head would be ~2 GB
+
+
 def quantize(w: torch.Tensor, precision: str) -> Quantized:
-    """[N, K] float weights -> their `precision` copy."""
+    """[N, K] float weights -> their `precision` copy (rows taken a few million weights at a time: each row's codes
+    depend on that row alone, and the fp32 temporaries stay small)."""
     if w.dim() != 2:
         raise ValueError(f"expected a matrix [N, K], got shape {tuple(w.shape)}")
     if precision not in BITS:
         raise ValueError(f"unknown quantized precision {precision!r}; known: {', '.join(BITS)}")
-    if precision == "int8":
-        return _int8(w.float())
-    if w.shape[1] % (8 // BITS[precision]):
+    if precision != "int8" and w.shape[1] % (8 // BITS[precision]):
         raise ValueError(f"{precision} packs {8 // BITS[precision]} inputs a byte; in_features {w.shape[1]} is not "
                          f"a multiple")
-    return _grouped(w.float(), precision, group_size(precision, w.shape[1]))
+    step = max(1, ROWS_AT_ONCE // max(1, w.shape[1]))
+    parts = [_quantize_rows(w[i:i + step].float(), precision) for i in range(0, w.shape[0], step)]
+    if len(parts) == 1:
+        return parts[0]
+    zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
+    return Quantized(precision, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), zeros)
+
+
+def _quantize_rows(w: torch.Tensor, precision: str) -> Quantized:
+    if precision == "int8":
+        return _int8(w)
+    return _grouped(w, precision, group_size(precision, w.shape[1]))
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -58,7 +58,7 @@ class Store:
         """Every dense tensor, each verified against its CRC-32: ~0.43 s per GB of dense weights here (0.41 s for
         OLMoE-1B-7B's 0.95 GB; safetensors maps the file lazily, so this is also the first touch of its pages).
         `convert(name, tensor)`, if given, makes what is kept of each tensor as it is read (a quantized copy): the
-        file's tensors are never all in memory at once beside what they become."""
+        file's tensors are never all in memory at once beside what they become, and none is kept mapped."""
         expected = self.manifest.dense_crc32
         out = {}
         try:
@@ -73,7 +73,11 @@ class Store:
                     if crc32(tensor_bytes(t)) != expected[name]:
                         raise ChecksumError(f"dense tensor {name} in {self.path / DENSE} fails its checksum",
                                             hint=DAMAGED)
-                    out[name] = t if convert is None else convert(name, t)
+                    if convert is None:
+                        out[name] = t  # (a view of the file's mapping, paged in as it is used)
+                    else:  # what is kept is its own memory: nothing holds the file's mapping, whose pages go
+                        kept = convert(name, t)
+                        out[name] = t.clone() if kept is t else kept
         except (StoreError, ChecksumError):
             raise
         except Exception as e:  # safetensors' own error types
