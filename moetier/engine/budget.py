@@ -23,8 +23,9 @@ from moetier.store.variants import expert_layouts
 # The budget note promises peak RSS within the two plus these bounds; tests/engine/test_budget.py holds it.
 RUNTIME_BYTES = 384 << 20
 PREFILL_BYTES_PER_TOKEN = 256 << 10
-# `auto` also leaves room for a prefill of this many tokens (an explicit budget is refused only where the cache,
-# the dense weights and the runtime cannot fit at all; the note says what a longer prompt adds).
+# `auto` also leaves room for a prefill of this many tokens, or of as many as leave one layer's top-k experts (an
+# explicit budget is refused only where the cache, the dense weights and the runtime cannot fit at all; the note
+# says what a longer prompt adds).
 AUTO_PROMPT_TOKENS = 1024
 
 
@@ -74,9 +75,11 @@ def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView, mixed: M
     fits = max(0, memory.available - dense - runtime)
     room = f"{memory.describe()}; after the dense weights ({format_bytes(dense)})"
     if budget.kind == "auto":
-        prompt = AUTO_PROMPT_TOKENS * PREFILL_BYTES_PER_TOKEN
-        fits = max(0, fits - prompt)
-        room += f", the runtime still to come ({format_bytes(runtime)}) and a {AUTO_PROMPT_TOKENS:,}-token prompt"
+        # room for a prompt of AUTO_PROMPT_TOKENS, or as much as leaves one layer's top-k: where memory is that
+        # short a short prompt still runs (the note's per-token promise says what a longer one adds)
+        tokens = min(AUTO_PROMPT_TOKENS, max(0, fits - spec.top_k * slot_bytes) // PREFILL_BYTES_PER_TOKEN)
+        fits = max(0, fits - tokens * PREFILL_BYTES_PER_TOKEN)
+        room += f", the runtime still to come ({format_bytes(runtime)}) and a {tokens:,}-token prompt"
     else:
         room += f" and the runtime still to come ({format_bytes(runtime)})"
     room += f", {format_bytes(fits)} fits"

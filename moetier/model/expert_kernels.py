@@ -5,9 +5,10 @@ weights)` writes out [n, H] = expert(x [n, H]) * weights [n], `w` being the slot
 - `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
 - `QuantizedExpert`: int8/int4/int2 slots (moetier/quant/codes.py's codes). With the native library and bf16
   activations: up to 4 tokens straight from the codes — by integer dot products against the activations quantized
-  to int8 per 32 (`csrc/q_int.c`, llama.cpp's way: VNNI or AVX2) where the shapes tile its vectors, else unpacked
-  to floats (`csrc/q_rows.c`); a row's codes are unpacked once for all the tokens —, more tokens by dequantizing
-  the expert to bf16 once (in C) for the engine's bf16 matmul — measured per shape in bench/quant_kernels.py.
+  to int8 per block of 128 or 32 (`csrc/q_int.c`, llama.cpp's way: VNNI or AVX2) where the shapes tile its
+  vectors, else unpacked to floats (`csrc/q_rows.c`); a row's codes are unpacked once for all the tokens —, more
+  tokens by dequantizing the expert to bf16 once (in C) for the engine's bf16 matmul — measured per shape in
+  bench/quant_kernels.py.
   Without it (fp32 models, `--kernels torch`, no compiler): dequantized with torch ops, correct and slow.
 
 Chosen once per precision when the executor is made, never per call by a flag."""

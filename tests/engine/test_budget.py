@@ -53,6 +53,19 @@ def test_auto_leaves_only_the_measured_overhead_not_a_share(huge):
     assert plan_budget(huge, MemoryBudget.parse("auto"), short, held=RUNTIME_BYTES).slots == 16
 
 
+def test_where_memory_is_short_auto_leaves_less_for_the_prompt_before_refusing(huge):
+    """One layer's top-k and the runtime fit, a 1,024-token prompt besides does not: auto still runs, with the top-k
+    and room for a shorter prompt (it refused here before)."""
+    slot, k = huge.native_layout.blob_bytes, huge.spec.top_k
+    view = MemoryView(huge.dense_bytes + RUNTIME_BYTES + k * slot + 3 * PREFILL_BYTES_PER_TOKEN, "host")
+    choice = plan_budget(huge, MemoryBudget.parse("auto"), view, held=0)
+    assert choice.slots == k
+    assert plan_budget(huge, MemoryBudget.parse("auto"), MemoryView(view.available + slot, "host"), held=0).slots == k
+    with pytest.raises(BudgetError, match="too little memory"):
+        plan_budget(huge, MemoryBudget.parse("auto"), MemoryView(view.available - 4 * PREFILL_BYTES_PER_TOKEN,
+                                                                  "host"), held=0)
+
+
 @pytest.mark.parametrize("budget", ["2GiB", "60%"])
 def test_an_explicit_budget_that_cannot_fit_is_refused_with_what_fits(huge, budget):
     view = MemoryView(2 * GiB, "cgroup v1 /box", 4 * GiB, 2 * GiB)

@@ -62,7 +62,19 @@ def big_hf(tmp_path_factory):
     return root / "hf"
 
 
-def test_a_flipped_dense_block_names_the_tensor(tiny_store, tmp_path, capsys):
+def test_both_ways_of_reading_the_dense_weights_give_the_same_tensors(tiny_store):
+    """Mapped (float runs) and read tensor by tensor into memory of its own (what a quantized run converts)."""
+    _, path = tiny_store("olmoe")
+    mapped = Store(path).load_dense()
+    seen = []
+    read = Store(path).load_dense(lambda name, t: seen.append(name) or t.clone())
+    assert sorted(seen) == sorted(mapped) == sorted(read)
+    for name, t in mapped.items():
+        assert read[name].dtype == t.dtype and read[name].shape == t.shape and read[name].equal(t), name
+
+
+@pytest.mark.parametrize("convert", [None, lambda name, t: t], ids=["mapped", "read"])
+def test_a_flipped_dense_block_names_the_tensor(tiny_store, tmp_path, capsys, convert):
     _, path = tiny_store("olmoe")
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
@@ -75,7 +87,7 @@ def test_a_flipped_dense_block_names_the_tensor(tiny_store, tmp_path, capsys):
     data[start:start + 4096] = bytes(b ^ 0xFF for b in data[start:start + 4096])  # 4 KiB of flipped bytes
     (bad / DENSE).write_bytes(data)
     with pytest.raises(ChecksumError, match=f"dense tensor {name} .* fails its checksum"):
-        Store(bad).load_dense()
+        Store(bad).load_dense(convert)
     byte_tokenizer().save(str(bad / "tokenizer.json"))
     assert main(["generate", "--model", str(bad), "--prompt", "x"]) == 1
     err = capsys.readouterr().err
