@@ -58,11 +58,11 @@ class ExpertExecutor:
         made = setup(mixed, native, entry_bytes, capacity_bytes, policy, spec.moe_layers, spec.num_experts,
                      spec.top_k, per_layer)
         self.precision, self.residency, tier = made.high, made.residency, made.tier
-        self.pools = {p: make_slots(manifest.precisions[p], self.residency.slots(p), self.device)
+        self.pools = {p: make_slots(manifest.precisions[p], self.residency.slots(p), self.device, manifest.linked(p))
                       for p in self.residency.entry_bytes}
         if tier is not None:
             self.pools[tier.low] = make_slots(manifest.precisions[tier.low], len(spec.moe_layers) * spec.num_experts,
-                                              self.device)
+                                              self.device, manifest.linked(tier.low))
         self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype, spec) for p in self.pools}
         self.counts = CountingHook(entry_bytes, self.precision if mixed.mixed else None)
         self.costs = RunningCosts(entry_bytes[self.precision])
@@ -85,7 +85,8 @@ class ExpertExecutor:
         self.host_device = torch.device("cpu")
         self.host_pool = None  # every expert at self.precision in host memory, when placement computes there
         if placement != "none":
-            self.host_pool = make_slots(manifest.precisions[self.precision], spec.num_expert_keys, self.host_device)
+            self.host_pool = make_slots(manifest.precisions[self.precision], spec.num_expert_keys, self.host_device,
+                                        manifest.linked(self.precision))
             self._host_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
             self.host_kernel = make_expert_kernel(self.precision, host_kernels or self.kernels, dtype, spec)
             self._fill(self.host_pool, self.precision, self.host_slot, "host tier")
@@ -108,9 +109,8 @@ class ExpertExecutor:
 
         keys = [(layer, e) for layer in self.spec.moe_layers for e in range(self.spec.num_experts)]
         for layer, e in keys:
-            slot = slot_of(layer, e)
-            self.reader.submit(self.manifest.blob(layer, e, precision), pool.read_target(slot), pool.completions[slot],
-                               ON_DEMAND)
+            slot, blob = slot_of(layer, e), self.manifest.blob(layer, e, precision)
+            self.reader.submit(blob, pool.read_target(slot, blob.phase), pool.completions[slot], ON_DEMAND)
         for layer, e in tqdm(keys, desc=desc, unit="expert", disable=None, leave=False):
             pool.completions[slot_of(layer, e)].wait()
 
@@ -202,7 +202,7 @@ class ExpertExecutor:
     def _submit(self, key: ExpertKey, precision: str, slot: int, priority: int) -> None:
         pool = self.pools[precision]
         blob = self.manifest.blob(key.layer, key.expert, precision)
-        self.reader.submit(blob, pool.read_target(slot), pool.completions[slot], priority)
+        self.reader.submit(blob, pool.read_target(slot, blob.phase), pool.completions[slot], priority)
 
     def _prefetch(self, prefetch: Prefetch) -> None:
         self._submit(prefetch.key, prefetch.precision, prefetch.slot, PREFETCH)

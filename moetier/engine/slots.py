@@ -1,7 +1,9 @@
 """Preallocated expert slots of one precision: where reads land and what kernels compute from.
 
 `HostSlots` (the CPU): one anonymous mapping per segment (page-aligned, so O_DIRECT reads straight into it), cut
-into blob-sized slots, each with its tensor views made once; reads land where compute reads.
+into blob-sized slots, each with its tensor views made once; reads land where compute reads. A linked store's slots
+have a page of slack: a blob that starts mid-page in its checkpoint file lands as far into its slot's first page,
+so its whole pages still go straight in (the views move with it, once per load).
 
 `DeviceSlots` (a GPU): the slots are device memory; a read lands in one of a few pinned host staging buffers and
 is copied to its slot on a side stream, and compute waits for that copy on the device, not on the host. Written
@@ -21,13 +23,18 @@ from moetier.store.reader import Completion
 
 
 class HostSlots:
-    def __init__(self, layout: PrecisionLayout, num_slots: int) -> None:
+    def __init__(self, layout: PrecisionLayout, num_slots: int, slack: int = 0) -> None:
+        """`slack`: bytes each slot has beyond a blob, so a linked blob can start as far into the slot's first page
+        as it starts into its file's (ALIGN for a linked store, 0 for a store's own aligned blobs)."""
         self.layout = layout
         self.slot_bytes = layout.blob_bytes
+        self.stride = self.slot_bytes + slack
         self.num_slots = 0
         self.views: list[memoryview] = []
         self.completions: list[Completion] = []
         self._tensors: list[dict[str, torch.Tensor]] = []
+        self._regions: list[tuple[torch.Tensor, memoryview]] = []  # each slot's whole stride, as bytes
+        self._phases: list[int] = []  # where in its region each slot's blob starts now
         self._segments: list[mmap.mmap] = []
         self.ensure(num_slots)
 
@@ -36,7 +43,7 @@ class HostSlots:
         extra = num_slots - self.num_slots
         if extra <= 0:
             return
-        segment = mmap.mmap(-1, extra * self.slot_bytes)
+        segment = mmap.mmap(-1, extra * self.stride)
         self._segments.append(segment)
         flat = torch.frombuffer(segment, dtype=torch.uint8)
         # Fault every page in now: the budget is really reserved (and counted in RSS), and no read in the hot loop
@@ -44,13 +51,21 @@ class HostSlots:
         flat.zero_()
         view = memoryview(segment)
         for i in range(extra):
-            a, b = i * self.slot_bytes, (i + 1) * self.slot_bytes
-            self.views.append(view[a:b])
+            a, b = i * self.stride, (i + 1) * self.stride
+            self._regions.append((flat[a:b], view[a:b]))
+            self._phases.append(0)
+            self.views.append(view[a:a + self.slot_bytes])
             self.completions.append(Completion())
-            self._tensors.append(self.layout.views(flat[a:b]))
+            self._tensors.append(self.layout.views(flat[a:a + self.slot_bytes]))
         self.num_slots = num_slots
 
-    def read_target(self, slot: int) -> memoryview:
+    def read_target(self, slot: int, phase: int = 0) -> memoryview:
+        """Where the slot's next blob lands: `phase` bytes into its first page (BlobRef.phase; 0 without slack)."""
+        if phase != self._phases[slot] and phase + self.slot_bytes <= self.stride:  # (per load, never per hit)
+            flat, view = self._regions[slot]
+            self.views[slot] = view[phase:phase + self.slot_bytes]
+            self._tensors[slot] = self.layout.views(flat[phase:phase + self.slot_bytes])
+            self._phases[slot] = phase
         return self.views[slot]
 
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
@@ -58,7 +73,7 @@ class HostSlots:
 
     @property
     def nbytes(self) -> int:
-        return self.num_slots * self.slot_bytes
+        return self.num_slots * self.stride
 
 
 class DeviceSlots:
@@ -95,7 +110,8 @@ class DeviceSlots:
             self._copied.append(None)
         self.num_slots = max(self.num_slots, num_slots)
 
-    def read_target(self, slot: int) -> memoryview:
+    def read_target(self, slot: int, phase: int = 0) -> memoryview:
+        """A staging buffer (`phase` unused: an unaligned linked blob goes through the reader's bounce buffers)."""
         if slot in self._pending:  # an earlier read into this slot was never used (a prefetch evicted unused)
             self.completions[slot].done.wait()
             self._free.append(self._pending.pop(slot))
@@ -134,5 +150,9 @@ class DeviceSlots:
         return self.num_slots * self.slot_bytes
 
 
-def make_slots(layout: PrecisionLayout, num_slots: int, device: torch.device) -> HostSlots | DeviceSlots:
-    return HostSlots(layout, num_slots) if device.type == "cpu" else DeviceSlots(layout, num_slots, device)
+def make_slots(layout: PrecisionLayout, num_slots: int, device: torch.device,
+               linked: bool = False) -> HostSlots | DeviceSlots:
+    """`linked`: the blobs may lie unaligned in a checkpoint's files (host slots get a page of slack for them)."""
+    if device.type == "cpu":
+        return HostSlots(layout, num_slots, ALIGN if linked else 0)
+    return DeviceSlots(layout, num_slots, device)

@@ -48,6 +48,7 @@ PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float
 
 
 TENSOR_ALIGN = 64  # a tensor's start inside a blob of several (a cache line)
+PHASE_ALIGN = 8  # a linked slot's offset into its page: safetensors starts its data, and every element, on one
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -153,6 +154,17 @@ class BlobRef:
     def linked(self) -> bool:
         return bool(self.segments)
 
+    @property
+    def phase(self) -> int:
+        """Where in an ALIGN-sized page its bytes start in their files, for a linked blob whose segments all agree
+        (tensors of whole pages after one header: the usual checkpoint): a slot that starts as far into a page
+        takes every whole page of the file by O_DIRECT in place, and only a segment's first and last partial page
+        through a bounce buffer. 0 otherwise (a store's own blobs are aligned; segments that disagree are copied
+        through bounce buffers)."""
+        phases = {(s.offset - s.dest) % ALIGN for s in self.segments}
+        phase = phases.pop() if len(phases) == 1 else 0
+        return phase if phase % PHASE_ALIGN == 0 else 0
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -171,6 +183,10 @@ class Manifest:
     @property
     def version(self) -> int:
         return LINKED_VERSION if self.sources else VERSION
+
+    def linked(self, precision: str) -> bool:
+        """Whether the experts at `precision` are read from the checkpoint's files (a linked store's own)."""
+        return bool(self.sources) and any(b.linked for b in self.blobs if b.precision == precision)
 
     def blob(self, layer: int, expert: int, precision: str | None = None) -> BlobRef:
         return self._index[(layer, expert, precision or self.native_precision)]

@@ -10,9 +10,12 @@ chunk while the disk reads the others, and the last combines them (zlib-ng's SIM
 12 MiB expert here; zlib 1.2's took ~3-5 ms, on 2 cores as much CPU as the layer's compute).
 
 A linked blob (moetier/store/format.py, version 3) is read from its segments in the source's safetensors files,
-which sit wherever the checkpoint put them: a piece whose file offset, length or destination is not aligned for
-O_DIRECT is read as the aligned span around it into the thread's own bounce buffer and copied out (a memmove that
-releases the GIL).
+which sit wherever the checkpoint put them, usually mid-page (after a header of any length). Its slot starts as
+far into a page (HostSlots' slack, BlobRef.phase), so each segment's whole pages are read in place by O_DIRECT;
+a piece whose file offset, length or destination is still not aligned — a segment's partial first and last page,
+segments that disagree, a GPU's staging buffer — is read as the aligned span around it into the thread's own
+bounce buffer and copied out (a memmove that releases the GIL). Copying whole experts that way cost 15% of decode
+speed at a 25% cache (bench/bench_linked.py: a 12 MiB memmove per miss on two busy cores).
 """
 
 from __future__ import annotations
@@ -148,28 +151,34 @@ class ExpertReader:
         return entry
 
     def _pieces(self, blob: BlobRef) -> list[tuple[str, int, int, int]]:
-        """(file, offset in it, length, offset in the blob) of each chunk to read, in blob order."""
+        """(file, offset in it, length, offset in the blob) of each chunk to read, in blob order. A linked segment
+        is cut at its file's page boundaries: its partial first and last pages apart, its whole pages in chunks."""
         if not blob.linked:
             path = str(self.store_dir / blob.file)
             return [(path, blob.offset + a, min(self.chunk_bytes, blob.length - a), a)
                     for a in range(0, blob.length, self.chunk_bytes)]
         pieces = []
         for seg in sorted(blob.segments, key=lambda s: s.dest):
-            path = self.sources[seg.source]
-            pieces += [(path, seg.offset + a, min(self.chunk_bytes, seg.length - a), seg.dest + a)
-                       for a in range(0, seg.length, self.chunk_bytes)]
+            path, end = self.sources[seg.source], seg.offset + seg.length
+            first, last = _align_up(seg.offset), _align_down(end)
+            cuts = [seg.offset, *range(first, last, self.chunk_bytes), last, end] if first < last else \
+                [seg.offset, end]
+            cuts = sorted(set(cuts))
+            pieces += [(path, a, b - a, seg.dest + a - seg.offset) for a, b in zip(cuts, cuts[1:])]
         return pieces
 
     def submit(self, blob: BlobRef, dest: memoryview, completion: Completion, priority: int = ON_DEMAND) -> None:
-        """Queue a read of `blob` into `dest` (ALIGN-aligned, blob.length bytes); `completion` fires when done."""
+        """Queue a read of `blob` into `dest` (blob.length bytes; ALIGN-aligned, or for a linked blob as far into a
+        page as BlobRef.phase says); `completion` fires when done."""
         pieces = self._pieces(blob)
         fds = {path: self._fd(path, blob) for path in {p[0] for p in pieces}}
         verify = self.verify and (blob.layer, blob.expert, blob.precision) not in self._verified
+        base = ctypes.addressof(ctypes.c_char.from_buffer(dest))  # O_DIRECT needs the memory aligned too
         completion.reset(blob, dest, [p[2] for p in pieces], verify)
         with self._cv:
             for i, (path, offset, length, at) in enumerate(pieces):
                 fd, direct = fds[path]
-                bounce = direct and bool(offset % ALIGN or length % ALIGN or at % ALIGN)
+                bounce = direct and bool(offset % ALIGN or length % ALIGN or (base + at) % ALIGN)
                 self._seq += 1
                 heapq.heappush(self._queue, _Chunk(priority, self._seq, completion, completion.generation, fd,
                                                    offset, dest[at:at + length], i, bounce, path))

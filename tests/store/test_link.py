@@ -40,25 +40,53 @@ def test_linked_and_copied_stores_read_the_same_experts(tiny_store, family):
             assert all(torch.equal(x[name], y[name]) for name in y)
 
 
+@pytest.mark.parametrize("phased", [True, False], ids=["slot-at-the-files-phase", "aligned-slot"])
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("chunk", [4096, 2 << 20])
-def test_the_reader_lands_unaligned_segments_exactly(tiny_store, direct, chunk):
-    """The tiny checkpoint's tensors start at offsets O_DIRECT cannot read in place: each piece goes through the
-    thread's bounce buffer (or, without O_DIRECT, straight in); small chunks split a segment into many pieces."""
+def test_the_reader_lands_unaligned_segments_exactly(tiny_store, direct, chunk, phased):
+    """The tiny checkpoint's tensors start at offsets O_DIRECT cannot read in place: into an aligned slot each piece
+    goes through the thread's bounce buffer, into a slot with slack at the blob's phase only partial pages do (or,
+    without O_DIRECT, everything straight in); small chunks split a segment into many pieces."""
     from moetier.engine.slots import HostSlots
 
     _, path = tiny_store("mixtral")
     store = Store(path)
     assert any(s.offset % 4096 for b in store.manifest.blobs for s in b.segments)
-    pool = HostSlots(store.native_layout, 3)
+    pool = HostSlots(store.native_layout, 3, slack=4096 if phased else 0)
     keys = [(0, 1), (1, 7), (0, 0)]
     with ExpertReader(path, num_threads=3, chunk_bytes=chunk, direct=direct) as reader:
         for slot, (layer, e) in enumerate(keys):
-            reader.submit(store.manifest.blob(layer, e), pool.views[slot], pool.completions[slot])
+            blob = store.manifest.blob(layer, e)
+            reader.submit(blob, pool.read_target(slot, blob.phase if phased else 0), pool.completions[slot])
         for slot, (layer, e) in enumerate(keys):
             pool.completions[slot].wait()  # its checksum was checked as it landed
             want = store.read_expert(layer, e)
             assert all(torch.equal(pool.weights(slot)[n], want[n]) for n in want)
+
+
+def test_whole_pages_of_a_linked_expert_go_straight_into_a_slot_at_its_phase(tmp_path, monkeypatch):
+    """Experts of whole pages after a header of any length (the usual checkpoint): all of a blob's segments share
+    one phase, and with the slot there, only each segment's partial first and last page is bounced."""
+    from moetier.engine.slots import HostSlots
+
+    build_tiny("qwen2_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    path = convert(tmp_path / "hf", tmp_path / "store", progress=False)
+    store = Store(path)
+    blob = store.manifest.blob(store.spec.moe_layers[0], 3)
+    assert blob.linked and all(s.length % 4096 == 0 for s in blob.segments) and blob.phase
+    bounced, direct = [], []
+    read = ExpertReader._read
+    monkeypatch.setattr(ExpertReader, "_read", lambda self, chunk, buf: (
+        (bounced if chunk.bounce else direct).append(len(chunk.dest)), read(self, chunk, buf))[1])
+    pool = HostSlots(store.native_layout, 1, slack=4096)
+    with ExpertReader(path, num_threads=2) as reader:
+        reader.submit(blob, pool.read_target(0, blob.phase), pool.completions[0])
+        pool.completions[0].wait()
+    want = store.read_expert(blob.layer, blob.expert)
+    assert all(torch.equal(pool.weights(0)[n], want[n]) for n in want)
+    if sum(direct):  # (a filesystem without O_DIRECT reads everything buffered, straight in)
+        assert len(bounced) <= 2 * len(blob.segments) and max(bounced) < 4096
+        assert sum(direct) >= sum(s.length for s in blob.segments) - len(blob.segments) * 4096
 
 
 @pytest.fixture
