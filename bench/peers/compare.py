@@ -18,7 +18,9 @@ moetier's is the TPOT of the measured tokens after as many warm-up tokens.
 
     python bench/peers/compare.py [--formats bf16,q8_0,q4_k_m] [--caps resident,100,60,35,20] [--rounds 2]
 
-Writes OUT/compare.json (every run, and medians with the ratio per row), OUT/compare.png, and prints the table.
+Writes OUT/compare.json (every run, and medians with the ratio per row), OUT/compare.md, OUT/compare.png, and
+prints the table. `--report A/compare.json B/compare.json --out DIR` renders several runs as one table and plot
+(docs/performance.md's: the resident rows from one run, the caps from another).
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dic
     out = {"bf16": bf16}
     for f in formats:
         if f != "bf16":
-            print(f"llama-quantize {f} ...", flush=True)
-            out[f] = llama.quantize(bf16, work / f"olmoe-1b-7b-synth-{f}.gguf", f)
+            gguf = work / f"olmoe-1b-7b-synth-{f}.gguf"
+            if not gguf.exists():
+                print(f"llama-quantize {f} ...", flush=True)
+            out[f] = llama.quantize(bf16, gguf, f)
     wanted = ",".join(sorted({p for f in formats if f in STORE_PRECISIONS for p in STORE_PRECISIONS[f].split(",")}))
     if wanted:
         subprocess.run(["moetier", "quantize", str(store), "--precisions", wanted], check=True)
@@ -145,6 +149,30 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(summary: list[dict]) -> str:
+    """The table for docs/performance.md: one row per format and setting, llama.cpp beside each moetier mode."""
+    rows = list(dict.fromkeys((s["format"], s["setting"]) for s in summary))
+    modes = list(dict.fromkeys(s["engine"] for s in summary if s["engine"] != "llama.cpp"))
+    head = "| format | setting | cap | llama.cpp tok/s | " + " | ".join(f"{m} tok/s (× llama.cpp)" for m in modes) + " |"
+    lines = [head, "|" + "---|" * (4 + len(modes))]
+    for fmt, setting in rows:
+        mine = {s["engine"]: s for s in summary if (s["format"], s["setting"]) == (fmt, setting)}
+        llama = mine.get("llama.cpp")
+        cap = "—" if llama["cap_bytes"] is None else f"{llama['cap_bytes'] / 2**30:.2f} GiB"
+
+        def cell(s):
+            if s is None:
+                return ""
+            if s["tok_s"] is None:
+                return "does not run" if s["error"] and "exit 1" in s["error"] else "killed" if s["error"] else "—"
+            runs = "/".join(f"{t:.2f}" for t in s["runs_tok_s"])
+            return f"{s['tok_s']:.2f} ({runs})" + (f" **{s['ratio']:.2f}×**" if s.get("ratio") else "")
+
+        lines.append(f"| {fmt} | {setting} | {cap} | {cell(llama)} | " + " | ".join(cell(mine.get(m)) for m in modes)
+                     + " |")
+    return "\n".join(lines)
+
+
 def plot(summary: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -184,7 +212,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it counts as failed")
     ap.add_argument("--out", type=Path, default=HERE.parent / "out" / "peers")
+    ap.add_argument("--report", type=Path, nargs="+",
+                    help="only render the table, markdown and plot of compare.json files (one table) into --out")
     args = ap.parse_args()
+    if args.report:  # several runs' results (the resident rows of one, the caps of another) in one table
+        done = [json.loads(path.read_text()) for path in args.report]
+        summary = [s for d in done for s in d["summary"]]
+        print(table(summary))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "compare.md").write_text(markdown(summary) + "\n")
+        meta = done[0]["meta"]
+        plot(summary, args.out / "compare.png",
+             f"OLMoE-1B-7B-shaped, same weights, {meta['threads']} threads, {meta['cpu']['model']}")
+        print(f"wrote {args.out / 'compare.md'} and {args.out / 'compare.png'}")
+        return
     formats = [f for f in args.formats.split(",") if f]
     if unknown := [f for f in formats if f not in MODES]:
         raise SystemExit(f"unknown format(s) {unknown}; known: {', '.join(MODES)}")
@@ -231,6 +272,7 @@ def main() -> None:
     summary = summarize(rows, runs)
     print(table(summary))
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compare.md").write_text(markdown(summary) + "\n")
     meta = dict(cpu=cpu_description(), llama_cpp=llama.version(), threads=args.threads, tokens=args.tokens,
                 cap_tokens=args.cap_tokens, rounds=args.rounds, date=time.strftime("%Y-%m-%d"))
     (args.out / "compare.json").write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1))

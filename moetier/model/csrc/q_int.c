@@ -39,7 +39,9 @@
 #define QI_PARALLEL_MIN_BYTES (128 * 1024)
 #define QI_BLOCK 32      /* inputs per activation scale, at least (and the unit codes are arranged in) */
 #define QI_BIG_BLOCK 128 /* ...and at most: llama.cpp's k-quants take 256 (Q8_K) */
-#define QI_PREFETCH_AHEAD 512 /* bytes of codes: a compute-heavy loop runs ahead of the hardware prefetcher */
+#define QI_PREFETCH_AHEAD 2048 /* bytes of codes (two int4 rows of 2048): a compute-heavy loop runs ahead of the
+                                  hardware prefetcher; an int4 expert from memory 0.20-0.22 -> 0.18-0.19 ms
+                                  against 512 (Zen 3; 3 KiB no better) */
 
 /* P bf16 values (P = 1, 2, 4 or 8; exactly those bytes read) as floats in the low lanes. */
 static inline __m256 load_bf16(const uint16_t *p, int P) {
