@@ -44,6 +44,22 @@ LOW_TIER_SHARE = 0.75  # low-tier's default: the resident low copies take at mos
 # (int2 of a 12 MiB expert is 16% of its bf16 bytes: at a 25% budget, 62% of it)
 
 
+def released(convert):
+    """`convert` (Store.load_dense's), each tensor's freed temporaries handed back before the next is read: glibc
+    keeps freed heap memory for reuse, and the heap fragments between the copies kept, so reading OLMoE's dense
+    weights into int8 copies peaked at 2.8 GB RSS for 0.8 GB kept (1.4 GB with this, under a memory cgroup the
+    difference between running and being killed)."""
+    if convert is None:
+        return None
+
+    def convert_released(name: str, t: torch.Tensor):
+        kept = convert(name, t)
+        release_freed_memory()
+        return kept
+
+    return convert_released
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     expert_memory: MemoryBudget = MemoryBudget("share", 0.3)
@@ -187,7 +203,7 @@ class Engine:
         ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k, high)
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
         policy = make_policy_for_model(config.policy, ctx, store.trained_dir())
-        convert = quantizing(config.dense_precision)  # (native: None, every tensor as it is)
+        convert = released(quantizing(config.dense_precision))  # (native: None, every tensor as it is)
         dense = {name: t.to(self.device) if convert is None else t
                  for name, t in store.load_dense(convert).items()}
         dense = quantize_dense(dense, self.spec, config.dense_precision)  # a tied head's copy (native: unchanged)

@@ -102,12 +102,18 @@ def quantize(w: torch.Tensor, precision: str) -> Quantized:
     if precision != "int8" and w.shape[1] % (8 // BITS[precision]):
         raise ValueError(f"{precision} packs {8 // BITS[precision]} inputs a byte; in_features {w.shape[1]} is not "
                          f"a multiple")
-    step = max(1, ROWS_AT_ONCE // max(1, w.shape[1]))
-    parts = [_quantize_rows(w[i:i + step].float(), precision) for i in range(0, w.shape[0], step)]
-    if len(parts) == 1:
-        return parts[0]
-    zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
-    return Quantized(precision, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), zeros)
+    n, step = w.shape[0], max(1, ROWS_AT_ONCE // max(1, w.shape[1]))
+    first = _quantize_rows(w[:step].float(), precision)
+    if step >= n:
+        return first
+    # each part written into its place as it is made (parts then a concatenation held the copy twice)
+    out = [None if t is None else t.new_empty((n, *t.shape[1:])) for t in (first.codes, first.scales, first.zeros)]
+    for i in range(0, n, step):
+        part = first if i == 0 else _quantize_rows(w[i:i + step].float(), precision)
+        for whole, piece in zip(out, (part.codes, part.scales, part.zeros)):
+            if whole is not None:
+                whole[i:i + step] = piece
+    return Quantized(precision, *out)
 
 
 def _quantize_rows(w: torch.Tensor, precision: str) -> Quantized:

@@ -143,3 +143,17 @@ def test_an_expert_with_biases_keeps_them(precision):
     assert sorted(expert_matrices(views, precision)) == ["down_proj", "gate_up_proj"]
     for name in ("gate_up_proj.bias", "down_proj.bias"):
         assert torch.equal(views[name], expert[name].bfloat16())
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+def test_rows_taken_a_few_at_a_time_give_the_codes_of_all_at_once(precision, monkeypatch):
+    """A big matrix is quantized in pieces written into place (a 50k-row head in one go would need GBs of fp32):
+    the pieces, the last one shorter, make exactly the copy of the whole."""
+    import moetier.quant.codes as codes
+
+    w = torch.randn(37, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = quantize(w, precision)
+    monkeypatch.setattr(codes, "ROWS_AT_ONCE", 5 * 256)  # pieces of 5 rows: 8 of them, the last of 2
+    pieces = quantize(w, precision)
+    for a, b in zip((whole.codes, whole.scales, whole.zeros), (pieces.codes, pieces.scales, pieces.zeros)):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
