@@ -58,13 +58,18 @@ def runtime_to_come(held: int | None = None) -> int:
 
 
 def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView, mixed: MixedPrecision = MixedPrecision(),
-                dense_bytes: int | None = None, held: int | None = None) -> BudgetChoice:
+                dense_bytes: int | None = None, held: int | None = None, load_bytes: int = 0) -> BudgetChoice:
     """The expert cache for `budget`: at least one layer's top-k, at most every expert, and never more than fits in
     `memory` after the dense weights (`dense_bytes`, default the store's) and the runtime still to come
     (`runtime_to_come(held)`); `auto` takes that less a prefill of AUTO_PROMPT_TOKENS. Counted in experts of the
-    precision the run computes (`budget_precision`)."""
+    precision the run computes (`budget_precision`). `load_bytes`: what loading the dense weights holds beside them
+    at its peak (dense_quant.dense_load_bytes), before the cache exists: refused where even that does not fit."""
     spec = store.spec
     dense = store.dense_bytes if dense_bytes is None else dense_bytes
+    if dense + load_bytes > memory.available:
+        raise BudgetError(f"too little memory to load the dense weights: {format_bytes(dense)} kept, and up to "
+                          f"{format_bytes(load_bytes)} more while quantizing them; {memory.describe()}",
+                          hint="free memory, or raise the limit")
     precision = budget_precision(store, mixed)
     if precision == store.manifest.native_precision:
         slot_bytes, total = store.native_layout.blob_bytes, store.total_expert_bytes()

@@ -21,8 +21,8 @@ from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available, release_freed_memory
 from moetier.model.build import make_model
-from moetier.model.dense_quant import (DENSE_PRECISIONS, check_dense_precision, dense_bytes, quantize_dense,
-                                       quantized_dense_bytes, quantizing, with_dense_precision)
+from moetier.model.dense_quant import (DENSE_PRECISIONS, check_dense_precision, dense_bytes, dense_load_bytes,
+                                       quantize_dense, quantized_dense_bytes, quantizing, with_dense_precision)
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
@@ -191,8 +191,10 @@ class Engine:
         self.store, self.config, self.spec = store, config, store.spec
         self.device = check_device(config.device)
         check_dense_precision(self.spec, config.dense_precision)
+        tensors = store.dense_tensors()
         self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device),
-                                  config.precision, quantized_dense_bytes(store.dense_tensors(), config.dense_precision))
+                                  config.precision, quantized_dense_bytes(tensors, config.dense_precision),
+                                  load_bytes=dense_load_bytes(tensors, config.dense_precision))
         slots = self.budget.slots
         per_layer = config.cache_partition == "per-layer"
         if per_layer and slots < len(self.spec.moe_layers):

@@ -105,6 +105,28 @@ def test_auto_with_too_little_memory_says_what_is_missing(huge):
         plan_budget(huge, MemoryBudget.parse("auto"), MemoryView(256 * 2**20, "host"), held=0)
 
 
+def test_loading_that_would_not_fit_beside_the_dense_weights_is_refused_before_it_starts(huge):
+    """Quantizing the dense weights while loading holds the largest float tensor and its copy beside what is kept,
+    before the cache exists: where even that does not fit, refused in one line (a kill by the cgroup otherwise)."""
+    from moetier.model.dense_quant import dense_load_bytes
+
+    tensors = huge.dense_tensors()
+    load = dense_load_bytes(tensors, "int4")
+    largest = max(nbytes for name, (_, nbytes) in tensors.items() if name != "norm")
+    assert dense_load_bytes(tensors, "native") == 0 and 0 < load <= 2 * largest
+
+    def refusal(available: int) -> str:
+        try:
+            plan_budget(huge, MemoryBudget.parse("auto"), MemoryView(available, "host"), held=RUNTIME_BYTES,
+                        load_bytes=load)
+            return ""
+        except BudgetError as e:
+            return str(e)
+
+    assert "to load the dense weights" not in refusal(huge.dense_bytes + load)  # (the cache is another check)
+    assert "too little memory to load the dense weights" in refusal(huge.dense_bytes + load - 1)
+
+
 def make_cgroup(limit: int) -> Path | None:
     """A memory cgroup of `limit` bytes (v2, or v1's memory hierarchy), or None where this machine refuses."""
     name = f"moetier-test-{os.getpid()}"
