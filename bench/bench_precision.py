@@ -3,14 +3,16 @@ size, each beside its quality cost from the harness.
 
 Models: demo-deep-xl (demo-deep's experts inflated to OLMoE's 12 MiB: real routing, real reads) and, with
 --synth, olmoe-1b-7b-synth (OLMoE-1B-7B's shape with random weights; see bench_offload.py). Each configuration
-(`native` = exact mode, `hobbit`, `low-tier`, or any --precision value; MODE:LOW names the low copy) runs in a
-fresh process, in rounds with a rotated order so a drift of the disk spreads over all of them; reported: the median
-TPOT, the speed-up over native, hit rate, expert bytes read per token and the share of experts computed at low
-precision. Quality: `moetier eval` on the same model and budget (perplexity change, top-1 agreement, KL against
-exact), unless --no-quality.
+(`native` = exact mode, `hobbit`, `low-tier`, or any --precision value; MODE:LOW[:HIGH] names the low copy and the
+high one, e.g. hobbit:int2:int8 for HOBBIT's int8+int2 pair) runs in a fresh process, in rounds with a rotated order
+so a drift of the disk spreads over all of them; reported: the median TPOT, the speed-up over native, hit rate,
+expert bytes read per token and the share of experts computed at low precision. Quality: `moetier eval` on the same
+model and budget (perplexity change, top-1 agreement, KL against exact), unless --no-quality.
 
     python bench/bench_precision.py                         # demo-deep-xl at 25%; table, JSON + PNG in bench/out/
     python bench/bench_precision.py --synth --rounds 2
+    python bench/bench_precision.py --frontier              # every mode and pair, demo-deep-xl and demo-fine-xl at
+                                                            # 10/25/50%: speed against quality (frontier.png)
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ sys.path.insert(0, str(ROOT))
 from common import add_run_options, median_row, model_panels, rotated_rounds, save_panels  # noqa: E402
 
 CONFIGS = ("native", "hobbit", "low-tier")
+# every mode, and HOBBIT's and low-tier's pairs: bf16+int4 (the default), int8+int2 (HOBBIT's other), int8+int4
+FRONTIER = ("native", "int8", "int4", "int2", "hobbit", "hobbit:int2:int8", "hobbit:int4:int8", "low-tier",
+            "low-tier:int2:int8", "low-tier:int4:int8")
 PROMPTS = ROOT / "prompts" / "mixed.txt"
 
 
@@ -38,9 +43,9 @@ def child(cfg: dict) -> dict:
     from moetier.resolve import resolve_model
     from moetier.store.store import Store
 
-    mode, _, low = cfg["config"].partition(":")
+    mode, low, high = parse_config(cfg["config"])
     config = EngineConfig(expert_memory=MemoryBudget.parse(cfg["budget"]), policy=cfg["policy"],
-                          precision=MixedPrecision(mode, low=low))
+                          precision=MixedPrecision(mode, low=low, high=high))
     engine = Engine(Store(resolve_model(cfg["model"], progress=False)), config, progress=False)
     lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
     tok = engine.tokenizer
@@ -54,18 +59,65 @@ def child(cfg: dict) -> dict:
     return stats
 
 
+def parse_config(config: str) -> tuple[str, str, str]:
+    """MODE[:LOW[:HIGH]] -> (mode, low copy, high copy) ("" for a mode's default)."""
+    mode, low, high = (config.split(":") + ["", ""])[:3]
+    return mode, low, high
+
+
 def quality(model: str, budget: str, configs: list[str], windows: int) -> dict[str, dict]:
-    """`moetier eval` rows for the configurations (its own process: the engine's speed is measured apart)."""
-    modes = [c for c in configs if c != "native"]
-    if not modes or any(":" in c for c in modes):
-        return {}
-    out = subprocess.run(["moetier", "eval", "--model", model, "--expert-memory", budget, "--windows", str(windows),
-                          "--sweep", "precision=" + ",".join(modes), "--json"], capture_output=True, text=True)
-    if out.returncode != 0:
-        print(f"quality of {model} not measured: {out.stderr.strip()[-300:]}", file=sys.stderr)
-        return {}
-    rows = json.loads(out.stdout)["rows"]
-    return {r["label"].removeprefix("precision=").replace("exact", "native"): r for r in rows}
+    """`moetier eval` rows for the configurations (its own process: the engine's speed is measured apart): one
+    sweep over the plain modes, one run for each MODE:LOW:HIGH."""
+    plain = [c for c in configs if c != "native" and ":" not in c]
+    runs = [(None, ["--sweep", "precision=" + ",".join(plain)])] if plain else []
+    for c in configs:
+        if ":" in c:
+            mode, low, high = parse_config(c)
+            runs.append((c, ["--precision", mode] + (["--low-precision", low] if low else [])
+                         + (["--high-precision", high] if high else [])))
+    found = {}
+    for config, extra in runs:
+        out = subprocess.run(["moetier", "eval", "--model", model, "--expert-memory", budget, "--windows",
+                              str(windows), *extra, "--json"], capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"quality of {model} {extra} not measured: {out.stderr.strip()[-300:]}", file=sys.stderr)
+            continue
+        rows = json.loads(out.stdout)["rows"]
+        if config is None:
+            found.update({r["label"].removeprefix("precision="): r for r in rows[1:]})
+        else:
+            found[config] = rows[-1]
+    return found
+
+
+def plot_frontier(rows: list[dict], path: Path) -> None:
+    """Speed-up over exact against perplexity change, one panel per model, a marker per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
+    markers = dict(zip(dict.fromkeys(r["budget"] for r in rows), "os^Dv"))
+    for ax, model in zip(axes[0], models):
+        for r in (r for r in rows if r["model"] == model and r.get("perplexity_change") is not None
+                  or (r["model"] == model and r["config"] == "native")):
+            change = 0.0 if r["config"] == "native" else r["perplexity_change"]
+            ax.scatter(change, r["speedup"], marker=markers[r["budget"]], color=f"C{list(markers).index(r['budget'])}")
+            ax.annotate(r["config"], (change, r["speedup"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        for budget, m in markers.items():
+            ax.scatter([], [], marker=m, color=f"C{list(markers).index(budget)}", label=f"budget {budget}")
+        ax.axvline(0.01, color="grey", lw=0.8, ls=":")
+        ax.set(title=model, xlabel="perplexity change vs exact", ylabel="decode speed-up vs exact (x)")
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("every precision mode and pair: speed against quality (dotted: +1% perplexity)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -90,7 +142,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--quality-windows", type=int, default=3, help="windows per text for `moetier eval`")
+    ap.add_argument("--frontier", action="store_true",
+                    help="every mode and pair on demo-deep-xl and demo-fine-xl at 10/25/50%% (frontier.png)")
     args = ap.parse_args()
+    if args.frontier:
+        args.models, args.budgets, args.configs = "demo-deep-xl,demo-fine-xl", "10%,25%,50%", ",".join(FRONTIER)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
@@ -125,6 +181,8 @@ def main() -> None:
                   prompt_len=args.prompt_len, quality_windows=args.quality_windows, rows=rows)
     (args.out / "precision.json").write_text(json.dumps(report, indent=1))
     plot(rows, args.out / "precision.png")
+    if args.frontier:
+        plot_frontier(rows, args.out / "frontier.png")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print(f"{'model':>18} {'budget':>6} {'config':>14} {'TPOT ms':>8} {'speed-up':>8} {'hit':>6} {'MiB/tok':>8} "
           f"{'low':>5} {'d ppl':>7} {'top-1':>6} {'KL':>7}")

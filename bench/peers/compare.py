@@ -20,7 +20,8 @@ moetier's is the TPOT of the measured tokens after as many warm-up tokens.
 
 Writes OUT/compare.json (every run, and medians with the ratio per row), OUT/compare.md, OUT/compare.png, and
 prints the table. `--report A/compare.json B/compare.json --out DIR` renders several runs as one table and plot
-(docs/performance.md's: the resident rows from one run, the caps from another).
+(docs/performance.md's: the resident rows from one run, the caps from another; a row measured again by a later
+file is taken from it).
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ def markdown(summary: list[dict]) -> str:
     """The table for docs/performance.md: one row per format and setting, llama.cpp beside each moetier mode."""
     rows = list(dict.fromkeys((s["format"], s["setting"]) for s in summary))
     modes = list(dict.fromkeys(s["engine"] for s in summary if s["engine"] != "llama.cpp"))
-    head = "| format | setting | cap | llama.cpp tok/s | " + " | ".join(f"{m} tok/s (× llama.cpp)" for m in modes) + " |"
+    head = ("| format | setting | cap | llama.cpp tok/s | " + " | ".join(f"{m} tok/s (× llama.cpp)" for m in modes)
+            + " |")
     lines = [head, "|" + "---|" * (4 + len(modes))]
     for fmt, setting in rows:
         mine = {s["engine"]: s for s in summary if (s["format"], s["setting"]) == (fmt, setting)}
@@ -217,7 +219,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.report:  # several runs' results (the resident rows of one, the caps of another) in one table
         done = [json.loads(path.read_text()) for path in args.report]
-        summary = [s for d in done for s in d["summary"]]
+        rows: dict[tuple[str, str], list[dict]] = {}  # a row a later run measured again is taken from that run
+        for d in done:
+            for key in dict.fromkeys((s["format"], s["setting"]) for s in d["summary"]):
+                rows[key] = [s for s in d["summary"] if (s["format"], s["setting"]) == key]
+        order = {f: i for i, f in enumerate(MODES)}
+        keys = sorted(rows, key=lambda k: (order.get(k[0], len(order)), k[1] != "resident"))
+        summary = [s for key in keys for s in rows[key]]
         print(table(summary))
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.md").write_text(markdown(summary) + "\n")

@@ -1,0 +1,146 @@
+"""Quality beside speed: what each 8- and 4-bit format costs in llama.cpp and in moetier, on the same trained model
+(demo-deep, converted to GGUF by llama.cpp's own converter) and the same held-out text (the demo models' held-out
+prose and code, train/corpus.py).
+
+Each engine is measured against its own bf16 run, by its own tool: llama.cpp's `llama-perplexity` (chunks of
+--ctx tokens, the second half of each scored; KL divergence and top-1 agreement against the bf16 model's saved
+logits), and `moetier eval` (windows of --ctx tokens after a 16-token prefill, scored token by token as decoding
+feeds them; KL and top-1 against exact mode). The two tools score different positions of the text, so their
+perplexities differ in level; what compares is each format's change from its engine's bf16.
+
+    moetier: int8 experts + --dense-precision int8   against   llama.cpp Q8_0
+             int4 experts + --dense-precision int4   against   llama.cpp Q4_K_M (demo-deep's 64-wide down_proj
+             has no whole 256-blocks: llama-quantize falls back for it, as it does for any such model)
+
+    python bench/peers/quality.py [--model models/demo-deep] [--ctx 128] [--chunks 48]
+
+Writes OUT/quality.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]
+from llamacpp import build  # noqa: E402
+
+from moetier.paths import default_cache_dir  # noqa: E402
+
+PAIRS = (("bf16", "native", "native"), ("q8_0", "int8", "int8"), ("q4_k_m", "int4", "int4"))
+
+
+def held_out_text() -> str:
+    sys.path.insert(0, str(HERE.parents[1]))
+    from train.corpus import load
+
+    corpus = load()
+    return corpus["prose_valid"] + "\n\n" + corpus["code_valid"]
+
+
+def untied(model: Path, out: Path) -> Path:
+    """The checkpoint with its head written out: demo-deep ties lm_head to the embedding, which llama.cpp's OLMoE
+    loader does not (it wants `output.weight`). Same weights; made once, under a temporary name."""
+    if (out / "config.json").exists():
+        return out
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model / "config.json").read_text())
+    if not config.get("tie_word_embeddings"):
+        return model
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = load_file(model / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    for f in model.iterdir():
+        if f.is_file() and f.suffix == ".json" and f.name != "config.json":
+            shutil.copy(f, tmp / f.name)
+    (tmp / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=False), indent=1))
+    tmp.rename(out)
+    return out
+
+
+def llama_perplexity(llama, gguf: Path, text: Path, ctx: int, chunks: int, base: Path, first: bool) -> dict:
+    argv = llama.perplexity_argv(gguf, text, ctx, chunks, threads=2, kl_base=base, kl=not first)
+    out = subprocess.run(argv, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-perplexity failed on {gguf.name}:\n{out.stderr[-2000:]}")
+    log = out.stdout + out.stderr
+    row = {}
+    m = re.search(r"Final estimate: PPL = ([\d.]+)", log) or re.search(r"Mean PPL\(Q\)\s*:\s*([\d.]+)", log)
+    row["perplexity"] = float(m.group(1)) if m else None
+    if not first:
+        kl = re.search(r"Mean\s+KLD:\s*([\d.]+)", log)
+        top = re.search(r"Same top p:\s*([\d.]+)", log)
+        row["kl"] = float(kl.group(1)) if kl else None
+        row["top1_agreement"] = float(top.group(1)) / 100 if top else None
+    return row
+
+
+def moetier_eval(model: str, precision: str, dense: str, text: Path, ctx: int, windows: int) -> dict:
+    argv = ["moetier", "eval", "--model", model, "--expert-memory", "100%", "--text", f"held-out={text}",
+            "--window", str(ctx), "--windows", str(windows), "--precision", precision, "--dense-precision", dense,
+            "--json"]
+    out = subprocess.run(argv, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"moetier eval failed:\n{out.stderr[-2000:]}")
+    rows = json.loads(out.stdout)["rows"]
+    exact, mine = rows[0], rows[-1]
+    return dict(exact_perplexity=exact["domains"][0]["perplexity"], perplexity=mine["domains"][0]["perplexity"],
+                kl=mine.get("kl"), top1_agreement=mine.get("top1_agreement"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(HERE.parents[1] / "models" / "demo-deep"))
+    ap.add_argument("--ctx", type=int, default=128, help="tokens a chunk (llama.cpp) or a window (moetier)")
+    ap.add_argument("--chunks", type=int, default=48, help="chunks scored by llama-perplexity")
+    ap.add_argument("--windows", type=int, default=48, help="windows scored by moetier eval")
+    ap.add_argument("--out", type=Path, default=HERE.parent / "out" / "peers")
+    args = ap.parse_args()
+    llama = build(default_cache_dir())
+    work = default_cache_dir() / "peers" / "models"
+    work.mkdir(parents=True, exist_ok=True)
+    name = Path(args.model).name
+    bf16 = llama.convert(untied(Path(args.model), work / f"{name}-untied"), work / f"{name}-bf16.gguf")
+    ggufs = {"bf16": bf16, **{f: llama.quantize(bf16, work / f"{name}-{f}.gguf", f) for f, _, _ in PAIRS[1:]}}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "held-out.txt"
+        text.write_text(held_out_text())
+        base = Path(tmp) / "bf16.kld"
+        for fmt, precision, dense in PAIRS:
+            theirs = llama_perplexity(llama, ggufs[fmt], text, args.ctx, args.chunks, base, first=fmt == "bf16")
+            ours = moetier_eval(args.model, precision, dense, text, args.ctx, args.windows)
+            rows.append(dict(format=fmt, moetier=f"{precision} (dense {dense})", llama_cpp=theirs, moetier_run=ours,
+                             gguf_bytes=ggufs[fmt].stat().st_size))
+            print(f"{fmt}: llama.cpp {theirs}; moetier {ours}", flush=True)
+    base_l = rows[0]["llama_cpp"]["perplexity"]
+    print(f"{'format':>7} {'llama.cpp ppl':>14} {'change':>7} {'KL':>7} {'top-1':>6} | {'moetier':>18} {'ppl':>7} "
+          f"{'change':>7} {'KL':>7} {'top-1':>6}")
+    for r in rows:
+        t, o = r["llama_cpp"], r["moetier_run"]
+        fmt_kl = lambda v: f"{v:7.4f}" if v is not None else f"{'—':>7}"  # noqa: E731
+        fmt_top = lambda v: f"{v:6.1%}" if v is not None else f"{'—':>6}"  # noqa: E731
+        print(f"{r['format']:>7} {t['perplexity']:14.3f} {t['perplexity'] / base_l - 1:+7.2%} {fmt_kl(t.get('kl'))} "
+              f"{fmt_top(t.get('top1_agreement'))} | {r['moetier']:>18} {o['perplexity']:7.3f} "
+              f"{o['perplexity'] / o['exact_perplexity'] - 1:+7.2%} "
+              f"{fmt_kl(o['kl'] if r['format'] != 'bf16' else None)} "
+              f"{fmt_top(o['top1_agreement'] if r['format'] != 'bf16' else None)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quality.json").write_text(json.dumps(dict(model=args.model, ctx=args.ctx, rows=rows), indent=1))
+    print(f"wrote {args.out / 'quality.json'}")
+
+
+if __name__ == "__main__":
+    main()
