@@ -12,7 +12,7 @@ perplexities differ in level; what compares is each format's change from its eng
              int4 experts + --dense-precision int4   against   llama.cpp Q4_K_M (demo-deep's 64-wide down_proj
              has no whole 256-blocks: llama-quantize falls back for it, as it does for any such model)
 
-    python bench/peers/quality.py [--model models/demo-deep] [--ctx 128] [--chunks 48]
+    python bench/peers/quality.py [--model models/demo-deep] [--ctx 128] [--chunks 48] [--windows 8]
 
 Writes OUT/quality.json and prints the table.
 """
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(HERE.parents[1] / "models" / "demo-deep"))
     ap.add_argument("--ctx", type=int, default=128, help="tokens a chunk (llama.cpp) or a window (moetier)")
     ap.add_argument("--chunks", type=int, default=48, help="chunks scored by llama-perplexity")
-    ap.add_argument("--windows", type=int, default=48, help="windows scored by moetier eval")
+    ap.add_argument("--windows", type=int, default=8, help="windows scored by moetier eval (each ~12 s here)")
     ap.add_argument("--out", type=Path, default=HERE.parent / "out" / "peers")
     args = ap.parse_args()
     llama = build(default_cache_dir())

@@ -47,8 +47,8 @@ LOW_TIER_SHARE = 0.75  # low-tier's default: the resident low copies take at mos
 def released(convert):
     """`convert` (Store.load_dense's), each tensor's freed temporaries handed back before the next is read: glibc
     keeps freed heap memory for reuse, and the heap fragments between the copies kept, so reading OLMoE's dense
-    weights into int8 copies peaked at 2.8 GB RSS for 0.8 GB kept (1.4 GB with this, under a memory cgroup the
-    difference between running and being killed)."""
+    weights into int8 copies peaked at 2.8 GB RSS for 0.8 GB kept (1.05 GB with this and quant.codes writing a
+    matrix's pieces into place: under a memory cgroup the difference between running and being killed)."""
     if convert is None:
         return None
 

@@ -48,7 +48,8 @@ PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float
 
 
 TENSOR_ALIGN = 64  # a tensor's start inside a blob of several (a cache line)
-PHASE_ALIGN = 8  # a linked slot's offset into its page: safetensors starts its data, and every element, on one
+PHASE_ALIGN = 8  # a linked slot's offset into its page is a multiple of this (safetensors pads its header to 8):
+# the slot's tensor views need their elements aligned
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

@@ -69,8 +69,8 @@ class Store:
             names = set(tensors)
             if names != set(expected):
                 diff = sorted(names ^ set(expected))
-                raise StoreError(f"{self.path / DENSE} does not hold the tensors its manifest lists ({diff[:3]} differ)",
-                                 hint=DAMAGED)
+                raise StoreError(f"{self.path / DENSE} does not hold the tensors its manifest lists ({diff[:3]} "
+                                 f"differ)", hint=DAMAGED)
             return {name: value for name, (value, crc) in tensors.items() if self._checked(name, crc, expected)}
         except (StoreError, ChecksumError):
             raise

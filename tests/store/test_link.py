@@ -69,7 +69,8 @@ def test_whole_pages_of_a_linked_expert_go_straight_into_a_slot_at_its_phase(tmp
     one phase, and with the slot there, only each segment's partial first and last page is bounced."""
     from moetier.engine.slots import HostSlots
 
-    build_tiny("qwen2_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    build_tiny("qwen2_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=64,
+               shared_expert_intermediate_size=64)
     path = convert(tmp_path / "hf", tmp_path / "store", progress=False)
     store = Store(path)
     blob = store.manifest.blob(store.spec.moe_layers[0], 3)
