@@ -76,6 +76,10 @@ def child(cfg: dict) -> dict:
         if owner is not None:
             target = getattr(target, owner.format(**names))
         setattr(target, attr, timed(label, getattr(target, attr)))
+    model_kernels = engine.model.kernels
+    if model_kernels is not engine.kernels:  # QuantizedDenseKernels bound its base's methods when it was made
+        for attr in ("swiglu", "expert", "rms_norm", "rope", "decode_attention"):
+            setattr(model_kernels, attr, getattr(model_kernels.base, attr))
     engine.preload()
     rng = random.Random(0)
     prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(cfg["prompt_len"])]
