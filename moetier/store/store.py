@@ -65,31 +65,35 @@ class Store:
         a memory cgroup its cached pages count against the limit)."""
         expected = self.manifest.dense_crc32
         try:
-            tensors = self._dense_mapped() if convert is None else self._dense_read(convert)
-            names = set(tensors)
-            if names != set(expected):
-                diff = sorted(names ^ set(expected))
-                raise StoreError(f"{self.path / DENSE} does not hold the tensors its manifest lists ({diff[:3]} "
-                                 f"differ)", hint=DAMAGED)
-            return {name: value for name, (value, crc) in tensors.items() if self._checked(name, crc, expected)}
+            return self._dense_mapped(expected) if convert is None else self._dense_read(expected, convert)
         except (StoreError, ChecksumError):
             raise
         except Exception as e:  # safetensors' own error types, a damaged header
             raise StoreError(f"cannot read {self.path / DENSE}: {e}", hint=DAMAGED) from None
 
-    def _checked(self, name: str, crc: int, expected: dict[str, int]) -> bool:
-        if crc != expected.get(name):
+    def _check_names(self, names, expected: dict[str, int]) -> None:
+        if set(names) != set(expected):
+            diff = sorted(set(names) ^ set(expected))
+            raise StoreError(f"{self.path / DENSE} does not hold the tensors its manifest lists ({diff[:3]} differ)",
+                             hint=DAMAGED)
+
+    def _check_crc(self, name: str, data, expected: dict[str, int]) -> None:
+        if crc32(data) != expected[name]:
             raise ChecksumError(f"dense tensor {name} in {self.path / DENSE} fails its checksum", hint=DAMAGED)
-        return True
 
-    def _dense_mapped(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """Each tensor a view of the file's mapping (paged in as it is used), with its CRC."""
+    def _dense_mapped(self, expected: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Each tensor a view of the file's mapping (paged in as it is used), checked."""
         with safe_open(self.path / DENSE, "pt") as f:
-            return {name: (t, crc32(tensor_bytes(t))) for name in f.keys() for t in [f.get_tensor(name)]}
+            self._check_names(f.keys(), expected)
+            out = {name: f.get_tensor(name) for name in f.keys()}
+        for name, t in out.items():
+            self._check_crc(name, tensor_bytes(t), expected)
+        return out
 
-    def _dense_read(self, convert) -> dict[str, tuple[object, int]]:
-        """Each tensor read into memory of its own, its CRC taken, `convert`ed, its file pages dropped."""
+    def _dense_read(self, expected: dict[str, int], convert) -> dict[str, object]:
+        """Each tensor read into memory of its own, checked, `convert`ed, its file pages dropped."""
         header, start = safetensors_header(self.path / DENSE)
+        self._check_names(header, expected)
         out = {}
         fd = os.open(self.path / DENSE, os.O_RDONLY)
         try:
@@ -99,10 +103,11 @@ class Store:
                 if os.preadv(fd, [data], start + begin) != len(data):
                     raise StoreError(f"{self.path / DENSE} ends inside tensor {name}", hint=DAMAGED)
                 os.posix_fadvise(fd, start + begin, end - begin, os.POSIX_FADV_DONTNEED)
+                self._check_crc(name, data, expected)  # before any work is done on it
                 dtype = DTYPES[ST_DTYPES[entry["dtype"]]]
                 t = torch.frombuffer(data, dtype=dtype).view(entry["shape"]) if data else \
                     torch.empty(entry["shape"], dtype=dtype)
-                out[name] = (convert(name, t), crc32(data))
+                out[name] = convert(name, t)
         finally:
             os.close(fd)
         return out
