@@ -14,8 +14,9 @@ which sit wherever the checkpoint put them, usually mid-page (after a header of 
 far into a page (HostSlots' slack, BlobRef.phase), so each segment's whole pages are read in place by O_DIRECT;
 a piece whose file offset, length or destination is still not aligned — a segment's partial first and last page,
 segments that disagree, a GPU's staging buffer — is read as the aligned span around it into the thread's own
-bounce buffer and copied out (a memmove that releases the GIL). Copying whole experts that way cost 15% of decode
-speed at a 25% cache (bench/bench_linked.py: a 12 MiB memmove per miss on two busy cores).
+bounce buffer and copied out (a memmove that releases the GIL). Copying whole experts that way (a 12 MiB memmove
+per miss on two busy cores) was 15% slower than a copied store at a 25% cache in one round of bench/bench_linked.py
+and not slower in the other; the two rounds were all it ran.
 """
 
 from __future__ import annotations
