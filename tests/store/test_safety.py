@@ -185,3 +185,14 @@ def test_two_processes_converting_one_folder_share_one_store(big_hf, tmp_path):
     assert len(stores) == 1 and str(stores[0]) == results[0][0]
     verify(stores[0])
     assert leftovers(cache) == []
+
+
+def test_a_dense_file_cut_short_is_named_when_read_tensor_by_tensor(tiny_store, tmp_path):
+    """The quantizing read (pread per tensor, not a mapping) meets the end of a truncated file: one StoreError."""
+    _, path = tiny_store("olmoe")
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    data = (bad / DENSE).read_bytes()
+    (bad / DENSE).write_bytes(data[:len(data) - 100])
+    with pytest.raises(StoreError, match="ends inside tensor"):
+        Store(bad).load_dense(lambda name, t: t)
