@@ -19,7 +19,7 @@ from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
-from moetier.plan.layer_plan import HOST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch
+from moetier.plan.layer_plan import HOST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch, Run
 from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
 from moetier.plan.precision import MixedPrecision, setup
@@ -173,9 +173,15 @@ class ExpertExecutor:
             self._prefetch(prefetch)
         counts = plan.counts  # [E]
         groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, counts, weight_dtype, self.kernels.combine)
+        # resident runs by precision, computed a precision a call before the next run that waits for a read
+        together: dict[str, list[Run]] = {}
         try:
             shared_out = shared() if shared is not None else None  # resident work first, while reads land
             for run in plan.runs:
+                if run.source == RESIDENT and run.place != HOST and run.expert not in deferred:
+                    together.setdefault(run.precision, []).append(run)
+                    continue
+                self._compute_together(groups, together)
                 if run.place == HOST:  # where its weights live: the host tier, on the host CPU
                     start = time.perf_counter()
                     groups.compute_on(run.expert, self.host_kernel, self.host_pool.weights(
@@ -193,11 +199,25 @@ class ExpertExecutor:
                 follower = deferred.pop(run.expert, None)
                 if follower is not None:  # its slot is free now
                     self._submit(ExpertKey(layer, follower.expert), follower.precision, follower.slot, ON_DEMAND)
+            self._compute_together(groups, together)
         except BaseException:
             self._abandon(plan)
             raise
         out = groups.combine()
         return out + shared_out if shared_out is not None else out
+
+    def _compute_together(self, groups: ExpertGroups, together: dict[str, list[Run]]) -> None:
+        """Resident experts whose slots no load waits for: each precision's in one kernel call (one parallel region
+        for the layer's experts at batch 1, not one an expert); `together` is emptied."""
+        for precision, runs in together.items():
+            pool = self.pools[precision]
+            start = time.perf_counter()
+            groups.compute_layer([run.expert for run in runs], self.expert_kernels[precision],
+                                 [pool.weights(run.slot) for run in runs])
+            each = (time.perf_counter() - start) / len(runs)
+            for _ in runs:
+                self.costs.observe_expert(each)
+        together.clear()
 
     def _submit(self, key: ExpertKey, precision: str, slot: int, priority: int) -> None:
         pool = self.pools[precision]

@@ -34,6 +34,11 @@ class ExpertGroups:
         a, b = self.offsets[expert], self.offsets[expert + 1]
         kernel(self.ys[a:b], self.xs[a:b], w, self.ws[a:b])
 
+    def compute_layer(self, experts: list[int], kernel, ws: list[dict[str, torch.Tensor]]) -> None:
+        """`compute` for several experts at once (`kernel.layer`: one native call where the kernel has one)."""
+        offsets = self.offsets
+        kernel.layer(self.ys, self.xs, self.ws, [(w, offsets[e], offsets[e + 1]) for e, w in zip(experts, ws)])
+
     def compute_on(self, expert: int, kernel, w: dict[str, torch.Tensor], device: torch.device) -> None:
         """`compute` on `device`, where `w` lives (the host CPU beside a GPU): the expert's tokens go there and its
         output comes back (HOBBIT's ④–⑥). On the device the activations are on already, just `compute`."""

@@ -1,5 +1,7 @@
 """How one expert is computed from the tensors of its slot, per precision and activation: `kernel(out, x, w,
-weights)` writes out [n, H] = expert(x [n, H]) * weights [n], `w` being the slot's named tensors.
+weights)` writes out [n, H] = expert(x [n, H]) * weights [n], `w` being the slot's named tensors;
+`kernel.layer(ys, xs, weights, items)` several of a layer's experts, each (w, a, b) on rows a:b — in one native
+call where the kernel has one (decode at batch 1: one parallel region a layer, not one an expert), else one by one.
 
 - `DenseExpert`: bf16/fp16/fp32 SwiGLU slots, through the engine's kernels (native rows or torch).
 - `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
@@ -15,6 +17,7 @@ Chosen once per precision when the executor is made, never per call by a flag.""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,15 +28,29 @@ from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
 NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the codes in one pass
 
 
-class DenseExpert:
+Items = list[tuple[dict[str, torch.Tensor], int, int]]  # (a slot's tensors, first row, end row) an expert
+
+
+class OneByOne:
+    """`layer` as one call an expert."""
+
+    def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
+        for w, a, b in items:
+            self(ys[a:b], xs[a:b], w, weights[a:b])
+
+
+class DenseExpert(OneByOne):
     def __init__(self, kernels: TorchKernels) -> None:
         self.kernels = kernels
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         self.kernels.expert(out, x, w["gate_up_proj"], w["down_proj"], weights)
 
+    def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
+        self.kernels.expert_layer(ys, xs, weights, [(w["gate_up_proj"], w["down_proj"], a, b) for w, a, b in items])
 
-class ClampedSwigluExpert:
+
+class ClampedSwigluExpert(OneByOne):
     """gpt-oss: gate and up (with biases) clamped to ±limit (gate only from above), gate·sigmoid(alpha·gate)·(up + 1),
     then down with its bias. Gate and up are packed as halves of gate_up_proj (the checkpoint interleaves them;
     conversion splits them, so the same dot products run)."""
@@ -49,7 +66,7 @@ class ClampedSwigluExpert:
         out.copy_(F.linear(h, w["down_proj"], w["down_proj.bias"]) * weights[:, None])
 
 
-class ReluExpert:
+class ReluExpert(OneByOne):
     """Switch: down(relu(up(x))), no gate, no biases."""
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
@@ -65,7 +82,7 @@ def dense_expert(kernels: TorchKernels, spec: ModelSpec | None = None):
     return ReluExpert()
 
 
-class QuantizedExpert:
+class QuantizedExpert(OneByOne):
     """`lib`: the native library (None: torch's ops). `dtype`: the activations' (and the dequantized weights').
     `dense`: the float kernel that computes the dequantized expert (None: SwiGLU through `kernels`); the native
     from-the-codes path is SwiGLU's alone."""
@@ -109,6 +126,36 @@ class QuantizedExpert:
                                                                                      h, i, n)))
         else:
             lib.moetier_swiglu_q(*args, self._scratch(4 * (max(h, i) + n * (2 * h + 3 * i))))
+
+    def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
+        """The integer path's experts in one call (`moetier_swiglu_qi_layer`, bit for bit what one call an expert
+        computes); otherwise one by one."""
+        w0 = items[0][0]
+        n, h = len(items), xs.shape[1]
+        i = w0["gate_up_proj"].shape[0] // 2
+        gu_group, dn_group = _group(h, w0["gate_up_proj.scales"]), _group(i, w0["down_proj.scales"])
+        if (self.lib is None or len(items) < 2 or any(b - a > NATIVE_MAX_TOKENS for _, a, b in items)
+                or not (xs.is_contiguous() and ys.is_contiguous()) or not self._fits(h, i, gu_group, dn_group)):
+            return super().layer(ys, xs, weights, items)
+        names = ("gate_up_proj", "gate_up_proj.scales", "gate_up_proj.zeros", "down_proj", "down_proj.scales",
+                 "down_proj.zeros")
+        ptrs = np.array([[_ptr(w.get(name)) or 0 for w, *_ in items] for name in names], dtype=np.int64)  # [6, n]
+        spans = np.array([r for _, a, b in items for r in (a, b)], dtype=np.int64)  # [2n]: each expert's rows
+        p, row = ptrs.ctypes.data, ptrs.strides[0]
+        rw = self._route_weights(weights)
+        lib = self.lib
+        lib.moetier_swiglu_qi_layer(self.bits, n, p, p + row, p + 2 * row, gu_group, p + 3 * row, p + 4 * row,
+                                    p + 5 * row, dn_group, spans.ctypes.data, xs.shape[0], xs.data_ptr(), rw.data_ptr(),
+                                    ys.data_ptr(), h, i, self._scratch(lib.moetier_swiglu_qi_layer_scratch(
+                                        self.bits, gu_group, dn_group, h, i, xs.shape[0])))
+
+    def _route_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """The routing weights as fp32, in a buffer kept across calls."""
+        if self.route_weights.numel() < weights.numel():
+            self.route_weights = torch.empty(weights.numel(), dtype=torch.float32)
+        rw = self.route_weights[:weights.numel()]
+        rw.copy_(weights)
+        return rw
 
     def _fits(self, h: int, i: int, gu_group: int, dn_group: int) -> bool:
         key = (h, i, gu_group, dn_group)

@@ -1,6 +1,7 @@
 """The arithmetic a forward step is made of, behind one interface: `linear` (F.linear), `swiglu`, `expert` (a
 SwiGLU expert on its tokens, scaled by their routing weights, written into `out`), `rms_norm`, `rope` and
-`decode_attention` (one new token per sequence against its KV cache).
+`decode_attention` (one new token per sequence against its KV cache); `expert_layer`: several experts of a layer at
+once.
 
 `TorchKernels` is torch's own ops. `NativeKernels` takes the one-row bf16 case on the CPU — every product of a
 batch-1 decode step — to `csrc/bf16_rows.c`, which streams the weights at the memory's speed; everything else
@@ -9,6 +10,8 @@ batch-1 decode step — to `csrc/bf16_rows.c`, which streams the weights at the 
 from __future__ import annotations
 
 import warnings
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,13 @@ class TorchKernels:
                weights: torch.Tensor) -> None:
         """out [n, H] = swiglu(x [n, H]) * weights [n] (rounded as the reference's two ops round)."""
         out.copy_(self.swiglu(x, gate_up_proj, down_proj) * weights[:, None])
+
+    def expert_layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,
+                     items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """Several experts of a layer: for each (gate_up_proj, down_proj, a, b), rows a:b of ys [P, H] =
+        `expert` on rows a:b of xs [P, H] and weights [P] — here one call each."""
+        for gate_up_proj, down_proj, a, b in items:
+            self.expert(ys[a:b], xs[a:b], gate_up_proj, down_proj, weights[a:b])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Over the last dimension."""
@@ -71,6 +81,7 @@ class NativeKernels(TorchKernels):
     def __init__(self, lib, isa: str = "") -> None:
         self.lib, self.isa = lib, isa  # isa: the instruction set the library was built for (native.ISAS)
         self.scratch = torch.empty(0, dtype=torch.float32)  # fp32 work space, grown to the largest shape seen
+        self.route_weights = torch.empty(0, dtype=torch.float32)
 
     def _scratch(self, floats: int) -> int:
         if self.scratch.numel() < floats:
@@ -100,6 +111,28 @@ class NativeKernels(TorchKernels):
         # The weight times the bf16 output in fp32, rounded once: what `swiglu(x) * w` then the bf16 `out`
         # store round to, whether the router's weights are bf16 or fp32 (Mixtral).
         self._swiglu_row(out, x, gate_up_proj, down_proj, weights.item())
+
+    def expert_layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,
+                     items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """One token an expert (decode at batch 1): all of them in one native call, bit for bit what `expert`
+        computes for each (one parallel region a layer instead of one an expert)."""
+        if any(b - a != 1 for *_, a, b in items) or not (xs.is_contiguous() and ys.is_contiguous()):
+            return super().expert_layer(ys, xs, weights, items)
+        n, (h, i) = len(items), items[0][1].shape
+        ptrs = np.array([[g.data_ptr() for g, *_ in items], [d.data_ptr() for _, d, *_ in items],
+                         [a for *_, a, _ in items]], dtype=np.int64)  # [3, n]: gate_up, down, row
+        rw = self._route_weights(weights)
+        self.lib.moetier_swiglu_bf16_layer(n, ptrs[0].ctypes.data, ptrs[1].ctypes.data, ptrs[2].ctypes.data,
+                                           xs.data_ptr(), rw.data_ptr(), ys.data_ptr(), h, i,
+                                           self._scratch(n * (h + i)))
+
+    def _route_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """The routing weights [P] as fp32 (exact for bf16 ones), in a buffer kept across calls."""
+        if self.route_weights.numel() < weights.numel():
+            self.route_weights = torch.empty(weights.numel(), dtype=torch.float32)
+        rw = self.route_weights[:weights.numel()]
+        rw.copy_(weights)
+        return rw
 
     def _swiglu_row(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                     weight: float) -> None:

@@ -137,6 +137,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_linear_qi_scratch.restype = n
     lib.moetier_linear_qi.argtypes = [i, p, p, p, n, p, p, n, n, i, p]
     lib.moetier_linear_qi.restype = None
+    lib.moetier_swiglu_qi_layer_scratch.argtypes = [i, n, n, n, n, n]
+    lib.moetier_swiglu_qi_layer_scratch.restype = n
+    lib.moetier_swiglu_qi_layer.argtypes = [i, n, p, p, p, n, p, p, p, n, p, n, p, p, p, n, n, p]
+    lib.moetier_swiglu_qi_layer.restype = None
+    lib.moetier_swiglu_bf16_layer.argtypes = [n, p, p, p, p, p, p, n, n, p]
+    lib.moetier_swiglu_bf16_layer.restype = None
     return lib
 
 

@@ -5,7 +5,7 @@ import torch
 
 from moetier.model import native
 from moetier.model.expert_kernels import DenseExpert, QuantizedExpert, make_expert_kernel
-from moetier.model.kernels import TorchKernels
+from moetier.model.kernels import NativeKernels, TorchKernels
 from moetier.quant.codes import BITS, MATRICES, Quantized, dequantize, expert_matrices, quantize_expert
 
 LIB = native.load().lib
@@ -181,3 +181,43 @@ def test_other_activations_compute_their_quantized_copy_as_its_dequantized_weigh
     exact = torch.empty_like(x)
     dense_expert(TorchKernels(), spec)(exact, x, native, weights)
     assert (out - exact).abs().max() < {"int8": 0.05, "int4": 0.25}[precision] * exact.abs().max()
+
+
+def layer_of(kernel, experts, counts, h, seed=0):
+    """`kernel.layer` and one call an expert on the same pairs: experts[j] takes counts[j] rows of xs, in order, with
+    a row no expert takes between each (as a plan whose other experts wait for reads leaves them): (both ys)."""
+    g = torch.Generator().manual_seed(seed)
+    spans, row = [], 0
+    for c in counts:
+        spans.append((row, row + c))
+        row += c + 1
+    xs = torch.randn(row, h, generator=g).bfloat16()
+    weights = torch.rand(row, generator=g).bfloat16()
+    items = [(w, a, b) for w, (a, b) in zip(experts, spans)]
+    together, alone = torch.zeros_like(xs), torch.zeros_like(xs)
+    kernel.layer(together, xs, weights, items)
+    for w, a, b in items:
+        kernel(alone[a:b], xs[a:b], w, weights[a:b])
+    return together, alone
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("counts", [[1] * 8, [1, 3, 4, 2], [2]])
+def test_a_layers_experts_in_one_call_are_one_call_each_bit_for_bit(isa, precision, counts):
+    h, i = 512, 256
+    experts = [quantize_expert(expert(h, i, seed=j), precision) for j in range(len(counts))]
+    kernel = QuantizedExpert(precision, TorchKernels(), torch.bfloat16, native.load(isa).lib)
+    together, alone = layer_of(kernel, experts, counts, h)
+    assert torch.equal(together, alone) and alone.abs().sum() > 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_layers_bf16_experts_in_one_call_are_one_call_each_bit_for_bit(isa):
+    h, i = 512, 320  # (320: a tail past the last full block of 16, as permuted() leaves it)
+    experts = [expert(h, i, seed=j) for j in range(8)]
+    kernel = DenseExpert(NativeKernels(native.load(isa).lib, isa))
+    together, alone = layer_of(kernel, experts, [1] * 8, h)
+    assert torch.equal(together, alone) and alone.abs().sum() > 0
+    together, alone = layer_of(kernel, experts[:3], [1, 2, 1], h)  # two tokens: one call each, as before
+    assert torch.equal(together, alone)

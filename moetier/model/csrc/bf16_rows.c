@@ -214,3 +214,34 @@ void moetier_sum_rows_bf16(const uint16_t *ys, long P, long H, uint16_t *y) {
         y[k] = f32_to_bf16(acc);
     }
 }
+
+/* A layer's n experts, one token each, in one call: expert e computes row rows[e] of xs [., H] into the same row
+   of ys as moetier_swiglu_bf16 would (weight[row] its routing weight), bit for bit. gate_up[e], down[e]: its
+   matrices.
+   Why: one parallel region and one barrier for the layer instead of one region and a barrier an expert — a
+   decode step at batch 1 ran 8 calls a layer through ctypes, and the second core idled at every region's tail.
+   scratch: at least n * (H + I) floats. */
+void moetier_swiglu_bf16_layer(long n, const uint16_t *const *gate_up, const uint16_t *const *down,
+                               const long *rows, const uint16_t *xs, const float *weight, uint16_t *ys, long H,
+                               long I, float *scratch) {
+    long hfull = H & ~15L, ifull = I & ~15L;
+    float *xf = scratch, *hp = scratch + n * H; /* [n, H], [n, I]: permuted */
+#pragma omp parallel if (n * 3 * H * I * 2 >= PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (long e = 0; e < n; e++)
+            for (long k = 0; k < H; k++) xf[e * H + (k < hfull ? permuted(k) : k)] = bf16_to_f32(xs[rows[e] * H + k]);
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * I; item++) {
+            const long e = item / I, r = item - e * I;
+            const uint16_t *gu = gate_up[e];
+            float g = round_bf16(dot(gu + r * H, xf + e * H, H)), u = round_bf16(dot(gu + (I + r) * H, xf + e * H, H));
+            hp[e * I + (r < ifull ? permuted(r) : r)] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+        } /* its implicit barrier: every h is written before any down row reads them */
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * H; item++) {
+            const long e = item / H, k = item - e * H;
+            ys[rows[e] * H + k] = f32_to_bf16(round_bf16(dot(down[e] + k * I, hp + e * I, I)) * weight[rows[e]]);
+        }
+    }
+}

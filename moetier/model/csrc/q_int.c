@@ -477,3 +477,67 @@ void moetier_linear_qi(int bits, const uint8_t *codes, const uint16_t *scales, c
         for (int t = 0; t < T; t++) y[t * N + n] = f32_to_bf16(o[t]);
     }
 }
+
+/* Bytes of scratch moetier_swiglu_qi_layer needs for P (token, expert) pairs. */
+long moetier_swiglu_qi_layer_scratch(int bits, long gu_group, long d_group, long H, long I, long P) {
+    qim gu = make_qim(bits, NULL, NULL, NULL, 2 * I, H, gu_group), dn = make_qim(bits, NULL, NULL, NULL, H, I, d_group);
+    return 64 + P * (act_bytes(&gu) + act_bytes(&dn)) + P * I * 4;
+}
+
+/* A layer's n experts of one precision and shape in one call: expert e takes rows span[2e] <= p < span[2e + 1]
+   of xs [P, H] (at most QI_MAX_TOKENS of them) and writes those rows of ys [P, H] as moetier_swiglu_qi would, bit
+   for bit (rows no expert takes are neither read nor written).
+   Pointer arrays [n] name each expert's matrices (zeros may be NULL, as for int8).
+   Why: a decode step at batch 1 ran 8 experts a layer as 8 calls — 8 parallel regions with 3 barriers each, 8
+   trips through ctypes — and the second core idled at each region's tail. Here one region: every pair's
+   activation quantized (split across threads), all experts' gate/up rows as one list of work, one barrier, the
+   intermediate activations quantized, all down rows. */
+void moetier_swiglu_qi_layer(int bits, long n, const uint8_t *const *gu_codes, const uint16_t *const *gu_scales,
+                             const uint16_t *const *gu_zeros, long gu_group, const uint8_t *const *d_codes,
+                             const uint16_t *const *d_scales, const uint16_t *const *d_zeros, long d_group,
+                             const long *span, long P, const uint16_t *xs, const float *weight, uint16_t *ys,
+                             long H, long I, char *scratch) {
+    qim gu[n], dn[n];
+    for (long e = 0; e < n; e++) {
+        gu[e] = make_qim(bits, gu_codes[e], gu_scales[e], gu_zeros[e], 2 * I, H, gu_group);
+        dn[e] = make_qim(bits, d_codes[e], d_scales[e], d_zeros[e], H, I, d_group);
+    }
+    qia xa[P], ha[P];
+    char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    for (long t = 0; t < P; t++) p = take_act(&gu[0], p, &xa[t]);
+    for (long t = 0; t < P; t++) p = take_act(&dn[0], p, &ha[t]);
+    float *h = (float *)p; /* [P, I] */
+#pragma omp parallel if (n * 3 * H * I * bits / 8 >= QI_PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (long e = 0; e < n; e++)
+            for (long t = span[2 * e]; t < span[2 * e + 1]; t++) {
+                float xf[H];
+                for (long k = 0; k < H; k++) xf[k] = bf16_to_f32(xs[t * H + k]);
+                quantize_act(&gu[0], xf, &xa[t]);
+            }
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * I; item++) {
+            const long e = item / I, r = item - e * I, a = span[2 * e];
+            const int T = (int)(span[2 * e + 1] - a);
+            float g[QI_MAX_TOKENS], u[QI_MAX_TOKENS];
+            qi_row(&gu[e], r, xa + a, T, g);
+            qi_row(&gu[e], I + r, xa + a, T, u);
+            for (int t = 0; t < T; t++) {
+                float gr = round_bf16(g[t]);
+                h[(a + t) * I + r] = round_bf16(round_bf16(gr / (1.0f + expf(-gr))) * round_bf16(u[t]));
+            }
+        } /* barrier: every h is written before it is quantized */
+#pragma omp for schedule(static)
+        for (long e = 0; e < n; e++)
+            for (long t = span[2 * e]; t < span[2 * e + 1]; t++) quantize_act(&dn[0], h + t * I, &ha[t]);
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * H; item++) {
+            const long e = item / H, k = item - e * H, a = span[2 * e];
+            const int T = (int)(span[2 * e + 1] - a);
+            float o[QI_MAX_TOKENS];
+            qi_row(&dn[e], k, ha + a, T, o);
+            for (int t = 0; t < T; t++) ys[(a + t) * H + k] = f32_to_bf16(round_bf16(o[t]) * weight[a + t]);
+        }
+    }
+}
