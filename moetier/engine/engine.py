@@ -21,8 +21,16 @@ from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available, release_freed_memory
 from moetier.model.build import make_model
-from moetier.model.dense_quant import (DENSE_PRECISIONS, check_dense_precision, dense_bytes, dense_load_bytes,
-                                       quantize_dense, quantized_dense_bytes, quantizing, with_dense_precision)
+from moetier.model.dense_quant import (
+    DENSE_PRECISIONS,
+    check_dense_precision,
+    dense_bytes,
+    dense_load_bytes,
+    quantize_dense,
+    quantized_dense_bytes,
+    quantizing,
+    with_dense_precision,
+)
 from moetier.model.kernels import make_kernels
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir

@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 

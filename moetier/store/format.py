@@ -339,7 +339,7 @@ def _is_json(path: Path) -> bool:
 def check_files(store_dir: Path, manifest: Manifest) -> None:
     """A truncated store (a file shorter than its blobs reach) is refused before anything runs; so is a linked
     store whose source files changed since it indexed them (their size or modification time)."""
-    for name, source in manifest.sources.items():
+    for source in manifest.sources.values():
         check_source(store_dir, source)
     needed: dict[str, int] = {DENSE: 1}
     for b in manifest.blobs:

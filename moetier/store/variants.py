@@ -20,8 +20,8 @@ from tqdm import tqdm
 from moetier.atomic import FULL, atomic_write_json, check_free_space, disk_full, target_lock
 from moetier.config import ModelSpec
 from moetier.errors import StoreError
-from moetier.store.format import BlobRef, PrecisionLayout
 from moetier.quant.codes import BITS, quantize_expert
+from moetier.store.format import BlobRef, PrecisionLayout
 from moetier.store.quantize import expert_layout
 from moetier.store.store import Store
 from moetier.store.writer import MANIFEST_BYTES_PER_BLOB, expert_file, write_blob

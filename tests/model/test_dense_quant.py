@@ -13,8 +13,14 @@ from moetier.config import MemoryBudget
 from moetier.engine.engine import Engine, EngineConfig
 from moetier.errors import MoetierError
 from moetier.model import native
-from moetier.model.dense_quant import (QuantizedDenseKernels, QuantizedMatrix, dense_bytes, quantize_dense,
-                                       quantize_matrix, quantized_dense_bytes)
+from moetier.model.dense_quant import (
+    QuantizedDenseKernels,
+    QuantizedMatrix,
+    dense_bytes,
+    quantize_dense,
+    quantize_matrix,
+    quantized_dense_bytes,
+)
 from moetier.model.kernels import TorchKernels, make_kernels
 from moetier.quant.codes import dequantize
 from moetier.store.store import Store

@@ -6,8 +6,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetier.quant.codes import (GROUP_SIZE, dequantize, expert_matrices, pack, quantize, quantize_expert,
-                                 swiglu_shapes, unpack)
+from moetier.quant.codes import (
+    GROUP_SIZE,
+    dequantize,
+    expert_matrices,
+    pack,
+    quantize,
+    quantize_expert,
+    swiglu_shapes,
+    unpack,
+)
 from moetier.store.quantize import expert_layout
 
 

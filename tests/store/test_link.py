@@ -13,7 +13,7 @@ from moetier.errors import ChecksumError, StoreError
 from moetier.store.checkpoint import Checkpoint
 from moetier.store.convert import convert
 from moetier.store.format import LINKED_VERSION, VERSION, Manifest
-from moetier.store.reader import Completion, ExpertReader
+from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
 from tests.tiny_models import build_tiny
 

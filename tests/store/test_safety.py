@@ -11,13 +11,12 @@ import struct
 import subprocess
 import sys
 import time
-import zlib
 
 import pytest
 
 from moetier.cli import main
 from moetier.errors import ChecksumError, StoreError
-from moetier.store.format import DENSE, MANIFEST, Manifest
+from moetier.store.format import DENSE, MANIFEST
 from moetier.store.store import Store
 from moetier.store.synth import byte_tokenizer
 from tests.tiny_models import build_tiny

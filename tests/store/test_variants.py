@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from moetier.errors import StoreError
+from moetier.quant.codes import dequantize, expert_matrices, quantize
 from moetier.store import variants
 from moetier.store.convert import convert
 from moetier.store.format import Manifest
-from moetier.quant.codes import dequantize, expert_matrices, quantize
 from moetier.store.store import Store
 from moetier.store.variants import add_precisions, parse_precisions, require_precisions
 
