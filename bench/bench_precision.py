@@ -13,6 +13,9 @@ model and budget (perplexity change, top-1 agreement, KL against exact), unless 
     python bench/bench_precision.py --synth --rounds 2
     python bench/bench_precision.py --frontier              # every mode and pair, demo-deep-xl and demo-fine-xl at
                                                             # 10/25/50%: speed against quality (frontier.png)
+    python bench/bench_precision.py --report A/precision.json B/precision.json --out DIR   # one frontier of several
+
+A mode the budget cannot hold (low-tier where even int2 copies of every expert do not fit) is a row saying so.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def child(cfg: dict) -> dict:
     """One configuration, in its own process: warm the cache on one prompt, measure on the rest of the text."""
     from moetier.config import MemoryBudget
     from moetier.engine.engine import Engine, EngineConfig
+    from moetier.errors import MoetierError
     from moetier.plan.precision import MixedPrecision
     from moetier.resolve import resolve_model
     from moetier.store.store import Store
@@ -46,7 +50,10 @@ def child(cfg: dict) -> dict:
     mode, low, high = parse_config(cfg["config"])
     config = EngineConfig(expert_memory=MemoryBudget.parse(cfg["budget"]), policy=cfg["policy"],
                           precision=MixedPrecision(mode, low=low, high=high))
-    engine = Engine(Store(resolve_model(cfg["model"], progress=False)), config, progress=False)
+    try:
+        engine = Engine(Store(resolve_model(cfg["model"], progress=False)), config, progress=False)
+    except MoetierError as e:  # this mode does not run at this budget: a row that says so, not a failed sweep
+        return dict(refused=str(e).splitlines()[0])
     lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
     tok = engine.tokenizer
     warm = tok.encode(lines[0]) if tok else list(range(3, 3 + cfg["prompt_len"]))
@@ -144,7 +151,17 @@ def main() -> None:
     ap.add_argument("--quality-windows", type=int, default=3, help="windows per text for `moetier eval`")
     ap.add_argument("--frontier", action="store_true",
                     help="every mode and pair on demo-deep-xl and demo-fine-xl at 10/25/50%% (frontier.png)")
+    ap.add_argument("--report", nargs="+", type=Path, metavar="JSON",
+                    help="only draw the frontier of earlier runs' precision.json files (one model or budget each)")
     args = ap.parse_args()
+    if args.report:
+        rows = [r for path in args.report for r in json.loads(path.read_text())["rows"]]
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot_frontier([r for r in rows if "refused" not in r], args.out / "frontier.png")
+        (args.out / "frontier.json").write_text(json.dumps(dict(sources=[str(p) for p in args.report], rows=rows),
+                                                           indent=1))
+        print(f"wrote {args.out / 'frontier.png'} and {args.out / 'frontier.json'}")
+        return
     if args.frontier:
         args.models, args.budgets, args.configs = "demo-deep-xl,demo-fine-xl", "10%,25%,50%", ",".join(FRONTIER)
     if args.child:
@@ -169,24 +186,31 @@ def main() -> None:
             runs = rotated_rounds(__file__, configs, args.rounds,
                                   dict(model=model, budget=budget, policy=args.policy, tokens=args.tokens,
                                        warmup_tokens=args.warmup_tokens, prompt_len=args.prompt_len), bar)
-            qual = quality(model, budget, configs, args.quality_windows) if args.quality and "synth" not in model \
+            refused = {c: s["refused"] for c, stats in runs.items() for s in stats if "refused" in s}
+            ran = [c for c in configs if c not in refused]
+            qual = quality(model, budget, ran, args.quality_windows) if args.quality and "synth" not in model \
                 else {}
             base = statistics.median(s["tpot_s"] for s in runs["native"])
             for config, stats in runs.items():
-                rows.append(dict(model=Path(model).name, budget=budget, config=config,
-                                 **median_row(stats, base, qual.get(config, {}), medians=("low_share",))))
+                row = dict(model=Path(model).name, budget=budget, config=config)
+                rows.append(dict(row, refused=refused[config]) if config in refused else
+                            dict(row, **median_row(stats, base, qual.get(config, {}), medians=("low_share",))))
     bar.close()
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(policy=args.policy, rounds=args.rounds, tokens=args.tokens, warmup_tokens=args.warmup_tokens,
                   prompt_len=args.prompt_len, quality_windows=args.quality_windows, rows=rows)
     (args.out / "precision.json").write_text(json.dumps(report, indent=1))
-    plot(rows, args.out / "precision.png")
+    measured = [r for r in rows if "refused" not in r]
+    plot(measured, args.out / "precision.png")
     if args.frontier:
-        plot_frontier(rows, args.out / "frontier.png")
+        plot_frontier(measured, args.out / "frontier.png")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print(f"{'model':>18} {'budget':>6} {'config':>14} {'TPOT ms':>8} {'speed-up':>8} {'hit':>6} {'MiB/tok':>8} "
           f"{'low':>5} {'d ppl':>7} {'top-1':>6} {'KL':>7}")
     for r in rows:
+        if "refused" in r:
+            print(f"{r['model']:>18} {r['budget']:>6} {r['config']:>14} does not run: {r['refused']}")
+            continue
         print(f"{r['model']:>18} {r['budget']:>6} {r['config']:>14} {r['tpot_s'] * 1e3:8.1f} {r['speedup']:7.2f}x "
               f"{r['hit_rate']:6.1%} {r['expert_bytes_per_token'] / 2**20:8.2f} {r['low_share']:5.0%} "
               f"{fmt(r['perplexity_change'], '+7.1%'):>7} {fmt(r['top1_agreement'], '6.1%'):>6} "

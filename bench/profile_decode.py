@@ -34,7 +34,8 @@ PARTS = (
     ("moe: the executor (all of it)", "moetier.engine.expert_executor", "ExpertExecutor", "__call__"),
     ("  layer step: begin (plan)", "moetier.plan.step", "LayerStep", "begin"),
     ("  grouping", "moetier.engine.grouping", "ExpertGroups", "__init__"),
-    ("  expert matmuls", "moetier.engine.grouping", "ExpertGroups", "compute"),
+    ("  expert matmuls (one by one)", "moetier.engine.grouping", "ExpertGroups", "compute"),
+    ("  expert matmuls (a layer's)", "moetier.engine.grouping", "ExpertGroups", "compute_layer"),
     ("  combine", "moetier.engine.grouping", "ExpertGroups", "combine"),
     ("  layer step: end (accesses)", "moetier.plan.step", "LayerStep", "end"),
     ("sampling", "moetier.engine.generate", None, "sample"),
@@ -77,7 +78,7 @@ def child(cfg: dict) -> dict:
         setattr(target, attr, timed(label, getattr(target, attr)))
     model_kernels = engine.model.kernels
     if model_kernels is not engine.kernels:  # QuantizedDenseKernels bound its base's methods when it was made
-        for attr in ("swiglu", "expert", "rms_norm", "rope", "decode_attention"):
+        for attr in ("swiglu", "expert", "expert_layer", "rms_norm", "rope", "decode_attention"):
             setattr(model_kernels, attr, getattr(model_kernels.base, attr))
     engine.preload()
     rng = random.Random(0)

@@ -128,7 +128,8 @@ class QuantizedDenseKernels:
         self.base, self.name = base, base.name
         self.lib = getattr(base, "lib", None)
         # the rest of the interface is the base's, bound once (no lookup through a fallback per call)
-        self.swiglu, self.expert, self.rms_norm = base.swiglu, base.expert, base.rms_norm
+        self.swiglu, self.expert, self.expert_layer = base.swiglu, base.expert, base.expert_layer
+        self.rms_norm = base.rms_norm
         self.rope, self.decode_attention = base.rope, base.decode_attention
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.dense = torch.empty(0, dtype=torch.bfloat16)  # a prefill's dequantized matrix, reused across calls
