@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ModelSpec
-from moetier.model.kernels import TorchKernels
+from moetier.model.kernels import Fp32Buffer, TorchKernels
 from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
 
 NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the codes in one pass
@@ -97,7 +97,7 @@ class QuantizedExpert(OneByOne):
         self.dense_kernel = dense
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.fits: dict[tuple[int, int, int, int], bool] = {}  # (h, i, group sizes) -> whether q_int.c covers them
-        self.route_weights = torch.empty(NATIVE_MAX_TOKENS, dtype=torch.float32)
+        self.route_weights = Fp32Buffer()
         self.dense: dict[str, torch.Tensor] = {}  # dequantized matrices, reused across calls of the same shape
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
@@ -115,8 +115,7 @@ class QuantizedExpert(OneByOne):
         i = w["gate_up_proj"].shape[0] // 2
         gu, dn = w["gate_up_proj.scales"], w["down_proj.scales"]
         gu_group, dn_group = _group(h, gu), _group(i, dn)
-        rw = self.route_weights[:n]
-        rw.copy_(weights)
+        rw = self.route_weights.of(weights)
         lib, args = self.lib, (
             self.bits, w["gate_up_proj"].data_ptr(), gu.data_ptr(), _ptr(w.get("gate_up_proj.zeros")), gu_group,
             w["down_proj"].data_ptr(), dn.data_ptr(), _ptr(w.get("down_proj.zeros")), dn_group, x.data_ptr(),
@@ -142,20 +141,12 @@ class QuantizedExpert(OneByOne):
         ptrs = np.array([[_ptr(w.get(name)) or 0 for w, *_ in items] for name in names], dtype=np.int64)  # [6, n]
         spans = np.array([r for _, a, b in items for r in (a, b)], dtype=np.int64)  # [2n]: each expert's rows
         p, row = ptrs.ctypes.data, ptrs.strides[0]
-        rw = self._route_weights(weights)
+        rw = self.route_weights.of(weights)
         lib = self.lib
         lib.moetier_swiglu_qi_layer(self.bits, n, p, p + row, p + 2 * row, gu_group, p + 3 * row, p + 4 * row,
                                     p + 5 * row, dn_group, spans.ctypes.data, xs.shape[0], xs.data_ptr(), rw.data_ptr(),
                                     ys.data_ptr(), h, i, self._scratch(lib.moetier_swiglu_qi_layer_scratch(
                                         self.bits, gu_group, dn_group, h, i, xs.shape[0])))
-
-    def _route_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        """The routing weights as fp32, in a buffer kept across calls."""
-        if self.route_weights.numel() < weights.numel():
-            self.route_weights = torch.empty(weights.numel(), dtype=torch.float32)
-        rw = self.route_weights[:weights.numel()]
-        rw.copy_(weights)
-        return rw
 
     def _fits(self, h: int, i: int, gu_group: int, dn_group: int) -> bool:
         key = (h, i, gu_group, dn_group)

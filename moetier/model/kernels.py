@@ -23,6 +23,21 @@ from moetier.model.layers import rms_norm
 from moetier.model.rope import RopeTables
 
 
+class Fp32Buffer:
+    """A tensor's values as fp32 (exact for bf16 ones) in one buffer kept across calls, grown to the largest seen:
+    routing weights for the native calls, which read floats, without an allocation a call."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32)
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        if self.buf.numel() < t.numel():
+            self.buf = torch.empty(t.numel(), dtype=torch.float32)
+        out = self.buf[:t.numel()]
+        out.copy_(t)
+        return out
+
+
 class TorchKernels:
     name = "torch"
 
@@ -80,7 +95,7 @@ class NativeKernels(TorchKernels):
     def __init__(self, lib, isa: str = "") -> None:
         self.lib, self.isa = lib, isa  # isa: the instruction set the library was built for (native.ISAS)
         self.scratch = torch.empty(0, dtype=torch.float32)  # fp32 work space, grown to the largest shape seen
-        self.route_weights = torch.empty(0, dtype=torch.float32)
+        self.route_weights = Fp32Buffer()
 
     def _scratch(self, floats: int) -> int:
         if self.scratch.numel() < floats:
@@ -120,18 +135,10 @@ class NativeKernels(TorchKernels):
         n, (h, i) = len(items), items[0][1].shape
         ptrs = np.array([[g.data_ptr() for g, *_ in items], [d.data_ptr() for _, d, *_ in items],
                          [a for *_, a, _ in items]], dtype=np.int64)  # [3, n]: gate_up, down, row
-        rw = self._route_weights(weights)
+        rw = self.route_weights.of(weights)
         self.lib.moetier_swiglu_bf16_layer(n, ptrs[0].ctypes.data, ptrs[1].ctypes.data, ptrs[2].ctypes.data,
                                            xs.data_ptr(), rw.data_ptr(), ys.data_ptr(), h, i,
                                            self._scratch(n * (h + i)))
-
-    def _route_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        """The routing weights [P] as fp32 (exact for bf16 ones), in a buffer kept across calls."""
-        if self.route_weights.numel() < weights.numel():
-            self.route_weights = torch.empty(weights.numel(), dtype=torch.float32)
-        rw = self.route_weights[:weights.numel()]
-        rw.copy_(weights)
-        return rw
 
     def _swiglu_row(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                     weight: float) -> None:
