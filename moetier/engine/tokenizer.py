@@ -7,13 +7,16 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from moetier.engine.chat_template import ChatTemplate
 from moetier.errors import ModelNotFoundError, StoreError, parsing
 from moetier.store.format import DAMAGED
 
 
 class Tokenizer:
-    def __init__(self, tokenizer_json: str, settings: dict | None = None, bos_token_id: int | None = None) -> None:
-        """`tokenizer_json`: the text of tokenizer.json; `settings`: tokenizer_config.json's, if any."""
+    def __init__(self, tokenizer_json: str, settings: dict | None = None, bos_token_id: int | None = None,
+                 chat_template: str | None = None) -> None:
+        """`tokenizer_json`: the text of tokenizer.json; `settings`: tokenizer_config.json's, if any;
+        `chat_template`: chat_template.jinja's text, if the model has one (else tokenizer_config.json's)."""
         try:
             self._tok = HFTokenizer.from_str(tokenizer_json)
         except Exception as e:  # the tokenizers library raises its own exception type
@@ -21,12 +24,14 @@ class Tokenizer:
         settings = settings if isinstance(settings, dict) else {}
         self.add_bos = bool(settings.get("add_bos_token", False)) and bos_token_id is not None
         self.bos_token_id = bos_token_id
+        self.chat_template = ChatTemplate.from_settings(settings, chat_template)  # None: the model has none
 
     @classmethod
     def from_file(cls, path: Path, bos_token_id: int | None = None) -> Tokenizer:
-        config = path.parent / "tokenizer_config.json"
+        config, jinja = path.parent / "tokenizer_config.json", path.parent / "chat_template.jinja"
         settings = json.loads(config.read_text()) if config.exists() else None
-        return cls(path.read_text(encoding="utf-8"), settings, bos_token_id)
+        return cls(path.read_text(encoding="utf-8"), settings, bos_token_id,
+                   jinja.read_text(encoding="utf-8") if jinja.exists() else None)
 
     @classmethod
     def from_store(cls, store) -> Tokenizer:
@@ -39,11 +44,14 @@ class Tokenizer:
             with parsing(str(store.path / "tokenizer_config.json"), StoreError, hint=DAMAGED):
                 settings = json.loads(store.read_file("tokenizer_config.json"))
         text = store.read_file("tokenizer.json").decode("utf-8", errors="replace")
-        return cls(text, settings, store.spec.bos_token_id)
+        jinja = (store.read_file("chat_template.jinja").decode("utf-8", errors="replace")
+                 if (store.path / "chat_template.jinja").exists() else None)
+        return cls(text, settings, store.spec.bos_token_id, jinja)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text).ids
-        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """`add_bos` False: the text as it is (a rendered chat template writes its own BOS where it wants one)."""
+        ids = self._tok.encode(text, add_special_tokens=add_bos).ids
+        if add_bos and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
 

@@ -1,0 +1,247 @@
+"""The engine's core, nano-vllm style: requests join and leave between forward steps (continuous batching).
+
+    id = scheduler.add_request(prompt_ids, params)     queued; checked now (empty, vocabulary, length)
+    outputs = scheduler.step()                          one forward step: [StepOutput(request, token, finished)]
+    scheduler.abort(id)                                 gone before the next step, its KV row free again
+
+A step is either a prefill or a decode. Newcomers go first: while requests wait and KV rows are free, a step packs
+their prompts (up to `max_prefill_tokens`) into one prefill of their own rows; otherwise every running request
+decodes one token together. A prefill never shares a step with decode tokens (no chunked prefill): the running
+requests wait one prefill, which is simple and keeps each step one of the two shapes the model and the planner
+know; a request asking for its prompt's log-probabilities runs its prefill alone, with every position's logits.
+
+Requests sampled with one shared generator and the same parameters are sampled together, as one matrix (a
+`generate` call's batch: the same draws as before the scheduler existed); any other request draws from its own
+generator, seeded by its own seed, so its tokens do not depend on who else runs."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+
+from moetier.engine.expert_executor import ExpertExecutor
+from moetier.engine.kv_pool import KVPool
+from moetier.engine.request import (ABORT, FINISHED, LENGTH, RUNNING, STOP, WAITING, Request, RequestParams,
+                                    StepOutput, TokenLogprob)
+from moetier.engine.sampling import sample
+from moetier.engine.stats import GenerationStats
+from moetier.engine.text_output import TextOutput
+from moetier.engine.tokenizer import Tokenizer
+from moetier.errors import MoetierError, PromptTooLongError
+from moetier.model.batch import StepBatch
+from moetier.model.transformer import Transformer
+from moetier.plan.route import DECODE, PREFILL
+
+OnStep = Callable[[StepBatch, int], None]  # (the step's tokens, PREFILL or DECODE), before the forward pass
+
+
+def check_prompt(prompt: list[int], context: int, vocab_size: int, name: str = "the prompt",
+                 limit: str = "the model's context window") -> None:
+    if not prompt:
+        raise MoetierError(f"{name} is empty")
+    bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise MoetierError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(prompt) >= context:
+        raise PromptTooLongError(f"{name} has {len(prompt)} tokens; {limit} is {context}",
+                                 hint=f"shorten the prompt to at most {context - 1} tokens")
+
+
+class Scheduler:
+    def __init__(self, model: Transformer, executor: ExpertExecutor, kv: KVPool, eos_ids: Iterable[int] = (),
+                 tokenizer: Tokenizer | None = None, max_running: int | None = None,
+                 max_prefill_tokens: int | None = None, stats: GenerationStats | None = None,
+                 step_hooks: Iterable[OnStep] = ()) -> None:
+        """`max_running`: requests decoded together (default: the KV rows); `max_prefill_tokens`: prompt tokens one
+        prefill step packs (a longer prompt still runs, alone; None: no bound); `stats`: where steps are counted
+        (DESIGN.md's measures; `ttft_s` is the first prefill's)."""
+        self.model, self.executor, self.kv = model, executor, kv
+        self.eos = frozenset(eos_ids)
+        self.tokenizer = tokenizer
+        self.max_running = kv.rows if max_running is None else min(max_running, kv.rows)
+        if self.max_running < 1:
+            raise MoetierError(f"max running must be at least 1, got {max_running}")
+        self.max_prefill_tokens = max_prefill_tokens
+        self.stats = stats if stats is not None else GenerationStats()
+        self.step_hooks = list(step_hooks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}  # waiting or running
+        self._next_id = 0
+        self._aborted: list[Request] = []  # since the last step: reported by it
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    def add_request(self, prompt: list[int], params: RequestParams = RequestParams(),
+                    generator: torch.Generator | None = None) -> int:
+        """Queue a request (refused now if its prompt cannot run); `generator`: one to share with others sampled
+        together (default: its own, seeded by its seed)."""
+        spec = self.model.spec
+        limit = ("the model's context window" if self.kv.max_len >= spec.max_position_embeddings
+                 else "the server's longest sequence (--max-model-len)")
+        check_prompt(prompt, min(self.kv.max_len, spec.max_position_embeddings), spec.vocab_size, limit=limit)
+        if params.stop and self.tokenizer is None:
+            raise MoetierError("stop strings need the model's tokenizer; this model has none",
+                               hint="stop on token ids instead (EOS), or give max_tokens")
+        if params.echo_logprobs and spec.encoder_decoder is not None:
+            raise MoetierError("a text-to-text model gives no log-probabilities of its prompt tokens")
+        generator = generator or torch.Generator().manual_seed(params.sampling.seed)
+        request = Request(self._next_id, list(prompt), params, generator)
+        if self.tokenizer is not None:
+            request.text = TextOutput(self.tokenizer, params.stop)
+        self._next_id += 1
+        self.requests[request.id] = request
+        self.waiting.append(request)
+        return request.id
+
+    def abort(self, request_id: int) -> bool:
+        """End a waiting or running request now (its KV row freed); False if it is not here (finished already)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status == WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            self.kv.give(request.row)
+        request.status, request.finish_reason = FINISHED, ABORT
+        self._aborted.append(request)
+        return True
+
+    def step(self) -> list[StepOutput]:
+        """One forward step (a prefill of newcomers, else a decode of every running request) and what it made,
+        aborted requests first. Nothing to do: []."""
+        outputs = [StepOutput(r, None, True) for r in self._aborted]
+        self._aborted.clear()
+        newcomers = self._admit()
+        if newcomers:
+            return outputs + self._prefill(newcomers)
+        if self.running:
+            return outputs + self._decode()
+        return outputs
+
+    def _admit(self) -> list[Request]:
+        """Waiting requests a prefill step takes now, in arrival order."""
+        chosen: list[Request] = []
+        tokens = 0
+        while self.waiting and self.kv.free > len(chosen) and len(self.running) + len(chosen) < self.max_running:
+            head = self.waiting[0]
+            alone = head.params.echo_logprobs or (chosen and chosen[0].params.echo_logprobs)
+            over = self.max_prefill_tokens is not None and tokens + len(head.prompt) > self.max_prefill_tokens
+            if chosen and (alone or over):
+                break
+            chosen.append(self.waiting.popleft())
+            tokens += len(head.prompt)
+        return chosen
+
+    def _begin(self, phase: int, batch: StepBatch) -> None:
+        if not self.running and phase == PREFILL:  # the engine starts from idle: policy and predictor reset
+            self.executor.layer_step.on_sequence_start()
+        self.executor.begin_step(phase, self.stats.phases)
+        for hook in self.step_hooks:
+            hook(batch, phase)
+
+    def _prefill(self, requests: list[Request]) -> list[StepOutput]:
+        start = time.perf_counter()
+        for r in requests:
+            r.row, r.status = self.kv.take(), RUNNING
+        batch = StepBatch.prefill([r.prompt for r in requests], [r.row for r in requests], device=self.model.device)
+        self._begin(PREFILL, batch)
+        self.running += requests
+        echo = requests[0].params.echo_logprobs  # (then it is alone)
+        logits = self.model.forward(batch, self.kv.cache, all_logits=echo)  # [B, V] or [N, V]
+        if echo:
+            requests[0].prompt_logprobs = prompt_logprobs(logits, requests[0].prompt, requests[0].params.logprobs)
+            logits = logits[batch.last]
+        outputs = self._sampled(requests, logits)
+        if not self.stats.ttft_s:
+            self.stats.ttft_s = time.perf_counter() - start
+        return outputs
+
+    def _decode(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        running = self.running
+        batch = StepBatch.decode_step([r.output[-1] for r in running], [r.row for r in running],
+                                      [r.position for r in running], self.kv.rows, device=self.model.device)
+        self._begin(DECODE, batch)
+        outputs = self._sampled(list(running), self.model.forward(batch, self.kv.cache))
+        self.stats.decode_step_s.append(time.perf_counter() - start)
+        self.stats.decode_tokens += len(running)
+        return outputs
+
+    def _sampled(self, requests: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+        """Each request's next token from its row of `logits` [B, V], appended, and the requests that end here
+        leave (their rows free)."""
+        tokens = self._sample(requests, logits)
+        outputs = []
+        for i, (r, token) in enumerate(zip(requests, tokens)):
+            logprob = None
+            if r.params.logprobs is not None:
+                logprob = token_logprob(logits[i], token, r.params.logprobs)
+                r.logprobs.append(logprob)
+            r.output.append(token)
+            r.position = len(r.prompt) + len(r.output) - 1
+            self._check_finished(r, token)
+            outputs.append(StepOutput(r, token, r.finished, logprob))
+        if any(r.finished for r in requests):
+            self.running = [r for r in self.running if not r.finished]
+        return outputs
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        """Requests sharing a generator and parameters draw together (the whole matrix when that is all of them)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault((id(r.generator), r.params.sampling), []).append(i)
+        if len(groups) == 1:
+            return sample(logits, requests[0].params.sampling, requests[0].generator)
+        tokens = [0] * len(requests)
+        for rows in groups.values():
+            r = requests[rows[0]]
+            for i, token in zip(rows, sample(logits[rows], r.params.sampling, r.generator)):
+                tokens[i] = token
+        return tokens
+
+    def _check_finished(self, r: Request, token: int) -> None:
+        """EOS, a stop string, max tokens, or the end of its KV row."""
+        reason = None
+        if token in self.eos and not r.params.ignore_eos:
+            reason = STOP
+        elif r.text is not None and r.params.stop and r.text.update(r.output):
+            reason = STOP
+        elif len(r.output) >= r.params.sampling.max_new_tokens:
+            reason = LENGTH
+        elif r.position >= self.kv.max_len:
+            reason, r.stopped_at_context = LENGTH, True
+            self.stats.stopped_at_context.append(r.id)
+        if reason is not None:
+            r.status, r.finish_reason = FINISHED, reason
+            self.kv.give(r.row)
+            del self.requests[r.id]
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """logits [V] -> the token's log-softmax and the `top` best (a host sync: a few floats)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logp, top) if top else None
+    alternatives = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token, float(logp[token]), alternatives)
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt: list[int], top: int | None) -> list[TokenLogprob | None]:
+    """Every prompt token's log-probability given the tokens before it, from the prefill's logits [N, V] (the first
+    token has no context: None)."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # [N-1, V]: position i predicts token i+1
+    targets = torch.tensor(prompt[1:], device=logits.device)
+    chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+    best = torch.topk(logp, top) if top else None
+    out: list[TokenLogprob | None] = [None]
+    for i, (token, value) in enumerate(zip(prompt[1:], chosen)):
+        alternatives = tuple(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else ()
+        out.append(TokenLogprob(token, value, alternatives))
+    return out
+
