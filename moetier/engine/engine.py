@@ -89,9 +89,13 @@ class EngineConfig:
     placement: str = "none"  # load a missing expert or compute it on the host CPU (moetier.plan.placement); every
     # expert is then held in host memory too. Made for a GPU (--device cuda); on the CPU the same memory stands in
     # for both, which tests the mechanism and gains nothing
+    reserve_bytes: int = 0  # memory the caller will take beside the engine (a server's KV rows): left out of the
+    # expert cache's room like the dense weights
 
     def __post_init__(self) -> None:
         check_reader_threads(self.reader_threads, "reader_threads")
+        if self.reserve_bytes < 0:
+            raise MoetierError(f"reserve_bytes must be >= 0, not {self.reserve_bytes}")
         check_device(self.device)
         if self.kernels not in KERNELS:
             raise MoetierError(f"unknown kernels {self.kernels!r}", hint=f"one of {', '.join(KERNELS)}")
@@ -201,7 +205,8 @@ class Engine:
         check_dense_precision(self.spec, config.dense_precision)
         tensors = store.dense_tensors()
         self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device),
-                                  config.precision, quantized_dense_bytes(tensors, config.dense_precision),
+                                  config.precision,
+                                  quantized_dense_bytes(tensors, config.dense_precision) + config.reserve_bytes,
                                   load_bytes=dense_load_bytes(tensors, config.dense_precision))
         slots = self.budget.slots
         per_layer = config.cache_partition == "per-layer"
@@ -299,6 +304,20 @@ class Engine:
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes
         return GenerationOutput(texts, outputs, summary)
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, on_text=None) -> str:
+        """The assistant's answer to `messages` ([{"role": "user", "content": "..."}, ...]), the conversation
+        rendered with the model's chat template. `on_text(delta)` streams it."""
+        self._check_open()
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise MoetierError(f"{self.store.path} has no chat template",
+                               hint="chat needs tokenizer_config.json's chat_template (or chat_template.jinja); "
+                                    "generate continues plain text")
+        prompt = self.tokenizer.encode(self.tokenizer.chat_template.render(messages), add_bos=False)
+        out = self.generate([prompt], max_new_tokens, temperature, top_p, seed,
+                            on_text=(lambda _, delta: on_text(delta)) if on_text else None)
+        return out.texts[0]
 
     def tune_substitution(self, budget_s: float, prompts: str | list[str] | list[list[int]], tokens: int = 24,
                           alphas: tuple[float, ...] = CALIBRATION_ALPHAS, progress: bool = False) -> AlphaChoice:

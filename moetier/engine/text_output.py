@@ -14,10 +14,11 @@ class TextOutput:
         self.stopped = False
         self._hold = max((len(s) for s in stop), default=1) - 1  # characters a stop string could still complete
 
-    def update(self, ids: list[int]) -> bool:
-        """The output is now `ids`: True if a stop string appeared (the text is cut where it begins)."""
+    def update(self, ids: list[int], final: bool = False) -> bool:
+        """The output is now `ids` (`final`: and it ends there, so an incomplete character at its end stays, as
+        decoding the whole output shows it): True if a stop string appeared (the text is cut where it begins)."""
         text = self.tokenizer.decode(ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest of it
+        if text.endswith("\ufffd") and not final:  # an incomplete UTF-8 sequence: wait for the rest of it
             return False
         start = max(0, len(self.text) - self._hold)  # a stop string ending in the new text starts here or later
         self.text = text

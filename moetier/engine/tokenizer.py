@@ -58,6 +58,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def decode_token(self, token: int) -> str:
+        """One token's own text, special tokens included (a log-probability's label)."""
+        return self._tok.decode([token], skip_special_tokens=False)
+
 
 class TextStream:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""

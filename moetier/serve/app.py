@@ -1,0 +1,394 @@
+"""The OpenAI-compatible HTTP API over an `EngineLoop`: /v1/completions, /v1/chat/completions (SSE streaming ending
+in `data: [DONE]`), /v1/models, /health, /metrics.
+
+Every refusal is an OpenAI error body with a 4xx: the body is parsed and checked here (not by FastAPI's own
+validation, whose 422 and body shape OpenAI clients do not expect) before anything reaches the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from moetier.engine.chat_template import ChatTemplateError
+from moetier.engine.request import RequestParams, TokenLogprob
+from moetier.engine.sampling import SamplingParams
+from moetier.engine.scheduler import check_prompt
+from moetier.errors import MoetierError
+from moetier.serve.engine_loop import ERROR, EngineLoop, Event, Sink
+from moetier.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body, usage
+
+DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming handler checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_queue: int = 64  # requests beyond the running ones; more: 429
+    max_running: int = 4
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0 or self.max_running < 1 or self.max_body_bytes < 1 or self.max_model_len < 2:
+            raise MoetierError("serve settings out of range: max queue >= 0, max running >= 1, body limit >= 1, "
+                               "max model length >= 2")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.kind, self.code, self.param), self.status,
+                            headers=self.headers)
+
+
+def make_app(loop: EngineLoop, settings: ServeSettings) -> FastAPI:
+    app = FastAPI(title="moetier", version="1", docs_url=None, redoc_url=None)
+    tokenizer = loop.engine.tokenizer
+    api = Api(loop, settings)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _) -> JSONResponse:
+        return ApiError(404, f"no route {request.url.path}", code="not_found").response()
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, _) -> JSONResponse:
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """The API key (constant-time compare) and the body limit, before a handler reads anything."""
+        if settings.api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {settings.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return ApiError(401, "a wrong or missing API key", "authentication_error", "invalid_api_key").response()
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
+            return ApiError(413, f"the request body is larger than {settings.max_body_bytes} bytes",
+                            code="body_too_large").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(loop.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "moetier", "max_model_len": settings.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await api.parse(request, CompletionRequest)
+        prompts = [api.tokens(p) for p in body.prompts()]
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens 0 generates nothing; it is for echo with logprobs", param="max_tokens")
+        return await api.answer(request, body, prompts, CompletionFormat(tokenizer, body, prompts,
+                                                                          settings.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await api.parse(request, ChatRequest)
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise ApiError(400, f"{settings.model_name} has no chat template (tokenizer_config.json's "
+                                f"chat_template or chat_template.jinja)", code="no_chat_template",
+                           param="messages")
+        try:
+            text = tokenizer.chat_template.render([m.plain() for m in body.messages])
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        prompt = tokenizer.encode(text, add_bos=False)
+        return await api.answer(request, body, [prompt], ChatFormat(tokenizer, body, settings.model_name))
+
+    return app
+
+
+class Api:
+    """What both endpoints do: parse, check, run, answer (whole or streamed)."""
+
+    def __init__(self, loop: EngineLoop, settings: ServeSettings) -> None:
+        self.loop, self.settings = loop, settings
+        self.tokenizer = loop.engine.tokenizer
+        self.spec = loop.engine.spec
+
+    async def parse(self, request: Request, kind: type[BaseModel]):
+        raw = await request.body()
+        if len(raw) > self.settings.max_body_bytes:  # (a body sent without a length)
+            raise ApiError(413, f"the request body is larger than {self.settings.max_body_bytes} bytes",
+                           code="body_too_large")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        try:
+            body = kind.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from None
+        if body.model is not None and body.model != self.settings.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist here; this server runs "
+                                f"{self.settings.model_name!r}", code="model_not_found", param="model")
+        return body
+
+    def tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer: give the prompt as token ids", param="prompt")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def params(self, body: Sampling, prompt: list[int], limit: int | None, logprobs: int | None,
+               echo: bool, index: int) -> RequestParams:
+        room = self.settings.max_model_len - len(prompt)
+        try:
+            check_prompt(prompt, min(self.settings.max_model_len, self.spec.max_position_embeddings),
+                         self.spec.vocab_size)
+        except MoetierError as e:
+            raise ApiError(400, str(e).split("\n")[0], code="context_length_exceeded"
+                           if "tokens;" in str(e) else None, param="prompt") from None
+        if limit is not None and limit > room:
+            raise ApiError(400, f"this model's maximum context length is {self.settings.max_model_len} tokens; the "
+                                f"prompt has {len(prompt)} and max_tokens asks {limit} more",
+                           code="context_length_exceeded", param="max_tokens")
+        if body.stops() and self.tokenizer is None:
+            raise ApiError(400, "stop strings need the model's tokenizer; this model has none", param="stop")
+        seed = (body.seed if body.seed is not None else 0) + index  # n > 1: each choice its own draws
+        sampling = SamplingParams(max(1, limit if limit is not None else room), body.temperature, body.top_p, seed)
+        return RequestParams(sampling, body.stops(), False, logprobs, echo)
+
+    async def answer(self, request: Request, body, prompts: list[list[int]], fmt):
+        if not prompts:
+            raise ApiError(400, "no prompt given", param="prompt")
+        chat = isinstance(body, ChatRequest)
+        limit = body.limit() if chat else body.max_tokens
+        logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
+        echo = (not chat) and body.echo and logprobs is not None
+        jobs = [(prompt, self.params(body, prompt, limit, logprobs, echo, i))
+                for prompt in prompts for i in range(body.n)]
+        room = self.settings.max_running + self.settings.max_queue - self.loop.in_flight
+        if len(jobs) > room:
+            self.loop.metrics.requests.labels(outcome="rejected").inc()
+            raise ApiError(429, "the server is busy: too many requests queued", "rate_limit_error",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        sinks = [Sink(asyncio.get_running_loop()) for _ in jobs]
+        for (prompt, params), sink in zip(jobs, sinks):
+            self.loop.submit(prompt, params, sink)
+        if body.stream:
+            return StreamingResponse(self._stream(request, sinks, fmt), media_type="text/event-stream")
+        try:
+            events = [await self._collect(request, sink) for sink in sinks]
+        finally:
+            self._release(sinks)
+        return fmt.whole(events, [p for p, _ in jobs])
+
+    def _release(self, sinks: list[Sink]) -> None:
+        for sink in sinks:
+            self.loop.abort(sink)  # (nothing, if it finished)
+            self.loop.finished()
+
+    async def _collect(self, request: Request, sink: Sink) -> list[Event]:
+        events: list[Event] = []
+        while not (events and events[-1].finished):
+            try:
+                item = await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError from None  # (the finally aborts it)
+                continue
+            events.append(check_event(item))
+        return events
+
+    async def _stream(self, request: Request, sinks: list[Sink], fmt) -> AsyncIterator[str]:
+        """Events of every choice as they come, then the usage and [DONE]. A client gone: the requests aborted."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, sink: Sink) -> None:
+            while True:
+                item = await sink.queue.get()
+                await merged.put((index, item))
+                if isinstance(item, BaseException) or item.finished:
+                    return
+
+        pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sinks)]
+        try:
+            yield sse(fmt.first())
+            done, last = 0, {}
+            while done < len(sinks):
+                index, item = await merged.get()
+                if isinstance(item, BaseException):
+                    yield sse(error_body(f"the engine failed: {item}", "server_error"))
+                    return
+                last[index] = item
+                chunk = fmt.chunk(index, item)
+                if chunk is not None:
+                    yield sse(chunk)
+                done += item.finished
+            yield sse(fmt.final(last))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+            self._release(sinks)
+
+
+def check_event(item: Event | BaseException) -> Event:
+    if isinstance(item, MoetierError):
+        raise ApiError(400, str(item).split("\n")[0])
+    if isinstance(item, BaseException):
+        raise ApiError(500, f"the engine failed: {item}", "server_error")
+    if item.finish_reason == ERROR:
+        raise ApiError(500, "the engine failed", "server_error")
+    return item
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class CompletionFormat:
+    """/v1/completions' answers: text (the prompt's too with echo), legacy logprobs, usage."""
+
+    def __init__(self, tokenizer, body: CompletionRequest, prompts: list[list[int]], model: str) -> None:
+        self.tokenizer, self.body, self.model = tokenizer, body, model
+        self.id, self.created = _id("cmpl"), int(time.time())
+        self.n = body.n
+        self.prompts = prompts
+        self.skip_generated = body.max_tokens == 0  # echo only: the token generated to get the logits is dropped
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode_token(token) if self.tokenizer is not None else str(token)
+
+    def _head(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _logprobs(self, entries: list[TokenLogprob | None], offset: int) -> dict:
+        tokens = [self._decode_one(e.token) if e is not None else None for e in entries]
+        offsets, at = [], offset
+        for t in tokens:
+            offsets.append(at)
+            at += len(t or "")
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {self._decode_one(t): lp for t, lp in e.top}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def whole(self, per_job: list[list[Event]], prompts: list[list[int]]) -> dict:
+        choices, completion_tokens = [], 0
+        for index, (events, prompt) in enumerate(zip(per_job, prompts)):
+            r = events[-1].request
+            text = "".join(e.text for e in events)
+            entries: list = list(r.logprobs)
+            if self.skip_generated:
+                text, entries = "", []
+            else:
+                completion_tokens += len(r.output)
+            prefix = ""
+            if self.body.echo:
+                prefix = self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
+                entries = list(r.prompt_logprobs or [None] * len(prompt)) + entries
+            logprobs = self._logprobs(entries, 0) if self.body.logprobs is not None else None
+            choices.append({"index": index, "text": prefix + text, "logprobs": logprobs,
+                            "finish_reason": r.finish_reason})
+        prompt_tokens = sum(len(p) for p in self.prompts)  # (each prompt once, however many choices)
+        return {**self._head(choices), "usage": usage(prompt_tokens, completion_tokens)}
+
+    def first(self) -> dict:
+        echo = [{"index": i, "text": self.tokenizer.decode(p) if self.body.echo and self.tokenizer else "",
+                 "logprobs": None, "finish_reason": None}
+                for i, p in enumerate(p for p in self.prompts for _ in range(self.n))]
+        return self._head(echo)
+
+    def chunk(self, index: int, event: Event) -> dict | None:
+        if event.token is None or self.skip_generated:
+            return None
+        logprobs = self._logprobs([event.logprob], 0) if event.logprob is not None else None
+        return self._head([{"index": index, "text": event.text, "logprobs": logprobs,
+                            "finish_reason": event.finish_reason if event.finished else None}])
+
+    def final(self, last: dict[int, Event]) -> dict:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion_tokens = 0 if self.skip_generated else sum(len(e.request.output) for e in last.values())
+        return {**self._head([{"index": i, "text": "", "logprobs": None, "finish_reason": e.finish_reason}
+                              for i, e in sorted(last.items())]),
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+
+class ChatFormat:
+    """/v1/chat/completions' answers: an assistant message (or its deltas), chat logprobs, usage."""
+
+    def __init__(self, tokenizer, body: ChatRequest, model: str) -> None:
+        self.tokenizer, self.body, self.model = tokenizer, body, model
+        self.id, self.created = _id("chatcmpl"), int(time.time())
+
+    def _logprob(self, e: TokenLogprob) -> dict:
+        def entry(token: int, lp: float) -> dict:
+            text = self.tokenizer.decode_token(token)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+
+    def _head(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def whole(self, per_job: list[list[Event]], prompts: list[list[int]]) -> dict:
+        choices = []
+        for index, events in enumerate(per_job):
+            r = events[-1].request
+            logprobs = {"content": [self._logprob(e) for e in r.logprobs]} if self.body.logprobs else None
+            choices.append({"index": index, "message": {"role": "assistant", "content": "".join(e.text for e in events)},
+                            "logprobs": logprobs, "finish_reason": r.finish_reason})
+        completion = sum(len(events[-1].request.output) for events in per_job)
+        return {**self._head("chat.completion", choices), "usage": usage(len(prompts[0]), completion)}
+
+    def first(self) -> dict:
+        return self._head("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}
+                                                    for i in range(self.body.n)])
+
+    def chunk(self, index: int, event: Event) -> dict | None:
+        if event.token is None:
+            return None
+        logprobs = ({"content": [self._logprob(event.logprob)]}
+                    if self.body.logprobs and event.logprob is not None else None)
+        return self._head("chat.completion.chunk", [{"index": index, "delta": {"content": event.text},
+                                                     "logprobs": logprobs,
+                                                     "finish_reason": event.finish_reason if event.finished else None}])
+
+    def final(self, last: dict[int, Event]) -> dict:
+        prompt_tokens = len(next(iter(last.values())).request.prompt)
+        completion = sum(len(e.request.output) for e in last.values())
+        return {**self._head("chat.completion.chunk", [{"index": i, "delta": {}, "logprobs": None,
+                                                        "finish_reason": e.finish_reason}
+                                                       for i, e in sorted(last.items())]),
+                "usage": usage(prompt_tokens, completion)}
