@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import socket
 import sys
 
@@ -103,6 +104,9 @@ def _serve(args: argparse.Namespace) -> None:
               file=sys.stderr)
         print(f"moetier: serving {settings.model_name} at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM "
               f"finishes the requests in flight, then stops)", file=sys.stderr, flush=True)
+        # uvicorn drains on SIGTERM, then raises the signal again under the handler found at start: this one makes
+        # that a clean exit (status 0) instead of death by the signal, once the requests in flight are answered
+        signal.signal(signal.SIGTERM, lambda *_: None)
         try:
             uvicorn.run(make_app(loop, settings), host=args.host, port=args.port, log_level=args.log_level,
                         timeout_graceful_shutdown=args.drain_timeout)
