@@ -22,6 +22,8 @@ from moetier.model.batch import StepBatch
 from moetier.model.layers import rms_norm
 from moetier.model.rope import RopeTables
 
+NATIVE_ROWS = 16  # rows the native bf16 products take at once (a decode batch); a prefill's more go to torch's GEMM
+
 
 class Fp32Buffer:
     """A tensor's values as fp32 (exact for bf16 ones) in one buffer kept across calls, grown to the largest seen:
@@ -87,8 +89,9 @@ class TorchKernels:
 
 
 class NativeKernels(TorchKernels):
-    """bf16 on the CPU: one-row products in the native library (fp32 accumulation, one rounding per op, as
-    torch's; only the order of the sums differs)."""
+    """bf16 on the CPU: products of up to NATIVE_ROWS rows (a decode step, a server's batch of them) in the native
+    library — each weight row read once for all the rows, fp32 accumulation, one rounding per op as torch's; only
+    the order of the sums differs, and a row's result does not depend on the others in its batch."""
 
     name = "native"
 
@@ -96,6 +99,7 @@ class NativeKernels(TorchKernels):
         self.lib, self.isa = lib, isa  # isa: the instruction set the library was built for (native.ISAS)
         self.scratch = torch.empty(0, dtype=torch.float32)  # fp32 work space, grown to the largest shape seen
         self.route_weights = Fp32Buffer()
+        self.ones = torch.ones(NATIVE_ROWS, dtype=torch.float32)  # the weight of an expert that is not routed
 
     def _scratch(self, floats: int) -> int:
         if self.scratch.numel() < floats:
@@ -103,42 +107,61 @@ class NativeKernels(TorchKernels):
         return self.scratch.data_ptr()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] != 1 or x.dim() != 2 or not x.is_contiguous():
+        rows = x.shape[0]
+        if x.dim() != 2 or rows > NATIVE_ROWS or not x.is_contiguous():
             return F.linear(x, weight, bias)
         n, k = weight.shape
-        y = torch.empty(1, n, dtype=x.dtype)
-        self.lib.moetier_linear_bf16(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                     y.data_ptr(), n, k, self._scratch(k + n))
+        y = torch.empty(rows, n, dtype=x.dtype)
+        b = None if bias is None else bias.data_ptr()
+        if rows == 1:
+            self.lib.moetier_linear_bf16(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n, k, self._scratch(k + n))
+        else:
+            self.lib.moetier_linear_bf16_rows(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n, k, rows,
+                                              self._scratch(rows * (k + n)))
         return y
 
     def swiglu(self, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 1 or not x.is_contiguous():
+        rows = x.shape[0]
+        if rows > NATIVE_ROWS or not x.is_contiguous():
             return super().swiglu(x, gate_up_proj, down_proj)
         y = torch.empty_like(x)
-        self._swiglu_row(y, x, gate_up_proj, down_proj, 1.0)
+        if rows == 1:
+            self._swiglu_row(y, x, gate_up_proj, down_proj, 1.0)
+        else:
+            self._layer(y, x, self.ones[:rows], [(gate_up_proj, down_proj, 0, rows)])
         return y
 
     def expert(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                weights: torch.Tensor) -> None:
-        if x.shape[0] != 1 or not (x.is_contiguous() and out.is_contiguous()):
+        rows = x.shape[0]
+        if rows > NATIVE_ROWS or not (x.is_contiguous() and out.is_contiguous()):
             return super().expert(out, x, gate_up_proj, down_proj, weights)
-        # The weight times the bf16 output in fp32, rounded once: what `swiglu(x) * w` then the bf16 `out`
-        # store round to, whether the router's weights are bf16 or fp32 (Mixtral).
-        self._swiglu_row(out, x, gate_up_proj, down_proj, weights.item())
+        if rows == 1:
+            # The weight times the bf16 output in fp32, rounded once: what `swiglu(x) * w` then the bf16 `out`
+            # store round to, whether the router's weights are bf16 or fp32 (Mixtral).
+            self._swiglu_row(out, x, gate_up_proj, down_proj, weights.item())
+        else:
+            self._layer(out, x, self.route_weights.of(weights), [(gate_up_proj, down_proj, 0, rows)])
 
     def expert_layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,
                      items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
-        """One token an expert (decode at batch 1): all of them in one native call, bit for bit what `expert`
-        computes for each (one parallel region a layer instead of one an expert)."""
-        if any(b - a != 1 for *_, a, b in items) or not (xs.is_contiguous() and ys.is_contiguous()):
+        """A layer's experts, each on its rows of xs, in one native call: bit for bit what `expert` computes for
+        each (one parallel region a layer instead of one an expert)."""
+        if any(b - a > NATIVE_ROWS for *_, a, b in items) or not (xs.is_contiguous() and ys.is_contiguous()):
             return super().expert_layer(ys, xs, weights, items)
+        self._layer(ys, xs, self.route_weights.of(weights), items)
+
+    def _layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,
+               items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """moetier_swiglu_bf16_layer: `weights` fp32 [P], items (gate_up_proj, down_proj, first row, end row)."""
         n, (h, i) = len(items), items[0][1].shape
-        ptrs = np.array([[g.data_ptr() for g, *_ in items], [d.data_ptr() for _, d, *_ in items],
-                         [a for *_, a, _ in items]], dtype=np.int64)  # [3, n]: gate_up, down, row
-        rw = self.route_weights.of(weights)
-        self.lib.moetier_swiglu_bf16_layer(n, ptrs[0].ctypes.data, ptrs[1].ctypes.data, ptrs[2].ctypes.data,
-                                           xs.data_ptr(), rw.data_ptr(), ys.data_ptr(), h, i,
-                                           self._scratch(n * (h + i)))
+        ptrs = np.array([[g.data_ptr() for g, *_ in items], [d.data_ptr() for _, d, *_ in items]],
+                        dtype=np.int64)  # [2, n]: gate_up, down
+        spans = np.array([r for *_, a, b in items for r in (a, b)], dtype=np.int64)  # [2n]
+        p = xs.shape[0]
+        self.lib.moetier_swiglu_bf16_layer(n, ptrs[0].ctypes.data, ptrs[1].ctypes.data, spans.ctypes.data, p,
+                                           xs.data_ptr(), weights.data_ptr(), ys.data_ptr(), h, i,
+                                           self._scratch(p * (h + i)))
 
     def _swiglu_row(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                     weight: float) -> None:
@@ -147,7 +170,7 @@ class NativeKernels(TorchKernels):
                                      out.data_ptr(), h, i, self._scratch(h + i))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.shape[0] != 1 or not x.is_contiguous():
+        if x.shape[0] > NATIVE_ROWS or not x.is_contiguous():  # (row by row: a row's norm is its own alone)
             return rms_norm(x, weight, eps)
         n = x.shape[-1]
         y = torch.empty_like(x)
@@ -174,16 +197,20 @@ class NativeKernels(TorchKernels):
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
                          window: int | None, scale: float) -> torch.Tensor:
-        if q.shape[0] != 1 or not (q.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
+        b = q.shape[0]
+        if b > NATIVE_ROWS or not (q.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
             return super().decode_attention(q, keys, values, batch, window, scale)
-        end = batch.lengths_host[0]  # the query sits at end - 1 and sees (end - 1 - window, end - 1]
-        start = max(0, end - window) if window else 0
         _, hkv, s_max, d = keys.shape
-        row = batch.rows_host[0] * hkv * s_max * d * keys.element_size()
         out = torch.empty_like(q)
-        self.lib.moetier_decode_attention_bf16(q.data_ptr(), keys.data_ptr() + row, values.data_ptr() + row,
-                                               out.data_ptr(), q.shape[1], hkv, start, end, s_max, d, scale,
-                                               self._scratch(end + 2 * d))
+        scratch = self._scratch(max(batch.lengths_host) + 2 * d)
+        q_row, row_bytes = q[0].numel() * q.element_size(), hkv * s_max * d * keys.element_size()
+        for i in range(b):  # one call a sequence (its own cache row and length: each as it would be alone)
+            end = batch.lengths_host[i]  # the query sits at end - 1 and sees (end - 1 - window, end - 1]
+            start = max(0, end - window) if window else 0
+            row = batch.rows_host[i] * row_bytes
+            self.lib.moetier_decode_attention_bf16(q.data_ptr() + i * q_row, keys.data_ptr() + row,
+                                                   values.data_ptr() + row, out.data_ptr() + i * q_row, q.shape[1],
+                                                   hkv, start, end, s_max, d, scale, scratch)
         return out
 
 

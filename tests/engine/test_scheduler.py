@@ -158,3 +158,15 @@ def test_bad_requests_are_refused_when_added(engine):
     with pytest.raises(MoetierError, match="tokenizer"):
         s.add_request([5, 6], RequestParams(stop=("x",)))
     assert not s.has_work and s.kv.free == 1
+
+
+def test_in_bf16_on_the_native_kernels_a_batch_decodes_as_each_alone(tiny_store):
+    """A server's sequences in bf16: every product, norm and attention of a decode batch row is what that row
+    computes alone, so greedy answers do not depend on who else runs."""
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    with Engine.from_pretrained(path, expert_memory="100%", progress=False, kernels="native") as engine:
+        ps = prompts([5, 9, 7, 3], seed=7)
+        params = [RequestParams(SamplingParams(n), ignore_eos=True) for n in (14, 6, 10, 8)]
+        got, _ = run(scheduler(engine, rows=3), {0: [(ps[0], params[0]), (ps[1], params[1])],
+                                                 2: [(ps[2], params[2])], 5: [(ps[3], params[3])]})
+        assert list(got.values()) == [alone(engine, p, q) for p, q in zip(ps, params)]

@@ -49,6 +49,43 @@ def test_linear_matches_torch(kernels, n, k, bias, seed):
     assert ulps_apart(ours, ref).max().item() <= 1
 
 
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(2, 16), n=st.integers(1, 70), k=st.integers(1, 300), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_a_batchs_rows_are_each_its_own_row_bit_for_bit(kernels, rows, n, k, bias, seed):
+    """A decode batch's products (a server's sequences): each row what it would be alone, and near torch's."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    together = kernels.linear(x, w, b)
+    assert torch.equal(together, torch.cat([kernels.linear(x[t:t + 1], w, b) for t in range(rows)]))
+    assert ulps_apart(together, TorchKernels().linear(x, w, b)).max().item() <= 1
+
+
+@pytest.mark.parametrize("hidden,intermediate", [(256, 128), (100, 130)])
+def test_a_batchs_experts_are_each_token_alone_bit_for_bit(kernels, hidden, intermediate):
+    g = torch.Generator().manual_seed(hidden)
+    experts = [((torch.randn(2 * intermediate, hidden, generator=g) / hidden ** 0.5).bfloat16(),
+                (torch.randn(hidden, intermediate, generator=g) / intermediate ** 0.5).bfloat16()) for _ in range(3)]
+    counts = [3, 1, 6]
+    xs = torch.randn(sum(counts), hidden, generator=g).bfloat16()
+    weights = torch.rand(sum(counts), generator=g).bfloat16()
+    spans = [(0, 3), (3, 4), (4, 10)]
+    together = torch.empty_like(xs)
+    kernels.expert_layer(together, xs, weights, [(gu, d, a, b) for (gu, d), (a, b) in zip(experts, spans)])
+    alone = torch.empty_like(xs)
+    for (gu, d), (a, b) in zip(experts, spans):
+        for t in range(a, b):
+            kernels.expert(alone[t:t + 1], xs[t:t + 1], gu, d, weights[t:t + 1])
+    assert torch.equal(together, alone) and alone.abs().sum() > 0
+    gu, d = experts[2]
+    assert torch.equal(kernels.swiglu(xs, gu, d), torch.cat([kernels.swiglu(xs[t:t + 1], gu, d) for t in range(10)]))
+    ref = torch.empty_like(xs[4:10])
+    TorchKernels().expert(ref, xs[4:10], gu, d, weights[4:10])
+    assert ulps_apart(together[4:10], ref).max().item() <= 2
+
+
 @pytest.mark.parametrize("hidden,intermediate", [(2048, 1024), (64, 48), (30, 21), (100, 130), (16, 1)])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_expert_matches_torch(kernels, hidden, intermediate, weight_dtype):

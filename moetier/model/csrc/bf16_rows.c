@@ -215,33 +215,59 @@ void moetier_sum_rows_bf16(const uint16_t *ys, long P, long H, uint16_t *y) {
     }
 }
 
-/* A layer's n experts, one token each, in one call: expert e computes row rows[e] of xs [., H] into the same row
-   of ys as moetier_swiglu_bf16 would (weight[row] its routing weight), bit for bit. gate_up[e], down[e]: its
+/* F.linear on T rows at once: Y[T, N] = bf16(W[N, K] . X[t] + bias[N]), each row bit for bit what
+   moetier_linear_bf16 gives it alone (the same `dot`, the same rounding). Why: a decode step of T sequences (a
+   server's batch); torch's bf16 product on a CPU without AVX-512 BF16 costs T times one row (~1 ms a row of a
+   4096 x 2048 matrix here), where the weights need reading once: each weight row comes from memory once and is
+   dotted with the T rows while it sits in L1. bias may be NULL. scratch: at least T * (K + N) floats. */
+void moetier_linear_bf16_rows(const uint16_t *W, const uint16_t *X, const uint16_t *bias, uint16_t *Y, long N,
+                              long K, long T, float *scratch) {
+    float *xf = scratch, *acc = scratch + T * K; /* [T, K] permuted, [T, N] */
+    long full = K & ~15L;
+    for (long t = 0; t < T; t++)
+        for (long k = 0; k < K; k++) xf[t * K + (k < full ? permuted(k) : k)] = bf16_to_f32(X[t * K + k]);
+#pragma omp parallel for schedule(static) if (N * K * 2 >= PARALLEL_MIN_BYTES)
+    for (long r = 0; r < N; r++)
+        for (long t = 0; t < T; t++) acc[t * N + r] = dot(W + r * K, xf + t * K, K);
+    for (long t = 0; t < T; t++)
+        for (long n = 0; n < N; n++)
+            Y[t * N + n] = f32_to_bf16(acc[t * N + n] + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+}
+
+/* A layer's n SwiGLU experts in one call, each on its own rows of xs [P, H]: expert e computes rows
+   spans[2e] .. spans[2e + 1] - 1 into the same rows of ys, each row bit for bit what moetier_swiglu_bf16 computes
+   for it alone (weight[row] its routing weight; 1 for an expert that is not routed). gate_up[e], down[e]: its
    matrices.
-   Why: one parallel region and one barrier for the layer instead of one region and a barrier an expert — a
-   decode step at batch 1 ran 8 calls a layer through ctypes, and the second core idled at every region's tail.
-   scratch: at least n * (H + I) floats. */
+   Why: one parallel region and one barrier for the layer instead of a region and a barrier an expert (a decode
+   step at batch 1 ran 8 calls a layer through ctypes, the second core idling at every region's tail); and an
+   expert with several tokens (a batch's) reads each weight row once for all of them, dotting it with each token
+   while it sits in L1, where torch's bf16 product costs each token a full pass.
+   scratch: at least P * (H + I) floats. */
 void moetier_swiglu_bf16_layer(long n, const uint16_t *const *gate_up, const uint16_t *const *down,
-                               const long *rows, const uint16_t *xs, const float *weight, uint16_t *ys, long H,
-                               long I, float *scratch) {
+                               const long *spans, long P, const uint16_t *xs, const float *weight, uint16_t *ys,
+                               long H, long I, float *scratch) {
     long hfull = H & ~15L, ifull = I & ~15L;
-    float *xf = scratch, *hp = scratch + n * H; /* [n, H], [n, I]: permuted */
+    float *xf = scratch, *hp = scratch + P * H; /* [P, H], [P, I]: permuted */
 #pragma omp parallel if (n * 3 * H * I * 2 >= PARALLEL_MIN_BYTES)
     {
 #pragma omp for schedule(static)
-        for (long e = 0; e < n; e++)
-            for (long k = 0; k < H; k++) xf[e * H + (k < hfull ? permuted(k) : k)] = bf16_to_f32(xs[rows[e] * H + k]);
+        for (long p = 0; p < P; p++)
+            for (long k = 0; k < H; k++) xf[p * H + (k < hfull ? permuted(k) : k)] = bf16_to_f32(xs[p * H + k]);
 #pragma omp for schedule(static)
         for (long item = 0; item < n * I; item++) {
             const long e = item / I, r = item - e * I;
-            const uint16_t *gu = gate_up[e];
-            float g = round_bf16(dot(gu + r * H, xf + e * H, H)), u = round_bf16(dot(gu + (I + r) * H, xf + e * H, H));
-            hp[e * I + (r < ifull ? permuted(r) : r)] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+            const uint16_t *g_row = gate_up[e] + r * H, *u_row = gate_up[e] + (I + r) * H;
+            for (long p = spans[2 * e]; p < spans[2 * e + 1]; p++) {
+                float g = round_bf16(dot(g_row, xf + p * H, H)), u = round_bf16(dot(u_row, xf + p * H, H));
+                hp[p * I + (r < ifull ? permuted(r) : r)] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+            }
         } /* its implicit barrier: every h is written before any down row reads them */
 #pragma omp for schedule(static)
         for (long item = 0; item < n * H; item++) {
             const long e = item / H, k = item - e * H;
-            ys[rows[e] * H + k] = f32_to_bf16(round_bf16(dot(down[e] + k * I, hp + e * I, I)) * weight[rows[e]]);
+            const uint16_t *d_row = down[e] + k * I;
+            for (long p = spans[2 * e]; p < spans[2 * e + 1]; p++)
+                ys[p * H + k] = f32_to_bf16(round_bf16(dot(d_row, hp + p * I, I)) * weight[p]);
         }
     }
 }
