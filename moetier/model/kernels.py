@@ -22,7 +22,9 @@ from moetier.model.batch import StepBatch
 from moetier.model.layers import rms_norm
 from moetier.model.rope import RopeTables
 
-NATIVE_ROWS = 16  # rows the native bf16 products take at once (a decode batch); a prefill's more go to torch's GEMM
+NATIVE_ROWS = 16  # decode rows the native attention takes one by one (a server's batch); more go to torch's SDPA
+LINEAR_ROWS = 256  # rows of one native product call (a prefill's more: in calls of this many, scratch T x K floats)
+LAYER_SCRATCH_BYTES = 64 << 20  # a layer call's fp32 work space at most (a long prefill's experts: in several calls)
 
 
 class Fp32Buffer:
@@ -89,9 +91,10 @@ class TorchKernels:
 
 
 class NativeKernels(TorchKernels):
-    """bf16 on the CPU: products of up to NATIVE_ROWS rows (a decode step, a server's batch of them) in the native
-    library — each weight row read once for all the rows, fp32 accumulation, one rounding per op as torch's; only
-    the order of the sums differs, and a row's result does not depend on the others in its batch."""
+    """bf16 on the CPU: products, experts and norms of any number of rows (a decode step, a server's batch of them,
+    a prefill) in the native library — each weight row read once for all the rows, fp32 accumulation, one rounding
+    per op as torch's; only the order of the sums differs, and a row's result does not depend on the others in its
+    batch. Decode attention too, one sequence at a time up to NATIVE_ROWS of them; a prefill's stays torch's."""
 
     name = "native"
 
@@ -99,7 +102,7 @@ class NativeKernels(TorchKernels):
         self.lib, self.isa = lib, isa  # isa: the instruction set the library was built for (native.ISAS)
         self.scratch = torch.empty(0, dtype=torch.float32)  # fp32 work space, grown to the largest shape seen
         self.route_weights = Fp32Buffer()
-        self.ones = torch.ones(NATIVE_ROWS, dtype=torch.float32)  # the weight of an expert that is not routed
+        self.ones = Fp32Buffer()  # the weights of an expert that is not routed: ones
 
     def _scratch(self, floats: int) -> int:
         if self.scratch.numel() < floats:
@@ -108,33 +111,35 @@ class NativeKernels(TorchKernels):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if x.dim() != 2 or rows > NATIVE_ROWS or not x.is_contiguous():
+        if x.dim() != 2 or not x.is_contiguous():
             return F.linear(x, weight, bias)
         n, k = weight.shape
         y = torch.empty(rows, n, dtype=x.dtype)
         b = None if bias is None else bias.data_ptr()
         if rows == 1:
             self.lib.moetier_linear_bf16(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n, k, self._scratch(k + n))
-        else:
-            self.lib.moetier_linear_bf16_rows(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n, k, rows,
-                                              self._scratch(rows * (k + n)))
+            return y
+        for first in range(0, rows, LINEAR_ROWS):  # (a prefill's rows: the weights read once a chunk)
+            t = min(LINEAR_ROWS, rows - first)
+            self.lib.moetier_linear_bf16_rows(weight.data_ptr(), x[first].data_ptr(), b, y[first].data_ptr(), n, k,
+                                              t, self._scratch(t * k))
         return y
 
     def swiglu(self, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > NATIVE_ROWS or not x.is_contiguous():
+        if x.dim() != 2 or not x.is_contiguous():
             return super().swiglu(x, gate_up_proj, down_proj)
         y = torch.empty_like(x)
         if rows == 1:
             self._swiglu_row(y, x, gate_up_proj, down_proj, 1.0)
         else:
-            self._layer(y, x, self.ones[:rows], [(gate_up_proj, down_proj, 0, rows)])
+            self._layer(y, x, self.ones.of(torch.ones(rows)), [(gate_up_proj, down_proj, 0, rows)])
         return y
 
     def expert(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                weights: torch.Tensor) -> None:
         rows = x.shape[0]
-        if rows > NATIVE_ROWS or not (x.is_contiguous() and out.is_contiguous()):
+        if not (x.is_contiguous() and out.is_contiguous()):
             return super().expert(out, x, gate_up_proj, down_proj, weights)
         if rows == 1:
             # The weight times the bf16 output in fp32, rounded once: what `swiglu(x) * w` then the bf16 `out`
@@ -147,20 +152,40 @@ class NativeKernels(TorchKernels):
                      items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
         """A layer's experts, each on its rows of xs, in one native call: bit for bit what `expert` computes for
         each (one parallel region a layer instead of one an expert)."""
-        if any(b - a > NATIVE_ROWS for *_, a, b in items) or not (xs.is_contiguous() and ys.is_contiguous()):
+        if not (xs.is_contiguous() and ys.is_contiguous()):
             return super().expert_layer(ys, xs, weights, items)
         self._layer(ys, xs, self.route_weights.of(weights), items)
 
     def _layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,
                items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
-        """moetier_swiglu_bf16_layer: `weights` fp32 [P], items (gate_up_proj, down_proj, first row, end row)."""
+        """moetier_swiglu_bf16_layer: `weights` fp32 [P], items (gate_up_proj, down_proj, first row, end row), in
+        as few calls as keep the work space within LAYER_SCRATCH_BYTES (a decode step's: one)."""
+        h, i = items[0][1].shape
+        rows_per_call = max(1, LAYER_SCRATCH_BYTES // (4 * (h + i)))
+        group: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        lo = hi = 0  # the rows the group covers
+        for gu, d, a, b in items:
+            for start in range(a, b, rows_per_call):  # (an expert with a long prefill's tokens: in pieces)
+                end = min(b, start + rows_per_call)
+                if group and max(hi, end) - min(lo, start) > rows_per_call:
+                    self._layer_call(ys, xs, weights, group)
+                    group = []
+                lo, hi = (start, end) if not group else (min(lo, start), max(hi, end))
+                group.append((gu, d, start, end))
+        if group:
+            self._layer_call(ys, xs, weights, group)
+
+    def _layer_call(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,
+                    items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """One call on the rows items cover, from the first item's first row (the work space only for them)."""
         n, (h, i) = len(items), items[0][1].shape
+        base = min(a for *_, a, _ in items)
+        p = max(b for *_, b in items) - base
         ptrs = np.array([[g.data_ptr() for g, *_ in items], [d.data_ptr() for _, d, *_ in items]],
                         dtype=np.int64)  # [2, n]: gate_up, down
-        spans = np.array([r for *_, a, b in items for r in (a, b)], dtype=np.int64)  # [2n]
-        p = xs.shape[0]
+        spans = np.array([r - base for *_, a, b in items for r in (a, b)], dtype=np.int64)  # [2n]
         self.lib.moetier_swiglu_bf16_layer(n, ptrs[0].ctypes.data, ptrs[1].ctypes.data, spans.ctypes.data, p,
-                                           xs.data_ptr(), weights.data_ptr(), ys.data_ptr(), h, i,
+                                           xs[base].data_ptr(), weights[base:].data_ptr(), ys[base].data_ptr(), h, i,
                                            self._scratch(p * (h + i)))
 
     def _swiglu_row(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -170,7 +195,7 @@ class NativeKernels(TorchKernels):
                                      out.data_ptr(), h, i, self._scratch(h + i))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.shape[0] > NATIVE_ROWS or not x.is_contiguous():  # (row by row: a row's norm is its own alone)
+        if not x.is_contiguous():  # (row by row: a row's norm is its own alone)
             return rms_norm(x, weight, eps)
         n = x.shape[-1]
         y = torch.empty_like(x)

@@ -86,6 +86,26 @@ def test_a_batchs_experts_are_each_token_alone_bit_for_bit(kernels, hidden, inte
     assert ulps_apart(together[4:10], ref).max().item() <= 2
 
 
+def test_a_prefill_in_pieces_is_the_same_as_whole(kernels, monkeypatch):
+    """Products of more rows than one call takes, and experts whose work space passes the cap, run in several
+    calls: nothing changes but the calls."""
+    from moetier.model import kernels as module
+
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(11, 64, generator=g).bfloat16()
+    experts = [((torch.randn(2 * 48, 64, generator=g) / 8).bfloat16(), (torch.randn(64, 48, generator=g) / 7).bfloat16())
+               for _ in range(2)]
+    weights = torch.rand(11, generator=g).bfloat16()
+    items = [(experts[0][0], experts[0][1], 0, 7), (experts[1][0], experts[1][1], 7, 11)]
+    whole_linear, whole_layer = kernels.linear(x, w), torch.empty_like(x)
+    kernels.expert_layer(whole_layer, x, weights, items)
+    monkeypatch.setattr(module, "LINEAR_ROWS", 4)
+    monkeypatch.setattr(module, "LAYER_SCRATCH_BYTES", 3 * 4 * (64 + 48))  # three rows a call
+    pieces = torch.empty_like(x)
+    kernels.expert_layer(pieces, x, weights, items)
+    assert torch.equal(kernels.linear(x, w), whole_linear) and torch.equal(pieces, whole_layer)
+
+
 @pytest.mark.parametrize("hidden,intermediate", [(2048, 1024), (64, 48), (30, 21), (100, 130), (16, 1)])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_expert_matches_torch(kernels, hidden, intermediate, weight_dtype):
