@@ -29,6 +29,15 @@ def fit_history(engine: Engine, messages: list[dict], max_new_tokens: int) -> li
     return system
 
 
+def streamer(parts: list[str], write):
+    """on_text for one answer: written as it comes, and kept (what the history records)."""
+    def on_text(delta: str) -> None:
+        parts.append(delta)
+        write(delta)
+        sys.stdout.flush()
+    return on_text
+
+
 def run_chat(engine: Engine, max_new_tokens: int, temperature: float, top_p: float, seed: int,
              system: str | None = None, read=input, write=sys.stdout.write) -> None:
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
@@ -58,14 +67,8 @@ def run_chat(engine: Engine, max_new_tokens: int, temperature: float, top_p: flo
             continue
         messages = fit_history(engine, messages + [{"role": "user", "content": text}], max_new_tokens)
         parts: list[str] = []
-
-        def on_text(delta: str) -> None:
-            parts.append(delta)
-            write(delta)
-            sys.stdout.flush()
-
         try:
-            engine.chat(messages, max_new_tokens, temperature, top_p, seed + turn, on_text=on_text)
+            engine.chat(messages, max_new_tokens, temperature, top_p, seed + turn, on_text=streamer(parts, write))
         except KeyboardInterrupt:
             write(" [stopped]")
         write("\n")

@@ -11,9 +11,16 @@ import sys
 
 from moetier.cache.policies import LIVE_POLICIES
 from moetier.cli.defaults import command, count
-from moetier.cli.generate import (add_engine_options, add_precision_options, add_prefetch_options,
-                                  add_substitution_options, check_engine_args, open_engine, precision_config,
-                                  substitution_config)
+from moetier.cli.generate import (
+    add_engine_options,
+    add_precision_options,
+    add_prefetch_options,
+    add_substitution_options,
+    check_engine_args,
+    open_engine,
+    precision_config,
+    substitution_config,
+)
 from moetier.errors import MoetierError
 
 API_KEY_ENV = "MOETIER_API_KEY"

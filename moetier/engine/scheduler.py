@@ -24,8 +24,18 @@ import torch
 
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.kv_pool import KVPool
-from moetier.engine.request import (ABORT, FINISHED, LENGTH, RUNNING, STOP, WAITING, Request, RequestParams,
-                                    StepOutput, TokenLogprob)
+from moetier.engine.request import (
+    ABORT,
+    FINISHED,
+    LENGTH,
+    RUNNING,
+    STOP,
+    WAITING,
+    Request,
+    RequestParams,
+    StepOutput,
+    TokenLogprob,
+)
 from moetier.engine.sampling import sample
 from moetier.engine.stats import GenerationStats
 from moetier.engine.text_output import TextOutput
@@ -77,11 +87,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
 
-    def add_request(self, prompt: list[int], params: RequestParams = RequestParams(),
+    def add_request(self, prompt: list[int], params: RequestParams | None = None,
                     generator: torch.Generator | None = None) -> int:
         """Queue a request (refused now if its prompt cannot run); `generator`: one to share with others sampled
         together (default: its own, seeded by its seed)."""
-        spec = self.model.spec
+        spec, params = self.model.spec, params or RequestParams()
         limit = ("the model's context window" if self.kv.max_len >= spec.max_position_embeddings
                  else "the server's longest sequence (--max-model-len)")
         check_prompt(prompt, min(self.kv.max_len, spec.max_position_embeddings), spec.vocab_size, limit=limit)

@@ -180,7 +180,7 @@ class Api:
             raise ApiError(400, "stop strings need the model's tokenizer; this model has none", param="stop")
         seed = (body.seed if body.seed is not None else 0) + index  # n > 1: each choice its own draws
         sampling = SamplingParams(max(1, limit if limit is not None else room), body.temperature, body.top_p, seed)
-        return RequestParams(sampling, body.stops(), False, logprobs, echo)
+        return RequestParams(sampling, body.stops(), body.ignore_eos, logprobs, echo)
 
     async def answer(self, request: Request, body, prompts: list[list[int]], fmt):
         if not prompts:

@@ -49,8 +49,12 @@ class Sink:
 
 class EngineLoop:
     def __init__(self, engine: Engine, max_running: int, max_model_len: int, max_prefill_tokens: int | None,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, gather_s: float = 0.01) -> None:
+        """`gather_s`: how long the engine, woken from idle by a request, waits for others arriving with it, so
+        that a burst shares one prefill (under a small expert budget a prefill reads most of the model's experts:
+        one a request costs that read again for each)."""
         spec, model = engine.spec, engine.model
+        self.gather_s = gather_s
         self.engine, self.metrics = engine, metrics
         self.kv = KVPool(spec, max_running, max_model_len, model.dtype, model.device)
         self.stats = GenerationStats()
@@ -95,6 +99,7 @@ class EngineLoop:
             self._drain()
             if not self.scheduler.has_work:
                 self._wake.wait()
+                time.sleep(self.gather_s)  # (woken from idle: a burst's other requests arrive now)
                 continue
             try:
                 outputs = self.scheduler.step()

@@ -23,6 +23,7 @@ class Sampling(BaseModel):
     stream: bool = False
     n: int = Field(default=1, ge=1, le=8)
     user: str | None = None
+    ignore_eos: bool = False  # (vLLM's extension: keep generating past end-of-sequence, for benchmarks)
 
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
