@@ -38,7 +38,7 @@ PARTS = (
     ("  expert matmuls (a layer's)", "moetier.engine.grouping", "ExpertGroups", "compute_layer"),
     ("  combine", "moetier.engine.grouping", "ExpertGroups", "combine"),
     ("  layer step: end (accesses)", "moetier.plan.step", "LayerStep", "end"),
-    ("sampling", "moetier.engine.generate", None, "sample"),
+    ("sampling", "moetier.engine.scheduler", None, "sample"),
 )
 
 

@@ -44,6 +44,8 @@ COMMANDS = commands()
 # a starting command line per subcommand: everything it requires, nothing heavy ({...} are the test's paths)
 BASE = {
     ("generate",): ["--model", "{missing}", "--prompt", "x"],
+    ("serve",): ["--model", "{missing}"],
+    ("chat",): ["--model", "{missing}"],
     ("eval",): ["--model", "{missing}"],
     ("convert",): ["{missing}", "{out}"],
     ("quantize",): ["{missing}", "--precisions", "int8"],

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 
 from moetier.engine.chat_template import ChatTemplateError
 from moetier.engine.request import RequestParams, TokenLogprob
@@ -199,8 +200,10 @@ class Api:
         sinks = [Sink(asyncio.get_running_loop()) for _ in jobs]
         for (prompt, params), sink in zip(jobs, sinks):
             self.loop.submit(prompt, params, sink)
-        if body.stream:
-            return StreamingResponse(self._stream(request, sinks, fmt), media_type="text/event-stream")
+        if body.stream:  # released when the stream ends, and after the response whatever happened (a client gone
+            # before the stream began never runs its generator's `finally`); the second time does nothing
+            return StreamingResponse(self._stream(request, sinks, fmt), media_type="text/event-stream",
+                                     background=BackgroundTask(self._release, sinks))
         try:
             events = [await self._collect(request, sink) for sink in sinks]
         finally:
@@ -208,9 +211,12 @@ class Api:
         return fmt.whole(events, [p for p, _ in jobs])
 
     def _release(self, sinks: list[Sink]) -> None:
+        """The requests are the handler's no more: aborted if still running, no longer counted (once)."""
         for sink in sinks:
-            self.loop.abort(sink)  # (nothing, if it finished)
-            self.loop.finished()
+            if not sink.released:
+                sink.released = True
+                self.loop.abort(sink)  # (nothing, if it finished)
+                self.loop.finished()
 
     async def _collect(self, request: Request, sink: Sink) -> list[Event]:
         events: list[Event] = []

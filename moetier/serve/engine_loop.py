@@ -42,6 +42,7 @@ class Sink:
         self.queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
         self.arrived = time.perf_counter()
         self.last_token: float | None = None  # when its previous token came (inter-token latency)
+        self.released = False  # the handler is done with it (the event loop's flag)
 
     def put(self, item: Event | BaseException) -> None:  # (from the engine's thread)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)

@@ -170,3 +170,31 @@ def test_in_bf16_on_the_native_kernels_a_batch_decodes_as_each_alone(tiny_store)
         got, _ = run(scheduler(engine, rows=3), {0: [(ps[0], params[0]), (ps[1], params[1])],
                                                  2: [(ps[2], params[2])], 5: [(ps[3], params[3])]})
         assert list(got.values()) == [alone(engine, p, q) for p, q in zip(ps, params)]
+
+
+@pytest.mark.parametrize("config", [
+    dict(policy="lfu-seq", prefetch="hobbit", predictor="stacked-gates"),
+    dict(policy="arc", prefetch="smoe", predictor="stacked-gates"),
+    dict(policy="lru", substitution="batch-aware"),
+])
+def test_policies_predictors_and_substitution_take_a_batch_whose_members_change(tiny_store, config):
+    """Requests joining and leaving under every stage that keeps state across layers or steps: nothing assumes a
+    fixed batch (shapes, per-sequence state), every request ends, nothing is left pinned or reading; where the
+    stages change no output (prefetch, eviction), each answer is what it is alone."""
+    from moetier.plan.substitute import Substitution
+
+    _, path = tiny_store("olmoe")
+    kw = dict(config)
+    exact = "substitution" not in kw
+    if "substitution" in kw:
+        kw["substitution"] = Substitution(0.5)
+    with Engine.from_pretrained(path, expert_memory="40%", progress=False, **kw) as engine:
+        ps = prompts([6, 9, 4, 7], seed=11)
+        params = [RequestParams(SamplingParams(n), ignore_eos=True) for n in (9, 4, 7, 5)]
+        s = scheduler(engine, rows=2)
+        got, reasons = run(s, {0: [(ps[0], params[0])], 1: [(ps[1], params[1]), (ps[2], params[2])],
+                               6: [(ps[3], params[3])]})
+        assert [len(t) for t in got.values()] == [9, 4, 7, 5] and set(reasons.values()) == {LENGTH}
+        assert s.kv.free == 2 and not engine.executor.residency._pinned["in-use"]
+        if exact:
+            assert list(got.values()) == [alone(engine, p, q) for p, q in zip(ps, params)]

@@ -89,7 +89,7 @@ def served(text_store):
     s.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(text_store):
     """The engine alone, greedy: (prompt ids or text, max tokens) -> the token ids it generates."""
     engine = Engine.from_pretrained(text_store, expert_memory="50%", progress=False)

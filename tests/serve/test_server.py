@@ -151,6 +151,7 @@ BAD = [
     (json.dumps({"prompt": "x", "temperature": -1}).encode(), 400),
     (json.dumps({"prompt": "x", "top_p": 0}).encode(), 400),
     (json.dumps({"prompt": "x", "logprobs": 99}).encode(), 400),
+    (b'{"prompt": "x", "temperature": Infinity}', 400),  # (Python's json reads it; the range check refuses it)
     (json.dumps({"prompt": "x", "stop": [""] * 2, "max_tokens": 2}).encode(), 200),
 ]
 
@@ -191,7 +192,7 @@ def test_api_key_and_body_limit(text_store):
         served.close()
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 10 ** 6) | st.floats(allow_nan=False) | st.text(
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 10 ** 6) | st.floats(allow_nan=False, allow_infinity=False) | st.text(
     max_size=8), lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=10)
 FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "logprobs", "echo", "n", "model",
