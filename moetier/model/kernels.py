@@ -3,9 +3,10 @@ SwiGLU expert on its tokens, scaled by their routing weights, written into `out`
 `decode_attention` (one new token per sequence against its KV cache); `expert_layer`: several experts of a layer at
 once.
 
-`TorchKernels` is torch's own ops. `NativeKernels` takes the one-row bf16 case on the CPU — every product of a
-batch-1 decode step — to `csrc/bf16_rows.c`, which streams the weights at the memory's speed; everything else
-(prefill, batches, fp32) stays on torch. Chosen once per engine by `make_kernels`, never per call by a flag."""
+`TorchKernels` is torch's own ops. `NativeKernels` takes bf16 on the CPU to `csrc/bf16_rows.c`: a batch-1 decode
+step's products at the memory's speed, and a batch's or a prefill's rows with each weight row read once for all of
+them (each row bit for bit what it computes alone); prefill attention, rope of a batch, and fp32 stay on torch.
+Chosen once per engine by `make_kernels`, never per call by a flag."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-/* One row of bf16 activations through bf16 weights at memory speed on AVX2 CPUs (decode is batch 1).
+/* Rows of bf16 activations through bf16 weights on AVX2 CPUs: one row (a batch-1 decode step) at memory speed,
+   several (a server's decode batch, a prefill) with each weight row read once for all of them.
 
    Why: torch's bf16 matrix-vector path converts and accumulates at ~7.5 GB/s per core here, below what the
    memory delivers (~20 GB/s on two cores); a decode step is nothing but such products, so it ran at 0.7 of the
