@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from common import OUT, run_child, save_figure  # noqa: E402
+from common import OUT, cpu_description, run_child, save_figure  # noqa: E402
 
 SHAPE = ["--preset", "olmoe-1b-7b", "--num-layers", "8", "--num-experts", "16", "--top-k", "8"]
 
@@ -112,19 +112,12 @@ def main() -> None:
                for m in ("quiet", "hog")}
         summary[f"{kernels}/{wait}"] = {**{f"{m}_tpot_ms": v for m, v in med.items()},
                                         "slowdown": med["hog"] / med["quiet"]}
-    (args.out / "contention.json").write_text(json.dumps({"cpu": _cpu(), "hogs": args.hogs, "rows": rows,
+    (args.out / "contention.json").write_text(json.dumps({"cpu": cpu_description()["model"], "hogs": args.hogs, "rows": rows,
                                                           "summary": summary}, indent=1))
     print(f"{'kernels/wait policy':>20} {'quiet ms':>9} {'hog ms':>9} {'slowdown':>9}")
     for k, s in summary.items():
         print(f"{k:>20} {s['quiet_tpot_ms']:9.1f} {s['hog_tpot_ms']:9.1f} {s['slowdown']:8.2f}x")
     _plot(rows, args.out / "contention.png", args.hogs)
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def _plot(rows: list[dict], path: Path, hogs: int) -> None:

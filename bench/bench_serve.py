@@ -30,7 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.common import OUT  # noqa: E402
+from bench.common import OUT, cpu_description  # noqa: E402
 from train.corpus import VALID_BOOKS, prompt_lines  # noqa: E402
 
 MODES = ("batching", "one-at-a-time")
@@ -135,6 +135,13 @@ async def level(server: Server, prompts: list[str], concurrency: int, per_client
             "itl_mean": float(np.mean(gaps)) if gaps else None, "bytes_per_token": read / generated}
 
 
+def cpu_label(cpu: dict | str) -> str:
+    """(an older run's JSON holds the model name alone)"""
+    if isinstance(cpu, str):
+        return cpu
+    return f"{cpu['model']}, {cpu['cores']} cores, flags {' '.join(cpu['vector_flags'])}"
+
+
 def report(result: dict, out: Path) -> None:
     import matplotlib
 
@@ -147,7 +154,7 @@ def report(result: dict, out: Path) -> None:
     single = by.get(("one-at-a-time", 1)) or by.get(("batching", 1))
     tpot = single["itl_mean"] if single else None
     lines = [f"{result['model']} at {result['expert_memory']}, {result['tokens']} tokens a request, "
-             f"{result['requests_per_client']} requests a client; {result['cpu']}", "",
+             f"{result['requests_per_client']} requests a client; {cpu_label(result['cpu'])}", "",
              "| concurrency | mode | tok/s | × one-at-a-time | TTFT p50 / p90 / p99 (s) | inter-token p50 / p90 / p99 "
              "(ms) | p90 / single-stream TPOT | expert MiB read / token |",
              "|---|---|---|---|---|---|---|---|"]
@@ -184,16 +191,6 @@ def report(result: dict, out: Path) -> None:
     fig.suptitle(f"moetier serve: {result['model']} at {result['expert_memory']} expert memory")
     fig.tight_layout()
     fig.savefig(out / "bench_serve.png", dpi=120)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main() -> None:
@@ -233,7 +230,7 @@ def main() -> None:
         for s in servers.values():
             s.stop()
     result = {"model": args.model, "expert_memory": args.expert_memory, "tokens": args.tokens,
-              "requests_per_client": args.requests_per_client, "max_running": args.max_running, "cpu": cpu_name(),
+              "requests_per_client": args.requests_per_client, "max_running": args.max_running, "cpu": cpu_description(),
               "loadavg_before": os.getloadavg(), "rows": rows}
     (args.out / "bench_serve.json").write_text(json.dumps(result, indent=1))
     report(result, args.out)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -21,6 +23,19 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup-tokens", type=int, default=16, help="tokens generated first to warm the cache")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--out", type=Path, default=OUT)
+
+
+def cpu_description() -> dict:
+    """The CPU a number came from: its model name, cores, and the vector flags that decide the kernels' paths."""
+    flags = set()
+    model = platform.processor()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return dict(model=model, cores=os.cpu_count(), vector_flags=vector)
 
 
 def run_child(script: str, cfg: dict) -> dict:

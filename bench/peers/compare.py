@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 
 from cage import drop_cache, make_cage, run_caged  # noqa: E402
+from common import cpu_description  # noqa: E402
 from llamacpp import LlamaCpp, build, parse_bench  # noqa: E402
 
 from moetier.paths import default_cache_dir  # noqa: E402
@@ -51,18 +51,6 @@ MODES = {  # format -> moetier's counterparts: (label, precision, dense precisio
     "q4_k_m": [("int4", "int4", "int4"), ("hobbit", "hobbit", "int4"), ("low-tier", "low-tier", "int4")],
 }
 STORE_PRECISIONS = {"q8_0": "int8", "q4_k_m": "int4,int2"}  # the copies a format's modes read
-
-
-def cpu_description() -> dict:
-    flags = set()
-    model = platform.processor()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags") and not flags:
-            flags = set(line.split(":", 1)[1].split())
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    return dict(model=model, cores=os.cpu_count(), vector_flags=vector)
 
 
 def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dict[str, Path]:

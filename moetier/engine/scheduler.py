@@ -217,11 +217,12 @@ class Scheduler:
         return tokens
 
     def _check_finished(self, r: Request, token: int) -> None:
-        """EOS, a stop string, max tokens, or the end of its KV row."""
+        """EOS, a stop string, max tokens, or the end of its KV row. Its text (where it has one) is brought up to
+        date here, once a token, and whole at the end."""
         reason = None
         if token in self.eos and not r.params.ignore_eos:
             reason = STOP
-        elif r.text is not None and r.params.stop and r.text.update(r.output):
+        elif r.text is not None and r.text.update(r.output):  # (True only at a stop string)
             reason = STOP
         elif len(r.output) >= r.params.sampling.max_new_tokens:
             reason = LENGTH
@@ -229,6 +230,8 @@ class Scheduler:
             reason, r.stopped_at_context = LENGTH, True
             self.stats.stopped_at_context.append(r.id)
         if reason is not None:
+            if r.text is not None and not r.text.stopped:  # an incomplete character at the end stays
+                r.text.update(r.output, final=True)
             r.status, r.finish_reason = FINISHED, reason
             self.kv.give(r.row)
             del self.requests[r.id]

@@ -103,7 +103,7 @@ class NativeKernels(TorchKernels):
         self.lib, self.isa = lib, isa  # isa: the instruction set the library was built for (native.ISAS)
         self.scratch = torch.empty(0, dtype=torch.float32)  # fp32 work space, grown to the largest shape seen
         self.route_weights = Fp32Buffer()
-        self.ones = Fp32Buffer()  # the weights of an expert that is not routed: ones
+        self.ones = torch.ones(0, dtype=torch.float32)  # the weights of an expert that is not routed
 
     def _scratch(self, floats: int) -> int:
         if self.scratch.numel() < floats:
@@ -134,7 +134,9 @@ class NativeKernels(TorchKernels):
         if rows == 1:
             self._swiglu_row(y, x, gate_up_proj, down_proj, 1.0)
         else:
-            self._layer(y, x, self.ones.of(torch.ones(rows)), [(gate_up_proj, down_proj, 0, rows)])
+            if self.ones.numel() < rows:
+                self.ones = torch.ones(rows, dtype=torch.float32)
+            self._layer(y, x, self.ones[:rows], [(gate_up_proj, down_proj, 0, rows)])
         return y
 
     def expert(self, out: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

@@ -23,8 +23,8 @@ from moetier.engine.chat_template import ChatTemplateError
 from moetier.engine.request import RequestParams, TokenLogprob
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.scheduler import check_prompt
-from moetier.errors import MoetierError
-from moetier.serve.engine_loop import ERROR, EngineLoop, Event, Sink
+from moetier.errors import MoetierError, PromptTooLongError
+from moetier.serve.engine_loop import EngineLoop, Event, Sink
 from moetier.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body, usage
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming handler checks that its client is still there
@@ -171,8 +171,8 @@ class Api:
             check_prompt(prompt, min(self.settings.max_model_len, self.spec.max_position_embeddings),
                          self.spec.vocab_size)
         except MoetierError as e:
-            raise ApiError(400, str(e).split("\n")[0], code="context_length_exceeded"
-                           if "tokens;" in str(e) else None, param="prompt") from None
+            raise ApiError(400, str(e).split("\n")[0], param="prompt",
+                           code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None) from None
         if limit is not None and limit > room:
             raise ApiError(400, f"this model's maximum context length is {self.settings.max_model_len} tokens; the "
                                 f"prompt has {len(prompt)} and max_tokens asks {limit} more",
@@ -268,8 +268,6 @@ def check_event(item: Event | BaseException) -> Event:
         raise ApiError(400, str(item).split("\n")[0])
     if isinstance(item, BaseException):
         raise ApiError(500, f"the engine failed: {item}", "server_error")
-    if item.finish_reason == ERROR:
-        raise ApiError(500, "the engine failed", "server_error")
     return item
 
 

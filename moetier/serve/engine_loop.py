@@ -18,8 +18,6 @@ from moetier.engine.scheduler import Scheduler
 from moetier.engine.stats import GenerationStats
 from moetier.serve.metrics import Metrics
 
-ERROR = "error"  # a finish reason of the server's own: the engine failed while the request ran
-
 
 @dataclass(frozen=True)
 class Event:
@@ -137,11 +135,8 @@ class EngineLoop:
         sink = self._sinks.get(r.id)
         if sink is None:
             return
-        text = ""
-        if r.text is not None and token is not None:
-            if not r.text.stopped:
-                r.text.update(r.output, final=r.finished)
-            text = r.text.delta(final=r.finished)
+        # (the scheduler brought the text up to date: here only the part not sent yet)
+        text = r.text.delta(final=r.finished) if r.text is not None and token is not None else ""
         if token is not None:
             if sink.last_token is None:
                 self.metrics.ttft.observe(now - sink.arrived)
