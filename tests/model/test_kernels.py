@@ -36,6 +36,18 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ia - ib).abs()
 
 
+def assert_linear_as_torch(ours: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                           b: torch.Tensor | None) -> None:
+    """fp32 sums in another order: a result may round the other way, never further — unless the sum cancels, where
+    any order's fp32 error (K * 2^-24 of the sum of |terms|) can exceed a step of the small result: there ours must
+    be as near the exact sum as fp32 summation allows (seen on a Zen 4, whose torch sums in yet another order)."""
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    terms = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    allowed = terms * w.shape[1] * 2 ** -24 + exact.abs() * 2 ** -8  # the summation's error + bf16's half step
+    near = (ours.double() - exact).abs() <= allowed
+    assert bool(((ulps_apart(ours, ref) <= 1) | near).all()), (ours - ref).abs().max()
+
+
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 70), k=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_linear_matches_torch(kernels, n, k, bias, seed):
@@ -45,8 +57,7 @@ def test_linear_matches_torch(kernels, n, k, bias, seed):
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     ours, ref = kernels.linear(x, w, b), TorchKernels().linear(x, w, b)
     assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
-    # fp32 sums in another order: a result may round the other way, never further
-    assert ulps_apart(ours, ref).max().item() <= 1
+    assert_linear_as_torch(ours, ref, x, w, b)
 
 
 @settings(max_examples=25, deadline=None)
@@ -60,7 +71,7 @@ def test_a_batchs_rows_are_each_its_own_row_bit_for_bit(kernels, rows, n, k, bia
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     together = kernels.linear(x, w, b)
     assert torch.equal(together, torch.cat([kernels.linear(x[t:t + 1], w, b) for t in range(rows)]))
-    assert ulps_apart(together, TorchKernels().linear(x, w, b)).max().item() <= 1
+    assert_linear_as_torch(together, TorchKernels().linear(x, w, b), x, w, b)
 
 
 @pytest.mark.parametrize("hidden,intermediate", [(256, 128), (100, 130)])
