@@ -15,6 +15,7 @@ from moetier.engine.budget import check_host_tier, plan_budget
 from moetier.engine.cpu_share import CpuShare
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
+from moetier.engine.huge_pages import in_huge_pages
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
@@ -223,6 +224,8 @@ class Engine:
                  for name, t in store.load_dense(convert).items()}
         dense = quantize_dense(dense, self.spec, config.dense_precision)  # a tied head's copy (native: unchanged)
         release_freed_memory()  # what reading (and quantizing) them left, before the cache is reserved
+        if torch.device(self.device).type == "cpu":  # streamed every token: from huge pages (huge_pages.py)
+            dense = in_huge_pages(dense)
         self.dense_bytes = dense_bytes(dense)
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         if predictor is None and config.predictor != "none":
