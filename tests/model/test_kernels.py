@@ -294,3 +294,44 @@ def test_one_tokens_expert_outputs_combine_as_index_add_does(kernels, rows):
     two = torch.randn(2, 300, generator=g).bfloat16()  # more tokens: the reference itself
     token_of = torch.arange(rows) % 2
     assert torch.equal(kernels.combine(two, token_of, ys), TorchKernels().combine(two, token_of, ys))
+
+
+def test_with_a_bf16_gemm_decode_rows_stay_native_and_a_prefills_go_to_torch():
+    """NativeWithGemm (chosen where torch's GEMM has bf16 dot products): up to NATIVE_ROWS rows the native
+    kernels' numbers, beyond them torch's own — products, SwiGLU, experts alone and a layer's."""
+    from moetier.model.kernels import NATIVE_ROWS, NativeWithGemm
+    loaded = native.load()
+    if loaded.lib is None:
+        pytest.skip(loaded.reason)
+    ours, plain, ref = NativeWithGemm(loaded.lib, loaded.isa), NativeKernels(loaded.lib, loaded.isa), TorchKernels()
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(96, 64, generator=g) / 8).bfloat16()
+    gu, d = (torch.randn(64, 64, generator=g) / 8).bfloat16(), (torch.randn(64, 32, generator=g) / 8).bfloat16()
+    for rows, want in ((NATIVE_ROWS, plain), (NATIVE_ROWS + 1, ref)):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        assert torch.equal(ours.linear(x, w), want.linear(x, w))
+        assert torch.equal(ours.swiglu(x, gu, d), want.swiglu(x, gu, d))
+        weights = torch.rand(rows, generator=g).bfloat16()
+        a, b = torch.empty_like(x), torch.empty_like(x)
+        ours.expert(a, x, gu, d, weights)
+        want.expert(b, x, gu, d, weights)
+        assert torch.equal(a, b)
+    x = torch.randn(NATIVE_ROWS + 4, 64, generator=g).bfloat16()
+    weights = torch.rand(x.shape[0], generator=g).bfloat16()
+    items = [(gu, d, 0, 3), (gu, d, 3, x.shape[0])]  # a layer: one expert with few tokens, one with many
+    a = torch.zeros_like(x)
+    ours.expert_layer(a, x, weights, items)
+    b, c = torch.empty(3, 64, dtype=torch.bfloat16), torch.empty(x.shape[0] - 3, 64, dtype=torch.bfloat16)
+    plain.expert(b, x[:3], gu, d, weights[:3])
+    ref.expert(c, x[3:], gu, d, weights[3:])
+    assert torch.equal(a, torch.cat([b, c]))
+
+
+def test_the_gemm_kernels_are_chosen_by_the_cpus_bf16_dot_products(monkeypatch):
+    from moetier.model import kernels as kernels_module
+    if native.load().lib is None:
+        pytest.skip("no native library here")
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512_bf16"}))
+    assert type(make_kernels("auto", torch.bfloat16, CPU)) is kernels_module.NativeWithGemm
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert type(make_kernels("auto", torch.bfloat16, CPU)) is NativeKernels
