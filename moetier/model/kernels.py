@@ -250,8 +250,6 @@ class NativeWithGemm(NativeKernels):
     on an AVX2-only CPU torch's runs at ~18 and the native one at ~50 (NativeKernels alone). Both sum in fp32 and
     round once; only the order differs, as between the native kernels and torch everywhere."""
 
-    name = "native"
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] > NATIVE_ROWS:
             return F.linear(x, weight, bias)

@@ -1,5 +1,6 @@
-/* Rows of bf16 activations through bf16 weights on AVX2 CPUs: one row (a batch-1 decode step) at memory speed,
-   several (a server's decode batch, a prefill) with each weight row read once for all of them.
+/* Rows of bf16 activations through bf16 weights on AVX2 CPUs (and AVX-512 BF16 ones: see the first `dot`): one row
+   (a batch-1 decode step) at memory speed, several (a server's decode batch, a prefill) with each weight row read
+   once for all of them.
 
    Why: torch's bf16 matrix-vector path converts and accumulates at ~7.5 GB/s per core here, below what the
    memory delivers (~20 GB/s on two cores); a decode step is nothing but such products, so it ran at 0.7 of the
@@ -305,7 +306,8 @@ void moetier_swiglu_bf16_layer(long n, const uint16_t *const *gate_up, const uin
             const uint16_t *g_row = gate_up[e] + r * H, *u_row = gate_up[e] + (I + r) * H;
             for (long p = spans[2 * e]; p < spans[2 * e + 1]; p++) {
                 float g = round_bf16(dot(g_row, xf + p * H, H)), u = round_bf16(dot(u_row, xf + p * H, H));
-                hp[p * I + (r < ifull ? permuted(r) : r)] = XVAL_OF_F32(round_bf16(round_bf16(g / (1.0f + expf(-g))) * u));
+                float h = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+                hp[p * I + (r < ifull ? permuted(r) : r)] = XVAL_OF_F32(h);
             }
         } /* its implicit barrier: every h is written before any down row reads them */
 #pragma omp for schedule(static)
