@@ -19,6 +19,13 @@ import torch
 from moetier.memory import release_freed_memory
 
 
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous private mapping of `nbytes`, advised for huge pages before anything touches it."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge_pages(region)
+    return region
+
+
 def huge_pages(region: mmap.mmap) -> bool:
     """Advise huge pages for a mapping not yet touched (advice after the first touch leaves the 4 KiB pages already
     there until khugepaged collapses them). False where the kernel or platform refuses."""
@@ -41,9 +48,7 @@ def in_huge_pages(dense: dict) -> dict:
     total = sum(_padded(t) for t in {id(t): t for v in dense.values() for t in _tensors(v)}.values())
     if not total:
         return dict(dense)
-    region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    huge_pages(region)
-    flat = torch.frombuffer(region, dtype=torch.uint8)
+    flat = torch.frombuffer(private_mapping(total), dtype=torch.uint8)  # (the tensor keeps the mapping alive)
     offset, out, copies = 0, {}, {}  # copies: id of an original still named by what is left -> its copy
 
     def moved(t: torch.Tensor) -> torch.Tensor:

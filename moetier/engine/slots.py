@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from moetier.engine.huge_pages import huge_pages
+from moetier.engine.huge_pages import private_mapping
 from moetier.store.format import ALIGN, PrecisionLayout
 from moetier.store.reader import Completion
 
@@ -44,8 +44,7 @@ class HostSlots:
         extra = num_slots - self.num_slots
         if extra <= 0:
             return
-        segment = mmap.mmap(-1, extra * self.stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        huge_pages(segment)
+        segment = private_mapping(extra * self.stride)
         self._segments.append(segment)
         flat = torch.frombuffer(segment, dtype=torch.uint8)
         # Fault every page in now: the budget is really reserved (and counted in RSS), and no read in the hot loop

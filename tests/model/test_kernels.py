@@ -12,7 +12,7 @@ from moetier.engine.engine import Engine, EngineConfig
 from moetier.errors import MoetierError
 from moetier.model import native
 from moetier.model.batch import StepBatch
-from moetier.model.kernels import NativeKernels, TorchKernels, make_kernels
+from moetier.model.kernels import NATIVE_ROWS, NativeKernels, NativeWithGemm, TorchKernels, make_kernels
 from moetier.model.rope import Rope
 from moetier.store.store import Store
 
@@ -299,7 +299,6 @@ def test_one_tokens_expert_outputs_combine_as_index_add_does(kernels, rows):
 def test_with_a_bf16_gemm_decode_rows_stay_native_and_a_prefills_go_to_torch():
     """NativeWithGemm (chosen where torch's GEMM has bf16 dot products): up to NATIVE_ROWS rows the native
     kernels' numbers, beyond them torch's own — products, SwiGLU, experts alone and a layer's."""
-    from moetier.model.kernels import NATIVE_ROWS, NativeWithGemm
     loaded = native.load()
     if loaded.lib is None:
         pytest.skip(loaded.reason)
@@ -328,10 +327,9 @@ def test_with_a_bf16_gemm_decode_rows_stay_native_and_a_prefills_go_to_torch():
 
 
 def test_the_gemm_kernels_are_chosen_by_the_cpus_bf16_dot_products(monkeypatch):
-    from moetier.model import kernels as kernels_module
     if native.load().lib is None:
         pytest.skip("no native library here")
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512_bf16"}))
-    assert type(make_kernels("auto", torch.bfloat16, CPU)) is kernels_module.NativeWithGemm
+    assert type(make_kernels("auto", torch.bfloat16, CPU)) is NativeWithGemm
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     assert type(make_kernels("auto", torch.bfloat16, CPU)) is NativeKernels
