@@ -1,5 +1,8 @@
 """Where a resident batch-1 decode step's time goes, part by part (ms per token), for each kernel set.
 
+With every expert resident (this script's budget) a layer is not planned (moetier.engine.resident_layers): the
+layer step's parts are called only where planning runs, e.g. with a prefetch or substitution stage.
+
 Each part is timed by wrapping the function that does it (inclusive times: `attention` contains its
 projections, `moe` contains everything the expert executor does); the wrappers cost ~1 us a call, a few
 hundred calls a token. Only calls made during decode steps count (a step hook says which step runs).
@@ -32,6 +35,7 @@ PARTS = (
     ("linear (attention, lm_head)", "{linear_module}", "{linear_owner}", "linear"),
     ("router", "moetier.model.router", "{router}", "__call__"),
     ("moe: the executor (all of it)", "moetier.engine.expert_executor", "ExpertExecutor", "__call__"),
+    ("  resident layer (no plan)", "moetier.engine.resident_layers", "ResidentLayers", "__call__"),
     ("  layer step: begin (plan)", "moetier.plan.step", "LayerStep", "begin"),
     ("  grouping", "moetier.engine.grouping", "ExpertGroups", "__init__"),
     ("  expert matmuls (one by one)", "moetier.engine.grouping", "ExpertGroups", "compute"),

@@ -13,6 +13,7 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.base import EvictionPolicy
 from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
+from moetier.engine.resident_layers import ResidentLayers
 from moetier.engine.slots import make_slots
 from moetier.errors import MoetierError
 from moetier.model.expert_kernels import make_expert_kernel
@@ -20,6 +21,7 @@ from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
 from moetier.plan.layer_plan import HOST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch, Run
+from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
 from moetier.plan.precision import MixedPrecision, setup
@@ -84,6 +86,12 @@ class ExpertExecutor:
             self._fill(self.pools[tier.low], tier.low, tier.slot, f"low tier ({tier.low})")
         self.host_device = torch.device("cpu")
         self.host_pool = None  # every expert at self.precision in host memory, when placement computes there
+        # whether a layer may skip planning once every expert is resident (ResidentLayers): nothing plans but the
+        # on-demand stage, one precision, no predictor
+        self._plain = (len(stages) == 1 and isinstance(stages[0], OnDemandStage) and tier is None
+                       and predictor is None and not mixed.mixed)
+        self._resident: ResidentLayers | None = None  # made when first every expert is resident
+        self.resident_layers: ResidentLayers | None = None  # this step's, or None: each layer is planned
         if placement != "none":
             self.host_pool = make_slots(manifest.precisions[self.precision], spec.num_expert_keys, self.host_device,
                                         manifest.linked(self.precision))
@@ -132,10 +140,25 @@ class ExpertExecutor:
         """A forward step starts; its layers are counted into `phases` (one generate call's statistics)."""
         self.layer_step.begin_step(phase)
         self.counts.phases = phases
+        self.resident_layers = self._resident_step()
+
+    def _resident_step(self) -> ResidentLayers | None:
+        """ResidentLayers for this step when planning would change nothing: every expert resident (so no read, no
+        eviction), nothing but on-demand planning, and no observer but the counters (a trace recorder hears plans)."""
+        if (not self._plain or len(self.residency) < self.spec.num_expert_keys or self.in_flight
+                or self.layer_step.hooks != [self.counts]):
+            self._resident = None  # (slots may move before every expert is resident again)
+            return None
+        if self._resident is None:
+            self._resident = ResidentLayers(self)
+        return self._resident
 
     def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""
+        if self.resident_layers is not None:
+            return self.resident_layers(layer, x, scores, topk_ids, topk_weights, shared, self.layer_step.step,
+                                        self.layer_step.phase)
         # The one host sync of the layer: which experts to read is decided on the host from the routing.
         route = RouteResult(layer, self.layer_step.step, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy(),
                             scores.cpu().numpy(), self.layer_step.phase)

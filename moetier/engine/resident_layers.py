@@ -1,0 +1,59 @@
+"""MoE layers when every expert is resident and nothing but the on-demand stage plans: each layer is computed
+straight from the routing, with no plan.
+
+Why: with the whole model in memory (`--expert-memory 100%`) the plan of every layer is the same — every expert a
+resident run, no load, no eviction, no prefetch — yet making it (a LayerPlan, a Run and a pin per expert, the step's
+end unpinning and checking reads) cost ~190 us a layer at batch 1 on OLMoE-1B-7B (Zen 4, int4: ~3 ms of a 31 ms
+step), Python that the token's expert kernels then evict from the caches again. What is kept is what a plan of that
+shape would change: the policy still hears the route and every access (DESIGN.md's contract), and the counters
+count the same layer steps, needed experts and hits the counting hook would. The experts are computed in the same
+order by the same kernel call as a plan of resident runs does: the output is the same bit for bit.
+
+The executor decides at each forward step whether this holds (moetier.engine.expert_executor)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moetier.cache.keys import ExpertKey
+from moetier.engine.grouping import ExpertGroups
+from moetier.plan.route import RouteResult
+
+
+class ResidentLayers:
+    def __init__(self, executor) -> None:
+        """Borrows `executor`'s resident slots (every expert at its one precision), kernel, policy and counters."""
+        spec, residency = executor.spec, executor.residency
+        if len(residency) < spec.num_expert_keys:
+            raise ValueError("every expert must be resident")
+        self.num_experts, self.precision = spec.num_experts, executor.precision
+        self.index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        pool = executor.pool
+        self.weights: list[list[dict[str, torch.Tensor]]] = [[{}] * spec.num_experts for _ in spec.moe_layers]
+        for key, entry in residency.entries.items():  # (slots never move while every expert stays resident)
+            self.weights[self.index[key.layer]][key.expert] = pool.weights(entry.slot)
+        self.kernel = executor.expert_kernels[executor.precision]
+        self.combine = executor.kernels.combine
+        self.policy, self.counts = residency.policy, executor.counts
+
+    def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, shared, step: int, phase: int) -> torch.Tensor:
+        """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""
+        ids = topk_ids.cpu().numpy()  # [T, k] the layer's one host sync, as the planned path's
+        weights = topk_weights.float().cpu().numpy()
+        self.policy.on_route(RouteResult(layer, step, ids, weights, scores.cpu().numpy(), phase))
+        counts = np.bincount(ids.ravel(), minlength=self.num_experts)  # [E]
+        experts = np.flatnonzero(counts).tolist()  # ascending: a plan's order of resident runs
+        groups = ExpertGroups(x, ids, weights, counts, topk_weights.dtype, self.combine)
+        shared_out = shared() if shared is not None else None
+        table = self.weights[self.index[layer]]
+        groups.compute_layer(experts, self.kernel, [table[e] for e in experts])
+        for e in experts:
+            self.policy.on_access(ExpertKey(layer, e), self.precision, step)
+        counters = self.counts.phases[phase]  # what CountingHook adds for a plan of resident runs
+        counters.layer_steps += 1
+        counters.needed += len(experts)
+        counters.hits += len(experts)
+        out = groups.combine()
+        return out + shared_out if shared_out is not None else out
