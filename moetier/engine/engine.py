@@ -33,6 +33,7 @@ from moetier.model.dense_quant import (
     with_dense_precision,
 )
 from moetier.model.kernels import make_kernels
+from moetier.model.stacked import materialized, stack_qkv
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
 from moetier.plan.alpha_budget import CALIBRATION_ALPHAS, AlphaChoice, choose_alpha
@@ -224,8 +225,12 @@ class Engine:
                  for name, t in store.load_dense(convert).items()}
         dense = quantize_dense(dense, self.spec, config.dense_precision)  # a tied head's copy (native: unchanged)
         release_freed_memory()  # what reading (and quantizing) them left, before the cache is reserved
+        if self.spec.encoder_decoder is None:  # one product for q, k and v (moetier/model/stacked.py)
+            dense = stack_qkv(dense, self.spec.num_layers)
         if torch.device(self.device).type == "cpu":  # streamed every token: from huge pages (huge_pages.py)
-            dense = in_huge_pages(dense)
+            dense = in_huge_pages(dense)  # (the stacked parts copied one after another there)
+        else:
+            dense = materialized(dense)
         self.dense_bytes = dense_bytes(dense)
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         if predictor is None and config.predictor != "none":

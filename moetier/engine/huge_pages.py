@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from moetier.memory import release_freed_memory
+from moetier.model.stacked import Stacked
 
 
 def private_mapping(nbytes: int) -> mmap.mmap:
@@ -41,9 +42,10 @@ def huge_pages(region: mmap.mmap) -> bool:
 
 def in_huge_pages(dense: dict) -> dict:
     """The dense weights (tensors, and quantized matrices' codes, scales and zeros) moved one by one into one
-    private mapping advised for huge pages, each at a 64-byte boundary; a tensor under two names is copied once.
-    Each original is let go as soon as nothing left to move names it, and its memory handed back, so the peak is
-    the mapping plus the largest tensor."""
+    private mapping advised for huge pages, each at a 64-byte boundary; a tensor under two names is copied once; a
+    `Stacked` matrix's parts copied one after another, each role (codes, scales, zeros) one tensor there. Each
+    original is let go as soon as nothing left to move names it, and its memory handed back, so the peak is the
+    mapping plus the largest tensor."""
     uses = Counter(id(t) for v in dense.values() for t in _tensors(v))
     total = sum(_padded(t) for t in {id(t): t for v in dense.values() for t in _tensors(v)}.values())
     if not total:
@@ -51,22 +53,41 @@ def in_huge_pages(dense: dict) -> dict:
     flat = torch.frombuffer(private_mapping(total), dtype=torch.uint8)  # (the tensor keeps the mapping alive)
     offset, out, copies = 0, {}, {}  # copies: id of an original still named by what is left -> its copy
 
+    def let_go(t: torch.Tensor) -> None:
+        key = id(t)  # (unique while `dense` still holds the original: its use count is above 0)
+        uses[key] -= 1
+        if not uses[key]:
+            copies.pop(key, None)
+
     def moved(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset
-        key = id(t)  # (unique while `dense` still holds the original: its use count is above 0)
+        key = id(t)
         if key not in copies:
             n = t.numel() * t.element_size()
             copies[key] = flat[offset:offset + n].view(t.dtype).view(t.shape)
             copies[key].copy_(t)
             offset += _padded(t)
         copy = copies[key]
-        uses[key] -= 1
-        if not uses[key]:
-            del copies[key]
+        let_go(t)
         return copy
 
+    def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+        """The parts' rows one after another, from a 64-byte boundary (within the total: at most the parts' sum)."""
+        nonlocal offset
+        rows = sum(t.shape[0] for t in parts)
+        n = sum(t.numel() * t.element_size() for t in parts)
+        whole = flat[offset:offset + n].view(parts[0].dtype).view(rows, *parts[0].shape[1:])
+        first = 0
+        for t in parts:
+            whole[first:first + t.shape[0]].copy_(t)
+            first += t.shape[0]
+            let_go(t)
+        offset += (n + 63) & ~63
+        return whole
+
     for name in list(dense):
-        out[name] = _rebuilt(dense.pop(name), moved)
+        value = dense.pop(name)
+        out[name] = value.build(stacked) if isinstance(value, Stacked) else _rebuilt(value, moved)
         release_freed_memory()
     return out
 
@@ -78,6 +99,8 @@ def _padded(t: torch.Tensor) -> int:
 def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, Stacked):
+        return [t for role in value.pieces() for t in role]
     q = value.q  # a QuantizedMatrix
     return [t for t in (q.codes, q.scales, q.zeros) if t is not None]
 

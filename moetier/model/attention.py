@@ -11,6 +11,7 @@ from moetier.model.batch import StepBatch, causal_mask
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.rope import RopeTables
+from moetier.model.stacked import STACKED
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
@@ -33,8 +34,20 @@ class Attention:
     def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], kernels: TorchKernels) -> None:
         p = f"layers.{layer}."
         self.layer, self.spec, self.kernels = layer, spec, kernels
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (w[p + f"{n}_proj"] for n in "qkvo")
-        self.q_bias, self.k_bias, self.v_bias, self.o_bias = (w.get(p + f"{n}_proj.bias") for n in "qkvo")
+        self.o_proj, self.o_bias = w[p + "o_proj"], w.get(p + "o_proj.bias")
+        self.qkv_proj = w.get(p + STACKED)  # the three stacked (moetier/model/stacked.py), or None
+        if self.qkv_proj is not None:
+            self.sizes = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
+                          spec.num_kv_heads * spec.head_dim)
+            if self.qkv_proj.shape[0] != sum(self.sizes):
+                raise ValueError(f"layer {layer}'s stacked q/k/v has {self.qkv_proj.shape[0]} rows, not "
+                                 f"{sum(self.sizes)}")
+            self.qkv_bias = w.get(p + STACKED + ".bias")
+            self.project = self._stacked
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (w[p + f"{n}_proj"] for n in "qkv")
+            self.q_bias, self.k_bias, self.v_bias = (w.get(p + f"{n}_proj.bias") for n in "qkv")
+            self.project = self._separate
         self.q_norm, self.k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
         self.window = spec.sliding_window(layer)
         self.scale = spec.head_dim ** -0.5
@@ -42,9 +55,7 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor:
         spec, n = self.spec, x.shape[0]
         linear, norm = self.kernels.linear, self.kernels.rms_norm
-        q = linear(x, self.q_proj, self.q_bias)  # [N, Hq*D]
-        k = linear(x, self.k_proj, self.k_bias)  # [N, Hkv*D]
-        v = linear(x, self.v_proj, self.v_bias)
+        q, k, v = self.project(x)  # [N, Hq*D], [N, Hkv*D], [N, Hkv*D]
         if spec.qk_norm == "full":  # OLMoE: one norm over all heads, before the split
             q, k = norm(q, self.q_norm, spec.rms_norm_eps), norm(k, self.k_norm, spec.rms_norm_eps)
         if spec.clip_qkv is not None:
@@ -58,6 +69,17 @@ class Attention:
         kv.write(self.layer, batch.rows, batch.positions, k, v)
         out = self.attend(q, batch, kv)  # [N, Hq, D]
         return linear(out.reshape(n, -1), self.o_proj, self.o_bias)
+
+    def _separate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        linear = self.kernels.linear
+        return linear(x, self.q_proj, self.q_bias), linear(x, self.k_proj, self.k_bias), \
+            linear(x, self.v_proj, self.v_bias)
+
+    def _stacked(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One product; its columns split (each made contiguous: a no-op for one row, whose pieces already are)."""
+        qkv = self.kernels.linear(x, self.qkv_proj, self.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        return q.contiguous(), k.contiguous(), v.contiguous()
 
     def attend(self, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         keys, values = kv.k[self.layer], kv.v[self.layer]

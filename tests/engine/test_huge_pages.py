@@ -9,6 +9,7 @@ import torch
 from moetier.engine.huge_pages import in_huge_pages
 from moetier.engine.slots import HostSlots
 from moetier.model.dense_quant import QuantizedMatrix, quantize_matrix
+from moetier.model.stacked import Stacked
 from moetier.store.format import PrecisionLayout
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -62,3 +63,22 @@ def test_expert_slots_may_take_huge_pages():
     slots = HostSlots(layout, 2)
     w = slots.weights(0)
     assert eligible(next(iter(w.values())).data_ptr())
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4", "int8"])
+def test_a_stacked_matrix_is_its_parts_one_after_another_in_one_place(kind):
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randn(n, 256, generator=g).bfloat16() for n in (128, 64, 64)]
+    made = tuple(p if kind == "bf16" else quantize_matrix(p, kind) for p in parts)
+    biases = tuple(torch.randn(n, generator=g).bfloat16() for n in (128, 64, 64))
+    want, want_bias = Stacked(made).build(), Stacked(biases).build()  # torch.cat of each role
+    out = in_huge_pages({"layers.0.qkv_proj": Stacked(made), "layers.0.qkv_proj.bias": Stacked(biases),
+                         "after": torch.ones(3)})
+    got = out["layers.0.qkv_proj"]
+    assert torch.equal(out["layers.0.qkv_proj.bias"], want_bias) and torch.equal(out["after"], torch.ones(3))
+    if kind == "bf16":
+        assert torch.equal(got, want) and got.is_contiguous() and got.data_ptr() % 64 == 0
+    else:
+        assert isinstance(got, QuantizedMatrix) and got.shape == (256, 256) and got.group == want.group
+        for a, b in ((got.q.codes, want.q.codes), (got.q.scales, want.q.scales), (got.q.zeros, want.q.zeros)):
+            assert (a is None) == (b is None) and (a is None or (torch.equal(a, b) and a.is_contiguous()))
