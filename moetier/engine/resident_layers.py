@@ -43,17 +43,23 @@ class ResidentLayers:
         ids = topk_ids.cpu().numpy()  # [T, k] the layer's one host sync, as the planned path's
         weights = topk_weights.float().cpu().numpy()
         self.policy.on_route(RouteResult(layer, step, ids, weights, scores.cpu().numpy(), phase))
-        counts = np.bincount(ids.ravel(), minlength=self.num_experts)  # [E]
-        experts = np.flatnonzero(counts).tolist()  # ascending: a plan's order of resident runs
-        groups = ExpertGroups(x, ids, weights, counts, topk_weights.dtype, self.combine)
-        shared_out = shared() if shared is not None else None
         table = self.weights[self.index[layer]]
-        groups.compute_layer(experts, self.kernel, [table[e] for e in experts])
+        if ids.shape[0] == 1:  # one token (a decode step at batch 1): no grouping, the kernel sums its experts
+            order = np.argsort(ids[0], kind="stable")  # ascending ids: a plan's order of resident runs
+            experts = ids[0][order].tolist()
+            out = torch.empty_like(x)
+            ws = torch.from_numpy(weights[0][order]).to(x.device, topk_weights.dtype)  # as ExpertGroups weighs
+            self.kernel.token(out, x, ws, [table[e] for e in experts], self.combine)
+        else:
+            counts = np.bincount(ids.ravel(), minlength=self.num_experts)  # [E]
+            experts = np.flatnonzero(counts).tolist()  # ascending
+            groups = ExpertGroups(x, ids, weights, counts, topk_weights.dtype, self.combine)
+            groups.compute_layer(experts, self.kernel, [table[e] for e in experts])
+            out = groups.combine()
         for e in experts:
             self.policy.on_access(ExpertKey(layer, e), self.precision, step)
         counters = self.counts.phases[phase]  # what CountingHook adds for a plan of resident runs
         counters.layer_steps += 1
         counters.needed += len(experts)
         counters.hits += len(experts)
-        out = groups.combine()
-        return out + shared_out if shared_out is not None else out
+        return out + shared() if shared is not None else out

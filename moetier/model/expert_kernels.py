@@ -1,7 +1,9 @@
 """How one expert is computed from the tensors of its slot, per precision and activation: `kernel(out, x, w,
 weights)` writes out [n, H] = expert(x [n, H]) * weights [n], `w` being the slot's named tensors;
 `kernel.layer(ys, xs, weights, items)` several of a layer's experts, each (w, a, b) on rows a:b — in one native
-call where the kernel has one (decode at batch 1: one parallel region a layer, not one an expert), else one by one.
+call where the kernel has one (decode at batch 1: one parallel region a layer, not one an expert), else one by one;
+`kernel.token(out, x, weights, ws, combine)` one token through several experts, their outputs summed (the integer
+path: one native call, the row quantized once).
 
 - `DenseExpert`: bf16/fp16/fp32 SwiGLU slots, through the engine's kernels (native rows or torch).
 - `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
@@ -32,11 +34,22 @@ Items = list[tuple[dict[str, torch.Tensor], int, int]]  # (a slot's tensors, fir
 
 
 class OneByOne:
-    """`layer` as one call an expert."""
+    """`layer` as one call an expert; `token` as `layer` on copies of the row, then the kernels' combine."""
 
     def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
         for w, a, b in items:
             self(ys[a:b], xs[a:b], w, weights[a:b])
+
+    def token(self, out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, ws: list[dict[str, torch.Tensor]],
+              combine) -> None:
+        """One token x [1, H] through a layer's experts `ws` (ascending ids) with its routing weights [n] (the
+        router's dtype), their outputs summed into out [1, H] by `combine` (the kernels'): what grouping the pairs,
+        `layer` and the combine compute for one token."""
+        n = len(ws)
+        xs = x.expand(n, x.shape[1]).contiguous()  # [n, H]
+        ys = torch.empty_like(xs)
+        self.layer(ys, xs, weights, [(w, e, e + 1) for e, w in enumerate(ws)])
+        out.copy_(combine(x, torch.zeros(n, dtype=torch.long, device=x.device), ys))
 
 
 class DenseExpert(OneByOne):
@@ -136,9 +149,7 @@ class QuantizedExpert(OneByOne):
         if (self.lib is None or len(items) < 2 or any(b - a > NATIVE_MAX_TOKENS for _, a, b in items)
                 or not (xs.is_contiguous() and ys.is_contiguous()) or not self._fits(h, i, gu_group, dn_group)):
             return super().layer(ys, xs, weights, items)
-        names = ("gate_up_proj", "gate_up_proj.scales", "gate_up_proj.zeros", "down_proj", "down_proj.scales",
-                 "down_proj.zeros")
-        ptrs = np.array([[_ptr(w.get(name)) or 0 for w, *_ in items] for name in names], dtype=np.int64)  # [6, n]
+        ptrs = _pointers([w for w, *_ in items])  # [6, n]
         spans = np.array([r for _, a, b in items for r in (a, b)], dtype=np.int64)  # [2n]: each expert's rows
         p, row = ptrs.ctypes.data, ptrs.strides[0]
         rw = self.route_weights.of(weights)
@@ -147,6 +158,25 @@ class QuantizedExpert(OneByOne):
                                     p + 5 * row, dn_group, spans.ctypes.data, xs.shape[0], xs.data_ptr(), rw.data_ptr(),
                                     ys.data_ptr(), h, i, self._scratch(lib.moetier_swiglu_qi_layer_scratch(
                                         self.bits, gu_group, dn_group, h, i, xs.shape[0])))
+
+    def token(self, out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, ws: list[dict[str, torch.Tensor]],
+              combine) -> None:
+        """The integer path in one call (`moetier_swiglu_qi_token`: the row quantized once for every expert, the
+        outputs summed as the combine sums them, bit for bit what `layer` and the combine give); otherwise as
+        OneByOne."""
+        n, h = len(ws), x.shape[1]
+        i = ws[0]["gate_up_proj"].shape[0] // 2
+        gu_group, dn_group = _group(h, ws[0]["gate_up_proj.scales"]), _group(i, ws[0]["down_proj.scales"])
+        if (self.lib is None or not (x.is_contiguous() and out.is_contiguous())
+                or not self._fits(h, i, gu_group, dn_group)):
+            return super().token(out, x, weights, ws, combine)
+        ptrs = _pointers(ws)  # [6, n]
+        p, row = ptrs.ctypes.data, ptrs.strides[0]
+        lib = self.lib
+        lib.moetier_swiglu_qi_token(self.bits, n, p, p + row, p + 2 * row, gu_group, p + 3 * row, p + 4 * row,
+                                    p + 5 * row, dn_group, x.data_ptr(), self.route_weights.of(weights).data_ptr(),
+                                    out.data_ptr(), h, i, self._scratch(lib.moetier_swiglu_qi_token_scratch(
+                                        self.bits, gu_group, dn_group, h, i, n)))
 
     def _fits(self, h: int, i: int, gu_group: int, dn_group: int) -> bool:
         key = (h, i, gu_group, dn_group)
@@ -176,6 +206,15 @@ class QuantizedExpert(OneByOne):
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+MATRIX_TENSORS = ("gate_up_proj", "gate_up_proj.scales", "gate_up_proj.zeros", "down_proj", "down_proj.scales",
+                  "down_proj.zeros")
+
+
+def _pointers(ws: list[dict[str, torch.Tensor]]) -> np.ndarray:
+    """[6, n] int64: each expert's codes, scales and zeros (0: none, as int8's zeros) of both matrices."""
+    return np.array([[_ptr(w.get(name)) or 0 for w in ws] for name in MATRIX_TENSORS], dtype=np.int64)
 
 
 def _group(k: int, scales: torch.Tensor) -> int:

@@ -141,6 +141,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_swiglu_qi_layer_scratch.restype = n
     lib.moetier_swiglu_qi_layer.argtypes = [i, n, p, p, p, n, p, p, p, n, p, n, p, p, p, n, n, p]
     lib.moetier_swiglu_qi_layer.restype = None
+    lib.moetier_swiglu_qi_token_scratch.argtypes = [i, n, n, n, n, n]
+    lib.moetier_swiglu_qi_token_scratch.restype = n
+    lib.moetier_swiglu_qi_token.argtypes = [i, n, p, p, p, n, p, p, p, n, p, p, p, n, n, p]
+    lib.moetier_swiglu_qi_token.restype = None
     lib.moetier_linear_bf16_rows.argtypes = [p, p, p, p, n, n, n, p]
     lib.moetier_linear_bf16_rows.restype = None
     lib.moetier_swiglu_bf16_layer.argtypes = [n, p, p, p, n, p, p, p, n, n, p]

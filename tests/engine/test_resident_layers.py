@@ -2,6 +2,7 @@
 output bit for bit, the same counters, the same calls to the policy — and planning returns as soon as that stops
 holding."""
 
+import pytest
 import torch
 
 from moetier.cache.keys import ExpertKey
@@ -37,16 +38,17 @@ def make_executor(tiny_store, share: float = 1.0, **kw) -> tuple[ExpertExecutor,
                           **kw), reader
 
 
-def routing(spec, seed: int):
-    """Two tokens' routing: x [2, H], scores, topk ids (sharing an expert) and weights."""
+def routing(spec, seed: int, tokens: int):
+    """Two tokens' routing: x [2, H], scores, topk ids (sharing an expert) and weights; or the first token's."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, spec.hidden_size, generator=g)
     scores = torch.rand(2, spec.num_experts, generator=g)
-    ids = torch.tensor([[1, 4], [4, 6]])
-    return x, scores, ids, torch.rand(2, 2, generator=g)
+    ids = torch.tensor([[4, 1], [4, 6]])
+    return x[:tokens], scores[:tokens], ids[:tokens], torch.rand(2, 2, generator=g)[:tokens]
 
 
-def test_a_resident_layer_is_what_its_plan_computes_and_counts_bit_for_bit(tiny_store):
+@pytest.mark.parametrize("tokens", [2, 1])  # (one token: the kernel's `token`, no grouping)
+def test_a_resident_layer_is_what_its_plan_computes_and_counts_bit_for_bit(tiny_store, tokens):
     executor, reader = make_executor(tiny_store)
     try:
         spec = executor.spec
@@ -60,13 +62,14 @@ def test_a_resident_layer_is_what_its_plan_computes_and_counts_bit_for_bit(tiny_
                 executor.resident_layers = None  # as a step that plans
             else:
                 assert executor.resident_layers is not None
-            outs[name] = [executor(layer, *routing(spec, layer)) for layer in spec.moe_layers]
+            outs[name] = [executor(layer, *routing(spec, layer, tokens)) for layer in spec.moe_layers]
             heard[name] = list(executor.policy.heard)
             counted[name] = phases[1]
         assert all(torch.equal(a, b) for a, b in zip(outs["resident"], outs["planned"]))
-        assert heard["resident"] == heard["planned"] and len(heard["planned"]) == 4 * len(spec.moe_layers)
+        experts = 3 if tokens == 2 else 2  # distinct experts a layer: [4, 1] + [4, 6], or [4, 1]
+        assert heard["resident"] == heard["planned"] and len(heard["planned"]) == (1 + experts) * len(spec.moe_layers)
         assert counted["resident"] == counted["planned"]
-        assert (counted["resident"].hits, counted["resident"].loads) == (3 * len(spec.moe_layers), 0)
+        assert (counted["resident"].hits, counted["resident"].loads) == (experts * len(spec.moe_layers), 0)
     finally:
         reader.close()
 

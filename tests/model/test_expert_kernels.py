@@ -221,3 +221,22 @@ def test_a_layers_bf16_experts_in_one_call_are_one_call_each_bit_for_bit(isa):
     assert torch.equal(together, alone) and alone.abs().sum() > 0
     together, alone = layer_of(kernel, experts[:3], [1, 2, 1], h)  # two tokens: one call each, as before
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("n", [1, 8])
+def test_one_token_through_a_layers_experts_is_the_layer_and_the_combine_bit_for_bit(isa, precision, n):
+    h, i = 512, 256
+    ws = [quantize_expert(expert(h, i, seed=j), precision) for j in range(n)]
+    kernels = NativeKernels(native.load(isa).lib, isa)
+    kernel = QuantizedExpert(precision, kernels, torch.bfloat16, native.load(isa).lib)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(1, h, generator=g).bfloat16()
+    weights = torch.rand(n, generator=g).bfloat16()
+    fused = torch.full_like(x, float("nan"))
+    kernel.token(fused, x, weights, ws, kernels.combine)
+    xs, ys = x.expand(n, h).contiguous(), torch.empty(n, h, dtype=torch.bfloat16)
+    kernel.layer(ys, xs, weights, [(w, e, e + 1) for e, w in enumerate(ws)])
+    grouped = kernels.combine(x, torch.zeros(n, dtype=torch.long), ys)
+    assert torch.equal(fused, grouped) and grouped.abs().sum() > 0

@@ -541,3 +541,65 @@ void moetier_swiglu_qi_layer(int bits, long n, const uint8_t *const *gu_codes, c
         }
     }
 }
+
+/* Bytes of scratch moetier_swiglu_qi_token needs for n experts. */
+long moetier_swiglu_qi_token_scratch(int bits, long gu_group, long d_group, long H, long I, long n) {
+    qim gu = make_qim(bits, NULL, NULL, NULL, 2 * I, H, gu_group), dn = make_qim(bits, NULL, NULL, NULL, H, I, d_group);
+    return 64 + act_bytes(&gu) + n * act_bytes(&dn) + round64(n * I * 4) + n * H * 4;
+}
+
+/* One token through a layer's n experts of one precision and shape, their outputs summed: out [H] =
+   sum over e ascending, in fp32, of bf16(bf16(down_e . h_e) * weight[e]), rounded to bf16 once — bit for bit what
+   moetier_swiglu_qi_layer on n copies of the row followed by moetier_sum_rows_bf16 (the combine) computes. Why: at
+   batch 1 that was a gather of n copies of the row, n quantizations of the same activation and a combine call, each
+   with the Python around it (~70 us a layer of a decode step here, against ~1 ms of expert kernels); here the row is
+   quantized once (the experts share its shape) and summed where the outputs are made. Pointer arrays [n] as for
+   moetier_swiglu_qi_layer. scratch: moetier_swiglu_qi_token_scratch bytes. */
+void moetier_swiglu_qi_token(int bits, long n, const uint8_t *const *gu_codes, const uint16_t *const *gu_scales,
+                             const uint16_t *const *gu_zeros, long gu_group, const uint8_t *const *d_codes,
+                             const uint16_t *const *d_scales, const uint16_t *const *d_zeros, long d_group,
+                             const uint16_t *x, const float *weight, uint16_t *out, long H, long I, char *scratch) {
+    qim gu[n], dn[n];
+    for (long e = 0; e < n; e++) {
+        gu[e] = make_qim(bits, gu_codes[e], gu_scales[e], gu_zeros[e], 2 * I, H, gu_group);
+        dn[e] = make_qim(bits, d_codes[e], d_scales[e], d_zeros[e], H, I, d_group);
+    }
+    qia xa, ha[n];
+    char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    p = take_act(&gu[0], p, &xa);
+    for (long e = 0; e < n; e++) p = take_act(&dn[0], p, &ha[e]);
+    float *h = (float *)p;                      /* [n, I] */
+    float *ys = (float *)(p + round64(n * I * 4)); /* [n, H]: each expert's output as the layer kernel rounds it */
+    {
+        float xf[H];
+        for (long k = 0; k < H; k++) xf[k] = bf16_to_f32(x[k]);
+        quantize_act(&gu[0], xf, &xa);
+    }
+#pragma omp parallel if (n * 3 * H * I * bits / 8 >= QI_PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * I; item++) {
+            const long e = item / I, r = item - e * I;
+            float g, u;
+            qi_row(&gu[e], r, &xa, 1, &g);
+            qi_row(&gu[e], I + r, &xa, 1, &u);
+            float gr = round_bf16(g);
+            h[e * I + r] = round_bf16(round_bf16(gr / (1.0f + expf(-gr))) * round_bf16(u));
+        } /* barrier: every h is written before it is quantized */
+#pragma omp for schedule(static)
+        for (long e = 0; e < n; e++) quantize_act(&dn[0], h + e * I, &ha[e]);
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * H; item++) {
+            const long e = item / H, k = item - e * H;
+            float o;
+            qi_row(&dn[e], k, &ha[e], 1, &o);
+            ys[e * H + k] = round_bf16(round_bf16(o) * weight[e]);
+        } /* barrier: every expert's output is made before they are summed */
+#pragma omp for schedule(static)
+        for (long k = 0; k < H; k++) {
+            float acc = 0.0f;
+            for (long e = 0; e < n; e++) acc += ys[e * H + k];
+            out[k] = f32_to_bf16(acc);
+        }
+    }
+}
