@@ -1,7 +1,8 @@
 """Where a resident batch-1 decode step's time goes, part by part (ms per token), for each kernel set.
 
 With every expert resident (this script's budget) a layer is not planned (moetier.engine.resident_layers): the
-layer step's parts are called only where planning runs, e.g. with a prefetch or substitution stage.
+layer step's parts are called only where planning runs, e.g. with a prefetch or substitution stage; and a decode
+step at batch 1 computes its token's experts in one call (`token`: no grouping, no combine).
 
 Each part is timed by wrapping the function that does it (inclusive times: `attention` contains its
 projections, `moe` contains everything the expert executor does); the wrappers cost ~1 us a call, a few
@@ -40,6 +41,7 @@ PARTS = (
     ("  grouping", "moetier.engine.grouping", "ExpertGroups", "__init__"),
     ("  expert matmuls (one by one)", "moetier.engine.grouping", "ExpertGroups", "compute"),
     ("  expert matmuls (a layer's)", "moetier.engine.grouping", "ExpertGroups", "compute_layer"),
+    ("  expert matmuls (one token's)", "moetier.model.expert_kernels", "{expert}", "token"),
     ("  combine", "moetier.engine.grouping", "ExpertGroups", "combine"),
     ("  layer step: end (accesses)", "moetier.plan.step", "LayerStep", "end"),
     ("sampling", "moetier.engine.scheduler", None, "sample"),
@@ -61,7 +63,9 @@ def child(cfg: dict) -> dict:
     phase = [None]  # the step running now, as the engine's step hook hears it before each forward
     engine.step_hooks.append(lambda batch, p: phase.__setitem__(0, p))
     linear = type(engine.model.kernels)  # the model's: QuantizedDenseKernels with --dense-precision
+    expert = type(engine.executor.expert_kernels[engine.executor.precision])  # QuantizedExpert, DenseExpert, ...
     names = {"kernels": type(engine.kernels).__name__, "router": type(engine.model.router).__name__,
+             "expert": expert.__name__,
              "linear_module": linear.__module__, "linear_owner": linear.__name__}
 
     def timed(label, fn):

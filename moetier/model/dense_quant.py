@@ -129,6 +129,7 @@ class QuantizedDenseKernels:
         self.lib = getattr(base, "lib", None)
         # the rest of the interface is the base's, bound once (no lookup through a fallback per call)
         self.swiglu, self.expert, self.expert_layer = base.swiglu, base.expert, base.expert_layer
+        self.expert_token, self.combine = base.expert_token, base.combine
         self.rms_norm = base.rms_norm
         self.rope, self.decode_attention = base.rope, base.decode_attention
         self.scratch = torch.empty(0, dtype=torch.uint8)

@@ -62,6 +62,11 @@ class DenseExpert(OneByOne):
     def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
         self.kernels.expert_layer(ys, xs, weights, [(w["gate_up_proj"], w["down_proj"], a, b) for w, a, b in items])
 
+    def token(self, out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, ws: list[dict[str, torch.Tensor]],
+              combine) -> None:
+        """Through the kernels' `expert_token` (their `combine` is the one passed: the executor's kernels')."""
+        self.kernels.expert_token(out, x, weights, [(w["gate_up_proj"], w["down_proj"]) for w in ws])
+
 
 class ClampedSwigluExpert(OneByOne):
     """gpt-oss: gate and up (with biases) clamped to ±limit (gate only from above), gate·sigmoid(alpha·gate)·(up + 1),

@@ -66,6 +66,16 @@ class TorchKernels:
         for gate_up_proj, down_proj, a, b in items:
             self.expert(ys[a:b], xs[a:b], gate_up_proj, down_proj, weights[a:b])
 
+    def expert_token(self, out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
+                     items: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One token x [1, H] through a layer's experts (gate_up_proj, down_proj), ascending ids, weights [n]: out
+        [1, H] = their outputs summed — `expert_layer` on copies of the row, then `combine`."""
+        n = len(items)
+        xs = x.expand(n, x.shape[1]).contiguous()  # [n, H]
+        ys = torch.empty_like(xs)
+        self.expert_layer(ys, xs, weights, [(gu, d, e, e + 1) for e, (gu, d) in enumerate(items)])
+        out.copy_(self.combine(x, torch.zeros(n, dtype=torch.long, device=x.device), ys))
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Over the last dimension."""
         return rms_norm(x, weight, eps)
@@ -158,6 +168,20 @@ class NativeKernels(TorchKernels):
         if not (xs.is_contiguous() and ys.is_contiguous()):
             return super().expert_layer(ys, xs, weights, items)
         self._layer(ys, xs, self.route_weights.of(weights), items)
+
+    def expert_token(self, out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
+                     items: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """In one native call (moetier_swiglu_bf16_token: the row converted once, the outputs summed as `combine`
+        sums them): bit for bit what `expert_layer` on copies of the row and `combine` give."""
+        h, i = items[0][1].shape
+        if not (x.is_contiguous() and out.is_contiguous()) or x.shape[0] != 1:
+            return super().expert_token(out, x, weights, items)
+        n = len(items)
+        ptrs = np.array([[gu.data_ptr() for gu, _ in items], [d.data_ptr() for _, d in items]],
+                        dtype=np.int64)  # [2, n]: gate_up, down
+        self.lib.moetier_swiglu_bf16_token(n, ptrs[0].ctypes.data, ptrs[1].ctypes.data, x.data_ptr(),
+                                           self.route_weights.of(weights).data_ptr(), out.data_ptr(), h, i,
+                                           self._scratch(h + n * (i + h)))
 
     def _layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,
                items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:

@@ -148,6 +148,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_linear_bf16_rows.argtypes = [p, p, p, p, n, n, n, p]
     lib.moetier_linear_bf16_rows.restype = None
     lib.moetier_swiglu_bf16_layer.argtypes = [n, p, p, p, n, p, p, p, n, n, p]
+    lib.moetier_swiglu_bf16_token.argtypes = [n, p, p, p, p, p, n, n, p]
+    lib.moetier_swiglu_bf16_token.restype = None
     lib.moetier_swiglu_bf16_layer.restype = None
     return lib
 

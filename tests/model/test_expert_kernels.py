@@ -240,3 +240,19 @@ def test_one_token_through_a_layers_experts_is_the_layer_and_the_combine_bit_for
     kernel.layer(ys, xs, weights, [(w, e, e + 1) for e, w in enumerate(ws)])
     grouped = kernels.combine(x, torch.zeros(n, dtype=torch.long), ys)
     assert torch.equal(fused, grouped) and grouped.abs().sum() > 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", [1, 8])
+def test_one_token_through_a_layers_bf16_experts_is_the_layer_and_the_combine_bit_for_bit(isa, n):
+    h, i = 512, 320  # (320: a tail past the last full block of 16)
+    items = [(e["gate_up_proj"], e["down_proj"]) for e in (expert(h, i, seed=j) for j in range(n))]
+    kernels = NativeKernels(native.load(isa).lib, isa)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(1, h, generator=g).bfloat16()
+    weights = torch.rand(n, generator=g).bfloat16()
+    fused = torch.full_like(x, float("nan"))
+    kernels.expert_token(fused, x, weights, items)
+    grouped = torch.full_like(x, float("nan"))
+    TorchKernels.expert_token(kernels, grouped, x, weights, items)  # copies of the row, expert_layer, combine
+    assert torch.equal(fused, grouped) and grouped.abs().sum() > 0

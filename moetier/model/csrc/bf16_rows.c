@@ -319,3 +319,36 @@ void moetier_swiglu_bf16_layer(long n, const uint16_t *const *gate_up, const uin
         }
     }
 }
+
+/* One token through a layer's n experts, their outputs summed: out [H] = sum over e ascending, in fp32, of
+   bf16(bf16(down_e . h_e) * weight[e]), rounded to bf16 once — bit for bit what moetier_swiglu_bf16_layer on n
+   copies of the row followed by moetier_sum_rows_bf16 (the combine) computes, the row converted once and no copies
+   of it made. Why: at batch 1 the copies, the grouping and the combine call cost ~50 us a layer of Python and
+   torch ops around ~3 ms of expert kernels. scratch: H + n * (I + H) floats. */
+void moetier_swiglu_bf16_token(long n, const uint16_t *const *gate_up, const uint16_t *const *down, const uint16_t *x,
+                               const float *weight, uint16_t *out, long H, long I, float *scratch) {
+    long hfull = H & ~15L, ifull = I & ~15L;
+    xval *xf = (xval *)scratch, *hp = (xval *)(scratch + H); /* [H], [n, I]: permuted */
+    float *ys = scratch + H + n * I;                          /* [n, H]: each expert's output, as the layer rounds it */
+    for (long k = 0; k < H; k++) xf[k < hfull ? permuted(k) : k] = XVAL_OF_BF16(x[k]);
+#pragma omp parallel if (n * 3 * H * I * 2 >= PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * I; item++) {
+            const long e = item / I, r = item - e * I;
+            float g = round_bf16(dot(gate_up[e] + r * H, xf, H)), u = round_bf16(dot(gate_up[e] + (I + r) * H, xf, H));
+            hp[e * I + (r < ifull ? permuted(r) : r)] = XVAL_OF_F32(round_bf16(round_bf16(g / (1.0f + expf(-g))) * u));
+        } /* its implicit barrier: every h is written before any down row reads them */
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * H; item++) {
+            const long e = item / H, k = item - e * H;
+            ys[e * H + k] = round_bf16(round_bf16(dot(down[e] + k * I, hp + e * I, I)) * weight[e]);
+        } /* barrier: every expert's output is made before they are summed */
+#pragma omp for schedule(static)
+        for (long k = 0; k < H; k++) {
+            float acc = 0.0f;
+            for (long e = 0; e < n; e++) acc += ys[e * H + k];
+            out[k] = f32_to_bf16(acc);
+        }
+    }
+}
