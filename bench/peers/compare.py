@@ -191,6 +191,54 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def round_ratios(done: dict) -> dict[tuple[str, str, str], list[float]]:
+    """(format, setting, moetier mode) -> each round's moetier / llama.cpp, the two run back to back: robust to a
+    host whose memory speed moves between minutes, where the medians of a row may pair a fast run with a slow one."""
+    by: dict[tuple, dict[str, float]] = {}
+    for r in done["runs"]:
+        if "tok_s" in r:
+            by.setdefault((r["format"], r["setting"], r["round"]), {})[r["engine"]] = r["tok_s"]
+    out: dict[tuple[str, str, str], list[float]] = {}
+    for (fmt, setting, _), engines in sorted(by.items(), key=lambda kv: kv[0][2]):
+        for engine, tok_s in engines.items():
+            if engine != "llama.cpp" and engines.get("llama.cpp"):
+                out.setdefault((fmt, setting, engine), []).append(tok_s / engines["llama.cpp"])
+    return out
+
+
+def plot_pairs(runs: dict[str, dict], path: Path, title: str) -> str:
+    """Each run's round ratios per format and mode (dots) and their median (a bar), beside the 1.0 line: the PNG at
+    `path`; returns the markdown table of the same numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = {name: round_ratios(d) for name, d in runs.items()}
+    keys = list(dict.fromkeys(k for r in ratios.values() for k in r))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(keys) * len(runs) ** 0.5, 4))
+    width = 0.8 / len(runs)
+    lines = ["| run | " + " | ".join(f"{f} {s}: {m}" for f, s, m in keys) + " |", "|---|" + "---|" * len(keys)]
+    for i, (name, r) in enumerate(ratios.items()):
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(keys))]
+        meds = [statistics.median(r[k]) if k in r else 0 for k in keys]
+        ax.bar(xs, meds, width * 0.9, alpha=0.45, label=name)
+        for x, k in zip(xs, keys):
+            ax.plot([x] * len(r.get(k, [])), r.get(k, []), "k.", markersize=4)
+        lines.append(f"| {name} | " + " | ".join(
+            f"{' '.join(f'{v:.2f}' for v in r[k])} (**{statistics.median(r[k]):.2f}**)" if k in r else ""
+            for k in keys) + " |")
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xticks(range(len(keys)), [f"{f}\n{m}" for f, _, m in keys], fontsize=8)
+    ax.set_ylabel("moetier / llama.cpp, each round (dots), median (bar)")
+    ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="bf16,q8_0,q4_k_m")
@@ -204,7 +252,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE.parent / "out" / "peers")
     ap.add_argument("--report", type=Path, nargs="+",
                     help="only render the table, markdown and plot of compare.json files (one table) into --out")
+    ap.add_argument("--pairs", type=Path, nargs="+",
+                    help="only plot each round's ratio (the engines back to back) of compare.json files, a run each, "
+                         "into --out (pairs.png, pairs.md)")
     args = ap.parse_args()
+    if args.pairs:
+        done = {path.parent.name: json.loads(path.read_text()) for path in args.pairs}
+        meta = next(iter(done.values()))["meta"]
+        args.out.mkdir(parents=True, exist_ok=True)
+        md = plot_pairs(done, args.out / "pairs.png", f"each round's moetier / llama.cpp, same weights, "
+                                                       f"{meta['threads']} threads, {meta['cpu']['model']}")
+        (args.out / "pairs.md").write_text(md + "\n")
+        print(md)
+        print(f"wrote {args.out / 'pairs.md'} and {args.out / 'pairs.png'}")
+        return
     if args.report:  # several runs' results (the resident rows of one, the caps of another) in one table
         done = [json.loads(path.read_text()) for path in args.report]
         rows: dict[tuple[str, str], list[dict]] = {}  # a row a later run measured again is taken from that run
