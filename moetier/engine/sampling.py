@@ -27,8 +27,8 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> list[int]:
     """logits [B, V] -> one token id per row (a host sync: the ids go back to the host)."""
-    if params.temperature == 0:
-        return logits.argmax(dim=-1).tolist()
+    if params.temperature == 0:  # (in fp32, exactly the same values: torch's bf16 argmax of a 50k-word row took
+        return logits.float().argmax(dim=-1).tolist()  # ~180 us here, fp32's ~60; both take the first maximum)
     # on the host, where the seeded generator lives: [B, V] is small beside a step's weights
     probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)  # [B, V]
     if params.top_p < 1:

@@ -7,7 +7,7 @@ import torch
 from moetier import Engine
 from moetier.engine.kv_pool import KVPool
 from moetier.engine.request import ABORT, LENGTH, STOP, RequestParams
-from moetier.engine.sampling import SamplingParams
+from moetier.engine.sampling import SamplingParams, sample
 from moetier.engine.scheduler import Scheduler
 from moetier.errors import MoetierError, PromptTooLongError
 
@@ -198,3 +198,13 @@ def test_policies_predictors_and_substitution_take_a_batch_whose_members_change(
         assert s.kv.free == 2 and not engine.executor.residency._pinned["in-use"]
         if exact:
             assert list(got.values()) == [alone(engine, p, q) for p, q in zip(ps, params)]
+
+
+def test_greedy_takes_the_first_maximum_as_argmax_of_the_logits_dtype_does():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50304, generator=g).bfloat16()
+    logits[1, [7, 9000]] = 100.0  # a tie: the first one wins
+    logits[2, -1] = 100.0
+    params = SamplingParams(temperature=0.0)
+    assert sample(logits, params, g) == logits.argmax(dim=-1).tolist()
+    assert sample(logits, params, g)[1:3] == [7, 50303]
