@@ -31,7 +31,7 @@ PARTS = (
     ("attention (all of it)", "moetier.model.attention", "Attention", "__call__"),
     ("  decode attention", "moetier.model.kernels", "{kernels}", "decode_attention"),
     ("  rope", "moetier.model.kernels", "{kernels}", "rope"),
-    ("  kv write", "moetier.model.kv_cache", "KVCache", "write"),
+    ("  kv write", "moetier.model.kernels", "{kernels}", "kv_write"),
     ("rms_norm (every norm)", "moetier.model.kernels", "{kernels}", "rms_norm"),
     ("linear (attention, lm_head)", "{linear_module}", "{linear_owner}", "linear"),
     ("router", "moetier.model.router", "{router}", "__call__"),
@@ -86,7 +86,7 @@ def child(cfg: dict) -> dict:
         setattr(target, attr, timed(label, getattr(target, attr)))
     model_kernels = engine.model.kernels
     if model_kernels is not engine.kernels:  # QuantizedDenseKernels bound its base's methods when it was made
-        for attr in ("swiglu", "expert", "expert_layer", "rms_norm", "rope", "decode_attention"):
+        for attr in ("swiglu", "expert", "expert_layer", "rms_norm", "rope", "decode_attention", "kv_write"):
             setattr(model_kernels, attr, getattr(model_kernels.base, attr))
     engine.preload()
     rng = random.Random(0)

@@ -66,7 +66,7 @@ class Attention:
         if spec.qk_norm == "head":  # Qwen3, GLM: per head, over head_dim
             q, k = norm(q, self.q_norm, spec.rms_norm_eps), norm(k, self.k_norm, spec.rms_norm_eps)
         q, k = self.kernels.rope(rope, q, batch), self.kernels.rope(rope, k, batch)
-        kv.write(self.layer, batch.rows, batch.positions, k, v)
+        self.kernels.kv_write(kv, self.layer, batch, k, v)
         out = self.attend(q, batch, kv)  # [N, Hq, D]
         return linear(out.reshape(n, -1), self.o_proj, self.o_bias)
 

@@ -20,6 +20,7 @@ from moetier.config import KERNELS
 from moetier.errors import MoetierError
 from moetier.model import native
 from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
 from moetier.model.layers import rms_norm
 from moetier.model.rope import RopeTables
 
@@ -88,6 +89,10 @@ class TorchKernels:
     def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """x [N, heads, D] rotated to each token's position."""
         return rope(x, batch.positions)
+
+    def kv_write(self, kv: KVCache, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's keys and values k, v [N, kv_heads, D] into the layer's cache at its tokens' places."""
+        kv.write(layer, batch.rows, batch.positions, k, v)
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
                          window: int | None, scale: float) -> torch.Tensor:
@@ -246,6 +251,17 @@ class NativeKernels(TorchKernels):
         self.lib.moetier_rope_bf16(x.data_ptr(), rope.cos.data_ptr() + row, rope.sin.data_ptr() + row, y.data_ptr(),
                                    heads, d)
         return y
+
+    def kv_write(self, kv: KVCache, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One decode token's in one native call (its row and position known on the host): the same bytes."""
+        keys, values = kv.k[layer], kv.v[layer]
+        if (not batch.decode or k.shape[0] != 1 or k.dtype != keys.dtype or v.dtype != values.dtype
+                or not (k.is_contiguous() and v.is_contiguous() and keys.is_contiguous() and values.is_contiguous())):
+            return super().kv_write(kv, layer, batch, k, v)
+        _, heads, max_len, d = keys.shape
+        row = batch.rows_host[0] * heads * max_len * d * keys.element_size()
+        self.lib.moetier_kv_write(k.data_ptr(), v.data_ptr(), keys.data_ptr() + row, values.data_ptr() + row, heads,
+                                  max_len, d, keys.element_size(), batch.lengths_host[0] - 1)
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
                          window: int | None, scale: float) -> torch.Tensor:

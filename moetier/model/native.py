@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_swiglu_bf16_layer.argtypes = [n, p, p, p, n, p, p, p, n, n, p]
     lib.moetier_swiglu_bf16_token.argtypes = [n, p, p, p, p, p, n, n, p]
     lib.moetier_swiglu_bf16_token.restype = None
+    lib.moetier_kv_write.argtypes = [p, p, p, p, n, n, n, n, n]
+    lib.moetier_kv_write.restype = None
     lib.moetier_swiglu_bf16_layer.restype = None
     return lib
 

@@ -2,6 +2,8 @@
 rounding boundary, on shapes with and without tails; the engine with them decodes as transformers does in bf16;
 and every way of not having them is said."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,6 +15,7 @@ from moetier.errors import MoetierError
 from moetier.model import native
 from moetier.model.batch import StepBatch
 from moetier.model.kernels import NATIVE_ROWS, NativeKernels, NativeWithGemm, TorchKernels, make_kernels
+from moetier.model.kv_cache import KVCache
 from moetier.model.rope import Rope
 from moetier.store.store import Store
 
@@ -333,3 +336,15 @@ def test_the_gemm_kernels_are_chosen_by_the_cpus_bf16_dot_products(monkeypatch):
     assert type(make_kernels("auto", torch.bfloat16, CPU)) is NativeWithGemm
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     assert type(make_kernels("auto", torch.bfloat16, CPU)) is NativeKernels
+
+
+def test_a_decode_tokens_kv_write_is_the_index_put_bit_for_bit(kernels):
+    spec = SimpleNamespace(latent_attention=None, encoder_decoder=None, num_layers=2, num_kv_heads=4, head_dim=32)
+    g = torch.Generator().manual_seed(3)
+    native_kv, torch_kv = (KVCache(spec, 3, 16, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, spec.num_kv_heads, spec.head_dim, generator=g).bfloat16() for _ in range(2))
+    batch = StepBatch.decode_step([5], [2], [9], 3)  # row 2, position 9
+    kernels.kv_write(native_kv, 1, batch, k, v)
+    TorchKernels().kv_write(torch_kv, 1, batch, k, v)
+    for a, b in ((native_kv.k[1], torch_kv.k[1]), (native_kv.v[1], torch_kv.v[1])):
+        assert torch.equal(a, b) and a[2, :, 9].abs().sum() > 0 and a.abs().sum() == a[2, :, 9].abs().sum()
