@@ -66,11 +66,11 @@ def save_panels(fig, title: str, path: Path, legend_fontsize: float | None = Non
     save_figure(fig, title, path, dpi=120)
 
 
-def save_figure(fig, title: str, path: Path, dpi: int = 110) -> None:
+def save_figure(fig, title: str, path: Path, dpi: int = 110, title_size: float | None = None) -> None:
     """The title, the PNG, and the figure closed (a sweep draws many)."""
     import matplotlib.pyplot as plt
 
-    fig.suptitle(title)
+    fig.suptitle(title, **({} if title_size is None else {"fontsize": title_size}))
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)

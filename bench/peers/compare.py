@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 
 from cage import drop_cache, make_cage, run_caged  # noqa: E402
-from common import cpu_description  # noqa: E402
+from common import cpu_description, save_figure  # noqa: E402
 from llamacpp import LlamaCpp, build, parse_bench  # noqa: E402
 
 from moetier.paths import default_cache_dir  # noqa: E402
@@ -185,10 +185,7 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
         ax.set_title(f"{f} (GGUF {mine[0]['gguf_bytes'] / 2**30:.1f} GiB)")
         ax.set_ylabel("decode tokens/s (log)")
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, title, path, title_size=9)
 
 
 def round_ratios(done: dict) -> dict[tuple[str, str, str], list[float]]:
@@ -232,10 +229,7 @@ def plot_pairs(runs: dict[str, dict], path: Path, title: str) -> str:
     ax.set_xticks(range(len(keys)), [f"{f}\n{m}" for f, _, m in keys], fontsize=8)
     ax.set_ylabel("moetier / llama.cpp, each round (dots), median (bar)")
     ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, title, path, title_size=9)
     return "\n".join(lines)
 
 

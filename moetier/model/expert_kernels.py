@@ -147,10 +147,8 @@ class QuantizedExpert(OneByOne):
     def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
         """The integer path's experts in one call (`moetier_swiglu_qi_layer`, bit for bit what one call an expert
         computes); otherwise one by one."""
-        w0 = items[0][0]
         n, h = len(items), xs.shape[1]
-        i = w0["gate_up_proj"].shape[0] // 2
-        gu_group, dn_group = _group(h, w0["gate_up_proj.scales"]), _group(i, w0["down_proj.scales"])
+        i, gu_group, dn_group = _shape(items[0][0], h)
         if (self.lib is None or len(items) < 2 or any(b - a > NATIVE_MAX_TOKENS for _, a, b in items)
                 or not (xs.is_contiguous() and ys.is_contiguous()) or not self._fits(h, i, gu_group, dn_group)):
             return super().layer(ys, xs, weights, items)
@@ -170,8 +168,7 @@ class QuantizedExpert(OneByOne):
         outputs summed as the combine sums them, bit for bit what `layer` and the combine give); otherwise as
         OneByOne."""
         n, h = len(ws), x.shape[1]
-        i = ws[0]["gate_up_proj"].shape[0] // 2
-        gu_group, dn_group = _group(h, ws[0]["gate_up_proj.scales"]), _group(i, ws[0]["down_proj.scales"])
+        i, gu_group, dn_group = _shape(ws[0], h)
         if (self.lib is None or not (x.is_contiguous() and out.is_contiguous())
                 or not self._fits(h, i, gu_group, dn_group)):
             return super().token(out, x, weights, ws, combine)
@@ -220,6 +217,12 @@ MATRIX_TENSORS = ("gate_up_proj", "gate_up_proj.scales", "gate_up_proj.zeros", "
 def _pointers(ws: list[dict[str, torch.Tensor]]) -> np.ndarray:
     """[6, n] int64: each expert's codes, scales and zeros (0: none, as int8's zeros) of both matrices."""
     return np.array([[_ptr(w.get(name)) or 0 for w in ws] for name in MATRIX_TENSORS], dtype=np.int64)
+
+
+def _shape(w: dict[str, torch.Tensor], h: int) -> tuple[int, int, int]:
+    """A quantized expert's intermediate size and its two matrices' group sizes (inputs per scale)."""
+    i = w["gate_up_proj"].shape[0] // 2
+    return i, _group(h, w["gate_up_proj.scales"]), _group(i, w["down_proj.scales"])
 
 
 def _group(k: int, scales: torch.Tensor) -> int:

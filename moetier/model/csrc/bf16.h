@@ -31,4 +31,12 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Column k of n rows [n, H] summed row after row in fp32: the order the combine (moetier_sum_rows_bf16) sums a
+   token's expert outputs in, for the kernels that sum them where they are made. */
+static inline float sum_column(const float *ys, long n, long H, long k) {
+    float acc = 0.0f;
+    for (long e = 0; e < n; e++) acc += ys[e * H + k];
+    return acc;
+}
+
 #endif

@@ -345,11 +345,7 @@ void moetier_swiglu_bf16_token(long n, const uint16_t *const *gate_up, const uin
             ys[e * H + k] = round_bf16(round_bf16(dot(down[e] + k * I, hp + e * I, I)) * weight[e]);
         } /* barrier: every expert's output is made before they are summed */
 #pragma omp for schedule(static)
-        for (long k = 0; k < H; k++) {
-            float acc = 0.0f;
-            for (long e = 0; e < n; e++) acc += ys[e * H + k];
-            out[k] = f32_to_bf16(acc);
-        }
+        for (long k = 0; k < H; k++) out[k] = f32_to_bf16(sum_column(ys, n, H, k));
     }
 }
 

@@ -596,10 +596,6 @@ void moetier_swiglu_qi_token(int bits, long n, const uint8_t *const *gu_codes, c
             ys[e * H + k] = round_bf16(round_bf16(o) * weight[e]);
         } /* barrier: every expert's output is made before they are summed */
 #pragma omp for schedule(static)
-        for (long k = 0; k < H; k++) {
-            float acc = 0.0f;
-            for (long e = 0; e < n; e++) acc += ys[e * H + k];
-            out[k] = f32_to_bf16(acc);
-        }
+        for (long k = 0; k < H; k++) out[k] = f32_to_bf16(sum_column(ys, n, H, k));
     }
 }
