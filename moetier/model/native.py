@@ -23,7 +23,7 @@ import torch
 from moetier.paths import default_cache_dir
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c", "q_int.c"))
+SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c", "q_int.c", "decode_block.c"))
 HEADERS = (CSRC / "bf16.h",)
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 VECTOR_CAPABILITIES = ("AVX2", "AVX512")  # what torch.backends.cpu.get_cpu_capability() calls AVX2 or better
@@ -153,6 +153,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_kv_write.argtypes = [p, p, p, p, n, n, n, n, n]
     lib.moetier_kv_write.restype = None
     lib.moetier_swiglu_bf16_layer.restype = None
+    lib.moetier_decode_block_bf16.argtypes = [p, p, p, p, p, n, n, p, p, p, p, p, p]
+    lib.moetier_decode_block_bf16.restype = None
     return lib
 
 

@@ -37,10 +37,13 @@ class SoftmaxRouter:
         return torch.topk(scores, self.top_k, dim=-1)
 
     def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
-        logits = self.logits(x, w)  # [T, E]
+        return self.route(self.logits(x, w), x.dtype)
+
+    def route(self, logits: torch.Tensor, dtype: torch.dtype) -> Routed:
+        """From the logits [T, E] (made here, or by a decode block: moetier/model/decode_block.py)."""
         scores = F.softmax(logits, dim=-1, dtype=torch.float32)
         topk_weights, topk_ids = self.choose(scores)  # [T, k]
-        return scores, topk_ids, self.finish(topk_weights, x.dtype)
+        return scores, topk_ids, self.finish(topk_weights, dtype)
 
     def finish(self, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.spec.norm_topk_prob:

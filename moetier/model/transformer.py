@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from moetier.config import ModelSpec
 from moetier.model.attention import Attention, SinkAttention
 from moetier.model.batch import StepBatch
+from moetier.model.decode_block import DecodeBlocks
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.layers import layer_weights, rms_norm_fp32_weight
@@ -54,6 +55,9 @@ class Transformer:
         self.router = make_router(spec.router, spec.top_k, self.kernels.linear)
         self.is_moe = spec.is_moe_layer
         self.layers = layer_weights(dense, spec.num_layers)
+        # one native call a layer for a one-sequence decode step's attention (None where it does not apply)
+        self.blocks = DecodeBlocks.make(spec, dense["embed_tokens"], self.attn, self.layers, self.router, self.is_moe,
+                                        self.kernels)
         self.rope: Rope | None = None
         # the forward step in progress and its residual stream at the MoE layer running now, for `lookahead`
         self._step: tuple[StepBatch, KVCache, RopeTables] | None = None
@@ -66,11 +70,15 @@ class Transformer:
                              self.device)
         return self.rope
 
-    def _moe(self, layer: int, x: torch.Tensor, segments: list[tuple[int, int]] | None) -> torch.Tensor:
+    def _moe(self, layer: int, x: torch.Tensor, segments: list[tuple[int, int]] | None,
+             logits: torch.Tensor | None = None) -> torch.Tensor:
         """`segments`: each prompt's (first token, length) in a prefill (a router with an expert capacity counts per
-        prompt); None in a decode step."""
+        prompt); None in a decode step. `logits`: the router's, where a decode block made them."""
         spec, w, kernels = self.spec, self.layers[layer], self.kernels
-        scores, topk_ids, topk_weights = self.router(x, w, segments)
+        if logits is None:
+            scores, topk_ids, topk_weights = self.router(x, w, segments)
+        else:
+            scores, topk_ids, topk_weights = self.router.route(logits, x.dtype)
         shared = None
         if spec.shared_expert_intermediate_size:
             def shared() -> torch.Tensor:  # resident like attention
@@ -90,8 +98,10 @@ class Transformer:
         """Logits [B, V] for each sequence's last token (or [N, V] for every token with all_logits)."""
         norm = self.norm
         rope = self.ensure_rope(kv.max_len).tables(batch)
-        h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         self._step = (batch, kv, rope)
+        if batch.decode and self.blocks is not None and self.blocks.applies(kv, rope, len(batch.rows_host)):
+            return self._forward_blocks(batch, kv, rope)
+        h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         segments = None if batch.decode else [(first, length) for _, first, _, length in batch.segments]
         for i, w in enumerate(self.layers):
             h = h + self.attn[i](norm(h, w, "input_norm"), batch, kv, rope)
@@ -101,6 +111,23 @@ class Transformer:
         if not all_logits:
             h = h[batch.last]
         return self.kernels.linear(norm(h, self.w, "norm"), self.lm_head, self.lm_head_bias)
+
+    def _forward_blocks(self, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor:
+        """A one-sequence decode step with each layer's attention block in one native call: the same logits bit for
+        bit (moetier/model/decode_block.py)."""
+        blocks = self.blocks
+        blocks.begin(kv, rope, batch.rows_host[0], batch.lengths_host[0] - 1)
+        h = blocks.residual  # [1, H], updated in place by each block
+        torch.index_select(self.w["embed_tokens"], 0, batch.token_ids, out=h)
+        delta = None  # the layer before's MLP or experts output, added by the next block
+        for i in range(len(self.layers)):
+            x, logits = blocks(i, delta, kv)
+            self._h = h  # (the residual as it stands before this layer's experts: what `lookahead` starts from)
+            if self.is_moe[i]:
+                delta = self._moe(i, x, None, logits if blocks.fused_router[i] else None)
+            else:
+                delta = self._mlp(i, x)
+        return self.kernels.linear(self.norm(h + delta, self.w, "norm"), self.lm_head, self.lm_head_bias)
 
     def lookahead(self, layer: int, target: int) -> torch.Tensor:
         """Router logits [T, E] of MoE layer `target` for the tokens in flight, from the residual stream as it stands

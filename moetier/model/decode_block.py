@@ -1,0 +1,133 @@
+"""A one-sequence decode step's attention blocks, each in one native call (`csrc/decode_block.c`): the residual
+add of the layer before, the norms, the stacked q/k/v product, RoPE, the KV write, the attention, the output
+product, the router's product — what `Transformer.forward` does between two expert calls.
+
+Why: at batch 1 those are ~10 calls a layer through Python, ctypes and torch (views, `empty`, `data_ptr`, the
+residual adds): ~4 ms of a ~50 ms bf16 step on OLMoE-1B-7B (Zen 4), measured as the step's time outside the
+native calls. The block calls the same kernels on the same values in the same order, so the logits are the
+same bit for bit (tests/model/test_decode_block.py).
+
+It applies where those kernels would all run natively anyway: bf16 weights on the native kernels (not quantized
+dense weights), RMSNorm, standard grouped-query attention with stacked q/k/v (no sinks, no latent attention, no
+q/k/v clamp), whole-head RoPE in halves, and a KV cache in the model's dtype. Elsewhere `make` returns None and the
+layer-by-layer forward runs."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from moetier.config import ModelSpec
+from moetier.model.attention import Attention
+from moetier.model.kernels import NativeKernels
+from moetier.model.kv_cache import KVCache
+from moetier.model.rope import RopeTables
+from moetier.model.router import SoftmaxRouter
+
+QK_NORM = {"none": 0, "full": 1, "head": 2}  # the C side's codes (moetier_decode_layer.qk_norm)
+
+
+class DecodeLayer(ctypes.Structure):
+    """`moetier_decode_layer`: one layer's weight pointers and shapes."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias", "post_attn_norm", "router",
+        "router_bias")] + [(name, ctypes.c_long) for name in (
+            "hidden", "heads", "kv_heads", "head_dim", "num_experts", "qk_norm", "window")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _bf16(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _fits(spec: ModelSpec, embed: torch.Tensor, attn: list, layers: list[dict[str, torch.Tensor]], kernels) -> bool:
+    """Whether every layer's attention block is what the native block computes, on the kernels it calls."""
+    if not isinstance(kernels, NativeKernels) or spec.norm != "rms" or spec.clip_qkv is not None or not _bf16(embed):
+        return False
+    if spec.qk_norm not in QK_NORM:
+        return False
+    for a, w in zip(attn, layers):
+        if type(a) is not Attention or a.qkv_proj is None:
+            return False
+        tensors = [w["input_norm"], w["post_attn_norm"], a.qkv_proj, a.o_proj]
+        tensors += [t for t in (a.qkv_bias, a.o_bias, a.q_norm, a.k_norm) if t is not None]
+        if not all(_bf16(t) for t in tensors):
+            return False
+    return True
+
+
+def _router_fused(router, w: dict[str, torch.Tensor]) -> bool:
+    """Whether the router is exactly `route(linear(x))` with a bf16 product (its logits made in the block)."""
+    weight = w.get("router")
+    return (type(router).__call__ is SoftmaxRouter.__call__ and not router.spec.fp32 and _bf16(weight)
+            and (w.get("router.bias") is None or _bf16(w["router.bias"])))
+
+
+class DecodeBlocks:
+    def __init__(self, spec: ModelSpec, attn: list[Attention], layers: list[dict[str, torch.Tensor]], router,
+                 is_moe: list[bool], kernels: NativeKernels) -> None:
+        self.spec, self.lib = spec, kernels.lib
+        h, d = spec.hidden_size, spec.head_dim
+        self.fused_router = [is_moe[i] and _router_fused(router, w) for i, w in enumerate(layers)]
+        self.layers = [self._layer(a, w, fused) for a, w, fused in zip(attn, layers, self.fused_router)]
+        self.addresses = [ctypes.addressof(layer) for layer in self.layers]
+        n = len(layers)
+        self.residual = torch.empty(1, h, dtype=torch.bfloat16)  # [1, H] updated in place, layer by layer
+        self.x = torch.empty(n, 1, h, dtype=torch.bfloat16)  # each layer's normed input to its MLP or experts
+        self.logits = torch.empty(n, 1, spec.num_experts or 1, dtype=torch.bfloat16)  # [L, 1, E]
+        self.work = torch.empty(2 * h + 4 * (spec.num_heads + spec.num_kv_heads) * d, dtype=torch.bfloat16)
+        self.scratch = torch.empty(0, dtype=torch.float32)  # the products' and the attention's, grown to the context
+        self.products = max(h + (spec.num_heads + 2 * spec.num_kv_heads) * d, spec.num_heads * d + h,
+                            h + (spec.num_experts or 1))  # the largest K + N of its products, in floats
+
+    @classmethod
+    def make(cls, spec: ModelSpec, embed: torch.Tensor, attn: list, layers: list[dict[str, torch.Tensor]], router,
+             is_moe: list[bool], kernels) -> DecodeBlocks | None:
+        """The blocks, or None where some layer's attention is not what they compute."""
+        if not _fits(spec, embed, attn, layers, kernels):
+            return None
+        return cls(spec, attn, layers, router, is_moe, kernels)
+
+    def _layer(self, a: Attention, w: dict[str, torch.Tensor], fused_router: bool) -> DecodeLayer:
+        spec = self.spec
+        return DecodeLayer(
+            _ptr(w["input_norm"]), _ptr(a.qkv_proj), _ptr(a.qkv_bias), _ptr(a.q_norm), _ptr(a.k_norm), _ptr(a.o_proj),
+            _ptr(a.o_bias), _ptr(w["post_attn_norm"]), _ptr(w["router"]) if fused_router else None,
+            _ptr(w.get("router.bias")) if fused_router else None, spec.hidden_size, spec.num_heads,
+            spec.num_kv_heads, spec.head_dim, spec.num_experts or 1, QK_NORM[spec.qk_norm], a.window or 0,
+            spec.rms_norm_eps, a.scale)
+
+    def applies(self, kv: KVCache, rope: RopeTables, rows: int) -> bool:
+        """For this step: one sequence, whole-head RoPE, a cache the kernel writes (checked once a step)."""
+        k = kv.k[0]
+        return (rows == 1 and rope.plain(self.spec.head_dim) and k.dtype == torch.bfloat16 and k.is_contiguous()
+                and kv.v[0].is_contiguous())
+
+    def begin(self, kv: KVCache, rope: RopeTables, row: int, position: int) -> None:
+        """The step's places: its cache row, its position's RoPE rows, and the work space for its context."""
+        heads, max_len, d = kv.k[0].shape[1:]
+        self.row_bytes = row * heads * max_len * d * 2  # bf16
+        self.max_len, self.position = max_len, position
+        offset = position * d * 2
+        self.cos, self.sin = rope.cos.data_ptr() + offset, rope.sin.data_ptr() + offset
+        need = max(self.products, position + 1 + 2 * d)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.float32)
+
+    def __call__(self, layer: int, delta: torch.Tensor | None, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += delta (the layer before's MLP or experts, None at the first), then += the attention: returns
+        (x [1, H], the post-attention norm of the residual; logits [1, E] of a fused router, else unset)."""
+        x, logits = self.x[layer], self.logits[layer]
+        if delta is not None:
+            delta = delta.contiguous()  # (held: its pointer must outlive the call)
+        self.lib.moetier_decode_block_bf16(
+            self.addresses[layer], self.residual.data_ptr(), None if delta is None else delta.data_ptr(),
+            kv.k[layer].data_ptr() + self.row_bytes, kv.v[layer].data_ptr() + self.row_bytes, self.max_len,
+            self.position, self.cos, self.sin, x.data_ptr(), logits.data_ptr(), self.work.data_ptr(), self.scratch.data_ptr())
+        return x, logits

@@ -1,0 +1,103 @@
+"""The native decode block: a one-sequence decode step with each layer's attention in one call gives the logits
+the layer-by-layer forward gives, bit for bit, in every family whose attention it computes; elsewhere it does not
+apply and the layer-by-layer forward runs."""
+
+import pytest
+import torch
+
+from moetier import Engine
+from moetier.engine.stats import GenerationStats
+from moetier.model import native
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
+from moetier.plan.route import DECODE, PREFILL
+
+pytestmark = pytest.mark.skipif(native.load().lib is None, reason="no native kernels on this machine")
+
+
+def decode_logits(engine, blocks: bool, steps: int = 6, max_len: int = 16) -> list[torch.Tensor]:
+    """A 3-token prefill, then `steps` decode steps (each feeding back its greedy token): every step's logits."""
+    model = engine.model
+    saved, model.blocks = model.blocks, model.blocks if blocks else None
+    try:
+        prompt = [5, 9, 13]
+        kv, stats = KVCache(engine.spec, 2, max_len, torch.bfloat16), GenerationStats()
+        engine.executor.begin_step(PREFILL, stats.phases)
+        out = [model.forward(StepBatch.prefill([prompt], [1]), kv)]
+        for i in range(steps):
+            engine.executor.begin_step(DECODE, stats.phases)
+            token = int(out[-1][0].float().argmax())
+            out.append(model.forward(StepBatch.decode_step([token], [1], [len(prompt) + i], 2), kv))
+    finally:
+        model.blocks = saved
+    return out
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("olmoe", {}),  # one norm over all heads' q and k
+    ("qwen3_moe", {}),  # a norm per head; renormalised top-k
+    ("qwen2_moe", {}),  # q/k/v biases; a gated shared expert
+    ("mixtral", {"sliding_window": 4}),  # a window the context outgrows
+])
+@pytest.mark.parametrize("budget", ["100%", "50%"])  # resident layers; planned layers with reads
+def test_the_block_gives_the_layer_by_layer_logits_bit_for_bit(tiny_store, family, overrides, budget):
+    _, path = tiny_store(family, dtype=torch.bfloat16, **overrides)
+    engine = Engine.from_pretrained(path, expert_memory=budget, kernels="native", progress=False)
+    with engine:
+        assert engine.model.blocks is not None
+        fused = decode_logits(engine, blocks=True)
+        layered = decode_logits(engine, blocks=False)
+    assert len(fused) == len(layered) == 7
+    for a, b in zip(fused, layered):
+        assert torch.equal(a, b)
+
+
+def test_the_block_writes_the_cache_the_layers_write(tiny_store):
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    engine = Engine.from_pretrained(path, expert_memory="100%", kernels="native", progress=False)
+    caches = []
+    with engine:
+        for blocks in (True, False):
+            model = engine.model
+            saved, model.blocks = model.blocks, model.blocks if blocks else None
+            kv, stats = KVCache(engine.spec, 1, 8, torch.bfloat16), GenerationStats()
+            engine.executor.begin_step(PREFILL, stats.phases)
+            model.forward(StepBatch.prefill([[3, 4]], [0]), kv)
+            engine.executor.begin_step(DECODE, stats.phases)
+            model.forward(StepBatch.decode_step([7], [0], [2], 1), kv)
+            model.blocks = saved
+            caches.append(kv)
+    for layer in range(engine.spec.num_layers):
+        assert caches[0].k[layer][0, :, 2].abs().sum() > 0  # the decode token's keys were written
+        assert torch.equal(caches[0].k[layer], caches[1].k[layer]) and torch.equal(caches[0].v[layer], caches[1].v[layer])
+
+
+@pytest.mark.parametrize("family,kernels,dense_precision", [
+    ("olmoe", "torch", "native"),  # the torch kernels
+    ("olmoe", "native", "int4"),  # quantized attention products
+    ("glm4_moe", "native", "native"),  # half-head RoPE, a sigmoid router
+    ("deepseek_v2", "native", "native"),  # latent attention
+    ("phimoe", "native", "native"),  # LayerNorm
+    ("gpt_oss", "native", "native"),  # sinks
+])
+def test_where_the_block_does_not_apply_the_layers_run(tiny_store, monkeypatch, family, kernels, dense_precision):
+    _, path = tiny_store(family, dtype=torch.bfloat16)
+    engine = Engine.from_pretrained(path, expert_memory="100%", kernels=kernels, dense_precision=dense_precision,
+                                    progress=False)
+    monkeypatch.setattr(type(engine.model), "_forward_blocks", lambda *a: pytest.fail("the blocks ran"))
+    with engine:
+        assert (engine.model.blocks is None) == (family != "glm4_moe")  # (GLM's blocks exist; its RoPE says no)
+        assert len(decode_logits(engine, blocks=True, steps=2)) == 3
+
+
+def test_a_batch_of_two_sequences_runs_the_layers(tiny_store, monkeypatch):
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    engine = Engine.from_pretrained(path, expert_memory="100%", kernels="native", progress=False)
+    with engine:
+        model = engine.model
+        monkeypatch.setattr(type(model), "_forward_blocks", lambda *a: pytest.fail("the blocks ran for two rows"))
+        kv, stats = KVCache(engine.spec, 2, 8, torch.bfloat16), GenerationStats()
+        engine.executor.begin_step(PREFILL, stats.phases)
+        model.forward(StepBatch.prefill([[3, 4], [5, 6]], [0, 1]), kv)
+        engine.executor.begin_step(DECODE, stats.phases)
+        assert model.forward(StepBatch.decode_step([7, 8], [0, 1], [2, 2], 2), kv).shape[0] == 2
