@@ -7,10 +7,10 @@ residual adds): ~4 ms of a ~50 ms bf16 step on OLMoE-1B-7B (Zen 4), measured as 
 native calls. The block calls the same kernels on the same values in the same order, so the logits are the
 same bit for bit (tests/model/test_decode_block.py).
 
-It applies where those kernels would all run natively anyway: bf16 weights on the native kernels (not quantized
-dense weights), RMSNorm, standard grouped-query attention with stacked q/k/v (no sinks, no latent attention, no
-q/k/v clamp), whole-head RoPE in halves, and a KV cache in the model's dtype. Elsewhere `make` returns None and the
-layer-by-layer forward runs."""
+It applies where those kernels would all run natively anyway: bf16 weights on the native kernels, or quantized
+attention products (`--dense-precision`) that their integer kernel computes; RMSNorm, standard grouped-query
+attention with stacked q/k/v (no sinks, no latent attention, no q/k/v clamp), whole-head RoPE in halves, and a KV
+cache in the model's dtype. Elsewhere `make` returns None and the layer-by-layer forward runs."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 from moetier.config import ModelSpec
 from moetier.model.attention import Attention
+from moetier.model.dense_quant import QuantizedDenseKernels, QuantizedMatrix
 from moetier.model.kernels import NativeKernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.rope import RopeTables
@@ -28,12 +29,18 @@ from moetier.model.router import SoftmaxRouter
 QK_NORM = {"none": 0, "full": 1, "head": 2}  # the C side's codes (moetier_decode_layer.qk_norm)
 
 
-class DecodeLayer(ctypes.Structure):
-    """`moetier_decode_layer`: one layer's weight pointers and shapes."""
+class Matrix(ctypes.Structure):
+    """`moetier_matrix`: a product's bf16 weight (bits 16) or quantized codes, scales and zeros; its bias."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias", "post_attn_norm", "router",
-        "router_bias")] + [(name, ctypes.c_long) for name in (
+    _fields_ = [(name, ctypes.c_void_p) for name in ("weight", "scales", "zeros", "bias")] + [
+        ("bits", ctypes.c_long), ("group", ctypes.c_long)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """`moetier_decode_layer`: one layer's norms, products and shapes."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "q_norm", "k_norm", "post_attn_norm")] + [
+        (name, Matrix) for name in ("qkv_proj", "o_proj", "router")] + [(name, ctypes.c_long) for name in (
             "hidden", "heads", "kv_heads", "head_dim", "num_experts", "qk_norm", "window")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
@@ -46,18 +53,33 @@ def _bf16(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def _base(kernels):
+    """The native kernels under `kernels` (QuantizedDenseKernels wraps them), or None."""
+    base = kernels.base if isinstance(kernels, QuantizedDenseKernels) else kernels
+    return base if isinstance(base, NativeKernels) else None
+
+
+def _product(weight, lib) -> bool:
+    """Whether the block computes this product as the kernels' `linear` does: bf16 rows, or a quantized matrix
+    their integer kernel takes (QuantizedDenseKernels' own test)."""
+    if isinstance(weight, QuantizedMatrix):
+        return bool(lib.moetier_qi_fits(weight.bits, weight.shape[1], weight.group))
+    return _bf16(weight)
+
+
 def _fits(spec: ModelSpec, embed: torch.Tensor, attn: list, layers: list[dict[str, torch.Tensor]], kernels) -> bool:
     """Whether every layer's attention block is what the native block computes, on the kernels it calls."""
-    if not isinstance(kernels, NativeKernels) or spec.norm != "rms" or spec.clip_qkv is not None or not _bf16(embed):
+    base = _base(kernels)
+    if base is None or spec.norm != "rms" or spec.clip_qkv is not None or not _bf16(embed):
         return False
     if spec.qk_norm not in QK_NORM:
         return False
     for a, w in zip(attn, layers):
         if type(a) is not Attention or a.qkv_proj is None:
             return False
-        tensors = [w["input_norm"], w["post_attn_norm"], a.qkv_proj, a.o_proj]
+        tensors = [w["input_norm"], w["post_attn_norm"]]
         tensors += [t for t in (a.qkv_bias, a.o_bias, a.q_norm, a.k_norm) if t is not None]
-        if not all(_bf16(t) for t in tensors):
+        if not all(_bf16(t) for t in tensors) or not all(_product(m, base.lib) for m in (a.qkv_proj, a.o_proj)):
             return False
     return True
 
@@ -69,10 +91,17 @@ def _router_fused(router, w: dict[str, torch.Tensor]) -> bool:
             and (w.get("router.bias") is None or _bf16(w["router.bias"])))
 
 
+def _matrix(weight, bias: torch.Tensor | None) -> Matrix:
+    if isinstance(weight, QuantizedMatrix):
+        q = weight.q
+        return Matrix(q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.zeros), _ptr(bias), weight.bits, weight.group)
+    return Matrix(_ptr(weight), None, None, _ptr(bias), 16, 0)
+
+
 class DecodeBlocks:
     def __init__(self, spec: ModelSpec, attn: list[Attention], layers: list[dict[str, torch.Tensor]], router,
-                 is_moe: list[bool], kernels: NativeKernels) -> None:
-        self.spec, self.lib = spec, kernels.lib
+                 is_moe: list[bool], kernels) -> None:
+        self.spec, self.lib = spec, _base(kernels).lib
         h, d = spec.hidden_size, spec.head_dim
         self.fused_router = [is_moe[i] and _router_fused(router, w) for i, w in enumerate(layers)]
         self.layers = [self._layer(a, w, fused) for a, w, fused in zip(attn, layers, self.fused_router)]
@@ -83,8 +112,8 @@ class DecodeBlocks:
         self.logits = torch.empty(n, 1, spec.num_experts or 1, dtype=torch.bfloat16)  # [L, 1, E]
         self.work = torch.empty(2 * h + 4 * (spec.num_heads + spec.num_kv_heads) * d, dtype=torch.bfloat16)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the products' and the attention's, grown to the context
-        self.products = max(h + (spec.num_heads + 2 * spec.num_kv_heads) * d, spec.num_heads * d + h,
-                            h + (spec.num_experts or 1))  # the largest K + N of its products, in floats
+        self.products = max(self._scratch(a.qkv_proj) for a in attn)  # floats for the largest product's work
+        self.products = max(self.products, *(self._scratch(a.o_proj) for a in attn), h + (spec.num_experts or 1))
 
     @classmethod
     def make(cls, spec: ModelSpec, embed: torch.Tensor, attn: list, layers: list[dict[str, torch.Tensor]], router,
@@ -94,12 +123,19 @@ class DecodeBlocks:
             return None
         return cls(spec, attn, layers, router, is_moe, kernels)
 
+    def _scratch(self, weight) -> int:
+        """Floats a product of `weight` needs: K + N for bf16 rows, the integer kernel's bytes for a quantized one."""
+        n, k = weight.shape
+        if isinstance(weight, QuantizedMatrix):
+            return self.lib.moetier_linear_qi_scratch(weight.bits, weight.group, n, k, 1) // 4 + 1
+        return n + k
+
     def _layer(self, a: Attention, w: dict[str, torch.Tensor], fused_router: bool) -> DecodeLayer:
         spec = self.spec
+        router = _matrix(w["router"], w.get("router.bias")) if fused_router else Matrix()
         return DecodeLayer(
-            _ptr(w["input_norm"]), _ptr(a.qkv_proj), _ptr(a.qkv_bias), _ptr(a.q_norm), _ptr(a.k_norm), _ptr(a.o_proj),
-            _ptr(a.o_bias), _ptr(w["post_attn_norm"]), _ptr(w["router"]) if fused_router else None,
-            _ptr(w.get("router.bias")) if fused_router else None, spec.hidden_size, spec.num_heads,
+            _ptr(w["input_norm"]), _ptr(a.q_norm), _ptr(a.k_norm), _ptr(w["post_attn_norm"]),
+            _matrix(a.qkv_proj, a.qkv_bias), _matrix(a.o_proj, a.o_bias), router, spec.hidden_size, spec.num_heads,
             spec.num_kv_heads, spec.head_dim, spec.num_experts or 1, QK_NORM[spec.qk_norm], a.window or 0,
             spec.rms_norm_eps, a.scale)
 
@@ -116,7 +152,7 @@ class DecodeBlocks:
         self.max_len, self.position = max_len, position
         offset = position * d * 2
         self.cos, self.sin = rope.cos.data_ptr() + offset, rope.sin.data_ptr() + offset
-        need = max(self.products, position + 1 + 2 * d)
+        need = max(self.products, self.lib.moetier_threads() * (position + 1 + 2 * d))  # (attention: a part a thread)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.float32)
 

@@ -270,7 +270,7 @@ class NativeKernels(TorchKernels):
             return super().decode_attention(q, keys, values, batch, window, scale)
         _, hkv, s_max, d = keys.shape
         out = torch.empty_like(q)
-        scratch = self._scratch(max(batch.lengths_host) + 2 * d)
+        scratch = self._scratch(self.lib.moetier_threads() * (max(batch.lengths_host) + 2 * d))  # a part a thread
         q_row, row_bytes = q[0].numel() * q.element_size(), hkv * s_max * d * keys.element_size()
         for i in range(b):  # one call a sequence (its own cache row and length: each as it would be alone)
             end = batch.lengths_host[i]  # the query sits at end - 1 and sees (end - 1 - window, end - 1]

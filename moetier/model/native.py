@@ -155,6 +155,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_swiglu_bf16_layer.restype = None
     lib.moetier_decode_block_bf16.argtypes = [p, p, p, p, p, n, n, p, p, p, p, p, p]
     lib.moetier_decode_block_bf16.restype = None
+    lib.moetier_threads.argtypes = []
+    lib.moetier_threads.restype = n
     return lib
 
 

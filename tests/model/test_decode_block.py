@@ -33,16 +33,20 @@ def decode_logits(engine, blocks: bool, steps: int = 6, max_len: int = 16) -> li
     return out
 
 
-@pytest.mark.parametrize("family,overrides", [
-    ("olmoe", {}),  # one norm over all heads' q and k
-    ("qwen3_moe", {}),  # a norm per head; renormalised top-k
-    ("qwen2_moe", {}),  # q/k/v biases; a gated shared expert
-    ("mixtral", {"sliding_window": 4}),  # a window the context outgrows
+@pytest.mark.parametrize("family,overrides,dense_precision", [
+    ("olmoe", {}, "native"),  # one norm over all heads' q and k
+    ("qwen3_moe", {}, "native"),  # a norm per head; renormalised top-k
+    ("qwen2_moe", {}, "native"),  # q/k/v biases; a gated shared expert
+    ("mixtral", {"sliding_window": 4}, "native"),  # a window the context outgrows
+    ("olmoe", {"hidden_size": 128}, "int4"),  # quantized attention products (their integer kernel's shapes)
+    ("qwen2_moe", {"hidden_size": 128}, "int8"),  # ... with biases added to the rounded products
 ])
 @pytest.mark.parametrize("budget", ["100%", "50%"])  # resident layers; planned layers with reads
-def test_the_block_gives_the_layer_by_layer_logits_bit_for_bit(tiny_store, family, overrides, budget):
+def test_the_block_gives_the_layer_by_layer_logits_bit_for_bit(tiny_store, family, overrides, dense_precision,
+                                                                budget):
     _, path = tiny_store(family, dtype=torch.bfloat16, **overrides)
-    engine = Engine.from_pretrained(path, expert_memory=budget, kernels="native", progress=False)
+    engine = Engine.from_pretrained(path, expert_memory=budget, kernels="native", dense_precision=dense_precision,
+                                    progress=False)
     with engine:
         assert engine.model.blocks is not None
         fused = decode_logits(engine, blocks=True)
@@ -72,16 +76,17 @@ def test_the_block_writes_the_cache_the_layers_write(tiny_store):
         assert torch.equal(caches[0].k[layer], caches[1].k[layer]) and torch.equal(caches[0].v[layer], caches[1].v[layer])
 
 
-@pytest.mark.parametrize("family,kernels,dense_precision", [
-    ("olmoe", "torch", "native"),  # the torch kernels
-    ("olmoe", "native", "int4"),  # quantized attention products
-    ("glm4_moe", "native", "native"),  # half-head RoPE, a sigmoid router
-    ("deepseek_v2", "native", "native"),  # latent attention
-    ("phimoe", "native", "native"),  # LayerNorm
-    ("gpt_oss", "native", "native"),  # sinks
+@pytest.mark.parametrize("family,kernels,dense_precision,overrides", [
+    ("olmoe", "torch", "native", {}),  # the torch kernels
+    ("olmoe", "native", "int4", {"hidden_size": 48}),  # quantized products the integer kernel does not take
+    ("glm4_moe", "native", "native", {}),  # half-head RoPE, a sigmoid router
+    ("deepseek_v2", "native", "native", {}),  # latent attention
+    ("phimoe", "native", "native", {}),  # LayerNorm
+    ("gpt_oss", "native", "native", {}),  # sinks
 ])
-def test_where_the_block_does_not_apply_the_layers_run(tiny_store, monkeypatch, family, kernels, dense_precision):
-    _, path = tiny_store(family, dtype=torch.bfloat16)
+def test_where_the_block_does_not_apply_the_layers_run(tiny_store, monkeypatch, family, kernels, dense_precision,
+                                                       overrides):
+    _, path = tiny_store(family, dtype=torch.bfloat16, **overrides)
     engine = Engine.from_pretrained(path, expert_memory="100%", kernels=kernels, dense_precision=dense_precision,
                                     progress=False)
     monkeypatch.setattr(type(engine.model), "_forward_blocks", lambda *a: pytest.fail("the blocks ran"))

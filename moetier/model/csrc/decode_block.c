@@ -18,12 +18,22 @@ void moetier_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *
 void moetier_rope_bf16(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *y, long heads, long d);
 void moetier_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, long hq,
                                    long hkv, long start, long end, long s_max, long d, float scale, float *scratch);
+void moetier_linear_qi(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, long group,
+                       const uint16_t *x, uint16_t *y, long N, long K, int T, char *scratch);
+
+/* A product's weight: bf16 rows (bits 16), or a quantized matrix's codes, scales and zeros (bits 8, 4 or 2: what
+   QuantizedDenseKernels.linear computes, its bias added to the rounded product as its `y + bias` adds it). */
+typedef struct {
+    const void *weight, *scales, *zeros;
+    const uint16_t *bias; /* NULL: none */
+    long bits, group;
+} moetier_matrix;
 
 /* One layer's weights (bf16; a NULL bias or norm is absent) and shapes, made once per layer by the caller.
    qk_norm: 0 none, 1 one norm over all heads (OLMoE), 2 per head over head_dim (Qwen3). window: 0 for none. */
 typedef struct {
-    const uint16_t *input_norm, *qkv_proj, *qkv_bias, *q_norm, *k_norm, *o_proj, *o_bias, *post_attn_norm;
-    const uint16_t *router, *router_bias; /* router NULL: the caller routes from `x` itself */
+    const uint16_t *input_norm, *q_norm, *k_norm, *post_attn_norm;
+    moetier_matrix qkv_proj, o_proj, router; /* router.weight NULL: the caller routes from `x` itself */
     long hidden, heads, kv_heads, head_dim, num_experts, qk_norm, window;
     float eps, scale;
 } moetier_decode_layer;
@@ -32,12 +42,22 @@ static inline void add_bf16(uint16_t *h, const uint16_t *d, long n) { /* torch's
     for (long i = 0; i < n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
 }
 
+/* y [N] = x [K] through m; scratch: floats for a bf16 product, bytes (moetier_linear_qi_scratch) for a quantized one. */
+static void product(const moetier_matrix *m, const uint16_t *x, uint16_t *y, long N, long K, float *scratch) {
+    if (m->bits == 16) {
+        moetier_linear_bf16(m->weight, x, m->bias, y, N, K, scratch);
+        return;
+    }
+    moetier_linear_qi((int)m->bits, m->weight, m->scales, m->zeros, m->group, x, y, N, K, 1, (char *)scratch);
+    if (m->bias) add_bf16(y, m->bias, N);
+}
+
 /* h [H]: the residual stream, updated in place: h += delta (if not NULL), then h += attention(norm(h)).
    x [H]: post_attn_norm(h) afterwards; logits [E]: the router's product of x (if L->router).
    k_cache, v_cache: this sequence's cache rows [kv_heads, max_len, head_dim]; the token sits at `position`.
    cos, sin: the RoPE table's rows [head_dim] at that position.
-   work: bf16, 2 H + 4 (heads + kv_heads) head_dim values; scratch: floats for the products (the largest K + N)
-   and the attention (position + 1 + 2 head_dim). */
+   work: bf16, 2 H + 4 (heads + kv_heads) head_dim values; scratch: what the products need (`product`) and the
+   attention (position + 1 + 2 head_dim floats for each of the team's threads). */
 void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const uint16_t *delta, uint16_t *k_cache,
                                uint16_t *v_cache, long max_len, long position, const uint16_t *cos, const uint16_t *sin,
                                uint16_t *x, uint16_t *logits, uint16_t *work, float *scratch) {
@@ -46,7 +66,7 @@ void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const
              *o = att + nq;
     if (delta) add_bf16(h, delta, H);
     moetier_rms_norm_bf16(h, L->input_norm, xn, 1, H, L->eps);
-    moetier_linear_bf16(L->qkv_proj, xn, L->qkv_bias, qkv, nqkv, H, scratch);
+    product(&L->qkv_proj, xn, qkv, nqkv, H, scratch);
     const uint16_t *qs = qkv, *ks = qkv + nq, *vs = qkv + nq + nkv;
     if (L->qk_norm == 1) { /* over all heads at once */
         moetier_rms_norm_bf16(qs, L->q_norm, qk, 1, nq, L->eps);
@@ -66,8 +86,8 @@ void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const
     const long end = position + 1, start = L->window && end > L->window ? end - L->window : 0;
     moetier_decode_attention_bf16(q, k_cache, v_cache, att, L->heads, L->kv_heads, start, end, max_len, d,
                                   L->scale, scratch);
-    moetier_linear_bf16(L->o_proj, att, L->o_bias, o, H, nq, scratch);
+    product(&L->o_proj, att, o, H, nq, scratch);
     add_bf16(h, o, H);
     moetier_rms_norm_bf16(h, L->post_attn_norm, x, 1, H, L->eps);
-    if (L->router) moetier_linear_bf16(L->router, x, L->router_bias, logits, L->num_experts, H, scratch);
+    if (L->router.weight) product(&L->router, x, logits, L->num_experts, H, scratch);
 }
