@@ -164,6 +164,32 @@ def test_decode_attention_matches_torch(kernels, window, d):
     assert ulps_apart(ours, ref).max().item() <= 2 and (ours == ref).float().mean().item() >= 0.9
 
 
+def test_decode_attention_is_the_same_on_one_thread_and_on_the_team(kernels):
+    """Heads split across threads (a context long enough to wake the team) compute what one thread computes."""
+    if not hasattr(kernels, "lib"):
+        pytest.skip("the torch kernels have no team of their own")
+    torch.manual_seed(1)
+    hq, hkv, s_max, d = 16, 4, 300, 128
+    keys, values = torch.randn(1, hkv, s_max, d).bfloat16(), torch.randn(1, hkv, s_max, d).bfloat16()
+    q = torch.randn(1, hq, d).bfloat16()
+    batch = StepBatch.decode_step([5], [0], [255], 1)  # 256 keys x 16 heads x 128: above the team's threshold
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.decode_attention(q, keys, values, batch, None, d ** -0.5)
+        torch.set_num_threads(max(2, threads))
+        team = kernels.decode_attention(q, keys, values, batch, None, d ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, team)
+    # and as near the exact attention as torch's kernel (which sums the keys in blocks) is
+    k64, v64 = (t[0, :, :256].double().repeat_interleave(hq // hkv, 0) for t in (keys, values))  # [hq, 256, d]
+    exact = torch.softmax(q[0].double()[:, None] @ k64.transpose(1, 2) * d ** -0.5, -1) @ v64  # [hq, 1, d]
+    torch_error = (TorchKernels().decode_attention(q, keys, values, batch, None, d ** -0.5)[0].double()
+                   - exact[:, 0]).abs().max()
+    assert (team[0].double() - exact[:, 0]).abs().max() <= 1.5 * torch_error
+
+
 def test_several_rows_and_views_fall_back_to_torch(kernels):
     w = torch.randn(8, 32).bfloat16()
     x = torch.randn(3, 32).bfloat16()
