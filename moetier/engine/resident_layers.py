@@ -36,6 +36,11 @@ class ResidentLayers:
         self.kernel = executor.expert_kernels[executor.precision]
         self.combine = executor.kernels.combine
         self.policy, self.counts = residency.policy, executor.counts
+        self.keys = [[ExpertKey(layer, e) for e in range(spec.num_experts)] for layer in spec.moe_layers]
+        # each layer's experts as the kernel's one native token call takes them (None: through `token`)
+        tables = [self.kernel.token_table(ws) for ws in self.weights]
+        self.tables = tables if all(t is not None for t in tables) else None
+        self.one_token = self._token_from if self.tables is not None else self._token
 
     def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, shared, step: int, phase: int) -> torch.Tensor:
@@ -43,23 +48,39 @@ class ResidentLayers:
         ids = topk_ids.cpu().numpy()  # [T, k] the layer's one host sync, as the planned path's
         weights = topk_weights.float().cpu().numpy()
         self.policy.on_route(RouteResult(layer, step, ids, weights, scores.cpu().numpy(), phase))
-        table = self.weights[self.index[layer]]
+        index = self.index[layer]
         if ids.shape[0] == 1:  # one token (a decode step at batch 1): no grouping, the kernel sums its experts
             order = np.argsort(ids[0], kind="stable")  # ascending ids: a plan's order of resident runs
-            experts = ids[0][order].tolist()
+            experts = ids[0][order]
             out = torch.empty_like(x)
-            ws = torch.from_numpy(weights[0][order]).to(x.device, topk_weights.dtype)  # as ExpertGroups weighs
-            self.kernel.token(out, x, ws, [table[e] for e in experts], self.combine)
+            self.one_token(index, out, x, experts, weights[0][order], topk_weights.dtype)
         else:
             counts = np.bincount(ids.ravel(), minlength=self.num_experts)  # [E]
-            experts = np.flatnonzero(counts).tolist()  # ascending
+            experts = np.flatnonzero(counts)  # ascending
             groups = ExpertGroups(x, ids, weights, counts, topk_weights.dtype, self.combine)
-            groups.compute_layer(experts, self.kernel, [table[e] for e in experts])
+            table = self.weights[index]
+            groups.compute_layer(experts.tolist(), self.kernel, [table[e] for e in experts])
             out = groups.combine()
-        for e in experts:
-            self.policy.on_access(ExpertKey(layer, e), self.precision, step)
+        keys = self.keys[index]
+        for e in experts.tolist():
+            self.policy.on_access(keys[e], self.precision, step)
         counters = self.counts.phases[phase]  # what CountingHook adds for a plan of resident runs
         counters.layer_steps += 1
         counters.needed += len(experts)
         counters.hits += len(experts)
         return out + shared() if shared is not None else out
+
+    def _token(self, index: int, out: torch.Tensor, x: torch.Tensor, experts: np.ndarray, weights: np.ndarray,
+               dtype: torch.dtype) -> None:
+        """Through the kernel's `token`, the weights in the router's dtype (as ExpertGroups weighs them)."""
+        ws = torch.from_numpy(weights).to(x.device, dtype)
+        table = self.weights[index]
+        self.kernel.token(out, x, ws, [table[e] for e in experts.tolist()], self.combine)
+
+    def _token_from(self, index: int, out: torch.Tensor, x: torch.Tensor, experts: np.ndarray, weights: np.ndarray,
+                    dtype: torch.dtype) -> None:
+        """From the layer's table: the fp32 weights are the values the native call reads from the router's either
+        way (a bf16 weight's value exactly)."""
+        if not x.is_contiguous():
+            return self._token(index, out, x, experts, weights, dtype)
+        self.kernel.token_from(out, x, weights, self.tables[index], experts)

@@ -19,6 +19,8 @@ Chosen once per precision when the executor is made, never per call by a flag.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,23 @@ NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the co
 
 
 Items = list[tuple[dict[str, torch.Tensor], int, int]]  # (a slot's tensors, first row, end row) an expert
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    """A layer's resident experts as a kernel's one native `token` call takes them (moetier.engine.resident_layers):
+    each expert's addresses, and the shapes the call needs. Made once; the slots must not move while it is used."""
+
+    ptrs: np.ndarray  # [E, P] int64: expert e's P addresses
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.ptrs.ndim != 2 or self.ptrs.dtype != np.int64:
+            raise ValueError(f"addresses must be [E, P] int64, got {self.ptrs.shape} {self.ptrs.dtype}")
+
+    def of(self, experts: np.ndarray) -> np.ndarray:
+        """[P, n] for the experts (ascending ids): one row of addresses a tensor, as the native calls read them."""
+        return np.ascontiguousarray(self.ptrs[experts].T)
 
 
 class OneByOne:
@@ -51,6 +70,10 @@ class OneByOne:
         self.layer(ys, xs, weights, [(w, e, e + 1) for e, w in enumerate(ws)])
         out.copy_(combine(x, torch.zeros(n, dtype=torch.long, device=x.device), ys))
 
+    def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
+        """A layer's experts `ws` (by id) for `token_from`, or None where `token` is the only way."""
+        return None
+
 
 class DenseExpert(OneByOne):
     def __init__(self, kernels: TorchKernels) -> None:
@@ -66,6 +89,25 @@ class DenseExpert(OneByOne):
               combine) -> None:
         """Through the kernels' `expert_token` (their `combine` is the one passed: the executor's kernels')."""
         self.kernels.expert_token(out, x, weights, [(w["gate_up_proj"], w["down_proj"]) for w in ws])
+
+    def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
+        lib, shape = getattr(self.kernels, "lib", None), ws[0]["down_proj"].shape  # [H, I]
+        tensors = [w[name] for w in ws for name in ("gate_up_proj", "down_proj")]
+        if (lib is None or any(w["down_proj"].shape != shape for w in ws)
+                or not all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)):
+            return None
+        return TokenTable(np.array([[w["gate_up_proj"].data_ptr(), w["down_proj"].data_ptr()] for w in ws],
+                                   dtype=np.int64), tuple(shape))
+
+    def token_from(self, out: torch.Tensor, x: torch.Tensor, weights: np.ndarray, table: TokenTable,
+                   experts: np.ndarray) -> None:
+        """`token` for the experts (ascending ids) of `table`, their routing weights as fp32 [n] (the values the
+        native call reads either way), x and out contiguous: `moetier_swiglu_bf16_token` with no tensors to look
+        through and no weights to convert (~60 us a layer of Python at batch 1 with the caches cold)."""
+        ptrs, (h, i), n = table.of(experts), table.shape, len(experts)  # [2, n]
+        p, kernels = ptrs.ctypes.data, self.kernels
+        kernels.lib.moetier_swiglu_bf16_token(n, p, p + ptrs.strides[0], x.data_ptr(), weights.ctypes.data,
+                                              out.data_ptr(), h, i, kernels._scratch(h + n * (i + h)))
 
 
 class ClampedSwigluExpert(OneByOne):
@@ -179,6 +221,24 @@ class QuantizedExpert(OneByOne):
                                     p + 5 * row, dn_group, x.data_ptr(), self.route_weights.of(weights).data_ptr(),
                                     out.data_ptr(), h, i, self._scratch(lib.moetier_swiglu_qi_token_scratch(
                                         self.bits, gu_group, dn_group, h, i, n)))
+
+    def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
+        h = ws[0]["down_proj.scales"].shape[0]  # (down's rows: the hidden size)
+        shape = _shape(ws[0], h)
+        if self.lib is None or not self._fits(h, *shape) or any(_shape(w, h) != shape for w in ws):
+            return None
+        return TokenTable(np.ascontiguousarray(_pointers(ws).T), (h, *shape))
+
+    def token_from(self, out: torch.Tensor, x: torch.Tensor, weights: np.ndarray, table: TokenTable,
+                   experts: np.ndarray) -> None:
+        """`token`'s integer path for the experts (ascending ids) of `table`, weights fp32 [n], x and out
+        contiguous: `moetier_swiglu_qi_token` with no tensors to look through and no weights to convert."""
+        ptrs, (h, i, gu_group, dn_group), n = table.of(experts), table.shape, len(experts)  # [6, n]
+        p, row, lib = ptrs.ctypes.data, ptrs.strides[0], self.lib
+        lib.moetier_swiglu_qi_token(self.bits, n, p, p + row, p + 2 * row, gu_group, p + 3 * row, p + 4 * row,
+                                    p + 5 * row, dn_group, x.data_ptr(), weights.ctypes.data, out.data_ptr(), h, i,
+                                    self._scratch(lib.moetier_swiglu_qi_token_scratch(self.bits, gu_group, dn_group,
+                                                                                      h, i, n)))
 
     def _fits(self, h: int, i: int, gu_group: int, dn_group: int) -> bool:
         key = (h, i, gu_group, dn_group)

@@ -2,15 +2,26 @@
 output bit for bit, the same counters, the same calls to the policy — and planning returns as soon as that stops
 holding."""
 
+import shutil
+
 import pytest
 import torch
 
+from moetier import Engine
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LRUPolicy
 from moetier.engine.expert_executor import ExpertExecutor
+from moetier.engine.resident_layers import ResidentLayers
+from moetier.engine.stats import GenerationStats
+from moetier.model import native
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
+from moetier.plan.precision import MixedPrecision
+from moetier.plan.route import DECODE, PREFILL
 from moetier.plan.step import LayerHook
 from moetier.plan.substitute import Substitution
 from moetier.store.reader import ExpertReader
+from moetier.store.variants import add_precisions
 from moetier.store.store import Store
 
 
@@ -101,3 +112,42 @@ def test_layers_are_planned_while_an_expert_is_missing_or_a_hook_listens(tiny_st
         assert executor.resident_layers is None  # another stage plans (here SMoE's, whose α a run may raise)
     finally:
         reader.close()
+
+
+def decode_logits(engine, steps: int = 4) -> list[torch.Tensor]:
+    """A 3-token prefill and `steps` greedy decode steps at batch 1, every expert resident: each step's logits."""
+    kv, stats = KVCache(engine.spec, 1, 16, torch.bfloat16), GenerationStats()
+    engine.executor.begin_step(PREFILL, stats.phases)
+    out = [engine.model.forward(StepBatch.prefill([[5, 9, 13]], [0]), kv)]
+    for i in range(steps):
+        engine.executor.begin_step(DECODE, stats.phases)
+        assert engine.executor.resident_layers is not None
+        token = int(out[-1][0].float().argmax())
+        out.append(engine.model.forward(StepBatch.decode_step([token], [0], [3 + i], 1), kv))
+    return out
+
+
+@pytest.mark.skipif(native.load().lib is None, reason="no native kernels on this machine")
+@pytest.mark.parametrize("precision", ["native", "int8", "int4"])
+def test_a_layers_token_table_computes_what_its_token_call_computes(tiny_store, tmp_path, monkeypatch, precision):
+    """The native call from the layer's table of addresses, weights as fp32 (ResidentLayers._token_from), against
+    the kernel's `token` on the slots' tensors with the router's weights: the same logits bit for bit."""
+    _, source = tiny_store("olmoe", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64)
+    path = tmp_path / "store"
+    shutil.copytree(source, path)
+    if precision != "native":
+        add_precisions(path, precision, progress=False)  # (shapes the integer kernel takes)
+    runs, called = {}, []
+    for name in ("table", "token"):
+        with monkeypatch.context() as m:
+            if name == "token":
+                m.setattr(ResidentLayers, "_token_from", ResidentLayers._token)
+            else:
+                m.setattr(ResidentLayers, "_token", lambda *a: called.append(a) or pytest.fail("not the table"))
+            engine = Engine.from_pretrained(path, expert_memory="100%", kernels="native",
+                                            precision=MixedPrecision(precision), progress=False)
+            with engine:
+                engine.preload()
+                runs[name] = decode_logits(engine)
+                assert engine.executor.resident_layers.tables is not None  # (the kernel takes tables here)
+    assert all(torch.equal(a, b) for a, b in zip(runs["table"], runs["token"])) and not called
