@@ -21,8 +21,8 @@ from moetier.plan.route import DECODE, PREFILL
 from moetier.plan.step import LayerHook
 from moetier.plan.substitute import Substitution
 from moetier.store.reader import ExpertReader
-from moetier.store.variants import add_precisions
 from moetier.store.store import Store
+from moetier.store.variants import add_precisions
 
 
 class RecordingLRU(LRUPolicy):
