@@ -1,8 +1,10 @@
 """Where a resident batch-1 decode step's time goes, part by part (ms per token), for each kernel set.
 
 With every expert resident (this script's budget) a layer is not planned (moetier.engine.resident_layers): the
-layer step's parts are called only where planning runs, e.g. with a prefetch or substitution stage; and a decode
-step at batch 1 computes its token's experts in one call (`token`: no grouping, no combine).
+layer step's parts are called only where planning runs, e.g. with a prefetch or substitution stage; a decode
+step at batch 1 computes its token's experts in one call (`token`, or `token_from` a layer's table of addresses:
+no grouping, no combine); and on the native kernels each layer's attention block is one native call
+(moetier.model.decode_block), so the attention's own parts are timed only where that does not apply.
 
 Each part is timed by wrapping the function that does it (inclusive times: `attention` contains its
 projections, `moe` contains everything the expert executor does); the wrappers cost ~1 us a call, a few
@@ -28,13 +30,14 @@ from common import OUT, run_child  # noqa: E402
 
 # (label, module, class or None, attribute): what is timed. Indented labels are parts of the one above.
 PARTS = (
+    ("attention block (one native call)", "moetier.model.decode_block", "DecodeBlocks", "__call__"),
     ("attention (all of it)", "moetier.model.attention", "Attention", "__call__"),
     ("  decode attention", "moetier.model.kernels", "{kernels}", "decode_attention"),
     ("  rope", "moetier.model.kernels", "{kernels}", "rope"),
     ("  kv write", "moetier.model.kernels", "{kernels}", "kv_write"),
     ("rms_norm (every norm)", "moetier.model.kernels", "{kernels}", "rms_norm"),
     ("linear (attention, lm_head)", "{linear_module}", "{linear_owner}", "linear"),
-    ("router", "moetier.model.router", "{router}", "__call__"),
+    ("router", "moetier.model.router", "{router}", "{router_call}"),
     ("moe: the executor (all of it)", "moetier.engine.expert_executor", "ExpertExecutor", "__call__"),
     ("  resident layer (no plan)", "moetier.engine.resident_layers", "ResidentLayers", "__call__"),
     ("  layer step: begin (plan)", "moetier.plan.step", "LayerStep", "begin"),
@@ -42,6 +45,7 @@ PARTS = (
     ("  expert matmuls (one by one)", "moetier.engine.grouping", "ExpertGroups", "compute"),
     ("  expert matmuls (a layer's)", "moetier.engine.grouping", "ExpertGroups", "compute_layer"),
     ("  expert matmuls (one token's)", "moetier.model.expert_kernels", "{expert}", "token"),
+    ("  expert matmuls (one token's, table)", "moetier.model.expert_kernels", "{expert}", "token_from"),
     ("  combine", "moetier.engine.grouping", "ExpertGroups", "combine"),
     ("  layer step: end (accesses)", "moetier.plan.step", "LayerStep", "end"),
     ("sampling", "moetier.engine.scheduler", None, "sample"),
@@ -53,6 +57,7 @@ def child(cfg: dict) -> dict:
 
     from moetier import Engine
     from moetier.plan.precision import MixedPrecision
+    from moetier.model.router import SoftmaxRouter
     from moetier.plan.route import DECODE
 
     engine = Engine.from_pretrained(cfg["model"], expert_memory="100%", progress=False, kernels=cfg["kernels"],
@@ -64,7 +69,10 @@ def child(cfg: dict) -> dict:
     engine.step_hooks.append(lambda batch, p: phase.__setitem__(0, p))
     linear = type(engine.model.kernels)  # the model's: QuantizedDenseKernels with --dense-precision
     expert = type(engine.executor.expert_kernels[engine.executor.precision])  # QuantizedExpert, DenseExpert, ...
-    names = {"kernels": type(engine.kernels).__name__, "router": type(engine.model.router).__name__,
+    router = type(engine.model.router)
+    names = {"kernels": type(engine.kernels).__name__, "router": router.__name__,
+             # (a softmax router's `route` is what both the layers and the decode blocks call)
+             "router_call": "route" if router.__call__ is SoftmaxRouter.__call__ else "__call__",
              "expert": expert.__name__,
              "linear_module": linear.__module__, "linear_owner": linear.__name__}
 
@@ -83,6 +91,7 @@ def child(cfg: dict) -> dict:
         target = importlib.import_module(module.format(**names))
         if owner is not None:
             target = getattr(target, owner.format(**names))
+        attr = attr.format(**names)
         setattr(target, attr, timed(label, getattr(target, attr)))
     model_kernels = engine.model.kernels
     if model_kernels is not engine.kernels:  # QuantizedDenseKernels bound its base's methods when it was made
