@@ -1,0 +1,108 @@
+"""A feature of the batch-1 decode step on and off, alternated every step within one generation: the median step
+with and without it, and each adjacent pair's ratio.
+
+Why: on a host whose memory rate moves by half from one minute (or process) to the next, two runs measured one
+after the other compare the minutes more than the code; two neighbouring steps of one run meet the same memory.
+Both variants compute the same tokens (each feature is held bit for bit by its tests), so the generation itself
+does not change.
+
+    python bench/alternate_steps.py --model ~/.cache/moetier/bench/olmoe-1b-7b-synth --feature blocks
+    python bench/alternate_steps.py --model ... --precision int4 --dense-precision int4 --feature tables --tokens 300
+
+Features: `blocks` — each layer's attention block in one native call (moetier/model/decode_block.py) against the
+layer-by-layer forward; `tables` — a resident layer's experts from its table of addresses
+(ResidentLayers._token_from) against the kernel's `token` on the slots' tensors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from common import OUT  # noqa: E402
+
+FEATURES = ("blocks", "tables")
+
+
+def switch(engine, feature: str):
+    """A function turning `feature` on or off for the next step."""
+    blocks = engine.model.blocks
+
+    def set_on(on: bool) -> None:
+        if feature == "blocks":
+            engine.model.blocks = blocks if on else None
+            return
+        resident = engine.executor.resident_layers  # (this step's: begin_step ran before the step hooks)
+        if resident is not None and resident.tables is not None:
+            resident.one_token = resident._token_from if on else resident._token
+    return set_on
+
+
+def measure(engine, feature: str, tokens: int, prompt_len: int) -> dict:
+    from moetier.plan.route import DECODE
+
+    set_on = switch(engine, feature)
+    marks: list[tuple[float, bool]] = []  # (when a decode step starts, whether the feature is on in it)
+
+    def hook(batch, phase) -> None:
+        if phase == DECODE:
+            on = len(marks) % 2 == 1
+            set_on(on)
+            marks.append((time.perf_counter(), on))
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(prompt_len)]
+    engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
+    engine.step_hooks.append(hook)
+    try:
+        engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True)
+    finally:
+        engine.step_hooks.remove(hook)
+        set_on(True)
+    steps = [(b - a, on) for (a, on), (b, _) in zip(marks, marks[1:])][2:]  # (the first two: still settling)
+    steps = steps[:len(steps) // 2 * 2]
+    pairs = [(on_t if on else off_t) / (off_t if on else on_t)
+             for (on_t, on), (off_t, _) in zip(steps[0::2], steps[1::2])]  # on / off, neighbours
+    on_s = [t for t, on in steps if on]
+    off_s = [t for t, on in steps if not on]
+    return dict(feature=feature, steps=len(steps), on_ms=statistics.median(on_s) * 1e3,
+                off_ms=statistics.median(off_s) * 1e3, ratio=statistics.median(pairs),
+                faster=sum(p < 1 for p in pairs), pairs=len(pairs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo-deep-xl")
+    ap.add_argument("--feature", choices=FEATURES, default="blocks")
+    ap.add_argument("--precision", default="native")
+    ap.add_argument("--dense-precision", default="native")
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=OUT, help="folder for alternate_steps.json")
+    args = ap.parse_args()
+
+    from moetier import Engine
+    from moetier.plan.precision import MixedPrecision
+
+    engine = Engine.from_pretrained(args.model, expert_memory="100%", progress=False,
+                                    precision=MixedPrecision(args.precision), dense_precision=args.dense_precision)
+    with engine:
+        engine.preload()
+        if args.feature == "blocks" and engine.model.blocks is None:
+            sys.exit("moetier: error: this model and kernel set have no decode blocks to turn off")
+        result = measure(engine, args.feature, args.tokens, args.prompt_len)
+    result.update(model=args.model, precision=args.precision, dense_precision=args.dense_precision)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "alternate_steps.json").write_text(json.dumps(result, indent=1))
+    print(f"{args.feature}: on {result['on_ms']:.2f} ms, off {result['off_ms']:.2f} ms a step; on/off of neighbouring "
+          f"steps {result['ratio']:.3f} (median of {result['pairs']}, {result['faster']} faster on)")
+
+
+if __name__ == "__main__":
+    main()

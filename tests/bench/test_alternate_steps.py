@@ -1,0 +1,28 @@
+"""bench/alternate_steps.py stays runnable: each feature is turned on and off in alternate steps of one run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetier.model import native
+from tests.tiny_models import build_tiny
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "alternate_steps.py"
+
+
+@pytest.mark.skipif(native.load().lib is None, reason="no native kernels on this machine")
+@pytest.mark.parametrize("feature", ["blocks", "tables"])
+def test_alternate_steps_measures_both_sides(tmp_path, feature):
+    model = tmp_path / "tiny"
+    build_tiny("olmoe", model, dtype=torch.bfloat16)
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--feature", feature, "--tokens", "12",
+                        "--prompt-len", "4", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out" / "alternate_steps.json").read_text())
+    assert result["feature"] == feature and result["pairs"] == result["steps"] // 2 >= 4
+    assert result["on_ms"] > 0 and result["off_ms"] > 0 and 0 <= result["faster"] <= result["pairs"]
