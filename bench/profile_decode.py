@@ -56,8 +56,8 @@ def child(cfg: dict) -> dict:
     import importlib
 
     from moetier import Engine
-    from moetier.plan.precision import MixedPrecision
     from moetier.model.router import SoftmaxRouter
+    from moetier.plan.precision import MixedPrecision
     from moetier.plan.route import DECODE
 
     engine = Engine.from_pretrained(cfg["model"], expert_memory="100%", progress=False, kernels=cfg["kernels"],
