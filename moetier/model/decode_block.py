@@ -3,9 +3,10 @@ add of the layer before, the norms, the stacked q/k/v product, RoPE, the KV writ
 product, the router's product — what `Transformer.forward` does between two expert calls.
 
 Why: at batch 1 those are ~10 calls a layer through Python, ctypes and torch (views, `empty`, `data_ptr`, the
-residual adds): ~4 ms of a ~50 ms bf16 step on OLMoE-1B-7B (Zen 4), measured as the step's time outside the
-native calls. The block calls the same kernels on the same values in the same order, so the logits are the
-same bit for bit (tests/model/test_decode_block.py).
+residual adds), each run with the caches cold from the weights streamed just before. On OLMoE-1B-7B (Zen 4) a
+resident step's time outside the native calls fell from ~8 to ~6 ms in bf16 and from ~5 to ~3 ms with int4 (the
+step 3% and 9% faster, bench/alternate_steps.py). The block calls the same kernels on the same values in the same
+order, so the logits are the same bit for bit (tests/model/test_decode_block.py).
 
 It applies where those kernels would all run natively anyway: bf16 weights on the native kernels, or quantized
 attention products (`--dense-precision`) that their integer kernel computes; RMSNorm, standard grouped-query
@@ -112,8 +113,8 @@ class DecodeBlocks:
         self.logits = torch.empty(n, 1, spec.num_experts or 1, dtype=torch.bfloat16)  # [L, 1, E]
         self.work = torch.empty(2 * h + 4 * (spec.num_heads + spec.num_kv_heads) * d, dtype=torch.bfloat16)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the products' and the attention's, grown to the context
-        self.products = max(self._scratch(a.qkv_proj) for a in attn)  # floats for the largest product's work
-        self.products = max(self.products, *(self._scratch(a.o_proj) for a in attn), h + (spec.num_experts or 1))
+        products = [self._scratch(a.qkv_proj) for a in attn] + [self._scratch(a.o_proj) for a in attn]
+        self.products = max(*products, h + (spec.num_experts or 1))  # floats for the largest product (router's too)
 
     @classmethod
     def make(cls, spec: ModelSpec, embed: torch.Tensor, attn: list, layers: list[dict[str, torch.Tensor]], router,
@@ -165,5 +166,6 @@ class DecodeBlocks:
         self.lib.moetier_decode_block_bf16(
             self.addresses[layer], self.residual.data_ptr(), None if delta is None else delta.data_ptr(),
             kv.k[layer].data_ptr() + self.row_bytes, kv.v[layer].data_ptr() + self.row_bytes, self.max_len,
-            self.position, self.cos, self.sin, x.data_ptr(), logits.data_ptr(), self.work.data_ptr(), self.scratch.data_ptr())
+            self.position, self.cos, self.sin, x.data_ptr(), logits.data_ptr(), self.work.data_ptr(),
+            self.scratch.data_ptr())
         return x, logits

@@ -56,6 +56,23 @@ def test_the_block_gives_the_layer_by_layer_logits_bit_for_bit(tiny_store, famil
         assert torch.equal(a, b)
 
 
+def test_smoes_lookahead_from_a_blocks_residual_leaves_the_logits_exact(tiny_store, monkeypatch):
+    """The look-ahead predictor runs the next layer's attention on the residual the blocks keep (`_h`) while a
+    layer's experts run: the blocks' step still gives the layer-by-layer logits."""
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=3)
+    engine = Engine.from_pretrained(path, expert_memory="50%", kernels="native", prefetch="smoe",
+                                    predictor="smoe-lookahead", progress=False)
+    looked = []
+    lookahead = type(engine.model).lookahead
+    monkeypatch.setattr(type(engine.model), "lookahead", lambda *a: looked.append(a[1:]) or lookahead(*a))
+    with engine:
+        assert engine.model.blocks is not None
+        fused = decode_logits(engine, blocks=True)
+        assert looked  # (the predictor did look ahead during the blocks' steps)
+        layered = decode_logits(engine, blocks=False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, layered))
+
+
 def test_the_block_writes_the_cache_the_layers_write(tiny_store):
     _, path = tiny_store("olmoe", dtype=torch.bfloat16)
     engine = Engine.from_pretrained(path, expert_memory="100%", kernels="native", progress=False)
@@ -73,7 +90,8 @@ def test_the_block_writes_the_cache_the_layers_write(tiny_store):
             caches.append(kv)
     for layer in range(engine.spec.num_layers):
         assert caches[0].k[layer][0, :, 2].abs().sum() > 0  # the decode token's keys were written
-        assert torch.equal(caches[0].k[layer], caches[1].k[layer]) and torch.equal(caches[0].v[layer], caches[1].v[layer])
+        assert torch.equal(caches[0].k[layer], caches[1].k[layer])
+        assert torch.equal(caches[0].v[layer], caches[1].v[layer])
 
 
 @pytest.mark.parametrize("family,kernels,dense_precision,overrides", [

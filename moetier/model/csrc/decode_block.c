@@ -3,8 +3,8 @@
    the cache, the output product, the residual add, the post-attention norm and the router's product.
 
    Why: each of those is a native kernel already, but reached from Python they cost ~10 ctypes calls, as many
-   torch tensors and views, and the residual adds as torch ops: ~0.25 ms a layer of a ~3.3 ms bf16 layer on
-   OLMoE-1B-7B (Zen 4), the Python the weights stream then evicts from the caches. Here the same kernels run in
+   torch tensors and views, and the residual adds as torch ops, all run with the caches cold from the weights just
+   streamed (moetier/model/decode_block.py has the measurements). Here the same kernels run in
    the same order on the same values, every intermediate rounded to bf16 where the reference rounds it, so the
    output is bit for bit what the separate calls give (tests/model/test_decode_block.py). */
 
@@ -29,7 +29,7 @@ typedef struct {
     long bits, group;
 } moetier_matrix;
 
-/* One layer's weights (bf16; a NULL bias or norm is absent) and shapes, made once per layer by the caller.
+/* One layer's norms (bf16; NULL: absent), products and shapes, made once per layer by the caller.
    qk_norm: 0 none, 1 one norm over all heads (OLMoE), 2 per head over head_dim (Qwen3). window: 0 for none. */
 typedef struct {
     const uint16_t *input_norm, *q_norm, *k_norm, *post_attn_norm;
