@@ -110,8 +110,10 @@ class DecodeBlocks:
         n = len(layers)
         self.residual = torch.empty(1, h, dtype=torch.bfloat16)  # [1, H] updated in place, layer by layer
         self.x = torch.empty(n, 1, h, dtype=torch.bfloat16)  # each layer's normed input to its MLP or experts
-        self.logits = torch.empty(n, 1, spec.num_experts or 1, dtype=torch.bfloat16)  # [L, 1, E]
-        self.work = torch.empty(2 * h + 4 * (spec.num_heads + spec.num_kv_heads) * d, dtype=torch.bfloat16)
+        # [L, 1, E] the router's bf16 logits as floats: exactly what its softmax in fp32 would widen them to
+        self.logits = torch.empty(n, 1, spec.num_experts or 1, dtype=torch.float32)
+        self.work = torch.empty(2 * h + 4 * (spec.num_heads + spec.num_kv_heads) * d + (spec.num_experts or 1),
+                                dtype=torch.bfloat16)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the products' and the attention's, grown to the context
         products = [self._scratch(a.qkv_proj) for a in attn] + [self._scratch(a.o_proj) for a in attn]
         self.products = max(*products, h + (spec.num_experts or 1))  # floats for the largest product (router's too)
@@ -159,7 +161,7 @@ class DecodeBlocks:
 
     def __call__(self, layer: int, delta: torch.Tensor | None, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += delta (the layer before's MLP or experts, None at the first), then += the attention: returns
-        (x [1, H], the post-attention norm of the residual; logits [1, E] of a fused router, else unset)."""
+        (x [1, H], the post-attention norm of the residual; logits [1, E] fp32 of a fused router, else unset)."""
         x, logits = self.x[layer], self.logits[layer]
         if delta is not None:
             delta = delta.contiguous()  # (held: its pointer must outlive the call)

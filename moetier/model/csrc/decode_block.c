@@ -53,17 +53,18 @@ static void product(const moetier_matrix *m, const uint16_t *x, uint16_t *y, lon
 }
 
 /* h [H]: the residual stream, updated in place: h += delta (if not NULL), then h += attention(norm(h)).
-   x [H]: post_attn_norm(h) afterwards; logits [E]: the router's product of x (if L->router).
+   x [H]: post_attn_norm(h) afterwards; logits [E]: the router's bf16 product of x as floats (if L->router.weight:
+   the values the router's softmax would widen them to, so it need not).
    k_cache, v_cache: this sequence's cache rows [kv_heads, max_len, head_dim]; the token sits at `position`.
    cos, sin: the RoPE table's rows [head_dim] at that position.
-   work: bf16, 2 H + 4 (heads + kv_heads) head_dim values; scratch: what the products need (`product`) and the
+   work: bf16, 2 H + 4 (heads + kv_heads) head_dim + num_experts values; scratch: what the products need (`product`) and the
    attention (position + 1 + 2 head_dim floats for each of the team's threads). */
 void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const uint16_t *delta, uint16_t *k_cache,
                                uint16_t *v_cache, long max_len, long position, const uint16_t *cos, const uint16_t *sin,
-                               uint16_t *x, uint16_t *logits, uint16_t *work, float *scratch) {
+                               uint16_t *x, float *logits, uint16_t *work, float *scratch) {
     const long H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, nqkv = nq + 2 * nkv;
     uint16_t *xn = work, *qkv = xn + H, *qk = qkv + nqkv, *q = qk + nq + nkv, *k = q + nq, *att = k + nkv,
-             *o = att + nq;
+             *o = att + nq, *router = o + H;
     if (delta) add_bf16(h, delta, H);
     moetier_rms_norm_bf16(h, L->input_norm, xn, 1, H, L->eps);
     product(&L->qkv_proj, xn, qkv, nqkv, H, scratch);
@@ -89,5 +90,8 @@ void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const
     product(&L->o_proj, att, o, H, nq, scratch);
     add_bf16(h, o, H);
     moetier_rms_norm_bf16(h, L->post_attn_norm, x, 1, H, L->eps);
-    if (L->router.weight) product(&L->router, x, logits, L->num_experts, H, scratch);
+    if (L->router.weight) {
+        product(&L->router, x, router, L->num_experts, H, scratch);
+        for (long e = 0; e < L->num_experts; e++) logits[e] = bf16_to_f32(router[e]);
+    }
 }
