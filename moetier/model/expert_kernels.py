@@ -104,10 +104,7 @@ class DenseExpert(OneByOne):
         """`token` for the experts (ascending ids) of `table`, their routing weights as fp32 [n] (the values the
         native call reads either way), x and out contiguous: `moetier_swiglu_bf16_token` with no tensors to look
         through and no weights to convert (~60 us a layer of Python at batch 1 with the caches cold)."""
-        ptrs, (h, i), n = table.of(experts), table.shape, len(experts)  # [2, n]
-        p, kernels = ptrs.ctypes.data, self.kernels
-        kernels.lib.moetier_swiglu_bf16_token(n, p, p + ptrs.strides[0], x.data_ptr(), weights.ctypes.data,
-                                              out.data_ptr(), h, i, kernels._scratch(h + n * (i + h)))
+        self.kernels.swiglu_token(out, x, weights.ctypes.data, table.of(experts), table.shape[1])
 
 
 class ClampedSwigluExpert(OneByOne):
@@ -209,18 +206,12 @@ class QuantizedExpert(OneByOne):
         """The integer path in one call (`moetier_swiglu_qi_token`: the row quantized once for every expert, the
         outputs summed as the combine sums them, bit for bit what `layer` and the combine give); otherwise as
         OneByOne."""
-        n, h = len(ws), x.shape[1]
+        h = x.shape[1]
         i, gu_group, dn_group = _shape(ws[0], h)
         if (self.lib is None or not (x.is_contiguous() and out.is_contiguous())
                 or not self._fits(h, i, gu_group, dn_group)):
             return super().token(out, x, weights, ws, combine)
-        ptrs = _pointers(ws)  # [6, n]
-        p, row = ptrs.ctypes.data, ptrs.strides[0]
-        lib = self.lib
-        lib.moetier_swiglu_qi_token(self.bits, n, p, p + row, p + 2 * row, gu_group, p + 3 * row, p + 4 * row,
-                                    p + 5 * row, dn_group, x.data_ptr(), self.route_weights.of(weights).data_ptr(),
-                                    out.data_ptr(), h, i, self._scratch(lib.moetier_swiglu_qi_token_scratch(
-                                        self.bits, gu_group, dn_group, h, i, n)))
+        self._token_call(out, x, self.route_weights.of(weights).data_ptr(), _pointers(ws), (h, i, gu_group, dn_group))
 
     def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
         h = ws[0]["down_proj.scales"].shape[0]  # (down's rows: the hidden size)
@@ -233,10 +224,16 @@ class QuantizedExpert(OneByOne):
                    experts: np.ndarray) -> None:
         """`token`'s integer path for the experts (ascending ids) of `table`, weights fp32 [n], x and out
         contiguous: `moetier_swiglu_qi_token` with no tensors to look through and no weights to convert."""
-        ptrs, (h, i, gu_group, dn_group), n = table.of(experts), table.shape, len(experts)  # [6, n]
+        self._token_call(out, x, weights.ctypes.data, table.of(experts), table.shape)
+
+    def _token_call(self, out: torch.Tensor, x: torch.Tensor, weights: int, ptrs: np.ndarray,
+                    shape: tuple[int, int, int, int]) -> None:
+        """moetier_swiglu_qi_token: `weights` the address of n fp32 routing weights; ptrs [6, n] contiguous (each
+        expert's codes, scales, zeros of both matrices); shape (H, I, gate_up group, down group)."""
+        (h, i, gu_group, dn_group), n = shape, ptrs.shape[1]
         p, row, lib = ptrs.ctypes.data, ptrs.strides[0], self.lib
         lib.moetier_swiglu_qi_token(self.bits, n, p, p + row, p + 2 * row, gu_group, p + 3 * row, p + 4 * row,
-                                    p + 5 * row, dn_group, x.data_ptr(), weights.ctypes.data, out.data_ptr(), h, i,
+                                    p + 5 * row, dn_group, x.data_ptr(), weights, out.data_ptr(), h, i,
                                     self._scratch(lib.moetier_swiglu_qi_token_scratch(self.bits, gu_group, dn_group,
                                                                                       h, i, n)))
 

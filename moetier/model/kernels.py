@@ -181,11 +181,16 @@ class NativeKernels(TorchKernels):
         h, i = items[0][1].shape
         if not (x.is_contiguous() and out.is_contiguous()) or x.shape[0] != 1:
             return super().expert_token(out, x, weights, items)
-        n = len(items)
         ptrs = np.array([[gu.data_ptr() for gu, _ in items], [d.data_ptr() for _, d in items]],
                         dtype=np.int64)  # [2, n]: gate_up, down
-        self.lib.moetier_swiglu_bf16_token(n, ptrs[0].ctypes.data, ptrs[1].ctypes.data, x.data_ptr(),
-                                           self.route_weights.of(weights).data_ptr(), out.data_ptr(), h, i,
+        self.swiglu_token(out, x, self.route_weights.of(weights).data_ptr(), ptrs, i)
+
+    def swiglu_token(self, out: torch.Tensor, x: torch.Tensor, weights: int, ptrs: np.ndarray, i: int) -> None:
+        """moetier_swiglu_bf16_token: x, out [1, H] contiguous; `weights` the address of n fp32 routing weights;
+        ptrs [2, n] contiguous: each expert's gate_up_proj and down_proj addresses; `i` the intermediate size."""
+        n, h = ptrs.shape[1], x.shape[1]
+        p = ptrs.ctypes.data
+        self.lib.moetier_swiglu_bf16_token(n, p, p + ptrs.strides[0], x.data_ptr(), weights, out.data_ptr(), h, i,
                                            self._scratch(h + n * (i + h)))
 
     def _layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,

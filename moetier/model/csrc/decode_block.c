@@ -18,6 +18,8 @@ void moetier_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *
 void moetier_rope_bf16(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *y, long heads, long d);
 void moetier_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, long hq,
                                    long hkv, long start, long end, long s_max, long d, float scale, float *scratch);
+void moetier_kv_write(const char *k, const char *v, char *k_row, char *v_row, long heads, long max_len, long d,
+                      long size, long position);
 void moetier_linear_qi(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, long group,
                        const uint16_t *x, uint16_t *y, long N, long K, int T, char *scratch);
 
@@ -42,7 +44,8 @@ static inline void add_bf16(uint16_t *h, const uint16_t *d, long n) { /* torch's
     for (long i = 0; i < n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
 }
 
-/* y [N] = x [K] through m; scratch: floats for a bf16 product, bytes (moetier_linear_qi_scratch) for a quantized one. */
+/* y [N] = x [K] through m; scratch: floats for a bf16 product, bytes (moetier_linear_qi_scratch) for a quantized
+   one. */
 static void product(const moetier_matrix *m, const uint16_t *x, uint16_t *y, long N, long K, float *scratch) {
     if (m->bits == 16) {
         moetier_linear_bf16(m->weight, x, m->bias, y, N, K, scratch);
@@ -57,8 +60,8 @@ static void product(const moetier_matrix *m, const uint16_t *x, uint16_t *y, lon
    the values the router's softmax would widen them to, so it need not).
    k_cache, v_cache: this sequence's cache rows [kv_heads, max_len, head_dim]; the token sits at `position`.
    cos, sin: the RoPE table's rows [head_dim] at that position.
-   work: bf16, 2 H + 4 (heads + kv_heads) head_dim + num_experts values; scratch: what the products need (`product`) and the
-   attention (position + 1 + 2 head_dim floats for each of the team's threads). */
+   work: bf16, 2 H + 4 (heads + kv_heads) head_dim + num_experts values; scratch: what the products need
+   (`product`) and the attention (position + 1 + 2 head_dim floats for each of the team's threads). */
 void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const uint16_t *delta, uint16_t *k_cache,
                                uint16_t *v_cache, long max_len, long position, const uint16_t *cos, const uint16_t *sin,
                                uint16_t *x, float *logits, uint16_t *work, float *scratch) {
@@ -80,10 +83,8 @@ void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const
     }
     moetier_rope_bf16(qs, cos, sin, q, L->heads, d);
     moetier_rope_bf16(ks, cos, sin, k, L->kv_heads, d);
-    for (long g = 0; g < L->kv_heads; g++) { /* the token's keys and values into the cache (as moetier_kv_write) */
-        memcpy(k_cache + (g * max_len + position) * d, k + g * d, (size_t)d * 2);
-        memcpy(v_cache + (g * max_len + position) * d, vs + g * d, (size_t)d * 2);
-    }
+    moetier_kv_write((const char *)k, (const char *)vs, (char *)k_cache, (char *)v_cache, L->kv_heads, max_len, d, 2,
+                     position);
     const long end = position + 1, start = L->window && end > L->window ? end - L->window : 0;
     moetier_decode_attention_bf16(q, k_cache, v_cache, att, L->heads, L->kv_heads, start, end, max_len, d,
                                   L->scale, scratch);
