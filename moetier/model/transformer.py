@@ -52,7 +52,7 @@ class Transformer:
         attention = attention_class(spec)
         self.attn = [attention(spec, i, dense, self.kernels) for i in range(spec.num_layers)]
         self.norm = make_norm(spec.norm, spec.rms_norm_eps, self.kernels)
-        self.router = make_router(spec.router, spec.top_k, self.kernels.linear)
+        self.router = make_router(spec.router, spec.top_k, self.kernels.linear, getattr(self.kernels, "lib", None))
         self.is_moe = spec.is_moe_layer
         self.layers = layer_weights(dense, spec.num_layers)
         # one native call a layer for a one-sequence decode step's attention (None where it does not apply)
