@@ -11,7 +11,7 @@ does not change.
 
 Features: `blocks` — each layer's attention block in one native call (moetier/model/decode_block.py) against the
 layer-by-layer forward; `tables` — a resident layer's experts from its table of addresses
-(ResidentLayers._token_from) against the kernel's `token` on the slots' tensors; `router` — the softmax router's
+(ResidentLayers._token_routed) against the kernel's `token` on the slots' tensors; `router` — the softmax router's
 choice in one native call (NativeSoftmaxRouter) against torch's ops (the two may break a tie differently: the
 tokens of the run can differ, not the work of a step)."""
 
@@ -48,7 +48,7 @@ def switch(engine, feature: str):
             return
         resident = engine.executor.resident_layers  # (this step's: begin_step ran before the step hooks)
         if resident is not None and resident.tables is not None:
-            resident.one_token = resident._token_from if on else resident._token
+            resident.one_token = resident._token_routed if on else resident._token
     return set_on
 
 

@@ -2,7 +2,7 @@
 
 With every expert resident (this script's budget) a layer is not planned (moetier.engine.resident_layers): the
 layer step's parts are called only where planning runs, e.g. with a prefetch or substitution stage; a decode
-step at batch 1 computes its token's experts in one call (`token`, or `token_from` a layer's table of addresses:
+step at batch 1 computes its token's experts in one call (`token`, or `token_routed` from a layer's table of addresses:
 no grouping, no combine); and on the native kernels each layer's attention block is one native call
 (moetier.model.decode_block), so the attention's own parts are timed only where that does not apply.
 
@@ -45,7 +45,7 @@ PARTS = (
     ("  expert matmuls (one by one)", "moetier.engine.grouping", "ExpertGroups", "compute"),
     ("  expert matmuls (a layer's)", "moetier.engine.grouping", "ExpertGroups", "compute_layer"),
     ("  expert matmuls (one token's)", "moetier.model.expert_kernels", "{expert}", "token"),
-    ("  expert matmuls (one token's, table)", "moetier.model.expert_kernels", "{expert}", "token_from"),
+    ("  expert matmuls (one token's, table)", "moetier.model.expert_kernels", "{expert}", "token_routed"),
     ("  combine", "moetier.engine.grouping", "ExpertGroups", "combine"),
     ("  layer step: end (accesses)", "moetier.plan.step", "LayerStep", "end"),
     ("sampling", "moetier.engine.scheduler", None, "sample"),

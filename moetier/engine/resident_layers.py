@@ -6,7 +6,8 @@ resident run, no load, no eviction, no prefetch — yet making it (a LayerPlan, 
 end unpinning and checking reads) cost ~190 us a layer at batch 1 on OLMoE-1B-7B (Zen 4, int4: ~3 ms of a 31 ms
 step), Python that the token's expert kernels then evict from the caches again. What is kept is what a plan of that
 shape would change: the policy still hears the route and every access (DESIGN.md's contract), and the counters
-count the same layer steps, needed experts and hits the counting hook would. The experts are computed in the same
+count the same layer steps, needed experts and hits the counting hook would — all of a step's at its last MoE
+layer, in their order (`_hear` says why). The experts are computed in the same
 order by the same kernel call as a plan of resident runs does: the output is the same bit for bit.
 
 The executor decides at each forward step whether this holds (moetier.engine.expert_executor)."""
@@ -40,47 +41,66 @@ class ResidentLayers:
         # each layer's experts as the kernel's one native token call takes them (None: through `token`)
         tables = [self.kernel.token_table(ws) for ws in self.weights]
         self.tables = tables if all(t is not None for t in tables) else None
-        self.one_token = self._token_from if self.tables is not None else self._token
+        self.one_token = self._token_routed if self.tables is not None else self._token
+        self.last = spec.moe_layers[-1]
+        self.routes: list[tuple] = []  # this step's (layer, step, phase, scores, topk_ids, topk_weights), for `_hear`
 
     def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, shared, step: int, phase: int) -> torch.Tensor:
         """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""
-        ids = topk_ids.cpu().numpy()  # [T, k] the layer's one host sync, as the planned path's
-        weights = topk_weights.float().cpu().numpy()
-        self.policy.on_route(RouteResult(layer, step, ids, weights, scores.cpu().numpy(), phase))
         index = self.index[layer]
-        if ids.shape[0] == 1:  # one token (a decode step at batch 1): no grouping, the kernel sums its experts
-            order = np.argsort(ids[0], kind="stable")  # ascending ids: a plan's order of resident runs
-            experts = ids[0][order]
+        if topk_ids.shape[0] == 1:  # one token (a decode step at batch 1): no grouping, the kernel sums its experts
             out = torch.empty_like(x)
-            self.one_token(index, out, x, experts, weights[0][order], topk_weights.dtype)
+            self.one_token(index, out, x, topk_ids, topk_weights)
         else:
+            ids = topk_ids.cpu().numpy()  # [T, k] (a host sync, as the planned path's)
             counts = np.bincount(ids.ravel(), minlength=self.num_experts)  # [E]
             experts = np.flatnonzero(counts)  # ascending
-            groups = ExpertGroups(x, ids, weights, counts, topk_weights.dtype, self.combine)
+            groups = ExpertGroups(x, ids, topk_weights.float().cpu().numpy(), counts, topk_weights.dtype, self.combine)
             table = self.weights[index]
             groups.compute_layer(experts.tolist(), self.kernel, [table[e] for e in experts])
             out = groups.combine()
-        keys = self.keys[index]
-        for e in experts.tolist():
-            self.policy.on_access(keys[e], self.precision, step)
-        counters = self.counts.phases[phase]  # what CountingHook adds for a plan of resident runs
-        counters.layer_steps += 1
-        counters.needed += len(experts)
-        counters.hits += len(experts)
+        self.routes.append((layer, step, phase, scores, topk_ids, topk_weights))
+        if layer == self.last:
+            self._hear()
         return out + shared() if shared is not None else out
 
-    def _token(self, index: int, out: torch.Tensor, x: torch.Tensor, experts: np.ndarray, weights: np.ndarray,
-               dtype: torch.dtype) -> None:
-        """Through the kernel's `token`, the weights in the router's dtype (as ExpertGroups weighs them)."""
-        ws = torch.from_numpy(weights).to(x.device, dtype)
-        table = self.weights[index]
-        self.kernel.token(out, x, ws, [table[e] for e in experts.tolist()], self.combine)
+    def _hear(self) -> None:
+        """The policy hears each layer's route and accesses, and the counters count them, as a plan of resident runs
+        would have — at the step's last MoE layer, for all of its layers in their order. Why not layer by layer:
+        nothing is decided between (no read, no eviction: every expert stays), and the same few hundred bytecodes
+        run sixteen times in a row warm instead of once a layer with the caches cold from the experts just streamed
+        (~40 us a layer on OLMoE-1B-7B, Zen 4)."""
+        policy, precision = self.policy, self.precision
+        for layer, step, phase, scores, topk_ids, topk_weights in self.routes:
+            ids = topk_ids.cpu().numpy()  # [T, k]
+            policy.on_route(RouteResult(layer, step, ids, topk_weights.float().cpu().numpy(), scores.cpu().numpy(),
+                                        phase))
+            experts = np.unique(ids)  # ascending: a plan's order of resident runs
+            keys = self.keys[self.index[layer]]
+            for e in experts.tolist():
+                policy.on_access(keys[e], precision, step)
+            counters = self.counts.phases[phase]  # what CountingHook adds for a plan of resident runs
+            counters.layer_steps += 1
+            counters.needed += len(experts)
+            counters.hits += len(experts)
+        self.routes.clear()
 
-    def _token_from(self, index: int, out: torch.Tensor, x: torch.Tensor, experts: np.ndarray, weights: np.ndarray,
-                    dtype: torch.dtype) -> None:
-        """From the layer's table: the fp32 weights are the values the native call reads from the router's either
-        way (a bf16 weight's value exactly)."""
-        if not x.is_contiguous():
-            return self._token(index, out, x, experts, weights, dtype)
-        self.kernel.token_from(out, x, weights, self.tables[index], experts)
+    def _token(self, index: int, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> None:
+        """Through the kernel's `token` on the slots' tensors, the experts in ascending ids with their weights in
+        the router's dtype (as ExpertGroups weighs them)."""
+        ids = topk_ids[0].cpu().numpy()
+        order = np.argsort(ids, kind="stable")
+        table = self.weights[index]
+        self.kernel.token(out, x, topk_weights[0][torch.from_numpy(order).to(x.device)],
+                          [table[e] for e in ids[order].tolist()], self.combine)
+
+    def _token_routed(self, index: int, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> None:
+        """From the layer's table and the router's outputs as they are (TokenTable.takes): the native call orders
+        the experts and reads the weights as fp32, the values `token` reads (a bf16 weight's value exactly)."""
+        table = self.tables[index]
+        if not table.takes(x, topk_ids, topk_weights):
+            return self._token(index, out, x, topk_ids, topk_weights)
+        self.kernel.token_routed(out, x, topk_ids, topk_weights, table)

@@ -47,9 +47,11 @@ class TokenTable:
         if self.ptrs.ndim != 2 or self.ptrs.dtype != np.int64:
             raise ValueError(f"addresses must be [E, P] int64, got {self.ptrs.shape} {self.ptrs.dtype}")
 
-    def of(self, experts: np.ndarray) -> np.ndarray:
-        """[P, n] for the experts (ascending ids): one row of addresses a tensor, as the native calls read them."""
-        return np.ascontiguousarray(self.ptrs[experts].T)
+    def takes(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+        """Whether `token_routed` takes this token: x [1, H] and the router's [1, k] outputs contiguous, the weights
+        fp32 or bf16 (what the native call reads)."""
+        return (x.is_contiguous() and topk_ids.is_contiguous() and topk_weights.is_contiguous()
+                and topk_weights.dtype in (torch.float32, torch.bfloat16) and topk_ids.dtype == torch.int64)
 
 
 class OneByOne:
@@ -71,7 +73,7 @@ class OneByOne:
         out.copy_(combine(x, torch.zeros(n, dtype=torch.long, device=x.device), ys))
 
     def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
-        """A layer's experts `ws` (by id) for `token_from`, or None where `token` is the only way."""
+        """A layer's experts `ws` (by id) for `token_routed`, or None where `token` is the only way."""
         return None
 
 
@@ -99,12 +101,13 @@ class DenseExpert(OneByOne):
         return TokenTable(np.array([[w["gate_up_proj"].data_ptr(), w["down_proj"].data_ptr()] for w in ws],
                                    dtype=np.int64), tuple(shape))
 
-    def token_from(self, out: torch.Tensor, x: torch.Tensor, weights: np.ndarray, table: TokenTable,
-                   experts: np.ndarray) -> None:
-        """`token` for the experts (ascending ids) of `table`, their routing weights as fp32 [n] (the values the
-        native call reads either way), x and out contiguous: `moetier_swiglu_bf16_token` with no tensors to look
-        through and no weights to convert (~60 us a layer of Python at batch 1 with the caches cold)."""
-        self.kernels.swiglu_token(out, x, weights.ctypes.data, table.of(experts), table.shape[1])
+    def token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     table: TokenTable) -> None:
+        """`token` for one token's experts straight from the router's topk_ids and topk_weights [1, k] (TokenTable.
+        takes them) and the layer's `table`: the native call orders them by id and reads the weights as fp32 —
+        what `token` computes, with no tensors to look through and nothing converted in Python (~110 us a layer at
+        batch 1 with the caches cold)."""
+        self.kernels.swiglu_token_routed(out, x, topk_ids, topk_weights, table.ptrs, table.shape[1])
 
 
 class ClampedSwigluExpert(OneByOne):
@@ -220,11 +223,15 @@ class QuantizedExpert(OneByOne):
             return None
         return TokenTable(np.ascontiguousarray(_pointers(ws).T), (h, *shape))
 
-    def token_from(self, out: torch.Tensor, x: torch.Tensor, weights: np.ndarray, table: TokenTable,
-                   experts: np.ndarray) -> None:
-        """`token`'s integer path for the experts (ascending ids) of `table`, weights fp32 [n], x and out
-        contiguous: `moetier_swiglu_qi_token` with no tensors to look through and no weights to convert."""
-        self._token_call(out, x, weights.ctypes.data, table.of(experts), table.shape)
+    def token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     table: TokenTable) -> None:
+        """`token`'s integer path for one token's experts straight from the router's [1, k] outputs (TokenTable.
+        takes them) and the layer's `table`: `moetier_swiglu_qi_token_routed`, nothing converted in Python."""
+        (h, i, gu_group, dn_group), k, lib = table.shape, topk_ids.shape[1], self.lib
+        lib.moetier_swiglu_qi_token_routed(
+            self.bits, table.ptrs.ctypes.data, topk_ids.data_ptr(), topk_weights.data_ptr(),
+            32 if topk_weights.dtype == torch.float32 else 16, k, gu_group, dn_group, x.data_ptr(), out.data_ptr(), h,
+            i, self._scratch(lib.moetier_swiglu_qi_token_scratch(self.bits, gu_group, dn_group, h, i, k)))
 
     def _token_call(self, out: torch.Tensor, x: torch.Tensor, weights: int, ptrs: np.ndarray,
                     shape: tuple[int, int, int, int]) -> None:

@@ -193,6 +193,16 @@ class NativeKernels(TorchKernels):
         self.lib.moetier_swiglu_bf16_token(n, p, p + ptrs.strides[0], x.data_ptr(), weights, out.data_ptr(), h, i,
                                            self._scratch(h + n * (i + h)))
 
+    def swiglu_token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                            topk_weights: torch.Tensor, table: np.ndarray, i: int) -> None:
+        """moetier_swiglu_bf16_token_routed: one token's experts straight from the router's topk_ids [1, k] int64
+        and topk_weights [1, k] (fp32 or bf16), contiguous; table [E, 2] contiguous: each expert's gate_up_proj and
+        down_proj addresses; x, out [1, H] contiguous; `i` the intermediate size."""
+        k, h = topk_ids.shape[1], x.shape[1]
+        self.lib.moetier_swiglu_bf16_token_routed(
+            table.ctypes.data, topk_ids.data_ptr(), topk_weights.data_ptr(), 32 if topk_weights.dtype == torch.float32
+            else 16, k, x.data_ptr(), out.data_ptr(), h, i, self._scratch(h + k * (i + h)))
+
     def _layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor,
                items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
         """moetier_swiglu_bf16_layer: `weights` fp32 [P], items (gate_up_proj, down_proj, first row, end row), in

@@ -73,7 +73,11 @@ def test_a_resident_layer_is_what_its_plan_computes_and_counts_bit_for_bit(tiny_
                 executor.resident_layers = None  # as a step that plans
             else:
                 assert executor.resident_layers is not None
-            outs[name] = [executor(layer, *routing(spec, layer, tokens)) for layer in spec.moe_layers]
+            outs[name] = [executor(layer, *routing(spec, layer, tokens)) for layer in spec.moe_layers[:-1]]
+            if name == "resident":  # (heard at the step's last MoE layer, all of the step's routes in their order)
+                assert executor.policy.heard == [] and phases[1].layer_steps == 0
+            last = spec.moe_layers[-1]
+            outs[name].append(executor(last, *routing(spec, last, tokens)))
             heard[name] = list(executor.policy.heard)
             counted[name] = phases[1]
         assert all(torch.equal(a, b) for a, b in zip(outs["resident"], outs["planned"]))
@@ -130,7 +134,7 @@ def decode_logits(engine, steps: int = 4) -> list[torch.Tensor]:
 @pytest.mark.skipif(native.load().lib is None, reason="no native kernels on this machine")
 @pytest.mark.parametrize("precision", ["native", "int8", "int4"])
 def test_a_layers_token_table_computes_what_its_token_call_computes(tiny_store, tmp_path, monkeypatch, precision):
-    """The native call from the layer's table of addresses, weights as fp32 (ResidentLayers._token_from), against
+    """The native call from the layer's table of addresses, weights as fp32 (ResidentLayers._token_routed), against
     the kernel's `token` on the slots' tensors with the router's weights: the same logits bit for bit."""
     _, source = tiny_store("olmoe", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64)
     path = tmp_path / "store"
@@ -141,7 +145,7 @@ def test_a_layers_token_table_computes_what_its_token_call_computes(tiny_store, 
     for name in ("table", "token"):
         with monkeypatch.context() as m:
             if name == "token":
-                m.setattr(ResidentLayers, "_token_from", ResidentLayers._token)
+                m.setattr(ResidentLayers, "_token_routed", ResidentLayers._token)
             else:
                 m.setattr(ResidentLayers, "_token", lambda *a: called.append(a) or pytest.fail("not the table"))
             engine = Engine.from_pretrained(path, expert_memory="100%", kernels="native",
