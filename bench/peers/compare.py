@@ -18,6 +18,10 @@ moetier's is the TPOT of the measured tokens after as many warm-up tokens.
 
     python bench/peers/compare.py [--formats bf16,q8_0,q4_k_m] [--caps resident,100,60,35,20] [--rounds 2]
 
+Each run is preceded by a memory probe in a fresh process (probe.py: the read rate the host gives now), and
+moetier's process probes itself after its tokens: compare.json keeps both beside the speed, so a round's pair can be
+read at the rates the engines met.
+
 Writes OUT/compare.json (every run, and medians with the ratio per row), OUT/compare.md, OUT/compare.png, and
 prints the table. `--report A/compare.json B/compare.json --out DIR` renders several runs as one table and plot
 (docs/performance.md's: the resident rows from one run, the caps from another; a row measured again by a later
@@ -75,6 +79,13 @@ def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dic
     if wanted:
         subprocess.run(["moetier", "quantize", str(store), "--precisions", wanted], check=True)
     return {f: out[f] for f in formats}
+
+
+def probe_rate() -> float:
+    """The memory read rate a fresh process meets now (probe.py), for reading a round's pair."""
+    proc = subprocess.run([sys.executable, str(HERE / "probe.py")], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="2"))
+    return float(proc.stdout.strip())
 
 
 def llama_run(llama: LlamaCpp, gguf: Path, cap: int | None, tokens: int, threads: int, timeout: float) -> dict:
@@ -311,14 +322,18 @@ def main() -> None:
                 if capped:
                     drop_cache([ggufs[row["format"]], store])
                 tokens = args.cap_tokens if capped else args.tokens
+                probe = probe_rate()
                 t0 = time.perf_counter()
                 if engine == "llama.cpp":
                     r = llama_run(llama, ggufs[row["format"]], row["cap_bytes"], tokens, args.threads, args.timeout)
                 else:
                     mode = next(m for m in MODES[row["format"]] if m[0] == engine)
                     r = moetier_run(store, mode, row["cap_bytes"], tokens, args.timeout)
-                runs.append(dict(row, engine=engine, round=rnd, wall_s=time.perf_counter() - t0, **r))
+                runs.append(dict(row, engine=engine, round=rnd, wall_s=time.perf_counter() - t0,
+                                 probe_before_gb_s=probe, **r))
                 shown = f"{r['tok_s']:.2f} tok/s" if "tok_s" in r else r["error"][:120]
+                shown += f"  (memory {probe:.1f} GB/s before" + (
+                    f", {r['probe_in_gb_s']:.1f} in moetier's process)" if "probe_in_gb_s" in r else ")")
                 print(f"round {rnd + 1} {row['format']:>7} {row['setting']:>9} {engine:>9}: {shown}", flush=True)
     summary = summarize(rows, runs)
     print(table(summary))

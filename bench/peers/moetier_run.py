@@ -1,5 +1,6 @@
 """One moetier decode measurement, in its own process (so a memory cgroup holds it alone): the engine on a store at
-a budget and precision, a random prompt, warm-up tokens, then the measured ones. Prints one JSON line.
+a budget and precision, a random prompt, warm-up tokens, then the measured ones, then the process's memory read
+rate (probe.py). Prints one JSON line.
 
     python bench/peers/moetier_run.py '{"store": ..., "budget": "auto", "precision": "int4", ...}'
 """
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def run(cfg: dict) -> dict:
@@ -34,10 +36,11 @@ def run(cfg: dict) -> dict:
     stats = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
     note = engine.budget.note
     engine.close()
+    from probe import read_rate  # (this process's memory rate, after the engine let go of its memory)
     return dict(tok_s=1 / stats["tpot_s"], tpot_s=stats["tpot_s"], tpot_p50_s=stats.get("tpot_p50_s"),
                 hit_rate=stats.get("decode_hit_rate", stats.get("hit_rate")),
                 expert_bytes_per_token=stats.get("expert_bytes_per_token"), peak_rss=stats.get("peak_rss_bytes"),
-                load_s=load_s, budget_note=note)
+                load_s=load_s, budget_note=note, probe_in_gb_s=read_rate())
 
 
 if __name__ == "__main__":
