@@ -12,8 +12,8 @@ does not change.
 Features: `blocks` — each layer's attention block in one native call (moetier/model/decode_block.py) against the
 layer-by-layer forward; `tables` — a resident layer's experts from its table of addresses
 (ResidentLayers._token_routed) against the kernel's `token` on the slots' tensors; `router` — the softmax router's
-choice in one native call (NativeSoftmaxRouter) against torch's ops (the two may break a tie differently: the
-tokens of the run can differ, not the work of a step)."""
+choice in one native call (NativeSoftmaxRouter) against torch's ops; `step` — the whole step in one native call
+(ResidentStep) against its layers one by one."""
 
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from common import OUT  # noqa: E402
 
-FEATURES = ("blocks", "tables", "router")
+FEATURES = ("blocks", "tables", "router", "step")
 
 
 def switch(engine, feature: str):
     """A function turning `feature` on or off for the next step."""
     from moetier.model.router import SoftmaxRouter
 
-    blocks, router = engine.model.blocks, engine.model.router
+    blocks, router, whole = engine.model.blocks, engine.model.router, engine.model.resident_step
     plain = SoftmaxRouter(router.spec, router.top_k, router.linear)  # (`router`: torch's ops for the same routing)
 
     def set_on(on: bool) -> None:
@@ -45,6 +45,9 @@ def switch(engine, feature: str):
             return
         if feature == "router":
             engine.model.router = router if on else plain
+            return
+        if feature == "step":
+            engine.model.resident_step = whole if on else None
             return
         resident = engine.executor.resident_layers  # (this step's: begin_step ran before the step hooks)
         if resident is not None and resident.tables is not None:
@@ -106,6 +109,8 @@ def main() -> None:
             sys.exit("moetier: error: this model and kernel set have no decode blocks to turn off")
         if args.feature == "router" and type(engine.model.router).__name__ != "NativeSoftmaxRouter":
             sys.exit("moetier: error: this model and kernel set have no native router to turn off")
+        if args.feature == "step" and engine.model.resident_step is None:
+            sys.exit("moetier: error: this model and kernel set have no one-call step to turn off")
         result = measure(engine, args.feature, args.tokens, args.prompt_len)
     result.update(model=args.model, precision=args.precision, dense_precision=args.dense_precision)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,9 @@ With every expert resident (this script's budget) a layer is not planned (moetie
 layer step's parts are called only where planning runs, e.g. with a prefetch or substitution stage; a decode
 step at batch 1 computes its token's experts in one call (`token`, or `token_routed` from a layer's table of addresses:
 no grouping, no combine); and on the native kernels each layer's attention block is one native call
-(moetier.model.decode_block), so the attention's own parts are timed only where that does not apply.
+(moetier.model.decode_block), so the attention's own parts are timed only where that does not apply; and where
+every expert is resident the whole step is one native call (moetier.model.resident_step: no part of it is called
+from Python — `--layer-by-layer` runs the layers one by one to time them).
 
 Each part is timed by wrapping the function that does it (inclusive times: `attention` contains its
 projections, `moe` contains everything the expert executor does); the wrappers cost ~1 us a call, a few
@@ -12,6 +14,7 @@ hundred calls a token. Only calls made during decode steps count (a step hook sa
 
     python bench/profile_decode.py --model demo-deep-xl
     python bench/profile_decode.py --model ~/.cache/moetier/bench/olmoe-1b-7b-synth --kernels native
+    python bench/profile_decode.py --model ~/.cache/moetier/bench/olmoe-1b-7b-synth --kernels native --layer-by-layer
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from common import OUT, run_child  # noqa: E402
 
 # (label, module, class or None, attribute): what is timed. Indented labels are parts of the one above.
 PARTS = (
+    ("whole step (one native call)", "moetier.model.resident_step", "ResidentStep", "__call__"),
     ("attention block (one native call)", "moetier.model.decode_block", "DecodeBlocks", "__call__"),
     ("attention (all of it)", "moetier.model.attention", "Attention", "__call__"),
     ("  decode attention", "moetier.model.kernels", "{kernels}", "decode_attention"),
@@ -97,6 +101,8 @@ def child(cfg: dict) -> dict:
     if model_kernels is not engine.kernels:  # QuantizedDenseKernels bound its base's methods when it was made
         for attr in ("swiglu", "expert", "expert_layer", "rms_norm", "rope", "decode_attention", "kv_write"):
             setattr(model_kernels, attr, getattr(model_kernels.base, attr))
+    if cfg.get("layer_by_layer"):
+        engine.model.resident_step = None
     engine.preload()
     rng = random.Random(0)
     prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(cfg["prompt_len"])]
@@ -119,13 +125,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--precision", default="native", help="the experts' precision mode (native, int8, int4, ...)")
     ap.add_argument("--dense-precision", default="native", help="the attention projections' and head's (int8, int4)")
+    ap.add_argument("--layer-by-layer", action="store_true",
+                    help="the layers one by one where the whole step would be one native call (to time its parts)")
     ap.add_argument("--out", type=Path, default=OUT, help="folder for profile_decode.json")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
     runs = [run_child(__file__, dict(model=args.model, kernels=k, tokens=args.tokens, prompt_len=args.prompt_len,
-                                     precision=args.precision, dense_precision=args.dense_precision))
+                                     precision=args.precision, dense_precision=args.dense_precision,
+                                     layer_by_layer=args.layer_by_layer))
             for k in args.kernels.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_decode.json").write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))

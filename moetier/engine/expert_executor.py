@@ -153,6 +153,17 @@ class ExpertExecutor:
             self._resident = ResidentLayers(self)
         return self._resident
 
+    def resident_tables(self):
+        """One TokenTable a MoE layer while this step's layers are computed straight from their routing with every
+        expert's table in hand (ResidentLayers), else None: the model may then run the whole step in one native
+        call and tell each layer's route afterwards (`heard`)."""
+        resident = self.resident_layers
+        return None if resident is None else resident.tables
+
+    def heard(self, layer: int, scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """A layer the model routed and computed itself from `resident_tables`: heard as ResidentLayers hears one."""
+        self.resident_layers.heard(layer, scores, topk_ids, topk_weights, self.layer_step.step, self.layer_step.phase)
+
     def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""

@@ -60,10 +60,15 @@ class ResidentLayers:
             table = self.weights[index]
             groups.compute_layer(experts.tolist(), self.kernel, [table[e] for e in experts])
             out = groups.combine()
+        self.heard(layer, scores, topk_ids, topk_weights, step, phase)
+        return out + shared() if shared is not None else out
+
+    def heard(self, layer: int, scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, step: int,
+              phase: int) -> None:
+        """A layer's route, computed here or by the model's one-call step (moetier/model/resident_step.py)."""
         self.routes.append((layer, step, phase, scores, topk_ids, topk_weights))
         if layer == self.last:
             self._hear()
-        return out + shared() if shared is not None else out
 
     def _hear(self) -> None:
         """The policy hears each layer's route and accesses, and the counters count them, as a plan of resident runs
@@ -73,9 +78,10 @@ class ResidentLayers:
         (~40 us a layer on OLMoE-1B-7B, Zen 4)."""
         policy, precision = self.policy, self.precision
         for layer, step, phase, scores, topk_ids, topk_weights in self.routes:
-            ids = topk_ids.cpu().numpy()  # [T, k]
-            policy.on_route(RouteResult(layer, step, ids, topk_weights.float().cpu().numpy(), scores.cpu().numpy(),
-                                        phase))
+            # copies: the one-call step's buffers are written again next step
+            ids = topk_ids.cpu().numpy().copy()  # [T, k]
+            policy.on_route(RouteResult(layer, step, ids, topk_weights.float().cpu().numpy().copy(),
+                                        scores.cpu().numpy().copy(), phase))
             experts = np.unique(ids)  # ascending: a plan's order of resident runs
             keys = self.keys[self.index[layer]]
             for e in experts.tolist():

@@ -41,7 +41,8 @@ class TokenTable:
     each expert's addresses, and the shapes the call needs. Made once; the slots must not move while it is used."""
 
     ptrs: np.ndarray  # [E, P] int64: expert e's P addresses
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # (H, I) in bf16; (H, I, gate_up group, down group) quantized
+    bits: int = 16  # the experts' precision: 16 (bf16 rows, P = 2) or a quantized one's bits (P = 6)
 
     def __post_init__(self) -> None:
         if self.ptrs.ndim != 2 or self.ptrs.dtype != np.int64:
@@ -221,7 +222,7 @@ class QuantizedExpert(OneByOne):
         shape = _shape(ws[0], h)
         if self.lib is None or not self._fits(h, *shape) or any(_shape(w, h) != shape for w in ws):
             return None
-        return TokenTable(np.ascontiguousarray(_pointers(ws).T), (h, *shape))
+        return TokenTable(np.ascontiguousarray(_pointers(ws).T), (h, *shape), self.bits)
 
     def token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      table: TokenTable) -> None:

@@ -23,7 +23,8 @@ import torch
 from moetier.paths import default_cache_dir
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c", "q_int.c", "decode_block.c", "route.c", "token_routed.c"))
+SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c", "q_int.c", "decode_block.c", "route.c",
+                                         "token_routed.c", "decode_step.c"))
 HEADERS = (CSRC / "bf16.h",)
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 VECTOR_CAPABILITIES = ("AVX2", "AVX512")  # what torch.backends.cpu.get_cpu_capability() calls AVX2 or better
@@ -159,6 +160,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_swiglu_bf16_token_routed.restype = None
     lib.moetier_swiglu_qi_token_routed.argtypes = [i, p, p, p, n, n, n, n, p, p, n, n, p]
     lib.moetier_swiglu_qi_token_routed.restype = None
+    lib.moetier_decode_step_resident.argtypes = [n, p, p, p, n, n, n, p, p, p, p, p, p]
+    lib.moetier_decode_step_resident.restype = None
     lib.moetier_route_softmax.argtypes = [p, n, n, n, n, n, ctypes.c_float, n, p, p, p]
     lib.moetier_route_softmax.restype = None
     lib.moetier_threads.argtypes = []

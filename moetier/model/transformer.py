@@ -16,6 +16,7 @@ from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.layers import layer_weights, rms_norm_fp32_weight
 from moetier.model.mla import LatentAttention
+from moetier.model.resident_step import ResidentStep
 from moetier.model.rope import Rope, RopeTables
 from moetier.model.router import make_router
 
@@ -23,6 +24,10 @@ from moetier.model.router import make_router
 class Experts(Protocol):
     def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, shared=None) -> torch.Tensor: ...
+
+    # Optional, for a decode step in one native call (moetier/model/resident_step.py):
+    # resident_tables() -> one TokenTable a MoE layer, or None (this step's layers are not all resident and
+    # unplanned); heard(layer, scores, topk_ids, topk_weights): a layer that step routed, told afterwards.
 
 
 def attention_class(spec: ModelSpec) -> type:
@@ -58,6 +63,8 @@ class Transformer:
         # one native call a layer for a one-sequence decode step's attention (None where it does not apply)
         self.blocks = DecodeBlocks.make(spec, dense["embed_tokens"], self.attn, self.layers, self.router, self.is_moe,
                                         self.kernels)
+        # the whole step in one native call where every expert is resident (None where it does not apply)
+        self.resident_step = ResidentStep.make(spec, self.blocks, self.router, self.is_moe)
         self.rope: Rope | None = None
         # the forward step in progress and its residual stream at the MoE layer running now, for `lookahead`
         self._step: tuple[StepBatch, KVCache, RopeTables] | None = None
@@ -119,6 +126,9 @@ class Transformer:
         blocks.begin(kv, rope, batch.rows_host[0], batch.lengths_host[0] - 1)
         h = blocks.residual  # [1, H], updated in place by each block
         torch.index_select(self.w["embed_tokens"], 0, batch.token_ids, out=h)
+        tables = self._resident_tables()
+        if tables is not None:
+            return self._forward_resident(kv, tables)
         delta = None  # the layer before's MLP or experts output, added by the next block
         for i in range(len(self.layers)):
             x, logits = blocks(i, delta, kv)
@@ -128,6 +138,22 @@ class Transformer:
             else:
                 delta = self._mlp(i, x)
         return self.kernels.linear(self.norm(h + delta, self.w, "norm"), self.lm_head, self.lm_head_bias)
+
+    def _resident_tables(self):
+        """The engine's tables of resident experts for this step, where the whole step can run in one call."""
+        if self.resident_step is None or not hasattr(self.experts, "resident_tables"):
+            return None
+        return self.experts.resident_tables()
+
+    def _forward_resident(self, kv: KVCache, tables) -> torch.Tensor:
+        """Every layer in one native call (moetier/model/resident_step.py), then the engine hears each layer's
+        route in order: the same logits bit for bit as the layers one by one."""
+        step = self.resident_step
+        step.bind(tables)
+        step(kv)
+        for i, (scores, topk_ids, topk_weights) in enumerate(step.routes):
+            self.experts.heard(i, scores, topk_ids, topk_weights)
+        return self.kernels.linear(self.norm(self.blocks.residual, self.w, "norm"), self.lm_head, self.lm_head_bias)
 
     def lookahead(self, layer: int, target: int) -> torch.Tensor:
         """Router logits [T, E] of MoE layer `target` for the tokens in flight, from the residual stream as it stands

@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "alternate_steps.py"
 
 
 @pytest.mark.skipif(native.load().lib is None, reason="no native kernels on this machine")
-@pytest.mark.parametrize("feature", ["blocks", "tables"])
+@pytest.mark.parametrize("feature", ["blocks", "tables", "router", "step"])
 def test_alternate_steps_measures_both_sides(tmp_path, feature):
     model = tmp_path / "tiny"
     build_tiny("olmoe", model, dtype=torch.bfloat16)
