@@ -214,9 +214,21 @@ def round_ratios(done: dict) -> dict[tuple[str, str, str], list[float]]:
     return out
 
 
+def speeds(done: dict) -> dict[tuple[str, str, str], dict[str, list[float]]]:
+    """(format, setting, moetier mode) -> {engine: every round's tok/s}: the speeds behind round_ratios."""
+    out: dict[tuple[str, str, str], dict[str, list[float]]] = {}
+    modes = {(r["format"], r["setting"]): r["engine"] for r in done["runs"] if r["engine"] != "llama.cpp"}
+    for r in done["runs"]:
+        mode = modes.get((r["format"], r["setting"]))
+        if "tok_s" in r and mode is not None:
+            out.setdefault((r["format"], r["setting"], mode), {}).setdefault(r["engine"], []).append(r["tok_s"])
+    return out
+
+
 def plot_pairs(runs: dict[str, dict], path: Path, title: str) -> str:
-    """Each run's round ratios per format and mode (dots) and their median (a bar), beside the 1.0 line: the PNG at
-    `path`; returns the markdown table of the same numbers."""
+    """Each run's round ratios per format and mode (dots) and their median (a bar), beside the 1.0 line; and beside
+    them every run's tok/s of each engine (a host's memory states show as clusters): the PNG at `path`; returns the
+    markdown table of the ratios."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,7 +236,8 @@ def plot_pairs(runs: dict[str, dict], path: Path, title: str) -> str:
 
     ratios = {name: round_ratios(d) for name, d in runs.items()}
     keys = list(dict.fromkeys(k for r in ratios.values() for k in r))
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(keys) * len(runs) ** 0.5, 4))
+    fig, (ax, speed_ax) = plt.subplots(1, 2, figsize=(2 * (1.6 + 1.4 * len(keys) * len(runs) ** 0.5), 4))
+    plot_speeds({name: speeds(d) for name, d in runs.items()}, keys, speed_ax)
     width = 0.8 / len(runs)
     lines = ["| run | " + " | ".join(f"{f} {s}: {m}" for f, s, m in keys) + " |", "|---|" + "---|" * len(keys)]
     for i, (name, r) in enumerate(ratios.items()):
@@ -242,6 +255,22 @@ def plot_pairs(runs: dict[str, dict], path: Path, title: str) -> str:
     ax.legend(fontsize=7)
     save_figure(fig, title, path, title_size=9)
     return "\n".join(lines)
+
+
+def plot_speeds(speed: dict[str, dict], keys: list[tuple[str, str, str]], ax) -> None:
+    """tok/s of every run: per format and mode, a column of dots per engine and run."""
+    width = 0.8 / max(1, len(speed))
+    for i, by_key in enumerate(speed.values()):  # (the runs in the order of the left panel)
+        for j, key in enumerate(keys):
+            x = j + (i - (len(speed) - 1) / 2) * width
+            for engine, colour, dx in (("llama.cpp", "tab:red", -width / 5), (key[2], "tab:blue", width / 5)):
+                ys = by_key.get(key, {}).get(engine, [])
+                ax.plot([x + dx] * len(ys), ys, ".", color=colour, markersize=5,
+                        label=("llama.cpp" if engine == "llama.cpp" else "moetier") if i == j == 0 else None)
+    ax.set_xticks(range(len(keys)), [f"{f}\n{m}" for f, _, m in keys], fontsize=8)
+    ax.set_ylabel("tok/s of each run (runs side by side)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
 
 
 def main() -> None:
