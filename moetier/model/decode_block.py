@@ -115,8 +115,8 @@ class DecodeBlocks:
         self.work = torch.empty(2 * h + 4 * (spec.num_heads + spec.num_kv_heads) * d + (spec.num_experts or 1),
                                 dtype=torch.bfloat16)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the products' and the attention's, grown to the context
-        # each layer's views and addresses, made once: ~40 us a layer of Python (two views, four `data_ptr`s) with
-        # the caches cold from the weights just streamed
+        # each layer's views and addresses, made once: two views and four `data_ptr`s a call, run with the caches
+        # cold from the weights just streamed, were ~1% of a resident bf16 step's samples (py-spy, OLMoE, Zen 4)
         self.xs, self.logit_rows = list(self.x), list(self.logits)
         self.x_ptrs, self.logit_ptrs = [x.data_ptr() for x in self.xs], [r.data_ptr() for r in self.logit_rows]
         self.residual_ptr, self.work_ptr = self.residual.data_ptr(), self.work.data_ptr()

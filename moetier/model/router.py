@@ -57,8 +57,8 @@ class NativeSoftmaxRouter(SoftmaxRouter):
     """SoftmaxRouter's `route` in one native call (`csrc/route.c`: softmax, top-k, renormalising, scaling, rounding)
     on the native kernels, whose every path routes through it. Why: at batch 1 the four or five torch ops took
     ~130 us a layer with the caches cold from the experts just streamed (OLMoE-1B-7B on a Zen 4: ~2 ms of a ~50 ms
-    bf16 step). The scores are torch's to within a few ulps (its vectorised exp and sum order), ties among equal
-    scores go to the lower expert id — the route.c comment says why that is not a departure from exact mode."""
+    bf16 step). The experts are torch.topk's in its order, ties broken as it breaks them (route.c makes its
+    selection's moves); the scores are torch's to within a few ulps (its vectorised exp and order of sums)."""
 
     def __init__(self, spec: RouterSpec, top_k: int, linear: Linear, lib) -> None:
         super().__init__(spec, top_k, linear)
