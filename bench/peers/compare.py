@@ -19,8 +19,8 @@ moetier's is the TPOT of the measured tokens after as many warm-up tokens.
     python bench/peers/compare.py [--formats bf16,q8_0,q4_k_m] [--caps resident,100,60,35,20] [--rounds 2]
 
 Each run is preceded by a memory probe in a fresh process (probe.py: the read rate the host gives now), and
-moetier's process probes itself after its tokens: compare.json keeps both beside the speed, so a round's pair can be
-read at the rates the engines met.
+moetier's process probes itself after its tokens where no cap holds it (its memory is still held then):
+compare.json keeps both beside the speed, so a round's pair can be read at the rates the engines met.
 
 Writes OUT/compare.json (every run, and medians with the ratio per row), OUT/compare.md, OUT/compare.png, and
 prints the table. `--report A/compare.json B/compare.json --out DIR` renders several runs as one table and plot
@@ -362,7 +362,7 @@ def main() -> None:
                                  probe_before_gb_s=probe, **r))
                 shown = f"{r['tok_s']:.2f} tok/s" if "tok_s" in r else r["error"][:120]
                 shown += f"  (memory {probe:.1f} GB/s before" + (
-                    f", {r['probe_in_gb_s']:.1f} in moetier's process)" if "probe_in_gb_s" in r else ")")
+                    f", {r['probe_in_gb_s']:.1f} in moetier's process)" if r.get("probe_in_gb_s") else ")")
                 print(f"round {rnd + 1} {row['format']:>7} {row['setting']:>9} {engine:>9}: {shown}", flush=True)
     summary = summarize(rows, runs)
     print(table(summary))

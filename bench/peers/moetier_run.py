@@ -36,11 +36,11 @@ def run(cfg: dict) -> dict:
     stats = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
     note = engine.budget.note
     engine.close()
-    from probe import read_rate  # (this process's memory rate, after the engine let go of its memory)
+    from probe import read_rate  # (this process's memory rate; not under a cap: the engine's memory is still held)
     return dict(tok_s=1 / stats["tpot_s"], tpot_s=stats["tpot_s"], tpot_p50_s=stats.get("tpot_p50_s"),
                 hit_rate=stats.get("decode_hit_rate", stats.get("hit_rate")),
                 expert_bytes_per_token=stats.get("expert_bytes_per_token"), peak_rss=stats.get("peak_rss_bytes"),
-                load_s=load_s, budget_note=note, probe_in_gb_s=read_rate())
+                load_s=load_s, budget_note=note, probe_in_gb_s=read_rate() if cfg.get("preload") else None)
 
 
 if __name__ == "__main__":
