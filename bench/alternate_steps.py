@@ -13,7 +13,7 @@ Features: `blocks` — each layer's attention block in one native call (moetier/
 layer-by-layer forward; `tables` — a resident layer's experts from its table of addresses
 (ResidentLayers._token_routed) against the kernel's `token` on the slots' tensors; `router` — the softmax router's
 choice in one native call (NativeSoftmaxRouter) against torch's ops; `step` — the whole step in one native call
-(ResidentStep) against its layers one by one."""
+(ResidentStep) against its layers one by one. The first three are measured with the layers one by one."""
 
 from __future__ import annotations
 
@@ -33,10 +33,13 @@ FEATURES = ("blocks", "tables", "router", "step")
 
 
 def switch(engine, feature: str):
-    """A function turning `feature` on or off for the next step."""
+    """A function turning `feature` on or off for the next step. A feature other than `step` is measured with the
+    layers one by one (the one-call step would run in its place on both sides)."""
     from moetier.model.router import SoftmaxRouter
 
     blocks, router, whole = engine.model.blocks, engine.model.router, engine.model.resident_step
+    if feature != "step":
+        engine.model.resident_step = None
     plain = SoftmaxRouter(router.spec, router.top_k, router.linear)  # (`router`: torch's ops for the same routing)
 
     def set_on(on: bool) -> None:
@@ -99,6 +102,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from moetier import Engine
+    from moetier.model.router import NativeSoftmaxRouter
     from moetier.plan.precision import MixedPrecision
 
     engine = Engine.from_pretrained(args.model, expert_memory="100%", progress=False,
@@ -107,7 +111,7 @@ def main() -> None:
         engine.preload()
         if args.feature == "blocks" and engine.model.blocks is None:
             sys.exit("moetier: error: this model and kernel set have no decode blocks to turn off")
-        if args.feature == "router" and type(engine.model.router).__name__ != "NativeSoftmaxRouter":
+        if args.feature == "router" and not isinstance(engine.model.router, NativeSoftmaxRouter):
             sys.exit("moetier: error: this model and kernel set have no native router to turn off")
         if args.feature == "step" and engine.model.resident_step is None:
             sys.exit("moetier: error: this model and kernel set have no one-call step to turn off")
