@@ -89,6 +89,17 @@ def test_a_resident_layer_is_what_its_plan_computes_and_counts_bit_for_bit(tiny_
         reader.close()
 
 
+def test_resident_layers_refuse_to_start_while_an_expert_is_missing(tiny_store):
+    executor, reader = make_executor(tiny_store, share=0.5)
+    try:
+        executor.preload()  # (half the experts: the cache is full before every one is in)
+        assert len(executor.residency) < executor.spec.num_expert_keys
+        with pytest.raises(ValueError, match="every expert must be resident"):
+            ResidentLayers(executor)
+    finally:
+        reader.close()
+
+
 def test_layers_are_planned_while_an_expert_is_missing_or_a_hook_listens(tiny_store):
     executor, reader = make_executor(tiny_store, share=0.5)
     try:
