@@ -363,6 +363,8 @@ def main() -> None:
                 shown = f"{r['tok_s']:.2f} tok/s" if "tok_s" in r else r["error"][:120]
                 shown += f"  (memory {probe:.1f} GB/s before" + (
                     f", {r['probe_in_gb_s']:.1f} in moetier's process)" if r.get("probe_in_gb_s") else ")")
+                if r.get("huge_page_share") is not None:
+                    shown += f"  {r['huge_page_share']:.0%} in huge pages"
                 print(f"round {rnd + 1} {row['format']:>7} {row['setting']:>9} {engine:>9}: {shown}", flush=True)
     summary = summarize(rows, runs)
     print(table(summary))

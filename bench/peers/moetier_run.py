@@ -1,6 +1,6 @@
 """One moetier decode measurement, in its own process (so a memory cgroup holds it alone): the engine on a store at
-a budget and precision, a random prompt, warm-up tokens, then the measured ones, then the process's memory read
-rate (probe.py). Prints one JSON line.
+a budget and precision, a random prompt, warm-up tokens, then the measured ones; the share of its memory in huge
+pages, and then the process's memory read rate (probe.py). Prints one JSON line.
 
     python bench/peers/moetier_run.py '{"store": ..., "budget": "auto", "precision": "int4", ...}'
 """
@@ -15,6 +15,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def huge_page_share() -> float | None:
+    """The share of this process's resident memory in transparent huge pages (/proc/self/smaps_rollup), or None
+    where the kernel does not say: weights in 4 KiB pages stream slower (moetier/engine/huge_pages.py)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
+        return int(fields["AnonHugePages"].split()[0]) / int(fields["Rss"].split()[0])
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        return None
 
 
 def run(cfg: dict) -> dict:
@@ -35,12 +45,13 @@ def run(cfg: dict) -> dict:
         engine.generate([warm], max_new_tokens=cfg.get("warmup_tokens", 16), ignore_eos=True)
     stats = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
     note = engine.budget.note
+    huge = huge_page_share()
     engine.close()
     from probe import read_rate  # (this process's memory rate; not under a cap: the engine's memory is still held)
     return dict(tok_s=1 / stats["tpot_s"], tpot_s=stats["tpot_s"], tpot_p50_s=stats.get("tpot_p50_s"),
                 hit_rate=stats.get("decode_hit_rate", stats.get("hit_rate")),
                 expert_bytes_per_token=stats.get("expert_bytes_per_token"), peak_rss=stats.get("peak_rss_bytes"),
-                load_s=load_s, budget_note=note, probe_in_gb_s=read_rate() if cfg.get("preload") else None)
+                load_s=load_s, budget_note=note, huge_page_share=huge, probe_in_gb_s=read_rate() if cfg.get("preload") else None)
 
 
 if __name__ == "__main__":
