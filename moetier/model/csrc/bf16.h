@@ -24,6 +24,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+static inline void add_bf16(uint16_t *h, const uint16_t *d, long n) { /* torch's bf16 h + d: in fp32, rounded once */
+    for (long i = 0; i < n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

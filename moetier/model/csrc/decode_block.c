@@ -40,10 +40,6 @@ typedef struct {
     float eps, scale;
 } moetier_decode_layer;
 
-static inline void add_bf16(uint16_t *h, const uint16_t *d, long n) { /* torch's bf16 h + d: in fp32, rounded once */
-    for (long i = 0; i < n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
-}
-
 /* y [N] = x [K] through m; scratch: floats for a bf16 product, bytes (moetier_linear_qi_scratch) for a quantized
    one. */
 static void product(const moetier_matrix *m, const uint16_t *x, uint16_t *y, long N, long K, float *scratch) {

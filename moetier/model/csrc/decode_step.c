@@ -64,5 +64,5 @@ void moetier_decode_step_resident(long n, const moetier_step_layer *layers, cons
             moetier_swiglu_qi_token_routed((int)l->bits, l->table, l->ids, l->weights, wbits, route->top_k,
                                            l->gu_group, l->d_group, l->x, delta, H, l->intermediate, expert_scratch);
     }
-    for (long k = 0; k < H; k++) h[k] = f32_to_bf16(bf16_to_f32(h[k]) + bf16_to_f32(delta[k])); /* torch's h + delta */
+    add_bf16(h, delta, H); /* the last layer's experts, as torch's h + delta */
 }

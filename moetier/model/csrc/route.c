@@ -39,17 +39,22 @@ static long floor_log2(long n) {
 
 /* libstdc++'s moves (bits/stl_algo.h, stl_heap.h), step for step, with `before` as the comparison. */
 
+/* *i moved back past the ones it goes before; unguarded: something before it stops it */
+static void unguarded_linear_insert(pair *i) {
+    pair v = *i, *j = i;
+    for (; before(&v, j - 1); j--) *j = *(j - 1);
+    *j = v;
+}
+
 static void insertion_sort(pair *first, pair *last) {
     if (first == last) return;
     for (pair *i = first + 1; i != last; i++) {
-        pair v = *i;
-        if (before(&v, first)) {
+        if (before(i, first)) {
+            pair v = *i;
             for (pair *j = i; j != first; j--) *j = *(j - 1);
             *first = v;
-        } else { /* unguarded: *first stops it */
-            pair *j = i;
-            for (; before(&v, j - 1); j--) *j = *(j - 1);
-            *j = v;
+        } else {
+            unguarded_linear_insert(i); /* *first stops it */
         }
     }
 }
@@ -172,11 +177,7 @@ static void sort(pair *first, pair *last) {
     introsort_loop(first, last, 2 * floor_log2(last - first));
     if (last - first > 16) {
         insertion_sort(first, first + 16);
-        for (pair *i = first + 16; i != last; i++) { /* unguarded */
-            pair v = *i, *j = i;
-            for (; before(&v, j - 1); j--) *j = *(j - 1);
-            *j = v;
-        }
+        for (pair *i = first + 16; i != last; i++) unguarded_linear_insert(i);
     } else {
         insertion_sort(first, last);
     }
