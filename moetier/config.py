@@ -172,6 +172,9 @@ class ModelSpec:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # a merged model's (moetier/merge: CoMoE): per MoE layer, each expert's principal — the expert its group was
+    # merged into and keeps its id; the others are absent from the store. Empty: nothing merged.
+    expert_groups: tuple[tuple[int, ...], ...] = ()
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -216,6 +219,20 @@ class ModelSpec:
                                         f"num_experts_per_tok={self.top_k}")
         if self.router.kind == "top1" and self.top_k != 1:
             raise UnsupportedModelError(f"config.json: a top-1 router chooses 1 expert, not {self.top_k}")
+        if self.expert_groups:
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        if len(self.expert_groups) != len(self.moe_layers) or self.router.kind != "softmax":
+            raise UnsupportedModelError("config.json: moetier_merged needs one group list per MoE layer, and a "
+                                        "softmax router")
+        for layer, groups in zip(self.moe_layers, self.expert_groups):
+            principals = set(groups)
+            if len(groups) != self.num_experts or any(not 0 <= g < self.num_experts or groups[g] != g
+                                                      for g in principals) or len(principals) < self.top_k:
+                raise UnsupportedModelError(f"config.json: moetier_merged's groups of layer {layer} must map each "
+                                            f"of the {self.num_experts} experts to a principal that maps to itself, "
+                                            f"at least top-{self.top_k} of them")
 
     @property
     def is_moe_layer(self) -> tuple[bool, ...]:
@@ -242,9 +259,21 @@ class ModelSpec:
         """Parameters of one routed expert: its matrices and biases."""
         return sum(math.prod(shape) for _, shape in self.expert_shapes)
 
+    def experts_of(self, layer: int) -> tuple[int, ...]:
+        """The experts a MoE layer holds, ascending: all of them, or a merged model's principals."""
+        if not self.expert_groups:
+            return tuple(range(self.num_experts))
+        return tuple(sorted(set(self.expert_groups[self.moe_layers.index(layer)])))
+
+    def expert_keys(self) -> list[tuple[int, int]]:
+        """(layer, expert) of every expert the model holds, layer by layer, ascending."""
+        return [(layer, e) for layer in self.moe_layers for e in self.experts_of(layer)]
+
     @property
     def num_expert_keys(self) -> int:
-        return len(self.moe_layers) * self.num_experts
+        if not self.expert_groups:
+            return len(self.moe_layers) * self.num_experts
+        return sum(len(set(g)) for g in self.expert_groups)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)

@@ -92,16 +92,21 @@ def texts(pairs: list[str] | None) -> dict[str, str]:
             except (OSError, UnicodeDecodeError) as e:
                 raise MoetierError(f"cannot read {path}: {e}") from None
         return out
-    source = Path(__file__).resolve().parents[2] / "train" / "corpus.py"  # beside the package, in a checkout
+    corpus = demo_corpus("held-out", "--text prose=FILE --text code=FILE")
+    return {"prose": corpus["prose_valid"], "code": corpus["code_valid"]}
+
+
+def demo_corpus(which: str, hint: str) -> dict[str, str]:
+    """The demo models' corpus ({'prose_train': text, 'prose_valid': ..., 'code_...'}), built by train/corpus.py
+    beside the package in a checkout; refused with `hint` (what to give instead) elsewhere."""
+    source = Path(__file__).resolve().parents[2] / "train" / "corpus.py"
     if not source.exists():
-        raise MoetierError("the demo models' held-out texts are built by train/corpus.py in moetier's repository, "
-                           "which this installation does not have",
-                           hint="give --text prose=FILE --text code=FILE")
+        raise MoetierError(f"the demo models' {which} texts are built by train/corpus.py in moetier's repository, "
+                           "which this installation does not have", hint=f"give {hint}")
     spec = importlib.util.spec_from_file_location("moetier_demo_corpus", source)
     corpus_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(corpus_module)
-    corpus = corpus_module.load()
-    return {"prose": corpus["prose_valid"], "code": corpus["code_valid"]}
+    return corpus_module.load()
 
 
 def _eval(args: argparse.Namespace) -> None:

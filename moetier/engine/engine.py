@@ -137,7 +137,7 @@ def choose_low(mixed: MixedPrecision, store: Store, cache_bytes: int) -> MixedPr
     the expert budget (the rest is the high-precision cache)."""
     if mixed.mode != "low-tier" or mixed.low:
         return mixed
-    spec, n = store.spec, len(store.spec.moe_layers) * store.spec.num_experts
+    spec, n = store.spec, store.spec.num_expert_keys
     for low in UNIFORM:
         if expert_layouts(spec, [low])[low].blob_bytes * n <= LOW_TIER_SHARE * cache_bytes:
             return dataclasses.replace(mixed, low=low)

@@ -58,13 +58,13 @@ class ExpertExecutor:
                                                              f"{','.join(missing)}")
         entry_bytes = {p: layout.blob_bytes for p, layout in manifest.precisions.items()}
         made = setup(mixed, native, entry_bytes, capacity_bytes, policy, spec.moe_layers, spec.num_experts,
-                     spec.top_k, per_layer)
+                     spec.top_k, per_layer, spec.expert_keys())
         self.precision, self.residency, tier = made.high, made.residency, made.tier
         self.pools = {p: make_slots(manifest.precisions[p], self.residency.slots(p), self.device, manifest.linked(p))
                       for p in self.residency.entry_bytes}
         if tier is not None:
-            self.pools[tier.low] = make_slots(manifest.precisions[tier.low], len(spec.moe_layers) * spec.num_experts,
-                                              self.device, manifest.linked(tier.low))
+            self.pools[tier.low] = make_slots(manifest.precisions[tier.low], spec.num_expert_keys, self.device,
+                                              manifest.linked(tier.low))
         self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype, spec) for p in self.pools}
         self.counts = CountingHook(entry_bytes, self.precision if mixed.mixed else None)
         self.costs = RunningCosts(entry_bytes[self.precision])
@@ -95,7 +95,7 @@ class ExpertExecutor:
         if placement != "none":
             self.host_pool = make_slots(manifest.precisions[self.precision], spec.num_expert_keys, self.host_device,
                                         manifest.linked(self.precision))
-            self._host_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+            self._host_index = {key: i for i, key in enumerate(spec.expert_keys())}
             self.host_kernel = make_expert_kernel(self.precision, host_kernels or self.kernels, dtype, spec)
             self._fill(self.host_pool, self.precision, self.host_slot, "host tier")
             self._probe_host(dtype)
@@ -115,7 +115,7 @@ class ExpertExecutor:
         tier, or the host tier."""
         from tqdm import tqdm
 
-        keys = [(layer, e) for layer in self.spec.moe_layers for e in range(self.spec.num_experts)]
+        keys = self.spec.expert_keys()
         for layer, e in keys:
             slot, blob = slot_of(layer, e), self.manifest.blob(layer, e, precision)
             self.reader.submit(blob, pool.read_target(slot, blob.phase), pool.completions[slot], ON_DEMAND)
@@ -123,12 +123,12 @@ class ExpertExecutor:
             pool.completions[slot_of(layer, e)].wait()
 
     def host_slot(self, layer: int, expert: int) -> int:
-        """An expert's slot in the host tier (layer-major, as the low tier's)."""
-        return self._host_index[layer] * self.spec.num_experts + expert
+        """An expert's slot in the host tier (its place among the model's experts, as in the low tier)."""
+        return self._host_index[(layer, expert)]
 
     def _probe_host(self, dtype: torch.dtype) -> None:
         """What one host expert costs, measured once before any plan weighs it (later host computes refine it)."""
-        w = self.host_pool.weights(self.host_slot(self.spec.moe_layers[0], 0))
+        w = self.host_pool.weights(self.host_slot(*self.spec.expert_keys()[0]))
         x = torch.zeros(1, self.spec.hidden_size, dtype=dtype)
         out, weights = torch.empty_like(x), torch.ones(1, dtype=dtype)
         self.host_kernel(out, x, w, weights)  # warm: first calls pay for allocation and dispatch
@@ -283,7 +283,7 @@ class ExpertExecutor:
         """Load experts (by default every expert, layer by layer) into free room until the cache is full: a warm
         start, and with a budget of 100% the whole model resident. Returns how many were loaded."""
         if keys is None:
-            keys = (ExpertKey(layer, e) for layer in self.spec.moe_layers for e in range(self.spec.num_experts))
+            keys = (ExpertKey(layer, e) for layer, e in self.spec.expert_keys())
         admitted = self.residency.admit_while_room(keys, self.precision)
         errors = []
         try:

@@ -34,6 +34,9 @@ class ResidentLayers:
         self.weights: list[list[dict[str, torch.Tensor]]] = [[{}] * spec.num_experts for _ in spec.moe_layers]
         for key, entry in residency.entries.items():  # (slots never move while every expert stays resident)
             self.weights[self.index[key.layer]][key.expert] = pool.weights(entry.slot)
+        for groups, ws in zip(spec.expert_groups, self.weights):  # a merged model's merged-away ids: their
+            for e, principal in enumerate(groups):  # principal's weights, so a layer's table has a row for every
+                ws[e] = ws[principal]  # id (the router never sends a token to them: MergedRouter)
         self.kernel = executor.expert_kernels[executor.precision]
         self.combine = executor.kernels.combine
         self.policy, self.counts = residency.policy, executor.counts

@@ -154,6 +154,23 @@ class Top1Router(SoftmaxRouter):
         return scores, topk_ids, topk_weights
 
 
+class MergedRouter(SoftmaxRouter):
+    """A merged model's (moetier/merge: CoMoE §III-B, Eq. 30): the family's softmax over the original experts, each
+    group's probabilities summed into its principal — the merged expert, which keeps the principal's id — then
+    top-k over the principals and the family's renormalising and scaling of those sums. So a token that the
+    original router sent to any member of a group goes to the merged expert with the weight the whole group had,
+    and with norm_topk_prob the k groups' weights sum to 1 as the k experts' did. The scores the policies read are
+    the groups' sums (0 for a merged-away id). Reads the layer's `router.groups` [E] int64 (each expert's principal)
+    and `router.absent` [E] bool, which the model adds from its spec."""
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
+        probs = F.softmax(self.logits(x, w), dim=-1, dtype=torch.float32)  # [T, E]
+        scores = torch.zeros_like(probs).index_add_(1, w["router.groups"], probs)  # [T, E]: a group's sum
+        # (a group's sum may underflow to 0: a merged-away id must still never be chosen)
+        topk_weights, topk_ids = self.choose(scores.masked_fill(w["router.absent"], -1.0))  # [T, k]
+        return scores, topk_ids, self.finish(topk_weights, x.dtype)
+
+
 def _group_mask(group_scores: torch.Tensor, topk_groups: int, num_experts: int) -> torch.Tensor:
     """[T, E] True for the experts of each token's topk_groups best groups."""
     t, g = group_scores.shape
@@ -170,8 +187,12 @@ ROUTER_CLASSES = {"softmax": SoftmaxRouter, "group-limited": GroupLimitedRouter,
                   "sparsemixer": SparseMixerRouter, "topk-softmax": TopkSoftmaxRouter, "top1": Top1Router}
 
 
-def make_router(spec: RouterSpec, top_k: int, linear: Linear = F.linear, lib=None) -> SoftmaxRouter:
-    """`lib`: the native library, where the native kernels run (a plain softmax router then routes through it)."""
+def make_router(spec: RouterSpec, top_k: int, linear: Linear = F.linear, lib=None,
+                merged: bool = False) -> SoftmaxRouter:
+    """`lib`: the native library, where the native kernels run (a plain softmax router then routes through it).
+    `merged`: the model's experts were merged (ModelSpec.expert_groups; a softmax router's)."""
+    if merged:
+        return MergedRouter(spec, top_k, linear)
     if lib is not None and spec.kind == "softmax":
         return NativeSoftmaxRouter(spec, top_k, linear, lib)
     return ROUTER_CLASSES[spec.kind](spec, top_k, linear)

@@ -57,9 +57,14 @@ class Transformer:
         attention = attention_class(spec)
         self.attn = [attention(spec, i, dense, self.kernels) for i in range(spec.num_layers)]
         self.norm = make_norm(spec.norm, spec.rms_norm_eps, self.kernels)
-        self.router = make_router(spec.router, spec.top_k, self.kernels.linear, getattr(self.kernels, "lib", None))
+        self.router = make_router(spec.router, spec.top_k, self.kernels.linear, getattr(self.kernels, "lib", None),
+                                  merged=bool(spec.expert_groups))
         self.is_moe = spec.is_moe_layer
         self.layers = layer_weights(dense, spec.num_layers)
+        for layer, groups in zip(spec.moe_layers, spec.expert_groups):  # a merged model's (MergedRouter reads them)
+            g = torch.tensor(groups, dtype=torch.int64, device=self.device)  # [E]
+            self.layers[layer].update({"router.groups": g, "router.absent": g != torch.arange(len(groups),
+                                                                                          device=self.device)})
         # one native call a layer for a one-sequence decode step's attention (None where it does not apply)
         self.blocks = DecodeBlocks.make(spec, dense["embed_tokens"], self.attn, self.layers, self.router, self.is_moe,
                                         self.kernels)

@@ -150,16 +150,17 @@ class PrecisionStage:
 
 class LowTierStage:
     """After the precision stage, before the on-demand one: an expert wanted at the low precision and not in the
-    cache runs from the resident low tier (slot `index(layer) * num_experts + expert` of the tier's pool)."""
+    cache runs from the resident low tier (the slot of the tier's pool at the expert's place among `keys`, the
+    model's (layer, expert) in order)."""
 
     name = "low-tier"
 
-    def __init__(self, residency: Residency, low: Precision, layers: tuple[int, ...], num_experts: int) -> None:
-        self.residency, self.low, self.num_experts = residency, low, num_experts
-        self.index = {layer: i for i, layer in enumerate(layers)}
+    def __init__(self, residency: Residency, low: Precision, keys: list[tuple[int, int]]) -> None:
+        self.residency, self.low = residency, low
+        self.index = {key: i for i, key in enumerate(keys)}
 
     def slot(self, layer: int, expert: int) -> int:
-        return self.index[layer] * self.num_experts + expert
+        return self.index[(layer, expert)]
 
     def __call__(self, plan: LayerPlan) -> LayerPlan:
         for e, precision in plan.precision.items():
@@ -184,15 +185,17 @@ class PrecisionSetup:
 
 def setup(mixed: MixedPrecision, native: Precision, entry_bytes: dict[Precision, int], capacity_bytes: int,
           policy: EvictionPolicy, moe_layers: tuple[int, ...], num_experts: int, top_k: int,
-          per_layer: bool = False) -> PrecisionSetup:
-    """`entry_bytes`: one expert's bytes at each precision the store holds; `capacity_bytes`: the expert budget."""
+          per_layer: bool = False, keys: list[tuple[int, int]] | None = None) -> PrecisionSetup:
+    """`entry_bytes`: one expert's bytes at each precision the store holds; `capacity_bytes`: the expert budget;
+    `keys`: the (layer, expert) the model holds (default: every expert of every MoE layer; a merged model's fewer)."""
+    keys = keys if keys is not None else [(layer, e) for layer in moe_layers for e in range(num_experts)]
     mixed = mixed.with_thresholds()  # any still unset: the paper's
     high, low = mixed.pair(native)
     if mixed.mode in UNIFORM:
         high = mixed.mode
     tier_bytes = 0
     if mixed.mode == "low-tier":
-        tier_bytes = entry_bytes[low] * len(moe_layers) * num_experts
+        tier_bytes = entry_bytes[low] * len(keys)
         if tier_bytes + top_k * entry_bytes[high] > capacity_bytes:
             raise BudgetError(f"low-tier keeps every expert at {low} ({format_bytes(tier_bytes)}) and needs room "
                               f"for one layer's top-{top_k} at {high} beside them: more than the expert budget "
@@ -202,7 +205,7 @@ def setup(mixed: MixedPrecision, native: Precision, entry_bytes: dict[Precision,
     cached = {p: entry_bytes[p] for p in (shares or (high,))}
     residency = Residency(capacity_bytes - tier_bytes, cached, policy, moe_layers if per_layer else None, shares)
     stages = [PrecisionStage(residency, high, low, mixed.t1, mixed.t2)] if mixed.mixed else []
-    tier = LowTierStage(residency, low, moe_layers, num_experts) if tier_bytes else None
+    tier = LowTierStage(residency, low, keys) if tier_bytes else None
     if tier is not None:
         stages.append(tier)
     return PrecisionSetup(high, low, residency, stages, tier, tier_bytes)

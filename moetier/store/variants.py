@@ -68,7 +68,7 @@ def add_precisions(store_dir: Path | str, precisions: str | Iterable[str], progr
         layouts = expert_layouts(store.spec, wanted)
         blobs = list(manifest.blobs)
         spec = store.spec
-        total = len(wanted) * len(spec.moe_layers) * spec.num_experts
+        total = len(wanted) * spec.num_expert_keys
         _check_room(store, layouts)
         with tqdm(total=total, desc=f"quantize {store_dir.name} to {','.join(wanted)}", unit="expert",
                   disable=not progress) as bar:
@@ -94,18 +94,19 @@ def _sidecar(store_dir: Path, precision: str, layer: int) -> Path:
 def _check_room(store: Store, layouts: dict[str, PrecisionLayout]) -> None:
     """The copies still to write (a resumed run keeps what an earlier one finished), refused before any is
     written if the store's disk has no room for them."""
-    n, layers = store.spec.num_experts, store.spec.moe_layers
+    spec = store.spec
     done = sum((store.path / expert_file(p, layer)).stat().st_size for p, layout in layouts.items()
-               for layer in layers if _kept(store.path / expert_file(p, layer), _sidecar(store.path, p, layer), layout,
-                                            n) is not None)
-    needed = sum(len(layers) * n * (layout.blob_bytes + MANIFEST_BYTES_PER_BLOB) for layout in layouts.values())
+               for layer in spec.moe_layers if _kept(store.path / expert_file(p, layer), _sidecar(store.path, p, layer),
+                                                     layout, len(spec.experts_of(layer))) is not None)
+    needed = sum(spec.num_expert_keys * (layout.blob_bytes + MANIFEST_BYTES_PER_BLOB) for layout in layouts.values())
     check_free_space(store.path, needed - done, f"{', '.join(layouts)} copies of {store.path.name}'s experts")
 
 
 def _layer(store: Store, layer: int, layouts: dict[str, PrecisionLayout], bar) -> list[BlobRef]:
     """One layer's blobs at each precision: kept from an earlier run where complete, the rest written now (each
-    native expert read once for all of them)."""
-    n = store.spec.num_experts
+    native expert read once for all of them). The experts the layer holds: all, or a merged model's principals."""
+    experts = store.spec.experts_of(layer)
+    n = len(experts)
     refs: dict[str, list[BlobRef]] = {}
     todo = {}
     for p, layout in layouts.items():
@@ -122,7 +123,7 @@ def _layer(store: Store, layer: int, layouts: dict[str, PrecisionLayout], bar) -
         for p, tmp in tmps.items():
             tmp.parent.mkdir(parents=True, exist_ok=True)
             files[p], refs[p] = open(tmp, "wb"), []
-        for e in range(n if todo else 0):
+        for e in experts if todo else ():
             native = store.read_expert(layer, e)
             for p, layout in todo.items():
                 f = files[p]

@@ -95,3 +95,36 @@ def test_the_native_kernels_route_through_it_and_only_a_plain_softmax_router(lib
     assert type(make_router(RouterSpec(), 2)) is SoftmaxRouter  # torch's kernels
     grouped = RouterSpec(kind="group-limited", num_groups=2, topk_groups=1)
     assert type(make_router(grouped, 2, lib=lib)) is GroupLimitedRouter
+
+
+def merged_weights(groups: list[int]) -> dict[str, torch.Tensor]:
+    g = torch.tensor(groups)
+    return {"router.groups": g, "router.absent": g != torch.arange(len(groups))}
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_merged_router_sums_each_groups_probabilities_into_its_principal(norm):
+    """Experts 0-1 merged into 0, 2-3 into 3, 4 alone: the groups' sums ranked, top-2, renormalised if the family
+    does; a merged-away id is never chosen, even where every group's sum underflows."""
+    spec = RouterSpec(norm_topk_prob=norm)
+    router = make_router(spec, 2, merged=True)
+    w = {"router": torch.eye(5), **merged_weights([0, 0, 3, 3, 4])}
+    x = torch.tensor([[2.0, 1.9, 0.0, 0.1, 2.5]])  # expert 4 alone is the best single expert
+    probs = torch.softmax(x, dim=-1)
+    scores, ids, weights = router(x, w)
+    sums = [probs[0, :2].sum(), probs[0, 2:4].sum(), probs[0, 4]]
+    assert ids.tolist() == [[0, 4]] and scores[0, 1] == 0 and scores[0, 2] == 0
+    torch.testing.assert_close(scores[0, [0, 3, 4]], torch.stack(sums))
+    expected = torch.stack([sums[0], sums[2]])
+    torch.testing.assert_close(weights[0], expected / expected.sum() if norm else expected)
+    _, ids, _ = router(torch.tensor([[-1e4, -1e4, 0.0, 0.0, -1e4]]), w)  # two groups' sums are exactly 0
+    assert set(ids[0].tolist()) <= {0, 3, 4} and 3 in ids[0].tolist()
+
+
+def test_a_merged_router_with_every_expert_its_own_group_is_the_plain_one():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(6, 16, generator=g), {"router": torch.randn(8, 16, generator=g)}
+    plain = SoftmaxRouter(RouterSpec(norm_topk_prob=True), 3)(x, w)
+    merged = make_router(RouterSpec(norm_topk_prob=True), 3, merged=True)(x, {**w, **merged_weights(list(range(8)))})
+    for a, b in zip(plain, merged):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -93,11 +93,14 @@ def test_the_low_tier_serves_unimportant_misses_without_a_read():
     r = Residency(100, {"bf16": 10}, LRUPolicy())
     plan = LayerPlan.exact(route([[5, 6]], [[0.7, 0.3]], layer=3), "bf16")
     plan = PrecisionStage(r, "bf16", "int2", 0.6, 1.0)(plan)
-    tier = LowTierStage(r, "int2", (1, 3), 8)
+    tier = LowTierStage(r, "int2", [(layer, e) for layer in (1, 3) for e in range(8)])
     plan = OnDemandStage(r)(tier(plan))
     assert [(ld.expert, ld.precision) for ld in plan.loads] == [(5, "bf16")]
     assert [(run.expert, run.precision, run.slot, run.source) for run in plan.runs if run.precision == "int2"] == [
         (6, "int2", 1 * 8 + 6, RESIDENT)]
+    # a merged model's tier holds only its experts: the slot is the expert's place among them
+    merged = LowTierStage(r, "int2", [(1, 0), (1, 4), (3, 2), (3, 6)])
+    assert (merged.slot(1, 4), merged.slot(3, 6)) == (1, 3)
 
 
 @pytest.mark.parametrize("kw, match", [({"mode": "fp8"}, "unknown precision mode"),

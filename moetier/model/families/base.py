@@ -136,8 +136,21 @@ def common_fields(cfg: dict, rope_head_dim: int | None = None, interleaved: bool
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch."),
         bos_token_id=(token_ids(cfg.get("bos_token_id"), "bos_token_id") or (None,))[0],
         eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
+        expert_groups=expert_groups(cfg),
         hf_config=cfg,
     )
+
+
+def expert_groups(cfg: dict) -> tuple[tuple[int, ...], ...]:
+    """A merged model's groups (moetier_merged.groups: per MoE layer, each expert's principal), or ()."""
+    merged = cfg.get("moetier_merged")
+    if merged is None:
+        return ()
+    groups = merged.get("groups") if isinstance(merged, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, list) and all(_is_int(i) for i in g) for g in groups):
+        raise UnsupportedModelError(f"config.json: moetier_merged.groups must be a list of lists of expert ids, "
+                                    f"got {str(groups)[:80]!r}")
+    return tuple(tuple(g) for g in groups)
 
 
 def sparse_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:

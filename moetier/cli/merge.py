@@ -1,0 +1,229 @@
+"""`moetier merge`: CoMoE's merged variants of a model (moetier/merge, docs/merging.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moetier.cli.defaults import command, count, read_text_file
+from moetier.cli.generate import add_engine_options, check_engine_args, open_engine
+from moetier.errors import MoetierError
+
+WINDOW = 256  # calibration tokens per prefill
+
+
+def retention(args: argparse.Namespace):
+    from moetier.merge.plan import ADAPTIVE, AdaptiveRatio, FixedRatio
+
+    if args.ratio is not None:
+        return FixedRatio(args.ratio)
+    r_base, delta_r = ADAPTIVE[args.adaptive]
+    return AdaptiveRatio(r_base, delta_r, args.min_experts, args.adaptive)
+
+
+def calibration_text(args: argparse.Namespace) -> tuple[str, str]:
+    """(text, what it is): --calibration's file, or the demo models' training prose and code."""
+    if args.calibration:
+        return read_text_file(args.calibration, "calibration file"), args.calibration
+    from moetier.cli.evaluate import demo_corpus
+
+    corpus = demo_corpus("training", "--calibration FILE (text like what the model will see)")
+    return corpus["prose_train"] + "\n" + corpus["code_train"], "the demo corpus's training prose and code"
+
+
+def spread(ids: list[int], tokens: int) -> list[list[int]]:
+    """Windows of WINDOW tokens, `tokens` in all, spread evenly over the text (so a text of several kinds — prose,
+    then code — is sampled from each, not only from its start); the whole text if it is shorter."""
+    if len(ids) <= tokens:
+        return [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW) if len(ids) - i >= 2]
+    n = max(1, tokens // WINDOW)
+    starts = [round(i * (len(ids) - WINDOW) / max(1, n - 1)) for i in range(n)]
+    return [ids[s:s + WINDOW] for s in starts]
+
+
+def calibrate(args: argparse.Namespace):
+    """(the trace of the model's routing and router inputs on the calibration text, what that text is)."""
+    from tqdm import tqdm
+
+    from moetier.trace.record import TraceRecorder
+
+    text, what = calibration_text(args)
+    engine = open_engine(args)
+    with engine, TraceRecorder(engine, gate_inputs=True) as recorder:
+        if engine.tokenizer is None:
+            raise MoetierError(f"{args.model} has no tokenizer to read the calibration text with")
+        windows = spread(engine.tokenizer.encode(text), args.calibration_tokens)
+        if not windows:
+            raise MoetierError(f"{what} holds no tokens to calibrate on", hint="give a longer --calibration text")
+        for window in tqdm(windows, desc="calibrate", unit="window"):
+            engine.generate([window], max_new_tokens=1)  # (the prefill routes and records the window's tokens)
+        return recorder.trace([f"window {i}" for i in range(len(windows))]), what
+
+
+def _merge(args: argparse.Namespace) -> None:
+    from moetier.atomic import check_replaceable
+    from moetier.merge.merge import MergeSettings, check_mergeable
+    from moetier.resolve import resolve_model
+    from moetier.store.format import is_store
+    from moetier.store.store import Store
+
+    check_engine_args(args)
+    if args.library:
+        return _library(args)
+    settings = MergeSettings(retention(args), args.alpha, args.threshold, args.align)  # refuses bad values first
+    source = resolve_model(args.model, args.cache_dir)
+    check_replaceable(Path(args.out), "store", is_store, args.force, (source,))
+    check_mergeable(Store(source))
+    trace, what = calibrate(args)
+    report = _write(source, Path(args.out), trace, settings, what, args.force)
+    print(f"  its perplexity beside the original's: moetier eval --model {report.path} (and --model {args.model}); "
+          f"the paper's six with their quality: moetier merge --library", file=sys.stderr)
+
+
+def _write(source: Path, out: Path, trace, settings, what: str, force: bool):
+    from moetier.config import format_bytes
+    from moetier.merge.merge import merge_store
+
+    report = merge_store(source, out, trace, settings, overwrite=force, calibration=what)
+    kept = report.kept
+    layers = ", ".join(map(str, kept)) if len(set(kept)) > 1 else f"{kept[0]} in each of {len(kept)} layers"
+    print(f"wrote {report.path}: {settings.retention.name}, experts kept of {report.num_experts} a layer: {layers}; "
+          f"expert bytes {format_bytes(report.bytes_before)} -> {format_bytes(report.bytes_after)} "
+          f"({report.bytes_after / report.bytes_before:.0%}); calibrated on {trace.num_tokens} tokens of {what}",
+          flush=True)
+    return report
+
+
+def _library(args: argparse.Namespace) -> None:
+    """The paper's six variants into --out/<name>, each scored against the original on held-out text, listed in
+    --out/library.json with a plot of quality against bytes."""
+    from moetier.atomic import check_replaceable
+    from moetier.cli.evaluate import texts
+    from moetier.merge.library import paper_variants
+    from moetier.merge.merge import MergeSettings, check_mergeable
+    from moetier.resolve import resolve_model
+    from moetier.store.format import is_store
+    from moetier.store.store import Store
+
+    if args.ratio is not None or args.adaptive is not None or args.threshold is not None:
+        raise MoetierError("--library builds the paper's six variants", hint="drop --ratio, --adaptive, --threshold")
+    folder = Path(args.out)
+    variants = paper_variants(args.min_experts)
+    source = resolve_model(args.model, args.cache_dir)
+    for name in variants:
+        check_replaceable(folder / name, "store", is_store, args.force, (source,))
+    check_mergeable(Store(source))
+    sources = texts(args.text)  # the held-out texts to score on, read before any work
+    trace, what = calibrate(args)
+    for name, retention in variants.items():
+        _write(source, folder / name, trace, MergeSettings(retention, args.alpha, None, args.align), what, args.force)
+    library = score_library(args, source, folder, list(variants), sources)
+    print(library_table(library))
+    print(f"wrote {library.save(folder)}")
+    from moetier.cli.defaults import write_plot
+
+    if write_plot(lambda path: plot_library(library, path, args.model), folder / "library.png"):
+        print(f"plot: {folder / 'library.png'}")
+
+
+def score_library(args: argparse.Namespace, source: Path, folder: Path, names: list[str], sources: dict):
+    """Every variant scored with `moetier eval`'s measures against the original's own log-probabilities."""
+    from tqdm import tqdm
+
+    from moetier.engine.engine import Engine
+    from moetier.merge.library import Library, Variant
+    from moetier.quality import Windows, sweep
+    from moetier.store.store import Store
+
+    paths = {"original": source, **{n: folder / n for n in names}}
+
+    def make_engine(label: str):
+        return Engine.from_pretrained(paths[label], expert_memory="100%", progress=False, kernels=args.kernels)
+
+    with make_engine("original") as engine:
+        windows = [Windows.spread(name, engine.tokenizer.encode(text), args.window, args.windows)
+                   for name, text in sources.items()]
+    variants = []
+    with tqdm(total=len(paths) * sum(len(w.rows) for w in windows), desc="score", unit="window") as bar:
+        for row in sweep(make_engine, list(paths), windows, args.prefix, bar.update):
+            spec, store = Store(paths[row.label]).spec, Store(paths[row.label])
+            ppl = {d["domain"]: d["perplexity"] for d in row.domains}
+            base = variants[0].quality["perplexity"] if variants else ppl
+            tokens = sum(d["tokens"] for d in row.domains)
+            quality = {"perplexity": ppl,
+                       "perplexity_change": sum(ppl[k] / base[k] for k in ppl) / len(ppl) - 1,
+                       "top1_agreement": sum(d["top1_agreement"] * d["tokens"] for d in row.domains) / tokens,
+                       "kl": sum(d["kl"] * d["tokens"] for d in row.domains) / tokens}
+            variants.append(Variant(row.label, str(paths[row.label]), store.total_expert_bytes(),
+                                    tuple(len(spec.experts_of(layer)) for layer in spec.moe_layers), quality))
+    return Library(str(source), tuple(variants))
+
+
+def library_table(library) -> str:
+    original = library.variants[0].expert_bytes
+    domains = list(library.variants[0].quality["perplexity"])
+    lines = [f"{'variant':<18} {'experts/layer':>13} {'bytes':>6} " + " ".join(f"{'ppl ' + d:>11}" for d in domains)
+             + f" {'d ppl':>7} {'top-1':>6} {'KL':>7}"]
+    for v in library.variants:
+        q = v.quality
+        kept = f"{min(v.kept)}-{max(v.kept)}" if min(v.kept) != max(v.kept) else str(v.kept[0])
+        lines.append(f"{v.name:<18} {kept:>13} {v.expert_bytes / original:6.0%} "
+                     + " ".join(f"{q['perplexity'][d]:11.2f}" for d in domains)
+                     + f" {q['perplexity_change']:+7.1%} {q['top1_agreement']:6.1%} {q['kl']:7.4f}")
+    return "\n".join(lines)
+
+
+def plot_library(library, path: Path, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    original = library.variants[0].expert_bytes
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for v in library.variants:
+        x, y = v.expert_bytes / original, 100 * v.quality["perplexity_change"]
+        ax.scatter([x], [y], color="black" if v.name == "original" else "tab:blue")
+        ax.annotate(v.name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("expert bytes (share of the original's)")
+    ax.set_ylabel("perplexity change (%)")
+    ax.set_title(f"{model}: merged variants (CoMoE)", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    from moetier.merge.plan import ADAPTIVE
+
+    m = command(sub, "merge", "merge similar experts into fewer (CoMoE): a new, smaller store that runs like any "
+                              "other model (docs/merging.md)")
+    add_engine_options(m, "100%")
+    m.add_argument("--out", required=True, help="the store folder to write (with --library: the folder of variants)")
+    how = m.add_mutually_exclusive_group(required=True)
+    how.add_argument("--library", action="store_true",
+                     help="build the paper's six variants (fixed and adaptive, light/medium/heavy) into --out, score "
+                          "each against the original on held-out text, list them in --out/library.json")
+    how.add_argument("--ratio", type=float, help="keep ⌊ratio·E⌋ experts in every layer (the paper's light, medium, "
+                                                 "heavy: 0.75, 0.5, 0.25)")
+    how.add_argument("--adaptive", choices=sorted(ADAPTIVE), help="keep more experts where a layer's routing is "
+                                                                  "spread (Eq. 33 with the paper's r_base, Δr)")
+    m.add_argument("--min-experts", type=count(), default=1, help="with --adaptive: E_min (never below top-k)")
+    m.add_argument("--alpha", type=float, default=0.5, help="weight of parameter similarity against functional "
+                                                            "(Eq. 27)")
+    m.add_argument("--threshold", type=float, help="θ_act: keep the experts above this share of a layer's "
+                                                   "activations instead of a count")
+    m.add_argument("--no-align", dest="align", action="store_false",
+                   help="average members unit by unit as Eq. 30 is written, without matching their hidden units to "
+                        "the principal's first")
+    m.add_argument("--calibration", help="a text file to calibrate on (default: the demo models' training text)")
+    m.add_argument("--calibration-tokens", type=count(WINDOW), default=2048, help="tokens of it to route")
+    m.add_argument("--text", action="append", metavar="NAME=FILE",
+                   help="with --library: held-out text to score on (default: the demo models' prose and code)")
+    m.add_argument("--windows", type=count(), default=8, help="with --library: windows scored per text")
+    m.add_argument("--window", type=count(3), default=128, help="with --library: tokens per window")
+    m.add_argument("--prefix", type=count(), default=16, help="with --library: tokens of each window before scoring")
+    m.add_argument("--force", action="store_true", help="replace an existing store at --out (only a moetier store)")
+    m.set_defaults(func=_merge)

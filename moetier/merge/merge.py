@@ -1,0 +1,195 @@
+"""`moetier merge`: a model with similar experts merged into fewer (CoMoE §III-B, Eq. 25–33), written as a store of
+its own that every command runs like any other model.
+
+From a store and a calibration trace of it (routing and router inputs on calibration text, `TraceRecorder` with
+gate inputs), for each MoE layer: the experts' activation frequencies (Eq. 28), their similarities (Eq. 25–27,
+moetier/merge/similarity.py), the principals kept and every other expert's group (Eq. 29, 31–33,
+moetier/merge/plan.py), and each group averaged into one expert with the members' frequencies as weights (Eq. 30;
+in fp32, rounded once to the store's precision; a group whose members were never routed to is averaged evenly).
+The merged expert keeps its principal's id; the others are absent from the new store, and the model's config
+records each expert's principal (`moetier_merged.groups`), from which the router sends a token to the merged
+expert with its group's summed probability (moetier/model/router.py: MergedRouter). Dense weights, shared experts
+and dense layers are copied unchanged. Only the store's own precision is written: quantize the merged store as any
+other (`moetier quantize`).
+
+Eq. 30 as written averages the members' weights unit by unit, but an expert's hidden units have no order of their
+own: permuting them (gate and up rows with the same down columns) leaves what it computes unchanged, and experts
+trained apart put alike units in different places. The paper's basis ([18], "Merge, then Compress") therefore
+permutes each member's units to match its principal's before averaging; so does this (`align`, on by default): each
+member's units are matched one to one to the principal's by the cosine of their weights (gate row, up row and
+down column; an assignment problem, solved exactly), which changes nothing a member computes alone and makes the
+average one of alike units. `--no-align` averages as Eq. 30 is written; docs/merging.md measures both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from moetier.atomic import check_replaceable
+from moetier.errors import MoetierError
+from moetier.merge.plan import LayerMerge, Retention, combined_similarity, plan_layer
+from moetier.merge.similarity import expert_output, functional_similarity, parameter_similarity
+from moetier.store.format import Manifest, is_store
+from moetier.store.store import Store
+from moetier.store.writer import StoreWriter, store_bytes
+from moetier.trace.format import Trace
+
+FUNC_TOKENS = 128  # calibration tokens per layer for S_func: each expert runs on all of them
+PARAM_CHUNK = 1 << 18  # parameters of each expert per step of the cosine's Gram matrix
+
+
+@dataclass(frozen=True)
+class MergeSettings:
+    retention: Retention
+    alpha: float = 0.5  # Eq. 27: the weight of parameter similarity against functional
+    threshold: float | None = None  # θ_act: principals by frequency instead of by count
+    align: bool = True  # permute each member's hidden units to its principal's before averaging
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.alpha <= 1:
+            raise MoetierError(f"--alpha must be in [0, 1], got {self.alpha}")
+        if self.threshold is not None and not 0 <= self.threshold < 1:
+            raise MoetierError(f"--threshold is a share of a layer's activations in [0, 1), got {self.threshold}")
+
+
+@dataclass(frozen=True)
+class MergeReport:
+    path: Path
+    kept: tuple[int, ...]  # experts per MoE layer after merging
+    num_experts: int
+    bytes_before: int  # expert bytes at the store's precision
+    bytes_after: int
+
+
+def check_mergeable(store: Store) -> None:
+    """Refuse, before any work, what merging is not defined for here."""
+    spec = store.spec
+    if spec.expert_groups:
+        raise MoetierError(f"{store.path.name} is merged already", hint="merge the original model instead")
+    if spec.activation not in ("swiglu", "relu"):
+        raise MoetierError(f"merging averages SwiGLU or ReLU experts; {store.path.name}'s ({store.manifest.family}) "
+                           f"are {spec.activation} with biases and clamping", hint="merge a model of another family")
+    if spec.router.kind != "softmax" or spec.encoder_decoder is not None:
+        raise MoetierError(f"merging sums each group's softmax probabilities; {store.path.name}'s router is "
+                           f"{spec.router.kind!r}{' in an encoder-decoder' if spec.encoder_decoder else ''}",
+                           hint="merge a model whose router takes a softmax over every expert (Mixtral, Qwen, "
+                                "OLMoE, DeepSeek-V2)")
+
+
+def check_trace(store: Store, trace: Trace) -> None:
+    spec = store.spec
+    if (trace.num_experts, trace.top_k, tuple(trace.layers)) != (spec.num_experts, spec.top_k, spec.moe_layers):
+        raise MoetierError("the calibration trace is not of this model (its layers, experts or top-k differ)",
+                           hint="record it from the model being merged")
+    if trace.gate_inputs is None:
+        raise MoetierError("the calibration trace has no router inputs (S_func runs the experts on them)",
+                           hint="record it with --gate-inputs")
+
+
+def layer_merge(store: Store, layer: int, column: int, trace: Trace, settings: MergeSettings) -> LayerMerge:
+    """One layer's principals and groups from the trace's routing and router inputs at `column`."""
+    spec = store.spec
+    counts = np.bincount(trace.topk_ids[:, column].ravel(), minlength=spec.num_experts)  # [E] (Eq. 28's numerator)
+    experts = [store.read_expert(layer, e) for e in range(spec.num_experts)]
+    param = parameter_similarity(_chunks(experts))  # [E, E]
+    rows = np.linspace(0, trace.num_tokens - 1, min(FUNC_TOKENS, trace.num_tokens)).round().astype(int)
+    x = torch.from_numpy(trace.gate_inputs[rows, column].astype(np.float32))  # [N, H]
+    func = functional_similarity(torch.stack([expert_output(w, x, spec.activation) for w in experts]))  # [E, N, H]
+    similarity = combined_similarity(param.numpy(), func.numpy(), settings.alpha)
+    return plan_layer(counts, similarity, settings.retention, spec.top_k, settings.threshold)
+
+
+def _chunks(experts: list[dict[str, torch.Tensor]]):
+    """[E, p] slices of every expert's parameters, tensor by tensor (Eq. 25's vectors, a piece at a time)."""
+    for name in experts[0]:
+        flat = [w[name].reshape(-1) for w in experts]
+        for start in range(0, flat[0].numel(), PARAM_CHUNK):
+            yield torch.stack([f[start:start + PARAM_CHUNK].float() for f in flat])
+
+
+def unit_features(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[I, ·] each hidden unit's weights: its gate and up rows and its down column (ReLU: its up row and down
+    column), fp32."""
+    down = tensors["down_proj"].float().T  # [I, H]
+    if "gate_up_proj" in tensors:
+        gate, up = tensors["gate_up_proj"].float().chunk(2)  # [I, H] each
+        return torch.cat([gate, up, down], dim=1)
+    return torch.cat([tensors["up_proj"].float(), down], dim=1)
+
+
+def permuted(tensors: dict[str, torch.Tensor], perm: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The expert with its hidden units reordered (unit r of the result is unit perm[r]): computes the same."""
+    out = dict(tensors, down_proj=tensors["down_proj"][:, perm])
+    if "gate_up_proj" in tensors:
+        gate, up = tensors["gate_up_proj"].chunk(2)
+        out["gate_up_proj"] = torch.cat([gate[perm], up[perm]])
+    else:
+        out["up_proj"] = tensors["up_proj"][perm]
+    return out
+
+
+def aligned(member: dict[str, torch.Tensor], principal: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`member` with its units matched one to one to `principal`'s, maximising the summed cosine of their weights."""
+    from scipy.optimize import linear_sum_assignment
+
+    a = torch.nn.functional.normalize(unit_features(principal), dim=1)
+    b = torch.nn.functional.normalize(unit_features(member), dim=1)
+    rows, cols = linear_sum_assignment((a @ b.T).numpy(), maximize=True)  # principal unit rows[i] <- member cols[i]
+    return permuted(member, torch.from_numpy(cols[np.argsort(rows)]))
+
+
+def averaged(experts: dict[int, dict[str, torch.Tensor]], frequency: tuple[float, ...]) -> dict[str, torch.Tensor]:
+    """Eq. 30: Σ f_j·e_j / Σ f_j over the group `experts` ({id: tensors}), in fp32, rounded once to their dtype."""
+    ids = sorted(experts)
+    weights = torch.tensor([frequency[e] for e in ids], dtype=torch.float64)
+    weights = weights / weights.sum() if weights.sum() > 0 else torch.full_like(weights, 1 / len(ids))
+    out = {}
+    for name, first in experts[ids[0]].items():
+        acc = torch.zeros(first.shape, dtype=torch.float32)
+        for e, w in zip(ids, weights.tolist()):
+            acc += float(w) * experts[e][name].float()
+        out[name] = acc.to(first.dtype)
+    return out
+
+
+def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: MergeSettings, overwrite: bool = False,
+                progress: bool = True, calibration: str = "") -> MergeReport:
+    """Write `source` with each MoE layer's experts merged by `settings` into a new store at `out` (atomic: nothing
+    is left there on failure; an existing folder is replaced only if it is a store and `overwrite`)."""
+    src, out = Store(source), Path(out)
+    check_mergeable(src)
+    check_trace(src, trace)
+    check_replaceable(out, "store", is_store, overwrite, (src.path,))  # before any work
+    m, spec, layout = src.manifest, src.spec, src.native_layout
+    merges = [layer_merge(src, layer, j, trace, settings)
+              for j, layer in enumerate(tqdm(spec.moe_layers, desc="similarity", unit="layer", disable=not progress))]
+    kept = tuple(len(x.principals) for x in merges)
+    files = sum(len(src.read_file(name)) for name in m.tokenizer_files)
+    config = dict(m.config, moetier_merged={
+        "groups": [list(x.group_of) for x in merges], "from": str(src.path.resolve()),
+        "method": settings.retention.name, "alpha": settings.alpha, "threshold": settings.threshold,
+        "aligned": settings.align,
+        "calibration": calibration, "calibration_tokens": int(trace.num_tokens), "kept": list(kept)})
+    with StoreWriter(out, overwrite, (src.path,), store_bytes(src.dense_bytes, sum(kept), layout.blob_bytes, files)) \
+            as writer, tqdm(total=sum(kept), unit="expert", desc=f"merge {out.name}", disable=not progress) as bar:
+        writer.write_dense(src.load_dense())
+        for name in m.tokenizer_files:
+            (writer.tmp / name).write_bytes(src.read_file(name))  # verified against the source's checksums
+            writer.add_file(name)
+        for layer, merge in zip(spec.moe_layers, merges):
+            for p in merge.principals:
+                members = {e: src.read_expert(layer, e) for e in merge.members(p)}
+                if settings.align:
+                    members = {e: w if e == p else aligned(w, members[p]) for e, w in members.items()}
+                writer.add_expert(layer, p, layout, averaged(members, merge.frequency))
+                bar.update()
+        manifest = Manifest(family=m.family, config=config, precisions={layout.name: layout},
+                            native_precision=layout.name, blobs=tuple(writer.blobs), source="",
+                            tokenizer_files=m.tokenizer_files)
+        path = writer.commit(manifest)
+    per = layout.blob_bytes
+    return MergeReport(path, kept, spec.num_experts, per * spec.num_expert_keys, per * sum(kept))

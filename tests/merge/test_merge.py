@@ -1,0 +1,161 @@
+"""`moetier merge`'s store runs as a model of its own: fewer experts on disk, each layer's groups in its config, and
+the engine's logits equal transformers' carrying the same merged model (its router summing each group's
+probabilities, every id of a group computing the merged expert) — resident and offloaded; what it cannot merge is
+refused before anything is written."""
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetier.config import MemoryBudget
+from moetier.engine.engine import Engine, EngineConfig
+from moetier.errors import MoetierError
+from moetier.merge.merge import MergeSettings, merge_store
+from moetier.merge.plan import AdaptiveRatio, FixedRatio
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
+from moetier.store.store import Store
+from moetier.trace.record import TraceRecorder
+
+FAMILIES = {"olmoe": {"num_experts": 8}, "mixtral": {"num_local_experts": 8}, "qwen2_moe": {"num_experts": 8}}
+
+
+def calibration(store, prompts: int = 4, tokens: int = 48, gate_inputs: bool = True):
+    g = torch.Generator().manual_seed(7)
+    ids = [torch.randint(3, 128, (tokens,), generator=g).tolist() for _ in range(prompts)]
+    with Engine.from_pretrained(store, expert_memory="100%", progress=False) as engine, \
+            TraceRecorder(engine, gate_inputs=gate_inputs) as rec:
+        for p in ids:
+            engine.generate([p], max_new_tokens=1)
+        return rec.trace([str(i) for i in range(prompts)])
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory, tiny_store):
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            ref, store = tiny_store(family, **FAMILIES[family])
+            out = tmp_path_factory.mktemp("merged") / family
+            made[family] = ref, store, merge_store(store, out, calibration(store), MergeSettings(FixedRatio(0.5)),
+                                                   progress=False)
+        return made[family]
+
+    return get
+
+
+def merged_reference(ref, report):
+    """The transformers model with the merged model's routing and experts: each gate sums its group's
+    probabilities into the principal (Eq. 30's router, as MergedRouter), each expert id computes its group's
+    merged expert. A copy: the session's reference model stays as built."""
+    ref, store = copy.deepcopy(ref), Store(report.path)
+    spec = store.spec
+    gates = [m for m in ref.modules() if type(m).__name__.endswith("TopKRouter")]
+    experts = [m for m in ref.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "gate_up_proj")]
+    assert len(gates) == len(experts) == len(spec.moe_layers)
+    for layer, groups, gate, ex in zip(spec.moe_layers, spec.expert_groups, gates, experts):
+        g = torch.tensor(groups)
+        with torch.no_grad():
+            for e, principal in enumerate(groups):
+                w = store.read_expert(layer, principal)
+                ex.gate_up_proj[e].copy_(w["gate_up_proj"])
+                ex.down_proj[e].copy_(w["down_proj"])
+
+        def forward(self, h, g=g):
+            h = h.reshape(-1, self.weight.shape[1])
+            logits = F.linear(h, self.weight)
+            sums = torch.zeros_like(logits).index_add_(1, g, F.softmax(logits.float(), dim=-1))
+            top, ids = torch.topk(sums.masked_fill(g != torch.arange(len(g)), -1.0), self.top_k, dim=-1)
+            if getattr(self, "norm_topk_prob", True):  # (Mixtral's router always renormalises)
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), ids
+
+        gate.forward = types.MethodType(forward, gate)
+    return ref
+
+
+def logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    kv = KVCache(engine.spec, 1, len(ids), engine.model.dtype)
+    return engine.model.forward(StepBatch.prefill([ids], [0]), kv, all_logits=True).float()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_merged_store_computes_the_merged_model(merged, family):
+    ref, store, report = merged(family)
+    src, out = Store(store), Store(report.path)
+    assert report.kept == (4, 4) and report.bytes_after * 2 == report.bytes_before
+    assert {(b.layer, b.expert) for b in out.manifest.blobs} == set(out.spec.expert_keys())
+    assert len(out.manifest.blobs) == 8 and out.spec.num_expert_keys == 8
+    assert out.dense_tensors().keys() == src.dense_tensors().keys()
+    ids = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        original = ref(torch.tensor([ids])).logits[0].float()
+        expected = merged_reference(ref, report)(torch.tensor([ids])).logits[0].float()
+    assert (original - expected).abs().max() > 1e-2  # merging changed the model (the check below could fail)
+    slot = out.native_layout.blob_bytes
+    for budget in (MemoryBudget("share", 1.0), MemoryBudget("bytes", 2 * slot)):  # resident; one layer's top-2
+        with Engine(out, EngineConfig(expert_memory=budget)) as engine:
+            torch.testing.assert_close(logits(engine, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_merged_model_generates_and_reads_only_what_it_kept(merged):
+    _, _, report = merged("olmoe")
+    with Engine.from_pretrained(report.path, expert_memory="100%", progress=False) as engine:
+        out = engine.generate([[5, 9, 17, 33]], max_new_tokens=12)
+        assert len(out.token_ids[0]) == 12 and out.stats["total_expert_bytes"] == report.bytes_after
+        assert out.stats["expert_slots"] == 8
+
+
+def test_adaptive_retention_keeps_per_layer_counts(tiny_store, tmp_path):
+    _, store = tiny_store("olmoe", **FAMILIES["olmoe"])
+    trace = calibration(store)
+    report = merge_store(store, tmp_path / "adaptive", trace, MergeSettings(AdaptiveRatio(0.2, 0.1)), progress=False)
+    spec = Store(report.path).spec
+    assert all(2 <= k <= 8 for k in report.kept)  # never fewer than top-2
+    assert tuple(len(set(g)) for g in spec.expert_groups) == report.kept
+    assert spec.hf_config["moetier_merged"]["method"] == "adaptive-0.2-0.1"
+
+
+def test_what_cannot_be_merged_is_refused_before_anything_is_written(merged, tiny_store, tmp_path):
+    _, store, report = merged("olmoe")
+    trace = calibration(store, prompts=1, tokens=8)
+    settings = MergeSettings(FixedRatio(0.5))
+    with pytest.raises(MoetierError, match="merged already"):
+        merge_store(report.path, tmp_path / "again", trace, settings, progress=False)
+    with pytest.raises(MoetierError, match="no router inputs"):
+        merge_store(store, tmp_path / "x", calibration(store, 1, 8, gate_inputs=False), settings, progress=False)
+    _, other = tiny_store("mixtral", **FAMILIES["mixtral"], num_experts_per_tok=3)
+    with pytest.raises(MoetierError, match="not of this model"):
+        merge_store(other, tmp_path / "y", trace, settings, progress=False)
+    _, v3 = tiny_store("deepseek_v3")
+    with pytest.raises(MoetierError, match="router is 'noaux-tc'"):
+        merge_store(v3, tmp_path / "z", trace, settings, progress=False)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(MoetierError):
+        merge_store(store, tmp_path / "mine", trace, settings, progress=False)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    assert not any((tmp_path / n).exists() for n in ("again", "x", "y", "z"))
+
+
+@pytest.mark.parametrize("mode", ["int4", "hobbit", "low-tier"])
+def test_a_merged_store_quantizes_and_runs_in_every_precision_mode(tiny_store, tmp_path, mode):
+    """Its quantized copies are of the experts it holds; each mode reads only those (a merged-away id is never
+    routed to, so never looked for)."""
+    from moetier.plan.precision import MixedPrecision
+    from moetier.store.variants import add_precisions
+
+    _, store = tiny_store("olmoe", dtype=torch.bfloat16, num_experts=8, num_hidden_layers=3)
+    report = merge_store(store, tmp_path / "merged", calibration(store), MergeSettings(FixedRatio(0.5)),
+                         progress=False)
+    add_precisions(report.path, "int8,int4", progress=False)
+    out = Store(report.path)
+    assert {(b.layer, b.expert) for b in out.manifest.blobs if b.precision == "int4"} == set(out.spec.expert_keys())
+    config = EngineConfig(expert_memory=MemoryBudget.parse("60%"), precision=MixedPrecision(mode))
+    with Engine(out, config) as engine:
+        result = engine.generate([[5, 9, 17, 33, 2, 40]], max_new_tokens=16, ignore_eos=True)
+    assert len(result.token_ids[0]) == 16
