@@ -49,6 +49,7 @@ BASE = {
     ("eval",): ["--model", "{missing}"],
     ("convert",): ["{missing}", "{out}"],
     ("quantize",): ["{missing}", "--precisions", "int8"],
+    ("merge",): ["--model", "{missing}", "--out", "{out}", "--ratio", "0.5"],
     ("synth",): ["{out}", "--preset", "tiny"],
     ("trace", "import"): ["{jsonl}", "--out", "{out}"],
     ("trace", "record"): ["--model", "{missing}", "--prompts", "{text}", "--out", "{out}"],

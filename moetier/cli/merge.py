@@ -32,33 +32,33 @@ def calibration_text(args: argparse.Namespace) -> tuple[str, str]:
     return corpus["prose_train"] + "\n" + corpus["code_train"], "the demo corpus's training prose and code"
 
 
-def spread(ids: list[int], tokens: int) -> list[list[int]]:
-    """Windows of WINDOW tokens, `tokens` in all, spread evenly over the text (so a text of several kinds — prose,
+def spread(ids: list[int], tokens: int, window: int = WINDOW) -> list[list[int]]:
+    """Windows of `window` tokens, `tokens` in all, spread evenly over the text (so a text of several kinds — prose,
     then code — is sampled from each, not only from its start); the whole text if it is shorter."""
     if len(ids) <= tokens:
-        return [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW) if len(ids) - i >= 2]
-    n = max(1, tokens // WINDOW)
-    starts = [round(i * (len(ids) - WINDOW) / max(1, n - 1)) for i in range(n)]
-    return [ids[s:s + WINDOW] for s in starts]
+        return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids) - i >= 2]
+    n = max(1, tokens // window)
+    starts = [round(i * (len(ids) - window) / max(1, n - 1)) for i in range(n)]
+    return [ids[s:s + window] for s in starts]
 
 
-def calibrate(args: argparse.Namespace):
-    """(the trace of the model's routing and router inputs on the calibration text, what that text is)."""
+def calibrate(args: argparse.Namespace, text: str, what: str):
+    """The trace of the model's routing and router inputs on the calibration `text`."""
     from tqdm import tqdm
 
     from moetier.trace.record import TraceRecorder
 
-    text, what = calibration_text(args)
     engine = open_engine(args)
     with engine, TraceRecorder(engine, gate_inputs=True) as recorder:
         if engine.tokenizer is None:
             raise MoetierError(f"{args.model} has no tokenizer to read the calibration text with")
-        windows = spread(engine.tokenizer.encode(text), args.calibration_tokens)
+        window = min(WINDOW, engine.spec.max_position_embeddings - 1)  # (a prefill and the one token after it)
+        windows = spread(engine.tokenizer.encode(text), args.calibration_tokens, window)
         if not windows:
             raise MoetierError(f"{what} holds no tokens to calibrate on", hint="give a longer --calibration text")
         for window in tqdm(windows, desc="calibrate", unit="window"):
             engine.generate([window], max_new_tokens=1)  # (the prefill routes and records the window's tokens)
-        return recorder.trace([f"window {i}" for i in range(len(windows))]), what
+        return recorder.trace([f"window {i}" for i in range(len(windows))])
 
 
 def _merge(args: argparse.Namespace) -> None:
@@ -72,11 +72,12 @@ def _merge(args: argparse.Namespace) -> None:
     if args.library:
         return _library(args)
     settings = MergeSettings(retention(args), args.alpha, args.threshold, args.align)  # refuses bad values first
+    check_replaceable(Path(args.out), "store", is_store, args.force)  # before anything is converted or loaded
+    text, what = calibration_text(args)
     source = resolve_model(args.model, args.cache_dir)
     check_replaceable(Path(args.out), "store", is_store, args.force, (source,))
     check_mergeable(Store(source))
-    trace, what = calibrate(args)
-    report = _write(source, Path(args.out), trace, settings, what, args.force)
+    report = _write(source, Path(args.out), calibrate(args, text, what), settings, what, args.force)
     print(f"  its perplexity beside the original's: moetier eval --model {report.path} (and --model {args.model}); "
           f"the paper's six with their quality: moetier merge --library", file=sys.stderr)
 
@@ -110,12 +111,15 @@ def _library(args: argparse.Namespace) -> None:
         raise MoetierError("--library builds the paper's six variants", hint="drop --ratio, --adaptive, --threshold")
     folder = Path(args.out)
     variants = paper_variants(args.min_experts)
+    for name in variants:  # before anything is converted or loaded
+        check_replaceable(folder / name, "store", is_store, args.force)
+    sources = texts(args.text)  # the held-out texts to score on
+    text, what = calibration_text(args)
     source = resolve_model(args.model, args.cache_dir)
     for name in variants:
         check_replaceable(folder / name, "store", is_store, args.force, (source,))
     check_mergeable(Store(source))
-    sources = texts(args.text)  # the held-out texts to score on, read before any work
-    trace, what = calibrate(args)
+    trace = calibrate(args, text, what)
     for name, retention in variants.items():
         _write(source, folder / name, trace, MergeSettings(retention, args.alpha, None, args.align), what, args.force)
     library = score_library(args, source, folder, list(variants), sources)

@@ -6,8 +6,19 @@ import numpy as np
 import pytest
 
 from moetier.errors import MoetierError
-from moetier.merge.plan import (ADAPTIVE, FIXED, AdaptiveRatio, FixedRatio, LayerMerge, activation_frequency,
-                                choose_principals, combined_similarity, group, normalised_entropy, plan_layer)
+from moetier.merge.plan import (
+    ADAPTIVE,
+    FIXED,
+    AdaptiveRatio,
+    FixedRatio,
+    LayerMerge,
+    activation_frequency,
+    choose_principals,
+    combined_similarity,
+    group,
+    normalised_entropy,
+    plan_layer,
+)
 
 
 def test_frequency_and_entropy_follow_eq_28_31_32():
