@@ -139,7 +139,8 @@ def test_the_readmes_generated_folders_are_git_ignored():
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
     readme = (ROOT / "README.md").read_text()
-    written = ["traces/mixtral", "sweep/sweep.json", "step.png", "cache-bench.png", "records.json"]
+    written = ["traces/mixtral", "sweep/sweep.json", "step.png", "cache-bench.png", "records.json",
+               "merged/demo-deep/library.json"]
     for path in written:
         assert path.split("/")[0] in readme
     for path in [*written, "sim-sweep/sweep.json"]:  # and sim's default output folder

@@ -28,6 +28,8 @@ NEVER = [  # (modules under, may never import, why)
     ("predict", "moetier.trace", "what a predictor learned offline is handed to it"),
     ("predict", "moetier.engine", "the same predictor runs in engine and sim"),
     ("predict", "moetier.store", "predictors never touch I/O"),
+    ("merge", "moetier.engine", "merging is offline over stores: the faces record its calibration trace"),
+    ("merge", "moetier.cli", "nothing below the faces imports them"),
 ]
 FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rename",
               "replace", "rmtree", "load", "dump", "save", "glob", "iterdir", "exists"}

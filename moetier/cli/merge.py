@@ -71,7 +71,7 @@ def _merge(args: argparse.Namespace) -> None:
     check_engine_args(args)
     if args.library:
         return _library(args)
-    settings = MergeSettings(retention(args), args.alpha, args.threshold, args.align)  # refuses bad values first
+    settings = MergeSettings(retention(args), args.alpha, args.threshold, args.align, args.members)  # refused first
     check_replaceable(Path(args.out), "store", is_store, args.force)  # before anything is converted or loaded
     text, what = calibration_text(args)
     source = resolve_model(args.model, args.cache_dir)
@@ -111,6 +111,7 @@ def _library(args: argparse.Namespace) -> None:
         raise MoetierError("--library builds the paper's six variants", hint="drop --ratio, --adaptive, --threshold")
     folder = Path(args.out)
     variants = paper_variants(args.min_experts)
+    MergeSettings(variants["fixed-light"], args.alpha, None, args.align, args.members)  # refuses bad values first
     for name in variants:  # before anything is converted or loaded
         check_replaceable(folder / name, "store", is_store, args.force)
     sources = texts(args.text)  # the held-out texts to score on
@@ -121,7 +122,8 @@ def _library(args: argparse.Namespace) -> None:
     check_mergeable(Store(source))
     trace = calibrate(args, text, what)
     for name, retention in variants.items():
-        _write(source, folder / name, trace, MergeSettings(retention, args.alpha, None, args.align), what, args.force)
+        _write(source, folder / name, trace, MergeSettings(retention, args.alpha, None, args.align, args.members),
+               what, args.force)
     library = score_library(args, source, folder, list(variants), sources)
     print(library_table(library))
     print(f"wrote {library.save(folder)}")
@@ -222,6 +224,9 @@ def add_parser(sub) -> None:
     m.add_argument("--no-align", dest="align", action="store_false",
                    help="average members unit by unit as Eq. 30 is written, without matching their hidden units to "
                         "the principal's first")
+    m.add_argument("--members", choices=["average", "principal"], default="average",
+                   help="a merged expert's weights: its group averaged by frequency (Eq. 30), or the principal's own "
+                        "(a baseline: the others pruned, their tokens sent to it)")
     m.add_argument("--calibration", help="a text file to calibrate on (default: the demo models' training text)")
     m.add_argument("--calibration-tokens", type=count(WINDOW), default=2048, help="tokens of it to route")
     m.add_argument("--text", action="append", metavar="NAME=FILE",

@@ -18,7 +18,8 @@ trained apart put alike units in different places. The paper's basis ([18], "Mer
 permutes each member's units to match its principal's before averaging; so does this (`align`, on by default): each
 member's units are matched one to one to the principal's by the cosine of their weights (gate row, up row and
 down column; an assignment problem, solved exactly), which changes nothing a member computes alone and makes the
-average one of alike units. `--no-align` averages as Eq. 30 is written; docs/merging.md measures both."""
+average one of alike units. `--no-align` averages as Eq. 30 is written; docs/merging.md measures both. Experts wider
+than ALIGN_MAX_UNITS are averaged unaligned (the store's config says which was done)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ from moetier.trace.format import Trace
 
 FUNC_TOKENS = 128  # calibration tokens per layer for S_func: each expert runs on all of them
 PARAM_CHUNK = 1 << 18  # parameters of each expert per step of the cosine's Gram matrix
+MEMBERS = ("average", "principal")
+ALIGN_MAX_UNITS = 4096  # an exact assignment is O(I^3): ~0.4 s at 2048 units, hours for a Mixtral's 14,336
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,11 @@ class MergeSettings:
     alpha: float = 0.5  # Eq. 27: the weight of parameter similarity against functional
     threshold: float | None = None  # θ_act: principals by frequency instead of by count
     align: bool = True  # permute each member's hidden units to its principal's before averaging
+    members: str = "average"  # Eq. 30; "principal": the principal's own weights (a baseline: pruning, rerouted)
 
     def __post_init__(self) -> None:
+        if self.members not in MEMBERS:
+            raise MoetierError(f"--members must be one of {', '.join(MEMBERS)}, got {self.members!r}")
         if not 0 <= self.alpha <= 1:
             raise MoetierError(f"--alpha must be in [0, 1], got {self.alpha}")
         if self.threshold is not None and not 0 <= self.threshold < 1:
@@ -165,6 +171,7 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
     check_trace(src, trace)
     check_replaceable(out, "store", is_store, overwrite, (src.path,))  # before any work
     m, spec, layout = src.manifest, src.spec, src.native_layout
+    align = settings.align and spec.moe_intermediate_size <= ALIGN_MAX_UNITS
     merges = [layer_merge(src, layer, j, trace, settings)
               for j, layer in enumerate(tqdm(spec.moe_layers, desc="similarity", unit="layer", disable=not progress))]
     kept = tuple(len(x.principals) for x in merges)
@@ -172,7 +179,7 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
     config = dict(m.config, moetier_merged={
         "groups": [list(x.group_of) for x in merges], "from": str(src.path.resolve()),
         "method": settings.retention.name, "alpha": settings.alpha, "threshold": settings.threshold,
-        "aligned": settings.align,
+        "aligned": align, "members": settings.members,
         "calibration": calibration, "calibration_tokens": int(trace.num_tokens), "kept": list(kept)})
     with StoreWriter(out, overwrite, (src.path,), store_bytes(src.dense_bytes, sum(kept), layout.blob_bytes, files)) \
             as writer, tqdm(total=sum(kept), unit="expert", desc=f"merge {out.name}", disable=not progress) as bar:
@@ -182,8 +189,9 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
             writer.add_file(name)
         for layer, merge in zip(spec.moe_layers, merges):
             for p in merge.principals:
-                members = {e: src.read_expert(layer, e) for e in merge.members(p)}
-                if settings.align:
+                ids = merge.members(p) if settings.members == "average" else [p]
+                members = {e: src.read_expert(layer, e) for e in ids}
+                if align:
                     members = {e: w if e == p else aligned(w, members[p]) for e, w in members.items()}
                 writer.add_expert(layer, p, layout, averaged(members, merge.frequency))
                 bar.update()

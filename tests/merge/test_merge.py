@@ -159,3 +159,24 @@ def test_a_merged_store_quantizes_and_runs_in_every_precision_mode(tiny_store, t
     with Engine(out, config) as engine:
         result = engine.generate([[5, 9, 17, 33, 2, 40]], max_new_tokens=16, ignore_eos=True)
     assert len(result.token_ids[0]) == 16
+
+
+def test_alignment_changes_nothing_an_expert_computes_and_principal_members_keep_its_weights(merged, tmp_path):
+    from moetier.merge.merge import aligned, permuted
+    from moetier.merge.similarity import expert_output
+
+    _, store, _ = merged("olmoe")
+    src = Store(store)
+    a, b = src.read_expert(0, 1), src.read_expert(0, 2)
+    x = torch.randn(5, src.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(expert_output(aligned(b, a), x), expert_output(b, x))
+    shuffled = permuted(a, torch.randperm(a["down_proj"].shape[1], generator=torch.Generator().manual_seed(1)))
+    for name, t in aligned(shuffled, a).items():  # a unit order undone: matched back exactly
+        torch.testing.assert_close(t, a[name], rtol=0, atol=0)
+    report = merge_store(store, tmp_path / "p", calibration(store), MergeSettings(FixedRatio(0.5),
+                                                                                members="principal"), progress=False)
+    out = Store(report.path)
+    for layer in out.spec.moe_layers:
+        for p in out.spec.experts_of(layer):
+            torch.testing.assert_close(out.read_expert(layer, p)["down_proj"], src.read_expert(layer, p)["down_proj"],
+                                       rtol=0, atol=0)
