@@ -47,6 +47,7 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
     from moetier.config import MemoryBudget
     from moetier.engine.engine import Engine, EngineConfig
 
+    config.setdefault("adapt", getattr(args, "adapt", False))
     EngineConfig(expert_memory=MemoryBudget.parse(args.expert_memory), reader_threads=args.reader_threads,
                  device=args.device, kernels=args.kernels, **config)  # refuses what the options say, first
     if prompts:
@@ -115,6 +116,10 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     p.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
     p.add_argument("--device", default="cpu", help="where the dense weights, the expert cache and the kernels live: "
                                                    "cpu, or cuda[:N] on a machine with a GPU")
+    p.add_argument("--adapt", action="store_true",
+                   help="resize the expert cache while running to the memory free beside it (CoMoE Eq. 17): it "
+                        "shrinks when other processes take memory and grows back when they give it up; each change "
+                        "is one line on stderr")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="auto (default): moetier's native kernels for batch-1 bf16 decoding on the CPU, built on first "
                         "use with the C compiler, else torch's; torch; native (refuse if they cannot be built)")

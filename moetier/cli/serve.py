@@ -102,7 +102,7 @@ def _serve(args: argparse.Namespace) -> None:
     reserve = kv_reserve(args, args.max_running, length)
     engine = open_engine(args, progress=True, reserve_bytes=reserve, **config)
     metrics = Metrics()
-    metrics.cache_bytes.set(engine.executor.slot_bytes)
+    metrics.cache_bytes.set(engine.executor.reserved_bytes)
     metrics.kv_bytes.set(reserve)
     with engine:
         loop = EngineLoop(engine, args.max_running, length, args.max_prefill_tokens, metrics)

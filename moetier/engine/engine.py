@@ -11,7 +11,8 @@ import torch
 
 from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
 from moetier.config import KERNELS, MemoryBudget, format_bytes
-from moetier.engine.budget import check_host_tier, plan_budget
+from moetier.engine.adapt_cache import AdaptCache
+from moetier.engine.budget import RUNTIME_BYTES, BudgetChoice, check_host_tier, plan_budget
 from moetier.engine.cpu_share import CpuShare
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
@@ -93,6 +94,7 @@ class EngineConfig:
     # for both, which tests the mechanism and gains nothing
     reserve_bytes: int = 0  # memory the caller will take beside the engine (a server's KV rows): left out of the
     # expert cache's room like the dense weights
+    adapt: bool = False  # the expert cache follows the memory free beside it while running (moetier/engine/adapt_cache.py)
 
     def __post_init__(self) -> None:
         check_reader_threads(self.reader_threads, "reader_threads")
@@ -264,6 +266,10 @@ class Engine:
         self.cpu_share = CpuShare() if self.device.type == "cpu" and config.share_cpu else None
         if self.cpu_share is not None:
             self.step_hooks.append(self.cpu_share)
+        # the expert cache resized to the memory free beside it, between steps (CoMoE Eq. 17; --adapt)
+        self.adapt = AdaptCache(self, lambda: device_memory(self.device)) if config.adapt else None
+        if self.adapt is not None:
+            self.step_hooks.append(self.adapt)
         self.closed = False
 
     @classmethod
@@ -304,7 +310,7 @@ class Engine:
                 if delta:
                     on_text(b, delta)
 
-        stats = GenerationStats(expert_cache_bytes=self.executor.slot_bytes, expert_slots=self.executor.pool.num_slots,
+        stats = GenerationStats(expert_cache_bytes=self.executor.reserved_bytes, expert_slots=self.executor.slots,
                                 total_expert_bytes=self.store.total_expert_bytes())
         eos = () if ignore_eos else self.spec.eos_token_ids
         outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.step_hooks)
@@ -357,6 +363,27 @@ class Engine:
             measure(alphas[0])  # warm-up: the cache fills
             choice = choose_alpha(measure, budget_s, alphas)
         stage.alpha = choice.alpha
+        return choice
+
+    def set_expert_memory(self, budget: str | MemoryBudget) -> BudgetChoice:
+        """Resize the expert cache to `budget` ("2GiB", "40%", auto) between generate calls or steps, without
+        restarting: the budget is planned as at start-up against the memory free now plus what the cache holds
+        (so it may grow back into memory it gave up), shrinking evicts by the policy and gives the freed slots'
+        pages back, growing adds slots. Refused (BudgetError, the cache unchanged) where the budget cannot fit.
+        Returns the new choice (its `note` says what was reserved)."""
+        self._check_open()
+        budget = MemoryBudget.parse(budget) if isinstance(budget, str) else budget
+        now = device_memory(self.device)
+        held = self.budget.cache_bytes + self.dense_bytes  # what this process gives up to re-plan, then takes again
+        view = MemoryView(now.available + held, now.source, now.limit, now.used)
+        # (the runtime and a server's KV rows are here already: counted in what `now` sees used)
+        choice = plan_budget(self.store, budget, view, self.precision, self.dense_bytes, held=RUNTIME_BYTES)
+        slot = self.executor.residency.entry_bytes[self.executor.precision]
+        if choice.cache_bytes < self.executor.tier_bytes + self.spec.top_k * slot:
+            raise BudgetError(f"{choice.note.split(';')[0]}: less than the low tier and one layer's top-k beside it",
+                              hint="give more memory, or run without the low tier")
+        self.executor.resize(choice.cache_bytes)
+        self.budget = choice
         return choice
 
     def preload(self) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.base import EvictionPolicy
+from moetier.cache.residency import PREFETCHED
 from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
 from moetier.engine.resident_layers import ResidentLayers
@@ -60,6 +61,7 @@ class ExpertExecutor:
         made = setup(mixed, native, entry_bytes, capacity_bytes, policy, spec.moe_layers, spec.num_experts,
                      spec.top_k, per_layer, spec.expert_keys())
         self.precision, self.residency, tier = made.high, made.residency, made.tier
+        self.tier_bytes = made.tier_bytes  # what the low tier takes of the budget (low-tier mode)
         self.pools = {p: make_slots(manifest.precisions[p], self.residency.slots(p), self.device, manifest.linked(p))
                       for p in self.residency.entry_bytes}
         if tier is not None:
@@ -106,9 +108,19 @@ class ExpertExecutor:
         return self.pools[self.precision]
 
     @property
-    def slot_bytes(self) -> int:
-        """Bytes every pool reserved (a low tier included)."""
-        return sum(pool.nbytes for pool in self.pools.values())
+    def reserved_bytes(self) -> int:
+        """Bytes the cache holds at most now: each cached precision's slots within its capacity (a cache that shrank
+        gave the rest back), and the low tier's whole pool."""
+        total = 0
+        for precision, pool in self.pools.items():
+            slots = self.residency.slots(precision) if precision in self.residency.entry_bytes else pool.num_slots
+            total += pool.nbytes // max(1, pool.num_slots) * min(slots, pool.num_slots)
+        return total
+
+    @property
+    def slots(self) -> int:
+        """Experts of the run's high precision the cache holds at most now."""
+        return min(self.residency.slots(self.precision), self.pool.num_slots)
 
     def _fill(self, pool, precision: str, slot_of, desc: str) -> None:
         """Read every expert's `precision` copy into `pool` at `slot_of(layer, expert)` (once, at start-up): a low
@@ -278,6 +290,24 @@ class ExpertExecutor:
                     self.residency.landed(key)
                 else:
                     self.residency.drop(key)
+
+    def resize(self, capacity_bytes: int) -> list[ExpertKey]:
+        """The cache's new size (the whole budget, the low tier's part included), between steps. The reads in flight
+        land first (a running read is never interrupted) and prefetched experts become plain entries; shrinking then
+        evicts by the policy and hands the freed slots' pages back to the system, growing adds slots that fill as
+        experts are needed. Returns the evicted keys."""
+        for precision, slot in list(self.in_flight.values()):
+            self.pools[precision].completions[slot].done.wait()
+        self._poll_landed()
+        self.residency.unpin_all(PREFETCHED)
+        evicted = self.residency.resize(capacity_bytes - self.tier_bytes)
+        for precision in self.residency.entry_bytes:
+            pool = self.pools[precision]
+            pool.ensure(max(pool.num_slots, self.residency.slots(precision)))
+            used = {e.slot for e in self.residency.entries.values() if e.precision == precision}
+            pool.release(s for s in range(pool.num_slots) if s not in used)
+        self._resident = None  # (its tables are of slots that may have gone)
+        return evicted
 
     def preload(self, keys: Iterable[ExpertKey] | None = None) -> int:
         """Load experts (by default every expert, layer by layer) into free room until the cache is full: a warm

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
 
@@ -37,6 +38,7 @@ class HostSlots:
         self._regions: list[tuple[torch.Tensor, memoryview]] = []  # each slot's whole stride, as bytes
         self._phases: list[int] = []  # where in its region each slot's blob starts now
         self._segments: list[mmap.mmap] = []
+        self._where: list[tuple[mmap.mmap, int]] = []  # each slot's segment and offset there (for `release`)
         self.ensure(num_slots)
 
     def ensure(self, num_slots: int) -> None:
@@ -54,11 +56,20 @@ class HostSlots:
         for i in range(extra):
             a, b = i * self.stride, (i + 1) * self.stride
             self._regions.append((flat[a:b], view[a:b]))
+            self._where.append((segment, a))
             self._phases.append(0)
             self.views.append(view[a:a + self.slot_bytes])
             self.completions.append(Completion())
             self._tensors.append(self.layout.views(flat[a:a + self.slot_bytes]))
         self.num_slots = num_slots
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Hand the pages of `slots` (none holding an expert: a cache that shrank) back to the system; a slot reused
+        later faults its pages in again as its next read lands. Its stride is whole pages (blobs are ALIGN-padded,
+        the slack is ALIGN), so nothing of a neighbour goes."""
+        for slot in slots:
+            segment, offset = self._where[slot]
+            segment.madvise(mmap.MADV_DONTNEED, offset, self.stride)
 
     def read_target(self, slot: int, phase: int = 0) -> memoryview:
         """Where the slot's next blob lands: `phase` bytes into its first page (BlobRef.phase; 0 without slack)."""
@@ -110,6 +121,9 @@ class DeviceSlots:
             self.completions.append(Completion())
             self._copied.append(None)
         self.num_slots = max(self.num_slots, num_slots)
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
 
     def read_target(self, slot: int, phase: int = 0) -> memoryview:
         """A staging buffer (`phase` unused: an unaligned linked blob goes through the reader's bounce buffers)."""

@@ -10,8 +10,9 @@ a small batch)."""
 
 from __future__ import annotations
 
-import math
 from collections import deque
+
+from moetier.adapt.monitor import Indicator
 
 
 class RunningCosts:
@@ -24,8 +25,7 @@ class RunningCosts:
         self.expert_bytes, self.smoothing = expert_bytes, smoothing
         self.dense_s: float | None = None  # a layer's part before its routing: attention, router
         self.expert_s: float | None = None  # one expert's compute at the current batch
-        self.bandwidth: float | None = None  # bytes/s of expert reads, smoothed
-        self._bandwidths: deque[float] = deque(maxlen=window)
+        self._bandwidth = Indicator(smoothing, window)  # bytes/s of expert reads
         self._host: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of host computes
         self._host_fit: tuple[float, float] | None = None  # (β, C)
 
@@ -36,9 +36,12 @@ class RunningCosts:
         """`nbytes` of expert reads took `seconds` of the link's busy time."""
         if nbytes <= 0 or seconds <= 0:
             return
-        rate = nbytes / seconds
-        self.bandwidth = self._smooth(self.bandwidth, rate)
-        self._bandwidths.append(rate)
+        self._bandwidth.observe(nbytes / seconds)
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Bytes/s of expert reads, smoothed (None until one was observed)."""
+        return self._bandwidth.value
 
     @property
     def read_s(self) -> float | None:
@@ -82,7 +85,4 @@ class RunningCosts:
     def bandwidth_stability(self) -> float:
         """CoMoE's S_b(t) = 1 − σ/r̂ over the last `window` bandwidth samples (Eq. 11–12), within [0, 1]; 1 until
         there are two samples."""
-        if len(self._bandwidths) < 2 or not self.bandwidth:
-            return 1.0
-        sigma = math.sqrt(sum((b - self.bandwidth) ** 2 for b in self._bandwidths) / len(self._bandwidths))
-        return min(1.0, max(0.0, 1.0 - sigma / self.bandwidth))
+        return self._bandwidth.stability

@@ -4,6 +4,7 @@ probabilities, every id of a group computing the merged expert) — resident and
 refused before anything is written."""
 
 import copy
+import dataclasses
 import types
 
 import pytest
@@ -180,3 +181,35 @@ def test_alignment_changes_nothing_an_expert_computes_and_principal_members_keep
         for p in out.spec.experts_of(layer):
             torch.testing.assert_close(out.read_expert(layer, p)["down_proj"], src.read_expert(layer, p)["down_proj"],
                                        rtol=0, atol=0)
+
+
+def test_experts_identical_in_pairs_merge_into_half_the_experts_and_the_same_outputs(tmp_path):
+    """A Mixtral whose experts (and router rows) are identical in pairs, top-1: the router picks a member of the best
+    pair, the merged one that pair's group; with Mixtral's renormalisation both weigh it 1 — so half the experts
+    compute the same logits. (At top-k > 1 this cannot hold: the original may spend two of its k on one pair's
+    twins, the merged model spends them on two groups.)"""
+    from transformers import AutoModelForCausalLM
+
+    from moetier.store.convert import convert
+    from tests.tiny_models import build_tiny
+
+    model = build_tiny("mixtral", tmp_path / "hf", top_k=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or name.endswith("gate.weight"):  # [E, ...]: odd ones copy their even twin
+                p[1::2] = p[0::2]
+    model.save_pretrained(tmp_path / "hf")
+    store = convert(tmp_path / "hf", tmp_path / "store", progress=False)
+    trace = calibration(store, prompts=6, tokens=64)
+    # twins tie exactly, and torch.topk breaks ties now one way, now the other: counted as the even twin's, so the
+    # four principals are one of each pair (split, both twins of a busy pair could outrank a quiet pair)
+    trace = dataclasses.replace(trace, topk_ids=trace.topk_ids // 2 * 2)
+    report = merge_store(store, tmp_path / "merged", trace, MergeSettings(FixedRatio(0.5)), progress=False)
+    spec = Store(report.path).spec
+    assert report.kept == (4, 4) and all(g[2 * j] == g[2 * j + 1] for g in spec.expert_groups for j in range(4))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    with Engine(Store(report.path), EngineConfig(expert_memory=MemoryBudget("share", 1.0))) as engine:
+        torch.testing.assert_close(logits(engine, ids), expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,69 @@
+"""`--adapt`: the expert cache follows the memory free beside it while the engine runs (CoMoE §III-A, Eq. 17).
+
+A step hook (Engine.step_hooks): at most every `look_s` seconds, between forward steps, it reads what this process may
+still take (host and cgroups: moetier/memory.py) plus what the cache holds — the room the cache could have — feeds
+it to an indicator (EWMA and stability, moetier/adapt/monitor.py), and sizes the cache by Eq. 17 on the lower of the
+smoothed room and the room now (a departure from the paper's smoothed value alone: memory another process has taken
+is gone now, and a cache planned on an average that still remembers it — to shrink too late, or to grow back into
+it — was killed in the pressure test). Smoothing and stability then only ever add caution: after a swing the
+stability is low and Eq. 17 takes half or less of the room, and more as the memory holds steady.
+Each change is one line on stderr, and goes through Engine.set_expert_memory (evicting by the policy, giving pages
+back, or adding slots). A change the budget refuses is said and skipped.
+
+Why a look and not every step: a look reads a few /proc and cgroup files (~0.1–0.2 ms), a demo model's decode step
+takes ~10 ms."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+from moetier.adapt.monitor import CacheSizing, Indicator
+from moetier.config import MemoryBudget, format_bytes
+from moetier.errors import BudgetError
+from moetier.memory import MemoryView
+
+LOOK_S = 0.25  # seconds between looks at the memory
+GROW_MARGIN = 1.05  # grow only to a target this much above the cache now (a smoothed room wobbles)
+
+
+class AdaptCache:
+    def __init__(self, engine, memory: Callable[[], MemoryView], sizing: CacheSizing | None = None,
+                 look_s: float = LOOK_S, clock: Callable[[], float] = time.monotonic,
+                 say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
+        self.engine, self.memory, self.sizing, self.look_s = engine, memory, sizing or CacheSizing(), look_s
+        self.clock, self.say = clock, say
+        self.room = Indicator()
+        self.last = float("-inf")
+        self.decisions: list[tuple[int, int]] = []  # (slots before, after) of each change made
+
+    def __call__(self, batch=None, phase: int | None = None) -> None:
+        now = self.clock()
+        if now - self.last < self.look_s:
+            return
+        self.last = now
+        executor = self.engine.executor
+        view = self.memory()
+        room_now = view.available + executor.reserved_bytes  # what the cache could take: free now and its own
+        smoothed = self.room.observe(room_now)
+        slot = executor.residency.entry_bytes[executor.precision]
+        spec, current = self.engine.spec, executor.slots
+        fit = self.sizing.experts(min(smoothed, room_now) - executor.tier_bytes, slot, self.room.stability,
+                                  spec.num_expert_keys, spec.top_k)
+        target = fit if fit < current or fit >= current * GROW_MARGIN + 1 else current
+        if target != current:
+            self._resize(current, target, slot, view, smoothed)
+
+    def _resize(self, current: int, target: int, slot: int, view: MemoryView, smoothed: float) -> None:
+        executor = self.engine.executor
+        try:
+            self.engine.set_expert_memory(MemoryBudget("bytes", target * slot + executor.tier_bytes))
+        except BudgetError as e:
+            self.say(f"moetier: adapt: kept the expert cache at {current} slots: {str(e).splitlines()[0]}")
+            return
+        after = executor.slots
+        self.decisions.append((current, after))
+        self.say(f"moetier: adapt: expert cache {current} -> {after} slots ({format_bytes(current * slot)} -> "
+                 f"{format_bytes(after * slot)}): {view.describe()}; room for the cache {format_bytes(smoothed)} "
+                 f"smoothed, stability {self.room.stability:.2f}")
