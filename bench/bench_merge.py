@@ -7,8 +7,11 @@ JSON and a plot of perplexity change against expert bytes. The issue's target �
 bytes within +5% perplexity of the original, on every model — is checked and printed.
 
 Speed (`--speed`): a merged variant against its original at the same expert budget in bytes (a share of the
-original's experts), each run a fresh `moetier generate` process, the two alternating and the order turning every
-round; decode tokens/s per run and their ratio per round.
+original's experts), each run a fresh `moetier eval` process decoding the same held-out text token by token
+(teacher-forced: both models are fed the same tokens, so their routing is that of real text — a greedy `generate`
+of a degraded model falls into a loop, "-in-in-in-…", whose repeated routing hits the cache every time and
+flatters it), the two alternating and the order turning every round; decode tokens/s and expert bytes read per
+token per run, and their ratio per round.
 
     python bench/bench_merge.py                                   # demo-deep and demo-fine, α = 0, 0.5, 1
     moetier merge --model demo-deep-xl --ratio 0.5 --out ~/.cache/moetier/bench/deep-xl-fixed-medium
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -96,21 +98,18 @@ def plot_quality(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-DECODE = re.compile(r"decode ([\d.]+) tok/s")
-
-
-def generate_tok_s(model: str, budget: str, tokens: int) -> float:
-    """Decode tokens/s of one fresh `moetier generate` (the statistics line's decode-only rate)."""
-    r = subprocess.run([sys.executable, "-m", "moetier.cli", "generate", "--model", model, "--expert-memory", budget,
-                        "--prompt", "The sea was calm and the ship", "--max-tokens", str(tokens), "--ignore-eos"],
+def teacher_forced(model: str, budget: str, window: int, windows: int) -> dict:
+    """Decode tokens/s and expert bytes per token of one fresh `moetier eval` (exact mode's row: the model as it is)
+    over `windows` windows of `window` tokens of each held-out text."""
+    r = subprocess.run([sys.executable, "-m", "moetier.cli", "eval", "--model", model, "--expert-memory", budget,
+                        "--window", str(window), "--windows", str(windows), "--json"],
                        capture_output=True, text=True, check=True)
-    found = DECODE.findall(r.stderr + r.stdout)
-    if not found:
-        raise RuntimeError(f"no decode rate in the output of {model}:\n{r.stderr[-800:]}")
-    return float(found[-1])
+    row = json.loads(r.stdout)["rows"][0]
+    return {"tok_s": row["decode_tokens_per_s"], "bytes_per_token": row["expert_bytes_per_token"],
+            "hit_rate": row["hit_rate"]}
 
 
-def speed(merged: str, original: str, share: float, rounds: int, tokens: int) -> list[dict]:
+def speed(merged: str, original: str, share: float, rounds: int, window: int, windows: int) -> list[dict]:
     from moetier.resolve import resolve_model
     from moetier.store.store import Store
 
@@ -119,8 +118,9 @@ def speed(merged: str, original: str, share: float, rounds: int, tokens: int) ->
     for i in range(rounds):
         order = [("original", original), ("merged", merged)]
         for label, model in order if i % 2 == 0 else order[::-1]:
-            rows.append({"round": i, "model": label, "tok_s": generate_tok_s(model, budget, tokens)})
-            print(f"round {i} {label}: {rows[-1]['tok_s']:.2f} tok/s", flush=True)
+            rows.append({"round": i, "model": label, **teacher_forced(model, budget, window, windows)})
+            print(f"round {i} {label}: {rows[-1]['tok_s']:.2f} tok/s, {rows[-1]['bytes_per_token'] / 2**20:.0f} "
+                  f"MiB/token, hits {rows[-1]['hit_rate']:.1%}", flush=True)
     return rows
 
 
@@ -133,13 +133,14 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=0.25, help="--speed: the budget, a share of the original's "
                                                                 "expert bytes")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--window", type=int, default=64, help="--speed: tokens per window of held-out text")
+    ap.add_argument("--windows", type=int, default=2, help="--speed: windows per text")
     ap.add_argument("--out", type=Path, default=OUT / "merge")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_description()}
     if args.speed:
-        rows = speed(args.speed, args.original, args.share, args.rounds, args.tokens)
+        rows = speed(args.speed, args.original, args.share, args.rounds, args.window, args.windows)
         ratios = [m["tok_s"] / o["tok_s"] for o, m in zip(rows[0::2], rows[1::2])]
         ratios = [r if rows[2 * i]["model"] == "original" else 1 / r for i, r in enumerate(ratios)]
         print(f"merged / original, per round: {', '.join(f'{r:.2f}' for r in ratios)}; median "

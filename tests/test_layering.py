@@ -30,6 +30,9 @@ NEVER = [  # (modules under, may never import, why)
     ("predict", "moetier.store", "predictors never touch I/O"),
     ("merge", "moetier.engine", "merging is offline over stores: the faces record its calibration trace"),
     ("merge", "moetier.cli", "nothing below the faces imports them"),
+    ("adapt", "moetier.engine", "resource decisions are pure: the engine feeds them and carries them out"),
+    ("adapt", "moetier.store", "resource decisions touch no I/O"),
+    ("adapt", "moetier.sim", "resource decisions know nothing of who drives them"),
 ]
 FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "rename",
               "replace", "rmtree", "load", "dump", "save", "glob", "iterdir", "exists"}
@@ -59,7 +62,7 @@ def test_never_imports(part, forbidden, why):
     assert not broken, f"{why}: {broken}"
 
 
-@pytest.mark.parametrize("part", ["cache", "predict"])
+@pytest.mark.parametrize("part", ["cache", "predict", "adapt"])
 def test_pure_logic_performs_no_file_io_and_starts_no_thread(part):
     found = []
     for path, tree in modules(part):

@@ -94,7 +94,7 @@ class EngineConfig:
     # for both, which tests the mechanism and gains nothing
     reserve_bytes: int = 0  # memory the caller will take beside the engine (a server's KV rows): left out of the
     # expert cache's room like the dense weights
-    adapt: bool = False  # the expert cache follows the memory free beside it while running (moetier/engine/adapt_cache.py)
+    adapt: bool = False  # the expert cache follows the memory free beside it while running (engine/adapt_cache.py)
 
     def __post_init__(self) -> None:
         check_reader_threads(self.reader_threads, "reader_threads")

@@ -237,8 +237,26 @@ def test_comoe_score_is_equation_38_with_the_predictors_probability():
     p.on_predict({0: np.array([[0.1, 0.7, 0.1, 0.1]], np.float32)})  # the predictor expects expert 1
     assert p.next_use_source == "the predictor"
     f, i = p.freq[0][0], p.importance[0][0]
-    assert p.evict_score(a) == pytest.approx(0.5 * (1 - 0.1) + 0.5 * (0.5 / (f + 1e-3) + 0.5 / (i + 1e-3)))
+    f_mean, i_mean = p.freq[0].mean(), p.importance[0].mean()  # experts 2 and 3 never used: half of a's
+    assert f_mean == pytest.approx(f / 2) and i_mean == pytest.approx(i / 2)
+    # Eq. 38 with each reciprocal normalised as x̄/(x + x̄): here 1/3 for both of a's
+    assert p.evict_score(a) == pytest.approx(0.5 * (1 - 0.1) + 0.5 * (0.5 / 3 + 0.5 / 3))
     assert p.victim({a, b}) == a  # the one the predictor gives less to leaves
+
+
+def test_comoe_terms_share_one_scale():
+    """The predictor's term can decide now: an expert used a little less than another, but predicted for the next
+    layer, is kept (as printed, 1/f_recent's hundreds would drown a probability)."""
+    p = make_policy("comoe", CTX)
+    a, b = K[(0, 0)], K[(0, 1)]
+    use(p, a, insert=True)
+    use(p, b, insert=True)
+    for step in range(2, 12):  # a every step, b every other step
+        p.on_route(route(0, step, [0, 1] if step % 2 else [0], weights=[0.5, 0.5] if step % 2 else [0.5]))
+    p.on_predict({0: np.array([[0.05, 0.9, 0.025, 0.025]], np.float32)})
+    assert p.victim({a, b}) == a
+    scores = [p.evict_score(K[(0, e)]) for e in range(4)]
+    assert all(0 <= s <= 1 for s in scores)
     p.on_sequence_start()
     assert p.next_use_source == "recent use (no predictor)"
 

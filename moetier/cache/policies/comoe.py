@@ -6,8 +6,13 @@ leaves first — p(e) the predictor's probability that e is used when its layer 
 heard through on_predict), f_recent its recent access frequency, I(e) its importance (the mean gate weight it
 gets when selected). The paper gives no values for δ and λ: 0.5 each here. Without a predictor, p(e) is
 estimated from recent use (an exponential moving average over ~8 steps of its layer) and the policy says so
-(`next_use_source`). f_recent is a moving average over ~64 steps; both reciprocals are taken of the value plus
-`eps`, so an expert never used has a large but finite score."""
+(`next_use_source`). f_recent is a moving average over ~64 steps.
+
+The reciprocals, normalised (a departure): as printed, 1/f_recent reaches 1/ε (1,000 for an expert not used
+lately) while (1 − p) is at most 1, so the predictor's term never decides and δ does not weigh what it says. Each
+reciprocal is taken instead as x̄/(x + x̄), x̄ the mean of x over the layer's experts: the same order as 1/x (less
+used, less important: evicted sooner), within (0, 1] like (1 − p) — 1 for an expert never used, 1/2 for one used
+as often as the layer's average — so δ and λ weigh three terms of one scale."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class CoMoEPolicy(ScoredPolicy):
         self.delta, self.lam, self.fast, self.slow, self.eps = delta, lam, fast, slow, eps
         zeros = lambda: {layer: np.zeros(ctx.num_experts) for layer in ctx.layers}  # noqa: E731
         self.recent_use, self.freq, self.importance = zeros(), zeros(), zeros()
+        self.means = {layer: (eps, eps) for layer in ctx.layers}  # x̄ of freq and importance (at least eps)
         self.predicted: dict[int, np.ndarray] = {}  # layer -> p(e) [E], the latest prediction for it
 
     @property
@@ -50,6 +56,8 @@ class CoMoEPolicy(ScoredPolicy):
         self.freq[layer] += self.slow * (used - self.freq[layer])
         sel = count > 0
         self.importance[layer][sel] += self.fast * (weight[sel] / count[sel] - self.importance[layer][sel])
+        self.means[layer] = (max(self.eps, float(self.freq[layer].mean())),
+                             max(self.eps, float(self.importance[layer].mean())))
 
     def on_predict(self, predictions) -> None:
         """{layer: scores [T, E]}: each token's scores as a distribution (as Eq. 36's softmax), the most any token
@@ -61,8 +69,10 @@ class CoMoEPolicy(ScoredPolicy):
     def evict_score(self, key: ExpertKey) -> float:
         layer, e = key
         p = self.predicted[layer][e] if layer in self.predicted else self.recent_use[layer][e]
-        return ((1 - self.delta) * (1 - p) + self.delta * (self.lam / (self.freq[layer][e] + self.eps)
-                                                           + (1 - self.lam) / (self.importance[layer][e] + self.eps)))
+        f_mean, i_mean = self.means[layer]
+        rare = f_mean / (self.freq[layer][e] + f_mean)  # 1/f_recent, normalised (see above)
+        minor = i_mean / (self.importance[layer][e] + i_mean)  # 1/I, normalised
+        return (1 - self.delta) * (1 - p) + self.delta * (self.lam * rare + (1 - self.lam) * minor)
 
     def priority(self, key: ExpertKey) -> float:
         return -self.evict_score(key)
