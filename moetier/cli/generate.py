@@ -233,7 +233,8 @@ def add_prefetch_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--prefetch", default="none", choices=["none", *PREFETCHERS],
                    help="read experts the coming layers are predicted to need: hobbit (adaptive look-ahead), smoe "
-                        "(top-score experts), comoe (probability threshold), presched (as many as the gap fits)")
+                        "(top-score experts), comoe (probability threshold, Eq. 19), comoe-37 (Eq. 37's), presched "
+                        "(as many as the gap fits)")
     p.add_argument("--predictor", default="none", choices=["none", *PREDICTORS],
                    help="what predicts the coming layers' experts (stacked-gates: the next layers' routers on the "
                         "current hidden state)")

@@ -147,7 +147,7 @@ def add_parser(sub) -> None:
                     help="one expert cache for all layers, or the slots split evenly among them")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
     sm.add_argument("--prefetch", default="none",
-                    help="one or more prefetch stages, comma-separated: none, hobbit, smoe, comoe, presched, ahead")
+                    help="one or more prefetch stages, comma-separated: none, hobbit, smoe, comoe, comoe-37, presched, ahead")
     sm.add_argument("--predictor", default="none",
                     choices=["none", *PREDICTORS],
                     help="oracle: the trace's own routing (a bound); hot: the trace's use counts; stacked-gates: the "

@@ -81,7 +81,7 @@ class EngineConfig:
     verify_checksums: bool = True
     device: str = "cpu"  # where the dense weights, the expert cache and the kernels live ("cuda", "cuda:1", ...)
     kernels: str = "auto"  # "auto": native one-row bf16 products on the CPU where they build; "torch"; "native"
-    prefetch: str = "none"  # a prefetch stage of moetier.plan.prefetchers: hobbit, smoe, comoe, presched, ahead
+    prefetch: str = "none"  # a prefetch stage of moetier.plan.prefetchers: hobbit, smoe, comoe(-37), presched, ahead
     predictor: str = "none"  # what the prefetch stage and the eviction policy hear: a name of moetier.predict
     predict_distance: int = 2  # MoE layers ahead the predictor scores (HOBBIT's p; the other stages use the next)
     precision: MixedPrecision = MixedPrecision()  # every expert at the model's own precision: exact mode

@@ -6,6 +6,7 @@
              S_{k+1} the token's (k+1)-th score (the bound of its Alg. 1).
 - `comoe`    CoMoE Eq. 19: every next-layer expert whose predicted probability exceeds
              θ_pre(t) = θ_base · S_b(t) · (1 + δ · free/total memory).
+- `comoe-37` CoMoE Eq. 37, the same with θ_pre = γ · free/total memory (γ = θ_base).
 - `presched` PreScope §4.3 (Eq. 6–7): as many of the next layer's predicted experts as fit in the gap this layer
              leaves the link, f = (T_gap + t_attn) / t_io, the fractional "critical" one kept only when its
              expected gain beats its expected loss.
@@ -103,6 +104,20 @@ class ComoePrefetch(PrefetchStage):
         return [ExpertKey(layer, int(e)) for e in ids[np.argsort(-best[ids], kind="stable")]]
 
 
+class Comoe37Prefetch(ComoePrefetch):
+    """CoMoE's other printed threshold: θ_pre = γ·M_avail/M (Eq. 37, §III-C's prefetching strategy), γ = θ_base.
+    Eq. 19 (§III-A, Algorithm 4's decision function) also weighs the link's stability S_b; Eq. 37 weighs the memory
+    alone. The paper's evaluation does not say which ran; `comoe` (Eq. 19) is the default for being the one its
+    resource-perception algorithm computes, and the only one that reacts to the link, which is what this engine's
+    reads contend for."""
+
+    name = "comoe-37"
+
+    def threshold(self) -> float:
+        r = self.residency
+        return self.theta_base * (r.free_bytes / r.capacity_bytes if r.capacity_bytes else 0.0)
+
+
 class PreSchedPrefetch(PrefetchStage):
     name = "presched"
 
@@ -166,9 +181,10 @@ PREFETCHERS: dict[str, Factory] = {
     "ahead": AheadPrefetch,
     "smoe": SmoePrefetch,
     "comoe": ComoePrefetch,
+    "comoe-37": Comoe37Prefetch,
     "presched": PreSchedPrefetch,
 }
-NEEDS_COSTS = ("comoe", "presched")
+NEEDS_COSTS = ("comoe", "comoe-37", "presched")
 
 
 def layer_stages(residency: Residency, precision: Precision, prefetch: str, predictor, costs: RunningCosts,
@@ -188,7 +204,7 @@ def make_prefetcher(name: str, residency: Residency, precision: Precision, costs
     """The stage `name`, or a clear error."""
     if name not in PREFETCHERS:
         raise MoetierError(f"unknown prefetcher {name!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
-    if name == "comoe":
+    if name in ("comoe", "comoe-37"):
         params.setdefault("top_k", top_k)
     if name in NEEDS_COSTS:
         params["costs"] = costs

@@ -13,7 +13,14 @@ from moetier.plan.layer_plan import IN_FLIGHT, RESIDENT
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
 from moetier.plan.prefetch import predicted_ids
-from moetier.plan.prefetchers import ComoePrefetch, HobbitPrefetch, PreSchedPrefetch, SmoePrefetch, make_prefetcher
+from moetier.plan.prefetchers import (
+    Comoe37Prefetch,
+    ComoePrefetch,
+    HobbitPrefetch,
+    PreSchedPrefetch,
+    SmoePrefetch,
+    make_prefetcher,
+)
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
 from moetier.predict.base import Predictor
@@ -155,6 +162,13 @@ def test_comoe_threshold_is_equation_19():
     step.predictor.scores = {0: {1: row}}
     plan = run(step, 0, [6, 7])
     assert stage.threshold() < 0.3 and [p.key for p in plan.prefetches] == [ExpertKey(1, 0), ExpertKey(1, 1)]
+
+
+def test_comoe_37_threshold_is_gamma_times_the_free_share():
+    r, stage, step = make(4, Comoe37Prefetch, costs=RunningCosts(100), theta_base=0.4)
+    assert stage.threshold() == pytest.approx(0.4)  # an empty cache: all of it free
+    run(step, 0, [6, 7])  # two of the four slots taken
+    assert r.free_bytes == r.capacity_bytes // 2 and stage.threshold() == pytest.approx(0.2)
 
 
 def test_presched_counts_prefetches_per_equations_6_and_7():
