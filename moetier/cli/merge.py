@@ -56,8 +56,8 @@ def calibrate(args: argparse.Namespace, text: str, what: str):
         windows = spread(engine.tokenizer.encode(text), args.calibration_tokens, window)
         if not windows:
             raise MoetierError(f"{what} holds no tokens to calibrate on", hint="give a longer --calibration text")
-        for window in tqdm(windows, desc="calibrate", unit="window"):
-            engine.generate([window], max_new_tokens=1)  # (the prefill routes and records the window's tokens)
+        for ids in tqdm(windows, desc="calibrate", unit="window"):
+            engine.generate([ids], max_new_tokens=1)  # (the prefill routes and records the window's tokens)
         return recorder.trace([f"window {i}" for i in range(len(windows))])
 
 
@@ -101,7 +101,7 @@ def _library(args: argparse.Namespace) -> None:
     --out/library.json with a plot of quality against bytes."""
     from moetier.atomic import check_replaceable
     from moetier.cli.evaluate import texts
-    from moetier.merge.library import paper_variants
+    from moetier.merge.library import FILE, Library, paper_variants
     from moetier.merge.merge import MergeSettings, check_mergeable
     from moetier.resolve import resolve_model
     from moetier.store.format import is_store
@@ -114,6 +114,8 @@ def _library(args: argparse.Namespace) -> None:
     MergeSettings(variants["fixed-light"], args.alpha, None, args.align, args.members)  # refuses bad values first
     for name in variants:  # before anything is converted or loaded
         check_replaceable(folder / name, "store", is_store, args.force)
+    if (folder / FILE).exists():
+        Library.load(folder)  # a library.json that is not one (someone else's file) is refused, not replaced
     sources = texts(args.text)  # the held-out texts to score on
     text, what = calibration_text(args)
     source = resolve_model(args.model, args.cache_dir)

@@ -70,3 +70,11 @@ def test_a_library_file_that_is_not_one_is_refused(tmp_path):
     (tmp_path / "library.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(Exception, match="cannot read the merge library"):
         Library.load(tmp_path)
+
+
+def test_a_library_folder_holding_someone_elses_library_json_is_refused(text_store, tmp_path, capsys):  # noqa: F811
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "library.json").write_text("my notes")
+    assert main(["merge", "--model", str(text_store), "--out", str(tmp_path / "lib"), "--library"]) == 1
+    assert "cannot read the merge library" in capsys.readouterr().err
+    assert (tmp_path / "lib" / "library.json").read_text() == "my notes" and len(list((tmp_path / "lib").iterdir())) == 1
