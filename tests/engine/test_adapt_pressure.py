@@ -35,7 +35,7 @@ while sum(map(len, blocks)) < total:
     b = bytearray(step)
     b[::4096] = b"\\1" * len(range(0, step, 4096))  # every page touched: really taken
     blocks.append(b)
-    time.sleep(0.15)
+    time.sleep(0.25)  # ~32 MB/s: a look every 0.25 s sees the memory go 8 MiB at a time
 print("held", flush=True)
 time.sleep(hold)
 print("freed", flush=True)
@@ -58,15 +58,15 @@ def test_the_cache_gives_way_to_another_process_and_grows_back(tiny_store, tmp_p
     if isinstance(cage, str):
         pytest.skip(cage)
     try:
-        engine = subprocess.Popen(cage.wrap([sys.executable, "-c", ENGINE, str(store), "14"]), stdout=subprocess.PIPE,
+        engine = subprocess.Popen(cage.wrap([sys.executable, "-c", ENGINE, str(store), "16"]), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         ready = engine.stdout.readline().split()
         assert ready and ready[0] == "ready" and int(ready[1]) == 16, engine.stderr.read()[-2000:]
         errors: list[str] = []
         reader = threading.Thread(target=lambda: errors.extend(engine.stderr), daemon=True)
         reader.start()
-        margin = 96 << 20
-        set_limit(cage, usage(cage) + margin)  # the engine as it is, and 96 MiB free beside it
+        margin = 128 << 20
+        set_limit(cage, usage(cage) + margin)  # the engine as it is, and 128 MiB free beside it
         start = time.monotonic()
         # another process takes the margin and 60% of the cache's bytes, holds them 3 s, then gives them back
         hog = subprocess.run(cage.wrap([sys.executable, "-c", HOG, str(8 << 20), str(margin + int(0.6 * cache)),
@@ -85,4 +85,4 @@ def test_the_cache_gives_way_to_another_process_and_grows_back(tiny_store, tmp_p
     assert sizes and sizes[0][1] < 16, decisions  # it gave way first
     assert min(b for _, b in sizes) <= 16 * 0.5  # more than half the cache went while the other held on
     assert any(b > a for a, b in sizes), decisions  # and it grew back after
-    assert freed_at < 14, decisions  # (the memory came back while the engine was still generating)
+    assert freed_at < 16, decisions  # (the memory came back while the engine was still generating)
