@@ -26,6 +26,13 @@ def check_engine_args(args: argparse.Namespace) -> None:
                            hint=f"on a CPU-only machine the simulator runs it: moetier sim --placement "
                                 f"{args.placement} --profile rtx4090 ...")
     check_reader_threads(args.reader_threads)
+    if getattr(args, "variants", None) is not None:
+        from moetier.merge.library import Library
+
+        if not getattr(args, "adapt", False):
+            raise MoetierError("--variants switches between a model's merged variants as the memory changes: it "
+                               "needs --adapt", hint="add --adapt")
+        Library.load(args.variants)  # a folder without a readable library.json: refused before anything loads
 
 
 def check_prompt_lengths(model: str, prompts: list[str]) -> None:
@@ -48,6 +55,7 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
     from moetier.engine.engine import Engine, EngineConfig
 
     config.setdefault("adapt", getattr(args, "adapt", False))
+    config.setdefault("variants", getattr(args, "variants", None))
     EngineConfig(expert_memory=MemoryBudget.parse(args.expert_memory), reader_threads=args.reader_threads,
                  device=args.device, kernels=args.kernels, **config)  # refuses what the options say, first
     if prompts:
@@ -120,6 +128,9 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
                    help="resize the expert cache while running to the memory free beside it (CoMoE Eq. 17): it "
                         "shrinks when other processes take memory and grows back when they give it up; each change "
                         "is one line on stderr")
+    p.add_argument("--variants", metavar="FOLDER",
+                   help="with --adapt: a merge library (moetier merge --library) holding this model; between requests "
+                        "run the best-quality variant whose weights all fit the memory free (CoMoE Eq. 34-35)")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="auto (default): moetier's native kernels for batch-1 bf16 decoding on the CPU, built on first "
                         "use with the C compiler, else torch's; torch; native (refuse if they cannot be built)")

@@ -12,6 +12,7 @@ import torch
 from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
 from moetier.config import KERNELS, MemoryBudget, format_bytes
 from moetier.engine.adapt_cache import AdaptCache
+from moetier.engine.adapt_variant import AdaptVariant
 from moetier.engine.budget import RUNTIME_BYTES, BudgetChoice, check_host_tier, plan_budget
 from moetier.engine.cpu_share import CpuShare
 from moetier.engine.expert_executor import ExpertExecutor
@@ -22,6 +23,7 @@ from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available, release_freed_memory
+from moetier.merge.library import Library
 from moetier.model.build import make_model
 from moetier.model.dense_quant import (
     DENSE_PRECISIONS,
@@ -95,11 +97,15 @@ class EngineConfig:
     reserve_bytes: int = 0  # memory the caller will take beside the engine (a server's KV rows): left out of the
     # expert cache's room like the dense weights
     adapt: bool = False  # the expert cache follows the memory free beside it while running (engine/adapt_cache.py)
+    variants: str | None = None  # with adapt: a merge library's folder; its variants switched between by the memory
 
     def __post_init__(self) -> None:
         check_reader_threads(self.reader_threads, "reader_threads")
         if self.reserve_bytes < 0:
             raise MoetierError(f"reserve_bytes must be >= 0, not {self.reserve_bytes}")
+        if self.variants is not None and not self.adapt:
+            raise MoetierError("--variants switches between a model's merged variants as the memory changes: it "
+                               "needs --adapt", hint="add --adapt")
         check_device(self.device)
         if self.kernels not in KERNELS:
             raise MoetierError(f"unknown kernels {self.kernels!r}", hint=f"one of {', '.join(KERNELS)}")
@@ -132,6 +138,15 @@ class GenerationOutput:
     texts: list[str]
     token_ids: list[list[int]]
     stats: dict
+
+
+def check_variant(current: Store, other: Store) -> None:
+    """`other` is a variant of `current`'s model: the same family, config (but for its merge) and dense weights."""
+    a, b = current.manifest, other.manifest
+    unmerged = lambda cfg: {k: v for k, v in cfg.items() if k != "moetier_merged"}  # noqa: E731
+    if a.family != b.family or unmerged(a.config) != unmerged(b.config) or a.dense_crc32 != b.dense_crc32:
+        raise MoetierError(f"{other.path.name} is not a variant of {current.path.name}: its family, config or dense "
+                           f"weights differ", hint="switch between a model and its merged variants (moetier merge)")
 
 
 def choose_low(mixed: MixedPrecision, store: Store, cache_bytes: int) -> MixedPrecision:
@@ -270,6 +285,11 @@ class Engine:
         self.adapt = AdaptCache(self, lambda: device_memory(self.device)) if config.adapt else None
         if self.adapt is not None:
             self.step_hooks.append(self.adapt)
+        # the library variant the memory allows, switched to between calls (CoMoE Eq. 34-35; --adapt --variants)
+        self.adapt_variant = AdaptVariant(self, Library.load(config.variants), lambda: device_memory(self.device)) \
+            if config.variants else None
+        if self.adapt_variant is not None:
+            self.step_hooks.append(self.adapt_variant)
         self.closed = False
 
     @classmethod
@@ -298,6 +318,8 @@ class Engine:
                  on_text=None, on_token: OnToken | None = None) -> GenerationOutput:
         """Generate for one prompt or a batch. `on_text(i, delta)` streams text as it is produced."""
         self._check_open()
+        if self.adapt_variant is not None:  # a switch of variant asked for while the last call ran
+            self.adapt_variant.apply()
         ids = self.encode(prompts)
         params = SamplingParams(max_new_tokens, temperature, top_p, seed)
         streams = [TextStream(self.tokenizer) for _ in ids] if on_text and self.tokenizer else None
@@ -385,6 +407,42 @@ class Engine:
         self.executor.resize(choice.cache_bytes)
         self.budget = choice
         return choice
+
+    def use_variant(self, model: str | Path) -> BudgetChoice:
+        """Run another variant of this model from the next call on: the original or a merged store of it (`moetier
+        merge`) — the same dense weights (checked by their checksums) and config but for the merge, so the dense
+        weights, tokenizer and kernels stay and only the experts, the router's groups and the cache change. The cache
+        keeps the bytes it has (at most every expert of the variant). Between calls, never during one. Made for
+        configurations that plan from the store alone: no predictor, prefetch, placement, substitution or mixed
+        precision (each holds state of one store's experts). Returns the new cache's budget choice."""
+        self._check_open()
+        config = self.config
+        if (config.predictor != "none" or config.placement != "none" or config.substitution is not None
+                or self.precision.mixed):
+            raise MoetierError("switching variants is built for runs without a predictor, placement, substitution or "
+                               "mixed precision", hint="run the variant as its own model instead")
+        new = Store(resolve_model(model, progress=False))
+        check_variant(self.store, new)
+        now = device_memory(self.device)
+        view = MemoryView(now.available + self.budget.cache_bytes + self.dense_bytes, now.source, now.limit, now.used)
+        budget = plan_budget(new, MemoryBudget("bytes", self.budget.cache_bytes), view, self.precision,
+                             self.dense_bytes, held=RUNTIME_BYTES)
+        ctx = PolicyContext(budget.slots, new.spec.moe_layers, new.spec.num_experts, new.spec.top_k, None)
+        policy = make_policy_for_model(config.policy, ctx, new.trained_dir())
+        reader = ExpertReader(new.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
+                              manifest=new.manifest)
+        try:
+            executor = ExpertExecutor(new.spec, new.manifest, budget.cache_bytes, policy, reader,
+                                      config.cache_partition == "per-layer", self.device, self.kernels,
+                                      mixed=self.precision, dtype=self.model.dtype)
+            model = make_model(new.spec, self.model.w, executor, self.model.kernels)  # (the same dense weights)
+        except BaseException:
+            reader.close()
+            raise
+        self.reader.close()
+        self.store, self.spec, self.reader, self.executor, self.model, self.budget = (new, new.spec, reader, executor,
+                                                                                     model, budget)
+        return budget
 
     def preload(self) -> int:
         """Fill the expert cache before generating (every expert, if the budget holds them all)."""

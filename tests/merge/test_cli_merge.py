@@ -78,3 +78,11 @@ def test_a_library_folder_holding_someone_elses_library_json_is_refused(text_sto
     assert main(["merge", "--model", str(text_store), "--out", str(tmp_path / "lib"), "--library"]) == 1
     assert "cannot read the merge library" in capsys.readouterr().err
     assert (tmp_path / "lib" / "library.json").read_text() == "my notes" and len(list((tmp_path / "lib").iterdir())) == 1
+
+
+def test_variants_need_adapt_and_a_library_before_anything_loads(text_store, tmp_path, capsys):  # noqa: F811
+    base = ["generate", "--model", str(text_store), "--prompt", "It was", "--max-tokens", "2"]
+    assert main([*base, "--variants", str(tmp_path)]) == 1
+    assert "needs --adapt" in capsys.readouterr().err
+    assert main([*base, "--adapt", "--variants", str(tmp_path)]) == 1
+    assert "cannot read the merge library" in capsys.readouterr().err

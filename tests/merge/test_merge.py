@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from moetier.config import MemoryBudget
 from moetier.engine.engine import Engine, EngineConfig
 from moetier.errors import MoetierError
+from moetier.memory import MemoryView
 from moetier.merge.merge import MergeSettings, merge_store
 from moetier.merge.plan import AdaptiveRatio, FixedRatio
 from moetier.model.batch import StepBatch
@@ -213,3 +214,65 @@ def test_experts_identical_in_pairs_merge_into_half_the_experts_and_the_same_out
         expected = ref(torch.tensor([ids])).logits[0].float()
     with Engine(Store(report.path), EngineConfig(expert_memory=MemoryBudget("share", 1.0))) as engine:
         torch.testing.assert_close(logits(engine, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_engine_switches_between_a_model_and_its_merged_variant_between_calls(merged, tiny_store):
+    """use_variant: the same engine (its dense weights, tokenizer, kernels) runs the merged experts from the next
+    call — as a fresh engine on the merged store does — and back; what is not a variant is refused."""
+    _, store, report = merged("olmoe")
+    prompt = [[5, 9, 17, 33, 2, 40]]
+
+    def tokens(path):
+        with Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse("100%"))) as engine:
+            return engine.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids[0]
+
+    alone = {"original": tokens(store), "merged": tokens(report.path)}
+    assert alone["original"] != alone["merged"]
+    with Engine(Store(store), EngineConfig(expert_memory=MemoryBudget.parse("100%"))) as engine:
+        dense = engine.model.w
+        assert engine.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids[0] == alone["original"]
+        engine.use_variant(report.path)
+        assert engine.model.w is dense and engine.store.path == report.path and engine.executor.slots == 8
+        assert engine.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids[0] == alone["merged"]
+        engine.use_variant(store)
+        assert engine.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids[0] == alone["original"]
+        _, other = tiny_store("mixtral", **FAMILIES["mixtral"])
+        with pytest.raises(MoetierError, match="is not a variant of"):
+            engine.use_variant(other)
+
+
+def test_adapt_with_variants_switches_down_when_memory_goes_and_back_when_it_holds(merged, tmp_path):
+    """CoMoE Eq. 34-35 between requests: a library of the original and its half; the memory falls below what the
+    original needs resident (only the half fits: switched to at the next call, at once), then comes back and holds
+    (switched back once it has held `hold` looks and the gain outweighs the refill)."""
+    from moetier.engine.adapt_variant import AdaptVariant
+    from moetier.merge.library import Library, Variant
+
+    _, store, report = merged("olmoe")
+    original, half = Store(store), Store(report.path)
+    library = Library(str(store), (
+        Variant("original", str(store), original.total_expert_bytes(), (8, 8), {"perplexity_change": 0.0}),
+        Variant("fixed-medium", str(report.path), half.total_expert_bytes(), (4, 4), {"perplexity_change": 0.2})))
+    library.save(tmp_path)
+    prompt = [[5, 9, 17, 33]]
+    config = EngineConfig(expert_memory=MemoryBudget.parse("100%"), adapt=True, variants=str(tmp_path))
+    with Engine(original, config) as engine:
+        hook = engine.adapt_variant
+        assert isinstance(hook, AdaptVariant) and hook.current().name == "original"
+        engine.step_hooks.remove(hook)  # (looked at by hand below, once a call)
+        dense, whole, halved = engine.dense_bytes, original.total_expert_bytes(), half.total_expert_bytes()
+        lines, ticks = [], iter(range(10**6))
+        room = iter([10 * whole] * 2 + [dense + halved + whole // 4 - engine.executor.reserved_bytes - dense] * 3
+                    + [10 * whole] * 12)
+        hook.memory = lambda: MemoryView(int(next(room)), "host")
+        hook.clock, hook.say = lambda: float(next(ticks)), lines.append
+        names = []
+        for _ in range(17):
+            hook()
+            engine.generate(prompt, max_new_tokens=2)  # (a switch asked for is made at the start of a call)
+            names.append(hook.current().name)
+        assert names[:2] == ["original"] * 2 and "fixed-medium" in names[2:5] and names[-1] == "original"
+        assert hook.switches[0] == ("original", "fixed-medium") and hook.switches[-1] == ("fixed-medium", "original")
+        assert any("switch to fixed-medium" in line for line in lines)
+    with pytest.raises(MoetierError, match="needs --adapt"):
+        EngineConfig(variants=str(tmp_path))

@@ -1,0 +1,91 @@
+"""`--adapt --library FOLDER`: the variant of the model the memory allows (CoMoE Eq. 34–35, Algorithm 7), chosen
+while the engine runs and switched to between calls.
+
+A step hook beside the cache's (moetier/engine/adapt_cache.py): at each look it takes the room the whole model could
+have — what this process may still take plus what its dense weights and cache hold — smoothed (Eq. 10) and never
+above the room now, and picks by Eq. 34 the best quality among the library's variants whose dense weights and every
+expert fit in it (M_req: the variant resident; a variant that fits runs without reads). It asks for a switch by Eq.
+35: the quality gained (minus the perplexity change the library measured) must exceed λ·C_switch, C_switch the
+seconds to read the new variant's cache at the link's measured rate (λ = 0.01: one point of perplexity is worth a
+second of reads), and the new choice must have held for `hold` looks; a variant that no longer fits is left at
+once. The switch itself happens at the start of the engine's next call (Engine.use_variant: the dense weights,
+tokenizer and KV cache layout are the variants' own, so nothing but the experts changes) — between requests, not
+between the tokens of one: a running call holds its model and executor, and a request is seconds, where the memory
+pressure this answers lasts longer. Each request for a switch and each switch is one line on stderr."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from moetier.adapt.monitor import Choice, Indicator, Switching
+from moetier.config import format_bytes
+from moetier.errors import MoetierError
+from moetier.memory import MemoryView
+from moetier.merge.library import Library, Variant
+
+LOOK_S = 0.25
+PER_SECOND = 0.01  # λ: quality (a perplexity share) a second of reading the new cache is worth
+DEFAULT_READ_RATE = 1e9  # bytes/s until the link has been measured
+
+
+class AdaptVariant:
+    def __init__(self, engine, library: Library, memory: Callable[[], MemoryView],
+                 switching: Switching | None = None, look_s: float = LOOK_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
+        self.engine, self.library, self.memory = engine, library, memory
+        self.switching, self.look_s, self.clock, self.say = switching or Switching(), look_s, clock, say
+        self.room = Indicator()
+        self.last = float("-inf")
+        self.best: str | None = None
+        self.stable_for = 0
+        self.pending: Variant | None = None
+        self.switches: list[tuple[str, str]] = []
+        if self.current() is None:
+            raise MoetierError(f"{engine.store.path} is not in the library {library.original}'s variants",
+                               hint="start from the original or one of the variants library.json lists")
+
+    def current(self) -> Variant | None:
+        here = Path(self.engine.store.path).resolve()
+        return next((v for v in self.library.variants if Path(v.path).resolve() == here), None)
+
+    def choice(self, v: Variant) -> Choice:
+        return Choice(v.name, self.engine.dense_bytes + v.expert_bytes, -v.quality.get("perplexity_change", 0.0))
+
+    def __call__(self, batch=None, phase: int | None = None) -> None:
+        now = self.clock()
+        if now - self.last < self.look_s:
+            return
+        self.last = now
+        executor = self.engine.executor
+        view = self.memory()
+        room_now = view.available + executor.reserved_bytes + self.engine.dense_bytes
+        room = min(self.room.observe(room_now), room_now)
+        choices = {v.name: v for v in self.library.variants}
+        best = self.switching.best([self.choice(v) for v in choices.values()], room)
+        name = best.name if best is not None else None
+        self.stable_for = self.stable_for + 1 if name == self.best else 1
+        self.best = name
+        current = self.current()
+        target = self.pending or current
+        if best is None or best.name == target.name:
+            return
+        rate = executor.costs.bandwidth or DEFAULT_READ_RATE
+        cost = PER_SECOND * min(executor.reserved_bytes, choices[best.name].expert_bytes) / rate
+        if self.switching.should_switch(self.choice(target), best, room, cost, self.stable_for):
+            self.pending = choices[best.name]
+            self.say(f"moetier: adapt: switch to {best.name} at the next request ({format_bytes(best.bytes_needed)} "
+                     f"resident, Δ quality {best.quality - self.choice(target).quality:+.3f}): {view.describe()}")
+
+    def apply(self) -> None:
+        """Switch to the pending variant, if any (the engine calls this between calls)."""
+        if self.pending is None:
+            return
+        before, self.pending = self.current(), self.pending
+        choice = self.engine.use_variant(self.pending.path)
+        self.switches.append((before.name, self.pending.name))
+        self.say(f"moetier: adapt: now running {self.pending.name} ({choice.note.split(';')[0]})")
+        self.pending = None
