@@ -7,8 +7,10 @@ smoothed room and the room now (a departure from the paper's smoothed value alon
 is gone now, and a cache planned on an average that still remembers it — to shrink too late, or to grow back into
 it — was killed in the pressure test). Smoothing and stability then only ever add caution: after a swing the
 stability is low and Eq. 17 takes half or less of the room, and more as the memory holds steady.
-Each change is one line on stderr, and goes through Engine.set_expert_memory (evicting by the policy, giving pages
-back, or adding slots). A change the budget refuses is said and skipped.
+The cache never grows past what the run asked for (`--expert-memory`, or the last `set_expert_memory`): adapting
+gives way to other processes and takes back what it gave, it does not take more than it was given. Each change is
+one line on stderr, and goes through the engine's resize (evicting by the policy, giving pages back, or adding
+slots). A change the budget refuses is said and skipped.
 
 Why a look and not every step: a look reads a few /proc and cgroup files (~0.1–0.2 ms), a demo model's decode step
 takes ~10 ms."""
@@ -37,6 +39,7 @@ class AdaptCache:
         self.room = Indicator()
         self.last = float("-inf")
         self.decisions: list[tuple[int, int]] = []  # (slots before, after) of each change made
+        self.ceiling = engine.executor.slots  # what the run asked for: never grown past
 
     def __call__(self, batch=None, phase: int | None = None) -> None:
         now = self.clock()
@@ -50,7 +53,7 @@ class AdaptCache:
         slot = executor.residency.entry_bytes[executor.precision]
         spec, current = self.engine.spec, executor.slots
         fit = self.sizing.experts(min(smoothed, room_now) - executor.tier_bytes, slot, self.room.stability,
-                                  spec.num_expert_keys, spec.top_k)
+                                  min(self.ceiling, spec.num_expert_keys), spec.top_k)
         target = fit if fit < current or fit >= current * GROW_MARGIN + 1 else current
         if target != current:
             self._resize(current, target, slot, view, smoothed)
@@ -58,7 +61,7 @@ class AdaptCache:
     def _resize(self, current: int, target: int, slot: int, view: MemoryView, smoothed: float) -> None:
         executor = self.engine.executor
         try:
-            self.engine.set_expert_memory(MemoryBudget("bytes", target * slot + executor.tier_bytes))
+            self.engine.set_expert_memory(MemoryBudget("bytes", target * slot + executor.tier_bytes), asked=False)
         except BudgetError as e:
             self.say(f"moetier: adapt: kept the expert cache at {current} slots: {str(e).splitlines()[0]}")
             return

@@ -387,11 +387,12 @@ class Engine:
         stage.alpha = choice.alpha
         return choice
 
-    def set_expert_memory(self, budget: str | MemoryBudget) -> BudgetChoice:
+    def set_expert_memory(self, budget: str | MemoryBudget, asked: bool = True) -> BudgetChoice:
         """Resize the expert cache to `budget` ("2GiB", "40%", auto) between generate calls or steps, without
         restarting: the budget is planned as at start-up against the memory free now plus what the cache holds
         (so it may grow back into memory it gave up), shrinking evicts by the policy and gives the freed slots'
         pages back, growing adds slots. Refused (BudgetError, the cache unchanged) where the budget cannot fit.
+        `asked`: the caller's budget, which `--adapt` then never grows past (False: --adapt's own resize).
         Returns the new choice (its `note` says what was reserved)."""
         self._check_open()
         budget = MemoryBudget.parse(budget) if isinstance(budget, str) else budget
@@ -406,6 +407,8 @@ class Engine:
                               hint="give more memory, or run without the low tier")
         self.executor.resize(choice.cache_bytes)
         self.budget = choice
+        if asked and self.adapt is not None:
+            self.adapt.ceiling = self.executor.slots
         return choice
 
     def use_variant(self, model: str | Path) -> BudgetChoice:

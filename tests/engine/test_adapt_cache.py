@@ -111,3 +111,23 @@ def test_without_adapt_the_budget_stays_as_asked(tiny_store):
         assert engine.executor.slots == before
     with Engine(Store(store), EngineConfig(expert_memory=MemoryBudget.parse("50%"), adapt=True)) as engine:
         assert isinstance(engine.adapt, AdaptCache) and engine.adapt in engine.step_hooks
+
+
+def test_adapting_never_grows_past_what_was_asked(tiny_store):
+    _, store = tiny_store("olmoe")
+    ticks = iter(range(10**6))
+    with Engine(Store(store), EngineConfig(expert_memory=MemoryBudget.parse("50%"))) as engine:
+        asked = engine.executor.slots
+        slot = engine.executor.residency.entry_bytes[engine.executor.precision]
+        series = Series([100 * slot] * 4 + [3 * slot - engine.executor.reserved_bytes] * 4 + [100 * slot] * 14)
+        adapt = AdaptCache(engine, series, look_s=1, clock=lambda: float(next(ticks)), say=lambda line: None)
+        engine.adapt = adapt  # (what --adapt makes: set_expert_memory then moves its ceiling)
+        slots = []
+        for _ in range(22):
+            adapt()
+            slots.append(engine.executor.slots)
+        assert slots[:4] == [asked] * 4 and min(slots) < asked and slots[-1] == asked and max(slots) == asked
+        engine.set_expert_memory("25%")  # the caller asks for less: the new ceiling
+        for _ in range(3):
+            adapt()
+        assert adapt.ceiling == engine.executor.slots < asked
