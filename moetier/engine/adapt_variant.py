@@ -81,11 +81,16 @@ class AdaptVariant:
                      f"resident, Δ quality {best.quality - self.choice(target).quality:+.3f}): {view.describe()}")
 
     def apply(self) -> None:
-        """Switch to the pending variant, if any (the engine calls this between calls)."""
-        if self.pending is None:
+        """Switch to the pending variant, if any (the engine calls this between calls). A switch that cannot be made
+        (its store gone, its budget refused) is said and dropped: the call runs on the variant it had."""
+        target, self.pending = self.pending, None
+        if target is None:
             return
-        before, self.pending = self.current(), self.pending
-        choice = self.engine.use_variant(self.pending.path)
-        self.switches.append((before.name, self.pending.name))
-        self.say(f"moetier: adapt: now running {self.pending.name} ({choice.note.split(';')[0]})")
-        self.pending = None
+        before = self.current()
+        try:
+            choice = self.engine.use_variant(target.path)
+        except MoetierError as e:
+            self.say(f"moetier: adapt: stayed on {before.name}: {str(e).splitlines()[0]}")
+            return
+        self.switches.append((before.name, target.name))
+        self.say(f"moetier: adapt: now running {target.name} ({choice.note.split(';')[0]})")

@@ -274,5 +274,8 @@ def test_adapt_with_variants_switches_down_when_memory_goes_and_back_when_it_hol
         assert names[:2] == ["original"] * 2 and "fixed-medium" in names[2:5] and names[-1] == "original"
         assert hook.switches[0] == ("original", "fixed-medium") and hook.switches[-1] == ("fixed-medium", "original")
         assert any("switch to fixed-medium" in line for line in lines)
+        hook.pending = Variant("gone", str(tmp_path / "gone"), 1, (1,))  # a switch that cannot be made
+        assert len(engine.generate(prompt, max_new_tokens=2).token_ids[0]) == 2  # the call runs as it was
+        assert hook.current().name == "original" and lines[-1].startswith("moetier: adapt: stayed on original")
     with pytest.raises(MoetierError, match="needs --adapt"):
         EngineConfig(variants=str(tmp_path))
