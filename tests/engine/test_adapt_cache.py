@@ -44,13 +44,13 @@ def test_a_resize_in_the_middle_of_a_greedy_run_keeps_its_tokens(tiny_store, fam
     assert tokens == expected and engine.executor.slots == engine.spec.num_expert_keys
 
 
-def test_shrinking_gives_pages_back_and_growing_takes_them_again(tiny_store):
+def test_shrinking_gives_pages_back_and_growing_takes_them_again(tiny_store, tmp_path):
     """A store of ~100 MiB of experts: resident, then a quarter, then back; a budget below one layer's top-k is
     refused and changes nothing."""
     from moetier.store.inflate import inflate
 
     _, small = tiny_store("olmoe")
-    big = inflate(small, small.parent / "xl-adapt", 4096, progress=False)  # 16 experts of ~6 MiB
+    big = inflate(small, tmp_path / "xl", 4096, progress=False)  # 16 experts of ~6 MiB
     proc = psutil.Process()
     with Engine(Store(big), EngineConfig(expert_memory=MemoryBudget.parse("100%"))) as engine:
         engine.generate(PROMPT, max_new_tokens=4)
