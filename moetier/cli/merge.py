@@ -61,22 +61,33 @@ def calibrate(args: argparse.Namespace, text: str, what: str):
         return recorder.trace([f"window {i}" for i in range(len(windows))])
 
 
-def _merge(args: argparse.Namespace) -> None:
+def source_model(args: argparse.Namespace, outs: list[Path]) -> Path:
+    """The model to merge, resolved (a Hugging Face folder converted), once `outs` — the stores to write — are known
+    writable; refused if it cannot be merged or if it is one of them."""
     from moetier.atomic import check_replaceable
-    from moetier.merge.merge import MergeSettings, check_mergeable
+    from moetier.merge.merge import check_mergeable
     from moetier.resolve import resolve_model
     from moetier.store.format import is_store
     from moetier.store.store import Store
+
+    for out in outs:  # before anything is converted or loaded
+        check_replaceable(out, "store", is_store, args.force)
+    source = resolve_model(args.model, args.cache_dir)
+    for out in outs:
+        check_replaceable(out, "store", is_store, args.force, (source,))
+    check_mergeable(Store(source))
+    return source
+
+
+def _merge(args: argparse.Namespace) -> None:
+    from moetier.merge.merge import MergeSettings
 
     check_engine_args(args)
     if args.library:
         return _library(args)
     settings = MergeSettings(retention(args), args.alpha, args.threshold, args.align, args.members)  # refused first
-    check_replaceable(Path(args.out), "store", is_store, args.force)  # before anything is converted or loaded
     text, what = calibration_text(args)
-    source = resolve_model(args.model, args.cache_dir)
-    check_replaceable(Path(args.out), "store", is_store, args.force, (source,))
-    check_mergeable(Store(source))
+    source = source_model(args, [Path(args.out)])
     report = _write(source, Path(args.out), calibrate(args, text, what), settings, what, args.force)
     print(f"  its perplexity beside the original's: moetier eval --model {report.path} (and --model {args.model}); "
           f"the paper's six with their quality: moetier merge --library", file=sys.stderr)
@@ -99,29 +110,20 @@ def _write(source: Path, out: Path, trace, settings, what: str, force: bool):
 def _library(args: argparse.Namespace) -> None:
     """The paper's six variants into --out/<name>, each scored against the original on held-out text, listed in
     --out/library.json with a plot of quality against bytes."""
-    from moetier.atomic import check_replaceable
     from moetier.cli.evaluate import texts
     from moetier.merge.library import FILE, Library, paper_variants
-    from moetier.merge.merge import MergeSettings, check_mergeable
-    from moetier.resolve import resolve_model
-    from moetier.store.format import is_store
-    from moetier.store.store import Store
+    from moetier.merge.merge import MergeSettings
 
     if args.ratio is not None or args.adaptive is not None or args.threshold is not None:
         raise MoetierError("--library builds the paper's six variants", hint="drop --ratio, --adaptive, --threshold")
     folder = Path(args.out)
     variants = paper_variants(args.min_experts)
     MergeSettings(variants["fixed-light"], args.alpha, None, args.align, args.members)  # refuses bad values first
-    for name in variants:  # before anything is converted or loaded
-        check_replaceable(folder / name, "store", is_store, args.force)
     if (folder / FILE).exists():
         Library.load(folder)  # a library.json that is not one (someone else's file) is refused, not replaced
     sources = texts(args.text)  # the held-out texts to score on
     text, what = calibration_text(args)
-    source = resolve_model(args.model, args.cache_dir)
-    for name in variants:
-        check_replaceable(folder / name, "store", is_store, args.force, (source,))
-    check_mergeable(Store(source))
+    source = source_model(args, [folder / name for name in variants])
     trace = calibrate(args, text, what)
     for name, retention in variants.items():
         _write(source, folder / name, trace, MergeSettings(retention, args.alpha, None, args.align, args.members),
@@ -155,7 +157,8 @@ def score_library(args: argparse.Namespace, source: Path, folder: Path, names: l
     variants = []
     with tqdm(total=len(paths) * sum(len(w.rows) for w in windows), desc="score", unit="window") as bar:
         for row in sweep(make_engine, list(paths), windows, args.prefix, bar.update):
-            spec, store = Store(paths[row.label]).spec, Store(paths[row.label])
+            store = Store(paths[row.label])
+            spec = store.spec
             ppl = {d["domain"]: d["perplexity"] for d in row.domains}
             base = variants[0].quality["perplexity"] if variants else ppl
             tokens = sum(d["tokens"] for d in row.domains)

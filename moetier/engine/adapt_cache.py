@@ -10,44 +10,32 @@ stability is low and Eq. 17 takes half or less of the room, and more as the memo
 The cache never grows past what the run asked for (`--expert-memory`, or the last `set_expert_memory`): adapting
 gives way to other processes and takes back what it gave, it does not take more than it was given. Each change is
 one line on stderr, and goes through the engine's resize (evicting by the policy, giving pages back, or adding
-slots). A change the budget refuses is said and skipped.
-
-Why a look and not every step: a look reads a few /proc and cgroup files (~0.1–0.2 ms), a demo model's decode step
-takes ~10 ms."""
+slots). A change the budget refuses is said and skipped."""
 
 from __future__ import annotations
 
-import sys
-import time
-from collections.abc import Callable
-
-from moetier.adapt.monitor import CacheSizing, Indicator
+from moetier.adapt.monitor import CacheSizing
 from moetier.config import MemoryBudget, format_bytes
+from moetier.engine.memory_looks import MemoryLooks
 from moetier.errors import BudgetError
 from moetier.memory import MemoryView
 
-LOOK_S = 0.25  # seconds between looks at the memory
 GROW_MARGIN = 1.05  # grow only to a target this much above the cache now (a smoothed room wobbles)
 
 
-class AdaptCache:
-    def __init__(self, engine, memory: Callable[[], MemoryView], sizing: CacheSizing | None = None,
-                 look_s: float = LOOK_S, clock: Callable[[], float] = time.monotonic,
-                 say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
-        self.engine, self.memory, self.sizing, self.look_s = engine, memory, sizing or CacheSizing(), look_s
-        self.clock, self.say = clock, say
-        self.room = Indicator()
-        self.last = float("-inf")
+class AdaptCache(MemoryLooks):
+    def __init__(self, engine, memory, sizing: CacheSizing | None = None, **looks) -> None:
+        """`looks`: MemoryLooks' look_s, clock and say."""
+        super().__init__(engine, memory, **looks)
+        self.sizing = sizing or CacheSizing()
         self.decisions: list[tuple[int, int]] = []  # (slots before, after) of each change made
         self.ceiling = engine.executor.slots  # what the run asked for: never grown past
 
     def __call__(self, batch=None, phase: int | None = None) -> None:
-        now = self.clock()
-        if now - self.last < self.look_s:
+        view = self.look()
+        if view is None:
             return
-        self.last = now
         executor = self.engine.executor
-        view = self.memory()
         room_now = view.available + executor.reserved_bytes  # what the cache could take: free now and its own
         smoothed = self.room.observe(room_now)
         slot = executor.residency.entry_bytes[executor.precision]

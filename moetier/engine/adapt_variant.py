@@ -15,31 +15,23 @@ pressure this answers lasts longer. Each request for a switch and each switch is
 
 from __future__ import annotations
 
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from moetier.adapt.monitor import Choice, Indicator, Switching
+from moetier.adapt.monitor import Choice, Switching
 from moetier.config import format_bytes
+from moetier.engine.memory_looks import MemoryLooks
 from moetier.errors import MoetierError
-from moetier.memory import MemoryView
 from moetier.merge.library import Library, Variant
 
-LOOK_S = 0.25
 PER_SECOND = 0.01  # λ: quality (a perplexity share) a second of reading the new cache is worth
 DEFAULT_READ_RATE = 1e9  # bytes/s until the link has been measured
 
 
-class AdaptVariant:
-    def __init__(self, engine, library: Library, memory: Callable[[], MemoryView],
-                 switching: Switching | None = None, look_s: float = LOOK_S,
-                 clock: Callable[[], float] = time.monotonic,
-                 say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
-        self.engine, self.library, self.memory = engine, library, memory
-        self.switching, self.look_s, self.clock, self.say = switching or Switching(), look_s, clock, say
-        self.room = Indicator()
-        self.last = float("-inf")
+class AdaptVariant(MemoryLooks):
+    def __init__(self, engine, library: Library, memory, switching: Switching | None = None, **looks) -> None:
+        """`looks`: MemoryLooks' look_s, clock and say."""
+        super().__init__(engine, memory, **looks)
+        self.library, self.switching = library, switching or Switching()
         self.best: str | None = None
         self.stable_for = 0
         self.pending: Variant | None = None
@@ -56,12 +48,10 @@ class AdaptVariant:
         return Choice(v.name, self.engine.dense_bytes + v.expert_bytes, -v.quality.get("perplexity_change", 0.0))
 
     def __call__(self, batch=None, phase: int | None = None) -> None:
-        now = self.clock()
-        if now - self.last < self.look_s:
+        view = self.look()
+        if view is None:
             return
-        self.last = now
         executor = self.engine.executor
-        view = self.memory()
         room_now = view.available + executor.reserved_bytes + self.engine.dense_bytes
         room = min(self.room.observe(room_now), room_now)
         choices = {v.name: v for v in self.library.variants}

@@ -396,11 +396,7 @@ class Engine:
         Returns the new choice (its `note` says what was reserved)."""
         self._check_open()
         budget = MemoryBudget.parse(budget) if isinstance(budget, str) else budget
-        now = device_memory(self.device)
-        held = self.budget.cache_bytes + self.dense_bytes  # what this process gives up to re-plan, then takes again
-        view = MemoryView(now.available + held, now.source, now.limit, now.used)
-        # (the runtime and a server's KV rows are here already: counted in what `now` sees used)
-        choice = plan_budget(self.store, budget, view, self.precision, self.dense_bytes, held=RUNTIME_BYTES)
+        choice = self._replan(self.store, budget)
         slot = self.executor.residency.entry_bytes[self.executor.precision]
         if choice.cache_bytes < self.executor.tier_bytes + self.spec.top_k * slot:
             raise BudgetError(f"{choice.note.split(';')[0]}: less than the low tier and one layer's top-k beside it",
@@ -410,6 +406,15 @@ class Engine:
         if asked and self.adapt is not None:
             self.adapt.ceiling = self.executor.slots
         return choice
+
+    def _replan(self, store: Store, budget: MemoryBudget) -> BudgetChoice:
+        """`budget` for `store`'s experts, planned as at start-up against the memory free now plus what the dense
+        weights and the cache hold (given up to re-plan, then taken again); the runtime and a server's KV rows are
+        here already, counted in what the memory sees used."""
+        now = device_memory(self.device)
+        held = self.budget.cache_bytes + self.dense_bytes
+        view = MemoryView(now.available + held, now.source, now.limit, now.used)
+        return plan_budget(store, budget, view, self.precision, self.dense_bytes, held=RUNTIME_BYTES)
 
     def use_variant(self, model: str | Path) -> BudgetChoice:
         """Run another variant of this model from the next call on: the original or a merged store of it (`moetier
@@ -426,10 +431,7 @@ class Engine:
                                "mixed precision", hint="run the variant as its own model instead")
         new = Store(resolve_model(model, progress=False))
         check_variant(self.store, new)
-        now = device_memory(self.device)
-        view = MemoryView(now.available + self.budget.cache_bytes + self.dense_bytes, now.source, now.limit, now.used)
-        budget = plan_budget(new, MemoryBudget("bytes", self.budget.cache_bytes), view, self.precision,
-                             self.dense_bytes, held=RUNTIME_BYTES)
+        budget = self._replan(new, MemoryBudget("bytes", self.budget.cache_bytes))
         ctx = PolicyContext(budget.slots, new.spec.moe_layers, new.spec.num_experts, new.spec.top_k, None)
         policy = make_policy_for_model(config.policy, ctx, new.trained_dir())
         reader = ExpertReader(new.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
