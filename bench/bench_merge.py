@@ -98,18 +98,19 @@ def plot_quality(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def teacher_forced(model: str, budget: str, window: int, windows: int) -> dict:
+def teacher_forced(model: str, budget: str, window: int, windows: int, policy: str = "lru") -> dict:
     """Decode tokens/s and expert bytes per token of one fresh `moetier eval` (exact mode's row: the model as it is)
     over `windows` windows of `window` tokens of each held-out text."""
     r = subprocess.run([sys.executable, "-m", "moetier.cli", "eval", "--model", model, "--expert-memory", budget,
-                        "--window", str(window), "--windows", str(windows), "--json"],
+                        "--window", str(window), "--windows", str(windows), "--policy", policy, "--json"],
                        capture_output=True, text=True, check=True)
     row = json.loads(r.stdout)["rows"][0]
     return {"tok_s": row["decode_tokens_per_s"], "bytes_per_token": row["expert_bytes_per_token"],
             "hit_rate": row["hit_rate"]}
 
 
-def speed(merged: str, original: str, share: float, rounds: int, window: int, windows: int) -> list[dict]:
+def speed(merged: str, original: str, share: float, rounds: int, window: int, windows: int,
+          policy: str = "lru") -> list[dict]:
     from moetier.resolve import resolve_model
     from moetier.store.store import Store
 
@@ -118,7 +119,7 @@ def speed(merged: str, original: str, share: float, rounds: int, window: int, wi
     for i in range(rounds):
         order = [("original", original), ("merged", merged)]
         for label, model in order if i % 2 == 0 else order[::-1]:
-            rows.append({"round": i, "model": label, **teacher_forced(model, budget, window, windows)})
+            rows.append({"round": i, "model": label, **teacher_forced(model, budget, window, windows, policy)})
             print(f"round {i} {label}: {rows[-1]['tok_s']:.2f} tok/s, {rows[-1]['bytes_per_token'] / 2**20:.0f} "
                   f"MiB/token, hits {rows[-1]['hit_rate']:.1%}", flush=True)
     return rows
@@ -133,6 +134,7 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=0.25, help="--speed: the budget, a share of the original's "
                                                                 "expert bytes")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--policy", default="lru", help="--speed: both runs' eviction policy")
     ap.add_argument("--window", type=int, default=64, help="--speed: tokens per window of held-out text")
     ap.add_argument("--windows", type=int, default=2, help="--speed: windows per text")
     ap.add_argument("--out", type=Path, default=OUT / "merge")
@@ -140,13 +142,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_description()}
     if args.speed:
-        rows = speed(args.speed, args.original, args.share, args.rounds, args.window, args.windows)
+        rows = speed(args.speed, args.original, args.share, args.rounds, args.window, args.windows, args.policy)
         ratios = [m["tok_s"] / o["tok_s"] for o, m in zip(rows[0::2], rows[1::2])]
         ratios = [r if rows[2 * i]["model"] == "original" else 1 / r for i, r in enumerate(ratios)]
         print(f"merged / original, per round: {', '.join(f'{r:.2f}' for r in ratios)}; median "
               f"{statistics.median(ratios):.2f}")
         (args.out / "merge_speed.json").write_text(json.dumps(
-            {**meta, "merged": args.speed, "original": args.original, "share": args.share, "runs": rows,
+            {**meta, "merged": args.speed, "original": args.original, "share": args.share, "policy": args.policy,
+             "runs": rows,
              "ratios": ratios}, indent=1))
         return
     rows = quality(args.models.split(","), [float(a) for a in args.alphas.split(",")], args.out)

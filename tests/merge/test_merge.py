@@ -279,3 +279,20 @@ def test_adapt_with_variants_switches_down_when_memory_goes_and_back_when_it_hol
         assert hook.current().name == "original" and lines[-1].startswith("moetier: adapt: stayed on original")
     with pytest.raises(MoetierError, match="needs --adapt"):
         EngineConfig(variants=str(tmp_path))
+
+
+def test_switching_refuses_what_it_is_not_built_for(merged, tmp_path):
+    """A run with a predictor holds state of one store's experts: use_variant refuses it; a store not in the library
+    cannot start a variant hook."""
+    from moetier.engine.adapt_variant import AdaptVariant
+    from moetier.merge.library import Library, Variant
+
+    _, store, report = merged("olmoe")
+    config = EngineConfig(expert_memory=MemoryBudget.parse("100%"), predictor="stacked-gates")
+    with Engine(Store(store), config) as engine:
+        with pytest.raises(MoetierError, match="built for runs without a predictor"):
+            engine.use_variant(report.path)
+        assert engine.store.path == Store(store).path
+        library = Library(str(report.path), (Variant("fixed-medium", str(report.path), 1, (4, 4)),))
+        with pytest.raises(MoetierError, match="is not in the library"):
+            AdaptVariant(engine, library, lambda: MemoryView(1, "host"))
