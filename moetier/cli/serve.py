@@ -88,10 +88,6 @@ def _serve(args: argparse.Namespace) -> None:
     from moetier.serve.metrics import Metrics
 
     check_engine_args(args)
-    if args.variants is not None:
-        raise MoetierError("--variants switches variants between the engine's calls; the server's scheduler holds its "
-                           "model for its life, so it would never switch", hint="serve one variant; use --adapt alone "
-                                                                                "to size its cache to the memory")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not is_loopback(args.host) and api_key is None:
         raise MoetierError(f"serving on {args.host} opens the model to the network; it needs an API key",

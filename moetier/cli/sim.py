@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from moetier.atomic import atomic_write_json
@@ -45,11 +46,13 @@ def _sim(args: argparse.Namespace) -> None:
     from moetier.policy_files import load_params
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
-    from moetier.sim.sweep import budget_slots, check_fits, format_table, plot_sweep, run
+    from moetier.sim.sweep import budget_slots, check_fits, encoder_set_aside, format_table, plot_sweep, run
     from moetier.sim.timing import plot_timeline
     from moetier.trace.format import Trace
 
     trace = Trace.load(args.trace)
+    fitted = {base_name(p) for p in _items(args.policy, "--policy")} & set(LEARNED)
+    trace = encoder_set_aside(trace, args.predictor != "none" or bool(fitted), lambda m: print(m, file=sys.stderr))
     profile = HardwareProfile.load(args.profile)
     model = args.model_shape or trace.model
     shape, blob_bytes = model_shape(model)  # config.json alone: nothing is converted or built for a shape

@@ -65,7 +65,7 @@ def _trace_record(args: argparse.Namespace) -> None:
 def _trace_synth(args: argparse.Namespace) -> None:
     from moetier.atomic import check_free_space
     from moetier.trace.format import Trace
-    from moetier.trace.synthetic import fit_locality, generate
+    from moetier.trace.synthetic import fit_locality, generate, generate_seq2seq
 
     if args.tokens < 1:
         raise MoetierError(f"--tokens must be at least 1, got {args.tokens}")
@@ -81,12 +81,21 @@ def _trace_synth(args: argparse.Namespace) -> None:
                                                                        "--num-experts and --top-k")
     else:
         dims = dict(num_layers=args.num_layers, num_experts=args.num_experts, top_k=args.top_k, model=args.name)
-    rows = args.tokens * len(dims.get("layers") or range(dims["num_layers"])) * dims["top_k"]
-    check_free_space(args.out, rows * 4 + args.tokens * 9, f"the trace {Path(args.out).name}")  # before drawing it
+    encoder_layers = shape.encoder_layers if args.model_shape else 0
+    tokens = args.tokens + (args.sequences * args.prompt_tokens if encoder_layers else 0)
+    rows = tokens * len(dims.get("layers") or range(dims["num_layers"])) * dims["top_k"]
+    check_free_space(args.out, rows * 4 + tokens * 9, f"the trace {Path(args.out).name}")  # before drawing it
     fit = fit_locality(Trace.load(args.fit))
-    trace = generate(fit, tokens=args.tokens, seed=args.seed, **dims)
+    if encoder_layers:  # an encoder-decoder: prompts through the encoder, --tokens split among the generations
+        trace = generate_seq2seq(fit, encoder_layers=encoder_layers, sequences=args.sequences,
+                                 prompt_tokens=args.prompt_tokens, new_tokens=max(1, args.tokens // args.sequences),
+                                 seed=args.seed, **dims)
+    else:
+        trace = generate(fit, tokens=args.tokens, seed=args.seed, **dims)
     trace.save(args.out, overwrite=args.force, sources=(args.fit,))
-    print(f"wrote {args.out}: {args.tokens} tokens of {trace.model}, {len(trace.layers)} MoE layers, top-"
+    prompts = f" (and {trace.encoder.num_tokens} prompt tokens through the encoder's {len(trace.encoder.layers)})" \
+        if trace.encoder is not None else ""
+    print(f"wrote {args.out}: {trace.num_tokens} tokens{prompts} of {trace.model}, {len(trace.layers)} MoE layers, top-"
           f"{trace.top_k} of {trace.num_experts}; zipf s={fit.zipf_s:.3f}, p_keep={fit.p_keep:.3f} "
           f"(reuse t+1 {fit.reuse_next:.1%})")
 
@@ -135,6 +144,10 @@ def add_parser(sub) -> None:
     tsy.add_argument("--top-k", type=count(1, 32768), help="without --model-shape: experts per token")
     tsy.add_argument("--tokens", type=count(), default=2000, help="token steps to generate")
     tsy.add_argument("--seed", type=SEED, default=0, help="random seed")
+    tsy.add_argument("--sequences", type=count(1, 100000), default=8,
+                     help="an encoder-decoder shape's: sequences (--tokens are split among their generations)")
+    tsy.add_argument("--prompt-tokens", type=count(1, 100000), default=128,
+                     help="an encoder-decoder shape's: tokens of each prompt, through the encoder")
     tsy.add_argument("--name", default="synthetic", help="without --model-shape: the model name recorded")
     tsy.add_argument("--out", required=True, help="the trace folder to write")
     tsy.add_argument("--force", action="store_true", help=force)

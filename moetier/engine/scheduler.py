@@ -123,17 +123,24 @@ class Scheduler:
         self._aborted.append(request)
         return True
 
-    def step(self) -> list[StepOutput]:
+    def step(self, admit: bool = True) -> list[StepOutput]:
         """One forward step (a prefill of newcomers, else a decode of every running request) and what it made,
-        aborted requests first. Nothing to do: []."""
+        aborted requests first. Nothing to do: []. `admit` False: no newcomer starts (the running ones drain)."""
         outputs = [StepOutput(r, None, True) for r in self._aborted]
         self._aborted.clear()
-        newcomers = self._admit()
+        newcomers = self._admit() if admit else []
         if newcomers:
             return outputs + self._prefill(newcomers)
         if self.running:
             return outputs + self._decode()
         return outputs
+
+    def use(self, model: Transformer, executor: ExpertExecutor) -> None:
+        """Run `model` and `executor` from the next step on (a variant of the same model: Engine.use_variant). Only
+        when nothing is running: a request's KV rows and routing belong to the model that began it."""
+        if self.running:
+            raise MoetierError("a variant is switched to only when no request is running")
+        self.model, self.executor = model, executor
 
     def _admit(self) -> list[Request]:
         """Waiting requests a prefill step takes now, in arrival order."""

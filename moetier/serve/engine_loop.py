@@ -100,8 +100,12 @@ class EngineLoop:
                 self._wake.wait()
                 time.sleep(self.gather_s)  # (woken from idle: a burst's other requests arrive now)
                 continue
+            switching = self._switch_due()
+            if switching and not self.scheduler.running:
+                self._switch()
+                switching = False
             try:
-                outputs = self.scheduler.step()
+                outputs = self.scheduler.step(admit=not switching)
             except Exception as e:  # a failed read, a bug: every request in the engine ends with it
                 print(f"moetier: error: a step failed: {e}", file=sys.stderr)
                 self._fail_all(e)
@@ -111,6 +115,19 @@ class EngineLoop:
                 self._deliver(out.request, out.token, out.logprob, now)
             self.stats.decode_step_s.clear()  # (the server keeps histograms, not every step's time)
             self._observe()
+
+    def _switch_due(self) -> bool:
+        """A switch of variant asked for (`--adapt --variants`: moetier/engine/adapt_variant.py): the running
+        requests finish on the variant they began on, newcomers wait, and the switch is made between them."""
+        adapt = self.engine.adapt_variant
+        return adapt is not None and adapt.pending is not None
+
+    def _switch(self) -> None:
+        before = self.engine.store
+        self.engine.adapt_variant.apply()  # (says what it did; a refused switch leaves the engine as it was)
+        if self.engine.store is not before:
+            self.scheduler.use(self.engine.model, self.engine.executor)
+            self.metrics.variant_switches.inc()
 
     def _drain(self) -> None:
         while True:

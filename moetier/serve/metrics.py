@@ -27,6 +27,8 @@ class Metrics:
         self.expert_bytes_read = Counter("moetier_expert_read_bytes", "expert bytes read from disk", registry=r)
         self.cache_bytes = Gauge("moetier_expert_cache_bytes", "bytes the expert cache reserved", registry=r)
         self.kv_bytes = Gauge("moetier_kv_cache_bytes", "bytes the KV rows reserved", registry=r)
+        self.variant_switches = Counter("moetier_variant_switches", "switches of merged variant (--adapt --variants)",
+                                        registry=r)
         Gauge("moetier_expert_hit_rate", "hits / needed since start", registry=r).set_function(self.hit_rate)
 
     def hit_rate(self) -> float:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moetier.cache.capacity import cache_capacity
-from moetier.cache.policies import POLICIES, SUFFIX, base_name
+from moetier.cache.policies import LEARNED, POLICIES, SUFFIX, base_name
 from moetier.cache.policies.context import PolicyContext
 from moetier.config import MemoryBudget
 from moetier.errors import MoetierError
@@ -22,6 +22,7 @@ from moetier.plan.route import DECODE
 from moetier.predict import Predictor
 from moetier.sim.fit import fit_hobbit, train_flashmoe, use_counts
 from moetier.sim.replay import replay, trace_policy
+from moetier.sim.sweep import encoder_set_aside
 from moetier.trace.format import Trace
 
 
@@ -51,7 +52,7 @@ def read_budget(budget: str) -> MemoryBudget:
 def budget_slots(budget: str, trace: Trace) -> int:
     """Slots for a share of the experts of the layers the trace covers ("25%", to the nearest expert), or a slot
     count ("96")."""
-    total = len(trace.layers) * trace.num_experts
+    total = len(trace.all_layers) * trace.num_experts
     parsed = read_budget(budget)
     if parsed.kind == "share":  # the nearest: 25% of 60 experts is 15 slots, however the float rounds
         parsed = MemoryBudget("entries", max(1, round(parsed.value * total)))
@@ -77,6 +78,8 @@ def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], p
              train_fraction: float = 0.7, expert_bytes: int | None = None, read_s: float | None = None,
              progress=None, note=None, predictor: Callable[[Trace], Predictor] | None = None) -> list[Record]:
     """`predictor`: makes a fresh predictor for the held-out part (one per replay: some learn as they go)."""
+    trace = encoder_set_aside(trace, predictor is not None or bool(set(map(base_name, policies)) & set(LEARNED)),
+                              note or (lambda _: None))
     train, test = trace.split(train_fraction)
     decoded = int((test.phase == DECODE).sum()) or test.num_tokens
     records, fitted = [], {}
@@ -93,7 +96,7 @@ def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], p
         params = fit_learned(train, slots, fitted, [base_name(p) for p in policies])
         results = {}
         for policy in policies:
-            ctx = PolicyContext(slots, tuple(test.layers), test.num_experts, test.top_k)
+            ctx = PolicyContext(slots, tuple(test.all_layers), test.num_experts, test.top_k)
             result = replay(test, trace_policy(policy, ctx, test, **params.get(base_name(policy), {})), slots,
                             per_layer=partition == "per-layer", predictor=predictor(test) if predictor else None)
             results[policy] = result

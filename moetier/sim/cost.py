@@ -83,6 +83,13 @@ class CostModel:
                                                                             self.shape.num_layers)
                    if layer not in traced) + self.head_s(tokens)
 
+    def encoder_rest_s(self, traced_layers, tokens: int) -> float:
+        """What an encoder-decoder's encoder costs over `tokens` prompt tokens besides the layers a trace covers
+        (its dense layers, and MoE layers run with their experts resident)."""
+        traced = set(traced_layers)
+        return sum(self.resident_layer_s(layer, tokens) for layer in range(self.shape.encoder_layers)
+                   if layer not in traced)
+
     def resident_layer_s(self, layer: int, tokens: int) -> float:
         """A layer with every expert it needs already resident (for layers a partial trace does not cover):
         min(tokens * top_k, num_experts) experts, the tokens spread evenly over them."""
@@ -175,4 +182,7 @@ class FreeCost:
         return 0.0
 
     def rest_of_step_s(self, traced_layers, tokens: int) -> float:
+        return 0.0
+
+    def encoder_rest_s(self, traced_layers, tokens: int) -> float:
         return 0.0

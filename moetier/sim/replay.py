@@ -49,15 +49,30 @@ def topk_scores(topk_ids: np.ndarray, topk_weights: np.ndarray, num_experts: int
     return scores
 
 
+def layer_visits(trace: Trace, rows: np.ndarray, encoder_rows: dict[int, np.ndarray]
+                 ) -> list[tuple[Trace, np.ndarray, int, int]]:
+    """(table, its rows, column, model layer) for each MoE layer a step routes, in order. An encoder-decoder's
+    prefill runs the encoder over its prompts' tokens first (the encoder's rows of the step's sequences), then the
+    decoder's start tokens — one forward step, as the engine runs it."""
+    visits = []
+    if trace.encoder is not None and trace.phase[rows[0]] == PREFILL:
+        tokens = [encoder_rows[s] for s in dict.fromkeys(trace.seq[rows].tolist()) if s in encoder_rows]
+        if tokens:
+            enc_rows = np.concatenate(tokens)
+            visits += [(trace.encoder, enc_rows, j, layer) for j, layer in enumerate(trace.encoder.layers)]
+    return visits + [(trace, rows, j, layer) for j, layer in enumerate(trace.layers)]
+
+
 def next_uses(trace: Trace) -> dict[ExpertKey, list[int]]:
     """For each expert, the times of its uses as the replay visits them — (step - 1) * layers + the layer's
-    position — the future Belady is handed."""
+    position among all the trace's layers (an encoder's first) — the future Belady is handed."""
     uses: dict[ExpertKey, list[int]] = {}
-    num_layers = len(trace.layers)
+    position = {layer: i for i, layer in enumerate(trace.all_layers)}
+    encoder_rows = trace.encoder_rows()
     for index, (_, rows) in enumerate(steps(trace)):
-        for j, layer in enumerate(trace.layers):
-            for e in np.unique(trace.topk_ids[rows, j]).tolist():
-                uses.setdefault(ExpertKey(layer, e), []).append(index * num_layers + j)
+        for table, table_rows, j, layer in layer_visits(trace, rows, encoder_rows):
+            for e in np.unique(table.topk_ids[table_rows, j]).tolist():
+                uses.setdefault(ExpertKey(layer, e), []).append(index * len(position) + position[layer])
     return uses
 
 
@@ -143,10 +158,12 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     the budget in experts at that precision, and the cost model prices each read and compute at its own.
     `substitution`: SMoE's (α None: the paper's for the model's size, from the cost model's shape). `placement`: a
     stage of moetier.plan.placement choosing per missing expert between a read and the profile's host CPU."""
+    if trace.encoder is not None and predictor is not None:
+        raise ValueError("predictors cover a trace's own columns: set its encoder aside (Trace.decoder_only)")
     mixed = mixed or MixedPrecision()
     # a free machine counts experts, not bytes
     entry_bytes = {p: max(1, cost.at(p).expert_bytes) for p in {precision, *mixed.precisions(precision)}}
-    made = setup(mixed, precision, entry_bytes, num_slots * entry_bytes[precision], policy, tuple(trace.layers),
+    made = setup(mixed, precision, entry_bytes, num_slots * entry_bytes[precision], policy, tuple(trace.all_layers),
                  trace.num_experts, trace.top_k, per_layer)
     residency, high = made.residency, made.high
     counts, log = CountingHook(entry_bytes, high if mixed.mixed else None), PlanLog()
@@ -162,7 +179,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     # as the engine starts: a policy's hot set loaded when it is made, then Engine.preload() if asked
     starts = [policy.start_set()]
     if preload:
-        starts.append(ExpertKey(layer, e) for layer in trace.layers for e in range(trace.num_experts))
+        starts.append(ExpertKey(layer, e) for layer in trace.all_layers for e in range(trace.num_experts))
     for keys in starts:
         for key, _ in residency.admit_while_room(keys, high):
             residency.landed(key)
@@ -170,6 +187,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     all_steps = list(steps(trace))
     keep = {i % len(all_steps) for i in timeline_steps} if all_steps else set()
     result = SimResult(counts=counts)
+    encoder_rows = trace.encoder_rows()
     seq = None
     for index, (phase, rows) in enumerate(all_steps):
         if trace.seq[rows[0]] != seq:  # the engine starts a sequence with each generate call
@@ -177,14 +195,17 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
             layer_step.on_sequence_start()
         layer_step.begin_step(phase)
         start, loads_before = executor.now, counts.phases[phase].bytes_read
-        for j, layer in enumerate(trace.layers):
-            gate_input = trace.gate_inputs[rows, j] if trace.gate_inputs is not None else None
-            plan, timeline = executor.layer(trace_route(trace, rows, j, layer, layer_step.step), len(rows), gate_input)
+        for table, table_rows, j, layer in layer_visits(trace, rows, encoder_rows):
+            if table is not trace and j == 0:  # the encoder's layers the trace does not cover run resident
+                executor.idle(cost.encoder_rest_s(table.layers, len(table_rows)))
+            gate_input = table.gate_inputs[table_rows, j] if table.gate_inputs is not None else None
+            plan, timeline = executor.layer(trace_route(table, table_rows, j, layer, layer_step.step), len(table_rows),
+                                            gate_input)
             result.miss_penalty_s += sum(executor.cost_at(ld.precision).read_s(ExpertKey(layer, ld.expert))
                                          for ld in plan.loads)
             if index in keep:
                 result.timelines.setdefault(index, []).append(timeline)
-        executor.idle(cost.rest_of_step_s(trace.layers, len(rows)))  # untraced layers, the head
+        executor.idle(cost.rest_of_step_s(trace.layers, len(rows)))  # untraced decoder layers, the head
         result.step_phase.append(phase)
         result.step_tokens.append(len(rows))
         result.step_time_s.append(executor.now - start)

@@ -46,13 +46,13 @@ class ModelShape:
     num_experts: int
     top_k: int
     moe_intermediate_size: int
-    attention_params: int  # per layer
+    attention_params: int  # per layer (an encoder-decoder's: a decoder layer's, self- and cross-attention)
     kv_per_token: int  # key and value elements cached per token per layer (what attention reads back)
     vocab_size: int
     expert_matrices: int = 3  # per MLP, experts and dense alike: 3 gated SwiGLU; 2 plain (Switch's ReLU)
     expert_bias_params: int = 0  # an expert's biases (gpt-oss: gate, up and down)
-    encoder_layers: int = 0  # an encoder-decoder's first layers, the encoder's: they run once per prompt, not per
-    # decoded token
+    encoder_layers: int = 0  # an encoder-decoder's first layers, the encoder's: they run over the prompt's tokens
+    # once, not per decoded token, and have self-attention only (half a decoder layer's attention_params)
     shared_expert_intermediate_size: int = 0
     dense_intermediate_size: int = 0  # the MLP of the layers without experts
     precision: str = "bf16"  # the published checkpoint's
@@ -87,7 +87,8 @@ class ModelShape:
         mlp = self.expert_matrices * self.hidden_size * (self.shared_expert_intermediate_size
                                                          if layer in self.moe_layers else self.dense_intermediate_size)
         router = self.hidden_size * self.num_experts if layer in self.moe_layers else 0
-        return self.attention_params + mlp + router
+        attention = self.attention_params // 2 if layer < self.encoder_layers else self.attention_params
+        return attention + mlp + router
 
     @property
     def head_params(self) -> int:
@@ -145,11 +146,12 @@ def _deepseek(name: str, repo: str, layers: int, vocab: int, dense_intermediate:
 
 
 def _switch(experts: int) -> ModelShape:
-    """Switch-Base-N decoding: the 12 decoder layers, every other one sparse (top-1 of N plain ReLU MLPs of
-    3072), self- and cross-attention in each; fp32 checkpoints."""
-    return ModelShape(f"switch-base-{experts}", 768, 12, tuple(range(1, 12, 2)), experts, 1, 3072,
+    """Switch-Base-N: T5's 12 encoder and 12 decoder layers (numbered on, as a store numbers them), every other one
+    sparse in each stack (top-1 of N plain ReLU MLPs of 3072); a decoder layer has self- and cross-attention, an
+    encoder layer self-attention; one embedding table, tied to the head; fp32 checkpoints."""
+    return ModelShape(f"switch-base-{experts}", 768, 24, (*range(1, 12, 2), *range(13, 24, 2)), experts, 1, 3072,
                       attention_params=2 * gqa_params(768, 12, 12, 64), kv_per_token=2 * 2 * 768,
-                      vocab_size=32128, expert_matrices=2, dense_intermediate_size=3072,
+                      vocab_size=32128, expert_matrices=2, encoder_layers=12, dense_intermediate_size=3072,
                       precision="fp32", source=_hf(f"google/switch-base-{experts}"))
 
 

@@ -18,6 +18,16 @@ from moetier.sim.shapes import ModelShape, bytes_per_param
 from moetier.trace.format import Trace
 
 
+def encoder_set_aside(trace: Trace, learned_or_predicted: bool, say: Callable[[str], None]) -> Trace:
+    """Learned policies and predictors are fitted on a trace's own columns, the decoder's: with either, an
+    encoder-decoder's encoder routing is left out of the replay (and that is said)."""
+    if trace.encoder is None or not learned_or_predicted:
+        return trace
+    say(f"note: the encoder's routing (layers {trace.encoder.layers}) is set aside: learned policies and predictors "
+        f"cover the decoder's layers")
+    return trace.decoder_only()
+
+
 def check_fits(trace: Trace, shape: ModelShape) -> None:
     """A trace can drive a shape only if its experts, top-k and layers are the shape's."""
     if (trace.num_experts, trace.top_k) != (shape.num_experts, shape.top_k):
@@ -25,7 +35,7 @@ def check_fits(trace: Trace, shape: ModelShape) -> None:
                            f"{shape.name} has top-{shape.top_k} of {shape.num_experts}",
                            hint="pick the shape the trace was recorded on (--model-shape), or synthesise a trace "
                                 "for this shape with `moetier trace synth --model-shape`")
-    outside = sorted(set(trace.layers) - set(shape.moe_layers))
+    outside = sorted(set(trace.all_layers) - set(shape.moe_layers))
     if outside:
         raise MoetierError(f"the trace has routing for layers {outside}, which are not MoE layers of {shape.name}")
 
@@ -33,7 +43,7 @@ def check_fits(trace: Trace, shape: ModelShape) -> None:
 def budget_slots(budget: str, trace: Trace, cost: CostModel) -> int:
     """Expert slots for a budget on the profile's fast tier, which also holds the dense weights; a share is of the
     experts of the layers the trace covers (DESIGN)."""
-    total = len(trace.layers) * trace.num_experts * cost.expert_bytes
+    total = len(trace.all_layers) * trace.num_experts * cost.expert_bytes
     dense = sum(cost.shape.dense_params(layer) for layer in range(cost.shape.num_layers)) + cost.shape.head_params
     fits = max(0, cost.profile.fast_tier_bytes - int(dense * bytes_per_param(cost.shape.precision)))
     room = f"the fast tier of {cost.profile.name} holds {format_bytes(fits)} after the dense weights"
@@ -63,7 +73,7 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
     """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor, which the
     `prefetch` stage and the policy hear. `placement`, `substitution`: as `simulate`'s."""
     slots = budget_slots(budget, trace, cost)
-    ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
+    ctx = PolicyContext(slots, tuple(trace.all_layers), trace.num_experts, trace.top_k)
     if substitution is not None:
         substitution = substitution.resolved(cost.shape.total_expert_params)
     result = simulate(trace, trace_policy(policy, ctx, trace, model_dir), slots, cost, cost.precision, preload,

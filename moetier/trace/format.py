@@ -7,6 +7,10 @@ DIR/
   topk_ids.npy [N, L, k] int16, topk_weights.npy [N, L, k] float16
   scores.npy [N, L, E] float16            optional: full router scores
   gate_inputs.npy [N, L, H] float16       optional: the router's input, for training predictors
+  encoder/                                optional, an encoder-decoder's: the encoder's routing of the prompts, a
+                                          trace of its own (one row per prompt token, phase 0, `seq` the sequence
+                                          whose prompt it encodes, `pos` the token's place in it, `layers` the
+                                          encoder's MoE layers, all before the decoder's)
 """
 
 from __future__ import annotations
@@ -54,8 +58,10 @@ class Trace:
     prompts: list[str] = field(default_factory=list)
     synthetic: bool = False
     notes: list[str] = field(default_factory=list)
+    encoder: Trace | None = None  # an encoder-decoder's encoder routing (module docstring)
 
     def __post_init__(self) -> None:
+        self._check_encoder()
         n = len(self.seq)
         kinds = {"seq": "iu", "pos": "iu", "phase": "iu", "topk_ids": "iu", "topk_weights": "fiu"}
         for name, allowed in kinds.items():
@@ -70,16 +76,46 @@ class Trace:
             raise TraceError(f"layers {self.layers} fall outside the model's {self.num_layers} layers")
         if len(self.pos) != n or len(self.phase) != n or self.topk_weights.shape != self.topk_ids.shape:
             raise TraceError("seq, pos, phase and topk_weights must have one row per token step like topk_ids")
-        if n and (self.topk_ids.min() < 0 or self.topk_ids.max() >= self.num_experts):
+        if self.topk_ids.size and (self.topk_ids.min() < 0 or self.topk_ids.max() >= self.num_experts):
             bad = int(self.topk_ids.max())
             raise TraceError(f"expert id {bad} exceeds the model shape ({self.num_experts} experts per layer)",
                              hint="give the right number of experts for this model")
         if self.scores is not None and self.scores.shape != (n, cols, self.num_experts):
             raise TraceError(f"scores must be [N, L, E] = {(n, cols, self.num_experts)}, got {self.scores.shape}")
 
+    def _check_encoder(self) -> None:
+        enc = self.encoder
+        if enc is None:
+            return
+        if (enc.num_layers, enc.num_experts, enc.top_k) != (self.num_layers, self.num_experts, self.top_k):
+            raise TraceError("the encoder's routing must have the decoder's layers, experts and top-k")
+        if enc.encoder is not None or (len(enc.phase) and enc.phase.max() != PREFILL):
+            raise TraceError("the encoder's routing is one prefill row per prompt token, with no encoder of its own")
+        if self.layers and enc.layers and max(enc.layers) >= min(self.layers):
+            raise TraceError(f"the encoder's layers {enc.layers} must come before the decoder's {self.layers}")
+
     @property
     def num_tokens(self) -> int:
         return len(self.seq)
+
+    @property
+    def all_layers(self) -> list[int]:
+        """Every MoE layer the trace routes: the encoder's (if it has them), then its own columns'."""
+        return [*(self.encoder.layers if self.encoder is not None else ()), *self.layers]
+
+    def decoder_only(self) -> Trace:
+        """The trace without its encoder's routing (itself if it has none)."""
+        if self.encoder is None:
+            return self
+        return dataclasses.replace(self, encoder=None, notes=[*self.notes, "the encoder's routing set aside"])
+
+    def encoder_rows(self) -> dict[int, np.ndarray]:
+        """For each sequence, the encoder's rows of its prompt (empty without an encoder)."""
+        if self.encoder is None:
+            return {}
+        order = np.argsort(self.encoder.seq, kind="stable")
+        seqs, starts = np.unique(self.encoder.seq[order], return_index=True)
+        return {int(s): rows for s, rows in zip(seqs, np.split(order, starts[1:]))}
 
     def split(self, fraction: float) -> tuple[Trace, Trace]:
         """The first `fraction` of the token steps and the rest, cut where a step starts (a prompt's prefill
@@ -101,7 +137,19 @@ class Trace:
         return dataclasses.replace(self, seq=self.seq[index], pos=self.pos[index], phase=self.phase[index],
                                    topk_ids=self.topk_ids[index], topk_weights=self.topk_weights[index],
                                    scores=pick(self.scores), gate_inputs=pick(self.gate_inputs),
-                                   notes=[*self.notes, f"token steps {start}..{stop - 1} of {self.num_tokens}"])
+                                   notes=[*self.notes, f"token steps {start}..{stop - 1} of {self.num_tokens}"],
+                                   encoder=self._encoder_of(self.seq[index][self.phase[index] == PREFILL]))
+
+    def _encoder_of(self, seqs: np.ndarray) -> Trace | None:
+        """The encoder's rows of the prompts of `seqs` (the sequences whose prefill a part of the trace holds)."""
+        if self.encoder is None:
+            return None
+        keep = np.flatnonzero(np.isin(self.encoder.seq, seqs))
+        enc = self.encoder
+        pick = lambda a: None if a is None else a[keep]  # noqa: E731
+        return dataclasses.replace(enc, seq=enc.seq[keep], pos=enc.pos[keep], phase=enc.phase[keep],
+                                   topk_ids=enc.topk_ids[keep], topk_weights=enc.topk_weights[keep],
+                                   scores=pick(enc.scores), gate_inputs=pick(enc.gate_inputs))
 
     @property
     def partial(self) -> bool:
@@ -113,22 +161,33 @@ class Trace:
                 "missing_layers": [i for i in range(self.num_layers) if i not in self.layers],
                 "num_tokens": self.num_tokens, "source": self.source, "prompts": self.prompts,
                 "synthetic": self.synthetic, "has_scores": self.scores is not None,
-                "has_gate_inputs": self.gate_inputs is not None, "notes": self.notes}
+                "has_gate_inputs": self.gate_inputs is not None, "notes": self.notes,
+                "encoder": None if self.encoder is None else {"layers": self.encoder.layers,
+                                                              "num_tokens": self.encoder.num_tokens}}
 
     def save(self, out: Path | str, overwrite: bool = False, sources: tuple[Path | str, ...] = ()) -> Path:
         """Write the trace folder atomically. `overwrite` replaces an existing trace (only a trace: any other
         folder is refused), never one of `sources`."""
         check_replaceable(out, "trace", is_trace, overwrite, sources)
-        arrays = [getattr(self, name) for name in {**ARRAYS, **OPTIONAL}]
-        check_free_space(out, sum(np.asarray(a).nbytes for a in arrays if a is not None) + (64 << 10) +
-                         len(json.dumps(self.meta())), f"the trace {Path(out).name}")
+        check_free_space(out, self._nbytes() + (64 << 10) + len(json.dumps(self.meta())), f"the trace {Path(out).name}")
         with atomic_dir(out) as tmp:
-            for name, dtype in {**ARRAYS, **OPTIONAL}.items():
-                value = getattr(self, name)
-                if value is not None:
-                    np.save(tmp / f"{name}.npy", np.asarray(value, dtype=dtype))
-            (tmp / "meta.json").write_text(json.dumps(self.meta(), indent=1))
+            self._write(tmp)
         return Path(out)
+
+    def _nbytes(self) -> int:
+        arrays = [getattr(self, name) for name in {**ARRAYS, **OPTIONAL}]
+        own = sum(np.asarray(a).nbytes for a in arrays if a is not None)
+        return own + (self.encoder._nbytes() if self.encoder is not None else 0)
+
+    def _write(self, folder: Path) -> None:
+        for name, dtype in {**ARRAYS, **OPTIONAL}.items():
+            value = getattr(self, name)
+            if value is not None:
+                np.save(folder / f"{name}.npy", np.asarray(value, dtype=dtype))
+        if self.encoder is not None:
+            (folder / "encoder").mkdir()
+            self.encoder._write(folder / "encoder")
+        (folder / "meta.json").write_text(json.dumps(self.meta(), indent=1))
 
     @classmethod
     def load(cls, path: Path | str) -> Trace:
@@ -150,8 +209,9 @@ class Trace:
                 arrays[name] = _load_array(f)
             elif name in ARRAYS:
                 raise TraceError(f"trace {path} is missing {name}.npy")
+        encoder = cls.load(path / "encoder") if meta.get("encoder") else None
         with parsing(str(path / "meta.json"), TraceError):
-            return cls(model=str(meta["model"]), num_layers=integer(meta["num_layers"], "num_layers", 1),
+            return cls(encoder=encoder, model=str(meta["model"]), num_layers=integer(meta["num_layers"], "num_layers", 1),
                        num_experts=integer(meta["num_experts"], "num_experts", 1),
                        top_k=integer(meta["top_k"], "top_k", 1),
                        layers=[integer(x, "layer", 0) for x in meta["layers"]], source=str(meta.get("source", "")),

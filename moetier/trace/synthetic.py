@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from moetier.plan.route import DECODE
+from moetier.plan.route import DECODE, PREFILL
 from moetier.trace.format import Trace
 from moetier.trace.stats import popularity, reuse_next
 
@@ -36,6 +36,22 @@ def _popularity(num_experts: int, s: float, rng: np.random.Generator) -> np.ndar
     return rng.permutation(p / p.sum())
 
 
+def _stream(pop: np.ndarray, p_keep: float, top_k: int, tokens: int, rng: np.random.Generator) -> np.ndarray:
+    """One layer's routing of `tokens` consecutive tokens [T, k]: each slot keeps one of the previous token's
+    experts with chance p_keep, the rest drawn by popularity."""
+    num_experts = len(pop)
+    ids = np.zeros((tokens, top_k), np.int16)
+    prev: list[int] = []
+    for t in range(tokens):
+        keep = min(len(prev), int((rng.random(top_k) < p_keep).sum()))
+        chosen = list(rng.choice(prev, keep, replace=False)) if keep else []
+        rest = pop.copy()
+        rest[chosen] = 0
+        chosen += list(rng.choice(num_experts, top_k - keep, replace=False, p=rest / rest.sum()))
+        ids[t] = prev = chosen
+    return ids
+
+
 def generate(fit: LocalityFit, num_layers: int, num_experts: int, top_k: int, tokens: int,
              seed: int = 0, model: str = "synthetic", layers: list[int] | None = None) -> Trace:
     """`layers`: the model's MoE layers (default all of them)."""
@@ -43,20 +59,41 @@ def generate(fit: LocalityFit, num_layers: int, num_experts: int, top_k: int, to
     rng = np.random.default_rng(seed)
     ids = np.zeros((tokens, len(layers), top_k), np.int16)
     for layer in range(len(layers)):
-        pop = _popularity(num_experts, fit.zipf_s, rng)
-        prev: list[int] = []
-        for t in range(tokens):
-            keep = min(len(prev), int((rng.random(top_k) < fit.p_keep).sum()))
-            chosen = list(rng.choice(prev, keep, replace=False)) if keep else []
-            rest = pop.copy()
-            rest[chosen] = 0
-            chosen += list(rng.choice(num_experts, top_k - keep, replace=False, p=rest / rest.sum()))
-            ids[t, layer] = prev = chosen
+        ids[:, layer] = _stream(_popularity(num_experts, fit.zipf_s, rng), fit.p_keep, top_k, tokens, rng)
     weights = np.full(ids.shape, 1.0 / top_k, np.float16)
     return Trace(model, num_layers, num_experts, top_k, layers, np.zeros(tokens, np.int32),
                  np.arange(tokens, dtype=np.int32), np.full(tokens, DECODE, np.uint8), ids, weights,
                  source=f"synthetic, fitted to {fit.source}", synthetic=True,
                  notes=[f"synthetic: {asdict(fit)}; weights are uniform (1/k); one stream of tokens"])
+
+
+def generate_seq2seq(fit: LocalityFit, num_layers: int, num_experts: int, top_k: int, encoder_layers: int,
+                     layers: list[int], sequences: int, prompt_tokens: int, new_tokens: int, seed: int = 0,
+                     model: str = "synthetic") -> Trace:
+    """An encoder-decoder's: `sequences` prompts of `prompt_tokens` each through the encoder's MoE layers (those of
+    `layers` below `encoder_layers`), and `new_tokens` decoder tokens each (the start token's prefill, then decode
+    steps) through the decoder's. Each layer keeps one popularity across the sequences (one model); locality runs
+    within a prompt and within a generation."""
+    rng = np.random.default_rng(seed)
+    encoder = [layer for layer in layers if layer < encoder_layers]
+    decoder = [layer for layer in layers if layer >= encoder_layers]
+    pops = {layer: _popularity(num_experts, fit.zipf_s, rng) for layer in layers}
+
+    def table(stack: list[int], tokens: int, phase: np.ndarray, note: str, encoder_trace: Trace | None = None) -> Trace:
+        ids = np.stack([np.concatenate([_stream(pops[layer], fit.p_keep, top_k, tokens, rng)
+                                        for _ in range(sequences)]) for layer in stack], axis=1).reshape(
+            sequences * tokens, len(stack), top_k)
+        return Trace(model, num_layers, num_experts, top_k, stack, np.repeat(np.arange(sequences, dtype=np.int32),
+                                                                              tokens),
+                     np.tile(np.arange(tokens, dtype=np.int32), sequences), np.tile(phase, sequences), ids,
+                     np.full(ids.shape, 1.0 / top_k, np.float16), source=f"synthetic, fitted to {fit.source}",
+                     synthetic=True, notes=[note], encoder=encoder_trace)
+
+    enc = table(encoder, prompt_tokens, np.full(prompt_tokens, PREFILL, np.uint8),
+                f"synthetic encoder: {sequences} prompts of {prompt_tokens} tokens") if encoder else None
+    phases = np.array([PREFILL] + [DECODE] * (new_tokens - 1), np.uint8)
+    return table(decoder, new_tokens, phases, f"synthetic encoder-decoder: {asdict(fit)}; weights are uniform "
+                 f"(1/k); {sequences} sequences of {prompt_tokens} prompt and {new_tokens} new tokens", enc)
 
 
 def fit_locality(trace: Trace, tokens: int = 1500, seed: int = 0) -> LocalityFit:

@@ -63,7 +63,8 @@ def run_both(tiny_store, family, slots, policy, partition="global"):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("family,slots", [("olmoe", 2), ("olmoe", 5), ("qwen2_moe", 3), ("mixtral", 9)])
+@pytest.mark.parametrize("family,slots", [("olmoe", 2), ("olmoe", 5), ("qwen2_moe", 3), ("mixtral", 9),
+                                         ("switch_transformers", 6)])
 def test_engine_and_replay_agree_hit_for_hit(tiny_store, family, slots, policy):
     store, result = run_both(tiny_store, family, slots, policy)
     assert result.hits < result.needed  # the budget made misses...

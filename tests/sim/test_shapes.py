@@ -24,8 +24,17 @@ def test_parameter_counts_match_the_published_totals(name, billions):
 
 def test_switch_experts_are_plain_two_matrix_mlps_in_fp32():
     s = SHAPES["switch-base-128"]
-    assert (s.expert_params, s.top_k, s.moe_layers) == (2 * 768 * 3072, 1, (1, 3, 5, 7, 9, 11))
+    assert (s.expert_params, s.top_k, s.encoder_layers) == (2 * 768 * 3072, 1, 12)
+    assert s.moe_layers == (1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23)  # the encoder's, then the decoder's
     assert s.expert_bytes() == 2 * 768 * 3072 * 4  # already 4096-aligned
+    assert s.dense_params(0) == 4 * 768 * 768 + 2 * 768 * 3072  # an encoder layer: self-attention only
+    assert s.dense_params(12) == 8 * 768 * 768 + 2 * 768 * 3072  # a decoder layer: self- and cross-attention
+
+
+@pytest.mark.parametrize("experts, billions", [(8, 0.62), (32, 1.98), (64, 3.8), (128, 7.4), (256, 14.7)])
+def test_switch_totals_count_encoder_and_decoder(experts, billions):
+    """As the model cards and CoMoE §V-A state them (CoMoE's 15.8 B for -256 is not the checkpoint's 14.7 B)."""
+    assert total_params(SHAPES[f"switch-base-{experts}"], tied=True) / 1e9 == pytest.approx(billions, rel=0.02)
 
 
 def test_expert_bytes_follow_the_precision_and_the_store_alignment():

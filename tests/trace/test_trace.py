@@ -171,7 +171,8 @@ def test_synthetic_trace_reproduces_the_fitted_locality(tmp_path, capsys):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "phimoe", "switch_transformers"])
 def test_recorder_on_the_new_families(tiny_store, tmp_path, family):
-    """Every family records: decoder-only ones a row per token; Switch a row per decoder token."""
+    """Every family records: decoder-only ones a row per token; Switch a row per decoder token, and its encoder a
+    row per prompt token."""
     from moetier import Engine
     from moetier.trace.record import TraceRecorder
 
@@ -188,5 +189,15 @@ def test_recorder_on_the_new_families(tiny_store, tmp_path, family):
         assert trace.layers == [layer for layer in spec.moe_layers if layer >= enc] and trace.partial
         assert trace.seq.tolist() == [0, 1] + [0, 1] * 3 and trace.pos.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
         assert any("encoder" in note for note in trace.notes)
+        encoder = trace.encoder  # the prompts' tokens through the encoder's MoE layers
+        assert encoder.layers == [layer for layer in spec.moe_layers if layer < enc]
+        assert encoder.seq.tolist() == [0] * 5 + [1] * 3 and encoder.pos.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+        assert trace.all_layers == list(spec.moe_layers) and (encoder.phase == 0).all()
     trace.save(tmp_path / "t")
-    assert Trace.load(tmp_path / "t").topk_ids.shape == trace.topk_ids.shape
+    loaded = Trace.load(tmp_path / "t")
+    assert loaded.topk_ids.shape == trace.topk_ids.shape
+    if trace.encoder is not None:
+        assert (loaded.encoder.topk_ids == trace.encoder.topk_ids).all() and loaded.encoder.layers == encoder.layers
+        first, rest = loaded.split(0.5)  # each part keeps the encoder's rows of the prompts it prefills
+        assert first.encoder.seq.tolist() == [0] * 5 + [1] * 3 and rest.encoder.num_tokens == 0
+        assert loaded.decoder_only().encoder is None
