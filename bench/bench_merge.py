@@ -34,13 +34,14 @@ from bench.common import OUT, cpu_description, model_panels  # noqa: E402
 BYTES_TARGET, PPL_TARGET = 0.5, 0.05
 
 
-def quality(models: list[str], alphas: list[float], out: Path) -> list[dict]:
+def quality(models: list[str], alphas: list[float], out: Path, refit: str = "down") -> list[dict]:
+    """`refit`: how each merged expert is fitted to its group's outputs (`moetier merge --refit`)."""
     rows = []
     for model in models:
         for alpha in alphas:
-            folder = out / f"{model}-alpha-{alpha:g}"
+            folder = out / f"{model}-alpha-{alpha:g}-refit-{refit}"
             subprocess.run([sys.executable, "-m", "moetier.cli", "merge", "--model", model, "--library", "--alpha",
-                            str(alpha), "--out", str(folder), "--force"], check=True)
+                            str(alpha), "--out", str(folder), "--force", "--refit", refit], check=True)
             library = json.loads((folder / "library.json").read_text())
             original = library["variants"][0]["expert_bytes"]
             for v in library["variants"]:
@@ -137,6 +138,8 @@ def main() -> None:
     ap.add_argument("--policy", default="lru", help="--speed: both runs' eviction policy")
     ap.add_argument("--window", type=int, default=64, help="--speed: tokens per window of held-out text")
     ap.add_argument("--windows", type=int, default=2, help="--speed: windows per text")
+    ap.add_argument("--refit", choices=["none", "down", "all"], default="down",
+                    help="quality: `moetier merge --refit` (docs/merging.md)")
     ap.add_argument("--out", type=Path, default=OUT / "merge")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -152,13 +155,14 @@ def main() -> None:
              "runs": rows,
              "ratios": ratios}, indent=1))
         return
-    rows = quality(args.models.split(","), [float(a) for a in args.alphas.split(",")], args.out)
+    rows = quality(args.models.split(","), [float(a) for a in args.alphas.split(",")], args.out, args.refit)
     table = quality_table(rows)
     print(table)
     print(verdict(rows))
-    (args.out / "merge_quality.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    (args.out / "merge_quality.md").write_text(table + "\n\n" + verdict(rows) + "\n")
-    plot_quality(rows, args.out / "merge_quality.png")
+    name = f"merge_quality_refit_{args.refit}"
+    (args.out / f"{name}.json").write_text(json.dumps({**meta, "refit": args.refit, "rows": rows}, indent=1))
+    (args.out / f"{name}.md").write_text(table + "\n\n" + verdict(rows) + "\n")
+    plot_quality(rows, args.out / f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def _merge(args: argparse.Namespace) -> None:
     check_engine_args(args)
     if args.library:
         return _library(args)
-    settings = MergeSettings(retention(args), args.alpha, args.threshold, args.align, args.members)  # refused first
+    settings = MergeSettings(retention(args), args.alpha, args.threshold, args.align, args.members, args.refit)  # refused first
     text, what = calibration_text(args)
     source = source_model(args, [Path(args.out)])
     report = _write(source, Path(args.out), calibrate(args, text, what), settings, what, args.force)
@@ -118,7 +118,7 @@ def _library(args: argparse.Namespace) -> None:
         raise MoetierError("--library builds the paper's six variants", hint="drop --ratio, --adaptive, --threshold")
     folder = Path(args.out)
     variants = paper_variants(args.min_experts)
-    MergeSettings(variants["fixed-light"], args.alpha, None, args.align, args.members)  # refuses bad values first
+    MergeSettings(variants["fixed-light"], args.alpha, None, args.align, args.members, args.refit)  # refuses bad values first
     if (folder / FILE).exists():
         Library.load(folder)  # a library.json that is not one (someone else's file) is refused, not replaced
     sources = texts(args.text)  # the held-out texts to score on
@@ -126,7 +126,7 @@ def _library(args: argparse.Namespace) -> None:
     source = source_model(args, [folder / name for name in variants])
     trace = calibrate(args, text, what)
     for name, retention in variants.items():
-        _write(source, folder / name, trace, MergeSettings(retention, args.alpha, None, args.align, args.members),
+        _write(source, folder / name, trace, MergeSettings(retention, args.alpha, None, args.align, args.members, args.refit),
                what, args.force)
     library = score_library(args, source, folder, list(variants), sources)
     print(library_table(library))
@@ -232,8 +232,13 @@ def add_parser(sub) -> None:
     m.add_argument("--members", choices=["average", "principal"], default="average",
                    help="a merged expert's weights: its group averaged by frequency (Eq. 30), or the principal's own "
                         "(a baseline: the others pruned, their tokens sent to it)")
+    m.add_argument("--refit", choices=["none", "down", "all"], default="down",
+                   help="then fit each merged expert to its group's outputs on the calibration tokens: down (default) "
+                        "its down projection by least squares; all: then every weight by gradient steps (seconds "
+                        "for the demo models, hours for large experts on a CPU); none: Eq. 30's average alone")
     m.add_argument("--calibration", help="a text file to calibrate on (default: the demo models' training text)")
-    m.add_argument("--calibration-tokens", type=count(WINDOW), default=2048, help="tokens of it to route")
+    m.add_argument("--calibration-tokens", type=count(WINDOW), default=8192,
+                   help="tokens of it to route (the refit gains from more: docs/merging.md)")
     m.add_argument("--text", action="append", metavar="NAME=FILE",
                    help="with --library: held-out text to score on (default: the demo models' prose and code)")
     m.add_argument("--windows", type=count(), default=8, help="with --library: windows scored per text")

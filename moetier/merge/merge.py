@@ -33,6 +33,7 @@ from tqdm import tqdm
 from moetier.atomic import check_replaceable
 from moetier.errors import MoetierError
 from moetier.merge.plan import LayerMerge, Retention, combined_similarity, plan_layer
+from moetier.merge.refit import REFITS, group_tokens, refit_expert
 from moetier.merge.similarity import expert_output, functional_similarity, parameter_similarity
 from moetier.store.format import Manifest, is_store
 from moetier.store.store import Store
@@ -52,8 +53,11 @@ class MergeSettings:
     threshold: float | None = None  # θ_act: principals by frequency instead of by count
     align: bool = True  # permute each member's hidden units to its principal's before averaging
     members: str = "average"  # Eq. 30; "principal": the principal's own weights (a baseline: pruning, rerouted)
+    refit: str = "down"  # then fit each merged expert to its group's outputs: one of REFITS (moetier/merge/refit.py)
 
     def __post_init__(self) -> None:
+        if self.refit not in REFITS:
+            raise MoetierError(f"--refit must be one of {', '.join(REFITS)}, got {self.refit!r}")
         if self.members not in MEMBERS:
             raise MoetierError(f"--members must be one of {', '.join(MEMBERS)}, got {self.members!r}")
         if not 0 <= self.alpha <= 1:
@@ -162,6 +166,15 @@ def averaged(experts: dict[int, dict[str, torch.Tensor]], frequency: tuple[float
     return out
 
 
+def _refitted(kind: str, expert: dict[str, torch.Tensor], src: Store, layer: int, column: int, group: list[int],
+              trace: Trace) -> dict[str, torch.Tensor]:
+    """`expert` (its group's merge) fitted to the group's outputs on the trace's tokens as `kind` says."""
+    rows, shares = group_tokens(trace.topk_ids[:, column], trace.topk_weights[:, column], sorted(group))
+    x = torch.from_numpy(trace.gate_inputs[rows, column].astype(np.float32))  # [N, H]
+    members = {e: src.read_expert(layer, e) for e in group}  # as stored: outputs do not depend on unit order
+    return refit_expert(kind, expert, members, x, shares, src.spec.activation)
+
+
 def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: MergeSettings, overwrite: bool = False,
                 progress: bool = True, calibration: str = "") -> MergeReport:
     """Write `source` with each MoE layer's experts merged by `settings` into a new store at `out` (atomic: nothing
@@ -179,7 +192,7 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
     config = dict(m.config, moetier_merged={
         "groups": [list(x.group_of) for x in merges], "from": str(src.path.resolve()),
         "method": settings.retention.name, "alpha": settings.alpha, "threshold": settings.threshold,
-        "aligned": align, "members": settings.members,
+        "aligned": align, "members": settings.members, "refit": settings.refit,
         "calibration": calibration, "calibration_tokens": int(trace.num_tokens), "kept": list(kept)})
     with StoreWriter(out, overwrite, (src.path,), store_bytes(src.dense_bytes, sum(kept), layout.blob_bytes, files)) \
             as writer, tqdm(total=sum(kept), unit="expert", desc=f"merge {out.name}", disable=not progress) as bar:
@@ -187,13 +200,16 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
         for name in m.tokenizer_files:
             (writer.tmp / name).write_bytes(src.read_file(name))  # verified against the source's checksums
             writer.add_file(name)
-        for layer, merge in zip(spec.moe_layers, merges):
+        for column, (layer, merge) in enumerate(zip(spec.moe_layers, merges)):
             for p in merge.principals:
                 ids = merge.members(p) if settings.members == "average" else [p]
                 members = {e: src.read_expert(layer, e) for e in ids}
                 if align:
                     members = {e: w if e == p else aligned(w, members[p]) for e, w in members.items()}
-                writer.add_expert(layer, p, layout, averaged(members, merge.frequency))
+                expert = averaged(members, merge.frequency)
+                if settings.refit != "none" and len(merge.members(p)) > 1:
+                    expert = _refitted(settings.refit, expert, src, layer, column, merge.members(p), trace)
+                writer.add_expert(layer, p, layout, expert)
                 bar.update()
         manifest = Manifest(family=m.family, config=config, precisions={layout.name: layout},
                             native_precision=layout.name, blobs=tuple(writer.blobs), source="",

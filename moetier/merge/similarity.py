@@ -32,14 +32,19 @@ def parameter_similarity(chunks: Iterable[torch.Tensor]) -> torch.Tensor:
     return gram / (norms[:, None] * norms[None, :])
 
 
-def expert_output(tensors: dict[str, torch.Tensor], x: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
-    """One expert on tokens x [N, H] in fp32: down(silu(gate x) * up x) for SwiGLU experts (gate_up_proj [2I, H]),
-    down(relu(up x)) for ReLU ones (Switch's up_proj [I, H])."""
-    down, x = tensors["down_proj"].float(), x.float()
+def expert_hidden(tensors: dict[str, torch.Tensor], x: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
+    """An expert's hidden units on tokens x [N, H] -> [N, I] in fp32: silu(gate x) * up x for SwiGLU experts
+    (gate_up_proj [2I, H]), relu(up x) for ReLU ones (Switch's up_proj [I, H])."""
+    x = x.float()
     if activation == "relu":
-        return F.relu(x @ tensors["up_proj"].float().T) @ down.T
+        return F.relu(x @ tensors["up_proj"].float().T)
     g, u = (x @ tensors["gate_up_proj"].float().T).chunk(2, dim=-1)  # [N, I] each
-    return (F.silu(g) * u) @ down.T
+    return F.silu(g) * u
+
+
+def expert_output(tensors: dict[str, torch.Tensor], x: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
+    """One expert on tokens x [N, H] in fp32: down(hidden(x)) [N, H]."""
+    return expert_hidden(tensors, x, activation) @ tensors["down_proj"].float().T
 
 
 def functional_similarity(outputs: torch.Tensor) -> torch.Tensor:

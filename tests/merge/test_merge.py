@@ -175,8 +175,8 @@ def test_alignment_changes_nothing_an_expert_computes_and_principal_members_keep
     shuffled = permuted(a, torch.randperm(a["down_proj"].shape[1], generator=torch.Generator().manual_seed(1)))
     for name, t in aligned(shuffled, a).items():  # a unit order undone: matched back exactly
         torch.testing.assert_close(t, a[name], rtol=0, atol=0)
-    report = merge_store(store, tmp_path / "p", calibration(store), MergeSettings(FixedRatio(0.5),
-                                                                                members="principal"), progress=False)
+    report = merge_store(store, tmp_path / "p", calibration(store), MergeSettings(FixedRatio(0.5), members="principal",
+                                                                                refit="none"), progress=False)
     out = Store(report.path)
     for layer in out.spec.moe_layers:
         for p in out.spec.experts_of(layer):
@@ -296,3 +296,65 @@ def test_switching_refuses_what_it_is_not_built_for(merged, tmp_path):
         library = Library(str(report.path), (Variant("fixed-medium", str(report.path), 1, (4, 4)),))
         with pytest.raises(MoetierError, match="is not in the library"):
             AdaptVariant(engine, library, lambda: MemoryView(1, "host"))
+
+
+def test_the_server_switches_variant_between_its_requests(merged, tmp_path):
+    """`serve --adapt --variants`: a switch asked for while a request runs waits for it to finish on the variant it
+    began on (newcomers wait meanwhile), then is made, and the next request runs the new variant — each request's
+    tokens those of its variant alone."""
+    import asyncio
+
+    from moetier.engine.request import RequestParams
+    from moetier.engine.sampling import SamplingParams
+    from moetier.merge.library import Library, Variant
+    from moetier.serve.engine_loop import EngineLoop, Sink
+    from moetier.serve.metrics import Metrics
+
+    _, store, report = merged("olmoe")
+    original, half = Store(store), Store(report.path)
+    Library(str(store), (
+        Variant("original", str(store), original.total_expert_bytes(), (8, 8), {"perplexity_change": 0.0}),
+        Variant("fixed-medium", str(report.path), half.total_expert_bytes(), (4, 4), {"perplexity_change": 0.2}),
+    )).save(tmp_path)
+    prompt, new = [5, 9, 17, 33, 2, 40], 10
+
+    def alone(path):
+        with Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse("100%"))) as engine:
+            return engine.generate([prompt], max_new_tokens=new, ignore_eos=True).token_ids[0]
+
+    expected = {"original": alone(store), "merged": alone(report.path)}
+    config = EngineConfig(expert_memory=MemoryBudget.parse("100%"), adapt=True, variants=str(tmp_path))
+    with Engine(original, config) as engine:
+        hook = engine.adapt_variant
+        engine.step_hooks.remove(hook)  # (the switch is asked for by hand below)
+        hook.say = lambda line: None
+        loop = EngineLoop(engine, 2, 64, None, metrics := Metrics())
+        loop.start()
+        params = RequestParams(SamplingParams(max_new_tokens=new), ignore_eos=True)
+
+        async def tokens_of(sink: Sink, first: asyncio.Event | None = None) -> list[int]:
+            out = []
+            while True:
+                event = await sink.queue.get()
+                out.append(event.token)
+                if first is not None:
+                    first.set()
+                if event.finished:
+                    return out
+
+        async def run():
+            a, b = Sink(asyncio.get_running_loop()), Sink(asyncio.get_running_loop())
+            started = asyncio.Event()
+            loop.submit(prompt, params, a)
+            task_a = asyncio.create_task(tokens_of(a, started))
+            await started.wait()  # the first request runs on the original...
+            hook.pending = hook.library.variants[1]  # ...when the switch is asked for
+            loop.submit(prompt, params, b)
+            return await task_a, await tokens_of(b)
+
+        try:
+            got_a, got_b = asyncio.run(run())
+        finally:
+            loop.stop()
+        assert got_a == expected["original"] and got_b == expected["merged"]
+        assert engine.store.path == half.path and metrics.variant_switches._value.get() == 1
