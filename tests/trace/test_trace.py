@@ -169,6 +169,28 @@ def test_synthetic_trace_reproduces_the_fitted_locality(tmp_path, capsys):
     assert Trace.load(tmp_path / "syn").meta()["synthetic"] is True
 
 
+def test_a_synthetic_switch_trace_has_its_encoder_and_sim_replays_it(tmp_path, capsys):
+    """`trace synth --model-shape switch-base-8`: prompts through the encoder's layers beside the generations; `sim`
+    replays both, and sets the encoder aside (saying so) when a predictor is asked for."""
+    import json
+
+    from moetier.trace.synthetic import LocalityFit, generate
+
+    generate(LocalityFit(0.8, 0.4, 0.0, "hand-made"), 2, 8, 1, 400, seed=3).save(tmp_path / "src")
+    assert main(["trace", "synth", "--fit", str(tmp_path / "src"), "--model-shape", "switch-base-8", "--tokens", "12",
+                 "--sequences", "3", "--prompt-tokens", "10", "--out", str(tmp_path / "sw")]) == 0
+    trace = Trace.load(tmp_path / "sw")
+    assert trace.layers == [13, 15, 17, 19, 21, 23] and trace.encoder.layers == [1, 3, 5, 7, 9, 11]
+    assert (trace.num_tokens, trace.encoder.num_tokens) == (12, 30) and "prompt tokens" in capsys.readouterr().out
+    assert main(["sim", "--trace", str(tmp_path / "sw"), "--profile", "nuc-a500", "--expert-memory", "50%"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(["sim", "--trace", str(tmp_path / "sw"), "--profile", "nuc-a500", "--expert-memory", "50%",
+                 "--predictor", "hot", "--prefetch", "ahead"]) == 0
+    out = capsys.readouterr()
+    assert "encoder's routing (layers [1, 3, 5, 7, 9, 11]) is set aside" in out.err
+    assert json.loads(out.out)["ttft_s"] < whole["ttft_s"]  # the prefill no longer encodes the prompts
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "phimoe", "switch_transformers"])
 def test_recorder_on_the_new_families(tiny_store, tmp_path, family):
     """Every family records: decoder-only ones a row per token; Switch a row per decoder token, and its encoder a
