@@ -17,6 +17,8 @@ def plan_stages(made: PrecisionSetup, substitution: Substitution | None, prefetc
     """`substitution`: resolved (its α known), or None for none (α 0 keeps the stage, which then changes nothing,
     for a run whose α is tuned as it goes). `placement`: a name of moetier.plan.placement, or "none"."""
     front = [substitution.stage(made.residency, made.high)] if substitution is not None else []
+    if prefetch == "smoe" and front:  # SMoE prefetches by the substitution's own α (§IV-C), tuned or not
+        prefetch_params = {"alpha": lambda: front[0].alpha, **(prefetch_params or {})}
     tail = layer_stages(made.residency, made.high, prefetch, predictor, costs, top_k, prefetch_params)
     if placement != "none":
         prefetcher = next((s for s in tail if isinstance(s, PrefetchStage)), None)

@@ -54,12 +54,18 @@ class AheadPrefetch(PrefetchStage):
 class SmoePrefetch(PrefetchStage):
     name = "smoe"
 
-    def __init__(self, residency: Residency, precision: Precision, alpha: float = 0.3) -> None:
-        """alpha: SMoE's α; 0.3 is its setting for mid-sized models (§V-C), and its substitution stage's too."""
+    def __init__(self, residency: Residency, precision: Precision, alpha: float | Callable[[], float] = 0.3) -> None:
+        """alpha: SMoE's α — the substitution's own where the run substitutes (a callable reading its stage, whose α a
+        TPOT budget may tune while running: moetier/plan/pipeline.py), else 0.3, its setting for mid-sized models
+        (§V-C)."""
         super().__init__(residency, precision)
-        if not 0.0 <= alpha < 1.0:
+        if not callable(alpha) and not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha must be within [0, 1), not {alpha}")
-        self.alpha = alpha
+        self._alpha = alpha if callable(alpha) else (lambda: alpha)
+
+    @property
+    def alpha(self) -> float:
+        return self._alpha()
 
     def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
         layer = min(plan.predictions)

@@ -411,3 +411,27 @@ def test_flashmoe_ml_networks_round_trip_through_their_file_and_a_damaged_one_is
     path.write_text(json.dumps(d))
     with pytest.raises(MoetierError, match="malformed"):
         load_params("flashmoe-ml", tmp_path)
+
+
+def test_lhu_counts_are_the_sequences():
+    """Eq. 3's H_t counts the uses of this sequence: the last sequence's many uses do not keep an expert."""
+    p = make_policy("lhu", CTX)
+    a, b = K[(0, 0)], K[(0, 1)]
+    use(p, a, insert=True)
+    use(p, a)
+    use(p, a)
+    p.on_sequence_start()
+    use(p, b, insert=True)
+    assert p.victim({a, b}) == a
+
+
+def test_fld_counts_from_the_layer_being_inserted():
+    """Like HOBBIT's l term: from the layer computed for an on-demand load, from a prefetch's own layer."""
+    keys = {K[(1, 0)], K[(3, 0)]}
+    p = make_policy("fld", CTX)
+    for key in keys:
+        use(p, key, insert=True)
+    p.on_route(route(0, 1, [0]))  # computing layer 0: layer 3 runs last
+    assert p.victim(keys) == K[(3, 0)]
+    p.on_admit(K[(2, 0)])  # a prefetch for layer 2: from there layer 1 runs last
+    assert p.victim(keys) == K[(1, 0)]

@@ -221,3 +221,27 @@ def test_wasted_prefetches_of_resident_experts_are_not_counted_as_reads():
     plan = run(step, 1, [6, 7])
     assert plan.prefetch_wasted == 0 and r.pinned(PREFETCHED) == set()
     assert all(run.source != RESIDENT for run in plan.runs)
+
+
+def test_smoe_prefetch_takes_the_substitutions_alpha_as_it_is_tuned():
+    """SMoE §IV-C prefetches by the same α its substitution uses; a TPOT budget retunes that α while running."""
+    from moetier.cache.policies import make_policy
+    from moetier.cache.policies.context import PolicyContext
+    from moetier.plan.costs import RunningCosts
+    from moetier.plan.pipeline import plan_stages
+    from moetier.plan.precision import MixedPrecision, setup
+    from moetier.plan.substitute import Substitution, SubstitutionStage
+
+    def stages(substitution):
+        ctx = PolicyContext(4, (0, 1), 8, 2)
+        made = setup(MixedPrecision(), "bf16", {"bf16": 1}, 4, make_policy("lru", ctx), (0, 1), 8, 2, False)
+        return plan_stages(made, substitution, "smoe", object(), RunningCosts(1), 2)
+
+    made = stages(Substitution(alpha=0.5))
+    sub = next(s for s in made if isinstance(s, SubstitutionStage))
+    prefetch = next(s for s in made if isinstance(s, SmoePrefetch))
+    assert prefetch.alpha == 0.5
+    sub.alpha = 0.15
+    assert prefetch.alpha == 0.15
+    alone = next(s for s in stages(None) if isinstance(s, SmoePrefetch))
+    assert alone.alpha == 0.3  # no substitution: SMoE's mid-size setting

@@ -1,5 +1,7 @@
-"""Farthest layer distance (HOBBIT): evict the expert whose layer runs last from here in the forward pass —
-the layer just computed is the one needed latest. Ties go to the least recently used."""
+"""Farthest layer distance (HOBBIT §3.4, Eq. 3's l term): evict the expert whose layer runs last counted from
+l_i, the layer of the expert the cache is making room for — the layer being computed for an on-demand load, a later
+one for a prefetch (`on_admit`) — so the layer just before l_i is the one needed latest. Ties go to the least
+recently used."""
 
 from __future__ import annotations
 
@@ -10,5 +12,16 @@ from moetier.cache.policies.scored import ScoredPolicy
 class FLDPolicy(ScoredPolicy):
     name = "fld"
 
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.inserting = ctx.layers[0]  # l_i
+
+    def on_route(self, route) -> None:
+        super().on_route(route)
+        self.inserting = route.layer
+
+    def on_admit(self, key: ExpertKey) -> None:
+        self.inserting = key.layer
+
     def priority(self, key: ExpertKey) -> float:
-        return -self.layer_distance(key)
+        return -((self.position[key.layer] - self.position[self.inserting]) % self.ctx.num_layers)

@@ -1,6 +1,7 @@
 """Least high-precision used (HOBBIT §3.4): like LFU, but only uses at the run's high precision count (the
 model's own, or int8 in the int8+int2 pair: `PolicyContext.high_precision`), so an expert mostly served at low
-precision is cheap to lose. Without mixed precision it is LFU. Ties: least recent."""
+precision is cheap to lose. Counts are the sequence's (Eq. 3's H_t: the records reset with each sequence, as
+HOBBIT's do). Without mixed precision it is per-sequence LFU. Ties: least recent."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ class LHUPolicy(ScoredPolicy):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.high_uses: dict[ExpertKey, int] = {}
+
+    def on_sequence_start(self) -> None:
+        self.high_uses.clear()
 
     def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
         super().on_access(key, precision, step)
