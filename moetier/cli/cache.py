@@ -93,6 +93,7 @@ def _check_budgets(budgets: list[str], traces: list) -> None:
 def _train_cache_policy(args: argparse.Namespace) -> None:
     from moetier.policy_files import policy_file, save_params
     from moetier.sim.cache_bench import budget_slots
+    from moetier.plan.precision import MixedPrecision
     from moetier.sim.fit import fit_hobbit, train_flashmoe, use_counts
     from moetier.trace.format import Trace
 
@@ -109,9 +110,9 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
         save_params(args.policy, out, {"counts": use_counts(trace)}, trace.model)
     else:
         slots = budget_slots(args.expert_memory, trace)
-        weights, table = fit_hobbit(trace, slots)
-        save_params(args.policy, out, {"weights": weights}, trace.model, slots=slots,
-                    grid=[[*dataclasses.astuple(w), misses] for w, misses in table])
+        weights, table = fit_hobbit(trace, slots, mixed=MixedPrecision(args.precision))
+        save_params(args.policy, out, {"weights": weights}, trace.model, slots=slots, precision=args.precision,
+                    grid=[[*dataclasses.astuple(w), penalty] for w, penalty in table])
         print(f"weights lru/lfu/lhu/fld = {weights.lru}/{weights.lfu}/{weights.lhu}/{weights.fld}")
     print(f"wrote {out}")
 
@@ -184,6 +185,9 @@ def add_parser(sub) -> None:
     cp.add_argument("--model", default=DEFAULT_MODEL, help="the model to save it with (its policies/ folder)")
     cp.add_argument("--out", help="write here instead")
     cp.add_argument("--expert-memory", default="25%", help="hobbit: the budget to fit the weights at")
+    cp.add_argument("--precision", choices=["native", "hobbit"], default="native",
+                    help="hobbit: the cache to fit the weights for — one precision (misses), or HOBBIT's mixed one "
+                         "(the miss penalty of Fig. 18a: a missed int4 copy costs a quarter of a missed 16-bit one)")
     cp.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     cp.set_defaults(func=_train_cache_policy)
     th = command(tr, "thresholds", "fit HOBBIT's importance thresholds T1, T2 to a model's routing and save them "

@@ -15,7 +15,8 @@ from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.flashmoe_ml import FEATURES, CacheModel, LayerMLP, features
 from moetier.cache.policies.hobbit import HobbitPolicy, HobbitWeights
 from moetier.sim.predictors import trace_counts
-from moetier.sim.replay import replay, steps
+from moetier.plan.precision import MixedPrecision
+from moetier.sim.replay import NATIVE, replay, steps
 from moetier.trace.format import Trace
 
 
@@ -116,15 +117,33 @@ def weight_grid(step: float = 0.25) -> list[HobbitWeights]:
             if sum(combo) == n]
 
 
-def fit_hobbit(trace: Trace, num_slots: int, step: float = 0.25) -> tuple[HobbitWeights, list[tuple]]:
-    """HOBBIT's weights: the grid point of least miss penalty replaying `trace` with `num_slots` slots. Every
-    miss loads one full-precision expert until mixed precision lands, so penalty is proportional to misses."""
+# HOBBIT §3.4's miss penalty: a miss costs its copy's bit width over the high copy's (a 16-bit miss C, int4 C/4)
+PENALTY_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, NATIVE: 16, "int8": 8, "int4": 4, "int2": 2}
+
+
+def miss_penalty(plans, high: str) -> float:
+    """Σ over the loads of `plans` of their copy's bits over the high copy's, in units of one high-precision miss."""
+    return sum(PENALTY_BITS[ld.precision] for p in plans for ld in p.loads) / PENALTY_BITS[high]
+
+
+def fit_hobbit(trace: Trace, num_slots: int, step: float = 0.25, mixed: MixedPrecision | None = None
+               ) -> tuple[HobbitWeights, list[tuple]]:
+    """HOBBIT's weights: the grid point of least miss penalty (Fig. 18a's measure) replaying `trace` with `num_slots`
+    slots in the precision mode `mixed` (default: one precision, where the penalty is the miss count; `hobbit`: a
+    missed int4 copy costs a quarter of a missed high one, and LHU — uses at high precision — differs from LFU).
+    Returns the weights and the grid, each point with its penalty."""
+    mixed = mixed or MixedPrecision()
+    precisions = (NATIVE, *mixed.precisions(NATIVE)) if mixed.mixed else (NATIVE,)
+    entry_bytes = {p: PENALTY_BITS[p] for p in precisions}  # (the cache splits its room by these, as by bytes)
+    if mixed.mixed:
+        mixed = mixed.with_thresholds()
+    high = mixed.pair(NATIVE)[0] if mixed.mixed else NATIVE
     ctx = PolicyContext(num_slots, tuple(trace.layers), trace.num_experts, trace.top_k)
     table = []
     for w in weight_grid(step):
-        result = replay(trace, HobbitPolicy(ctx, w), num_slots)
-        table.append((w, result.needed - result.hits))
+        result = replay(trace, HobbitPolicy(ctx, w), num_slots, keep_plans=True, mixed=mixed,
+                        entry_bytes=entry_bytes if mixed.mixed else None)
+        table.append((w, miss_penalty(result.plans, high)))
     # ties go to the simpler policy; at one precision LHU counts what per-sequence LFU counts
     best = min(table, key=lambda t: (t[1], -t[0].lru, -t[0].lfu))
     return best[0], table
-

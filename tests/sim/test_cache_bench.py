@@ -122,3 +122,33 @@ def test_with_a_predictor_every_policy_also_runs_as_name_predicted(trace, tmp_pa
     assert set(by) == {"lru", "lru+predicted", "comoe", "comoe+predicted", "belady"}
     assert by["lru"]["hit_rate"] < by["lru+predicted"]["hit_rate"] <= by["belady"]["hit_rate"]
     assert all(r["hit_rate"] <= by["belady"]["hit_rate"] for r in by.values())
+
+
+def test_hobbit_weights_are_fitted_by_the_mixed_miss_penalty(trace, tmp_path):
+    """HOBBIT Fig. 18a's measure: at one precision the penalty is the miss count; in its mixed cache a missed int4
+    copy costs a quarter of a missed high one, so penalties fall in quarters and the fit takes the least."""
+    import json
+
+    from moetier.cache.policies.context import PolicyContext
+    from moetier.cache.policies.hobbit import HobbitPolicy
+    from moetier.plan.precision import MixedPrecision
+    from moetier.sim.fit import fit_hobbit
+    from moetier.sim.replay import replay
+
+    weights = np.random.default_rng(0).dirichlet([1, 1], size=trace.topk_ids.shape[:2])  # [N, L, 2]: HOBBIT's
+    trace = dataclasses.replace(trace, topk_weights=-np.sort(-weights, axis=-1).astype(np.float16))  # loader's input
+    slots = 6
+    _, table = fit_hobbit(trace, slots, step=0.5)
+    ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k)
+    for w, penalty in table:
+        result = replay(trace, HobbitPolicy(ctx, w), slots)
+        assert penalty == result.needed - result.hits
+    weights, mixed = fit_hobbit(trace, slots, step=0.5, mixed=MixedPrecision("hobbit"))
+    penalties = [p for _, p in mixed]
+    assert any(p != int(p) for p in penalties) and all((4 * p) == int(4 * p) for p in penalties)
+    assert dict(mixed)[weights] == min(penalties)
+    trace.save(tmp_path / "t")
+    assert main(["train", "cache-policy", "--policy", "hobbit", "--precision", "hobbit", "--trace", str(tmp_path / "t"),
+                 "--out", str(tmp_path / "h.json")]) == 0
+    saved = json.loads((tmp_path / "h.json").read_text())
+    assert saved["precision"] == "hobbit" and len(saved["grid"][0]) == 5
