@@ -91,9 +91,9 @@ def _check_budgets(budgets: list[str], traces: list) -> None:
 
 
 def _train_cache_policy(args: argparse.Namespace) -> None:
+    from moetier.plan.precision import MixedPrecision
     from moetier.policy_files import policy_file, save_params
     from moetier.sim.cache_bench import budget_slots
-    from moetier.plan.precision import MixedPrecision
     from moetier.sim.fit import fit_hobbit, train_flashmoe, use_counts
     from moetier.trace.format import Trace
 

@@ -14,8 +14,8 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.flashmoe_ml import FEATURES, CacheModel, LayerMLP, features
 from moetier.cache.policies.hobbit import HobbitPolicy, HobbitWeights
-from moetier.sim.predictors import trace_counts
 from moetier.plan.precision import MixedPrecision
+from moetier.sim.predictors import trace_counts
 from moetier.sim.replay import NATIVE, replay, steps
 from moetier.trace.format import Trace
 
