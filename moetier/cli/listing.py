@@ -81,15 +81,20 @@ def _predictors(_: argparse.Namespace) -> list[tuple[str, str]]:
             for name, cls in PREDICTORS.items()]
 
 
-def _profiles(_: argparse.Namespace) -> list[tuple[str, str]]:
+def _profiles(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """With --verbose, each profile's sources under it: where every figure comes from, and what is assumed."""
     from moetier.sim.profile import HardwareProfile, ProfileError, known_profiles
 
     rows = []
     for name in known_profiles():
         try:
-            rows.append((name, HardwareProfile.load(name).description))
+            profile = HardwareProfile.load(name)
         except ProfileError as e:
             rows.append((name, f"unreadable ({str(e).splitlines()[0]})"))
+            continue
+        rows.append((name, profile.description))
+        if getattr(args, "verbose", False):
+            rows += [("", f"- {source}") for source in profile.sources]
     return rows
 
 
@@ -129,6 +134,7 @@ def add_parser(sub) -> None:
     ls = command(sub, "list", "what the other commands accept by name: models, model families (config.json's "
                               "model_type), policies, predictors, profiles, model shapes")
     ls.add_argument("kind", choices=list(KINDS), help="what to list")
+    ls.add_argument("--verbose", action="store_true", help="profiles: each one's sources and assumptions")
     ls.add_argument("--cache-dir", help="models: also list conversions here (default: $MOETIER_CACHE or "
                                         "~/.cache/moetier)")
     ls.set_defaults(func=_list)

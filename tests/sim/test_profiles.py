@@ -46,4 +46,13 @@ def test_flashmoe_experts_all_stream_from_the_ssd():
 
     for key in (ExpertKey(0, 0), ExpertKey(47, 127)):
         assert c.tier_index(key) == 0
-        assert c.read_s(key) == pytest.approx(c.expert_bytes / 7.4e9 + 80e-6)
+        assert c.read_s(key) == pytest.approx(c.expert_bytes / (7.4e9 * 0.57) + 80e-6)  # FlashMoE's ~3 ms an expert
+
+
+def test_list_profiles_verbose_prints_each_profiles_sources(capsys):
+    from moetier.cli import main
+
+    assert main(["list", "profiles", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "FlashMoE §3 (its decoding stage" in out and "- CoMoE §V-A" in out
+    assert main(["list", "profiles"]) == 0 and "- CoMoE" not in capsys.readouterr().out
