@@ -46,7 +46,8 @@ def _sim(args: argparse.Namespace) -> None:
     from moetier.policy_files import load_params
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
-    from moetier.sim.sweep import budget_slots, check_fits, encoder_set_aside, format_table, plot_sweep, run
+    from moetier.sim.sweep import (budget_slots, check_fits, check_holds, encoder_set_aside, format_table,
+                                    plot_sweep, run)
     from moetier.sim.timing import plot_timeline
     from moetier.trace.format import Trace
 
@@ -58,6 +59,7 @@ def _sim(args: argparse.Namespace) -> None:
     shape, blob_bytes = model_shape(model)  # config.json alone: nothing is converted or built for a shape
     check_fits(trace, shape)
     cost = CostModel.of(profile, shape, args.precision, blob_bytes)
+    check_holds(cost)  # a model the profile's memory cannot hold at all is refused, not timed
     configs = [(p, b, f) for p in _items(args.policy, "--policy") for b in _items(args.expert_memory, "--expert-memory")
                for f in _items(args.prefetch, "--prefetch")]
     for policy, budget, prefetch in configs:

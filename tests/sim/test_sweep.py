@@ -72,3 +72,19 @@ def test_trace_synth_for_a_named_shape(mixtral_trace, tmp_path):
     made = Trace.load(tmp_path / "ds")
     assert made.layers == list(range(1, 28)) and (made.num_experts, made.top_k) == (64, 6) and made.synthetic
     assert main(["trace", "synth", "--fit", str(path), "--out", str(tmp_path / "x")]) == 1
+
+
+def test_a_profile_whose_memory_cannot_hold_the_experts_is_refused():
+    """CoMoE's NUC has 32 GB of RAM: Switch-Base-256's fp32 experts (58 GB) fit nowhere, its bf16 ones (29 GB) do;
+    a profile reading from a disk of no stated size holds anything."""
+    from moetier.errors import MoetierError
+    from moetier.sim.cost import CostModel
+    from moetier.sim.profile import HardwareProfile
+    from moetier.sim.shapes import SHAPES
+    from moetier.sim.sweep import check_holds
+
+    nuc, shape = HardwareProfile.load("nuc-a500"), SHAPES["switch-base-256"]
+    with pytest.raises(MoetierError, match="switch-base-256's experts .* do not fit nuc-a500"):
+        check_holds(CostModel.of(nuc, shape, "fp32"))
+    check_holds(CostModel.of(nuc, shape, "bf16"))
+    check_holds(CostModel.of(HardwareProfile.load("jetson-orin"), shape, "fp32"))
