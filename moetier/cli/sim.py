@@ -46,8 +46,15 @@ def _sim(args: argparse.Namespace) -> None:
     from moetier.policy_files import load_params
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
-    from moetier.sim.sweep import (budget_slots, check_fits, check_holds, encoder_set_aside, format_table,
-                                    plot_sweep, run)
+    from moetier.sim.sweep import (
+        budget_slots,
+        check_fits,
+        check_holds,
+        encoder_set_aside,
+        format_table,
+        plot_sweep,
+        run,
+    )
     from moetier.sim.timing import plot_timeline
     from moetier.trace.format import Trace
 
