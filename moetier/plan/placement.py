@@ -15,7 +15,11 @@ expert on the compute device, t_attn a layer's dense part, t_c(m) = β·m + C on
                       leaves the link (Eq. 6–7).
 - `greedy`            the layer-by-layer baseline PreScope compares with: Eq. 5 on the current layer alone.
 - `hobbit-coop`       HOBBIT's CPU-GPU cooperative mode (§4): in decoding a missing expert is computed by the CPU
-                      (its input sent there, its output back); the prompt runs on the GPU alone (§5.4)."""
+                      (its input sent there, its output back); the prompt runs on the GPU alone (§5.4).
+- `cpu-offload`       the baseline of SMoE's ablation (§VI, Fig. 14), llama.cpp's expert offloading: every expert
+                      the fast tier does not hold is computed by the CPU from host memory, prompt and decode alike;
+                      nothing is ever loaded, so the cache keeps what it started with (with `--preload`, a fixed
+                      set of experts, layer by layer, as llama.cpp keeps some on the GPU)."""
 
 from __future__ import annotations
 
@@ -156,8 +160,17 @@ class HobbitCoop(PlacementStage):
         return plan
 
 
+class CpuOffload(PlacementStage):
+    name = "cpu-offload"
+
+    def __call__(self, plan: LayerPlan) -> LayerPlan:
+        for e in self.misses(plan):  # no costs weighed: the baseline never reads an expert
+            plan.place[e] = HOST
+        return plan
+
+
 PLACEMENTS = {"smoe-two-pointer": SMoETwoPointer, "prescope": PreSchedPlacement, "greedy": GreedyPlacement,
-              "hobbit-coop": HobbitCoop}
+              "hobbit-coop": HobbitCoop, "cpu-offload": CpuOffload}
 
 
 def make_placement(name: str, residency: Residency, costs: RunningCosts,

@@ -40,7 +40,7 @@ def run(path, placement="none", memory="25%"):
     return [o.token_ids[0] for o in outs], [o.stats for o in outs], log.plans, computed, engine
 
 
-@pytest.mark.parametrize("placement", ["smoe-two-pointer", "prescope", "greedy", "hobbit-coop"])
+@pytest.mark.parametrize("placement", ["smoe-two-pointer", "prescope", "greedy", "hobbit-coop", "cpu-offload"])
 def test_host_runs_execute_where_the_plan_put_them_and_the_output_is_exact(tiny_store, placement):
     _, path = tiny_store("qwen2_moe", num_hidden_layers=4)
     exact, *_ = run(path)
@@ -55,6 +55,8 @@ def test_host_runs_execute_where_the_plan_put_them_and_the_output_is_exact(tiny_
     assert sum(s["decode"]["host_runs"] + s["prefill"]["host_runs"] for s in stats) == len(planned)
     if placement == "hobbit-coop":
         assert sum(s["prefill"]["host_runs"] for s in stats) == 0  # the prompt runs on the device alone
+    if placement == "cpu-offload":
+        assert not any(p.loads for p in plans)  # the baseline never reads an expert
 
 
 def test_placement_is_refused_where_it_cannot_run(tiny_store, capsys):

@@ -8,7 +8,8 @@ from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
 from moetier.plan.layer_plan import FAST, HOST, IN_PLACE, RESIDENT, LayerPlan
 from moetier.plan.on_demand import OnDemandStage
-from moetier.plan.placement import GreedyPlacement, HobbitCoop, PreSchedPlacement, SMoETwoPointer, make_placement
+from moetier.plan.placement import (CpuOffload, GreedyPlacement, HobbitCoop, PreSchedPlacement, SMoETwoPointer,
+                                    make_placement)
 from moetier.plan.route import DECODE, PREFILL, RouteResult
 from tests.handmade_plan import resident as cache
 
@@ -109,6 +110,13 @@ def test_hobbit_coop_computes_every_decode_miss_on_the_host_and_the_prompt_on_th
     assert hosted(decode) == [2, 3] and decode.place[1] == FAST
     prefill = HobbitCoop(cache(1), RunningCosts(100))(plan([[1, 2, 3]], [[0.5, 0.3, 0.2]], phase=PREFILL))
     assert hosted(prefill) == []
+
+
+def test_cpu_offload_computes_every_miss_on_the_host_in_every_phase():
+    """SMoE Fig. 14's baseline (llama.cpp's offloading): what the cache holds runs there, the rest on the CPU."""
+    for phase in (DECODE, PREFILL):
+        p = CpuOffload(cache(1), RunningCosts(100))(plan([[1, 2, 3]], [[0.5, 0.3, 0.2]], phase=phase))
+        assert hosted(p) == [2, 3] and p.place[1] == FAST
 
 
 def test_unknown_placement_is_refused():
