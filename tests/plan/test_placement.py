@@ -8,8 +8,14 @@ from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
 from moetier.plan.layer_plan import FAST, HOST, IN_PLACE, RESIDENT, LayerPlan
 from moetier.plan.on_demand import OnDemandStage
-from moetier.plan.placement import (CpuOffload, GreedyPlacement, HobbitCoop, PreSchedPlacement, SMoETwoPointer,
-                                    make_placement)
+from moetier.plan.placement import (
+    CpuOffload,
+    GreedyPlacement,
+    HobbitCoop,
+    PreSchedPlacement,
+    SMoETwoPointer,
+    make_placement,
+)
 from moetier.plan.route import DECODE, PREFILL, RouteResult
 from tests.handmade_plan import resident as cache
 
