@@ -63,7 +63,8 @@ def cells(args) -> list[dict]:
         profile = HardwareProfile.load(profile_name)
         shape = SHAPES[f"switch-base-{n}"]
         held = merged_shape(shape, args.ratio) if deployment.merged else shape
-        fitted = fit(held, deployment, limit * GB, args.host_gb * GB, int(args.workspace_gb * GB), precision)
+        host = args.host_gb * GB if args.host_gb is not None else profile.tiers[-1].bytes
+        fitted = fit(held, deployment, limit * GB, host, int(args.workspace_gb * GB), precision)
         row = {"profile": profile_name, "limit_gb": limit, "precision": precision, "model": shape.name,
                "experts": n, "deployment": deployment.name, "fits": fitted.fits, "why": fitted.why,
                "device_gb": fitted.device_bytes / GB, "host_gb": fitted.host_bytes / GB,
@@ -125,8 +126,8 @@ def main() -> None:
     ap.add_argument("--limits", default="8,4", help="device memory limits, GB")
     ap.add_argument("--precisions", default="bf16,fp32", help="bf16: the paper's sizes are 2-byte ones (15.6 GB for "
                     "Switch-Base-128's 7.4 B); fp32: the checkpoints'. The plot draws the first")
-    ap.add_argument("--host-gb", type=float, default=32, help="host memory for offloaded experts (the paper's "
-                    "NUC has 32 GB of RAM; the Orin's CPU side 32 GB)")
+    ap.add_argument("--host-gb", type=float, help="host memory for offloaded experts (default: the profile's host "
+                    "tier, bounded at what the paper states: the NUC's 32 GB of RAM, the Orin's CPU side 32 GB)")
     ap.add_argument("--workspace-gb", type=float, default=0.5, help="the runtime's share of the device")
     ap.add_argument("--ratio", type=float, default=0.3, help="the merged variant's fixed ratio; 0.3 keeps ~36%% of "
                     "Switch-Base-32's parameters, the paper's adaptive variant's 36.9%%")

@@ -23,7 +23,7 @@ from moetier.plan.route import DECODE, PREFILL
 from moetier.sim.cost import CostModel
 from moetier.sim.profile import HardwareProfile
 from moetier.sim.replay import simulate
-from moetier.sim.shapes import ModelShape, bytes_per_param
+from moetier.sim.shapes import ModelShape
 from moetier.trace.format import Trace
 
 SCOPES = ("all", "encoder")
@@ -68,11 +68,6 @@ def merged_shape(shape: ModelShape, ratio: float) -> ModelShape:
     return dataclasses.replace(shape, name=f"{shape.name} merged r={ratio:g}", num_experts=kept)
 
 
-def dense_bytes(shape: ModelShape, precision: str) -> int:
-    params = sum(shape.dense_params(layer) for layer in range(shape.num_layers)) + shape.head_params
-    return int(params * bytes_per_param(precision))
-
-
 def fit(shape: ModelShape, deployment: Deployment, device_bytes: int, host_bytes: int, workspace_bytes: int,
         precision: str) -> Fit:
     """Whether `deployment` of `shape` (already merged if it is) fits a device of `device_bytes` beside a host of
@@ -81,7 +76,7 @@ def fit(shape: ModelShape, deployment: Deployment, device_bytes: int, host_bytes
     offloaded = tuple(layer for layer in shape.moe_layers if deployment.offloaded and
                       (deployment.scope == "all" or layer < shape.encoder_layers))
     resident = (len(shape.moe_layers) - len(offloaded)) * shape.num_experts * expert
-    fixed = dense_bytes(shape, precision) + resident + workspace_bytes
+    fixed = shape.dense_bytes(precision) + resident + workspace_bytes
     held = len(offloaded) * shape.num_experts * expert
     least = shape.top_k * expert if offloaded else 0
     slots = min(max(0, device_bytes - fixed) // expert, len(offloaded) * shape.num_experts) if offloaded else 0

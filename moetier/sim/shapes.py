@@ -90,6 +90,12 @@ class ModelShape:
         attention = self.attention_params // 2 if layer < self.encoder_layers else self.attention_params
         return attention + mlp + router
 
+    def dense_bytes(self, precision: str | None = None) -> int:
+        """Every weight but the routed experts (each layer's dense part, the head), at `precision` (default the
+        checkpoint's)."""
+        params = sum(self.dense_params(layer) for layer in range(self.num_layers)) + self.head_params
+        return int(params * bytes_per_param(precision or self.precision))
+
     @property
     def head_params(self) -> int:
         return self.vocab_size * self.hidden_size

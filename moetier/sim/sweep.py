@@ -14,7 +14,7 @@ from moetier.plan.substitute import Substitution
 from moetier.predict import Predictor
 from moetier.sim.cost import CostModel
 from moetier.sim.replay import SimResult, simulate, trace_policy
-from moetier.sim.shapes import ModelShape, bytes_per_param
+from moetier.sim.shapes import ModelShape
 from moetier.trace.format import Trace
 
 
@@ -40,12 +40,6 @@ def check_fits(trace: Trace, shape: ModelShape) -> None:
         raise MoetierError(f"the trace has routing for layers {outside}, which are not MoE layers of {shape.name}")
 
 
-def dense_bytes(cost: CostModel) -> int:
-    shape = cost.shape
-    return int((sum(shape.dense_params(layer) for layer in range(shape.num_layers)) + shape.head_params)
-               * bytes_per_param(shape.precision))
-
-
 def check_holds(cost: CostModel) -> None:
     """Every expert of the model must live somewhere: in the fast tier beside the dense weights or in a tier below
     it, each holding what its profile states (a tier of no stated size holds any amount)."""
@@ -54,7 +48,7 @@ def check_holds(cost: CostModel) -> None:
         return
     shape = cost.shape
     experts = len(shape.moe_layers) * shape.num_experts * cost.expert_bytes
-    fast = max(0, cost.profile.fast_tier_bytes - dense_bytes(cost))
+    fast = max(0, cost.profile.fast_tier_bytes - cost.shape.dense_bytes())
     if experts > fast + sum(t.bytes for t in tiers):
         below = ", ".join(f"{t.name} {format_bytes(t.bytes)}" for t in tiers)
         raise MoetierError(f"{shape.name}'s experts ({format_bytes(experts)} at {cost.precision}) do not fit "
@@ -66,7 +60,7 @@ def budget_slots(budget: str, trace: Trace, cost: CostModel) -> int:
     """Expert slots for a budget on the profile's fast tier, which also holds the dense weights; a share is of the
     experts of the layers the trace covers (DESIGN)."""
     total = len(trace.all_layers) * trace.num_experts * cost.expert_bytes
-    fits = max(0, cost.profile.fast_tier_bytes - dense_bytes(cost))
+    fits = max(0, cost.profile.fast_tier_bytes - cost.shape.dense_bytes())
     room = f"the fast tier of {cost.profile.name} holds {format_bytes(fits)} after the dense weights"
     return cache_capacity(MemoryBudget.parse(budget), total, cost.expert_bytes, trace.top_k, fits, room) \
         // cost.expert_bytes

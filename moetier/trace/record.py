@@ -55,7 +55,8 @@ class TraceRecorder(LayerHook):
             tokens = sorted(batch.segments, key=lambda s: s[1])  # the encoder's rows, in token order
             self._encoder_steps.append({
                 "seq": np.concatenate([np.full(n, row + self._seq_offset) for row, _, _, n in tokens]),
-                "pos": np.concatenate([np.arange(n) for *_, n in tokens]), "layers": {}})
+                "pos": np.concatenate([np.arange(n) for *_, n in tokens]),
+                "phase": np.full(sum(n for *_, n in tokens), PREFILL, np.uint8), "layers": {}})
         elif self.first:  # the decoder's own position
             pos = pos - np.array([self._encoded[r] for r in rows]) + 1
         self._steps.append({"seq": rows + self._seq_offset, "pos": pos,
@@ -87,13 +88,11 @@ class TraceRecorder(LayerHook):
         def stack(i: int) -> np.ndarray:  # [N, L, ...]
             return np.concatenate([np.stack([s["layers"][j][i] for j in cols], axis=1) for s in steps])
 
-        seq = np.concatenate([s["seq"] for s in steps]).astype(np.int32)
-        phase = np.concatenate([s["phase"] for s in steps]) if "phase" in steps[0] else np.full(len(seq), PREFILL,
-                                                                                                  np.uint8)
         return Trace(
             model=model, num_layers=spec.num_layers, num_experts=spec.num_experts, top_k=spec.top_k,
-            layers=list(columns), seq=seq, pos=np.concatenate([s["pos"] for s in steps]).astype(np.int32),
-            phase=phase, topk_ids=stack(0).astype(np.int16), topk_weights=stack(1).astype(np.float16),
+            layers=list(columns), seq=np.concatenate([s["seq"] for s in steps]).astype(np.int32),
+            pos=np.concatenate([s["pos"] for s in steps]).astype(np.int32),
+            phase=np.concatenate([s["phase"] for s in steps]), topk_ids=stack(0).astype(np.int16), topk_weights=stack(1).astype(np.float16),
             scores=stack(2).astype(np.float16), gate_inputs=stack(3).astype(np.float16) if self.gate_inputs else None,
             source=source, prompts=prompts, notes=notes, encoder=encoder)
 

@@ -140,9 +140,12 @@ def test_hobbit_priority_is_equation_3():
     assert p.priority(b) == pytest.approx(0.4 * 3 / 4 + 0.3 * 1 / 4 + 0.1 * (1 - 1 / 4))
 
 
-def test_hobbit_fld_counts_from_the_layer_being_inserted():
+@pytest.mark.parametrize("name, params", [("hobbit", {"weights": HobbitWeights(0, 0, 0, 1)}), ("fld", {})])
+def test_fld_counts_from_the_layer_being_inserted(name, params):
+    """HOBBIT's l term, and `fld` alone like it: from the layer computed for an on-demand load, from a prefetch's own
+    layer."""
     keys = {K[(1, 0)], K[(3, 0)]}
-    p = make_policy("hobbit", CTX, weights=HobbitWeights(0, 0, 0, 1))
+    p = make_policy(name, CTX, **params)
     for key in keys:
         use(p, key, insert=True)
     p.on_route(route(0, 1, [0]))  # computing layer 0: layer 3 runs last
@@ -423,15 +426,3 @@ def test_lhu_counts_are_the_sequences():
     p.on_sequence_start()
     use(p, b, insert=True)
     assert p.victim({a, b}) == a
-
-
-def test_fld_counts_from_the_layer_being_inserted():
-    """Like HOBBIT's l term: from the layer computed for an on-demand load, from a prefetch's own layer."""
-    keys = {K[(1, 0)], K[(3, 0)]}
-    p = make_policy("fld", CTX)
-    for key in keys:
-        use(p, key, insert=True)
-    p.on_route(route(0, 1, [0]))  # computing layer 0: layer 3 runs last
-    assert p.victim(keys) == K[(3, 0)]
-    p.on_admit(K[(2, 0)])  # a prefetch for layer 2: from there layer 1 runs last
-    assert p.victim(keys) == K[(1, 0)]

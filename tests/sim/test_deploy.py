@@ -7,7 +7,6 @@ import pytest
 from moetier.sim.deploy import (
     DEPLOYMENTS,
     Deployment,
-    dense_bytes,
     fit,
     merge_trace,
     merged_shape,
@@ -26,7 +25,7 @@ LOCALITY = LocalityFit(zipf_s=1.0, p_keep=0.3, reuse_next=0.0, source="hand-made
 
 
 def test_a_deployment_fits_by_what_the_device_and_the_host_must_hold():
-    dense, room = dense_bytes(SHAPE, "fp32"), 1000
+    dense, room = SHAPE.dense_bytes("fp32"), 1000
     original = fit(SHAPE, Deployment(False, False), dense + 16 * EXPERT + room, 0, room, "fp32")
     assert original.fits and original.device_bytes == dense + 16 * EXPERT + room and original.host_bytes == 0
     assert not fit(SHAPE, Deployment(False, False), dense + 16 * EXPERT + room - 1, 0, room, "fp32").fits
@@ -88,7 +87,7 @@ def test_the_simulator_times_each_deployment():
     resident = request_latency(trace, SHAPE, Deployment(False, False), fit(SHAPE, Deployment(False, False), big, big,
                                                                           0, "fp32"), profile, "fp32")
     assert resident["hit_rate"] == 1.0 and resident["expert_bytes_per_request"] == 0
-    small = fit(SHAPE, Deployment(False, True), dense_bytes(SHAPE, "fp32") + 2 * EXPERT, big, 0, "fp32")
+    small = fit(SHAPE, Deployment(False, True), SHAPE.dense_bytes("fp32") + 2 * EXPERT, big, 0, "fp32")
     offloaded = request_latency(trace, SHAPE, Deployment(False, True), small, profile, "fp32")
     assert small.cache_slots == 2 and offloaded["expert_bytes_per_request"] > 0
     assert offloaded["request_s"] > resident["request_s"] and offloaded["hit_rate"] < 1
