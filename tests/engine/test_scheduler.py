@@ -83,6 +83,21 @@ def test_max_running_holds_newcomers_back_until_a_row_frees(engine):
     assert max(seen_running) <= 2 and s.kv.free == 3
 
 
+def test_a_step_that_admits_nothing_drains_and_a_model_is_swapped_only_when_nothing_runs(engine):
+    """What the server does for a switch of variant: the running finish, newcomers wait, then `use`."""
+    s = scheduler(engine)
+    first = s.add_request(prompts([5])[0], RequestParams(SamplingParams(3), ignore_eos=True))
+    s.step()  # its prefill
+    s.add_request(prompts([4], seed=2)[0], RequestParams(SamplingParams(2), ignore_eos=True))
+    with pytest.raises(MoetierError, match="only when no request is running"):
+        s.use(engine.model, engine.executor)
+    while s.running:
+        assert all(o.id == first for o in s.step(admit=False))  # the newcomer is not admitted
+    assert len(s.waiting) == 1
+    s.use(engine.model, engine.executor)
+    assert [o.id for o in s.step()] == [first + 1]  # admitted once the model is in place
+
+
 def test_abort_frees_the_row_and_the_others_go_on(engine):
     ps = prompts([5, 8], seed=2)
     params = RequestParams(SamplingParams(10), ignore_eos=True)

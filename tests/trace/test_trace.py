@@ -223,3 +223,20 @@ def test_recorder_on_the_new_families(tiny_store, tmp_path, family):
         first, rest = loaded.split(0.5)  # each part keeps the encoder's rows of the prompts it prefills
         assert first.encoder.seq.tolist() == [0] * 5 + [1] * 3 and rest.encoder.num_tokens == 0
         assert loaded.decoder_only().encoder is None
+
+
+def test_an_encoder_that_is_not_the_decoders_is_refused():
+    """The encoder's table must share the model's layers, experts and top-k, hold prefill rows only, and route layers
+    before the decoder's."""
+    import dataclasses
+
+    from moetier.trace.format import TraceError
+    from moetier.trace.synthetic import LocalityFit, generate_seq2seq
+
+    trace = generate_seq2seq(LocalityFit(0.8, 0.3, 0.0, "hand-made"), 4, 8, 1, 2, [1, 3], 2, 5, 3)
+    enc = trace.encoder
+    for bad, match in [(dataclasses.replace(enc, num_experts=9), "layers, experts and top-k"),
+                       (dataclasses.replace(enc, phase=np.ones_like(enc.phase)), "one prefill row per prompt token"),
+                       (dataclasses.replace(enc, layers=[3], topk_ids=enc.topk_ids), "must come before the decoder's")]:
+        with pytest.raises(TraceError, match=match):
+            dataclasses.replace(trace, encoder=bad)
