@@ -50,7 +50,10 @@ SMOE_STEPS = {  # step -> (policy, substitute, prefetch, placement)
 }
 PRESCHED_SETUPS = (("v100-pcie3", "mixtral-8x7b"), ("a100-pcie4", "mixtral-8x7b"), ("v100-pcie3", "qwen3-30b-a3b"),
                    ("a100-pcie4", "qwen3-30b-a3b"))
-PRESCHED_ARMS = {"no placement": ("none", "none"), "greedy": ("greedy", "none"), "prescope": ("prescope", "presched")}
+PRESCHED_ARMS = {  # arm -> (placement, prefetch, predictor distance: None for --presched-distance)
+    "no placement": ("none", "none", 1), "greedy": ("greedy", "none", 1),
+    "prescope p=1": ("prescope", "presched", 1),  # the next layer alone: no room for Q4's larger window
+    "prescope": ("prescope", "presched", None)}
 SMOE_PREDICTOR_ERROR, LLAPOR_ERROR = 0.18, 0.06
 
 
@@ -108,7 +111,7 @@ def synthetic_trace(shape, source, tokens: int):
 
 
 def simulate_one(trace, shape, profile, budget, policy="lru", substitute=False, prefetch="none", placement="none",
-                 error=0.0, preload=False):
+                 error=0.0, preload=False, distance=1):
     from moetier.cache.policies import PolicyContext
     from moetier.plan.substitute import Substitution
     from moetier.sim.cost import CostModel
@@ -123,7 +126,7 @@ def simulate_one(trace, shape, profile, budget, policy="lru", substitute=False, 
     predictor = None
     if prefetch != "none":
         predictor = score_oracle(trace, error) if trace.scores is not None else \
-            trace_predictor("oracle", trace, 1, error_rate=error)
+            trace_predictor("oracle", trace, distance, error_rate=error)
     sub = Substitution().resolved(shape.total_expert_params) if substitute else None
     result = simulate(trace, trace_policy(policy, ctx, trace), slots, cost, cost.precision, preload, prefetch=prefetch,
                       predictor=predictor, substitution=sub, placement=placement)
@@ -142,6 +145,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="auto", help="SMoE's part: budgets (auto: the fast tier's room)")
     ap.add_argument("--presched-budgets", default="10%,25%")
     ap.add_argument("--coop-budgets", default="10%,20%,auto")
+    ap.add_argument("--presched-distance", type=int, default=3,
+                    help="PreSched's part: MoE layers ahead the predictor sees (its window grows to this, Q4)")
     ap.add_argument("--tokens", type=int, default=400, help="tokens of the synthetic Qwen3-30B trace")
     ap.add_argument("--demo-share", type=float, default=0.35,
                     help="SMoE's part: the share of demo-deep's trace replayed (its first prompts)")
@@ -170,9 +175,10 @@ def main() -> None:
         for profile, name in tqdm(PRESCHED_SETUPS, desc="presched vs greedy"):
             shape = dataclasses.replace(shapes[name], precision="fp16")  # (a V100 has no bf16)
             for budget in args.presched_budgets.split(","):
-                for arm, (placement, prefetch) in PRESCHED_ARMS.items():
+                for arm, (placement, prefetch, distance) in PRESCHED_ARMS.items():
                     rows.append(dict(part="presched", step=arm, **simulate_one(
-                        traces[name], shape, profile, budget, "lru", False, prefetch, placement, LLAPOR_ERROR)))
+                        traces[name], shape, profile, budget, "lru", False, prefetch, placement, LLAPOR_ERROR,
+                        distance=distance or args.presched_distance)))
     if "coop" in parts:
         shape = dataclasses.replace(shapes["mixtral-8x7b"], precision="fp16")
         for budget in tqdm(args.coop_budgets.split(","), desc="hobbit coop"):

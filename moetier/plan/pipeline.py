@@ -19,6 +19,8 @@ def plan_stages(made: PrecisionSetup, substitution: Substitution | None, prefetc
     front = [substitution.stage(made.residency, made.high)] if substitution is not None else []
     if prefetch == "smoe" and front:  # SMoE prefetches by the substitution's own α (§IV-C), tuned or not
         prefetch_params = {"alpha": lambda: front[0].alpha, **(prefetch_params or {})}
+    if prefetch == "presched":  # Alg. 1 asks Eq. 4 which predicted experts the GPU needs where a CPU lane exists
+        prefetch_params = {"cpu_lane": placement != "none", **(prefetch_params or {})}
     tail = layer_stages(made.residency, made.high, prefetch, predictor, costs, top_k, prefetch_params)
     if placement != "none":
         prefetcher = next((s for s in tail if isinstance(s, PrefetchStage)), None)

@@ -113,6 +113,32 @@ class GreedyPlacement(PlacementStage):
         return ordered[:layer_split(ordered, counts, self.costs, self.reading() * self.costs.read_s)]
 
 
+def gpu_queue(entries: list[tuple[int, int, int]], costs: RunningCosts, alpha_s: float,
+              dense_s: float) -> list[tuple[int, int, int]]:
+    """PreScope's Eq. 4 on E_all, the (tokens, layer, expert) of the current layer's misses and the predicted ones of
+    the layers after it: in ascending order of tokens, the GPU queue is E_all[k …] from the first k where loading it,
+    T_G = α + (N − k)·t_io + t_g, beats the CPU for everything up to it, T_C = t_c(E_all[0 … k]) + t_attn (`dense_s`:
+    the window's dense parts). Ties in tokens put the nearer layer first (the farther one is queued first), then
+    keep the order given: give each layer's experts worst first."""
+    merged = sorted(entries, key=lambda x: x[:2])  # stable
+    total = len(merged)
+    t_c = np.cumsum([costs.host_s(m) for m, _, _ in merged])  # t_c(E_all[0 … k])
+    first = next((k for k in range(total) if alpha_s + (total - k) * costs.read_s + costs.expert_s < t_c[k] + dense_s),
+                 total)
+    return merged[first:]
+
+
+def predicted_misses(plan: LayerPlan, residency: Residency, layer: int) -> list[tuple[int, ExpertKey]]:
+    """`layer`'s predicted experts (a token's predicted top-k) not in the cache, best first, with how many tokens are
+    predicted to use each."""
+    scores = plan.predictions[layer]  # [T, E]
+    k = plan.route.topk_ids.shape[1]
+    top = np.argpartition(-scores, min(k, scores.shape[1]) - 1, axis=1)[:, :k]  # [T, k]
+    tokens = np.bincount(top.ravel(), minlength=scores.shape[1])
+    return [(int(tokens[e]), ExpertKey(layer, e)) for e in predicted_ids(scores, k)
+            if ExpertKey(layer, e) not in residency.entries]
+
+
 class PreSchedPlacement(GreedyPlacement):
     """PreScope's cross-layer placement (Eq. 4, then Eq. 5 on the current layer's part of the GPU queue)."""
 
@@ -122,32 +148,15 @@ class PreSchedPlacement(GreedyPlacement):
         c, counts = self.costs, plan.counts
         alpha_s = self.reading() * c.read_s
         cur = sorted(misses, key=lambda e: (counts[e], e))  # E_cur, ascending tokens
-        nxt = self.next_layer(plan)  # E_next: (tokens, key), predicted and not cached
-        merged = sorted([(int(counts[e]), 0, e) for e in cur] + [(m, 1, key.expert) for m, key in nxt])  # E_all
-        total = len(merged)
-        t_c = np.cumsum([c.host_s(m) for m, _, _ in merged])  # t_c(E_all[0 … k])
-        first = next((k for k in range(total) if alpha_s + (total - k) * c.read_s + c.expert_s < t_c[k] + c.dense_s),
-                     total)  # Eq. 4: E_all[first …] is the GPU queue
-        queued_cur = [e for _, layer_flag, e in merged[first:] if layer_flag == 0]  # a suffix of E_cur
+        nxt = predicted_misses(plan, self.residency, min(plan.predictions)) if plan.predictions else []  # E_next
+        entries = [(int(counts[e]), plan.layer, e) for e in cur] + [(m, key.layer, key.expert) for m, key in nxt[::-1]]
+        queued_cur = [e for _, layer, e in gpu_queue(entries, c, alpha_s, c.dense_s) if layer == plan.layer]
         if not queued_cur:
             return cur  # Eq. 4 sends none of this layer's experts to the GPU (Alg. 1's i = n would load E_cur[n])
         # Alg. 1's OndemandLoop: the first of them, from the smallest, where Eq. 5 holds; if none, i = n: the
         # largest loads
         i = layer_split(cur, counts, c, alpha_s, start=cur.index(queued_cur[0]), default=len(cur) - 1)
         return cur[:i]
-
-    def next_layer(self, plan: LayerPlan) -> list[tuple[int, ExpertKey]]:
-        """The next MoE layer's predicted experts (a token's predicted top-k) not in the cache, with how many
-        tokens are predicted to use each."""
-        if not plan.predictions:
-            return []
-        layer = min(plan.predictions)
-        scores = plan.predictions[layer]  # [T, E]
-        k = plan.route.topk_ids.shape[1]
-        top = np.argpartition(-scores, min(k, scores.shape[1]) - 1, axis=1)[:, :k]  # [T, k]
-        tokens = np.bincount(top.ravel(), minlength=scores.shape[1])
-        return [(int(tokens[e]), ExpertKey(layer, e)) for e in predicted_ids(scores, k)
-                if ExpertKey(layer, e) not in self.residency.entries]
 
 
 class HobbitCoop(PlacementStage):

@@ -7,9 +7,10 @@
 - `comoe`    CoMoE Eq. 19: every next-layer expert whose predicted probability exceeds
              θ_pre(t) = θ_base · S_b(t) · (1 + δ · free/total memory).
 - `comoe-37` CoMoE Eq. 37, the same with θ_pre = γ · free/total memory (γ = θ_base).
-- `presched` PreScope §4.3 (Eq. 6–7): as many of the next layer's predicted experts as fit in the gap this layer
-             leaves the link, f = (T_gap + t_attn) / t_io, the fractional "critical" one kept only when its
-             expected gain beats its expected loss.
+- `presched` PreScope §4.3 (Alg. 1, Eq. 4, 6–7): as many of the next layer's predicted experts in the GPU queue
+             as fit in the gap this layer leaves the link, f = (T_gap + t_attn) / t_io, the fractional "critical"
+             one kept only when its expected gain beats its expected loss; when the queue holds none of the next
+             layer's (batch 1 with a CPU lane), a larger window (Q4).
 - `ahead`    ours: the predicted top-k of every coming layer up to p, nearest first (keeps reads queued)."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
 from moetier.plan.layer_plan import HOST, IN_FLIGHT, LOAD, LayerPlan
 from moetier.plan.on_demand import OnDemandStage
+from moetier.plan.placement import gpu_queue, predicted_misses
 from moetier.plan.prefetch import PrefetchStage, predicted_ids
 
 
@@ -128,31 +130,39 @@ class PreSchedPrefetch(PrefetchStage):
     name = "presched"
 
     def __init__(self, residency: Residency, precision: Precision, costs: RunningCosts, prior_hit: float = 0.5,
-                 smoothing: float = 0.1) -> None:
-        """prior_hit: the hit rate assumed for a prefetch rank never tried; each rank's is then smoothed."""
+                 smoothing: float = 0.1, cpu_lane: bool = False) -> None:
+        """prior_hit: the hit rate assumed for a prefetch rank never tried; each rank's is then smoothed.
+        cpu_lane: a placement stage may compute misses on the host, so Eq. 4 decides which predicted experts the GPU
+        needs at all; without one every predicted miss would be loaded."""
         super().__init__(residency, precision)
-        self.costs, self.prior_hit, self.smoothing = costs, prior_hit, smoothing
+        self.costs, self.prior_hit, self.smoothing, self.cpu_lane = costs, prior_hit, smoothing, cpu_lane
         self.rank_hit: list[float] = []  # per rank among a layer's prefetches: how often such a prefetch was used
         self._rank: dict[ExpertKey, int] = {}
 
-    def count(self, plan: LayerPlan) -> int:
-        """|f| per Eq. 6–7, from this plan and the running costs. T_gap is the CPU computation of the experts a
-        placement stage put on the host, less the link time before it; with none (no CPU lane), the compute of the
-        experts this layer does not load stands in for it."""
+    def slack(self, plan: LayerPlan) -> float:
+        """T_gap + t_attn before α: the link time this layer leaves free (Eq. 6's numerator, α added back). T_gap is
+        the CPU computation of the experts a placement stage put on the host less this layer's own reads; with none
+        (no CPU lane), the compute of the experts this layer does not load stands in for it."""
         c = self.costs
-        t_io, t_e = c.read_s, c.expert_s
         reads = sum(1 for run in plan.runs if run.source in (LOAD, IN_FLIGHT))  # this layer's, on the link first
-        alpha = self.reading() * t_io  # PreScope's α: link time our earlier prefetches still take
         host = [run for run in plan.runs if run.place == HOST]
         counts = plan.counts
         busy = sum(c.host_s(int(counts[run.expert])) for run in host) if host else \
-            (len(plan.runs) - reads) * t_e
-        gap = busy - alpha - reads * t_io  # T_gap
-        f = max(0.0, (gap + c.dense_s) / t_io)  # Eq. 6
+            (len(plan.runs) - reads) * c.expert_s
+        return busy - reads * c.read_s + c.dense_s
+
+    def count(self, plan: LayerPlan, window: int = 1) -> int:
+        """|f| per Eq. 6–7 for prefetches aimed `window` layers ahead: f = (T_gap + t_attn) / t_io with the gap of
+        the `window` layers before the target, each taken to leave the link what this one does (Q4's larger window),
+        less α, the link time our earlier prefetches still take; the critical |f|-th kept only when ξ > 0."""
+        c = self.costs
+        alpha = self.reading() * c.read_s  # PreScope's α
+        f = max(0.0, (window * self.slack(plan) - alpha) / c.read_s)  # Eq. 6
         n = round(f)
         if n == 0:
             return 0
         hit = self.rank_hit[n - 1] if n - 1 < len(self.rank_hit) else self.prior_hit
+        t_e = c.expert_s
         xi = hit * (f - n + 1) * t_e - (1 - hit) * (n - f) * t_e  # Eq. 7
         return n if xi > 0 else n - 1
 
@@ -160,16 +170,39 @@ class PreSchedPrefetch(PrefetchStage):
         self._learn(plan)
         return super().__call__(plan)
 
+    def wanted(self, plan: LayerPlan, window: list[int]) -> list[ExpertKey]:
+        """GPU_Q ∩ E_target, most tokens first, for the window's last layer E_target: with a CPU lane, Eq. 4 on this
+        layer's misses and the window's predicted ones (t_attn once per layer); without, every predicted miss."""
+        target = predicted_misses(plan, self.residency, window[-1])
+        if not (self.cpu_lane and self.costs.placement_ready):
+            return [key for _, key in target]
+        counts = plan.counts
+        cur = [(int(counts[run.expert]), plan.layer, run.expert) for run in plan.runs
+               if run.source in (LOAD, IN_FLIGHT) or run.place == HOST]
+        ahead = [(m, key.layer, key.expert) for layer in window
+                 for m, key in predicted_misses(plan, self.residency, layer)[::-1]]  # worst first
+        queue = gpu_queue(cur + ahead, self.costs, self.reading() * self.costs.read_s,
+                          len(window) * self.costs.dense_s)
+        return [ExpertKey(layer, e) for _, layer, e in reversed(queue) if layer == window[-1]]
+
     def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
+        """Alg. 1's PrefetchDecision: |f| of the next layer's experts in the GPU queue; when the GPU queue holds none
+        of them (Q4, common at small batches, where the CPU computes every miss), the window grows a layer at a time
+        up to the predictor's distance, the target its last layer, under the same trade-off (Eq. 4, 6, 7). Ours:
+        the target is the first window whose last layer has queued experts; the gap is the window's."""
         if not self.costs.ready:
             return []  # nothing measured yet: no budget to schedule against
-        layer = min(plan.predictions)
-        n = self.count(plan)
-        ranked = [ExpertKey(layer, e) for e in predicted_ids(plan.predictions[layer], plan.route.topk_ids.shape[1])]
-        missing = [key for key in ranked if key not in self.residency.entries]
-        chosen = missing[:n]
-        self._rank.update((key, i) for i, key in enumerate(chosen))
-        return [key for key in ranked if key not in missing] + chosen  # resident ones masked, n read
+        layers = sorted(plan.predictions)
+        k = plan.route.topk_ids.shape[1]
+        masked = [key for key in (ExpertKey(layers[0], e) for e in predicted_ids(plan.predictions[layers[0]], k))
+                  if key in self.residency.entries]  # the next layer's resident predicted experts: pinned, not read
+        for d in range(1, len(layers) + 1):
+            chosen = self.wanted(plan, layers[:d])
+            if chosen:
+                chosen = chosen[:self.count(plan, d)]
+                self._rank.update((key, i) for i, key in enumerate(chosen))
+                return masked + chosen
+        return masked
 
     def _learn(self, plan: LayerPlan) -> None:
         """Before settling: each prefetch aimed at this layer teaches its rank's hit rate."""
@@ -179,7 +212,6 @@ class PreSchedPrefetch(PrefetchStage):
             while len(self.rank_hit) <= rank:
                 self.rank_hit.append(self.prior_hit)
             self.rank_hit[rank] += self.smoothing * (float(key.expert in used) - self.rank_hit[rank])
-
 
 Factory = Callable[..., PrefetchStage]
 PREFETCHERS: dict[str, Factory] = {

@@ -201,6 +201,63 @@ def test_presched_learns_each_ranks_hit_rate():
     assert stage.rank_hit == [pytest.approx(0.75), pytest.approx(0.25)]
 
 
+def presched_costs(host_s: float | None = None) -> RunningCosts:
+    costs = RunningCosts(100)
+    costs.observe_read(100, 1.0)  # t_io = 1
+    costs.observe_dense(0.05)  # t_attn
+    costs.observe_expert(0.1)  # t_g
+    if host_s is not None:
+        costs.observe_host(1, host_s)  # t_c flat
+    return costs
+
+
+def test_presched_extends_its_window_when_the_gpu_queue_holds_none_of_the_next_layers_experts():
+    """Alg. 1's PrefetchDecision at batch 1 with a CPU lane (Q4): the CPU computes layer 0's two misses (t_c 0.2
+    each); Eq. 4 on them and layer 1's two predicted: T_C(3) = 0.8 + 0.05 < T_G(3) = 1 + 0.1, the GPU queue holds
+    none of layer 1's, so nothing is read for it. The window grows to layer 2: T_C(5) = 1.2 + 0.1 > 1.1 queues
+    layer 2's best; f = 2 · (0.4 + 0.05) / 1 = 0.9, |f| = 1, ξ = 0.5·0.9·t_g − 0.5·0.1·t_g > 0: one prefetch."""
+    from moetier.plan.placement import PreSchedPlacement
+
+    costs = presched_costs(host_s=0.2)
+    r = Residency(10 * 100, BYTES, LRUPolicy())
+    stage = PreSchedPrefetch(r, "bf16", costs=costs, cpu_lane=True)
+    predictor = Scripted({0: {1: one_hot(3, 5), 2: one_hot(4, 6)}}, distance=2)
+    step = LayerStep(r, Planner("bf16", [PreSchedPlacement(r, costs), OnDemandStage(r), stage]), predictor=predictor)
+    plan = step.begin(route(0, [0, 1]))
+    assert sorted(e for e, place in plan.place.items() if place == "host") == [0, 1]
+    assert [p.key for p in plan.prefetches] == [ExpertKey(2, 4)]
+    # the same layer alone (distance 1): the queue never reaches a predicted expert, so nothing is read
+    r1 = Residency(10 * 100, BYTES, LRUPolicy())
+    near = PreSchedPrefetch(r1, "bf16", costs=costs, cpu_lane=True)
+    step1 = LayerStep(r1, Planner("bf16", [PreSchedPlacement(r1, costs), OnDemandStage(r1), near]),
+                      predictor=Scripted({0: {1: one_hot(3, 5)}}, distance=1))
+    assert step1.begin(route(0, [0, 1])).prefetches == []
+    # a slower CPU (t_c 0.3): Eq. 4 queues layer 1's best, T_C(3) = 1.2 + 0.05 > 1.1, and f = 0.65 → |f| = 1 for it
+    r2 = Residency(10 * 100, BYTES, LRUPolicy())
+    slow = presched_costs(host_s=0.3)
+    stage2 = PreSchedPrefetch(r2, "bf16", costs=slow, cpu_lane=True)
+    step2 = LayerStep(r2, Planner("bf16", [PreSchedPlacement(r2, slow), OnDemandStage(r2), stage2]),
+                      predictor=Scripted({0: {1: one_hot(3, 5), 2: one_hot(4, 6)}}, distance=2))
+    assert [p.key for p in step2.begin(route(0, [0, 1])).prefetches] == [ExpertKey(1, 3)]
+
+
+def test_presched_without_a_cpu_lane_looks_past_a_next_layer_it_already_holds():
+    costs = RunningCosts(100)
+    costs.observe_read(100, 1.0)
+    costs.observe_dense(0.8)
+    costs.observe_expert(0.5)
+    r, stage, step = make(10, PreSchedPrefetch, scores={0: {1: one_hot(3, 5), 2: one_hot(4, 6)}}, distance=2,
+                          costs=costs)
+    for key in (ExpertKey(0, 0), ExpertKey(0, 1), ExpertKey(1, 3), ExpertKey(1, 5)):  # layer 1's prediction cached
+        r.admit(key, "bf16")
+        r.landed(key)
+    r.unpin_all()
+    plan = step.begin(route(0, [0, 1]))
+    # f = 2 · (2 · 0.5 + 0.8) / 1 = 3.6 for the window of two layers: both of layer 2's predicted experts
+    assert [p.key for p in plan.prefetches] == [ExpertKey(2, 4), ExpertKey(2, 6)]
+    assert {ExpertKey(1, 3), ExpertKey(1, 5)} <= r.pinned(PREFETCHED)  # layer 1's masked from eviction, not read
+
+
 def test_make_prefetcher_refuses_unknown_names_and_a_stage_without_a_predictor():
     from moetier.errors import MoetierError
     from moetier.plan.prefetchers import layer_stages
