@@ -127,21 +127,34 @@ class PrecisionStage:
     def __init__(self, residency: Residency, high: Precision, low: Precision, t1: float, t2: float) -> None:
         self.residency, self.high, self.low, self.t1, self.t2 = residency, high, low, t1, t2
 
+    def best_levels(self, ids: np.ndarray, weights: np.ndarray) -> dict[int, int]:
+        """[T, k] ids (SKIP for none) and their router weights -> each named expert's most important level over its
+        uses (Eq. 2)."""
+        level = levels(weights, self.t1, self.t2)  # [T, k]
+        level[ids == SKIP] = SKIPPED
+        return {int(e): int(level[ids == e].min()) for e in np.unique(ids[ids != SKIP])}
+
+    def predicted(self, scores: np.ndarray, top_k: int) -> dict[int, Precision | None]:
+        """[T, E] a predictor's scores for a coming layer -> the precision this loader would read each predicted
+        expert at (each token's predicted top-k, weighed by the predicted scores), None where it would skip it:
+        HOBBIT §3.3 prefetches "versions of the experts with different precision levels" (Fig. 9d–e)."""
+        k = min(top_k, scores.shape[1])
+        ids = np.argpartition(-scores, k - 1, axis=1)[:, :k]  # [T, k]
+        best = self.best_levels(ids, np.take_along_axis(scores, ids, axis=1))
+        return {e: None if lvl == SKIPPED else self.high if lvl == HIGH else self.low for e, lvl in best.items()}
+
     def __call__(self, plan: LayerPlan) -> LayerPlan:
         ids = plan.assign_ids  # [T, k]
-        level = levels(plan.assign_weights, self.t1, self.t2)
-        level[ids == SKIP] = SKIPPED
+        best = self.best_levels(ids, plan.assign_weights)
         entries, layer = self.residency.entries, plan.layer
         skip = np.zeros(ids.shape, dtype=bool)
         for e in plan.experts:
             if ExpertKey(layer, e) in entries:
                 continue
-            mine = ids == e
-            best = level[mine].min()
-            if best == SKIPPED:
-                skip |= mine
+            if best[e] == SKIPPED:
+                skip |= ids == e
             else:
-                plan.precision[e] = self.high if best == HIGH else self.low
+                plan.precision[e] = self.high if best[e] == HIGH else self.low
         if skip.any():
             plan.reassign(np.where(skip, SKIP, ids), np.where(skip, 0.0, plan.assign_weights).astype(np.float32),
                           self.high)

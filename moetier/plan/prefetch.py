@@ -14,6 +14,10 @@ The bookkeeping is shared (`PrefetchStage`); a subclass only chooses which exper
   by the layers those are exactly the least recent entries, so recency-based victims would be the hits about to
   come; where the cache holds about one step's experts, each such eviction cascades (the miss it causes evicts
   the next layer's, and so on: in the simulator Mixtral on an A100 at 25% fell from 51% hits to 0.4%).
+- Under HOBBIT's loader (`loader`, its precision stage), a predicted expert is read at the precision that loader
+  would choose from the predicted scores (§3.3, Fig. 9d–e: a wrong low-precision prefetch costs a quarter of the
+  link), and not at all where it would skip it; a precision the cache does not hold (the low tier's, resident
+  already) is not read either.
 - Reads go out after the layer's on-demand loads, at the reader's lower priority: a prefetch never delays an
   on-demand read already queued, and queued on-demand reads of later layers overtake it."""
 
@@ -50,18 +54,35 @@ class _WorkingSetAhead:
 
 class PrefetchStage:
     name = "prefetch"
+    loader = None  # a moetier.plan.precision.PrecisionStage: read each expert at the precision it would choose
 
     def __init__(self, residency: Residency, precision: Precision) -> None:
         self.residency, self.precision = residency, precision
         self.pinned: dict[ExpertKey, bool] = {}  # pinned for a coming layer -> whether we read it (a prefetch)
         self.recent: dict[int, frozenset[int]] = {}  # layer -> the experts it needed when it last ran
+        self.at: dict[ExpertKey, Precision | None] = {}  # this layer's predicted experts -> the loader's precision
 
     def __call__(self, plan: LayerPlan) -> LayerPlan:
         self.settle(plan)
         self.recent[plan.layer] = frozenset(plan.experts)
         if plan.predictions:
+            if self.loader is not None:
+                self.at = self.loader_precisions(plan)
             self.issue(plan, self.select(plan))
         return plan
+
+    def loader_precisions(self, plan: LayerPlan) -> dict[ExpertKey, Precision | None]:
+        """Each predicted expert of the coming layers -> the precision the loader would read it at (None: none)."""
+        k = plan.route.topk_ids.shape[1]
+        return {ExpertKey(layer, e): precision for layer, scores in plan.predictions.items()
+                for e, precision in self.loader.predicted(scores, k).items()}
+
+    def precision_of(self, key: ExpertKey) -> Precision | None:
+        """The precision to read `key` at: the loader's where there is one (None: not read), else the stage's."""
+        if self.loader is None:
+            return self.precision
+        precision = self.at.get(key, self.precision)  # an expert outside the predicted top-k: as the stage says
+        return precision if precision in self.residency.entry_bytes else None
 
     def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
         """The experts of coming layers to hold, in the order to read them (reading stops at the first that
@@ -95,31 +116,35 @@ class PrefetchStage:
 
     def issue(self, plan: LayerPlan, keys: Iterable[ExpertKey]) -> None:
         r = self.residency
-        reserve = min(plan.route.scores.shape[1], plan.route.topk_ids.size) * r.entry_bytes[self.precision]
+        reserve = min(plan.route.scores.shape[1], plan.route.topk_ids.size)  # entries, at the precision in question
         for key in keys:
             if key in self.pinned or key.layer == plan.layer:
                 continue
             entry = r.entries.get(key)
             if entry is not None:
-                if entry.pin is None and self._room(key, entry.nbytes, reserve):
+                if entry.pin is None and self._room(key, entry.nbytes, reserve, entry.precision):
                     r.pin(key, PREFETCHED)
                     self.pinned[key] = False
                 continue
-            nbytes = r.entry_bytes[self.precision]
-            if not self._room(key, nbytes, reserve):
+            precision = self.precision_of(key)
+            if precision is None:
+                continue  # the loader would skip it, or run it from the resident low tier
+            nbytes = r.entry_bytes[precision]
+            if not self._room(key, nbytes, reserve, precision):
                 break
-            got = r.admit(key, self.precision, PREFETCHED, spare=_WorkingSetAhead(plan.layer, self.recent))
+            got = r.admit(key, precision, PREFETCHED, spare=_WorkingSetAhead(plan.layer, self.recent))
             if got is None:
                 break
             slot, evicted = got
-            plan.prefetches.append(Prefetch(key, self.precision, slot, evicted))
+            plan.prefetches.append(Prefetch(key, precision, slot, evicted))
             self.pinned[key] = True
 
-    def _room(self, key: ExpertKey, nbytes: int, reserve: int) -> bool:
-        """Pinning `nbytes` more for `key` still leaves `reserve` bytes of its scope unpinned by prefetches."""
+    def _room(self, key: ExpertKey, nbytes: int, reserve: int, precision: Precision) -> bool:
+        """Pinning `nbytes` more for `key` still leaves `reserve` entries at `precision` of its scope unpinned by
+        prefetches."""
         r = self.residency
-        part = r.part_of(key, self.precision)
-        return r.pinned_bytes(PREFETCHED, part) + nbytes + reserve <= r.part_capacity(part)
+        part = r.part_of(key, precision)
+        return r.pinned_bytes(PREFETCHED, part) + nbytes + reserve * r.entry_bytes[precision] <= r.part_capacity(part)
 
     def reading(self) -> int:
         """Prefetches of ours whose reads have not landed."""

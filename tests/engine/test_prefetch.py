@@ -120,3 +120,33 @@ def test_a_trained_predictor_learns_online_inside_the_engine(deep):
     with Engine.from_pretrained(path, expert_memory="100%") as engine:
         assert out.token_ids == engine.generate(prompts([6]), max_new_tokens=14, ignore_eos=True).token_ids
     assert any(not torch.equal(a, b) for a, b in zip(before, nets[layers[0]].parameters()))
+
+
+def test_hobbit_mode_prefetches_low_precision_copies_where_its_loader_would(tiny_store, tmp_path):
+    """HOBBIT §3.3 (Fig. 9d–e): with mixed precision, a prefetch reads the copy the loader would choose — some at
+    int4 — into that precision's sub-cache, and the statistics still add up byte for byte."""
+    import shutil
+
+    from moetier.plan.precision import MixedPrecision
+    from moetier.sim.replay import PlanLog
+    from moetier.store.variants import add_precisions
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    shutil.copytree(path, tmp_path / "s")
+    add_precisions(tmp_path / "s", "int4", progress=False)
+    store = Store(tmp_path / "s")
+    config = EngineConfig(expert_memory=MemoryBudget.parse("40%"), precision=MixedPrecision("hobbit"),
+                          prefetch="hobbit", predictor="stacked-gates")
+    log = PlanLog()
+    with Engine(store, config) as engine:
+        engine.executor.layer_step.hooks.append(log)
+        out = engine.generate(prompts([9, 5]), max_new_tokens=16, ignore_eos=True)
+    prefetched = [p.precision for plan in log.plans for p in plan.prefetches]
+    assert {"bf16", "int4"} <= set(prefetched)
+    sizes = {p: layout.blob_bytes for p, layout in store.manifest.precisions.items()}
+    read = sum(sizes[ld.precision] for plan in log.plans for ld in plan.loads) + \
+        sum(sizes[p] for p in prefetched)
+    s = out.stats
+    cancelled = s["prefill"]["prefetch_cancelled"] + s["decode"]["prefetch_cancelled"]
+    assert s["prefill"]["bytes_read"] + s["decode"]["bytes_read"] <= read
+    assert cancelled > 0 or s["prefill"]["bytes_read"] + s["decode"]["bytes_read"] == read

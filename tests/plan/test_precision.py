@@ -130,3 +130,36 @@ def test_fitted_thresholds_reproduce_the_shares():
     shares = [float((levels(w, t1, t2) == i).mean()) for i in (HIGH, LOW, SKIPPED)]
     assert shares == pytest.approx([0.6, 0.3, 0.1], abs=0.01)
     assert fit_thresholds(np.ones((5, 1))) == (0.6, 0.9)  # top-1: nothing to fit
+
+
+def test_the_loader_names_the_precision_of_predicted_experts():
+    """HOBBIT §3.3: a predicted expert is prefetched at the precision the loader would choose from the predicted
+    gates (Eq. 2 on each token's predicted top-k), or not at all where it would skip it."""
+    loader = PrecisionStage(residency(), "bf16", "int4", 0.6, 0.9)
+    scores = np.array([[0.50, 0.30, 0.15, 0.05, 0, 0, 0, 0]], np.float32)  # top-4: s = 0, 0.5, 0.8, 0.95
+    assert loader.predicted(scores, 4) == {0: "bf16", 1: "bf16", 2: "int4", 3: None}
+    # a second token for which expert 3 matters most: its best use wins
+    two = np.vstack([scores, [[0.05, 0.15, 0.30, 0.50, 0, 0, 0, 0]]]).astype(np.float32)
+    assert loader.predicted(two, 4) == {0: "bf16", 1: "bf16", 2: "bf16", 3: "bf16"}
+
+
+def test_hobbit_prefetches_at_the_loaders_precision_into_each_sub_cache():
+    from moetier.plan.prefetchers import HobbitPrefetch
+
+    r = residency(200, bf16=0.75, int4=0.25)
+    loader = PrecisionStage(r, "bf16", "int4", 0.6, 0.9)
+    stage = HobbitPrefetch(r, "bf16")
+    stage.loader = loader
+    plan = OnDemandStage(r)(loader(LayerPlan.exact(route([[4, 5]], [[0.9, 0.1]]), "bf16")))
+    plan.predictions = {1: np.array([[0.50, 0.30, 0.15, 0.05, 0, 0, 0, 0]], np.float32)}
+    plan.route = RouteResult(0, 1, np.array([[4, 5, 6, 7]]), np.ones((1, 4), np.float32), np.zeros((1, 8), np.float32))
+    stage(plan)
+    assert [(p.key.expert, p.precision) for p in plan.prefetches] == [(0, "bf16"), (1, "bf16"), (2, "int4")]
+    assert all(r.part_of(p.key, p.precision) == p.precision for p in plan.prefetches)  # each in its own sub-cache
+    # without the loader, every predicted expert is read at the high precision
+    r2 = residency(200, bf16=0.75, int4=0.25)
+    plain = HobbitPrefetch(r2, "bf16")
+    plan2 = OnDemandStage(r2)(LayerPlan.exact(route([[4, 5]], [[0.9, 0.1]]), "bf16"))
+    plan2.predictions, plan2.route = plan.predictions, plan.route
+    plain(plan2)
+    assert {p.precision for p in plan2.prefetches} == {"bf16"} and len(plan2.prefetches) == 4

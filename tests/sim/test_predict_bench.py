@@ -61,3 +61,21 @@ def test_prefetching_with_the_oracle_on_a_free_machine_changes_no_hit():
     assert pre.hits > base.hits
     s = pre.summary()["prefetches"]
     assert s["issued"] > 0 and s["wasted"] == 0 and s["late"] == 0 and s["used"] == s["issued"]
+
+
+def test_the_simulator_prefetches_at_the_loaders_precision_under_hobbit():
+    """Mixed-precision prefetch in the simulator (the engine's test: tests/engine/test_prefetch.py): under HOBBIT's
+    loader a token's second expert, weighted 0.2, is read at int4 (s = 0.8 > T1), the first at bf16."""
+    from moetier.plan.precision import MixedPrecision
+
+    t = trace(tokens=120)
+    t.topk_weights[..., 0], t.topk_weights[..., 1] = 0.8, 0.2
+    mixed = MixedPrecision("hobbit", low="int4")
+    pre = simulate(t, LRUPolicy(), 10, FreeCost({"bf16": 4, "int4": 1}, "bf16"), "bf16", prefetch="hobbit",
+                   predictor=trace_predictor("oracle", t), mixed=mixed, keep_plans=True)
+    first = {(plan.route.step, plan.layer, int(e)) for plan in pre.plans for e in plan.route.topk_ids[:, 0]}
+    read = [(plan.route.step, p.key, p.precision) for plan in pre.plans for p in plan.prefetches]
+    assert {"bf16", "int4"} <= {precision for _, _, precision in read}
+    # bf16 exactly where some token's predicted (here: true) first expert, int4 where only ever a second
+    assert all((precision == "bf16") == ((step, key.layer, key.expert) in first) for step, key, precision in read)
+    assert pre.summary()["prefetches"]["issued"] == len(read) > 0
