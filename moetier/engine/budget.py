@@ -98,10 +98,12 @@ def plan_budget(store: Store, budget: MemoryBudget, memory: MemoryView, mixed: M
     return BudgetChoice(slots, cache, note, dense, precision)
 
 
-def check_host_tier(store: Store, budget: BudgetChoice, memory: MemoryView, on_cpu: bool) -> None:
-    """Placement keeps every expert in host memory beside the dense weights (and, on the CPU, the cache): refused
-    where the host cannot hold them."""
-    on_host = store.total_expert_bytes() + (budget.dense_bytes + budget.cache_bytes if on_cpu else 0)
+def check_host_tier(store: Store, budget: BudgetChoice, memory: MemoryView, on_cpu: bool,
+                    precisions: tuple[str, ...] = ()) -> None:
+    """Placement keeps every expert in host memory at each of `precisions` (default: the store's own) beside the
+    dense weights (and, on the CPU, the cache): refused where the host cannot hold them."""
+    tier = sum(store.manifest.expert_bytes(p) for p in precisions) if precisions else store.total_expert_bytes()
+    on_host = tier + (budget.dense_bytes + budget.cache_bytes if on_cpu else 0)
     room = max(0, memory.available - runtime_to_come())
     if on_host > room:
         raise BudgetError(f"placement computes experts where they live, so every expert is kept in host memory: "

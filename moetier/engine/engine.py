@@ -259,7 +259,8 @@ class Engine:
         if add_missing_precisions(store, self.precision, progress):
             self.store = store = Store(store.path)
         if config.placement != "none":
-            check_host_tier(store, self.budget, memory or memory_available(), self.device.type == "cpu")
+            check_host_tier(store, self.budget, memory or memory_available(), self.device.type == "cpu",
+                            self.precision.host_precisions(store.manifest.native_precision))
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
                                    manifest=store.manifest)
         try:

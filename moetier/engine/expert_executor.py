@@ -72,9 +72,6 @@ class ExpertExecutor:
         self.costs = RunningCosts(entry_bytes[self.precision])
         if substitution is not None:
             substitution = substitution.resolved(spec.num_expert_keys * spec.expert_params)
-        if placement != "none" and mixed.mode != "native":
-            raise MoetierError(f"placement with --precision {mixed.mode} is not built: the host tier holds the "
-                               f"model's own precision", hint="use one of them")
         stages = plan_stages(made, substitution, prefetch, predictor, self.costs, spec.top_k, prefetch_params,
                              placement)
         # the substitution stage, if any: its α is tuned at run time (--tpot-budget)
@@ -87,7 +84,8 @@ class ExpertExecutor:
         if tier is not None:
             self._fill(self.pools[tier.low], tier.low, tier.slot, f"low tier ({tier.low})")
         self.host_device = torch.device("cpu")
-        self.host_pool = None  # every expert at self.precision in host memory, when placement computes there
+        self.host_pools: dict = {}  # precision -> every expert at it in host memory, when placement computes there
+        self.host_kernels: dict = {}  # precision -> the host CPU's kernel for it
         # whether a layer may skip planning once every expert is resident (ResidentLayers): nothing plans but the
         # on-demand stage, one precision, no predictor
         self._plain = (len(stages) == 1 and isinstance(stages[0], OnDemandStage) and tier is None
@@ -95,11 +93,14 @@ class ExpertExecutor:
         self._resident: ResidentLayers | None = None  # made when first every expert is resident
         self.resident_layers: ResidentLayers | None = None  # this step's, or None: each layer is planned
         if placement != "none":
-            self.host_pool = make_slots(manifest.precisions[self.precision], spec.num_expert_keys, self.host_device,
-                                        manifest.linked(self.precision))
+            # HOBBIT's low copies too: a missing expert its loader wants low is computed from one (§5.5.1's gains)
+            host = mixed.host_precisions(native)
             self._host_index = {key: i for i, key in enumerate(spec.expert_keys())}
-            self.host_kernel = make_expert_kernel(self.precision, host_kernels or self.kernels, dtype, spec)
-            self._fill(self.host_pool, self.precision, self.host_slot, "host tier")
+            for p in host:
+                self.host_pools[p] = make_slots(manifest.precisions[p], spec.num_expert_keys, self.host_device,
+                                                manifest.linked(p))
+                self._fill(self.host_pools[p], p, self.host_slot, f"host tier ({p})")
+            self.host_kernels = {p: make_expert_kernel(p, host_kernels or self.kernels, dtype, spec) for p in host}
             self._probe_host(dtype)
 
     @property
@@ -140,12 +141,13 @@ class ExpertExecutor:
 
     def _probe_host(self, dtype: torch.dtype) -> None:
         """What one host expert costs, measured once before any plan weighs it (later host computes refine it)."""
-        w = self.host_pool.weights(self.host_slot(*self.spec.expert_keys()[0]))
+        w = self.host_pools[self.precision].weights(self.host_slot(*self.spec.expert_keys()[0]))
+        kernel = self.host_kernels[self.precision]
         x = torch.zeros(1, self.spec.hidden_size, dtype=dtype)
         out, weights = torch.empty_like(x), torch.ones(1, dtype=dtype)
-        self.host_kernel(out, x, w, weights)  # warm: first calls pay for allocation and dispatch
+        kernel(out, x, w, weights)  # warm: first calls pay for allocation and dispatch
         start = time.perf_counter()
-        self.host_kernel(out, x, w, weights)
+        kernel(out, x, w, weights)
         self.costs.observe_host(1, time.perf_counter() - start)
 
     def begin_step(self, phase: int, phases: tuple[PhaseCounters, PhaseCounters]) -> None:
@@ -230,8 +232,8 @@ class ExpertExecutor:
                 self._compute_together(groups, together)
                 if run.place == HOST:  # where its weights live: the host tier, on the host CPU
                     start = time.perf_counter()
-                    groups.compute_on(run.expert, self.host_kernel, self.host_pool.weights(
-                        self.host_slot(layer, run.expert)), self.host_device)
+                    groups.compute_on(run.expert, self.host_kernels[run.precision], self.host_pools[
+                        run.precision].weights(self.host_slot(layer, run.expert)), self.host_device)
                     self.costs.observe_host(int(counts[run.expert]), time.perf_counter() - start)
                     continue
                 pool = self.pools[run.precision]

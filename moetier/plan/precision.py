@@ -76,6 +76,15 @@ class MixedPrecision:
         """(high, low) for a model whose own precision is `native`."""
         return self.high or native, self.low or default_low
 
+    def host_precisions(self, native: Precision, default_low: Precision = "int4") -> tuple[Precision, ...]:
+        """The precisions placement keeps every expert at in host memory: the one the cache reads, and HOBBIT's low
+        one too (§4, Fig. 13: all experts in CPU memory in each precision; a missing expert its loader wants low is
+        computed by the CPU from the low copy). Low-tier's low copies are resident already."""
+        if self.mode in UNIFORM:
+            return (self.mode,)
+        high, low = self.pair(native, default_low)
+        return (high, low) if self.mode == "hobbit" else (high,)
+
     def precisions(self, native: Precision, default_low: Precision = "int4") -> tuple[Precision, ...]:
         """The precisions the store must hold for this mode."""
         if self.mode == "native":
