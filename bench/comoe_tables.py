@@ -9,7 +9,7 @@ memory, bounded at the RAM the paper states, holds what is offloaded), and what 
 synthetic encoder-decoder trace (8 requests of 128 prompt tokens and 16 new tokens, batch 1 as the paper's
 latency runs; skew and locality fitted to the real OLMoE trace in ../shared/data/traces) through the simulator,
 LRU, the cache filled first. Offloading is shown both ways: every MoE layer's (moetier's), and the encoder's alone
-with the decoder's experts resident (the paper's, §V-D). The merged variant is a fixed-ratio one (`--ratio`,
+with the decoder's experts resident (the paper's, §IV-D). The merged variant is a fixed-ratio one (`--ratio`,
 by default the paper's parameter share).
 
     python bench/comoe_tables.py            # ~2 min; JSON, tables and plot in bench/out/comoe-tables/

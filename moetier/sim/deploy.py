@@ -1,10 +1,10 @@
 """Which ways of holding a model fit a device's memory, and what each costs a request: CoMoE's Tables I–II.
 
-Four deployments (CoMoE §V-C): `original` — every weight on the device; `merged` (M-SMoE) — a merged variant,
+Four deployments (CoMoE §IV-C): `original` — every weight on the device; `merged` (M-SMoE) — a merged variant,
 ⌊r·E⌋ experts a MoE layer (Eq. 28's fixed ratio; each layer's router shrinks with it), on the device; `offloaded`
 (E-Offload) — dense weights on the device, experts in host memory behind an expert cache of what the device has
 left; `merged+offloaded` (CoMoE) — both. Offloading covers every MoE layer (`scope="all"`, what moetier does) or,
-as the paper does for Switch (§III-D 3, §V-D), the encoder's alone, the decoder's experts resident
+as the paper does for Switch (§III-B 3, §IV-D), the encoder's alone, the decoder's experts resident
 (`scope="encoder"`).
 
 A deployment fits when the device holds its dense weights, its resident experts, the runtime's workspace and, if

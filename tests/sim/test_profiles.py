@@ -54,5 +54,5 @@ def test_list_profiles_verbose_prints_each_profiles_sources(capsys):
 
     assert main(["list", "profiles", "--verbose"]) == 0
     out = capsys.readouterr().out
-    assert "FlashMoE §3 (its decoding stage" in out and "- CoMoE §V-A" in out
+    assert "FlashMoE §3 (its decoding stage" in out and "- CoMoE §IV-A" in out
     assert main(["list", "profiles"]) == 0 and "- CoMoE" not in capsys.readouterr().out

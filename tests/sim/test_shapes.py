@@ -33,7 +33,7 @@ def test_switch_experts_are_plain_two_matrix_mlps_in_fp32():
 
 @pytest.mark.parametrize("experts, billions", [(8, 0.62), (32, 1.98), (64, 3.8), (128, 7.4), (256, 14.7)])
 def test_switch_totals_count_encoder_and_decoder(experts, billions):
-    """As the model cards and CoMoE §V-A state them (CoMoE's 15.8 B for -256 is not the checkpoint's 14.7 B)."""
+    """As the model cards and CoMoE §IV-A state them (CoMoE's 15.8 B for -256 is not the checkpoint's 14.7 B)."""
     assert total_params(SHAPES[f"switch-base-{experts}"], tied=True) / 1e9 == pytest.approx(billions, rel=0.02)
 
 
