@@ -71,7 +71,7 @@ def main() -> None:
                 for stage in stages:
                     for name, error in [("none", 0.0)] if stage == "none" else predictors:
                         make = None if stage == "none" else (
-                            lambda e=error, t=trace: trace_predictor("oracle", t, args.distance, error_rate=e))
+                            lambda t, e=error: trace_predictor("oracle", t, args.distance, error_rate=e))
                         r = run(trace, cost, "lru", budget, prefetch=stage, predictor=make)
                         s = r.result.summary()
                         base = s["tpot_s"] if stage == "none" else base

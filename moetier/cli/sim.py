@@ -56,8 +56,10 @@ def _sim(args: argparse.Namespace) -> None:
         run,
     )
     from moetier.sim.timing import plot_timeline
+    from moetier.trace.batch import interleave
     from moetier.trace.format import Trace
 
+    batches = [None] if args.batch is None else [_batch(b) for b in _items(args.batch, "--batch")]
     trace = Trace.load(args.trace)
     fitted = {base_name(p) for p in _items(args.policy, "--policy")} & set(LEARNED)
     trace = encoder_set_aside(trace, args.predictor != "none" or bool(fitted), lambda m: print(m, file=sys.stderr))
@@ -67,14 +69,18 @@ def _sim(args: argparse.Namespace) -> None:
     check_fits(trace, shape)
     cost = CostModel.of(profile, shape, args.precision, blob_bytes)
     check_holds(cost)  # a model the profile's memory cannot hold at all is refused, not timed
-    configs = [(p, b, f) for p in _items(args.policy, "--policy") for b in _items(args.expert_memory, "--expert-memory")
-               for f in _items(args.prefetch, "--prefetch")]
-    for policy, budget, prefetch in configs:
+    configs = [(p, b, f, n) for p in _items(args.policy, "--policy")
+               for b in _items(args.expert_memory, "--expert-memory") for f in _items(args.prefetch, "--prefetch")
+               for n in batches]
+    for n in batches:
+        if n is not None:
+            interleave(trace, n)  # a trace that cannot be batched so is refused before any cell runs
+    for policy, budget, prefetch, _ in configs:
         check_policy(policy)
         if prefetch != "none" and prefetch not in PREFETCHERS:
             raise MoetierError(f"unknown prefetcher {prefetch!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
         budget_slots(budget, trace, cost)  # a budget the profile cannot hold is refused before any cell runs
-    if any(f != "none" for *_, f in configs) and args.predictor == "none":
+    if any(f != "none" for _, _, f, _ in configs) and args.predictor == "none":
         raise MoetierError("--prefetch needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
     if any(p.endswith(SUFFIX) for p, *_ in configs) and args.predictor == "none":
         raise MoetierError(f"a {SUFFIX} policy needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
@@ -88,12 +94,12 @@ def _sim(args: argparse.Namespace) -> None:
     model_dir = policy_dir(model, args.cache_dir) if learned else None
     for name in learned:
         load_params(name, model_dir)  # a missing or damaged trained file, before any cell runs
-    make = replay_predictor(args.predictor, trace, model, args.cache_dir, args.predict_distance, args.oracle_error)
-    predictor = (lambda: make(trace)) if make else None  # a fresh one per configuration
+    predictor = replay_predictor(args.predictor, trace, model, args.cache_dir, args.predict_distance,
+                                 args.oracle_error)  # a fresh one per configuration, of the trace it replays
 
     runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
-                model_dir, prefetch, predictor, args.placement, substitution)
-            for policy, budget, prefetch in _progress(configs)]
+                model_dir, prefetch, predictor, args.placement, substitution, batch)
+            for policy, budget, prefetch, batch in _progress(configs)]
     where = f"{shape.name} ({cost.precision}) on {profile.name}"
     if len(runs) == 1:
         summary = dict(runs[0].row(), profile=profile.name, model_shape=shape.name, precision=cost.precision)
@@ -111,6 +117,12 @@ def _sim(args: argparse.Namespace) -> None:
     print(f"{where}, trace {args.trace}\n{format_table(runs)}\nwrote {out / 'sweep.json'}", flush=True)
     if write_plot(lambda path: plot_sweep(runs, path, where), out / "sweep.png"):
         print(f"plot: {out / 'sweep.png'}")
+
+
+def _batch(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 4096:
+        raise MoetierError(f"--batch {text!r} is not a batch size", hint="whole numbers from 1, e.g. --batch 1,4,16")
+    return int(text)
 
 
 def _items(text: str, option: str) -> list[str]:
@@ -155,6 +167,9 @@ def add_parser(sub) -> None:
     sm.add_argument("--policy", default="lru", help=f"one or more of {', '.join(POLICIES)}, comma-separated; "
                     f"NAME{SUFFIX} spares what --predictor names for the coming layers")
     sm.add_argument("--expert-memory", default="30%", help="one or more budgets (bytes or %% of the experts)")
+    sm.add_argument("--batch", help="one or more batch sizes, comma-separated: the trace's sequences interleaved into "
+                                    "batches of N, a step routing the union of its tokens' experts (default: the "
+                                    "trace's own steps, batch 1 unless it was recorded batched)")
     sm.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
                     help="one expert cache for all layers, or the slots split evenly among them")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")

@@ -30,8 +30,13 @@ NATIVE = "native"  # the precision a trace's experts are replayed at when the mo
 
 
 def steps(trace: Trace) -> Iterator[tuple[int, np.ndarray]]:
-    """(phase, row indices) per forward step: a prompt's prefill rows together, each decode row alone
-    (traces carry no batch boundaries, so decoding is replayed at batch 1)."""
+    """(phase, row indices) per forward step: the trace's own steps where it carries them (a batched recording, an
+    interleaved trace), else a prompt's prefill rows together and each decode row alone (batch 1)."""
+    if trace.step is not None:
+        starts = np.flatnonzero(np.diff(trace.step, prepend=-1) != 0)
+        for start, end in zip(starts, [*starts[1:], trace.num_tokens]):
+            yield int(trace.phase[start]), np.arange(start, end)
+        return
     start, n = 0, trace.num_tokens
     while start < n:
         end = start + 1
@@ -128,6 +133,8 @@ class SimResult:
         dec = phase == DECODE
         dec_tokens = int(np.asarray(self.step_tokens)[dec].sum())
         return {"tpot_s": float(times[dec].mean()) if dec.any() else None,
+                "batch": dec_tokens / int(dec.sum()) if dec.any() else None,  # decode tokens a step
+                "decode_tokens_per_s": dec_tokens / float(times[dec].sum()) if dec.any() else None,
                 "tpot_p50_s": float(np.percentile(times[dec], 50)) if dec.any() else None,
                 "tpot_p90_s": float(np.percentile(times[dec], 90)) if dec.any() else None,
                 "ttft_s": float(times[phase == PREFILL].mean()) if (phase == PREFILL).any() else None,
@@ -188,10 +195,11 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     keep = {i % len(all_steps) for i in timeline_steps} if all_steps else set()
     result = SimResult(counts=counts)
     encoder_rows = trace.encoder_rows()
-    seq = None
+    group: set[int] = set()  # the sequences of the current generate call
     for index, (phase, rows) in enumerate(all_steps):
-        if trace.seq[rows[0]] != seq:  # the engine starts a sequence with each generate call
-            seq = trace.seq[rows[0]]
+        seqs = set(trace.seq[rows].tolist())
+        if not seqs <= group:  # the engine starts its sequences with each generate call (a batch: one call)
+            group = seqs
             layer_step.on_sequence_start()
         layer_step.begin_step(phase)
         start, loads_before = executor.now, counts.phases[phase].bytes_read

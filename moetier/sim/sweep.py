@@ -15,6 +15,7 @@ from moetier.predict import Predictor
 from moetier.sim.cost import CostModel
 from moetier.sim.replay import SimResult, simulate, trace_policy
 from moetier.sim.shapes import ModelShape
+from moetier.trace.batch import interleave
 from moetier.trace.format import Trace
 
 
@@ -75,40 +76,47 @@ class SimRun:
     prefetch: str = "none"
     placement: str = "none"
     alpha: float | None = None  # the substitution's, if any
+    batch: int | None = None  # sequences interleaved into a batch (None: the trace's own steps)
 
     def row(self) -> dict:
         return {"policy": self.policy, "expert_memory": self.budget, "prefetch": self.prefetch, "slots": self.slots,
-                "placement": self.placement, "substitution_alpha": self.alpha, **self.result.summary()}
+                "placement": self.placement, "substitution_alpha": self.alpha, "interleaved": self.batch,
+                **self.result.summary()}
 
 
 def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool = False,
         timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None,
         prefetch: str = "none", predictor: Callable[[], Predictor] | None = None, placement: str = "none",
-        substitution: Substitution | None = None) -> SimRun:
-    """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor, which the
-    `prefetch` stage and the policy hear. `placement`, `substitution`: as `simulate`'s."""
+        substitution: Substitution | None = None, batch: int | None = None) -> SimRun:
+    """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor (of the
+    trace it is given), which the `prefetch` stage and the policy hear. `placement`, `substitution`: as
+    `simulate`'s. `batch`: the trace's sequences interleaved into batches of this many (moetier/trace/batch.py)."""
+    if batch is not None:
+        trace = interleave(trace, batch)
     slots = budget_slots(budget, trace, cost)
     ctx = PolicyContext(slots, tuple(trace.all_layers), trace.num_experts, trace.top_k)
     if substitution is not None:
         substitution = substitution.resolved(cost.shape.total_expert_params)
     result = simulate(trace, trace_policy(policy, ctx, trace, model_dir), slots, cost, cost.precision, preload,
                       per_layer, timeline_steps, prefetch=prefetch,
-                      predictor=predictor() if predictor is not None else None, substitution=substitution,
+                      predictor=predictor(trace) if predictor is not None else None, substitution=substitution,
                       placement=placement)
     return SimRun(policy, budget, slots, result, prefetch, placement,
-                  substitution.alpha if substitution is not None else None)
+                  substitution.alpha if substitution is not None else None, batch)
 
 
 def format_table(runs: list[SimRun]) -> str:
-    head = f"{'policy':>21} {'budget':>8} {'prefetch':>9} {'slots':>6} {'TPOT ms':>9} {'p90 ms':>8} {'TTFT ms':>9} " \
-           f"{'hit':>7} {'MiB/token':>10} {'host':>5} {'subst':>6}"
+    head = f"{'policy':>21} {'budget':>8} {'prefetch':>9} {'slots':>6} {'batch':>5} {'TPOT ms':>9} {'p90 ms':>8} " \
+           f"{'tok/s':>8} {'TTFT ms':>9} {'hit':>7} {'MiB/token':>10} {'host':>5} {'subst':>6}"
     lines = [head]
     for r in runs:
         s = r.result.summary()
         ms = lambda v: "n/a" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
         mib = "n/a" if s["expert_bytes_per_token"] is None else f"{s['expert_bytes_per_token'] / 2**20:.1f}"
-        lines.append(f"{r.policy:>21} {r.budget:>8} {r.prefetch:>9} {r.slots:>6} {ms(s['tpot_s']):>9} "
-                     f"{ms(s['tpot_p90_s']):>8} {ms(s['ttft_s']):>9} {s['hit_rate']:>7.1%} {mib:>10} "
+        batch = "n/a" if s["batch"] is None else f"{s['batch']:.1f}"
+        tps = "n/a" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.1f}"
+        lines.append(f"{r.policy:>21} {r.budget:>8} {r.prefetch:>9} {r.slots:>6} {batch:>5} {ms(s['tpot_s']):>9} "
+                     f"{ms(s['tpot_p90_s']):>8} {tps:>8} {ms(s['ttft_s']):>9} {s['hit_rate']:>7.1%} {mib:>10} "
                      f"{s['host_share']:>5.0%} {s['substituted']:>6}")
     return "\n".join(lines)
 
@@ -121,9 +129,11 @@ def plot_sweep(runs: list[SimRun], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
-    for policy, prefetch in dict.fromkeys((r.policy, r.prefetch) for r in runs):
-        mine = sorted((r for r in runs if (r.policy, r.prefetch) == (policy, prefetch)), key=lambda r: r.slots)
+    for policy, prefetch, batch in dict.fromkeys((r.policy, r.prefetch, r.batch) for r in runs):
+        mine = sorted((r for r in runs if (r.policy, r.prefetch, r.batch) == (policy, prefetch, batch)),
+                      key=lambda r: r.slots)
         slots, label = [r.slots for r in mine], policy if prefetch == "none" else f"{policy} + {prefetch}"
+        label += "" if batch is None else f", batch {batch}"
         ax_t.plot(slots, [r.result.summary()["tpot_s"] * 1e3 for r in mine], marker="o", label=label)
         ax_h.plot(slots, [r.result.hit_rate * 100 for r in mine], marker="o", label=label)
     ax_t.set_ylabel("TPOT, ms (simulated)")

@@ -7,6 +7,10 @@ DIR/
   topk_ids.npy [N, L, k] int16, topk_weights.npy [N, L, k] float16
   scores.npy [N, L, E] float16            optional: full router scores
   gate_inputs.npy [N, L, H] float16       optional: the router's input, for training predictors
+  step.npy [N] int32                      optional: the forward step each row ran in, for a batched recording or
+                                          an interleaved trace (trace/batch.py): a step's rows are contiguous and
+                                          share it, non-decreasing. Without it a prompt's prefill is one step and
+                                          each decode row another (batch 1)
   encoder/                                optional, an encoder-decoder's: the encoder's routing of the prompts, a
                                           trace of its own (one row per prompt token, phase 0, `seq` the sequence
                                           whose prompt it encodes, `pos` the token's place in it, `layers` the
@@ -28,7 +32,7 @@ from moetier.plan.route import PREFILL
 
 FORMAT, VERSION = "moetier-trace", 1
 ARRAYS = {"seq": np.int32, "pos": np.int32, "phase": np.uint8, "topk_ids": np.int16, "topk_weights": np.float16}
-OPTIONAL = {"scores": np.float16, "gate_inputs": np.float16}
+OPTIONAL = {"scores": np.float16, "gate_inputs": np.float16, "step": np.int32}
 
 
 class TraceError(MoetierError):
@@ -59,9 +63,11 @@ class Trace:
     synthetic: bool = False
     notes: list[str] = field(default_factory=list)
     encoder: Trace | None = None  # an encoder-decoder's encoder routing (module docstring)
+    step: np.ndarray | None = None  # [N] the forward step of each row (module docstring); None: batch 1
 
     def __post_init__(self) -> None:
         self._check_encoder()
+        self._check_steps()
         n = len(self.seq)
         kinds = {"seq": "iu", "pos": "iu", "phase": "iu", "topk_ids": "iu", "topk_weights": "fiu"}
         for name, allowed in kinds.items():
@@ -82,6 +88,18 @@ class Trace:
                              hint="give the right number of experts for this model")
         if self.scores is not None and self.scores.shape != (n, cols, self.num_experts):
             raise TraceError(f"scores must be [N, L, E] = {(n, cols, self.num_experts)}, got {self.scores.shape}")
+
+    def _check_steps(self) -> None:
+        step = self.step
+        if step is None:
+            return
+        if step.dtype.kind not in "iu" or step.shape != self.seq.shape:
+            raise TraceError(f"step must hold one integer per row ({len(self.seq)}), got {step.dtype} {step.shape}")
+        if len(step) and (np.diff(step.astype(np.int64)) < 0).any():
+            raise TraceError("step must not decrease: a forward step's rows are contiguous")
+        change = np.flatnonzero(np.diff(step.astype(np.int64)) == 0)  # consecutive rows of one step
+        if (self.phase[change] != self.phase[change + 1]).any():
+            raise TraceError("a forward step is a prefill or a decode step, not both")
 
     def _check_encoder(self) -> None:
         enc = self.encoder
@@ -123,8 +141,9 @@ class Trace:
         if not 0 < fraction < 1:
             raise ValueError(f"split fraction must be in (0, 1), got {fraction}")
         cut = round(fraction * self.num_tokens)
-        while 0 < cut < self.num_tokens and self.phase[cut] == PREFILL and self.phase[cut - 1] == PREFILL \
-                and self.seq[cut] == self.seq[cut - 1]:
+        while 0 < cut < self.num_tokens and (self.step[cut] == self.step[cut - 1] if self.step is not None else
+                                             self.phase[cut] == PREFILL and self.phase[cut - 1] == PREFILL
+                                             and self.seq[cut] == self.seq[cut - 1]):
             cut += 1
         if not 0 < cut < self.num_tokens:
             raise TraceError(f"a trace of {self.num_tokens} token steps cannot be split at {fraction:.0%}")
@@ -132,12 +151,17 @@ class Trace:
 
     def rows(self, index: slice) -> Trace:
         """The token steps in `index`, as a trace of its own."""
-        pick = lambda a: None if a is None else a[index]  # noqa: E731
         start, stop, _ = index.indices(self.num_tokens)
+        return self.take(index, f"token steps {start}..{stop - 1} of {self.num_tokens}")
+
+    def take(self, index: slice | np.ndarray, note: str, step: np.ndarray | None = None) -> Trace:
+        """The rows `index` (a slice or row numbers, in the order wanted) as a trace of its own, with `note`; `step`
+        gives the new rows' forward steps (default: the rows' own, if the trace has them)."""
+        pick = lambda a: None if a is None else a[index]  # noqa: E731
         return dataclasses.replace(self, seq=self.seq[index], pos=self.pos[index], phase=self.phase[index],
                                    topk_ids=self.topk_ids[index], topk_weights=self.topk_weights[index],
                                    scores=pick(self.scores), gate_inputs=pick(self.gate_inputs),
-                                   notes=[*self.notes, f"token steps {start}..{stop - 1} of {self.num_tokens}"],
+                                   step=step if step is not None else pick(self.step), notes=[*self.notes, note],
                                    encoder=self._encoder_of(self.seq[index][self.phase[index] == PREFILL]))
 
     def _encoder_of(self, seqs: np.ndarray) -> Trace | None:
@@ -161,7 +185,8 @@ class Trace:
                 "missing_layers": [i for i in range(self.num_layers) if i not in self.layers],
                 "num_tokens": self.num_tokens, "source": self.source, "prompts": self.prompts,
                 "synthetic": self.synthetic, "has_scores": self.scores is not None,
-                "has_gate_inputs": self.gate_inputs is not None, "notes": self.notes,
+                "has_gate_inputs": self.gate_inputs is not None, "batched": self.step is not None,
+                "notes": self.notes,
                 "encoder": None if self.encoder is None else {"layers": self.encoder.layers,
                                                               "num_tokens": self.encoder.num_tokens}}
 

@@ -1,5 +1,5 @@
-"""Records routing from moetier's own engine: every forward step's tokens (sequence, position, phase) and, per
-MoE layer, top-k ids and weights, the full router scores, and optionally the router's input.
+"""Records routing from moetier's own engine: every forward step's tokens (sequence, position, phase, the step
+itself, so a batched run replays batched) and, per MoE layer, top-k ids and weights, the full router scores, and optionally the router's input.
 
 An encoder-decoder (Switch) is recorded as its decoder generates: one row per decoder token (the start token in
 the prefill step, at position 0), the decoder's MoE layers as columns. The encoder's routing of the prompts runs
@@ -59,7 +59,7 @@ class TraceRecorder(LayerHook):
                 "phase": np.full(sum(n for *_, n in tokens), PREFILL, np.uint8), "layers": {}})
         elif self.first:  # the decoder's own position
             pos = pos - np.array([self._encoded[r] for r in rows]) + 1
-        self._steps.append({"seq": rows + self._seq_offset, "pos": pos,
+        self._steps.append({"seq": rows + self._seq_offset, "pos": pos, "step": np.full(len(rows), len(self._steps)),
                             "phase": np.full(len(rows), phase, np.uint8), "layers": {}})
 
     def on_route(self, route: RouteResult, gate_input: torch.Tensor) -> None:
@@ -92,7 +92,9 @@ class TraceRecorder(LayerHook):
             model=model, num_layers=spec.num_layers, num_experts=spec.num_experts, top_k=spec.top_k,
             layers=list(columns), seq=np.concatenate([s["seq"] for s in steps]).astype(np.int32),
             pos=np.concatenate([s["pos"] for s in steps]).astype(np.int32),
-            phase=np.concatenate([s["phase"] for s in steps]), topk_ids=stack(0).astype(np.int16), topk_weights=stack(1).astype(np.float16),
+            phase=np.concatenate([s["phase"] for s in steps]), topk_ids=stack(0).astype(np.int16),
+            topk_weights=stack(1).astype(np.float16),
+            step=np.concatenate([s["step"] for s in steps]).astype(np.int32) if "step" in steps[0] else None,
             scores=stack(2).astype(np.float16), gate_inputs=stack(3).astype(np.float16) if self.gate_inputs else None,
             source=source, prompts=prompts, notes=notes, encoder=encoder)
 

@@ -1,6 +1,7 @@
 """Engine and simulator, driven by the same routing with the same policy and budget, make the identical sequence
 of hits and misses: both carry out the plans of one layer step."""
 
+import numpy as np
 import pytest
 
 from moetier import Engine
@@ -154,3 +155,48 @@ def test_engine_and_replay_agree_when_substituting(tiny_store, policy):
     assert outcomes(result.plans) == outcomes(plans)
     assert result.counts.phases[1].substituted > 0  # something was substituted, in decode steps only
     assert result.counts.phases[0].substituted == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_engine_and_replay_agree_plan_for_plan_at_batch_3(tiny_store, policy):
+    """Three prompts in one generate call: one prefill step for all of them, then decode steps of three tokens —
+    each step's routing the union of its tokens'. The recording carries the steps; the replay makes the same plans."""
+    from moetier.sim.replay import steps
+
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    store = Store(path)
+    slots = 5
+    engine = Engine(store, EngineConfig(expert_memory=MemoryBudget("bytes", slots * store.native_layout.blob_bytes),
+                                        policy=policy))
+    log = PlanLog()
+    engine.executor.layer_step.hooks.append(log)
+    with engine, TraceRecorder(engine) as recorder:
+        engine.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
+        trace = recorder.trace(["a", "b", "c"])
+    shape = [(phase, len(rows)) for phase, rows in steps(trace)]
+    assert shape == [(0, sum(map(len, PROMPTS)))] + [(1, 3)] * 5  # the engine's steps, batched
+    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
+    result = replay(trace, trace_policy(policy, ctx, trace), slots, precision=store.manifest.native_precision,
+                    keep_plans=True)
+    assert result.outcomes() == [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads])
+                                 for p in log.plans]
+    assert [p.assign_ids.tolist() for p in result.plans] == [p.assign_ids.tolist() for p in log.plans]
+
+
+def test_interleaving_a_batch_1_trace_makes_the_engines_batched_steps(tiny_store):
+    """The same prompts recorded one call at a time, then interleaved into batches of three, step like the engine
+    does with the three in one call."""
+    from moetier.sim.replay import steps
+    from moetier.trace.batch import interleave
+
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    with Engine.from_pretrained(path, expert_memory="50%") as engine, TraceRecorder(engine) as recorder:
+        for p in PROMPTS:
+            engine.generate([p], max_new_tokens=6, ignore_eos=True)
+        single = recorder.trace(["a", "b", "c"])
+    import dataclasses
+
+    batched = interleave(dataclasses.replace(single, step=None), 3)  # as if recorded before traces kept steps
+    assert [(phase, sorted(set(batched.seq[rows].tolist()))) for phase, rows in steps(batched)] == \
+        [(0, [0, 1, 2])] + [(1, [0, 1, 2])] * 5
+    assert sorted(map(tuple, np.c_[batched.seq, batched.pos])) == sorted(map(tuple, np.c_[single.seq, single.pos]))
