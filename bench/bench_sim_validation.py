@@ -6,9 +6,10 @@ layer step (residency, planner, policy objects), on a `this-machine` profile cal
 run.
 Both TPOTs are over the measured call's decode steps. Target: within 15%.
 
-With `--prefetch STAGE:PREDICTOR,...` each prefetch configuration runs too (`none` is always there): the engine
-records the router inputs, and the simulator replays them through the same predictor and prefetch stage, so it
-must rank the configurations as the engine does (issue 13's acceptance). Each run's own profile measures the disk
+With `--prefetch CONFIG,...` each configuration runs too (`none` is always there): `STAGE:PREDICTOR` a prefetch
+stage (the engine records the router inputs, and the simulator replays them through the same predictor and
+stage), `precision:MODE` a precision mode (hobbit, low-tier, int4, ...), `substitute:ALPHA` SMoE's substitution;
+the simulator must rank the configurations as the engine does (issues 13 and 32). Each run's own profile measures the disk
 around that run, and this disk drifts between runs: so every run is also replayed on one profile per model and
 budget (the median disk over its runs; the traces and profiles are kept under OUT/runs/), and both rankings are
 printed.
@@ -17,6 +18,8 @@ printed.
                                                          # OLMoE-shaped store if bench_offload made it
     python bench/bench_sim_validation.py --models demo-deep-xl,demo-fine-xl --budgets 25%,50% \
         --prefetch hobbit:stacked-gates,smoe:stacked-gates --out bench/out/sim-prefetch-validation
+    python bench/bench_sim_validation.py --models demo-deep-xl,demo-fine-xl --budgets 25% --rounds 2 \
+        --prefetch hobbit:stacked-gates,precision:hobbit,substitute:0.35 --out bench/out/sim-mechanisms-validation
 """
 
 from __future__ import annotations
@@ -38,6 +41,20 @@ from moetier.paths import default_cache_dir  # noqa: E402
 SYNTH = default_cache_dir() / "bench" / "olmoe-1b-7b-synth"
 
 
+def mechanisms(config: str) -> dict:
+    """A configuration's engine options: prefetch stage and predictor, precision mode, substitution."""
+    from moetier.plan.precision import MixedPrecision
+    from moetier.plan.substitute import Substitution
+
+    kind, _, value = config.partition(":")
+    if kind == "precision":
+        return dict(prefetch="none", predictor="none", precision=MixedPrecision(value), substitution=None)
+    if kind == "substitute":
+        return dict(prefetch="none", predictor="none", precision=MixedPrecision(),
+                    substitution=Substitution(alpha=float(value)))
+    return dict(prefetch=kind, predictor=value or "none", precision=MixedPrecision(), substitution=None)
+
+
 def child(cfg: dict) -> dict:
     from moetier import Engine
     from moetier.calibrate import calibrate, disk_tier
@@ -51,9 +68,11 @@ def child(cfg: dict) -> dict:
     store = Store(resolve_model(cfg["model"], progress=False))
     first = calibrate(store, progress=False)
     gc.collect()
-    stage, _, predictor = cfg.get("prefetch", "none").partition(":")
+    m = mechanisms(cfg.get("prefetch", "none"))
+    stage = m["prefetch"]
     engine = Engine.from_pretrained(cfg["model"], expert_memory=cfg["budget"], policy=cfg["policy"], progress=False,
-                                    prefetch=stage, predictor=predictor or "none")
+                                    prefetch=stage, predictor=m["predictor"], precision=m["precision"],
+                                    substitution=m["substitution"])
     rng = random.Random(0)
     vocab = engine.spec.vocab_size
     warm, prompt = ([rng.randrange(vocab) for _ in range(cfg["prompt_len"])] for _ in range(2))
@@ -67,8 +86,9 @@ def child(cfg: dict) -> dict:
         real = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
         after = disk_tier(store)
         trace = recorder.trace(["warm-up", "measured"])
-        slots = engine.executor.pool.num_slots
+        slots = engine.executor.residency.capacity_bytes // engine.executor.pool.slot_bytes  # at the high precision
         expert_bytes = engine.executor.pool.slot_bytes
+        entry_bytes = {p: pool.slot_bytes for p, pool in engine.executor.pools.items()}
         distance = engine.config.predict_distance
     del engine, recorder
     gc.collect()
@@ -77,7 +97,7 @@ def child(cfg: dict) -> dict:
                 (before.latency_s + after.latency_s) / 2,
                 cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2)
     profile = dataclasses.replace(profile, tiers=(disk,))
-    run = dict(slots=slots, expert_bytes=expert_bytes, distance=distance, preload=preload)
+    run = dict(slots=slots, expert_bytes=expert_bytes, distance=distance, preload=preload, entry_bytes=entry_bytes)
     if cfg.get("keep"):  # for the replay of every configuration on one profile (main)
         keep = Path(cfg["keep"])
         trace.save(keep / "trace", overwrite=True)
@@ -91,7 +111,8 @@ def child(cfg: dict) -> dict:
                   "read_cpu_s_per_mib": disk.cpu_s_per_byte * 2**20, "slots": slots}
 
 
-def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: int, preload: bool) -> dict:
+def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: int, preload: bool,
+           entry_bytes: dict | None = None) -> dict:
     """The simulator on one run's trace: TPOT over the measured call's decode steps, hit rate, prefetches."""
     import numpy as np
 
@@ -104,14 +125,15 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     from moetier.store.store import Store
 
     store = Store(resolve_model(cfg["model"], progress=False))
-    stage, _, predictor = cfg.get("prefetch", "none").partition(":")
+    m = mechanisms(cfg.get("prefetch", "none"))
+    stage, predictor = m["prefetch"], m["predictor"]
     precision = store.manifest.native_precision
     cost = CostModel.of(profile, ModelShape.from_spec(store.spec, cfg["model"], precision), precision, expert_bytes)
     made = None
     if stage != "none":  # the same predictor, built for the trace as `moetier sim` builds it
         made = replay_predictor(predictor, trace, cfg["model"], None, distance)(trace)
     sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True,
-                   prefetch=stage, predictor=made)
+                   prefetch=stage, predictor=made, mixed=m["precision"], substitution=m["substitution"])
     measured = [i for i, (phase, rows) in enumerate(steps(trace)) if phase == 1 and trace.seq[rows[0]] == 1]
     layers = len(trace.layers)
     plans = [p for i in measured for p in sim.plans[i * layers:(i + 1) * layers]]
@@ -155,12 +177,26 @@ def average(a, b):
     from moetier.sim.profile import Linear
 
     mean = lambda x, y: Linear((x.per_token + y.per_token) / 2, (x.fixed + y.fixed) / 2)  # noqa: E731
-    ma, mb = a.measured[0], b.measured[0]
-    measured = dataclasses.replace(ma, expert_s=mean(ma.expert_s, mb.expert_s),
-                                   dense_s_per_layer=mean(ma.dense_s_per_layer, mb.dense_s_per_layer),
-                                   head_s=mean(ma.head_s, mb.head_s))
-    return dataclasses.replace(a, measured=(measured,),
+    later = {m.precision: m for m in b.measured}
+    measured = tuple(dataclasses.replace(ma, expert_s=mean(ma.expert_s, mb.expert_s),
+                                         dense_s_per_layer=mean(ma.dense_s_per_layer, mb.dense_s_per_layer),
+                                         head_s=mean(ma.head_s, mb.head_s))
+                     for ma in a.measured for mb in [later.get(ma.precision, ma)])  # (each precision measured)
+    return dataclasses.replace(a, measured=measured,
                                executor_s_per_layer=mean(a.executor_s_per_layer, b.executor_s_per_layer))
+
+
+def prepare(models: list[str], configs: list[str]) -> None:
+    """The quantized copies a precision configuration needs, added to the cached stores before anything is timed
+    (so calibration measures them in every run, and no run pays for quantizing)."""
+    from moetier.engine.engine import add_missing_precisions
+    from moetier.resolve import resolve_model
+    from moetier.store.store import Store
+
+    for config in configs:
+        mixed = mechanisms(config)["precision"]
+        for model in models:
+            add_missing_precisions(Store(resolve_model(model, progress=False)), mixed, progress=True)
 
 
 def main() -> None:
@@ -181,6 +217,7 @@ def main() -> None:
     models = [m for m in args.models.split(",") if not m.startswith("/") or (Path(m) / "manifest.json").exists()]
     prefetches = ["none", *filter(None, args.prefetch.split(","))]
     configs = [(m, b, f) for m in models for b in args.budgets.split(",") for f in prefetches]
+    prepare(models, prefetches)
     runs: dict[tuple[str, str, str], list[dict]] = {c: [] for c in configs}
     with tqdm(total=len(configs) * args.rounds, desc="sim validation", unit="run") as bar:
         for _ in range(args.rounds):  # round-robin, so drift over the run touches every configuration alike

@@ -5,8 +5,10 @@ so it sits above both executors.
   alone (latency);
 - the CPU as a roofline device (memory bandwidth from a large matrix-vector product, throughput from a large
   matrix product, the per-call overhead from a tiny one), for shapes not measured;
-- for the given model's shape: expert compute against tokens (t = beta*m + C), the dense part of a layer and the
-  head, the executor's own per-layer work, and what a whole resident decode step costs beyond those parts.
+- for the given model's shape: expert compute against tokens (t = beta*m + C) at the model's precision and at each
+  quantized copy the store holds (those kernels unpack codes: the roofline would flatter them), the dense part of
+  a layer and the head, the executor's own per-layer work, and what a whole resident decode step costs beyond
+  those parts.
 """
 
 from __future__ import annotations
@@ -103,17 +105,35 @@ def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
     return Device("cpu", bandwidth, {precision: flops}, overhead)
 
 
-def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32)) -> Linear:
+def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32), precision: str | None = None) -> Linear:
+    """One expert's compute against its tokens, at `precision` (default: the model's own; a quantized copy's from
+    its real blobs)."""
     spec, dtype = store.spec, store.load_dense()["embed_tokens"].dtype
-    kernel = make_expert_kernel(store.manifest.native_precision, cpu_kernels(dtype), dtype, spec)
+    precision = precision or store.manifest.native_precision
+    kernel = make_expert_kernel(precision, cpu_kernels(dtype), dtype, spec)
     # Several experts in rotation, so weights come from memory rather than cache, as in decoding.
-    experts = [{name: torch.randn(shape).to(dtype) for name, shape in spec.expert_shapes} for _ in range(8)]
+    if precision == store.manifest.native_precision:
+        experts = [{name: torch.randn(shape).to(dtype) for name, shape in spec.expert_shapes} for _ in range(8)]
+    else:
+        experts = stored_experts(store, precision, 8)
     ys = []
     for m in tokens:
         x, out, weights = torch.randn(m, spec.hidden_size).to(dtype), torch.empty(m, spec.hidden_size, dtype=dtype), \
             torch.ones(m, dtype=dtype)
         ys.append(median_time(lambda x=x, out=out, w=weights: [kernel(out, x, e, w) for e in experts]) / len(experts))
     return linear_fit(list(tokens), ys)
+
+
+def stored_experts(store: Store, precision: str, count: int) -> list[dict]:
+    """The first `count` experts' `precision` copies, read from the store into host slots (the kernels' inputs)."""
+    keys = store.spec.expert_keys()[:count]
+    pool = HostSlots(store.manifest.precisions[precision], len(keys))
+    with ExpertReader(store.path, 2, 2 << 20, verify=False, manifest=store.manifest) as reader:
+        for slot, (layer, e) in enumerate(keys):
+            reader.submit(store.manifest.blob(layer, e, precision), pool.views[slot], pool.completions[slot])
+        for slot in range(len(keys)):
+            pool.completions[slot].wait()
+    return [pool.weights(slot) for slot in range(len(keys))]
 
 
 class _DenseOnly:
@@ -182,7 +202,8 @@ def resident_step_s(store: Store, tokens: int = 96) -> float:
 def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progress: bool = True) -> HardwareProfile:
     spec, precision = store.spec, store.manifest.native_precision
     shape = ModelShape.from_spec(spec, store.path.name, precision)
-    with tqdm(total=6, desc="calibrate", unit="step", disable=not progress, leave=False) as bar:
+    quantized = [p for p in store.manifest.precisions if p != precision]
+    with tqdm(total=6 + len(quantized), desc="calibrate", unit="step", disable=not progress, leave=False) as bar:
         def step(label: str, fn, *args):
             bar.set_postfix_str(label)
             out = fn(*args)
@@ -195,6 +216,7 @@ def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progre
         expert = step("experts", expert_compute, store)
         executor = step("executor", executor_overhead, store, expert)
         resident = step("resident step", resident_step_s, store)
+        copies = {p: step(f"experts {p}", expert_compute, store, (1, 2, 4, 8, 16, 32), p) for p in quantized}
     profile = HardwareProfile(
         name=name, fast_tier_bytes=int(psutil.virtual_memory().available), tiers=(disk,), devices={"cpu": device},
         compute_device="cpu", executor_s_per_layer=executor,
@@ -209,4 +231,5 @@ def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progre
     modelled = sum(parts.resident_layer_s(layer, 1) for layer in range(spec.num_layers)) + parts.head_s(1)
     fixed = max(0.0, dense.fixed + (resident - modelled) / spec.num_layers)
     measured = dataclasses.replace(profile.measured[0], dense_s_per_layer=Linear(dense.per_token, fixed))
-    return dataclasses.replace(profile, measured=(measured,))
+    also = tuple(dataclasses.replace(measured, precision=p, expert_s=fit) for p, fit in copies.items())
+    return dataclasses.replace(profile, measured=(measured, *also))

@@ -33,6 +33,19 @@ def model_shape(name: str) -> tuple[ModelShape, int | None]:
     return ModelShape.from_spec(info.spec, Path(name).name, info.precision), info.blob_bytes
 
 
+def config_shape(config_json: Path) -> ModelShape:
+    """A shape from a config.json alone (no weights: what `moetier doctor` is for); the experts' precision is the
+    config's torch_dtype (bf16 if it names none)."""
+    from moetier.model.families import family_for, parse_spec
+    from moetier.store.checkpoint import read_config
+
+    config = read_config(config_json.parent)
+    family_for(config)  # an architecture moetier does not run is refused here
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    precision = {"float32": "fp32", "float16": "fp16"}.get(dtype, "bf16")
+    return ModelShape.from_spec(parse_spec(config), config_json.parent.name, precision)
+
+
 def routers(name: str, cache_dir: str | None) -> dict | None:
     """Each MoE layer's router weight [E, H] of a built-in model or a model directory (None for a bare shape)."""
     store = _store(name, cache_dir) if shape_named(name) is None else None

@@ -119,6 +119,36 @@ def _sim(args: argparse.Namespace) -> None:
         print(f"plot: {out / 'sweep.png'}")
 
 
+def _doctor(args: argparse.Namespace) -> None:
+    """A model (shape name, built-in, model folder or its config.json) is checked before any profile or calibration
+    work."""
+    from moetier.cli.models import config_shape, model_shape
+    from moetier.sim.doctor import diagnose, format_plan, plot_plan
+    from moetier.sim.profile import HardwareProfile, user_profiles_dir
+
+    path = Path(args.model)
+    if path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.safetensors")) \
+            and not (path / "manifest.json").exists():
+        path = path / "config.json"  # a folder of the config alone
+    shape = config_shape(path) if path.name == "config.json" and path.is_file() else model_shape(args.model)[0]
+    if args.precision:
+        import dataclasses
+
+        shape = dataclasses.replace(shape, precision=args.precision)
+    if args.profile == "this-machine" and not (user_profiles_dir() / "this-machine.json").exists():
+        print("moetier: no this-machine profile yet: calibrating first (`moetier calibrate`, about a minute)",
+              file=sys.stderr)
+        _calibrate(argparse.Namespace(model=DEFAULT_MODEL, name="this-machine", out=None, cache_dir=args.cache_dir,
+                                      reader_threads=4))
+    plan = diagnose(shape, HardwareProfile.load(args.profile), tokens=args.tokens)
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        print(format_plan(plan), flush=True)
+    if args.plot and write_plot(lambda path: plot_plan(plan, path), Path(args.plot)) and not args.json:
+        print(f"plot: {args.plot}")
+
+
 def _batch(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 4096:
         raise MoetierError(f"--batch {text!r} is not a batch size", hint="whole numbers from 1, e.g. --batch 1,4,16")
@@ -153,6 +183,20 @@ def add_parser(sub) -> None:
     cal.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     cal.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
     cal.set_defaults(func=_calibrate)
+
+    doc = command(sub, "doctor", "what a model will do on a machine, from its config alone: fits, least budget, "
+                                 "simulated speed and memory per mode")
+    doc.add_argument("model", help="a shape name (`moetier list shapes`), a built-in model, a model folder or its "
+                                   "config.json (no weights needed)")
+    doc.add_argument("--profile", default="this-machine",
+                     help="a profile name (`moetier list profiles`) or JSON path; this-machine is calibrated first "
+                          "if it has never been")
+    doc.add_argument("--precision", help="the experts' precision (default: the checkpoint's)")
+    doc.add_argument("--tokens", type=count(16, 100000), default=200, help="decode steps simulated per cell")
+    doc.add_argument("--json", action="store_true", help="print the plan as JSON, for another program")
+    doc.add_argument("--plot", help="PNG path: TPOT against memory, one line per mode")
+    doc.add_argument("--cache-dir", help="where Hugging Face folders are converted (calibration's model)")
+    doc.set_defaults(func=_doctor)
 
     sm = command(sub, "sim", "simulate a trace on a hardware profile, for one or a sweep of configurations",
                  description="Replays a routing trace through the engine's policy and planner objects and "

@@ -94,6 +94,31 @@ def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
     assert HardwareProfile.load(tmp_path / "m.json") == p
 
 
+def test_calibrate_measures_each_quantized_copy_from_its_blobs(tiny_store, tmp_path):
+    """A store with int4 copies gets a measured expert cost at int4 too (its kernel unpacks codes: the roofline
+    would flatter it), and the cost model prices an int4 expert by it."""
+    import shutil
+
+    import torch
+
+    from moetier.calibrate import calibrate
+    from moetier.sim.cost import CostModel
+    from moetier.sim.shapes import ModelShape
+    from moetier.store.store import Store
+    from moetier.store.variants import add_precisions
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    shutil.copytree(path, tmp_path / "s")
+    add_precisions(tmp_path / "s", "int4", progress=False)
+    store = Store(tmp_path / "s")
+    p = calibrate(store, progress=False)
+    assert [m.precision for m in p.measured] == ["bf16", "int4"]
+    int4 = p.measured[1]
+    assert int4.expert_s(1) > 0 and int4.dense_s_per_layer == p.measured[0].dense_s_per_layer
+    cost = CostModel.of(p, ModelShape.from_spec(store.spec, "s", "bf16"), "bf16").at("int4")
+    assert cost.expert_s(1) == pytest.approx(int4.expert_s(1))
+
+
 def test_calibrate_and_sim_commands(tiny_store, tmp_path, capsys):
     import json
 
