@@ -143,11 +143,15 @@ class Residency:
     # -- admitting and evicting --------------------------------------------------------------------------------
 
     def admit(self, key: ExpertKey, precision: Precision, pin: str = IN_USE,
-              spare: Callable[[ExpertKey], bool] | None = None) -> tuple[int, tuple[ExpertKey, ...]] | None:
+              spare: Callable[[ExpertKey], bool] | None = None,
+              among: set[ExpertKey] | None = None) -> tuple[int, tuple[ExpertKey, ...]] | None:
         """Room for `key` at `precision`, its read about to start (loading, pinned for `pin`): free bytes, else
         the policy's victims among the evictable entries (less those `spare` names). Returns (slot, evicted
         keys), or None if evicting everything evictable would not make room (nothing is evicted then) or the
-        spared keys are all there is to evict (what was evicted before that stays free)."""
+        spared keys are all there is to evict (what was evicted before that stays free). `among`: with `spare`,
+        the caller's set of the keys `spare` leaves (kept up to date here as victims go); when it is a small part
+        of the cache the policy picks from it by `victim_among` instead of walking past every spared key — the
+        same victim, at a cost of its size (a prefetch at a large batch spares most of the cache)."""
         nbytes = self.entry_bytes[precision]
         part = self.part_of(key, precision)
         if not self._can_make_room(part, nbytes):
@@ -157,15 +161,19 @@ class Residency:
         view = self._evictable if part is None else self._part_evictable[part]
         if spare is not None:
             view = _Sparing(view, spare)
+        listed = among is not None and spare is not None and 4 * len(among) < len(self.entries)
         while not self.has_room(key.layer, nbytes, precision):
             try:
-                victim = self.policy.victim(view)
+                victim = self.policy.victim_among([k for k in among if k in view]) if listed else \
+                    self.policy.victim(view)
             except LookupError:
                 if spare is None:
                     raise
                 return None
             self._evict(victim)
             evicted.append(victim)
+            if among is not None:
+                among.discard(victim)
         return self._insert(key, precision, pin), tuple(evicted)
 
     def replace(self, key: ExpertKey, precision: Precision, candidates: Collection[ExpertKey]) -> tuple[int, ExpertKey]:

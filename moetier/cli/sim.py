@@ -46,6 +46,7 @@ def _sim(args: argparse.Namespace) -> None:
     from moetier.policy_files import load_params
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
+    from moetier.sim.runner import make_runner
     from moetier.sim.sweep import (
         budget_slots,
         check_fits,
@@ -60,6 +61,11 @@ def _sim(args: argparse.Namespace) -> None:
     from moetier.trace.format import Trace
 
     batches = [None] if args.batch is None else [_batch(b) for b in _items(args.batch, "--batch")]
+    if args.ray is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise MoetierError("--ray needs Ray, an optional extra", hint="pip install 'moetier[ray]'")
     trace = Trace.load(args.trace)
     fitted = {base_name(p) for p in _items(args.policy, "--policy")} & set(LEARNED)
     trace = encoder_set_aside(trace, args.predictor != "none" or bool(fitted), lambda m: print(m, file=sys.stderr))
@@ -97,9 +103,14 @@ def _sim(args: argparse.Namespace) -> None:
     predictor = replay_predictor(args.predictor, trace, model, args.cache_dir, args.predict_distance,
                                  args.oracle_error)  # a fresh one per configuration, of the trace it replays
 
-    runs = [run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
-                model_dir, prefetch, predictor, args.placement, substitution, batch)
-            for policy, budget, prefetch, batch in _progress(configs)]
+    def cell(config):  # one configuration; a closure the runner forks or ships with the trace and cost model
+        policy, budget, prefetch, batch = config
+        return run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
+                   model_dir, prefetch, predictor, args.placement, substitution, batch)
+
+    runner = make_runner(args.ray, args.workers if len(configs) > 1 else 1)
+    with _progress(configs, runner.name) as bar:
+        runs = runner.map(cell, configs, bar.update)
     where = f"{shape.name} ({cost.precision}) on {profile.name}"
     if len(runs) == 1:
         summary = dict(runs[0].row(), profile=profile.name, model_shape=shape.name, precision=cost.precision)
@@ -163,11 +174,11 @@ def _items(text: str, option: str) -> list[str]:
     return items
 
 
-def _progress(configs: list) -> list:
+def _progress(configs: list, where: str):
     """A sweep of several cells shows a bar on stderr (each cell can take tens of seconds)."""
     from tqdm import tqdm
 
-    return tqdm(configs, desc="sim", unit="cell", disable=len(configs) < 2, leave=False)
+    return tqdm(total=len(configs), desc=f"sim ({where})", unit="cell", disable=len(configs) < 2, leave=False)
 
 
 def add_parser(sub) -> None:
@@ -235,4 +246,9 @@ def add_parser(sub) -> None:
     sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step (single configuration)")
     sm.add_argument("--timeline-step", type=int, default=-1, help="which step (-1: the last)")
     sm.add_argument("--out", help="sweep output directory (default ./sim-sweep)")
+    sm.add_argument("--workers", type=count(1, 1024),
+                    help="a sweep's cells run in this many local processes (default: one per free core; 1: here)")
+    sm.add_argument("--ray", metavar="ADDRESS",
+                    help="run a sweep's cells as Ray tasks: auto (this machine's cluster), local (start one here) "
+                         "or a cluster address; needs pip install 'moetier[ray]'")
     sm.set_defaults(func=_sim)

@@ -117,6 +117,8 @@ class PrefetchStage:
     def issue(self, plan: LayerPlan, keys: Iterable[ExpertKey]) -> None:
         r = self.residency
         reserve = min(plan.route.scores.shape[1], plan.route.topk_ids.size)  # entries, at the precision in question
+        spare = _WorkingSetAhead(plan.layer, self.recent)
+        among = None  # the keys a prefetch may evict: listed once, on the first admission that needs them
         for key in keys:
             if key in self.pinned or key.layer == plan.layer:
                 continue
@@ -132,7 +134,9 @@ class PrefetchStage:
             nbytes = r.entry_bytes[precision]
             if not self._room(key, nbytes, reserve, precision):
                 break
-            got = r.admit(key, precision, PREFETCHED, spare=_WorkingSetAhead(plan.layer, self.recent))
+            if among is None and not r.has_room(key.layer, nbytes, precision):
+                among = {k for k, e in r.entries.items() if not e.held and not spare(k)}
+            got = r.admit(key, precision, PREFETCHED, spare=spare, among=among)
             if got is None:
                 break
             slot, evicted = got

@@ -1,6 +1,8 @@
 """Eviction policies as pure logic on hand-made sequences with known answers."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LFUPolicy, LRUPolicy, make_policy
@@ -35,6 +37,30 @@ def test_lru_textbook_sequence():
     p.on_insert(D)
     p.on_access(D, "bf16", 1)
     assert p.victim({A, C, D}) == C
+
+
+@given(st.lists(st.tuples(st.sampled_from(["insert", "access", "evict"]), st.integers(0, 9)), max_size=60),
+       st.sets(st.integers(0, 9), min_size=1))
+def test_lru_victim_among_a_few_listed_keys_is_the_walks_victim(events, allowed):
+    """A prefetch sparing most of the cache lists the keys it may evict: LRU picks from them by stamp, and must pick
+    what walking its whole order would."""
+    p, present = LRUPolicy(), set()
+    for kind, i in events:
+        key = ExpertKey(0, i)
+        if kind == "insert" and key not in present:
+            p.on_insert(key)
+            present.add(key)
+        elif kind == "access" and key in present:
+            p.on_access(key, "bf16", 0)
+        elif kind == "evict" and key in present:
+            p.on_evict(key)
+            present.discard(key)
+    keys = [ExpertKey(0, i) for i in allowed if ExpertKey(0, i) in present]
+    if not keys:
+        with pytest.raises(LookupError):
+            p.victim_among(keys)
+        return
+    assert p.victim_among(keys) == p.victim(set(keys))
 
 
 def test_lfu_evicts_least_frequent_with_lru_tie_break():

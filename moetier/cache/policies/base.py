@@ -3,7 +3,7 @@ tensor, a file or a thread, so the real engine and the simulator drive the very 
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Collection, Container
 
 from moetier.cache.keys import ExpertKey, Precision
 
@@ -41,3 +41,8 @@ class EvictionPolicy:
     def victim(self, candidates: Container[ExpertKey]) -> ExpertKey:
         """The resident key to evict. `candidates` answers `in` for every evictable key (resident, not pinned)."""
         raise NotImplementedError
+
+    def victim_among(self, keys: Collection[ExpertKey]) -> ExpertKey:
+        """`victim` when the candidates are a few keys listed (a prefetch sparing most of the cache): the same
+        choice; a policy whose order it can index overrides this to skip walking the rest."""
+        return self.victim(frozenset(keys))
