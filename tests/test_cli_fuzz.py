@@ -56,6 +56,7 @@ BASE = {
     ("trace", "synth"): ["--fit", "{trace}", "--out", "{out}", "--model-shape", "olmoe-1b-7b", "--tokens", "20"],
     ("trace", "stats"): ["{trace}", "--plot", "{out}.png"],
     ("calibrate",): ["--model", "{missing}", "--out", "{out}.json"],
+    ("doctor",): ["{missing}", "--profile", "rtx4090", "--tokens", "16"],
     ("sim",): ["--trace", "{trace}", "--profile", "rtx4090", "--model-shape", "olmoe-1b-7b", "--out", "{out}"],
     ("cache-bench",): ["--trace", "{trace}", "--expert-memory", "25%", "--out", "{out}"],
     ("train", "cache-policy"): ["--policy", "static-hot", "--trace", "{trace}", "--model", "{missing}"],

@@ -151,7 +151,13 @@ def _doctor(args: argparse.Namespace) -> None:
               file=sys.stderr)
         _calibrate(argparse.Namespace(model=DEFAULT_MODEL, name="this-machine", out=None, cache_dir=args.cache_dir,
                                       reader_threads=4))
-    plan = diagnose(shape, HardwareProfile.load(args.profile), tokens=args.tokens)
+    kwargs = {}
+    if args.fit:
+        from moetier.trace.format import Trace
+        from moetier.trace.synthetic import fit_locality
+
+        kwargs["locality"] = fit_locality(Trace.load(args.fit))
+    plan = diagnose(shape, HardwareProfile.load(args.profile), tokens=args.tokens, **kwargs)
     if args.json:
         print(json.dumps(plan, indent=1))
     else:
@@ -204,6 +210,8 @@ def add_parser(sub) -> None:
                           "if it has never been")
     doc.add_argument("--precision", help="the experts' precision (default: the checkpoint's)")
     doc.add_argument("--tokens", type=count(16, 100000), default=200, help="decode steps simulated per cell")
+    doc.add_argument("--fit", metavar="TRACE", help="draw the routing with this trace's skew and locality (a recording "
+                                                    "of the model itself; default: Qwen1.5-MoE's real routing)")
     doc.add_argument("--json", action="store_true", help="print the plan as JSON, for another program")
     doc.add_argument("--plot", help="PNG path: TPOT against memory, one line per mode")
     doc.add_argument("--cache-dir", help="where Hugging Face folders are converted (calibration's model)")

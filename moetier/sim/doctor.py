@@ -52,13 +52,15 @@ class Cell:
     why: str = ""
 
 
-def diagnose(shape: ModelShape, profile: HardwareProfile, tokens: int = 200, seed: int = 0) -> dict:
-    """The plan: what fits, the least budget, and a cell per (mode, budget)."""
+def diagnose(shape: ModelShape, profile: HardwareProfile, tokens: int = 200, seed: int = 0,
+             locality: LocalityFit = LOCALITY) -> dict:
+    """The plan: what fits, the least budget, and a cell per (mode, budget). `locality`: the skew and locality to
+    draw the routing with (default: Qwen1.5-MoE's; a recorded trace of the model itself says more)."""
     cost = CostModel.of(profile, shape, shape.precision)
     expert = cost.expert_bytes
     experts = len(shape.moe_layers) * shape.num_experts * expert
     dense = shape.dense_bytes(shape.precision)
-    trace = with_gates(generate(LOCALITY, shape.num_layers, shape.num_experts, shape.top_k, tokens, seed=seed,
+    trace = with_gates(generate(locality, shape.num_layers, shape.num_experts, shape.top_k, tokens, seed=seed,
                                 model=shape.name, layers=list(shape.moe_layers)), np.random.default_rng(seed))
     cells = [_cell(trace, cost, mode, budget, dense) for mode in MODES for budget in BUDGETS]
     least = shape.top_k * expert
@@ -69,7 +71,7 @@ def diagnose(shape: ModelShape, profile: HardwareProfile, tokens: int = 200, see
         "fits_resident": dense + experts + RUNTIME_BYTES <= profile.fast_tier_bytes,
         "least_budget_bytes": least, "least_memory_bytes": dense + least + RUNTIME_BYTES,
         "runs_at_all": dense + least + RUNTIME_BYTES <= profile.fast_tier_bytes,
-        "routing": LOCALITY.source, "tokens": tokens,
+        "routing": locality.source, "tokens": tokens,
         "cells": [dataclasses.asdict(c) for c in cells],
     }
 
