@@ -146,17 +146,17 @@ def _doctor(args: argparse.Namespace) -> None:
         import dataclasses
 
         shape = dataclasses.replace(shape, precision=args.precision)
+    kwargs = {}
+    if args.fit:  # (a bad trace is refused before any calibration)
+        from moetier.trace.format import Trace
+        from moetier.trace.synthetic import fit_locality
+
+        kwargs["locality"] = fit_locality(Trace.load(args.fit))
     if args.profile == "this-machine" and not (user_profiles_dir() / "this-machine.json").exists():
         print("moetier: no this-machine profile yet: calibrating first (`moetier calibrate`, about a minute)",
               file=sys.stderr)
         _calibrate(argparse.Namespace(model=DEFAULT_MODEL, name="this-machine", out=None, cache_dir=args.cache_dir,
                                       reader_threads=4))
-    kwargs = {}
-    if args.fit:
-        from moetier.trace.format import Trace
-        from moetier.trace.synthetic import fit_locality
-
-        kwargs["locality"] = fit_locality(Trace.load(args.fit))
     plan = diagnose(shape, HardwareProfile.load(args.profile), tokens=args.tokens, **kwargs)
     if args.json:
         print(json.dumps(plan, indent=1))

@@ -73,3 +73,13 @@ def test_bad_input_is_one_line(capsys):
     assert err.startswith("moetier: error: no model shape 'no-such-model'") and "hint" in err
     assert main(["doctor", "mixtral-8x7b", "--profile", "no-such-profile"]) == 1
     assert "no hardware profile" in capsys.readouterr().err
+
+
+def test_a_bad_fit_trace_or_precision_is_refused_before_any_calibration(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MOETIER_CACHE", str(tmp_path / "cache"))  # no this-machine profile there
+    assert main(["doctor", "mixtral-8x7b", "--fit", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert "is not a trace" in err and "calibrating" not in err
+    assert main(["doctor", "mixtral-8x7b", "--precision", "fp7"]) == 1
+    assert "unknown precision 'fp7'" in capsys.readouterr().err
+    assert not (tmp_path / "cache" / "profiles").exists()
