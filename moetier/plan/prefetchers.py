@@ -170,17 +170,18 @@ class PreSchedPrefetch(PrefetchStage):
         self._learn(plan)
         return super().__call__(plan)
 
-    def wanted(self, plan: LayerPlan, window: list[int]) -> list[ExpertKey]:
+    def wanted(self, plan: LayerPlan, window: list[int],
+               misses: dict[int, list[tuple[int, ExpertKey]]]) -> list[ExpertKey]:
         """GPU_Q ∩ E_target, most tokens first, for the window's last layer E_target: with a CPU lane, Eq. 4 on this
-        layer's misses and the window's predicted ones (t_attn once per layer); without, every predicted miss."""
-        target = predicted_misses(plan, self.residency, window[-1])
+        layer's misses and the window's predicted ones (t_attn once per layer); without, every predicted miss.
+        `misses`: each predicted layer's `predicted_misses`, computed once per plan."""
+        target = misses[window[-1]]
         if not (self.cpu_lane and self.costs.placement_ready):
             return [key for _, key in target]
         counts = plan.counts
         cur = [(int(counts[run.expert]), plan.layer, run.expert) for run in plan.runs
                if run.source in (LOAD, IN_FLIGHT) or run.place == HOST]
-        ahead = [(m, key.layer, key.expert) for layer in window
-                 for m, key in predicted_misses(plan, self.residency, layer)[::-1]]  # worst first
+        ahead = [(m, key.layer, key.expert) for layer in window for m, key in misses[layer][::-1]]  # worst first
         queue = gpu_queue(cur + ahead, self.costs, self.reading() * self.costs.read_s,
                           len(window) * self.costs.dense_s)
         return [ExpertKey(layer, e) for _, layer, e in reversed(queue) if layer == window[-1]]
@@ -196,8 +197,9 @@ class PreSchedPrefetch(PrefetchStage):
         k = plan.route.topk_ids.shape[1]
         masked = [key for key in (ExpertKey(layers[0], e) for e in predicted_ids(plan.predictions[layers[0]], k))
                   if key in self.residency.entries]  # the next layer's resident predicted experts: pinned, not read
+        misses = {layer: predicted_misses(plan, self.residency, layer) for layer in layers}
         for d in range(1, len(layers) + 1):
-            chosen = self.wanted(plan, layers[:d])
+            chosen = self.wanted(plan, layers[:d], misses)
             if chosen:
                 chosen = chosen[:self.count(plan, d)]
                 self._rank.update((key, i) for i, key in enumerate(chosen))

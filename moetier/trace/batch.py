@@ -13,6 +13,8 @@ taken from different places in the stream stands for different requests."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from moetier.plan.route import PREFILL
@@ -50,8 +52,7 @@ def interleave(trace: Trace, batch: int) -> Trace:
     index_all = np.concatenate(index)
     out = trace.take(index_all, f"interleaved into batches of {batch} sequences (trace/batch.py)",
                      step=np.concatenate(step).astype(np.int32))
-    out.seq = seq[index_all].astype(np.int32)
-    return out
+    return dataclasses.replace(out, seq=seq[index_all].astype(np.int32))  # (the pieces' ids, validated again)
 
 
 def _pieces(trace: Trace, batch: int) -> np.ndarray:
