@@ -84,3 +84,14 @@ def test_fewer_sequences_than_the_batch_are_cut_into_as_many_pieces():
     # one prefill step holding both prompts (rows 0, 1 of the first piece, row 6 of the second), then decode steps
     # of one row of each piece: 2, 4, 8 / 3, 5, 9 / 7, 10 / 11
     assert [(phase, rows.size) for phase, rows in steps(b)] == [(0, 3), (1, 3), (1, 3), (1, 2), (1, 1)]
+
+
+def test_the_sim_command_refuses_a_bad_batch_in_one_line(tmp_path, capsys):
+    from moetier.cli import main
+
+    path = interleave(make([(2, 2), (2, 2)]), 2).save(tmp_path / "t")
+    assert main(["sim", "--trace", str(path), "--batch", "0"]) == 1
+    assert "--batch '0' is not a batch size" in capsys.readouterr().err
+    assert main(["sim", "--trace", str(path), "--profile", "rtx4090", "--model-shape", "mixtral-8x7b",
+                 "--batch", "2"]) == 1  # a trace that carries its steps already
+    assert "batched already" in capsys.readouterr().err
