@@ -174,9 +174,8 @@ def replay_on_common(runs: dict, configs: list) -> None:
 
 def average(a, b):
     """Two calibrations of the same shape, their compute figures averaged."""
-    from moetier.sim.profile import Linear
+    from moetier.sim.profile import mean_curve as mean
 
-    mean = lambda x, y: Linear((x.per_token + y.per_token) / 2, (x.fixed + y.fixed) / 2)  # noqa: E731
     later = {m.precision: m for m in b.measured}
     measured = tuple(dataclasses.replace(ma, expert_s=mean(ma.expert_s, mb.expert_s),
                                          dense_s_per_layer=mean(ma.dense_s_per_layer, mb.dense_s_per_layer),

@@ -7,8 +7,8 @@ so it sits above both executors.
   matrix product, the per-call overhead from a tiny one), for shapes not measured;
 - for the given model's shape: expert compute against tokens (t = beta*m + C) at the model's precision and at each
   quantized copy the store holds (those kernels unpack codes: the roofline would flatter them), the dense part of
-  a layer and the head, the executor's own per-layer work, and what a whole resident decode step costs beyond
-  those parts.
+  a layer and the head, the executor's own per-layer work, and a whole decode step of the engine with every expert
+  resident (its layer-by-layer path), to which those parts are anchored.
 """
 
 from __future__ import annotations
@@ -29,15 +29,19 @@ from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels, make_kernels
 from moetier.model.kv_cache import KVCache
 from moetier.sim.cost import CostModel, linear_fit
-from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Tier
+from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Piecewise, Tier, piecewise
 from moetier.sim.shapes import ModelShape
 from moetier.store.reader import ExpertReader
 from moetier.store.store import Store
 
 
-def median_time(fn, repeats: int = 7) -> float:
-    """Seconds per call of `fn`: the median of `repeats` timed calls after one untimed (warm-up) call."""
+def median_time(fn, repeats: int = 7, warm_up_s: float = 0.0) -> float:
+    """Seconds per call of `fn`: the median of `repeats` timed calls after untimed ones (one, or as many as fill
+    `warm_up_s`)."""
+    end = time.perf_counter() + warm_up_s
     fn()
+    while time.perf_counter() < end:
+        fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -105,23 +109,31 @@ def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
     return Device("cpu", bandwidth, {precision: flops}, overhead)
 
 
-def expert_compute(store: Store, tokens=(1, 2, 4, 8, 16, 32), precision: str | None = None) -> Linear:
-    """One expert's compute against its tokens, at `precision` (default: the model's own; a quantized copy's from
-    its real blobs)."""
+EXPERT_TOKENS = (1, 2, 3, 4, 6, 8, 16, 32)  # decode's few tokens an expert closely, prefill's more coarsely
+
+
+def expert_curves(store: Store, precisions: list[str], tokens=EXPERT_TOKENS, rounds: int = 3) -> dict[str, Piecewise]:
+    """One expert's compute against its tokens at each of `precisions` (the model's own and its quantized copies,
+    from the store's real blobs): the measured points, straight lines between them (not one line through all: see
+    Piecewise). The precisions are timed in turn within each round and each point is the median over rounds, so
+    this machine's drift (its memory streamed 27-43 GB/s from one call to the next) touches them alike: a
+    mixed-precision plan is priced by their ratio."""
     spec, dtype = store.spec, store.load_dense()["embed_tokens"].dtype
-    precision = precision or store.manifest.native_precision
-    kernel = make_expert_kernel(precision, cpu_kernels(dtype), dtype, spec)
-    # Several experts in rotation, so weights come from memory rather than cache, as in decoding.
-    if precision == store.manifest.native_precision:
-        experts = [{name: torch.randn(shape).to(dtype) for name, shape in spec.expert_shapes} for _ in range(8)]
-    else:
-        experts = stored_experts(store, precision, 8)
-    ys = []
-    for m in tokens:
-        x, out, weights = torch.randn(m, spec.hidden_size).to(dtype), torch.empty(m, spec.hidden_size, dtype=dtype), \
-            torch.ones(m, dtype=dtype)
-        ys.append(median_time(lambda x=x, out=out, w=weights: [kernel(out, x, e, w) for e in experts]) / len(experts))
-    return linear_fit(list(tokens), ys)
+    # Several experts in rotation, so weights come from memory rather than cache, as in decoding; the store's own,
+    # read into slots the engine's way (anonymous mappings advised for huge pages: ~15% faster to stream than
+    # fresh tensors on the Zen 4 this was measured on, 0.32 against 0.37 ms an expert of demo-deep-xl).
+    kernels = {p: make_expert_kernel(p, cpu_kernels(dtype), dtype, spec) for p in precisions}
+    experts = {p: stored_experts(store, p, 8) for p in precisions}
+    times: dict[tuple[str, int], list[float]] = {}
+    for r in range(rounds):
+        for m in tokens:
+            x, out, weights = (torch.randn(m, spec.hidden_size).to(dtype), torch.empty(m, spec.hidden_size,
+                                                                                     dtype=dtype), torch.ones(m, dtype=dtype))
+            for p in precisions:
+                # (warmed up first: the first ~0.2 s of a kernel after idling ran up to 40% slower here)
+                run = lambda k=kernels[p], es=experts[p], x=x, out=out, w=weights: [k(out, x, e, w) for e in es]  # noqa: E731
+                times.setdefault((p, m), []).append(median_time(run, 11, 0.2 if r == 0 else 0.0) / len(experts[p]))
+    return {p: piecewise(tokens, [statistics.median(times[p, m]) for m in tokens]) for p in precisions}
 
 
 def stored_experts(store: Store, precision: str, count: int) -> list[dict]:
@@ -160,7 +172,7 @@ def dense_and_head(store: Store, tokens=(1, 4, 16), context: int = 48) -> tuple[
     return dense, head
 
 
-def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
+def executor_overhead(store: Store, expert: Piecewise, tokens=(1, 8)) -> Linear:
     """The real executor's own cost per MoE layer (routing hand-off, planning, grouping, policy events) on a
     layer whose experts are all resident, less their compute."""
     from moetier.cache.keys import ExpertKey
@@ -187,23 +199,47 @@ def executor_overhead(store: Store, expert: Linear, tokens=(1, 8)) -> Linear:
     return linear_fit(list(tokens), ys)
 
 
-def resident_step_s(store: Store, tokens: int = 96) -> float:
-    """TPOT of the real engine at batch 1 with every expert resident."""
+def layer_path_step_s(store: Store, tokens: int = 96) -> float:
+    """TPOT of the real engine at batch 1 with every expert resident, each MoE layer through the executor's layer
+    by layer path (routing hand-off, planning, grouping, policy events): the path every budget below 100% takes,
+    and the one the simulator times. (A fully resident engine skips it — 41-46 against 47-56 ms a token on
+    demo-deep-xl here — so its step would anchor the simulator too fast.)"""
     from moetier.engine.engine import Engine
+    from moetier.plan.step import LayerHook
 
     engine = Engine.from_pretrained(str(store.path), expert_memory="100%", progress=False)
     with engine:
         engine.preload()
+        engine.executor.layer_step.hooks.append(LayerHook())  # an observer: every layer is planned, as below 100%
         prompt = [random.Random(1).randrange(store.spec.vocab_size) for _ in range(16)]
         engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
         return engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True).stats["tpot_s"]
+
+
+def anchored(profile: HardwareProfile, shape: ModelShape, expert_bytes: int, step_s: float) -> HardwareProfile:
+    """`profile` with its parts summing to `step_s`, a measured batch-1 decode step with every expert resident.
+    What the isolated timings leave out (the generate loop's own work: sampling, KV bookkeeping) becomes the
+    executor's fixed cost per MoE layer; where they overshoot it (kernels timed alone ran slower than inside the
+    step: this machine's clocks and memory moved ±15% between calls) every measured expert curve is scaled down
+    alike. Growth with tokens stays the isolated measurements'."""
+    parts = CostModel.of(profile, shape, shape.precision, expert_bytes)
+    decoder = range(shape.encoder_layers, shape.num_layers)  # (what a decode step runs)
+    moe = [layer for layer in shape.moe_layers if layer in decoder]
+    gap = step_s - (sum(parts.resident_layer_s(layer, 1) for layer in decoder) + parts.head_s(1))
+    if gap >= 0:
+        ex = profile.executor_s_per_layer
+        return dataclasses.replace(profile, executor_s_per_layer=Linear(ex.per_token, ex.fixed + gap / len(moe)))
+    experts = sum(parts.resident_layer_s(layer, 1) - parts.dense_s(layer, 1) for layer in moe)
+    scale = max(0.1, (experts + gap) / experts)  # (below ~0.7 a part was mismeasured, not drift)
+    return dataclasses.replace(profile, measured=tuple(dataclasses.replace(m, expert_s=m.expert_s.scaled(scale))
+                                                       for m in profile.measured))
 
 
 def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progress: bool = True) -> HardwareProfile:
     spec, precision = store.spec, store.manifest.native_precision
     shape = ModelShape.from_spec(spec, store.path.name, precision)
     quantized = [p for p in store.manifest.precisions if p != precision]
-    with tqdm(total=6 + len(quantized), desc="calibrate", unit="step", disable=not progress, leave=False) as bar:
+    with tqdm(total=6, desc="calibrate", unit="step", disable=not progress, leave=False) as bar:
         def step(label: str, fn, *args):
             bar.set_postfix_str(label)
             out = fn(*args)
@@ -213,23 +249,17 @@ def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progre
         disk = step("disk", disk_tier, store, threads)
         device = step("cpu roofline", cpu_device, store.load_dense()["embed_tokens"].dtype)
         dense, head = step("dense layers", dense_and_head, store)
-        expert = step("experts", expert_compute, store)
-        executor = step("executor", executor_overhead, store, expert)
-        resident = step("resident step", resident_step_s, store)
-        copies = {p: step(f"experts {p}", expert_compute, store, (1, 2, 4, 8, 16, 32), p) for p in quantized}
+        curves = step("experts", expert_curves, store, [precision, *quantized])
+        executor = step("executor", executor_overhead, store, curves[precision])
+        step_s = step("layer step", layer_path_step_s, store)
+    dense_part = Measured(spec.hidden_size, spec.moe_intermediate_size, precision, curves.pop(precision), dense, head)
     profile = HardwareProfile(
         name=name, fast_tier_bytes=int(psutil.virtual_memory().available), tiers=(disk,), devices={"cpu": device},
         compute_device="cpu", executor_s_per_layer=executor,
-        measured=(Measured(spec.hidden_size, spec.moe_intermediate_size, precision, expert, dense, head),),
+        measured=(dense_part, *(dataclasses.replace(dense_part, precision=p, expert_s=fit) for p, fit in
+                                curves.items())),
         description=f"this machine, measured by `moetier calibrate --model {store.path.name}`",
         sources=("moetier calibrate: single O_DIRECT reads through the engine's reader; median timings of the "
-                 "model's own kernels; the CPU roofline from large matrix products",))
-    # Kernels timed alone run in warm caches and miss the generate loop's own work (sampling, KV bookkeeping):
-    # set the dense layer's fixed cost so that a resident step costs what the real engine's does. Its growth
-    # per token stays the isolated measurement's.
-    parts = CostModel.of(profile, shape, precision, store.native_layout.blob_bytes)
-    modelled = sum(parts.resident_layer_s(layer, 1) for layer in range(spec.num_layers)) + parts.head_s(1)
-    fixed = max(0.0, dense.fixed + (resident - modelled) / spec.num_layers)
-    measured = dataclasses.replace(profile.measured[0], dense_s_per_layer=Linear(dense.per_token, fixed))
-    also = tuple(dataclasses.replace(measured, precision=p, expert_s=fit) for p, fit in copies.items())
-    return dataclasses.replace(profile, measured=(measured, *also))
+                 "model's own kernels, their sum anchored to a whole decode step of the engine; the CPU roofline "
+                 "from large matrix products",))
+    return anchored(profile, shape, store.native_layout.blob_bytes, step_s)

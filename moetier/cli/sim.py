@@ -31,8 +31,8 @@ def _calibrate(args: argparse.Namespace) -> None:
           f"\n  cpu: {cpu.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
           + ", ".join(f"{v / 1e12:.2f} TFLOP/s {k}" for k, v in cpu.flops.items())
           + f", {cpu.call_overhead_s * 1e6:.1f} us per call"
-          f"\n  {args.model}: expert {m.expert_s(1) * 1e3:.3f} ms at 1 token (+{m.expert_s.per_token * 1e6:.1f} us "
-          f"per token); dense {m.dense_s_per_layer(1) * 1e3:.3f} ms per layer"
+          f"\n  {args.model}: expert {m.expert_s(1) * 1e3:.3f} ms at 1 token, {m.expert_s(8) * 1e3:.3f} ms at 8; "
+          f"dense {m.dense_s_per_layer(1) * 1e3:.3f} ms per layer"
           f"\n  shapes measured: {len(profile.measured)} (`moetier calibrate --model M` adds one)")
 
 

@@ -21,14 +21,18 @@ Units are bytes, seconds, bytes per second and FLOP per second throughout. Field
   executor_s_per_layer  optional {per_token, fixed}: the host's own work per MoE layer (planning, policy events)
   measured              optional list, written by `moetier calibrate`: figures measured on this machine for one
                         expert shape {hidden_size, moe_intermediate_size, precision, expert_s, dense_s_per_layer,
-                        head_s}, each {per_token, fixed}; used instead of the roofline for that shape.
+                        head_s}, each {per_token, fixed} or {points: [[tokens, seconds], ...]} (straight lines
+                        between measured token counts; calibration writes expert_s so); used instead of the
+                        roofline for that shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from moetier.atomic import atomic_write_json
@@ -57,8 +61,66 @@ class Linear:
     def __call__(self, tokens: int) -> float:
         return self.per_token * tokens + self.fixed
 
+    def scaled(self, factor: float) -> Linear:
+        return Linear(self.per_token * factor, self.fixed * factor)
+
 
 ZERO = Linear(0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Piecewise:
+    """time at each measured token count, straight between them, the last segment's slope beyond the last and
+    the first point's time below the first. A kernel's cost is not one line in its tokens: flat while it streams
+    its weights (a few tokens), steeper once it computes, and a quantized kernel changes method past a few tokens
+    (from the codes, then dequantized once) — one line through 1..32 tokens priced a demo-deep-xl expert at
+    0.83 ms for the one token of batch-1 decode where it takes 0.42 (bf16), and 0.87 where it takes 0.21 (int4)."""
+
+    points: tuple[tuple[float, float], ...]  # (tokens, seconds), tokens increasing
+
+    def __post_init__(self) -> None:
+        tokens = [t for t, _ in self.points]
+        if len(self.points) < 2 or any(b <= a for a, b in zip(tokens, tokens[1:])) or tokens[0] <= 0 \
+                or any(s < 0 for _, s in self.points):
+            raise ProfileError(f"a piecewise cost needs two or more (tokens, seconds) points, tokens positive and "
+                               f"increasing, seconds >= 0: got {self.points}")
+
+    @cached_property
+    def _tokens(self) -> tuple[float, ...]:
+        return tuple(t for t, _ in self.points)
+
+    def __call__(self, tokens: float) -> float:
+        pts = self.points
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        i = min(bisect_left(self._tokens, tokens), len(pts) - 1)  # the segment that holds it (the last beyond)
+        (t0, s0), (t1, s1) = pts[i - 1], pts[i]
+        return max(0.0, s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
+
+    def scaled(self, factor: float) -> Piecewise:
+        return Piecewise(tuple((t, s * factor) for t, s in self.points))
+
+
+Curve = Linear | Piecewise
+
+
+def piecewise(tokens, seconds) -> Piecewise:
+    """Measured (tokens, seconds), made non-decreasing (a later point measured a little faster is noise: more
+    tokens never cost less)."""
+    points, top = [], 0.0
+    for t, s in sorted(zip(tokens, seconds)):
+        top = max(top, float(s))
+        points.append((float(t), top))
+    return Piecewise(tuple(points))
+
+
+def mean_curve(a: Curve, b: Curve) -> Curve:
+    """Two measurements of one cost averaged: lines coefficient by coefficient, otherwise at each token count
+    either measured."""
+    if isinstance(a, Linear) and isinstance(b, Linear):
+        return Linear((a.per_token + b.per_token) / 2, (a.fixed + b.fixed) / 2)
+    tokens = sorted({t for c in (a, b) if isinstance(c, Piecewise) for t, _ in c.points})
+    return Piecewise(tuple((t, (a(t) + b(t)) / 2) for t in tokens))
 
 
 @dataclass(frozen=True)
@@ -104,9 +166,9 @@ class Measured:
     hidden_size: int
     moe_intermediate_size: int
     precision: str
-    expert_s: Linear
-    dense_s_per_layer: Linear
-    head_s: Linear
+    expert_s: Curve
+    dense_s_per_layer: Curve
+    head_s: Curve
 
 
 @dataclass(frozen=True)
@@ -204,6 +266,13 @@ class _Fields:
         return Linear(float(self.need(v, "per_token", f"{where}{key}.")), float(self.need(v, "fixed",
                                                                                            f"{where}{key}.")))
 
+    def curve(self, obj: dict, key: str, where: str = "") -> Curve:
+        """{per_token, fixed} or {points: [[tokens, seconds], ...]}."""
+        v = self.need(obj, key, where)
+        if isinstance(v, dict) and "points" in v:
+            return Piecewise(tuple((float(t), float(s)) for t, s in v["points"]))
+        return self.linear(obj, key, where)
+
 
 def _parse(d: dict, f: _Fields) -> HardwareProfile:
     tiers = []
@@ -222,8 +291,8 @@ def _parse(d: dict, f: _Fields) -> HardwareProfile:
     for i, m in enumerate(d.get("measured", ())):
         w = f"measured[{i}]."
         measured.append(Measured(int(f.need(m, "hidden_size", w)), int(f.need(m, "moe_intermediate_size", w)),
-                                 str(f.need(m, "precision", w)), f.linear(m, "expert_s", w),
-                                 f.linear(m, "dense_s_per_layer", w), f.linear(m, "head_s", w)))
+                                 str(f.need(m, "precision", w)), f.curve(m, "expert_s", w),
+                                 f.curve(m, "dense_s_per_layer", w), f.curve(m, "head_s", w)))
     return HardwareProfile(
         name=str(f.need(d, "name")), fast_tier_bytes=int(f.need(d, "fast_tier_bytes")), tiers=tuple(tiers),
         devices=devices, compute_device=str(f.need(d, "compute_device")), description=d.get("description", ""),

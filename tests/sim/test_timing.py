@@ -3,7 +3,8 @@
 import pytest
 
 from moetier.sim.cost import CostModel
-from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, ProfileError, Tier
+from moetier.sim.profile import (Device, HardwareProfile, Linear, Measured, Piecewise, ProfileError, Tier, mean_curve,
+                                 piecewise)
 from moetier.sim.shapes import ModelShape
 
 SHAPE = ModelShape("unit", hidden_size=8, num_layers=1, moe_layers=(0,), num_experts=4, top_k=2,
@@ -42,6 +43,25 @@ def test_a_tier_out_of_range_says_which_ranges_hold(field, value):
 def test_profile_round_trip(tmp_path):
     PROFILE.save(tmp_path / "unit.json")
     assert HardwareProfile.load(tmp_path / "unit.json") == PROFILE
+    import dataclasses
+
+    curved = dataclasses.replace(PROFILE, measured=(dataclasses.replace(
+        PROFILE.measured[0], expert_s=Piecewise(((1.0, 0.5), (4.0, 0.5), (8.0, 1.0)))),))
+    curved.save(tmp_path / "curved.json")
+    assert HardwareProfile.load(tmp_path / "curved.json") == curved
+
+
+def test_a_piecewise_cost_is_straight_between_its_points_and_carries_the_last_slope_beyond():
+    # flat while streaming the weights (1..4 tokens), then 0.125 s a token: what one line through all would miss
+    c = Piecewise(((1.0, 0.5), (4.0, 0.5), (8.0, 1.0)))
+    assert [c(t) for t in (0.5, 1, 2, 4, 6, 8, 16)] == pytest.approx([0.5, 0.5, 0.5, 0.5, 0.75, 1.0, 2.0])
+    # a later point measured faster is noise: made flat, never a cost that falls with more tokens
+    assert piecewise([4, 1, 2], [0.9, 1.0, 0.8]).points == ((1.0, 1.0), (2.0, 1.0), (4.0, 1.0))
+    assert [v for pt in mean_curve(c, Linear(0.1, 0.0)).points for v in pt] == pytest.approx([1, 0.3, 4, 0.45, 8, 0.9])
+    assert mean_curve(Linear(0.2, 1.0), Linear(0.4, 3.0)) == Linear(pytest.approx(0.3), pytest.approx(2.0))
+    for bad in (((1.0, 0.5),), ((2.0, 0.5), (1.0, 0.6)), ((0.0, 0.5), (1.0, 0.6)), ((1.0, -0.1), (2.0, 0.6))):
+        with pytest.raises(ProfileError, match="piecewise cost needs two or more"):
+            Piecewise(bad)
 
 
 def test_calibrating_another_shape_keeps_the_first():
@@ -75,6 +95,18 @@ def test_experts_beyond_a_tiers_capacity_are_read_through_it_from_below():
     assert c.read_s(ExpertKey(0, 3)) == pytest.approx(3.0 + 10.0)
 
 
+def test_anchoring_puts_what_the_parts_leave_out_on_the_executor_and_scales_experts_that_overshoot():
+    from moetier.calibrate import anchored
+
+    # one MoE layer, top-2: dense 2 s + two experts of 1 s + head 0 = 4 s modelled
+    slower = anchored(PROFILE, SHAPE, 768, 5.0)  # the engine's step took 5 s: 1 s of its own work a MoE layer
+    assert slower.executor_s_per_layer == Linear(0.0, pytest.approx(1.0)) and slower.measured == PROFILE.measured
+    assert cost(768, slower).resident_layer_s(0, 1) + cost(768, slower).head_s(1) == pytest.approx(5.0)
+    faster = anchored(PROFILE, SHAPE, 768, 3.0)  # 3 s: the experts timed alone ran slow, half as long in the step
+    assert faster.measured[0].expert_s(1) == pytest.approx(0.5) and faster.executor_s_per_layer == Linear(0.0, 0.0)
+    assert cost(768, faster).resident_layer_s(0, 1) == pytest.approx(3.0)
+
+
 def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
     from moetier.calibrate import calibrate
     from moetier.store.store import Store
@@ -86,8 +118,10 @@ def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
     m = p.measured[0]
     assert (m.hidden_size, m.moe_intermediate_size) == (Store(path).spec.hidden_size,
                                                         Store(path).spec.moe_intermediate_size)
-    for f in (m.expert_s, m.dense_s_per_layer, m.head_s, p.executor_s_per_layer):
+    for f in (m.dense_s_per_layer, m.head_s, p.executor_s_per_layer):
         assert f.per_token >= 0 and f.fixed >= 0
+    times = [s for _, s in m.expert_s.points]  # measured at each token count, never falling
+    assert len(times) >= 4 and times == sorted(times) and times[0] > 0
     assert m.expert_s(1) > 0 and m.dense_s_per_layer(1) > 0
     assert p.device.memory_bandwidth_bytes_per_s > 1e8 and all(v > 1e8 for v in p.device.flops.values())
     p.save(tmp_path / "m.json")
