@@ -17,6 +17,7 @@ import dataclasses
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -199,47 +200,67 @@ def executor_overhead(store: Store, expert: Piecewise, tokens=(1, 8)) -> Linear:
     return linear_fit(list(tokens), ys)
 
 
-def layer_path_step_s(store: Store, tokens: int = 96) -> float:
-    """TPOT of the real engine at batch 1 with every expert resident, each MoE layer through the executor's layer
-    by layer path (routing hand-off, planning, grouping, policy events): the path every budget below 100% takes,
-    and the one the simulator times. (A fully resident engine skips it — 41-46 against 47-56 ms a token on
-    demo-deep-xl here — so its step would anchor the simulator too fast.)"""
+@dataclass(frozen=True)
+class DecodeStep:
+    """A batch-1 decode step of the real engine with every expert resident, through the executor's layer by layer
+    path (routing hand-off, planning, grouping, policy events): the path every budget below 100% takes, and the one
+    the simulator times. (A fully resident engine skips it — 41-46 against 47-56 ms a token on demo-deep-xl here.)"""
+
+    tpot_s: float
+    expert_s: float  # one expert's compute inside it, by the executor's clock (a layer's experts in one call)
+
+    def __post_init__(self) -> None:
+        if not (self.tpot_s > 0 and self.expert_s > 0):
+            raise ValueError(f"a decode step needs positive times, got {self}")
+
+
+def decode_step(store: Store, mode: str = "native", tokens: int = 64) -> DecodeStep:
+    """`DecodeStep` of `store` with its experts at precision `mode` ("native", or a copy the store holds)."""
     from moetier.engine.engine import Engine
+    from moetier.plan.precision import MixedPrecision
     from moetier.plan.step import LayerHook
 
-    engine = Engine.from_pretrained(str(store.path), expert_memory="100%", progress=False)
+    engine = Engine.from_pretrained(str(store.path), expert_memory="100%", precision=MixedPrecision(mode),
+                                    progress=False)
     with engine:
         engine.preload()
         engine.executor.layer_step.hooks.append(LayerHook())  # an observer: every layer is planned, as below 100%
-        prompt = [random.Random(1).randrange(store.spec.vocab_size) for _ in range(16)]
+        prompt = [random.Random(1).randrange(store.spec.vocab_size)]  # (one token: every step computes 1 an expert)
         engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
-        return engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True).stats["tpot_s"]
+        costs = engine.executor.costs
+        count, total = costs.experts_computed, costs.expert_s_total
+        tpot = engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True).stats["tpot_s"]
+        return DecodeStep(tpot, (costs.expert_s_total - total) / max(1, costs.experts_computed - count))
 
 
-def anchored(profile: HardwareProfile, shape: ModelShape, expert_bytes: int, step_s: float) -> HardwareProfile:
-    """`profile` with its parts summing to `step_s`, a measured batch-1 decode step with every expert resident.
-    What the isolated timings leave out (the generate loop's own work: sampling, KV bookkeeping) becomes the
-    executor's fixed cost per MoE layer; where they overshoot it (kernels timed alone ran slower than inside the
-    step: this machine's clocks and memory moved ±15% between calls) every measured expert curve is scaled down
-    alike. Growth with tokens stays the isolated measurements'."""
+def anchored(profile: HardwareProfile, shape: ModelShape, expert_bytes: int,
+             steps: dict[str, DecodeStep]) -> HardwareProfile:
+    """`profile` anchored to the engine's decode steps (`steps`: by precision, the model's own among them). Kernels
+    timed alone are not what they cost inside the step (on demo-deep-xl here 0.22 ms an expert alone, 0.35 in the
+    step: the step's experts are wherever routing sends it in 9 GiB, and this machine's memory moved 27-63 GB/s
+    from one minute to the next), so each precision's expert curve is scaled to its cost in the step (one measured
+    a precision's curve; the model's own ratio for a precision without one); what the step then leaves unexplained
+    (the generate loop's own work: planning, sampling, KV bookkeeping) is the executor's fixed cost per MoE layer.
+    Growth with tokens stays the isolated measurements'."""
+    native = steps[shape.precision]
+    own = profile.measured_for(shape.hidden_size, shape.moe_intermediate_size, shape.precision)
+    ratio = native.expert_s / own.expert_s(1)
+    measured = tuple(dataclasses.replace(m, expert_s=m.expert_s.scaled(
+        steps[m.precision].expert_s / m.expert_s(1) if m.precision in steps else ratio)) for m in profile.measured)
+    profile = dataclasses.replace(profile, measured=measured)
     parts = CostModel.of(profile, shape, shape.precision, expert_bytes)
     decoder = range(shape.encoder_layers, shape.num_layers)  # (what a decode step runs)
     moe = [layer for layer in shape.moe_layers if layer in decoder]
-    gap = step_s - (sum(parts.resident_layer_s(layer, 1) for layer in decoder) + parts.head_s(1))
-    if gap >= 0:
-        ex = profile.executor_s_per_layer
-        return dataclasses.replace(profile, executor_s_per_layer=Linear(ex.per_token, ex.fixed + gap / len(moe)))
-    experts = sum(parts.resident_layer_s(layer, 1) - parts.dense_s(layer, 1) for layer in moe)
-    scale = max(0.1, (experts + gap) / experts)  # (below ~0.7 a part was mismeasured, not drift)
-    return dataclasses.replace(profile, measured=tuple(dataclasses.replace(m, expert_s=m.expert_s.scaled(scale))
-                                                       for m in profile.measured))
+    ex = profile.executor_s_per_layer
+    rest = native.tpot_s - (sum(parts.resident_layer_s(layer, 1) for layer in decoder) + parts.head_s(1))
+    return dataclasses.replace(profile, executor_s_per_layer=Linear(ex.per_token, max(0.0, ex.fixed + rest / len(moe))))
 
 
 def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progress: bool = True) -> HardwareProfile:
     spec, precision = store.spec, store.manifest.native_precision
     shape = ModelShape.from_spec(spec, store.path.name, precision)
     quantized = [p for p in store.manifest.precisions if p != precision]
-    with tqdm(total=6, desc="calibrate", unit="step", disable=not progress, leave=False) as bar:
+    with tqdm(total=5 + 1 + len(quantized), desc="calibrate", unit="step", disable=not progress, leave=False) as bar:
         def step(label: str, fn, *args):
             bar.set_postfix_str(label)
             out = fn(*args)
@@ -251,7 +272,8 @@ def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progre
         dense, head = step("dense layers", dense_and_head, store)
         curves = step("experts", expert_curves, store, [precision, *quantized])
         executor = step("executor", executor_overhead, store, curves[precision])
-        step_s = step("layer step", layer_path_step_s, store)
+        steps = {p: step(f"decode step {p}", decode_step, store, "native" if p == precision else p)
+                 for p in [precision, *quantized]}
     dense_part = Measured(spec.hidden_size, spec.moe_intermediate_size, precision, curves.pop(precision), dense, head)
     profile = HardwareProfile(
         name=name, fast_tier_bytes=int(psutil.virtual_memory().available), tiers=(disk,), devices={"cpu": device},
@@ -262,4 +284,4 @@ def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progre
         sources=("moetier calibrate: single O_DIRECT reads through the engine's reader; median timings of the "
                  "model's own kernels, their sum anchored to a whole decode step of the engine; the CPU roofline "
                  "from large matrix products",))
-    return anchored(profile, shape, store.native_layout.blob_bytes, step_s)
+    return anchored(profile, shape, store.native_layout.blob_bytes, steps)

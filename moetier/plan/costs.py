@@ -25,6 +25,7 @@ class RunningCosts:
         self.expert_bytes, self.smoothing = expert_bytes, smoothing
         self.dense_s: float | None = None  # a layer's part before its routing: attention, router
         self.expert_s: float | None = None  # one expert's compute at the current batch
+        self.experts_computed, self.expert_s_total = 0, 0.0  # every expert's compute so far (calibration's mean)
         self._bandwidth = Indicator(smoothing, window)  # bytes/s of expert reads
         self._host: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of host computes
         self._host_fit: tuple[float, float] | None = None  # (β, C)
@@ -53,6 +54,8 @@ class RunningCosts:
 
     def observe_expert(self, seconds: float) -> None:
         self.expert_s = self._smooth(self.expert_s, seconds)
+        self.experts_computed += 1
+        self.expert_s_total += seconds
 
     def observe_host(self, tokens: int, seconds: float) -> None:
         """An expert of `tokens` tokens took `seconds` on the host."""

@@ -95,16 +95,26 @@ def test_experts_beyond_a_tiers_capacity_are_read_through_it_from_below():
     assert c.read_s(ExpertKey(0, 3)) == pytest.approx(3.0 + 10.0)
 
 
-def test_anchoring_puts_what_the_parts_leave_out_on_the_executor_and_scales_experts_that_overshoot():
-    from moetier.calibrate import anchored
+def test_anchoring_prices_experts_as_the_step_computed_them_and_puts_the_rest_on_the_executor():
+    import dataclasses
 
-    # one MoE layer, top-2: dense 2 s + two experts of 1 s + head 0 = 4 s modelled
-    slower = anchored(PROFILE, SHAPE, 768, 5.0)  # the engine's step took 5 s: 1 s of its own work a MoE layer
-    assert slower.executor_s_per_layer == Linear(0.0, pytest.approx(1.0)) and slower.measured == PROFILE.measured
-    assert cost(768, slower).resident_layer_s(0, 1) + cost(768, slower).head_s(1) == pytest.approx(5.0)
-    faster = anchored(PROFILE, SHAPE, 768, 3.0)  # 3 s: the experts timed alone ran slow, half as long in the step
-    assert faster.measured[0].expert_s(1) == pytest.approx(0.5) and faster.executor_s_per_layer == Linear(0.0, 0.0)
-    assert cost(768, faster).resident_layer_s(0, 1) == pytest.approx(3.0)
+    from moetier.calibrate import DecodeStep, anchored
+
+    int4 = dataclasses.replace(PROFILE.measured[0], precision="int4", expert_s=Piecewise(((1.0, 2.0), (2.0, 3.0))))
+    profile = dataclasses.replace(PROFILE, measured=(PROFILE.measured[0], int4))
+    # one MoE layer, top-2, dense 2 s, head 0. The step: 7 s, its experts 1.5 s each (timed alone: 1 s); int4's
+    # 1 s each in its own step (timed alone: 2 s)
+    got = anchored(profile, SHAPE, 768, {"bf16": DecodeStep(7.0, 1.5), "int4": DecodeStep(9.0, 1.0)})
+    bf16, low = got.measured
+    assert bf16.expert_s(1) == pytest.approx(1.5) and low.expert_s(1) == pytest.approx(1.0)
+    assert low.expert_s(2) == pytest.approx(1.5)  # the curve scaled whole: its growth with tokens kept
+    assert got.executor_s_per_layer == Linear(0.0, pytest.approx(7.0 - 2.0 - 2 * 1.5))  # the rest of the step
+    assert cost(768, got).resident_layer_s(0, 1) + cost(768, got).head_s(1) == pytest.approx(7.0)
+    # a precision with no step of its own takes the model's own ratio (here 1.5: int4 2 s -> 3 s)
+    alone = anchored(profile, SHAPE, 768, {"bf16": DecodeStep(7.0, 1.5)})
+    assert alone.measured[1].expert_s(1) == pytest.approx(3.0)
+    # a step faster than its parts leaves the executor nothing (never a negative cost)
+    assert anchored(profile, SHAPE, 768, {"bf16": DecodeStep(4.0, 1.5)}).executor_s_per_layer == Linear(0.0, 0.0)
 
 
 def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
