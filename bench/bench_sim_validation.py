@@ -18,8 +18,9 @@ printed.
                                                          # OLMoE-shaped store if bench_offload made it
     python bench/bench_sim_validation.py --models demo-deep-xl,demo-fine-xl --budgets 25%,50% \
         --prefetch hobbit:stacked-gates,smoe:stacked-gates --out bench/out/sim-prefetch-validation
-    python bench/bench_sim_validation.py --models demo-deep-xl,demo-fine-xl --budgets 25% --rounds 2 \
-        --prefetch hobbit:stacked-gates,precision:hobbit,substitute:0.35 --out bench/out/sim-mechanisms-validation
+    python bench/bench_sim_validation.py --models demo-deep-xl,demo-fine-xl --budgets 25%,50% --rounds 2 \
+        --small-tokens 96 --prefetch hobbit:stacked-gates,precision:hobbit,substitute:0.35 \
+        --out bench/out/sim-mechanisms-validation
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ so it sits above both executors.
   alone (latency);
 - the CPU as a roofline device (memory bandwidth from a large matrix-vector product, throughput from a large
   matrix product, the per-call overhead from a tiny one), for shapes not measured;
-- for the given model's shape: expert compute against tokens (t = beta*m + C) at the model's precision and at each
+- for the given model's shape: expert compute at 1-32 tokens (measured points) at the model's precision and at each
   quantized copy the store holds (those kernels unpack codes: the roofline would flatter them), the dense part of
   a layer and the head, the executor's own per-layer work, and a whole decode step of the engine with every expert
   resident (its layer-by-layer path), to which those parts are anchored.
@@ -117,7 +117,7 @@ def expert_curves(store: Store, precisions: list[str], tokens=EXPERT_TOKENS, rou
     """One expert's compute against its tokens at each of `precisions` (the model's own and its quantized copies,
     from the store's real blobs): the measured points, straight lines between them (not one line through all: see
     Piecewise). The precisions are timed in turn within each round and each point is the median over rounds, so
-    this machine's drift (its memory streamed 27-43 GB/s from one call to the next) touches them alike: a
+    this machine's drift (its memory streamed 27-63 GB/s within an hour) touches them alike: a
     mixed-precision plan is priced by their ratio."""
     spec, dtype = store.spec, store.load_dense()["embed_tokens"].dtype
     # Several experts in rotation, so weights come from memory rather than cache, as in decoding; the store's own,
@@ -128,12 +128,16 @@ def expert_curves(store: Store, precisions: list[str], tokens=EXPERT_TOKENS, rou
     times: dict[tuple[str, int], list[float]] = {}
     for r in range(rounds):
         for m in tokens:
-            x, out, weights = (torch.randn(m, spec.hidden_size).to(dtype), torch.empty(m, spec.hidden_size,
-                                                                                     dtype=dtype), torch.ones(m, dtype=dtype))
+            x, out = torch.randn(m, spec.hidden_size).to(dtype), torch.empty(m, spec.hidden_size, dtype=dtype)
+            weights = torch.ones(m, dtype=dtype)
             for p in precisions:
+                def rotation(kernel=kernels[p], slots=experts[p], x=x, out=out, w=weights) -> None:
+                    for e in slots:
+                        kernel(out, x, e, w)
+
                 # (warmed up first: the first ~0.2 s of a kernel after idling ran up to 40% slower here)
-                run = lambda k=kernels[p], es=experts[p], x=x, out=out, w=weights: [k(out, x, e, w) for e in es]  # noqa: E731
-                times.setdefault((p, m), []).append(median_time(run, 11, 0.2 if r == 0 else 0.0) / len(experts[p]))
+                seconds = median_time(rotation, 11, 0.2 if r == 0 else 0.0) / len(experts[p])
+                times.setdefault((p, m), []).append(seconds)
     return {p: piecewise(tokens, [statistics.median(times[p, m]) for m in tokens]) for p in precisions}
 
 
@@ -274,12 +278,11 @@ def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progre
         executor = step("executor", executor_overhead, store, curves[precision])
         steps = {p: step(f"decode step {p}", decode_step, store, "native" if p == precision else p)
                  for p in [precision, *quantized]}
-    dense_part = Measured(spec.hidden_size, spec.moe_intermediate_size, precision, curves.pop(precision), dense, head)
+    own = Measured(spec.hidden_size, spec.moe_intermediate_size, precision, curves.pop(precision), dense, head)
     profile = HardwareProfile(
         name=name, fast_tier_bytes=int(psutil.virtual_memory().available), tiers=(disk,), devices={"cpu": device},
         compute_device="cpu", executor_s_per_layer=executor,
-        measured=(dense_part, *(dataclasses.replace(dense_part, precision=p, expert_s=fit) for p, fit in
-                                curves.items())),
+        measured=(own, *(dataclasses.replace(own, precision=p, expert_s=fit) for p, fit in curves.items())),
         description=f"this machine, measured by `moetier calibrate --model {store.path.name}`",
         sources=("moetier calibrate: single O_DIRECT reads through the engine's reader; median timings of the "
                  "model's own kernels, their sum anchored to a whole decode step of the engine; the CPU roofline "

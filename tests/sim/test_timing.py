@@ -3,8 +3,17 @@
 import pytest
 
 from moetier.sim.cost import CostModel
-from moetier.sim.profile import (Device, HardwareProfile, Linear, Measured, Piecewise, ProfileError, Tier, mean_curve,
-                                 piecewise)
+from moetier.sim.profile import (
+    Device,
+    HardwareProfile,
+    Linear,
+    Measured,
+    Piecewise,
+    ProfileError,
+    Tier,
+    mean_curve,
+    piecewise,
+)
 from moetier.sim.shapes import ModelShape
 
 SHAPE = ModelShape("unit", hidden_size=8, num_layers=1, moe_layers=(0,), num_experts=4, top_k=2,
