@@ -58,7 +58,8 @@ def mechanisms(config: str) -> dict:
 
 def calibrated(model: str):
     """`moetier calibrate` in a process of its own, as a user runs it before the engine: in one process with the
-    engine under test (its resident engines' memory freed just before) that engine decoded ~10% slower here."""
+    engine under test (its resident engines' memory freed just before) that engine decoded ~10% slower here, and
+    its rounds scattered by up to 1.9x."""
     import subprocess
     import tempfile
 

@@ -270,7 +270,10 @@ class _Fields:
         """{per_token, fixed} or {points: [[tokens, seconds], ...]}."""
         v = self.need(obj, key, where)
         if isinstance(v, dict) and "points" in v:
-            return Piecewise(tuple((float(t), float(s)) for t, s in v["points"]))
+            try:
+                return Piecewise(tuple((float(t), float(s)) for t, s in v["points"]))
+            except ProfileError as e:
+                raise ProfileError(f"{self.path}: {where}{key}: {e}") from None
         return self.linear(obj, key, where)
 
 

@@ -40,6 +40,13 @@ def test_profile_missing_a_field_names_it(tmp_path):
         HardwareProfile.load(f)
     with pytest.raises(ProfileError, match="no hardware profile 'nonesuch'"):
         HardwareProfile.load("nonesuch")
+    import json
+
+    d = PROFILE.to_json()
+    d["measured"][0]["expert_s"] = {"points": [[2, 0.5], [1, 0.6]]}  # tokens not increasing
+    f.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=r"p.json: measured\[0\].expert_s: a piecewise cost needs"):
+        HardwareProfile.load(f)
 
 
 @pytest.mark.parametrize("field, value", [("bandwidth_bytes_per_s", 0.0), ("utilisation", 1.5), ("latency_s", -1.0),
