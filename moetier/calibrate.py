@@ -7,8 +7,8 @@ so it sits above both executors.
   matrix product, the per-call overhead from a tiny one), for shapes not measured;
 - for the given model's shape: expert compute at 1-32 tokens (measured points) at the model's precision and at each
   quantized copy the store holds (those kernels unpack codes: the roofline would flatter them), the dense part of
-  a layer and the head, the executor's own per-layer work, and a whole decode step of the engine with every expert
-  resident (its layer-by-layer path), to which those parts are anchored.
+  a layer and the head, the executor's own per-layer work, a predictor's per-layer work, and a whole decode step of
+  the engine with every expert resident (its layer-by-layer path), to which those parts are anchored.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from moetier.model.build import make_model
 from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels, make_kernels
 from moetier.model.kv_cache import KVCache
+from moetier.predict.base import Predictor
 from moetier.sim.cost import CostModel, linear_fit
 from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Piecewise, Tier, piecewise
 from moetier.sim.shapes import ModelShape
@@ -204,37 +205,70 @@ def executor_overhead(store: Store, expert: Piecewise, tokens=(1, 8)) -> Linear:
     return linear_fit(list(tokens), ys)
 
 
+class _TimedPredictor(Predictor):
+    """A predictor whose scoring is timed where the engine runs it (between a layer's routing and its plan): timed
+    alone the stacked-gates predictor took 0.03 ms a layer of demo-deep-xl here, inside the engine 0.15-0.21 (its
+    small product wakes torch's threads beside the kernels')."""
+
+    def __init__(self, inner: Predictor) -> None:
+        super().__init__(inner.moe_layers, inner.num_experts, inner.top_k, inner.distance)
+        self.inner, self.seconds, self.calls = inner, 0.0, 0
+
+    def on_sequence_start(self) -> None:
+        self.inner.on_sequence_start()
+
+    def observe(self, layer: int, gate_input, route) -> None:
+        self.inner.observe(layer, gate_input, route)
+
+    def predict(self, layer: int, gate_input):
+        start = time.perf_counter()
+        out = self.inner.predict(layer, gate_input)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+
 @dataclass(frozen=True)
 class DecodeStep:
     """A batch-1 decode step of the real engine with every expert resident, through the executor's layer by layer
     path (routing hand-off, planning, grouping, policy events): the path every budget below 100% takes, and the one
     the simulator times. (A fully resident engine skips it — 41-46 against 47-56 ms a token on demo-deep-xl here.)"""
 
-    tpot_s: float
+    tpot_s: float  # less the predictor's scoring, where one ran
     expert_s: float  # one expert's compute inside it, by the executor's clock (a layer's experts in one call)
+    predict_s: float = 0.0  # the predictor's scoring a MoE layer, where one ran
 
     def __post_init__(self) -> None:
-        if not (self.tpot_s > 0 and self.expert_s > 0):
+        if not (self.tpot_s > 0 and self.expert_s > 0 and self.predict_s >= 0):
             raise ValueError(f"a decode step needs positive times, got {self}")
 
 
-def decode_step(store: Store, mode: str = "native", tokens: int = 64) -> DecodeStep:
-    """`DecodeStep` of `store` with its experts at precision `mode` ("native", or a copy the store holds)."""
+def decode_step(store: Store, mode: str = "native", tokens: int = 64, predictor: str = "none") -> DecodeStep:
+    """`DecodeStep` of `store` with its experts at precision `mode` ("native", or a copy the store holds), with
+    `predictor` scoring the coming layers (under HOBBIT's prefetch, which at 100% finds them all resident)."""
     from moetier.engine.engine import Engine
     from moetier.plan.precision import MixedPrecision
     from moetier.plan.step import LayerHook
 
     engine = Engine.from_pretrained(str(store.path), expert_memory="100%", precision=MixedPrecision(mode),
+                                    prefetch="none" if predictor == "none" else "hobbit", predictor=predictor,
                                     progress=False)
     with engine:
         engine.preload()
-        engine.executor.layer_step.hooks.append(LayerHook())  # an observer: every layer is planned, as below 100%
+        layer_step = engine.executor.layer_step
+        layer_step.hooks.append(LayerHook())  # an observer: every layer is planned, as below 100%
+        timed = layer_step.predictor = _TimedPredictor(layer_step.predictor) if layer_step.predictor else None
         prompt = [random.Random(1).randrange(store.spec.vocab_size)]  # (one token: every step computes 1 an expert)
         engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
         costs = engine.executor.costs
         count, total = costs.experts_computed, costs.expert_s_total
+        scored, calls = (timed.seconds, timed.calls) if timed else (0.0, 0)
         tpot = engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True).stats["tpot_s"]
-        return DecodeStep(tpot, (costs.expert_s_total - total) / max(1, costs.experts_computed - count))
+        expert_s = (costs.expert_s_total - total) / max(1, costs.experts_computed - count)
+        if timed is None:
+            return DecodeStep(tpot, expert_s)
+        seconds = timed.seconds - scored  # over `tokens` forward steps of one token (the prompt's one among them)
+        return DecodeStep(tpot - seconds / tokens, expert_s, seconds / max(1, timed.calls - calls))
 
 
 def anchored(profile: HardwareProfile, shape: ModelShape, expert_bytes: int,
@@ -257,7 +291,9 @@ def anchored(profile: HardwareProfile, shape: ModelShape, expert_bytes: int,
     moe = [layer for layer in shape.moe_layers if layer in decoder]
     ex = profile.executor_s_per_layer
     rest = native.tpot_s - (sum(parts.resident_layer_s(layer, 1) for layer in decoder) + parts.head_s(1))
-    return dataclasses.replace(profile, executor_s_per_layer=Linear(ex.per_token, max(0.0, ex.fixed + rest / len(moe))))
+    at_one = max(0.0, ex(1) + rest / len(moe))  # the executor's work a layer at one token: what the step leaves
+    per_token = min(ex.per_token, at_one)  # (its growth with tokens as measured, never below zero at one token)
+    return dataclasses.replace(profile, executor_s_per_layer=Linear(per_token, at_one - per_token))
 
 
 def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progress: bool = True) -> HardwareProfile:
@@ -276,12 +312,14 @@ def calibrate(store: Store, name: str = "this-machine", threads: int = 4, progre
         dense, head = step("dense layers", dense_and_head, store)
         curves = step("experts", expert_curves, store, [precision, *quantized])
         executor = step("executor", executor_overhead, store, curves[precision])
-        steps = {p: step(f"decode step {p}", decode_step, store, "native" if p == precision else p)
-                 for p in [precision, *quantized]}
+        scorer = "stacked-gates" if spec.encoder_decoder is None else "none"  # (measured on the model's own step)
+        steps = {p: step(f"decode step {p}", decode_step, store, "native" if p == precision else p, 64,
+                         scorer if p == precision else "none") for p in [precision, *quantized]}
     own = Measured(spec.hidden_size, spec.moe_intermediate_size, precision, curves.pop(precision), dense, head)
     profile = HardwareProfile(
         name=name, fast_tier_bytes=int(psutil.virtual_memory().available), tiers=(disk,), devices={"cpu": device},
         compute_device="cpu", executor_s_per_layer=executor,
+        predict_s_per_layer=Linear(0.0, steps[precision].predict_s),
         measured=(own, *(dataclasses.replace(own, precision=p, expert_s=fit) for p, fit in curves.items())),
         description=f"this machine, measured by `moetier calibrate --model {store.path.name}`",
         sources=("moetier calibrate: single O_DIRECT reads through the engine's reader; median timings of the "

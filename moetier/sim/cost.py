@@ -66,6 +66,10 @@ class CostModel:
         return executor + self.profile.device.kernel_s(params * bytes_per_param(dense_precision) + kv_bytes,
                                                        2 * params * tokens, dense_precision, DENSE_CALLS_PER_LAYER)
 
+    def predict_s(self, tokens: int) -> float:
+        """What a predictor adds to a MoE layer that runs one (scoring the coming layers' experts on the host)."""
+        return self.profile.predict_s_per_layer(tokens)
+
     def head_s(self, tokens: int) -> float:
         """Final norm and LM head."""
         m = self._measured
@@ -167,6 +171,9 @@ class FreeCost:
         return 1e-12
 
     def expert_s(self, tokens: int, place: str = FAST) -> float:
+        return 0.0
+
+    def predict_s(self, tokens: int) -> float:
         return 0.0
 
     def read_busy_s(self, key: ExpertKey) -> float:

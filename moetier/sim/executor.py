@@ -6,9 +6,9 @@ The machine it models (a hardware profile priced by a CostModel): one serial lin
 premise: saturated transfers do not parallelise; a read holds the link for its bytes over the bandwidth, its
 latency overlaps the next read, and it is never interrupted), and two compute lanes — the compute device, which
 holds the cache and runs the dense layers, and the host CPU, for experts computed where their weights live. A
-layer's dense part runs first; its routing is known when that ends, and its reads go out then (a read that takes
-the slot of an expert computed earlier in the layer waits for that compute); resident experts compute while
-reads land, each loaded one once its read has. Where the profile says a read costs the computing CPU (this
+layer's dense part runs first (and a predictor's scoring, where one runs); its routing is known when that ends,
+and its reads go out then (a read that takes the slot of an expert computed earlier in the layer waits for that
+compute); resident experts compute while reads land, each loaded one once its read has. Where the profile says a read costs the computing CPU (this
 machine: the reader's threads share its two cores), a layer takes longer by the CPU its overlapping reads took."""
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ class SimExecutor:
     def layer(self, route: RouteResult, tokens: int, gate_input=None) -> tuple[LayerPlan, LayerTimeline]:
         """One MoE layer of `tokens` tokens, starting now. `gate_input` [T, H]: the router's input, for the
         predictor (a trace's recorded one), or None."""
-        tl = self._tl = LayerTimeline(route.layer, self.now, self.now + self.cost.dense_s(route.layer, tokens))
+        dense_s = self.cost.dense_s(route.layer, tokens)
+        if self.layer_step.predictor is not None:  # it scores the coming layers before this one is planned
+            dense_s += self.cost.predict_s(tokens)
+        tl = self._tl = LayerTimeline(route.layer, self.now, self.now + dense_s)
         self._land(tl.dense_end)  # what a layer needs was in time if its read landed before its routing is known
         plan = self.layer_step.begin(route, gate_input)
         for key in plan.cancels:  # prefetches this layer proved wrong: off the queue if they never started

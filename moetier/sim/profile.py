@@ -19,6 +19,8 @@ Units are bytes, seconds, bytes per second and FLOP per second throughout. Field
                         linearly once compute-bound (a CPU: PreScope's t_c = beta*m + C).
   compute_device        the device that holds the fast tier and runs dense layers and cached experts
   executor_s_per_layer  optional {per_token, fixed}: the host's own work per MoE layer (planning, policy events)
+  predict_s_per_layer   optional {per_token, fixed}: what a predictor adds to a MoE layer that runs one, before
+                        its plan (measured by `moetier calibrate` with the stacked-gates predictor; 0 elsewhere)
   measured              optional list, written by `moetier calibrate`: figures measured on this machine for one
                         expert shape {hidden_size, moe_intermediate_size, precision, expert_s, dense_s_per_layer,
                         head_s}, each {per_token, fixed} or {points: [[tokens, seconds], ...]} (straight lines
@@ -182,6 +184,7 @@ class HardwareProfile:
     sources: tuple[str, ...] = ()
     executor_s_per_layer: Linear = ZERO
     measured: tuple[Measured, ...] = ()
+    predict_s_per_layer: Linear = ZERO
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -301,4 +304,5 @@ def _parse(d: dict, f: _Fields) -> HardwareProfile:
         devices=devices, compute_device=str(f.need(d, "compute_device")), description=d.get("description", ""),
         sources=tuple(d.get("sources", ())),
         executor_s_per_layer=f.linear(d, "executor_s_per_layer") if "executor_s_per_layer" in d else ZERO,
-        measured=tuple(measured))
+        measured=tuple(measured),
+        predict_s_per_layer=f.linear(d, "predict_s_per_layer") if "predict_s_per_layer" in d else ZERO)

@@ -143,3 +143,22 @@ def test_a_queued_prefetch_proven_wrong_is_cancelled_unread():
     plan, tl = ex.layer(route(1, [[0]]), tokens=1)  # routing at 5: (1,1) has not started
     assert plan.cancelled == [(ExpertKey(1, 1), "bf16")] and ExpertKey(1, 1) not in r.entries
     assert ex.queued == {} and all(k != ExpertKey(1, 1) for k, _, _ in tl.reads)
+
+
+def test_a_predictor_delays_its_layers_plan_by_what_scoring_costs():
+    # the profile says scoring the coming layers costs 0.5 s a layer: a layer with a predictor routes at 2.5 s, so
+    # its read goes out then (2.5-5.5) and its compute ends at 6.5; without one, as before (routed at 2)
+    from moetier.predict.base import Predictor
+
+    class Silent(Predictor):
+        def predict(self, layer, gate_input):
+            return {}
+
+    slow = dataclasses.replace(PROFILE, predict_s_per_layer=Linear(0.0, 0.5))
+    ex, _, _ = machine(4, 300, profile=slow)
+    _, tl = ex.layer(route(0, [[0]]), tokens=1)
+    assert tl.dense_end == 2.0 and tl.end == 2.0 + 3.0 + 1.0
+    ex, _, step = machine(4, 300, profile=slow)
+    step.predictor = Silent(SHAPE.moe_layers, SHAPE.num_experts, SHAPE.top_k)
+    _, tl = ex.layer(route(0, [[0]]), tokens=1)
+    assert tl.dense_end == 2.5 and [(s, e) for _, s, e in tl.reads] == [(2.5, 5.5)] and tl.end == 6.5

@@ -131,6 +131,11 @@ def test_anchoring_prices_experts_as_the_step_computed_them_and_puts_the_rest_on
     assert alone.measured[1].expert_s(1) == pytest.approx(3.0)
     # a step faster than its parts leaves the executor nothing (never a negative cost)
     assert anchored(profile, SHAPE, 768, {"bf16": DecodeStep(4.0, 1.5)}).executor_s_per_layer == Linear(0.0, 0.0)
+    # an executor measured growing 0.5 s a token keeps that growth; the step sets its cost at one token
+    growing = dataclasses.replace(profile, executor_s_per_layer=Linear(0.5, 0.0))
+    assert anchored(growing, SHAPE, 768, {"bf16": DecodeStep(7.0, 1.5)}).executor_s_per_layer == Linear(
+        0.5, pytest.approx(1.5))  # 2 s at one token: 7 - 2 (dense) - 3 (experts)
+    assert anchored(growing, SHAPE, 768, {"bf16": DecodeStep(4.0, 1.5)}).executor_s_per_layer == Linear(0.0, 0.0)
 
 
 def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
@@ -149,6 +154,7 @@ def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
     times = [s for _, s in m.expert_s.points]  # measured at each token count, never falling
     assert len(times) >= 4 and times == sorted(times) and times[0] > 0
     assert m.expert_s(1) > 0 and m.dense_s_per_layer(1) > 0
+    assert p.predict_s_per_layer(1) > 0  # the stacked-gates predictor, timed inside the engine's step
     assert p.device.memory_bandwidth_bytes_per_s > 1e8 and all(v > 1e8 for v in p.device.flops.values())
     p.save(tmp_path / "m.json")
     assert HardwareProfile.load(tmp_path / "m.json") == p
