@@ -207,7 +207,7 @@ def executor_overhead(store: Store, expert: Piecewise, tokens=(1, 8)) -> Linear:
 
 class _TimedPredictor(Predictor):
     """A predictor whose scoring is timed where the engine runs it (between a layer's routing and its plan): timed
-    alone the stacked-gates predictor took 0.03 ms a layer of demo-deep-xl here, inside the engine 0.15-0.21 (its
+    alone the stacked-gates predictor took 0.03 ms a layer of demo-deep-xl here, inside the engine 0.12-0.21 (its
     small product wakes torch's threads beside the kernels')."""
 
     def __init__(self, inner: Predictor) -> None:

@@ -8,8 +8,9 @@ latency overlaps the next read, and it is never interrupted), and two compute la
 holds the cache and runs the dense layers, and the host CPU, for experts computed where their weights live. A
 layer's dense part runs first (and a predictor's scoring, where one runs); its routing is known when that ends,
 and its reads go out then (a read that takes the slot of an expert computed earlier in the layer waits for that
-compute); resident experts compute while reads land, each loaded one once its read has. Where the profile says a read costs the computing CPU (this
-machine: the reader's threads share its two cores), a layer takes longer by the CPU its overlapping reads took."""
+compute); resident experts compute while reads land, each loaded one once its read has. Where the profile says a
+read costs the computing CPU (this machine: the reader's threads share its two cores), a layer takes longer by the
+CPU its overlapping reads took."""
 
 from __future__ import annotations
 
