@@ -129,6 +129,9 @@ def test_anchoring_prices_experts_as_the_step_computed_them_and_puts_the_rest_on
     # a precision with no step of its own takes the model's own ratio (here 1.5: int4 2 s -> 3 s)
     alone = anchored(profile, SHAPE, 768, {"bf16": DecodeStep(7.0, 1.5)})
     assert alone.measured[1].expert_s(1) == pytest.approx(3.0)
+    for bad in ((0.0, 1.0), (1.0, 0.0), (1.0, 1.0, -0.1)):  # a step that took no time, or a negative scoring
+        with pytest.raises(ValueError, match="a decode step needs positive times"):
+            DecodeStep(*bad)
     # a step faster than its parts leaves the executor nothing (never a negative cost)
     assert anchored(profile, SHAPE, 768, {"bf16": DecodeStep(4.0, 1.5)}).executor_s_per_layer == Linear(0.0, 0.0)
     # an executor measured growing 0.5 s a token keeps that growth; the step sets its cost at one token
