@@ -64,6 +64,18 @@ def test_a_resident_copy_of_any_precision_is_used_as_it_is():
         1: ("int4", RESIDENT), 4: ("bf16", RESIDENT), 2: ("bf16", "load"), 3: ("int4", "load")}
 
 
+def test_a_layer_whose_experts_are_all_cached_is_left_as_routed():
+    r = residency()
+    for e in (1, 2, 3, 4):  # expert 4 would be skipped and 3 loaded low, were they missing
+        r.admit(ExpertKey(0, e), "bf16")
+        r.landed(ExpertKey(0, e))
+    r.unpin_all()
+    plan = LayerPlan.exact(route([[1, 2, 3, 4]], [[0.5, 0.3, 0.15, 0.05]]), "bf16")
+    plan = PrecisionStage(r, "bf16", "int4", 0.6, 0.9)(plan)
+    assert plan.assign_ids.tolist() == [[1, 2, 3, 4]] and plan.assign_weights[0, 3] > 0
+    assert plan.precision == {1: "bf16", 2: "bf16", 3: "bf16", 4: "bf16"}
+
+
 def test_an_expert_is_skipped_only_if_every_token_would_skip_it():
     r = residency()
     plan = LayerPlan.exact(route([[1, 2, 3, 4], [4, 3, 2, 1]], [[0.5, 0.3, 0.15, 0.05]] * 2), "bf16")
