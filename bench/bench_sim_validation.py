@@ -106,6 +106,9 @@ def child(cfg: dict) -> dict:
         expert_bytes = engine.executor.pool.slot_bytes
         entry_bytes = {p: pool.slot_bytes for p, pool in engine.executor.pools.items()}
         distance = engine.config.predict_distance
+        # the precision mode as the engine resolved it: the model's fitted HOBBIT thresholds (policies/thresholds.json:
+        # 0.84 / 0.98 on demo-fine-xl, where the paper's 0.6 / 0.9 skip and load low far more), the low copy chosen
+        mixed = dataclasses.asdict(engine.precision)
     del engine, recorder
     gc.collect()
     profile = average(first, calibrated(cfg["model"]))
@@ -113,7 +116,8 @@ def child(cfg: dict) -> dict:
                 (before.latency_s + after.latency_s) / 2,
                 cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2)
     profile = dataclasses.replace(profile, tiers=(disk,))
-    run = dict(slots=slots, expert_bytes=expert_bytes, distance=distance, preload=preload, entry_bytes=entry_bytes)
+    run = dict(slots=slots, expert_bytes=expert_bytes, distance=distance, preload=preload, entry_bytes=entry_bytes,
+               mixed=mixed)
     if cfg.get("keep"):  # for the replay of every configuration on one profile (main)
         keep = Path(cfg["keep"])
         trace.save(keep / "trace", overwrite=True)
@@ -128,8 +132,9 @@ def child(cfg: dict) -> dict:
 
 
 def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: int, preload: bool,
-           entry_bytes: dict | None = None) -> dict:
-    """The simulator on one run's trace: TPOT over the measured call's decode steps, hit rate, prefetches."""
+           entry_bytes: dict | None = None, mixed: dict | None = None) -> dict:
+    """The simulator on one run's trace: TPOT over the measured call's decode steps, hit rate, prefetches. `mixed`:
+    the engine's precision mode as it resolved it (thresholds, low copy); by default the configuration's own."""
     import numpy as np
 
     from moetier.cache.policies import make_policy
@@ -143,6 +148,10 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     store = Store(resolve_model(cfg["model"], progress=False))
     m = mechanisms(cfg.get("prefetch", "none"))
     stage, predictor = m["prefetch"], m["predictor"]
+    if mixed is not None:
+        from moetier.plan.precision import MixedPrecision
+
+        m["precision"] = MixedPrecision(**mixed)
     precision = store.manifest.native_precision
     cost = CostModel.of(profile, ModelShape.from_spec(store.spec, cfg["model"], precision), precision, expert_bytes)
     made = None
