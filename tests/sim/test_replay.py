@@ -102,21 +102,28 @@ def test_bad_partitions_are_clear_errors(tiny_store):
 
 @pytest.mark.parametrize("mode, slots", [("hobbit", 4), ("low-tier", 16), ("int4", 3)])
 def test_engine_and_replay_agree_in_every_precision_mode(tiny_store, tmp_path, mode, slots):
-    """The same loads at the same precisions, the same low-tier runs and the same skips."""
+    """The same loads at the same precisions, the same low-tier runs and the same skips — the replay given the mode
+    as the engine resolved it: under HOBBIT the model's fitted thresholds (policies/thresholds.json), which the
+    engine reads and a mode built afresh does not."""
     import shutil
 
     import torch
 
     from moetier.plan.precision import MixedPrecision
+    from moetier.policy_files import THRESHOLDS, policy_file, save_thresholds
     from moetier.store.variants import add_precisions
 
     _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
     shutil.copytree(path, tmp_path / "s")
     add_precisions(tmp_path / "s", "int4", progress=False)
+    if mode == "hobbit":  # (0.5, 0.7: a second expert low or skipped where the paper's 0.6 / 0.9 load it high or low)
+        save_thresholds(policy_file(tmp_path / "s", THRESHOLDS), 0.5, 0.7, "hand-made")
     store = Store(tmp_path / "s")
-    mixed = MixedPrecision(mode, low="int4" if mode == "low-tier" else "")
+    given = MixedPrecision(mode, low="int4" if mode == "low-tier" else "")
     budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
-    engine = Engine(store, EngineConfig(expert_memory=budget, precision=mixed))
+    engine = Engine(store, EngineConfig(expert_memory=budget, precision=given))
+    mixed = engine.precision
+    assert mode != "hobbit" or (mixed.t1, mixed.t2) == (0.5, 0.7)
     plans, trace = record(engine)
 
     def outcomes(plans):
@@ -130,6 +137,10 @@ def test_engine_and_replay_agree_in_every_precision_mode(tiny_store, tmp_path, m
     assert outcomes(result.plans) == outcomes(plans)
     loads = [ld.precision for p in plans for ld in p.loads]
     assert loads and (mode != "hobbit" or {"bf16", "int4"} <= set(loads))
+    if mode == "hobbit":  # the mode as given, with the paper's thresholds, would plan otherwise
+        afresh = replay(trace, trace_policy("lru", ctx, trace), slots, precision=store.manifest.native_precision,
+                        keep_plans=True, mixed=given, entry_bytes=entry_bytes)
+        assert outcomes(afresh.plans) != outcomes(plans)
 
 
 @pytest.mark.parametrize("policy", ["lru", "smoe-score"])
