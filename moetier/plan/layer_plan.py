@@ -84,7 +84,7 @@ class LayerPlan:
     def reassign(self, ids: np.ndarray, weights: np.ndarray, precision: Precision) -> None:
         """A new assignment (a substitution stage's); experts it adds are wanted at `precision`, on FAST."""
         self.assign_ids, self.assign_weights = ids, weights
-        needed = sorted(set(ids.ravel().tolist()) - {SKIP})  # ascending (a set: np.unique costs ~20 us on decode's few)
+        needed = sorted(set(ids.ravel().tolist()) - {SKIP})  # ascending (a set: 0.6 us on decode's few, np.unique 3.5)
         self.precision = {e: self.precision.get(e, precision) for e in needed}
         self.place = {e: self.place.get(e, FAST) for e in needed}
 
