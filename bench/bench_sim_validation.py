@@ -76,7 +76,6 @@ def child(cfg: dict) -> dict:
     from moetier import Engine
     from moetier.calibrate import disk_tier
     from moetier.resolve import resolve_model
-    from moetier.sim.profile import Tier
     from moetier.store.store import Store
     from moetier.trace.record import TraceRecorder
 
@@ -99,7 +98,9 @@ def child(cfg: dict) -> dict:
         engine.generate([warm], max_new_tokens=cfg["warmup_tokens"], ignore_eos=True)
         # the disk's speed drifts by tens of percent within minutes here: measure it just before and after
         before = disk_tier(store)
+        busy, nbytes = engine.executor.reader.activity()
         real = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
+        busy, nbytes = (b - a for a, b in zip((busy, nbytes), engine.executor.reader.activity()))
         after = disk_tier(store)
         trace = recorder.trace(["warm-up", "measured"])
         slots = engine.executor.residency.capacity_bytes // engine.executor.pool.slot_bytes  # at the high precision
@@ -112,9 +113,10 @@ def child(cfg: dict) -> dict:
     del engine, recorder
     gc.collect()
     profile = average(first, calibrated(cfg["model"]))
-    disk = Tier(before.name, (before.bandwidth_bytes_per_s + after.bandwidth_bytes_per_s) / 2,
-                (before.latency_s + after.latency_s) / 2,
-                cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2)
+    disk = dataclasses.replace(before, bandwidth_bytes_per_s=(before.bandwidth_bytes_per_s +
+                                                              after.bandwidth_bytes_per_s) / 2,
+                               latency_s=(before.latency_s + after.latency_s) / 2,
+                               cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2)  # (its streams)
     profile = dataclasses.replace(profile, tiers=(disk,))
     run = dict(slots=slots, expert_bytes=expert_bytes, distance=distance, preload=preload, entry_bytes=entry_bytes,
                mixed=mixed)
@@ -128,7 +130,10 @@ def child(cfg: dict) -> dict:
                   "real_prefetches": real["prefetches"], "real_hit_rate": real["decode_hit_rate"],
                   "read_bandwidth_before": before.bandwidth_bytes_per_s,
                   "read_bandwidth_after": after.bandwidth_bytes_per_s, "read_latency_s": disk.latency_s,
-                  "read_cpu_s_per_mib": disk.cpu_s_per_byte * 2**20, "slots": slots}
+                  "read_cpu_s_per_mib": disk.cpu_s_per_byte * 2**20, "slots": slots,
+                  # what the engine's reader moved while at least one read ran, for comparison with the disk above:
+                  # a diagnostic, not an input of the simulator
+                  "engine_read_bandwidth": nbytes / busy if busy > 0 else None}
 
 
 def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: int, preload: bool,
@@ -159,12 +164,21 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
         made = replay_predictor(predictor, trace, cfg["model"], None, distance)(trace)
     sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True,
                    prefetch=stage, predictor=made, mixed=m["precision"], substitution=m["substitution"])
-    measured = [i for i, (phase, rows) in enumerate(steps(trace)) if phase == 1 and trace.seq[rows[0]] == 1]
+    call = [(i, phase) for i, (phase, rows) in enumerate(steps(trace)) if trace.seq[rows[0]] == 1]  # measured call
+    measured = [i for i, phase in call if phase == 1]  # its decode steps
     layers = len(trace.layers)
     plans = [p for i in measured for p in sim.plans[i * layers:(i + 1) * layers]]
+    # prefetches over the measured call, prefill and decode, as the engine's stats count them (not the warm-up's)
     return {"sim_tpot_s": float(np.mean([sim.step_time_s[i] for i in measured])),
             "sim_hit_rate": sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans),
-            "sim_prefetches": sim.summary()["prefetches"]}
+            "sim_prefetches": prefetch_counts([p for i, _ in call for p in sim.plans[i * layers:(i + 1) * layers]])}
+
+
+def prefetch_counts(plans: list) -> dict[str, int]:
+    """Prefetches issued, used in time, late, wasted and cancelled unread over `plans` (the engine's stats' names)."""
+    return {"issued": sum(len(p.prefetches) for p in plans), "used": sum(p.prefetch_used for p in plans),
+            "late": sum(p.prefetch_late for p in plans), "wasted": sum(p.prefetch_wasted for p in plans),
+            "cancelled": sum(len(p.cancelled) for p in plans)}
 
 
 def common_profile(dirs: list[Path]):
@@ -261,12 +275,12 @@ def main() -> None:
     (args.out / "sim_validation.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                               "rows": rows}, indent=1))
     print(f"{'model':>20} {'budget':>6} {'prefetch':>22} {'real ms':>8} {'sim ms':>8} {'sim/real':>8} {'range':>11} "
-          f"{'hit real':>8} {'hit sim':>8} {'disk GB/s':>10}")
+          f"{'hit real':>8} {'hit sim':>8} {'disk GB/s':>10} {'in engine':>10}")
     for r in rows:
         print(f"{r['model']:>20} {r['budget']:>6} {r['prefetch']:>22} {r['real_tpot_s'] * 1e3:8.1f} "
               f"{r['sim_tpot_s'] * 1e3:8.1f} "
               f"{r['ratio']:8.2f} {r['ratio_min']:5.2f}-{r['ratio_max']:<5.2f} {r['real_hit_rate']:8.1%} "
-              f"{r['sim_hit_rate']:8.1%} {r['disk_gb_s']:10.2f}")
+              f"{r['sim_hit_rate']:8.1%} {r['disk_gb_s']:10.2f} {r['engine_read_gb_s']:10.2f}")
     print(f"within 15%: {sum(abs(r['ratio'] - 1) <= 0.15 for r in rows)} of {len(rows)}")
     if len(prefetches) > 1:
         print(ranking(rows))
@@ -338,6 +352,7 @@ def summarize(model: str, budget: str, runs: list[dict]) -> dict:
             "sim_hit_rate": med("sim_hit_rate"),
             "disk_gb_s": statistics.median(r[k] for r in runs for k in ("read_bandwidth_before",
                                                                           "read_bandwidth_after")) / 1e9,
+            "engine_read_gb_s": statistics.median(r.get("engine_read_bandwidth") or 0.0 for r in runs) / 1e9,
             "runs": runs} | ({"common_sim_tpot_s": med("common_sim_tpot_s")} if "common_sim_tpot_s" in runs[0] else {})
 
 
