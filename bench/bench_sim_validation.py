@@ -116,7 +116,7 @@ def child(cfg: dict) -> dict:
     disk = dataclasses.replace(before, bandwidth_bytes_per_s=(before.bandwidth_bytes_per_s +
                                                               after.bandwidth_bytes_per_s) / 2,
                                latency_s=(before.latency_s + after.latency_s) / 2,
-                               cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2)  # (its streams)
+                               cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2)
     profile = dataclasses.replace(profile, tiers=(disk,))
     run = dict(slots=slots, expert_bytes=expert_bytes, distance=distance, preload=preload, entry_bytes=entry_bytes,
                mixed=mixed)
