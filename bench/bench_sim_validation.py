@@ -144,6 +144,7 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
 
     from moetier.cache.policies import make_policy
     from moetier.cli.models import replay_predictor
+    from moetier.plan.counters import PhaseCounters, prefetch_summary
     from moetier.resolve import resolve_model
     from moetier.sim.cost import CostModel
     from moetier.sim.replay import simulate, steps
@@ -169,16 +170,12 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     layers = len(trace.layers)
     plans = [p for i in measured for p in sim.plans[i * layers:(i + 1) * layers]]
     # prefetches over the measured call, prefill and decode, as the engine's stats count them (not the warm-up's)
+    counted = PhaseCounters()
+    for plan in (p for i, _ in call for p in sim.plans[i * layers:(i + 1) * layers]):
+        counted.add(plan, entry_bytes or {precision: expert_bytes})
     return {"sim_tpot_s": float(np.mean([sim.step_time_s[i] for i in measured])),
             "sim_hit_rate": sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans),
-            "sim_prefetches": prefetch_counts([p for i, _ in call for p in sim.plans[i * layers:(i + 1) * layers]])}
-
-
-def prefetch_counts(plans: list) -> dict[str, int]:
-    """Prefetches issued, used in time, late, wasted and cancelled unread over `plans` (the engine's stats' names)."""
-    return {"issued": sum(len(p.prefetches) for p in plans), "used": sum(p.prefetch_used for p in plans),
-            "late": sum(p.prefetch_late for p in plans), "wasted": sum(p.prefetch_wasted for p in plans),
-            "cancelled": sum(len(p.cancelled) for p in plans)}
+            "sim_prefetches": prefetch_summary([counted])}
 
 
 def common_profile(dirs: list[Path]):
