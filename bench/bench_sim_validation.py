@@ -12,7 +12,9 @@ stage), `precision:MODE` a precision mode (hobbit, low-tier, int4, ...), `substi
 the simulator must rank the configurations as the engine does (issues 13 and 32). Each run's own profile measures the disk
 around that run, and this disk drifts between runs: so every run is also replayed on one profile per model and
 budget (the median disk over its runs; the traces and profiles are kept under OUT/runs/), and both rankings are
-printed.
+printed, each also held only to the orders the engine itself resolves (pairs whose rounds do not overlap). Beside
+each row, diagnostics: the engine's reader bandwidth against the disk measured beside it, and the measured call's
+expert kernels as the simulator prices them over what the engine's executor clocked.
 
     python bench/bench_sim_validation.py                 # demo-fine, demo-coarse, and the synthetic
                                                          # OLMoE-shaped store if bench_offload made it
