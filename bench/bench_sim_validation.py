@@ -152,6 +152,7 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     from moetier.cache.policies import make_policy
     from moetier.cli.models import replay_predictor
     from moetier.plan.counters import PhaseCounters, prefetch_summary
+    from moetier.plan.layer_plan import FAST
     from moetier.resolve import resolve_model
     from moetier.sim.cost import CostModel
     from moetier.sim.replay import simulate, steps
@@ -184,8 +185,8 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     return {"sim_tpot_s": float(np.mean([sim.step_time_s[i] for i in measured])),
             "sim_hit_rate": sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans),
             "sim_prefetches": prefetch_summary([counted]),
-            "sim_expert_s": sum(end - start for tls in sim.timelines.values() for tl in tls
-                                for _, start, end, _ in tl.computes)}
+            "sim_expert_s": sum(end - start for tls in sim.timelines.values() for tl in tls  # (the engine's clock
+                                for _, start, end, place in tl.computes if place == FAST)}  # is on these only)
 
 
 def common_profile(dirs: list[Path]):
