@@ -4,7 +4,8 @@ so it sits above both executors.
 - the disk: O_DIRECT reads of the model's expert blobs through the engine's own reader, queued (bandwidth) and
   alone (latency);
 - the CPU as a roofline device (memory bandwidth from a large matrix-vector product, throughput from a large
-  matrix product, the per-call overhead from a tiny one), for shapes not measured;
+  matrix product, each quantized precision's from its expert kernel, the per-call overhead from a tiny one), for
+  shapes not measured;
 - for the given model's shape: expert compute at 1-32 tokens (measured points) at the model's precision and at each
   quantized copy the store holds (those kernels unpack codes: the roofline would flatter them), the dense part of
   a layer and the head, the executor's own per-layer work, a predictor's per-layer work, and a whole decode step of
@@ -112,7 +113,33 @@ def cpu_device(dtype: torch.dtype = torch.bfloat16) -> Device:
     flops = matmul_flops(dtype)
     s, t = torch.randn(1, 64).to(dtype), torch.randn(64, 64).to(dtype)
     overhead = median_time(lambda: [s @ t for _ in range(100)]) / 100
-    return Device("cpu", bandwidth, {precision: flops}, overhead)
+    return Device("cpu", bandwidth, {precision: flops, **quantized_flops(dtype)}, overhead)
+
+
+def quantized_flops(dtype: torch.dtype, hidden: int = 1024, intermediate: int = 2048,
+                    copies: int = 16) -> dict[str, float]:
+    """Each quantized precision's throughput on this CPU, as decoding meets it: a one-token SwiGLU expert through
+    the engine's kernel for it, over `copies` random experts in rotation (50-100 MiB: from memory, not cache, as
+    expert_curves times them). A shape calibration did not measure is priced by it at a quantized precision
+    (`moetier doctor` on HOBBIT's int4 copies), which it otherwise could not be at all. One token's rate: an expert
+    over many tokens unpacks its codes once for them all, so a prefill is priced high."""
+    from moetier.quant.codes import BITS, quantize_expert
+
+    x, out, weights = torch.randn(1, hidden).to(dtype), torch.empty(1, hidden, dtype=dtype), torch.ones(1, dtype=dtype)
+    floats = {"gate_up_proj": torch.randn(2 * intermediate, hidden) / hidden ** 0.5,
+              "down_proj": torch.randn(hidden, intermediate) / intermediate ** 0.5}
+    flop = 2 * 3 * hidden * intermediate  # (SwiGLU: gate, up and down; one token)
+    rates = {}
+    for precision in BITS:
+        kernel, w = make_expert_kernel(precision, cpu_kernels(dtype), dtype), quantize_expert(floats, precision)
+        experts = [{name: t.clone() for name, t in w.items()} for _ in range(copies)]
+
+        def rotation(kernel=kernel, experts=experts) -> None:
+            for e in experts:
+                kernel(out, x, e, weights)
+
+        rates[precision] = flop * copies / median_time(rotation, 7, 0.05)
+    return rates
 
 
 EXPERT_TOKENS = (1, 2, 3, 4, 6, 8, 16, 32)  # decode's few tokens an expert closely, prefill's more coarsely

@@ -22,7 +22,7 @@ from moetier.plan.substitute import Substitution
 from moetier.sim.cost import CostModel
 from moetier.sim.profile import HardwareProfile
 from moetier.sim.replay import simulate, trace_policy
-from moetier.sim.shapes import ModelShape
+from moetier.sim.shapes import ModelShape, bytes_per_param
 from moetier.sim.sweep import budget_slots
 from moetier.trace.synthetic import LocalityFit, generate
 
@@ -73,7 +73,28 @@ def diagnose(shape: ModelShape, profile: HardwareProfile, tokens: int = 200, see
         "runs_at_all": dense + least + RUNTIME_BYTES <= profile.fast_tier_bytes,
         "routing": locality.source, "tokens": tokens,
         "cells": [dataclasses.asdict(c) for c in cells],
+        "notes": [n for n in (small_reads_note(profile, expert),) if n],
     }
+
+
+SMALL_READS = 8  # experts this many times larger than those the disk was timed on: its figures do not carry over
+
+
+def small_reads_note(profile: HardwareProfile, expert_bytes: int) -> str | None:
+    """A calibrated profile's disk was timed on its model's own blobs (`measured[0]`: the model calibration last
+    ran on), and a small read pays a whole request for few bytes: demo-fine's 192 KiB experts read at ~0.65 GB/s
+    from a disk that reads 12 MiB ones at 3.7 (a Zen 5's). A model whose experts are far larger is then priced its
+    reads several times slow: say so, and how to time the disk as its reads meet it."""
+    if not profile.measured:
+        return None
+    m = profile.measured[0]
+    timed = 3 * m.hidden_size * m.moe_intermediate_size * bytes_per_param(m.precision)  # (a SwiGLU expert)
+    if expert_bytes < SMALL_READS * timed:
+        return None
+    return (f"{profile.name}'s disk was timed on experts of ~{format_bytes(int(timed))}; this model's of "
+            f"{format_bytes(expert_bytes)} read faster than that, so where reads dominate the TPOT here is high. "
+            f"`moetier calibrate --model M` with experts near this size (demo-deep-xl, built on first use) times "
+            f"the disk as they read")
 
 
 def with_gates(trace, rng: np.random.Generator):
@@ -125,6 +146,7 @@ def format_plan(plan: dict) -> str:
              f"  least that runs: {format_bytes(plan['least_budget_bytes'])} of experts, "
              f"{format_bytes(plan['least_memory_bytes'])} in all"
              + ("" if plan["runs_at_all"] else " — more than this machine has"),
+             *(f"  note: {n}" for n in plan.get("notes", [])),
              f"  simulated decode on a drawn trace ({plan['routing']}, {plan['tokens']} tokens):",
              f"  {'mode':>13} {'budget':>7} {'memory':>10} {'TPOT ms':>9} {'tok/s':>7} {'hit':>6}"]
     for c in plan["cells"]:

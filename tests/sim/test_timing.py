@@ -159,8 +159,29 @@ def test_calibrate_measures_a_usable_profile(tiny_store, tmp_path):
     assert m.expert_s(1) > 0 and m.dense_s_per_layer(1) > 0
     assert p.predict_s_per_layer(1) > 0  # the stacked-gates predictor, timed inside the engine's step
     assert p.device.memory_bandwidth_bytes_per_s > 1e8 and all(v > 1e8 for v in p.device.flops.values())
+    assert {"int8", "int4", "int2"} <= set(p.device.flops)  # each quantized kernel's, for shapes not measured
     p.save(tmp_path / "m.json")
     assert HardwareProfile.load(tmp_path / "m.json") == p
+
+
+def test_a_calibrated_profile_prices_a_shape_it_never_measured_in_every_doctor_mode(tiny_store):
+    """`moetier doctor BIG` on a fresh machine: calibrated on a small model with no quantized copies, the profile
+    still prices another shape's int4 copies (HOBBIT, the low tier) from the CPU's int4 kernel."""
+    import torch
+
+    from moetier.calibrate import calibrate
+    from moetier.cli.models import model_shape
+    from moetier.sim.doctor import diagnose
+    from moetier.store.store import Store
+
+    _, path = tiny_store("qwen2_moe", torch.bfloat16)
+    assert list(Store(path).manifest.precisions) == ["bf16"]
+    shape, _ = model_shape("olmoe-1b-7b")
+    plan = diagnose(shape, calibrate(Store(path), progress=False), tokens=8)
+    priced = {c["mode"] for c in plan["cells"] if c["tpot_s"] is not None}
+    assert {"exact", "hobbit", "low-tier", "substitution"} <= priced
+    # its disk was timed on the tiny model's experts: the plan says the reads of OLMoE's are priced high
+    assert len(plan["notes"]) == 1 and "disk was timed on experts of" in plan["notes"][0]
 
 
 def test_calibrate_measures_each_quantized_copy_from_its_blobs(tiny_store, tmp_path):
