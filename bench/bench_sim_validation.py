@@ -120,7 +120,8 @@ def child(cfg: dict) -> dict:
     disk = dataclasses.replace(before, bandwidth_bytes_per_s=(before.bandwidth_bytes_per_s +
                                                               after.bandwidth_bytes_per_s) / 2,
                                latency_s=(before.latency_s + after.latency_s) / 2,
-                               cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2)
+                               cpu_s_per_byte=(before.cpu_s_per_byte + after.cpu_s_per_byte) / 2,
+                               per_read_s=(before.per_read_s + after.per_read_s) / 2)
     profile = dataclasses.replace(profile, tiers=(disk,))
     run = dict(slots=slots, expert_bytes=expert_bytes, distance=distance, preload=preload, entry_bytes=entry_bytes,
                mixed=mixed)
@@ -191,7 +192,7 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
 
 def common_profile(dirs: list[Path]):
     """One profile for every run of a model and budget: the first run's compute figures, the disk's median
-    bandwidth, latency and CPU per byte over all runs (as a user simulating this machine would have one)."""
+    bandwidth, latency, CPU per byte and cost per request over all runs (as a user simulating this machine would have one)."""
     import statistics
 
     from moetier.sim.profile import HardwareProfile
@@ -199,7 +200,8 @@ def common_profile(dirs: list[Path]):
     profiles = [HardwareProfile.load(d / "profile.json") for d in dirs]
     med = lambda f: statistics.median(f(p.tiers[0]) for p in profiles)  # noqa: E731
     disk = dataclasses.replace(profiles[0].tiers[0], bandwidth_bytes_per_s=med(lambda t: t.bandwidth_bytes_per_s),
-                               latency_s=med(lambda t: t.latency_s), cpu_s_per_byte=med(lambda t: t.cpu_s_per_byte))
+                               latency_s=med(lambda t: t.latency_s), cpu_s_per_byte=med(lambda t: t.cpu_s_per_byte),
+                               per_read_s=med(lambda t: t.per_read_s))
     return dataclasses.replace(profiles[0], tiers=(disk,))
 
 

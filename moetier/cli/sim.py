@@ -27,7 +27,8 @@ def _calibrate(args: argparse.Namespace) -> None:
         profile = profile.merged_with(HardwareProfile.load(path))
     profile.save(path)
     disk, cpu, m = profile.tiers[0], profile.device, profile.measured[0]
-    print(f"wrote {path}\n  disk: {disk.bandwidth_bytes_per_s / 1e9:.2f} GB/s + {disk.latency_s * 1e3:.3f} ms per read"
+    print(f"wrote {path}\n  disk: {disk.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {disk.per_read_s * 1e3:.3f} ms a request, "
+          f"+ {disk.latency_s * 1e3:.3f} ms latency a lone read"
           f"\n  cpu: {cpu.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
           + ", ".join(f"{v / 1e12:.2f} TFLOP/s {k}" for k, v in cpu.flops.items())
           + f", {cpu.call_overhead_s * 1e6:.1f} us per call"

@@ -4,7 +4,8 @@ Compute comes from the profile's figures measured for this shape when it has the
 this machine), otherwise from the compute device's roofline. Reads: each expert lives in one tier below the
 fast tier (tiers fill in (layer, expert) order up to their capacity) and a read crosses every tier down to
 it: the latencies add, the slowest bandwidth sets the rate (transfers are chunked and pipelined). A read holds
-the link for its bytes over that rate; its latency delays its own data, not the next read."""
+the link for its bytes over that rate and its request's own cost (`per_read_s`); its latency delays its own data,
+not the next read."""
 
 from __future__ import annotations
 
@@ -118,9 +119,10 @@ class CostModel:
         return len(self.profile.tiers) - 1  # the last tier holds the rest whatever its stated size
 
     def read_busy_s(self, key: ExpertKey) -> float:
-        """How long a read holds the link: its bytes at the slowest bandwidth on its path."""
+        """How long a read holds the link: its bytes at the slowest bandwidth on its path, and each tier's cost per
+        request."""
         path = self.profile.tiers[:self.tier_index(key) + 1]
-        return self.expert_bytes / min(t.effective_bandwidth for t in path)
+        return self.expert_bytes / min(t.effective_bandwidth for t in path) + sum(t.per_read_s for t in path)
 
     def read_latency_s(self, key: ExpertKey) -> float:
         """What a read waits beyond that before its data is usable (request set-up, pipeline fill); the link

@@ -82,10 +82,12 @@ SMALL_READS = 8  # experts this many times larger than those the disk was timed 
 
 def small_reads_note(profile: HardwareProfile, expert_bytes: int) -> str | None:
     """A calibrated profile's disk was timed on its model's own blobs (`measured[0]`: the model calibration last
-    ran on), and a small read pays a whole request for few bytes: demo-fine's 192 KiB experts read at ~0.65 GB/s
-    from a disk that reads 12 MiB ones at 3.7 (a Zen 5's). A model whose experts are far larger is then priced its
-    reads several times slow: say so, and how to time the disk as its reads meet it."""
-    if not profile.measured:
+    ran on), and a small read pays a whole request for few bytes: demo-fine's 192 KiB experts queue at ~0.65 GB/s
+    on a disk that reads 12 MiB ones at 3.7 (a Zen 5's). Calibration splits the two with larger spans of the same
+    file (`per_read_s`) where the file holds them; where it could not (a disk timed at one small size), a model whose
+    experts are far larger is priced its reads several times slow: say so, and how to time the disk for them."""
+    disk = profile.tiers[0]
+    if not profile.measured or disk.per_read_s > 0:
         return None
     m = profile.measured[0]
     timed = 3 * m.hidden_size * m.moe_intermediate_size * bytes_per_param(m.precision)  # (a SwiGLU expert)

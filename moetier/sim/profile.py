@@ -133,12 +133,13 @@ class Tier:
     utilisation: float = 1.0
     bytes: int | None = None  # capacity for experts; None: everything that does not fit above
     cpu_s_per_byte: float = 0.0  # CPU a read takes from a compute device that is the reading CPU
+    per_read_s: float = 0.0  # link time every read pays beyond its bytes (a request's own cost: small reads feel it)
 
     def __post_init__(self) -> None:
         if self.bandwidth_bytes_per_s <= 0 or not 0 < self.utilisation <= 1 or self.latency_s < 0 \
-                or self.cpu_s_per_byte < 0:
-            raise ProfileError(f"tier {self.name!r}: bandwidth must be positive, utilisation in (0, 1], latency "
-                               f"and cpu_s_per_byte >= 0")
+                or self.cpu_s_per_byte < 0 or self.per_read_s < 0:
+            raise ProfileError(f"tier {self.name!r}: bandwidth must be positive, utilisation in (0, 1], latency, "
+                               f"cpu_s_per_byte and per_read_s >= 0")
 
     @property
     def effective_bandwidth(self) -> float:
@@ -286,7 +287,8 @@ def _parse(d: dict, f: _Fields) -> HardwareProfile:
         w = f"tiers[{i}]."
         tiers.append(Tier(str(f.need(t, "name", w)), float(f.need(t, "bandwidth_bytes_per_s", w)),
                           float(t.get("latency_s", 0.0)), float(t.get("utilisation", 1.0)),
-                          None if t.get("bytes") is None else int(t["bytes"]), float(t.get("cpu_s_per_byte", 0.0))))
+                          None if t.get("bytes") is None else int(t["bytes"]), float(t.get("cpu_s_per_byte", 0.0)),
+                          float(t.get("per_read_s", 0.0))))
     devices = {}
     for name, dev in f.need(d, "devices").items():
         w = f"devices.{name}."
