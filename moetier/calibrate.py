@@ -168,9 +168,9 @@ def quantized_flops(dtype: torch.dtype, hidden: int = 1024, intermediate: int = 
     floats = {"gate_up_proj": torch.randn(2 * intermediate, hidden) / hidden ** 0.5,
               "down_proj": torch.randn(hidden, intermediate) / intermediate ** 0.5}
     flop = 2 * 3 * hidden * intermediate  # (SwiGLU: gate, up and down; one token)
-    rates = {}
+    kernels, rates = cpu_kernels(dtype), {}
     for precision in BITS:
-        kernel, w = make_expert_kernel(precision, cpu_kernels(dtype), dtype), quantize_expert(floats, precision)
+        kernel, w = make_expert_kernel(precision, kernels, dtype), quantize_expert(floats, precision)
         experts = [{name: t.clone() for name, t in w.items()} for _ in range(copies)]
 
         def rotation(kernel=kernel, experts=experts) -> None:

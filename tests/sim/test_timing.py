@@ -52,7 +52,7 @@ def test_profile_missing_a_field_names_it(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("bandwidth_bytes_per_s", 0.0), ("utilisation", 1.5), ("latency_s", -1.0),
-                                          ("cpu_s_per_byte", -1e-9)])
+                                          ("cpu_s_per_byte", -1e-9), ("per_read_s", -1e-4)])
 def test_a_tier_out_of_range_says_which_ranges_hold(field, value):
     with pytest.raises(ProfileError, match="tier 'ssd': bandwidth must be positive, utilisation in"):
         Tier(**{"name": "ssd", "bandwidth_bytes_per_s": 1.0, field: value})
