@@ -344,6 +344,35 @@ class MemoryBudget:
         return max(0, min(total_expert_bytes, available_bytes))
 
 
+_HOST_HINT = "--host-memory takes bytes ('8GiB'), a share of the experts ('50%'), auto (the default), or 0 (none)"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host tier behind a GPU's expert cache as the user gave it: a budget (bytes, a share of the experts at
+    the precisions the run reads, or auto), or none (`0`: every miss is read from disk)."""
+
+    budget: MemoryBudget | None = MemoryBudget("auto")  # None: no host tier
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget.kind == "entries":
+            raise BudgetError("the host tier's budget is bytes, a share or auto", hint=_HOST_HINT)
+
+    def label(self) -> str:
+        return "0" if self.budget is None else self.budget.label()
+
+    @classmethod
+    def parse(cls, text: str | HostMemory) -> HostMemory:
+        if isinstance(text, HostMemory):
+            return text
+        if str(text).strip().lower() in ("0", "none", "0b", "0gib", "0gb"):
+            return cls(None)
+        try:
+            return cls(MemoryBudget.parse(text))
+        except BudgetError as e:
+            raise BudgetError(str(e).split("\n")[0].replace("expert memory", "host memory"), hint=_HOST_HINT) from None
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -54,6 +54,10 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
     from moetier.config import MemoryBudget
     from moetier.engine.engine import Engine, EngineConfig
 
+    from moetier.config import HostMemory
+
+    if getattr(args, "host_memory", None) is not None:
+        config.setdefault("host_memory", HostMemory.parse(args.host_memory))
     config.setdefault("adapt", getattr(args, "adapt", False))
     config.setdefault("variants", getattr(args, "variants", None))
     EngineConfig(expert_memory=MemoryBudget.parse(args.expert_memory), reader_threads=args.reader_threads,
@@ -64,6 +68,8 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
                                     progress=progress, reader_threads=args.reader_threads, device=args.device,
                                     kernels=args.kernels, reconvert=getattr(args, "reconvert", False), **config)
     print(f"moetier: {engine.budget.note}", file=sys.stderr)
+    if engine.host_note:
+        print(f"moetier: {engine.host_note}", file=sys.stderr)
     return engine
 
 
@@ -124,6 +130,10 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     p.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
     p.add_argument("--device", default="cpu", help="where the dense weights, the expert cache and the kernels live: "
                                                    "cpu, or cuda[:N] on a machine with a GPU")
+    p.add_argument("--host-memory",
+                   help="with --device cuda: host memory for the experts behind the GPU's cache, page-locked, the "
+                        "disk behind it: bytes (8GiB), a share of the experts (50%%), auto (the default: every expert "
+                        "where the host has room, read at start-up), or 0 (none: every miss is read from disk)")
     p.add_argument("--adapt", action="store_true",
                    help="resize the expert cache while running to the memory free beside it (CoMoE Eq. 17): it "
                         "shrinks when other processes take memory and grows back when they give it up; each change "

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psutil
 
 from moetier.cache.capacity import cache_capacity
-from moetier.config import MemoryBudget, format_bytes
+from moetier.config import HostMemory, MemoryBudget, format_bytes
 from moetier.errors import BudgetError
 from moetier.memory import MemoryView
 from moetier.plan.precision import UNIFORM, MixedPrecision
@@ -110,3 +110,61 @@ def check_host_tier(store: Store, budget: BudgetChoice, memory: MemoryView, on_c
                           f"{format_bytes(on_host)} with what else the host holds, more than the "
                           f"{format_bytes(room)} {memory.describe()} leaves for them",
                           hint="run without --placement (experts are then read from disk as needed)")
+
+
+# what the host tier leaves of the host's memory beside the runtime (the CUDA context's own host memory, the
+# pinned-memory bookkeeping, the page tables of a large locked mapping)
+HOST_TIER_MARGIN = 1 << 30
+
+
+@dataclass(frozen=True)
+class HostTierChoice:
+    """The host tier behind a GPU's cache: slots per precision, and the line that says why."""
+
+    slots: dict[str, int]
+    nbytes: int
+    note: str
+
+
+def plan_host_tier(store: Store, host: HostMemory, memory: MemoryView, precisions: tuple[str, ...],
+                   must_hold_all: bool = False, held: int | None = None) -> HostTierChoice | None:
+    """Host memory for the experts at `precisions` behind a GPU's cache: `auto` takes every expert where the host
+    has room for them all and as much as it has otherwise; a share is of those experts' bytes; bytes are bytes.
+    Refused where it is more than the host can hold, or (`must_hold_all`: placement computes from it) less than
+    every expert. None for no tier (`--host-memory 0`: every miss is read from disk). `held`: as plan_budget's."""
+    budget = host.budget
+    if budget is None:
+        if must_hold_all:
+            raise BudgetError("placement computes experts in host memory, so it needs every expert there",
+                              hint="drop --host-memory 0, or run without --placement")
+        return None
+    layouts = {p: store.manifest.precisions[p].blob_bytes if p in store.manifest.precisions
+               else expert_layouts(store.spec, [p])[p].blob_bytes for p in precisions}
+    n = store.spec.num_expert_keys
+    total = sum(b * n for b in layouts.values())
+    room = max(0, memory.available - runtime_to_come(held) - HOST_TIER_MARGIN)
+    if budget.kind == "auto":
+        want = min(total, room)
+    elif budget.kind == "share":
+        want = int(budget.value * total)
+    else:  # (bytes: HostMemory refuses a number of experts)
+        want = min(int(budget.value), total)
+    asked = f"asked {budget.label()}"
+    if want > room:
+        raise BudgetError(f"host memory for the experts: {format_bytes(want)} asked, but {memory.describe()} leaves "
+                          f"{format_bytes(room)} beside the runtime", hint="give less --host-memory, or auto")
+    if must_hold_all and want < total:
+        raise BudgetError(f"placement computes experts in host memory, so it needs every expert there: "
+                          f"{format_bytes(total)}, more than the {format_bytes(want)} of host memory ({asked})",
+                          hint="give more --host-memory, or run without --placement")
+    floor = min(n, 2 * store.spec.top_k)  # a layer's reads in flight, and as many prefetched
+    slots = {p: min(n, int(want * (b * n / total)) // b) for p, b in layouts.items()}
+    short = [p for p, s in slots.items() if s < floor]
+    if short:
+        raise BudgetError(f"host memory for the experts: {format_bytes(want)} holds fewer than {floor} {short[0]} "
+                          f"experts ({asked})", hint="give more --host-memory, or 0 to read every miss from disk")
+    nbytes = sum(slots[p] * b for p, b in layouts.items())
+    whole = all(s == n for s in slots.values())
+    note = (f"host memory {format_bytes(nbytes)} for the experts ({'every expert' if whole else f'{nbytes / total:.0%} of them'}"
+            f" at {', '.join(precisions)}; {asked}), pinned for the GPU")
+    return HostTierChoice(slots, nbytes, note)

@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 
 from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
-from moetier.config import KERNELS, MemoryBudget, format_bytes
+from moetier.config import KERNELS, HostMemory, MemoryBudget, format_bytes
 from moetier.engine.adapt_cache import AdaptCache
 from moetier.engine.adapt_variant import AdaptVariant
-from moetier.engine.budget import RUNTIME_BYTES, BudgetChoice, check_host_tier, plan_budget
+from moetier.engine.budget import RUNTIME_BYTES, BudgetChoice, check_host_tier, plan_budget, plan_host_tier
 from moetier.engine.cpu_share import CpuShare
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
+from moetier.engine.host_tier import HostTier
 from moetier.engine.huge_pages import in_huge_pages
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.stats import GenerationStats
@@ -96,6 +97,8 @@ class EngineConfig:
     # for both, which tests the mechanism and gains nothing
     reserve_bytes: int = 0  # memory the caller will take beside the engine (a server's KV rows): left out of the
     # expert cache's room like the dense weights
+    host_memory: HostMemory | None = None  # the host tier behind a GPU's cache (engine/host_tier.py): bytes, a
+    # share of the experts, auto, or none; None: the default, auto on a GPU (every expert where the host has room)
     adapt: bool = False  # the expert cache follows the memory free beside it while running (engine/adapt_cache.py)
     variants: str | None = None  # with adapt: a merge library's folder; its variants switched between by the memory
 
@@ -127,6 +130,9 @@ class EngineConfig:
         if self.dense_precision != "native" and torch.device(self.device).type != "cpu":
             raise MoetierError(f"--dense-precision {self.dense_precision} computes on the CPU's kernels; the dense "
                                f"weights are on {self.device}", hint="use --dense-precision native with a GPU")
+        if self.host_memory is not None and torch.device(self.device).type == "cpu":
+            raise MoetierError("--host-memory is the host tier behind a GPU's expert cache; on the CPU the expert "
+                               "cache is in host memory already", hint="use --expert-memory, or --device cuda")
         if self.placement != "none" and self.placement not in PLACEMENTS:
             raise MoetierError(f"unknown placement {self.placement!r}", hint=f"one of none, {', '.join(PLACEMENTS)}")
         if self.policy.endswith(SUFFIX) and self.predictor == "none":
@@ -216,9 +222,11 @@ def device_memory(device: torch.device) -> MemoryView:
 
 class Engine:
     def __init__(self, store: Store, config: EngineConfig = EngineConfig(), memory: MemoryView | None = None,
-                 predictor: Predictor | None = None, progress: bool = True) -> None:
+                 predictor: Predictor | None = None, progress: bool = True, host_tier: HostTier | None = None) -> None:
         """`memory`: what bounds this process's memory (default: measured now, host and cgroups). `predictor`: a
-        predictor object instead of the one `config.predictor` names (e.g. an oracle built from a trace)."""
+        predictor object instead of the one `config.predictor` names (e.g. an oracle built from a trace).
+        `host_tier`: a GPU run's host tier made earlier for this store (a benchmark's, shared by its engines; the
+        engine then leaves it open), instead of the one `config.host_memory` asks for."""
         self.store, self.config, self.spec = store, config, store.spec
         self.device = check_device(config.device)
         check_dense_precision(self.spec, config.dense_precision)
@@ -258,20 +266,34 @@ class Engine:
         self.precision = choose_low(config.precision.with_thresholds(fitted), store, self.budget.cache_bytes)
         if add_missing_precisions(store, self.precision, progress):
             self.store = store = Store(store.path)
-        if config.placement != "none":
-            check_host_tier(store, self.budget, memory or memory_available(), self.device.type == "cpu",
+        if config.placement != "none" and self.device.type == "cpu":
+            check_host_tier(store, self.budget, memory or memory_available(), True,
                             self.precision.host_precisions(store.manifest.native_precision))
+        host_choice = None
+        if host_tier is None and self.device.type != "cpu":  # (checked before the reader's threads start)
+            host_choice = plan_host_tier(store, config.host_memory or HostMemory(), memory_available(),
+                                         self.precision.host_precisions(store.manifest.native_precision),
+                                         must_hold_all=config.placement != "none")
+        self.host_note = host_choice.note if host_choice else ""
         self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
                                    manifest=store.manifest)
+        self._own_tier = host_choice is not None
         try:
+            if host_choice is not None:
+                host_tier = HostTier(store.manifest, self.spec.expert_keys(), host_choice.slots)
+                host_tier.fill(self.reader, progress)
+            self.host_tier = host_tier
             self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
                                            per_layer, self.device, self.kernels, config.prefetch, predictor,
                                            mixed=self.precision, dtype=dense["embed_tokens"].dtype,
                                            substitution=config.substitution, placement=config.placement,
                                            host_kernels=make_kernels(config.kernels, dense["embed_tokens"].dtype,
-                                                                     "cpu") if self.device.type != "cpu" else None)
+                                                                     "cpu") if self.device.type != "cpu" else None,
+                                           host_tier=host_tier)
         except BaseException:
             self.reader.close()
+            if self._own_tier and host_tier is not None:
+                host_tier.close()
             raise
         self.model = make_model(self.spec, dense, self.executor,
                                 with_dense_precision(self.kernels, config.dense_precision))
@@ -336,10 +358,15 @@ class Engine:
         stats = GenerationStats(expert_cache_bytes=self.executor.reserved_bytes, expert_slots=self.executor.slots,
                                 total_expert_bytes=self.store.total_expert_bytes())
         eos = () if ignore_eos else self.spec.eos_token_ids
+        tier = self.host_tier.counts if self.host_tier is not None else None
+        before = dataclasses.replace(tier) if tier is not None else None
         outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.step_hooks)
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer else [""] * len(outputs)
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes
+        if tier is not None:  # the device's loads: found in host memory, or read from disk (this call's)
+            summary["host_tier"] = {"hits": tier.hits - before.hits, "reads": tier.reads - before.reads,
+                                    "bytes_read": tier.bytes_read - before.bytes_read}
         return GenerationOutput(texts, outputs, summary)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
@@ -460,6 +487,8 @@ class Engine:
         if not self.closed:
             self.closed = True
             self.reader.close()
+            if self._own_tier and self.host_tier is not None:
+                self.host_tier.close()
             if self.cpu_share is not None:
                 self.cpu_share.restore()
 

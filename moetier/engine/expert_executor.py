@@ -14,8 +14,10 @@ from moetier.cache.policies.base import EvictionPolicy
 from moetier.cache.residency import PREFETCHED
 from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
+from moetier.engine.host_tier import HostTier
 from moetier.engine.resident_layers import ResidentLayers
 from moetier.engine.slots import make_slots
+from moetier.engine.tiered_slots import TieredDeviceSlots
 from moetier.errors import MoetierError
 from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels
@@ -40,13 +42,16 @@ class ExpertExecutor:
                  kernels: TorchKernels | None = None, prefetch: str = "none", predictor: Predictor | None = None,
                  prefetch_params: dict | None = None, mixed: MixedPrecision | None = None,
                  dtype: torch.dtype = torch.bfloat16, substitution: Substitution | None = None,
-                 placement: str = "none", host_kernels: TorchKernels | None = None) -> None:
+                 placement: str = "none", host_kernels: TorchKernels | None = None,
+                 host_tier: HostTier | None = None) -> None:
         """`prefetch`: a stage of moetier.plan.prefetchers (or "none"), choosing reads from `predictor`'s scores.
         `mixed`: the precision mode (default: every expert at the model's own). `dtype`: the activations'.
         `substitution`: SMoE's (α None: the paper's for the model's size), or None. `placement`: a stage of
         moetier.plan.placement choosing per missing expert between a read into the cache and computing it on the
         host CPU from the host tier — every expert at the model's precision in host memory, read at start-up —
-        with `host_kernels` (the CPU's; default `kernels`, right when the device is the CPU itself)."""
+        with `host_kernels` (the CPU's; default `kernels`, right when the device is the CPU itself). `host_tier`: the
+        host memory behind a GPU's cache (engine/host_tier.py): the device's slots load from it, and placement
+        computes from it where it holds every expert."""
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
         self.kernels = kernels or TorchKernels()
         self.device = torch.device(device)
@@ -62,8 +67,8 @@ class ExpertExecutor:
                      spec.top_k, per_layer, spec.expert_keys())
         self.precision, self.residency, tier = made.high, made.residency, made.tier
         self.tier_bytes = made.tier_bytes  # what the low tier takes of the budget (low-tier mode)
-        self.pools = {p: make_slots(manifest.precisions[p], self.residency.slots(p), self.device, manifest.linked(p))
-                      for p in self.residency.entry_bytes}
+        self.host_tier, self._copy_stream = host_tier, None
+        self.pools = {p: self._slots(p, self.residency.slots(p)) for p in self.residency.entry_bytes}
         if tier is not None:
             self.pools[tier.low] = make_slots(manifest.precisions[tier.low], spec.num_expert_keys, self.device,
                                               manifest.linked(tier.low))
@@ -97,11 +102,24 @@ class ExpertExecutor:
             host = mixed.host_precisions(native)
             self._host_index = {key: i for i, key in enumerate(spec.expert_keys())}
             for p in host:
+                if host_tier is not None and host_tier.holds(p):  # every expert there already, at its index
+                    self.host_pools[p] = host_tier.pools[p]
+                    continue
                 self.host_pools[p] = make_slots(manifest.precisions[p], spec.num_expert_keys, self.host_device,
                                                 manifest.linked(p))
                 self._fill(self.host_pools[p], p, self.host_slot, f"host tier ({p})")
             self.host_kernels = {p: make_expert_kernel(p, host_kernels or self.kernels, dtype, spec) for p in host}
             self._probe_host(dtype)
+
+    def _slots(self, precision: str, num_slots: int):
+        """The cache's slots of `precision`: fed from the host tier where there is one and it keeps that
+        precision, else read straight into (through staging buffers on a GPU)."""
+        if self.host_tier is not None and precision in self.host_tier.pools:
+            if self._copy_stream is None:  # one copy stream for all of them: copies in the order asked
+                self._copy_stream = torch.cuda.Stream(self.device)
+            return TieredDeviceSlots(self.manifest.precisions[precision], num_slots, self.device, self.host_tier,
+                                     precision, self._copy_stream)
+        return make_slots(self.manifest.precisions[precision], num_slots, self.device, self.manifest.linked(precision))
 
     @property
     def pool(self):
@@ -268,9 +286,8 @@ class ExpertExecutor:
         together.clear()
 
     def _submit(self, key: ExpertKey, precision: str, slot: int, priority: int) -> None:
-        pool = self.pools[precision]
-        blob = self.manifest.blob(key.layer, key.expert, precision)
-        self.reader.submit(blob, pool.read_target(slot, blob.phase), pool.completions[slot], priority)
+        self.pools[precision].submit(self.reader, key, self.manifest.blob(key.layer, key.expert, precision), slot,
+                                     priority)
 
     def _prefetch(self, prefetch: Prefetch) -> None:
         self._submit(prefetch.key, prefetch.precision, prefetch.slot, PREFETCH)
@@ -285,11 +302,13 @@ class ExpertExecutor:
     def _poll_landed(self) -> None:
         """Prefetches whose reads have finished are resident (a failed one is forgotten)."""
         for key, (precision, slot) in list(self.in_flight.items()):
-            completion = self.pools[precision].completions[slot]
+            pool = self.pools[precision]
+            completion = pool.completions[slot]
             if completion.done.is_set():
                 del self.in_flight[key]
                 if completion.error is None:
                     self.residency.landed(key)
+                    pool.landed(slot)  # (a device pool queues its copy now, not when the expert is first used)
                 else:
                     self.residency.drop(key)
 

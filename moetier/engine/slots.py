@@ -5,11 +5,14 @@ into blob-sized slots, each with its tensor views made once; reads land where co
 have a page of slack: a blob that starts mid-page in its checkpoint file lands as far into its slot's first page,
 so its whole pages still go straight in (the views move with it, once per load).
 
-`DeviceSlots` (a GPU): the slots are device memory; a read lands in one of a few pinned host staging buffers and
-is copied to its slot on a side stream, and compute waits for that copy on the device, not on the host. Written
-for CUDA and not run here (this machine has no GPU); the tests exercise `HostSlots`.
+`DeviceSlots` (a GPU with no host tier, `--host-memory 0`): the slots are device memory; a read lands in one of a
+few pinned host staging buffers and is copied to its slot on a side stream, and compute waits for that copy on the
+device, not on the host. With a host tier the slots are `TieredDeviceSlots` (tiered_slots.py). Run on an H200
+(tests/engine/test_cuda.py, bench/gpu/run.sh); CI has no GPU and exercises `HostSlots`.
 
-Both give the reader `read_target(slot)` and the executor `weights(slot)` once the slot's read has completed."""
+Each gives the executor `submit(reader, key, blob, slot, priority)` (load an expert into a slot), `landed(slot)`
+(its read has finished: a device pool starts its copy now rather than when it is used) and `weights(slot)` once the
+slot's load has completed; the low tier and the host tier fill slots through `read_target(slot)`."""
 
 from __future__ import annotations
 
@@ -80,8 +83,21 @@ class HostSlots:
             self._phases[slot] = phase
         return self.views[slot]
 
+    def submit(self, reader, key, blob, slot: int, priority: int) -> None:
+        """Read `blob` (expert `key`) into `slot`; its completion fires when the bytes are there."""
+        reader.submit(blob, self.read_target(slot, blob.phase), self.completions[slot], priority)
+
+    def landed(self, slot: int) -> None:
+        """Nothing to do: a read lands where compute reads."""
+
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
         return self._tensors[slot]
+
+    def region(self, slot: int) -> torch.Tensor:
+        """The slot's blob as bytes (uint8, where its last read put it): what a copy to a device reads."""
+        flat, _ = self._regions[slot]
+        phase = self._phases[slot]
+        return flat[phase:phase + self.slot_bytes]
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +153,14 @@ class DeviceSlots:
             self._staging_done[i].synchronize()
         self._pending[slot] = i
         return self._staging[i][1]
+
+    def submit(self, reader, key, blob, slot: int, priority: int) -> None:
+        reader.submit(blob, self.read_target(slot, blob.phase), self.completions[slot], priority)
+
+    def landed(self, slot: int) -> None:
+        """The read has landed in its staging buffer: copy it to the device now, freeing the buffer."""
+        if slot in self._pending:
+            self._copy(slot)
 
     def _copy(self, slot: int) -> None:
         """Copy a completed read from its staging buffer to the slot on the side stream."""

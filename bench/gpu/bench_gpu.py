@@ -1,0 +1,319 @@
+"""Decode on a GPU whose memory holds a share of the experts: moetier's modes at several GPU expert budgets, beside
+Hugging Face transformers with accelerate's offload on the same weights, written as JSON rows as they finish (so a
+run cut short keeps what it measured).
+
+Models: `demo-fine-xl` (the trained demo-fine, real routing, every expert inflated to 12 MiB; built on first use),
+and `olmoe-synth` (OLMoE-1B-7B's shape, random bf16 weights: `moetier synth`, then written out as a Hugging Face
+checkpoint for accelerate — the same numbers in both; `small-synth`, a small shape, tries the script out).
+
+Tiers: `host` rows load through a host tier holding every expert at the precisions the modes read (page-locked,
+filled once per model and handed to each engine); `disk` rows have none (`--host-memory 0`: every miss is read
+from disk, through staging buffers). Per configuration (in this process, one after the other; each engine closed
+and its GPU memory freed before the next): a warm-up generation (the cache fills), then the measured one; TPOT, decode tok/s, TTFT, hit rate, expert
+bytes read per token, prefetch counts, the GPU's peak memory. Modes: `lru` (on-demand, exact), `hobbit` (HOBBIT's
+mixed precision), `prefetch-hobbit`/`prefetch-presched` (stacked-gates predictor), `prefetch-oracle` (the true
+routing of the lru run: the bound), `substitute` (SMoE, α 0.35), `cpu-assist` (placement: the host CPU computes a
+missing expert from host memory where that beats copying it).
+
+    python bench/gpu/bench_gpu.py --out DIR [--models demo-fine-xl] [--budgets 10%,25%,50%,100%] [--batch 1,8]
+        [--modes hobbit,prefetch-hobbit,...] [--disk-budgets 25%]
+    python bench/gpu/bench_gpu.py --out DIR --accelerate olmoe-synth:25%
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PROMPTS = ROOT / "prompts" / "mixed.txt"
+SYNTHS = {"olmoe-synth": "olmoe-1b-7b", "small-synth": "small"}  # random weights of a preset's shape (synth.py)
+
+
+def modes() -> dict[str, dict]:
+    from moetier.plan.precision import MixedPrecision
+    from moetier.plan.substitute import Substitution
+
+    return {
+        "lru": {},
+        "hobbit": {"precision": MixedPrecision("hobbit")},
+        "prefetch-hobbit": {"prefetch": "hobbit", "predictor": "stacked-gates"},
+        "prefetch-presched": {"prefetch": "presched", "predictor": "stacked-gates"},
+        "prefetch-oracle": {"prefetch": "hobbit", "predictor": "oracle"},  # handed in: the lru run's routing
+        "substitute": {"substitution": Substitution(alpha=0.35)},
+        "cpu-assist": {"placement": "greedy"},
+    }
+
+
+class RouteLog:
+    """Every (step, layer)'s topk_ids of a run: the truth the oracle run is handed (exact mode routes alike)."""
+
+    def __init__(self) -> None:
+        self.routes: dict[tuple[int, int], object] = {}
+
+    def on_route(self, route, gate_input) -> None:
+        self.routes[(route.step, route.layer)] = route.topk_ids.copy()
+
+    def on_plan(self, plan, phase) -> None:
+        pass
+
+
+def store_of(model: str, cache: Path) -> Path:
+    """The store for a model name: a built-in (made on first use) or the synthetic OLMoE (made here)."""
+    from moetier.resolve import resolve_model
+
+    if model in SYNTHS:
+        path = cache / "bench-gpu" / model
+        if not (path / "manifest.json").exists():
+            from moetier.store.synth import PRESETS, synthesize
+            synthesize(PRESETS[SYNTHS[model]], path, progress=False)
+        return path
+    return resolve_model(model, progress=False)
+
+
+def prompt_ids(engine, model: str, batch: int, length: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(warm-up, measured) prompts, `batch` of each: random ids for random weights, real text otherwise."""
+    if model in SYNTHS:
+        rng = random.Random(0)
+        draw = lambda: [rng.randrange(engine.spec.vocab_size) for _ in range(length)]  # noqa: E731
+        return [draw() for _ in range(batch)], [draw() for _ in range(batch)]
+    lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
+    ids = [engine.tokenizer.encode(line)[:length] for line in lines]
+    return [ids[i % len(ids)] for i in range(batch)], [ids[(i + batch) % len(ids)] for i in range(batch)]
+
+
+def gpu_peak_reset(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def gpu_peak(device: str) -> int | None:
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+
+
+def freed(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def host_tier_for(store: Path, mode_names: list[str], device: str):
+    """One host tier holding every expert at each precision the modes read, filled once and handed to each engine
+    of the model (a tier of its own per engine would read the whole model from disk again for each)."""
+    from moetier.config import HostMemory
+    from moetier.engine.budget import plan_host_tier
+    from moetier.engine.host_tier import HostTier
+    from moetier.memory import memory_available
+    from moetier.store.reader import ExpertReader
+    from moetier.store.store import Store
+    from moetier.store.variants import add_precisions
+
+    if not device.startswith("cuda"):
+        return None
+    s = Store(store)
+    native = s.manifest.native_precision
+    precisions = list(dict.fromkeys(p for m in mode_names
+                                    for p in modes()[m].get("precision", _native()).host_precisions(native)))
+    missing = [p for p in precisions if p not in s.manifest.precisions]
+    if missing:  # (the engine would add them itself, after this tier was made without them)
+        add_precisions(s.path, ",".join(missing), progress=False)
+        s = Store(store)
+    choice = plan_host_tier(s, HostMemory(), memory_available(), tuple(precisions))
+    tier = HostTier(s.manifest, s.spec.expert_keys(), choice.slots)
+    start = time.perf_counter()
+    with ExpertReader(s.path, 8, manifest=s.manifest) as reader:
+        tier.fill(reader, progress=False)
+    return tier, time.perf_counter() - start, choice.note
+
+
+def _native():
+    from moetier.plan.precision import MixedPrecision
+    return MixedPrecision()
+
+
+def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tokens: int, warmup: int,
+                prompt_len: int, truth: dict | None, device: str, tier=None) -> tuple[dict, dict | None]:
+    """One configuration; `tier`: the host tier to load through (None: no host tier, every miss read from disk)."""
+    from moetier.config import HostMemory, MemoryBudget
+    from moetier.engine.engine import Engine, EngineConfig
+    from moetier.predict.oracle import OraclePredictor
+    from moetier.store.store import Store
+
+    s = Store(store)
+    oracle = None
+    if mode == "prefetch-oracle":
+        spec = s.spec
+        oracle = OraclePredictor(spec.moe_layers, spec.num_experts, spec.top_k,
+                                 lambda step, layer: truth[(step, layer)], 2)
+    gpu_peak_reset(device)
+    start = time.perf_counter()
+    config = modes()[mode]
+    if device.startswith("cuda") and tier is None:
+        config = {**config, "host_memory": HostMemory(None)}
+    engine = Engine(s, EngineConfig(expert_memory=MemoryBudget.parse(budget), device=device, **config),
+                    predictor=oracle, progress=False, host_tier=tier)
+    setup_s = time.perf_counter() - start
+    log = RouteLog()
+    if mode == "lru":
+        engine.executor.layer_step.hooks.append(log)
+    with engine:
+        if budget == "100%":
+            engine.preload()  # everything fits: start with the whole model resident
+        warm, measured = prompt_ids(engine, model, batch, prompt_len)
+        engine.generate(warm, max_new_tokens=warmup, ignore_eos=True)
+        stats = engine.generate(measured, max_new_tokens=tokens, ignore_eos=True).stats
+    row = {k: stats[k] for k in ("ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "decode_tokens_per_s",
+                                 "decode_hit_rate", "expert_bytes_per_token", "expert_cache_bytes", "expert_slots",
+                                 "prefetches")}
+    row.update(setup_s=setup_s, gpu_peak_bytes=gpu_peak(device), host_tier=stats.get("host_tier"),
+               host_runs=stats["decode"].get("host_runs"), substituted=stats["decode"].get("substituted"))
+    del engine
+    freed(device)
+    return row, (log.routes if mode == "lru" else None)
+
+
+def run_accelerate(hf: Path, gpu_bytes: int, batch: int, tokens: int, prompt_len: int, vocab: int,
+                   device: str) -> dict:
+    """What a Hugging Face user runs: transformers with accelerate placing layers on the GPU up to `gpu_bytes` and
+    the rest in host memory (moved to the GPU for every forward by accelerate's hooks)."""
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16, device_map="auto",
+                                                 max_memory={0: gpu_bytes, "cpu": 120 << 30}
+                                                 if device.startswith("cuda") else None)
+    setup_s = time.perf_counter() - start
+    placed = {}
+    for where in getattr(model, "hf_device_map", {"": "cpu"}).values():
+        placed[str(where)] = placed.get(str(where), 0) + 1
+    rng = random.Random(1)
+    ids = torch.tensor([[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)], device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(n: int) -> float:
+        sync()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync()
+        return time.perf_counter() - t
+
+    timed(2)  # warm-up
+    ttft = timed(1)
+    total = timed(tokens)
+    tpot = (total - ttft) / (tokens - 1)
+    del model
+    freed(device)
+    return {"ttft_s": ttft, "tpot_s": tpot, "decode_tokens_per_s": batch / tpot, "setup_s": setup_s,
+            "device_map": placed, "gpu_budget_bytes": gpu_bytes}
+
+
+def export_hf_checkpoint(store: Path, out: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "peers"))
+    from export import export_hf
+    return export_hf(store, out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for rows.json")
+    ap.add_argument("--models", default="demo-fine-xl")
+    ap.add_argument("--budgets", default="10%,25%,50%,100%")
+    ap.add_argument("--batch", default="1,8", help="the first for every row; the others at --batch-budgets")
+    ap.add_argument("--batch-budgets", default="25%,100%", help="the lru budgets the larger batches run at")
+    ap.add_argument("--modes", default="lru", help=f"comma-separated, run at --mode-budget: {', '.join(modes())}")
+    ap.add_argument("--mode-budget", default="25%", help="the budget the modes other than lru run at")
+    ap.add_argument("--disk-budgets", default="25%", help="lru budgets run again with no host tier (every miss read "
+                                                         "from disk)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--accelerate", default="", help="MODEL:BUDGET,...: accelerate's offload at that GPU budget "
+                                                     "(the dense weights plus that share of the experts)")
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu (to try this script out)")
+    ap.add_argument("--cache", type=Path, default=None, help="where stores are made (default: moetier's cache)")
+    args = ap.parse_args()
+    from moetier.paths import default_cache_dir
+
+    cache = args.cache or default_cache_dir()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        (args.out / "rows.json").write_text(json.dumps({"device": device_name, "rows": rows},
+                                                       indent=1))
+        keys = ("model", "engine", "mode", "tier", "budget", "batch", "tpot_s", "decode_tokens_per_s",
+                "decode_hit_rate", "fill_s", "error")
+        print(" ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row.get(k)}"
+                       for k in keys if k in row), flush=True)
+
+    for model in [m for m in args.models.split(",") if m]:
+        try:
+            store = store_of(model, cache)
+        except Exception as e:
+            record({"model": model, "error": f"{type(e).__name__}: {e}"})
+            continue
+        truth: dict[int, dict] = {}
+        batches = list(map(int, args.batch.split(",")))
+        mode_names = [m for m in args.modes.split(",") if m and m != "lru"]
+        plan = [(b, "lru", batches[0], "host") for b in args.budgets.split(",")]
+        plan += [(args.mode_budget, m, batches[0], "host") for m in mode_names]
+        plan += [(b, "lru", batches[0], "disk") for b in args.disk_budgets.split(",") if b]
+        plan += [(b, "lru", n, "host") for n in batches[1:] for b in args.batch_budgets.split(",")]
+        tier = None
+        if args.device.startswith("cuda"):
+            try:
+                tier, fill_s, note = host_tier_for(store, ["lru", *mode_names], args.device)
+                record({"model": model, "engine": "moetier", "mode": "host-tier-fill", "fill_s": fill_s,
+                        "note": note, "host_bytes": tier.nbytes})
+            except Exception as e:
+                record({"model": model, "mode": "host-tier-fill", "error": f"{type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc()[-2000:]})
+        for budget, mode, batch, where in plan:
+            base = {"model": model, "engine": "moetier", "mode": mode, "budget": budget, "batch": batch,
+                    "tier": where if args.device.startswith("cuda") else "cpu"}
+            if where == "host" and args.device.startswith("cuda") and tier is None:
+                continue
+            try:
+                row, routes = run_moetier(model, store, budget, mode, batch, args.tokens, args.warmup,
+                                          args.prompt_len, truth.get(batch), args.device,
+                                          tier if where == "host" else None)
+                if routes is not None and budget == args.mode_budget:
+                    truth[batch] = routes
+                record({**base, **row})
+            except Exception as e:
+                record({**base, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
+                freed(args.device)
+        if tier is not None:
+            tier.close()
+            del tier
+            freed(args.device)
+    for item in [a for a in args.accelerate.split(",") if a]:
+        model, _, budget = item.partition(":")
+        base = {"model": model, "engine": "accelerate", "mode": "offload", "budget": budget, "batch": 1}
+        try:
+            from moetier.config import MemoryBudget
+            from moetier.store.store import Store
+
+            store = store_of(model, cache)
+            s = Store(store)
+            share = MemoryBudget.parse(budget)
+            gpu_bytes = int(s.dense_bytes + share.value * s.total_expert_bytes())
+            hf = export_hf_checkpoint(store, cache / "bench-gpu" / f"{model}-hf")
+            record({**base, **run_accelerate(hf, gpu_bytes, 1, 8, 32, s.spec.vocab_size, args.device)})
+        except Exception as e:
+            record({**base, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The GPU machine's own numbers, measured before anything of moetier runs there: what the simulator's profile of
+it is calibrated from (moetier/sim/profiles/) and what the benchmark's rows are held against.
+
+- the PCIe link: host-to-device copies of one expert (OLMoE-1B-7B's 12 MiB, a small one's 1.5 MiB) and of 1 GiB,
+  from pinned and from pageable memory, one at a time and several in flight on one side stream;
+- the GPU: one SwiGLU expert of OLMoE's shape (hidden 2048, intermediate 1024) at 1 and 8 tokens, in bf16 and
+  from int4/int8 codes (torch's ops: dequantize then matmul), with CUDA events; a tiny kernel's launch cost;
+- the host CPU beside it: the same expert at one token with moetier's native kernels (CPU-assisted compute), and
+  with torch's, at the machine's threads;
+- the disk: O_DIRECT reads of 12 MiB into pinned memory (the store's reads).
+
+    python bench/gpu/micro.py --out micro.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MIB = 1 << 20
+COLD_EXPERTS = 48  # 576 MiB of OLMoE-shaped experts
+
+
+def cuda_time(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median seconds of `fn` on the current stream, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def host_time(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def link(dev: torch.device) -> dict:
+    out = {}
+    for label, nbytes in (("expert_12MiB", 12 * MIB), ("expert_1.5MiB", 3 * MIB // 2), ("block_1GiB", 1 << 30)):
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        for kind, pinned in (("pinned", True), ("pageable", False)):
+            src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            s = cuda_time(lambda: dst.copy_(src, non_blocking=True), reps=10 if nbytes > 64 * MIB else 50)
+            out[f"h2d_{kind}_{label}_GBps"] = nbytes / s / 1e9
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        s = cuda_time(lambda: src.copy_(dst, non_blocking=True), reps=10 if nbytes > 64 * MIB else 50)
+        out[f"d2h_pinned_{label}_GBps"] = nbytes / s / 1e9
+    # eight experts in flight on a side stream (what a layer's misses are)
+    stream = torch.cuda.Stream(dev)
+    srcs = [torch.ones(12 * MIB, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
+    dsts = [torch.empty(12 * MIB, dtype=torch.uint8, device=dev) for _ in range(8)]
+
+    def eight():
+        with torch.cuda.stream(stream):
+            for s, d in zip(srcs, dsts):
+                d.copy_(s, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    out["h2d_pinned_8x12MiB_side_stream_GBps"] = 8 * 12 * MIB / cuda_time(eight, reps=20)
+    out["h2d_pinned_8x12MiB_side_stream_GBps"] /= 1e9
+    return out
+
+
+def expert_shapes(h: int = 2048, i: int = 1024) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"gate_up_proj": (torch.randn(2 * i, h, generator=g) * 0.02).bfloat16(),
+            "down_proj": (torch.randn(h, i, generator=g) * 0.02).bfloat16()}
+
+
+def gpu_compute(dev: torch.device) -> dict:
+    from moetier.model.expert_kernels import make_expert_kernel
+    from moetier.model.kernels import make_kernels
+    from moetier.quant.codes import quantize_expert
+
+    out = {}
+    w = expert_shapes()
+    kernels = make_kernels("auto", torch.bfloat16, dev)
+    for precision in ("bf16", "int8", "int4", "int2"):
+        tensors = w if precision == "bf16" else quantize_expert(w, precision)
+        tensors = {k: t.to(dev) for k, t in tensors.items()}
+        kernel = make_expert_kernel(precision, kernels, torch.bfloat16)
+        for n in (1, 8):
+            x = torch.randn(n, 2048, dtype=torch.bfloat16, device=dev)
+            y, weights = torch.empty_like(x), torch.ones(n, dtype=torch.bfloat16, device=dev)
+            out[f"gpu_expert_{precision}_T{n}_s"] = cuda_time(lambda: kernel(y, x, tensors, weights))
+    x = torch.zeros(1, device=dev)
+    out["gpu_tiny_kernel_s"] = cuda_time(lambda: x.add_(1), reps=200)
+    start = time.perf_counter()
+    for _ in range(1000):
+        x.add_(1)
+    torch.cuda.synchronize()
+    out["gpu_launch_host_s"] = (time.perf_counter() - start) / 1000
+    return out
+
+
+def cpu_compute() -> dict:
+    from moetier.model.expert_kernels import make_expert_kernel
+    from moetier.model.kernels import make_kernels
+
+    out = {"cpu_threads": torch.get_num_threads()}
+    w = expert_shapes()
+    x = torch.randn(1, 2048, dtype=torch.bfloat16)
+    y, weights = torch.empty_like(x), torch.ones(1, dtype=torch.bfloat16)
+    # cold: experts in rotation, more bytes than any last-level cache, as CPU-assisted compute meets them
+    many = [{k: t.clone() for k, t in w.items()} for _ in range(COLD_EXPERTS)]
+    for name in ("auto", "torch"):
+        kernels = make_kernels(name, torch.bfloat16, torch.device("cpu"))
+        kernel = make_expert_kernel("bf16", kernels, torch.bfloat16)
+        out[f"cpu_expert_bf16_T1_{kernels.name}_warm_s"] = host_time(lambda: kernel(y, x, w, weights))
+        turn = iter(range(1 << 30))
+        out[f"cpu_expert_bf16_T1_{kernels.name}_cold_s"] = host_time(
+            lambda: kernel(y, x, many[next(turn) % COLD_EXPERTS], weights), reps=2 * COLD_EXPERTS)
+    return out
+
+
+def disk(folder: Path, nbytes: int = 12 * MIB, count: int = 64) -> dict:
+    """O_DIRECT reads of `count` blobs of `nbytes` from a file written (and synced) for the purpose."""
+    path = folder / "moetier-disk-probe.bin"
+    with open(path, "wb") as f:
+        block = os.urandom(MIB)
+        for _ in range(nbytes * count // MIB):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        buf = mmap.mmap(-1, nbytes)
+        start = time.perf_counter()
+        for i in range(count):
+            os.preadv(fd, [buf], i * nbytes)
+        elapsed = time.perf_counter() - start
+        os.close(fd)
+        return {"disk_odirect_12MiB_GBps": nbytes * count / elapsed / 1e9}
+    finally:
+        path.unlink()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = ap.parse_args()
+    result = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    steps = [("cpu", cpu_compute), ("disk", lambda: disk(args.disk_dir))]
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        steps = [("link", lambda: link(dev)), ("gpu", lambda: gpu_compute(dev)), *steps]
+    for name, step in steps:
+        try:
+            result.update(step())
+        except Exception as e:  # one part failing leaves the others' numbers
+            result[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        args.out.write_text(json.dumps(result, indent=1))
+    for k, v in result.items():
+        print(f"{k:45s} {v:.4g}" if isinstance(v, float) else f"{k:45s} {v}")
+
+
+if __name__ == "__main__":
+    main()

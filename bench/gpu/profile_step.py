@@ -1,0 +1,142 @@
+"""Where a decode step's time goes on the GPU: torch's profiler over a few decode steps after a warm-up, and, from
+its trace, each CUDA stream's busy time (the union of its kernels' and copies' intervals), how long the copy
+stream and the compute stream ran at once, and the steps' wall time against max(copy time, compute time) — the
+overlap issue 52 asks for (a step within 1.2x of that maximum).
+
+    python bench/gpu/profile_step.py --model demo-fine-xl --expert-memory 25% --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "prompts" / "mixed.txt"
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two unions of intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, b - a)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def streams(trace: dict) -> dict:
+    """Per stream: busy seconds, and whether it ran copies (memcpy) or kernels; from a Chrome trace's GPU events."""
+    spans: dict[int, dict] = {}
+    for ev in trace.get("traceEvents", []):
+        cat = ev.get("cat", "")
+        if ev.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        stream = ev.get("args", {}).get("stream", -1)
+        s = spans.setdefault(stream, {"intervals": [], "copies": 0, "kernels": 0, "copy_bytes": 0})
+        s["intervals"].append((ev["ts"] * 1e-6, (ev["ts"] + ev["dur"]) * 1e-6))
+        if cat == "gpu_memcpy":
+            s["copies"] += 1
+            s["copy_bytes"] += ev.get("args", {}).get("bytes", 0) or 0
+        else:
+            s["kernels"] += 1
+    for s in spans.values():
+        s["intervals"] = union(s["intervals"])
+        s["busy_s"] = length(s["intervals"])
+    return spans
+
+
+def summarize(trace: dict, wall_s: float, steps: int) -> dict:
+    spans = streams(trace)
+    if not spans:
+        return {"error": "no GPU events in the trace"}
+    compute = max(spans, key=lambda k: spans[k]["kernels"])
+    copy = [k for k in spans if k != compute and spans[k]["copies"]]
+    copy_intervals = union([iv for k in copy for iv in spans[k]["intervals"]])
+    comp = spans[compute]
+    overlap = intersect(comp["intervals"], copy_intervals)
+    copy_s = length(copy_intervals)
+    return {
+        "steps": steps, "wall_s": wall_s, "step_s": wall_s / steps,
+        "compute_stream": compute, "compute_busy_s": comp["busy_s"], "compute_kernels": comp["kernels"],
+        "copy_streams": copy, "copy_busy_s": copy_s, "copy_bytes": sum(spans[k]["copy_bytes"] for k in copy),
+        "overlap_s": overlap, "overlap_share_of_copy": overlap / copy_s if copy_s else None,
+        "step_over_max_busy": wall_s / max(comp["busy_s"], copy_s) if max(comp["busy_s"], copy_s) else None,
+        "streams": {str(k): {kk: v for kk, v in s.items() if kk != "intervals"} for k, s in spans.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo-fine-xl")
+    ap.add_argument("--expert-memory", default="25%")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--name", default="profile", help="file names in --out: NAME.json (summary), NAME-trace.json")
+    ap.add_argument("--config", default="{}", help="EngineConfig fields as JSON (e.g. '{\"placement\": \"greedy\"}')")
+    ap.add_argument("--host-memory", default=None, help="the host tier (a GPU run; default auto)")
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from moetier import Engine
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
+    from moetier.config import HostMemory
+
+    config = json.loads(args.config)
+    if args.host_memory is not None:
+        config["host_memory"] = HostMemory.parse(args.host_memory)
+    with Engine.from_pretrained(args.model, expert_memory=args.expert_memory, device=args.device, progress=False,
+                                **config) as engine:
+        tokenizer = engine.tokenizer
+        warm = tokenizer.encode(lines[0]) if tokenizer else list(range(3, 35))
+        engine.generate([warm], max_new_tokens=16, ignore_eos=True)
+        # one token of prompt: the call is decode steps alone, its prefill one more of the same size
+        prompt = (tokenizer.encode(lines[1]) if tokenizer else [7])[:1]
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            out = engine.generate([prompt], max_new_tokens=args.steps + 1, ignore_eos=True)
+            wall = time.perf_counter() - start
+    trace_path = args.out / f"{args.name}-trace.json"
+    prof.export_chrome_trace(str(trace_path))
+    trace = json.loads(trace_path.read_text())
+    stats = out.stats
+    decode_s = stats["tpot_s"] * (stats["new_tokens"] - 1)
+    summary = summarize(trace, wall, args.steps + 1)
+    summary.update(model=args.model, expert_memory=args.expert_memory, config=json.loads(args.config),
+                   host_memory=args.host_memory, host_tier=stats.get("host_tier"),
+                   tpot_s=stats["tpot_s"], ttft_s=stats["ttft_s"], decode_s=decode_s,
+                   decode_hit_rate=stats["decode_hit_rate"], expert_bytes_per_token=stats["expert_bytes_per_token"])
+    (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
+    json.dump({k: v for k, v in summary.items() if k != "streams"}, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 52): on a machine with one NVIDIA GPU whose python has torch with CUDA, transformers,
+# accelerate and triton, and no network. Installs moetier there from this checkout (and the wheels in .whl/ that
+# its python lacks), records the machine, measures the link, the GPU and the disk (micro.py), runs the CUDA tests,
+# then the benchmark (bench_gpu.py) and a profile of decode steps (profile_step.py). Every stage has its own time
+# limit and the whole run a deadline (GPU_DEADLINE seconds, default 330), so what finished comes back.
+#
+#     OUT=/some/folder bash bench/gpu/run.sh      # results in $OUT: gpu.tar.gz and the small files beside it
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/bench/out/gpu}
+WORK=/tmp/gpu-out
+DEADLINE=$(( $(date +%s) + ${GPU_DEADLINE:-330} ))
+mkdir -p "$OUT" "$WORK"
+export WORK  # (the stages run as bash -c: the junit file goes there)
+export PYTHONUNBUFFERED=1 MOETIER_CACHE=$PWD/.gpu-cache TOKENIZERS_PARALLELISM=false
+STAGES=${GPU_STAGES:-env install micro tests bench-demo bench-olmoe profile-olmoe profile}
+
+log() { echo "[$(date +%T)] $*" | tee -a "$WORK/steps.log"; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
+# stage NAME LIMIT CMD...: run CMD into WORK/NAME.log within min(LIMIT, time left)
+stage() {
+    local name=$1 limit=$2; shift 2
+    case " $STAGES " in *" $name "*) ;; *) log "skip $name (not in GPU_STAGES)"; return 0 ;; esac
+    local t=$(left); (( t < limit )) && limit=$t
+    if (( limit < 10 )); then log "skip $name: deadline"; return 0; fi
+    log "start $name (limit ${limit}s)"
+    if [ "$(type -t "$1")" = function ]; then  # (timeout runs programs: a function goes through bash, exported)
+        timeout "$limit" bash -c "$*" > "$WORK/$name.log" 2>&1
+    else
+        timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+    fi
+    local rc=$?
+    log "end $name rc=$rc"
+    tail -n 4 "$WORK/$name.log" | sed 's/^/    /'
+}
+finish() {
+    for t in "$WORK"/*-trace.json; do [ -f "$t" ] && gzip -f "$t"; done
+    cp "$WORK"/steps.log "$WORK"/*.json "$OUT"/ 2>/dev/null
+    tar czf "$OUT/gpu.tar.gz" -C /tmp gpu-out
+    ls -la "$OUT"
+}
+trap finish EXIT
+
+env_info() {
+    nvidia-smi; nvidia-smi -q | head -60; lscpu; free -g; df -h /tmp "$PWD"; mount | grep -E " / | /tmp "; nproc
+    python3 -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+    python3 -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|accelerate|triton|safetensors|tokenizers|numpy|psutil|tqdm|matplotlib|jinja2|scipy|pytest|hypothesis|fastapi|uvicorn|zlib)'
+}
+install_moetier() {
+    # transformers 5.24 for the parity tests' reference (what the README's parity claim is checked with), apart
+    # from the image's, which the benchmark's accelerate rows use as a Hugging Face user there would
+    if ls .whl/tf/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tf .whl/tf/*.whl \
+            && PYTHONPATH=/tmp/tf:$PYTHONPATH python3 -c 'import transformers; print("tests use transformers", transformers.__version__)' \
+            || { echo "transformers from .whl/tf does not import: the tests use the image's"; rm -rf /tmp/tf; }
+    fi
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            || echo "the wheels in .whl/ did not install (another python?): the image's packages only"
+    fi
+    # moetier itself, offline (its own dependencies are the image's or the wheels above)
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || echo "pip -e failed: PYTHONPATH only"
+    python3 -c 'import moetier, zlib_ng; print("moetier importable from", moetier.__file__)'
+}
+export -f env_info install_moetier
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+log "device check: $(hostname), deadline in $(left)s"
+stage env 30 env_info
+grep -q -w amx_tile "$WORK/env.log" && log "this CPU has AMX" || log "this CPU has no AMX"
+stage install 60 install_moetier
+stage micro 45 python3 bench/gpu/micro.py --out "$WORK/micro.json" --disk-dir "$PWD"
+# the synthetic OLMoE and its Hugging Face copy are written while the tests run (neither is timed; the benchmarks
+# wait for it, so nothing else runs while they time)
+PREPARE=
+case " $STAGES " in *" bench-"*) ( timeout $(( $(left) - 20 )) python3 -c '
+import sys; sys.path.insert(0, "bench/gpu"); sys.path.insert(0, "bench/peers")
+from pathlib import Path
+from bench_gpu import store_of
+from export import export_hf
+from moetier.paths import default_cache_dir
+from moetier.store.variants import add_precisions
+from moetier.resolve import resolve_model
+cache = default_cache_dir()
+store = store_of("olmoe-synth", cache)
+export_hf(store, cache / "bench-gpu" / "olmoe-synth-hf")
+add_precisions(store, "int4", progress=False)  # HOBBIT'"'"'s low copies
+add_precisions(resolve_model("demo-fine-xl", progress=False), "int4", progress=False)
+print("olmoe-synth ready")' > "$WORK/prepare.log" 2>&1; echo "rc=$?" >> "$WORK/prepare.log" ) &
+PREPARE=$! ;;
+esac
+tests() {
+    [ -d /tmp/tf ] && export PYTHONPATH=/tmp/tf:$PYTHONPATH
+    python3 -c 'import transformers; print("reference: transformers", transformers.__version__)'
+    python3 -m pytest tests/model/test_parity_cuda.py tests/engine/test_cuda.py tests/engine/test_host_tier.py -v -rs \
+        -p no:cacheprovider --junitxml="$WORK/tests.xml"
+}
+export -f tests
+stage tests 120 tests
+if [ -n "$PREPARE" ]; then log "waiting for the synthetic OLMoE"; wait $PREPARE; tail -n 3 "$WORK/prepare.log" | sed 's/^/    /'; fi
+MODES=${GPU_MODES:-hobbit,prefetch-hobbit,prefetch-presched,prefetch-oracle,substitute,cpu-assist}
+stage bench-demo 80 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --models demo-fine-xl \
+    --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25% --modes "$MODES" --disk-budgets 25% \
+    --tokens 24 --warmup 8
+stage bench-olmoe 150 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" --models olmoe-synth \
+    --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25%,100% --modes "$MODES" --disk-budgets 25% \
+    --tokens 12 --warmup 6 --accelerate olmoe-synth:25%,olmoe-synth:100%
+stage profile-olmoe 30 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
+    --expert-memory 25% --out "$WORK" --name profile-olmoe
+stage profile 20 python3 bench/gpu/profile_step.py --model demo-fine-xl --expert-memory 25% --out "$WORK"
+log "done, $(left)s before the deadline"

@@ -1,0 +1,167 @@
+"""The engine's mechanisms on a GPU (`--device cuda`), each against the same run on the CPU or exact mode: device
+slots fed through fewer staging buffers than reads, quantized experts computed on the device from their codes,
+prefetching, HOBBIT's mixed precision, SMoE's substitution, CPU-assisted compute (placement) and the command line.
+Skipped where torch sees no CUDA device (CI has none); `bench/gpu/run.sh` runs them on the GPU machine."""
+
+import shutil
+
+import pytest
+import torch
+
+from moetier import Engine
+from moetier.cli import main
+from moetier.config import HostMemory, MemoryBudget
+from moetier.engine.engine import EngineConfig
+from moetier.engine.slots import DeviceSlots
+from moetier.model.expert_kernels import make_expert_kernel
+from moetier.model.kernels import make_kernels
+from moetier.plan.precision import MixedPrecision
+from moetier.plan.substitute import Substitution
+from moetier.store.reader import ON_DEMAND, ExpertReader
+from moetier.store.store import Store
+from moetier.store.variants import add_precisions
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu/run.sh)")]
+
+
+def prompts(vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 12)]
+
+
+def tokens(path, device: str, memory: str = "30%", batch: bool = False, **config) -> tuple[list, list]:
+    with Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse(memory), device=device, **config),
+                progress=False) as engine:
+        outs = [engine.generate(prompts(), max_new_tokens=12, ignore_eos=True)] if batch else \
+            [engine.generate([p], max_new_tokens=12, ignore_eos=True) for p in prompts()]
+    return [ids for o in outs for ids in o.token_ids], [o.stats for o in outs]
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_store, tmp_path_factory):
+    """A bf16 four-layer OLMoE with int8, int4 and int2 copies."""
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    dest = tmp_path_factory.mktemp("quantized-cuda") / "store"
+    shutil.copytree(path, dest)
+    add_precisions(dest, "int8,int4,int2", progress=False)
+    return dest
+
+
+def test_device_slots_hold_every_expert_through_fewer_staging_buffers(tiny_store):
+    """More reads in flight than staging buffers: each slot still ends up with its own expert's bytes."""
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    store = Store(path)
+    keys = store.spec.expert_keys()
+    slots = DeviceSlots(store.native_layout, len(keys), torch.device("cuda"), staging=2)
+    with ExpertReader(store.path, 4, manifest=store.manifest) as reader:
+        for slot, (layer, e) in enumerate(keys):
+            reader.submit(store.manifest.blob(layer, e, store.manifest.native_precision), slots.read_target(slot),
+                          slots.completions[slot], ON_DEMAND)
+        got = {slot: {k: t.cpu() for k, t in slots.weights(slot).items()} for slot in range(len(keys))}
+    torch.cuda.synchronize()
+    for slot, (layer, e) in enumerate(keys):
+        want = store.read_expert(layer, e)
+        for name, t in want.items():
+            assert torch.equal(got[slot][name], t), f"slot {slot} ({layer}, {e}) {name}"
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+def test_quantized_experts_on_the_gpu_compute_what_the_cpu_computes(quantized, precision):
+    store = Store(quantized)
+    layer, e = store.spec.expert_keys()[0]
+    w = store.read_expert(layer, e, precision)
+    torch.manual_seed(0)
+    x = torch.randn(5, store.spec.hidden_size, dtype=torch.bfloat16)
+    weights = torch.rand(5, dtype=torch.bfloat16)
+    cpu = make_expert_kernel(precision, make_kernels("auto", torch.bfloat16, torch.device("cpu")), torch.bfloat16,
+                             store.spec)
+    gpu = make_expert_kernel(precision, make_kernels("auto", torch.bfloat16, torch.device("cuda")), torch.bfloat16,
+                             store.spec)
+    want = torch.empty_like(x)
+    cpu(want, x, w, weights)
+    got = torch.empty_like(x, device="cuda")
+    gpu(got, x.cuda(), {k: t.cuda() for k, t in w.items()}, weights.cuda())
+    err = ((got.cpu().float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 2e-2, f"{precision}: relative error {err}"
+
+
+def test_prefetching_on_the_gpu_leaves_the_output_exact(tiny_store):
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    exact, _ = tokens(path, "cuda", "100%")
+    for prefetch in ("hobbit", "presched"):
+        got, stats = tokens(path, "cuda", "30%", prefetch=prefetch, predictor="stacked-gates")
+        assert got == exact, prefetch
+        assert sum(s["prefetches"]["issued"] for s in stats) > 0, prefetch
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_exact_mode_on_the_gpu_writes_the_cpus_tokens_single_and_batched(tiny_store, batch):
+    _, path = tiny_store("qwen2_moe", num_hidden_layers=4)
+    assert tokens(path, "cuda", batch=batch)[0] == tokens(path, "cpu", batch=batch)[0]
+
+
+def test_mixed_precision_on_the_gpu_runs_the_cpus_plans(quantized):
+    mixed = MixedPrecision("hobbit")
+    got, stats = tokens(quantized, "cuda", "40%", precision=mixed)
+    want, cpu_stats = tokens(quantized, "cpu", "40%", precision=mixed, kernels="torch")
+    for a, b in zip(stats, cpu_stats):  # the same plans: as many loads at each precision
+        assert a["decode"]["loads"] == b["decode"]["loads"] and a["expert_bytes_read"] == b["expert_bytes_read"]
+    assert sum(x == y for x, y in zip(sum(got, []), sum(want, []))) >= 0.8 * len(sum(want, []))
+
+
+def test_substitution_on_the_gpu_runs_the_cpus_plans(tiny_store):
+    _, path = tiny_store("qwen2_moe", num_hidden_layers=4)
+    sub = Substitution(alpha=0.5)
+    got, stats = tokens(path, "cuda", "50%", substitution=sub)
+    want, cpu_stats = tokens(path, "cpu", "50%", substitution=sub)
+    assert got == want
+    assert [s["decode"]["substituted"] for s in stats] == [s["decode"]["substituted"] for s in cpu_stats]
+
+
+@pytest.mark.parametrize("placement", ["smoe-two-pointer", "prescope", "greedy", "hobbit-coop", "cpu-offload"])
+def test_cpu_assisted_compute_beside_the_gpu_is_exact(tiny_store, placement):
+    """Experts the plan puts on the host are computed by the CPU from host memory and their outputs copied back."""
+    _, path = tiny_store("qwen2_moe", num_hidden_layers=4)
+    exact, _ = tokens(path, "cuda", "100%")
+    extra = {"prefetch": "presched", "predictor": "stacked-gates"} if placement == "prescope" else {}
+    got, stats = tokens(path, "cuda", "25%", placement=placement, **extra)
+    assert got == exact
+    assert sum(s["decode"]["host_runs"] + s["prefill"]["host_runs"] for s in stats) > 0
+
+
+def test_generate_on_the_gpu_from_the_command_line(capsys):
+    """The shipped demo model (bf16) with its experts on disk and a 30% cache on the GPU."""
+    import json
+
+    assert main(["generate", "--model", "demo-fine", "--prompt", "It was a fine morning, and", "--max-tokens", "12",
+                 "--ignore-eos", "--device", "cuda", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"][0]) == 12 and out["stats"]["decode"]["loads"] > 0
+
+
+@pytest.mark.parametrize("host", ["0", "40%", "auto"])
+def test_the_gpu_cache_with_or_without_the_host_tier_behind_it_is_exact(tiny_store, host):
+    """No host tier (every miss read from disk through staging buffers), a host tier holding 40% of the experts
+    (misses read from disk into it, then copied), and one holding them all (filled at start-up, every load a copy
+    from page-locked memory)."""
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    exact, _ = tokens(path, "cuda", "100%")
+    got, stats = tokens(path, "cuda", "25%", host_memory=HostMemory.parse(host))
+    assert got == exact
+    tiers = [s.get("host_tier") for s in stats]
+    if host == "0":
+        assert tiers == [None, None]
+    elif host == "auto":
+        assert all(t["reads"] == 0 and t["hits"] > 0 for t in tiers)
+    else:
+        assert sum(t["reads"] for t in tiers) > 0 and sum(t["hits"] for t in tiers) > 0
+
+
+def test_the_host_tier_is_page_locked(tiny_store):
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    with Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse("25%"), device="cuda"),
+                progress=False) as engine:
+        tier = engine.host_tier
+        native = engine.store.manifest.native_precision
+        assert tier.holds(native) and tier.pools[native].region(0).is_pinned()

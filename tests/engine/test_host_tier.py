@@ -1,0 +1,205 @@
+"""The host tier behind a GPU's cache, on the CPU (its page-locking stood in for; the copies to the device are
+tests/engine/test_cuda.py's): what it holds, which slot it evicts, what it refuses, and how much it takes."""
+
+import pytest
+import torch
+
+from moetier.cli import main
+from moetier.config import HostMemory, MemoryBudget
+from moetier.engine.budget import HOST_TIER_MARGIN, RUNTIME_BYTES, plan_host_tier
+from moetier.engine.engine import EngineConfig
+from moetier.engine.host_tier import HostTier
+from moetier.errors import BudgetError, MoetierError
+from moetier.memory import MemoryView
+from moetier.store.reader import ExpertReader
+from moetier.store.store import Store
+
+GiB = 2**30
+
+
+class FakePinning:
+    """Records what would be page-locked."""
+
+    def __init__(self) -> None:
+        self.locked: dict[int, int] = {}
+
+    def pin(self, ptr: int, nbytes: int) -> None:
+        self.locked[ptr] = nbytes
+
+    def unpin(self, ptr: int) -> None:
+        del self.locked[ptr]
+
+
+@pytest.fixture(scope="module")
+def store(tiny_store):
+    return Store(tiny_store("olmoe", num_hidden_layers=4)[1])
+
+
+def test_a_whole_tier_holds_every_expert_at_its_place_locked_until_closed(store):
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    pinning = FakePinning()
+    tier = HostTier(store.manifest, keys, {native: len(keys)}, pinning)
+    assert sum(pinning.locked.values()) == tier.nbytes >= len(keys) * store.native_layout.blob_bytes
+    with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+        tier.fill(reader, progress=False)
+    assert tier.holds(native)
+    for i, key in enumerate(keys):
+        assert tier.lookup(key, native) == i
+        want = store.read_expert(*key)
+        assert all(torch.equal(tier.weights(native, i)[name], t) for name, t in want.items())
+    assert tier.counts.hits == len(keys) and tier.counts.reads == 0
+    tier.close()
+    assert not pinning.locked
+
+
+def test_a_smaller_tier_evicts_the_least_recently_used_and_never_a_slot_being_read(store):
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: 3}, FakePinning())
+    assert not tier.holds(native)
+    a, b, c, d = keys[:4]
+    slots = [tier.admit(k, native, 10) for k in (a, b, c)]
+    assert sorted(slots) == [0, 1, 2]
+    assert tier.lookup(a, native) is None  # a read still landing is not found
+    for s in slots:
+        tier.unpin(native, s)
+    assert tier.lookup(a, native) == slots[0]  # a is now the most recently used: b goes first
+    slot = tier.admit(d, native, 10)
+    assert slot == slots[1] and tier.lookup(b, native) is None
+    assert list(tier.resident(native)) == [c, a, d]
+    tier.admit(b, native, 10)  # c is the least recent, d is pinned (its read in flight)
+    assert tier.lookup(c, native) is None
+    assert tier.counts.reads == 5 and tier.counts.bytes_read == 50
+
+
+def test_every_slot_being_read_is_refused_not_overwritten(store):
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: 2}, FakePinning())
+    tier.admit(keys[0], native, 1)
+    tier.admit(keys[1], native, 1)
+    with pytest.raises(MoetierError, match="read in flight"):
+        tier.admit(keys[2], native, 1)
+
+
+def test_a_failed_read_leaves_its_slot_free(store):
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: 2}, FakePinning())
+    slot = tier.admit(keys[0], native, 1)
+    tier.unpin(native, slot, failed=True)
+    assert tier.lookup(keys[0], native) is None and not list(tier.resident(native))
+    assert tier.admit(keys[1], native, 1) == slot
+
+
+def view(available):
+    return MemoryView(available, "host", 2 * available, available)
+
+
+def test_auto_takes_every_expert_where_the_host_has_room_and_a_share_where_it_has_less(store):
+    native = store.manifest.native_precision
+    total = store.total_expert_bytes()
+    n = store.spec.num_expert_keys
+    roomy = view(total + RUNTIME_BYTES + HOST_TIER_MARGIN + GiB)
+    choice = plan_host_tier(store, HostMemory(), roomy, (native,), held=0)
+    assert choice.slots == {native: n} and "every expert" in choice.note
+    half = plan_host_tier(store, HostMemory.parse("50%"), roomy, (native,), held=0)
+    assert half.slots == {native: n // 2} and "50% of them" in half.note
+    short = view(total // 2 + RUNTIME_BYTES + HOST_TIER_MARGIN)
+    assert plan_host_tier(store, HostMemory(), short, (native,), held=0).slots[native] == n // 2
+    assert plan_host_tier(store, HostMemory.parse("0"), roomy, (native,), held=0) is None
+
+
+def test_what_the_host_cannot_hold_is_refused_with_why(store):
+    native = store.manifest.native_precision
+    short = view(store.total_expert_bytes() // 2 + RUNTIME_BYTES + HOST_TIER_MARGIN)
+    with pytest.raises(BudgetError, match="asked, but"):
+        plan_host_tier(store, HostMemory.parse("100%"), short, (native,), held=0)
+    with pytest.raises(BudgetError, match="needs every expert there"):  # placement computes from it
+        plan_host_tier(store, HostMemory(), short, (native,), must_hold_all=True, held=0)
+    with pytest.raises(BudgetError, match="needs every expert there"):
+        plan_host_tier(store, HostMemory.parse("0"), short, (native,), must_hold_all=True, held=0)
+    with pytest.raises(BudgetError, match="fewer than"):  # less than a layer's reads in flight
+        plan_host_tier(store, HostMemory(MemoryBudget("bytes", store.native_layout.blob_bytes)), view(64 * GiB),
+                       (native,), held=0)
+
+
+def test_the_host_tier_is_refused_on_the_cpu_in_one_line(store, capsys):
+    with pytest.raises(MoetierError, match="host tier behind a GPU"):
+        EngineConfig(device="cpu", host_memory=HostMemory())
+    assert main(["generate", "--model", str(store.path), "--prompt", "x", "--host-memory", "4GiB"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moetier: error: --host-memory is the host tier") and err.count("\n") == 2
+    assert main(["generate", "--model", str(store.path), "--prompt", "x", "--host-memory", "lots"]) == 1
+    assert "cannot read host memory 'lots'" in capsys.readouterr().err
+
+
+class FakeEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeStream:
+    def __init__(self, device=None) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+@pytest.fixture
+def cuda_stand_ins(monkeypatch):
+    """The CUDA calls of TieredDeviceSlots made no-ops (on the CPU a copy is done when queued), so its bookkeeping
+    and the executor's use of it run here; on a GPU, tests/engine/test_cuda.py."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("slots", [None, 12])
+def test_the_executor_loads_through_the_tier_and_the_output_is_exact(store, cuda_stand_ins, slots):
+    """Every device load goes through the tier: found there (one copy) or read from disk into it; a tier that holds
+    every expert is filled once and never reads again; the tokens are exact mode's."""
+    from moetier import Engine
+    from moetier.engine.tiered_slots import TieredDeviceSlots
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (6, 11)]
+
+    def run(tier=None):
+        config = EngineConfig(expert_memory=MemoryBudget.parse("25%"))
+        with Engine(store, config, progress=False, host_tier=tier) as engine:
+            if tier is not None:
+                assert isinstance(engine.executor.pool, TieredDeviceSlots)
+            outs = [engine.generate([p], max_new_tokens=10, ignore_eos=True) for p in prompts]
+        return [o.token_ids[0] for o in outs], [o.stats for o in outs]
+
+    exact, plain = run()
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: slots or len(keys)}, FakePinning())
+    if slots is None:
+        with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+            tier.fill(reader, progress=False)
+    tokens, stats = run(tier)
+    assert tokens == exact
+    for s, p in zip(stats, plain):
+        loads = s["prefill"]["loads"] + s["decode"]["loads"]
+        assert loads == p["prefill"]["loads"] + p["decode"]["loads"]  # the same plans
+        assert s["host_tier"]["hits"] + s["host_tier"]["reads"] == loads  # each load: from host memory or disk
+        assert (s["host_tier"]["reads"] == 0) == (slots is None)
+    if slots is not None:
+        assert sum(s["host_tier"]["hits"] for s in stats) > 0  # a smaller tier still serves repeats
+
+
+def test_a_model_with_fewer_experts_than_two_layers_reads_holds_them_all(tiny_store):
+    """Moonlight's tiny shape: top-6 of 8 experts in one MoE layer (the GPU run found auto refused here)."""
+    _, path = tiny_store("deepseek_v3", q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2,
+                         num_experts_per_tok=6, routed_scaling_factor=2.446, rope_scaling=None)
+    s = Store(path)
+    native = s.manifest.native_precision
+    assert s.spec.num_expert_keys < 2 * s.spec.top_k
+    choice = plan_host_tier(s, HostMemory(), view(64 * GiB), (native,), held=0)
+    assert choice.slots == {native: s.spec.num_expert_keys}
