@@ -212,7 +212,7 @@ class ExpertExecutor:
         out = self.carry_out(plan, x, topk_weights.dtype, shared)
         for prefetch in self.layer_step.end(plan):
             self._prefetch(prefetch)
-        self._observe_disk()
+        self._observe_link()
         self._clock = time.perf_counter()
         return out
 
@@ -293,11 +293,21 @@ class ExpertExecutor:
         self._submit(prefetch.key, prefetch.precision, prefetch.slot, PREFETCH)
         self.in_flight[prefetch.key] = (prefetch.precision, prefetch.slot)
 
-    def _observe_disk(self) -> None:
-        """The link's busy time and bytes since the last layer: its bandwidth, for the stages that weigh time."""
+    def _observe_link(self) -> None:
+        """What loads cost since the last layer, for the stages that weigh time: the disk's busy time and bytes (the
+        reader's); through a host tier, the bytes copied to the device over the copies' time and the disk's (a load
+        found in host memory is one copy, one read from disk a read and a copy)."""
         busy, nbytes = self.reader.activity()
-        self.costs.observe_read(nbytes - self._disk[1], busy - self._disk[0])
+        disk_s, disk_bytes = busy - self._disk[0], nbytes - self._disk[1]
         self._disk = (busy, nbytes)
+        copied, copy_s = 0, 0.0
+        for pool in self.pools.values():
+            b, s = pool.link_activity()
+            copied, copy_s = copied + b, copy_s + s
+        if copied:
+            self.costs.observe_read(copied, disk_s + copy_s)
+        else:
+            self.costs.observe_read(disk_bytes, disk_s)
 
     def _poll_landed(self) -> None:
         """Prefetches whose reads have finished are resident (a failed one is forgotten)."""

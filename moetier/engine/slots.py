@@ -90,6 +90,10 @@ class HostSlots:
     def landed(self, slot: int) -> None:
         """Nothing to do: a read lands where compute reads."""
 
+    def link_activity(self) -> tuple[int, float]:
+        """Nothing beyond the reader's: a load is its read (RunningCosts hears the reader's activity)."""
+        return 0, 0.0
+
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
         return self._tensors[slot]
 
@@ -156,6 +160,10 @@ class DeviceSlots:
 
     def submit(self, reader, key, blob, slot: int, priority: int) -> None:
         reader.submit(blob, self.read_target(slot, blob.phase), self.completions[slot], priority)
+
+    def link_activity(self) -> tuple[int, float]:
+        """The reader's activity prices a load (the copy out of staging is a small part of it)."""
+        return 0, 0.0
 
     def landed(self, slot: int) -> None:
         """The read has landed in its staging buffer: copy it to the device now, freeing the buffer."""

@@ -10,6 +10,8 @@ only for a disk read, and, before a host slot is read into again, for its last c
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from moetier.engine.host_tier import HostTier
@@ -31,7 +33,10 @@ class TieredDeviceSlots:
         # per slot, made once and recorded again for each load (a stream waits on an event's last record as of the
         # wait): when the slot's previous expert is no longer read, and when the copy into it is done
         self._free: list[torch.cuda.Event] = []
+        self._start: list[torch.cuda.Event] = []  # (timed: what a copy took, for the planner's link cost)
         self._done: list[torch.cuda.Event] = []
+        self._copies: list[int] = []  # copies into each slot so far
+        self._timed: deque[tuple[int, int]] = deque()  # (slot, its copy count) of copies not yet timed
         self._stream = stream or torch.cuda.Stream(device)
         self._pending: dict[int, int] = {}  # slot -> host slot its read is landing in, not yet copied
         self.ensure(num_slots)
@@ -44,7 +49,9 @@ class TieredDeviceSlots:
             self.completions.append(Completion())
             self._copied.append(False)
             self._free.append(torch.cuda.Event())
-            self._done.append(torch.cuda.Event())
+            self._start.append(torch.cuda.Event(enable_timing=True))
+            self._done.append(torch.cuda.Event(enable_timing=True))
+            self._copies.append(0)
         self.num_slots = max(self.num_slots, num_slots)
 
     def release(self, slots) -> None:
@@ -91,10 +98,28 @@ class TieredDeviceSlots:
         done = self._done[slot]
         self._stream.wait_event(self._free[slot])
         with torch.cuda.stream(self._stream):
+            self._start[slot].record(self._stream)  # (after the wait: the copy's own time)
             self._blocks[slot].copy_(self.tier.pools[self.precision].region(host), non_blocking=True)
             done.record(self._stream)
         self._copied[slot] = True
+        self._copies[slot] += 1
+        self._timed.append((slot, self._copies[slot]))
         self.tier.copied(self.precision, host, done)
+
+    def link_activity(self) -> tuple[int, float]:
+        """(bytes, seconds) of the copies to the device finished since the last call: what a load through the
+        host tier costs on the link, for the planner (RunningCosts.observe_read). A slot copied into again before
+        its copy was timed counts once, with its later copy."""
+        nbytes, seconds = 0, 0.0
+        while self._timed:
+            slot, n = self._timed[0]
+            if n == self._copies[slot]:
+                if not self._done[slot].query():  # (one stream: the copies after it are not done either)
+                    break
+                nbytes += self.slot_bytes
+                seconds += self._start[slot].elapsed_time(self._done[slot]) / 1e3
+            self._timed.popleft()
+        return nbytes, seconds
 
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
         if slot in self._pending:

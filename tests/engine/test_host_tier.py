@@ -131,12 +131,25 @@ def test_the_host_tier_is_refused_on_the_cpu_in_one_line(store, capsys):
     assert "cannot read host memory 'lots'" in capsys.readouterr().err
 
 
+COPY_MS = 0.25  # what every stood-in copy to the device takes
+copy_ms = {0: COPY_MS}  # (a test may make the link slower)
+
+
 class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
     def record(self, stream=None) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return copy_ms[0]
 
 
 class FakeStream:
@@ -175,6 +188,9 @@ def test_the_executor_loads_through_the_tier_and_the_output_is_exact(store, cuda
             if tier is not None:
                 assert isinstance(engine.executor.pool, TieredDeviceSlots)
             outs = [engine.generate([p], max_new_tokens=10, ignore_eos=True) for p in prompts]
+            bandwidth = engine.executor.costs.bandwidth
+        if tier is not None and slots is None:  # every load a copy: the planner prices a load as one
+            assert bandwidth == pytest.approx(store.native_layout.blob_bytes / (COPY_MS / 1e3))
         return [o.token_ids[0] for o in outs], [o.stats for o in outs]
 
     exact, plain = run()
@@ -203,3 +219,34 @@ def test_a_model_with_fewer_experts_than_two_layers_reads_holds_them_all(tiny_st
     assert s.spec.num_expert_keys < 2 * s.spec.top_k
     choice = plan_host_tier(s, HostMemory(), view(64 * GiB), (native,), held=0)
     assert choice.slots == {native: s.spec.num_expert_keys}
+
+
+@pytest.mark.parametrize("placement", ["greedy", "smoe-two-pointer"])
+def test_placement_weighs_the_tiers_copies_and_computes_in_host_memory_where_they_cost_more(
+        store, cuda_stand_ins, monkeypatch, placement):
+    """With every expert in the host tier, a load is a copy: priced from the copies' own time, so placement is
+    ready to weigh it (the GPU run found it never was: no disk read, no price). Copies made slow, it computes
+    misses on the host, from the tier's memory, and the output stays exact."""
+    from moetier import Engine
+
+    monkeypatch.setitem(copy_ms, 0, 50.0)
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, 128, (9,), generator=g).tolist()
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+
+    def run(place, tier):
+        config = EngineConfig(expert_memory=MemoryBudget.parse("25%"), placement=place)
+        with Engine(store, config, progress=False, host_tier=tier) as engine:
+            out = engine.generate([prompt], max_new_tokens=12, ignore_eos=True)
+            if tier is not None:
+                assert engine.executor.host_pools[native] is tier.pools[native]  # computed where the tier holds it
+                assert engine.executor.costs.placement_ready
+        return out
+
+    exact = run("none", None)
+    tier = HostTier(store.manifest, keys, {native: len(keys)}, FakePinning())
+    with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+        tier.fill(reader, progress=False)
+    out = run(placement, tier)
+    assert out.token_ids == exact.token_ids
+    assert out.stats["decode"]["host_runs"] > 0

@@ -374,3 +374,22 @@ def test_a_decode_tokens_kv_write_is_the_index_put_bit_for_bit(kernels):
     TorchKernels().kv_write(torch_kv, 1, batch, k, v)
     for a, b in ((native_kv.k[1], torch_kv.k[1]), (native_kv.v[1], torch_kv.v[1])):
         assert torch.equal(a, b) and a[2, :, 9].abs().sum() > 0 and a.abs().sum() == a[2, :, 9].abs().sum()
+
+
+def test_a_gpu_gets_torchs_kernels_with_decode_attention_kept_off_cudnn():
+    """(cuDNN's SDPA built a plan per KV length on the H200: more than half of an OLMoE decode step.) The choice of
+    backend changes no number here: the same attention as torch's."""
+    from moetier.model.batch import StepBatch
+    from moetier.model.kernels import CudaKernels, TorchKernels, make_kernels
+
+    kernels = make_kernels("auto", torch.bfloat16, torch.device("cuda"))
+    assert isinstance(kernels, CudaKernels) and type(make_kernels("torch", torch.bfloat16, torch.device("cuda"))) \
+        is TorchKernels
+    from torch.nn.attention import SDPBackend
+    assert SDPBackend.CUDNN_ATTENTION not in kernels.decode_backends
+    g = torch.Generator().manual_seed(0)
+    q, keys, values = (torch.randn(*shape, generator=g) for shape in ((2, 4, 16), (2, 2, 10, 16), (2, 2, 10, 16)))
+    batch = StepBatch.decode_step([1, 2], [0, 1], [5, 7], 2)
+    for window in (None, 3):
+        want = TorchKernels().decode_attention(q, keys, values, batch, window, 0.25)
+        assert torch.allclose(kernels.decode_attention(q, keys, values, batch, window, 0.25), want, atol=1e-6)
