@@ -2,7 +2,7 @@
 union of their tokens' experts in each layer, so the expert bytes a step reads (or streams from memory) per
 token fall by B·k / E|union| at most — before any cache, whatever the scheduler does.
 
-Measured on the real traces in ../shared/data/traces (each a model trained at scale: Mixtral-8x7B, Qwen1.5-MoE,
+Measured on the real traces in data/traces (each a model trained at scale: Mixtral-8x7B, Qwen1.5-MoE,
 OLMoE): for each B, many draws of B tokens, each from a different sequence at a random position (a trace of fewer
 than 8 sequences — OLMoE's is one stream of 25 questions — cut into pieces of 128 tokens, each standing for a
 sequence); beside each, what uniform routing would give (B·k / (E·(1 − (1 − k/E)^B))).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 import subprocess
 import sys
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import OUT  # noqa: E402
 from train.corpus import VALID_BOOKS, prompt_lines  # noqa: E402
 
-TRACES = ROOT.parent / "shared" / "data" / "traces"
+TRACES = ROOT / "data" / "traces"  # the real traces, shipped in the repository
 PIECE = 128  # tokens: a trace of fewer than 8 sequences is cut into pieces this long, each standing for one
 
 
@@ -43,14 +44,14 @@ def real_traces() -> dict[str, tuple[int, int, dict]]:
     """name -> (num_experts, top_k, {(sequence, layer): [[ids] per token]})."""
     out = {}
     for name, files, experts, k, seq_key in [
-        ("Mixtral-8x7B (8, top-2)", sorted((TRACES / "mixtral-8x7b").glob("*.jsonl")), 8, 2, "problem_id"),
-        ("Qwen1.5-MoE (60, top-4)", sorted((TRACES / "qwen1.5-moe-a2.7b").glob("*.jsonl")), 60, 4, "req_id"),
-        ("OLMoE-1B-7B (64, top-8)", sorted((TRACES / "olmoe-1b-7b").glob("*.jsonl")), 64, 8, "req_id"),
+        ("Mixtral-8x7B (8, top-2)", sorted((TRACES / "mixtral-8x7b").glob("*.jsonl.gz")), 8, 2, "problem_id"),
+        ("Qwen1.5-MoE (60, top-4)", sorted((TRACES / "qwen1.5-moe-a2.7b").glob("*.jsonl.gz")), 60, 4, "req_id"),
+        ("OLMoE-1B-7B (64, top-8)", sorted((TRACES / "olmoe-1b-7b").glob("*.jsonl.gz")), 64, 8, "req_id"),
     ]:
         routes = defaultdict(list)
         for f in files:
             part, last = defaultdict(int), {}  # a token index that does not grow starts a new sequence
-            for line in f.read_text().splitlines():
+            for line in gzip.open(f, "rt").read().splitlines():
                 r = json.loads(line)
                 if r.get("type", "route") != "route":
                     continue

@@ -88,7 +88,8 @@ class Server:
 
 
 async def one_request(client, url: str, prompt: str, tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     stamps, generated, first = [], 0, True
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:

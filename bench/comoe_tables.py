@@ -7,7 +7,7 @@ decoder, as `moetier sim` shapes them — is held each way moetier/sim/deploy.py
 holds the dense weights, the resident experts, 0.5 GB of workspace and at least one layer's top-k of cache; host
 memory, bounded at the RAM the paper states, holds what is offloaded), and what fits is timed by replaying a
 synthetic encoder-decoder trace (8 requests of 128 prompt tokens and 16 new tokens, batch 1 as the paper's
-latency runs; skew and locality fitted to the real OLMoE trace in ../shared/data/traces) through the simulator,
+latency runs; skew and locality fitted to the real OLMoE trace in data/traces) through the simulator,
 LRU, the cache filled first. Offloading is shown both ways: every MoE layer's (moetier's), and the encoder's alone
 with the decoder's experts resident (the paper's, §IV-D). The merged variant is a fixed-ratio one (`--ratio`,
 by default the paper's parameter share).
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.common import OUT  # noqa: E402
 
-TRACES = ROOT.parent / "shared" / "data" / "traces"
+TRACES = ROOT / "data" / "traces"  # the real traces, shipped in the repository
 SIZES = (8, 32, 64, 128, 256)
 GB = 10 ** 9
 

@@ -5,7 +5,7 @@ copies), as the paper pairs them; each budget run at the high precision alone (`
 Decode TPOT, the speed-up over `native`, and the share of experts computed at low precision; the paper reports
 1.19-1.57x for dynamic loading.
 
-    moetier trace import ../shared/data/traces/mixtral-8x7b --out bench/out/traces/mixtral   # once
+    moetier trace import data/traces/mixtral-8x7b --out bench/out/traces/mixtral   # once
     python bench/sim_hobbit.py --trace bench/out/traces/mixtral      # table + JSON + PNG in bench/out/
 """
 

@@ -19,8 +19,8 @@ batch boundaries):
    memory; the shared trace has no prompts to fill it, and in the cooperative mode only a prompt loads), with LFU
    (global LRU thrashes on a 32-layer cycle: every read evicts what the next token needs).
 
-    moetier trace import ../shared/data/traces/mixtral-8x7b --out bench/out/traces/mixtral        # once
-    moetier trace import ../shared/data/traces/qwen1.5-moe-a2.7b --out bench/out/traces/qwen15     # once
+    moetier trace import data/traces/mixtral-8x7b --out bench/out/traces/mixtral        # once
+    moetier trace import data/traces/qwen1.5-moe-a2.7b --out bench/out/traces/qwen15     # once
     moetier trace record --model demo-deep ... --out bench/out/traces/demo-deep-held-out           # (docs/traces.md)
     python bench/sim_smoe.py                                   # tables + JSON + PNG in bench/out/
 """

@@ -58,7 +58,8 @@ def test_one_option_name_for_the_cache_partition():
 
 
 def run_json(args, **kw):
-    r = subprocess.run([sys.executable, "-m", "moetier.cli", "generate", *args, "--max-tokens", "6", "--json"],
+    r = subprocess.run([sys.executable, "-m", "moetier.cli", "generate", *args, "--max-tokens", "6", "--json",
+                        "--seed", "7"],  # (sampling, as by default: the same draws each time)
                        capture_output=True, text=True, **kw)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
@@ -88,9 +89,10 @@ def test_ignore_eos_generates_past_end_of_sequence(text_store, capsys):
     with Engine(Store(store)) as engine:
         first = engine.generate("x", max_new_tokens=4).token_ids[0]
     eos_store = text_store(eos_token_id=first[1])  # same weights; its second greedy token ends the sequence
-    assert main(["generate", "--model", str(eos_store), "--prompt", "x", "--max-tokens", "4", "--json"]) == 0
+    greedy = ["--temperature", "0"]
+    assert main(["generate", "--model", str(eos_store), "--prompt", "x", "--max-tokens", "4", "--json", *greedy]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"][0] == first[:2]
-    assert main(["generate", "--model", str(eos_store), "--prompt", "x", "--max-tokens", "4", "--json",
+    assert main(["generate", "--model", str(eos_store), "--prompt", "x", "--max-tokens", "4", "--json", *greedy,
                  "--ignore-eos"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"][0] == first
 

@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md and ../shared/architecture.json, held against the code: what each part may never
+"""The import rules of DESIGN.md and the project's architecture drawing, held against the code: what each part may never
 import, and that the pure logic of the cache and the predictors touches no file and starts no thread."""
 
 import ast

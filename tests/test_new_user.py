@@ -122,8 +122,11 @@ def test_a_value_starting_with_a_dash_reaches_its_own_check(capsys):
     assert "expert memory share must be in (0%, 100%], got -5%" in err and "hint: --expert-memory takes" in err
     assert main(["generate", "--model", "/no/such", "--prompt", "x", "--max-tokens", "-3"]) == 1
     assert "--max-tokens" in capsys.readouterr().err
-    args = build_parser().parse_args(["generate", "--temperature", "-0.5", "--top-p", "-.5"])
-    assert (args.temperature, args.top_p) == (-0.5, -0.5)  # (values, refused later by their own checks)
+    assert main(["generate", "--temperature", "-0.5"]) == 1  # a value, refused by its own range, in one line
+    assert "argument --temperature: must be a finite number between 0 and 100, got -0.5" in capsys.readouterr().err
+    for value in ("nan", "inf", "-inf"):
+        assert main(["generate", "--top-p", value]) == 1
+        assert "argument --top-p: must be a finite number" in capsys.readouterr().err
     assert main(["generate", "--seed", "-1"]) == 1  # a seed is a whole number of at least 0
     assert "argument --seed: must be between 0 and" in capsys.readouterr().err
 
@@ -320,3 +323,17 @@ def test_the_budget_refusal_states_one_share(tmp_path, capsys):
 def test_the_readme_examples_write_to_different_folders():
     outs = re.findall(r"^\s+moetier eval .*--out (\S+)", (ROOT / "README.md").read_text(), re.M)
     assert len(outs) >= 2 and len(set(outs)) == len(outs), outs
+
+
+def test_the_first_command_writes_text_that_does_not_loop(capsys):
+    """The README's first command (the default model, the default sampling) on three seeds: no word 3-gram three
+    times in 64 tokens."""
+    from collections import Counter
+
+    for seed in ("1", "2", "3"):
+        assert main(["generate", "--prompt", "It was a fine morning, and", "--max-tokens", "64", "--seed", seed,
+                     "--json"]) == 0
+        words = json.loads(capsys.readouterr().out)["texts"][0].split()
+        assert len(words) > 20
+        grams = Counter(tuple(words[i:i + 3]) for i in range(len(words) - 2))
+        assert max(grams.values()) < 3, (seed, grams.most_common(2))

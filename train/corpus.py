@@ -1,6 +1,6 @@
-"""The demo models' corpus, rebuilt deterministically from inputs on every machine: English prose from
-../shared/data/gutenberg (detokenised) and Python source from this interpreter's standard library (no test
-folders, no site-packages). Validation holds out whole books and whole modules.
+"""The demo models' corpus, rebuilt deterministically from inputs on every machine: English prose from the
+repository's data/gutenberg (gzipped, detokenised here) and Python source from this interpreter's standard library
+(no test folders, no site-packages). Validation holds out whole books and whole modules.
 
     python -m train.corpus [--out DIR]        # default ~/.cache/moetier/corpus (or $MOETIER_CACHE/corpus)
 """
@@ -8,6 +8,7 @@ folders, no site-packages). Validation holds out whole books and whole modules.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import re
@@ -15,9 +16,10 @@ import sysconfig
 from pathlib import Path
 
 from moetier.atomic import atomic_dir
+from moetier.errors import MoetierError
 from moetier.paths import default_cache_dir
 
-GUTENBERG = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenberg"
+GUTENBERG = Path(__file__).resolve().parents[1] / "data" / "gutenberg"  # each book NAME.txt as NAME.txt.gz
 DEFAULT_OUT = default_cache_dir() / "corpus"
 VALID_BOOKS = ("carroll-alice.txt", "chesterton-thursday.txt")  # held out whole
 VALID_EVERY = 12  # every 12th module (sorted by path) is held out whole
@@ -40,11 +42,23 @@ def detokenise(line: str) -> str:
     return line
 
 
+def book_names() -> list[str]:
+    """The books' names (`austen-emma.txt`, ...), sorted."""
+    names = sorted(p.name.removesuffix(".gz") for p in GUTENBERG.glob("*.txt.gz"))
+    if not names:
+        raise MoetierError(f"no books in {GUTENBERG}: the demo models' texts ship in the repository's data folder",
+                           hint="run from a whole checkout of moetier (git clone), or give your own text file")
+    return names
+
+
+def read_book(name: str) -> str:
+    """A book's text as it came (word-tokenised)."""
+    with gzip.open(GUTENBERG / f"{name}.gz", "rt", encoding="utf-8") as f:
+        return f.read()
+
+
 def prose_documents() -> dict[str, str]:
-    if not GUTENBERG.is_dir():
-        raise SystemExit(f"{GUTENBERG} not found: the corpus reads the shared data folder beside the checkout")
-    return {p.name: "\n".join(detokenise(line) for line in p.read_text(encoding="utf-8").splitlines())
-            for p in sorted(GUTENBERG.glob("*.txt"))}
+    return {name: "\n".join(detokenise(line) for line in read_book(name).splitlines()) for name in book_names()}
 
 
 def prompt_lines(names: list[str], n: int, words: int = 40) -> list[str]:
@@ -52,7 +66,7 @@ def prompt_lines(names: list[str], n: int, words: int = 40) -> list[str]:
     each book (the predictors' training and benchmark prompts)."""
     books = []
     for name in names:
-        lines = [detokenise(line) for line in (GUTENBERG / name).read_text(encoding="utf-8").splitlines()]
+        lines = [detokenise(line) for line in read_book(name).splitlines()]
         books.append([" ".join(line.split()[:words]) for line in lines if len(line.split()) >= 20])
     per_book = (n + len(books) - 1) // len(books)
     return [book[i * len(book) // per_book] for book in books if book for i in range(per_book)][:n]

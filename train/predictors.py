@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 from moetier.paths import default_cache_dir
-from train.corpus import GUTENBERG, VALID_BOOKS, prompt_lines
+from train.corpus import VALID_BOOKS, book_names, prompt_lines
 
 MODELS = ("demo-deep", "demo-fine", "demo-coarse")
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     args.traces.mkdir(parents=True, exist_ok=True)
     prompts = args.traces / "training-prompts.txt"
-    books = sorted(p.name for p in GUTENBERG.glob("*.txt") if p.name not in VALID_BOOKS)
+    books = [name for name in book_names() if name not in VALID_BOOKS]
     prompts.write_text("\n".join(prompt_lines(books, args.prompts)) + "\n")
     for model in args.models.split(","):
         trace = args.traces / f"{model}-train"

@@ -210,8 +210,6 @@ def run_accelerate(hf: Path, gpu_bytes: int, batch: int, tokens: int, prompt_len
     ttft = timed(1)
     total = timed(tokens)
     tpot = (total - ttft) / (tokens - 1)
-    del model
-    freed(device)
     return {"ttft_s": ttft, "tpot_s": tpot, "decode_tokens_per_s": batch / tpot, "setup_s": setup_s,
             "device_map": placed, "gpu_budget_bytes": gpu_bytes}
 
@@ -311,6 +309,7 @@ def main() -> None:
             gpu_bytes = int(s.dense_bytes + share.value * s.total_expert_bytes())
             hf = export_hf_checkpoint(store, cache / "bench-gpu" / f"{model}-hf")
             record({**base, **run_accelerate(hf, gpu_bytes, 1, 8, 32, s.spec.vocab_size, args.device)})
+            freed(args.device)  # (the model went with the call)
         except Exception as e:
             record({**base, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
 

@@ -61,10 +61,10 @@ def link(dev: torch.device) -> dict:
         dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         for kind, pinned in (("pinned", True), ("pageable", False)):
             src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
-            s = cuda_time(lambda: dst.copy_(src, non_blocking=True), reps=10 if nbytes > 64 * MIB else 50)
+            s = cuda_time(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), reps=10 if nbytes > 64 * MIB else 50)
             out[f"h2d_{kind}_{label}_GBps"] = nbytes / s / 1e9
         src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        s = cuda_time(lambda: src.copy_(dst, non_blocking=True), reps=10 if nbytes > 64 * MIB else 50)
+        s = cuda_time(lambda dst=dst, src=src: src.copy_(dst, non_blocking=True), reps=10 if nbytes > 64 * MIB else 50)
         out[f"d2h_pinned_{label}_GBps"] = nbytes / s / 1e9
     # eight experts in flight on a side stream (what a layer's misses are)
     stream = torch.cuda.Stream(dev)
@@ -103,7 +103,8 @@ def gpu_compute(dev: torch.device) -> dict:
         for n in (1, 8):
             x = torch.randn(n, 2048, dtype=torch.bfloat16, device=dev)
             y, weights = torch.empty_like(x), torch.ones(n, dtype=torch.bfloat16, device=dev)
-            out[f"gpu_expert_{precision}_T{n}_s"] = cuda_time(lambda: kernel(y, x, tensors, weights))
+            out[f"gpu_expert_{precision}_T{n}_s"] = cuda_time(
+                lambda kernel=kernel, y=y, x=x, tensors=tensors, weights=weights: kernel(y, x, tensors, weights))
     x = torch.zeros(1, device=dev)
     out["gpu_tiny_kernel_s"] = cuda_time(lambda: x.add_(1), reps=200)
     start = time.perf_counter()
@@ -127,10 +128,11 @@ def cpu_compute() -> dict:
     for name in ("auto", "torch"):
         kernels = make_kernels(name, torch.bfloat16, torch.device("cpu"))
         kernel = make_expert_kernel("bf16", kernels, torch.bfloat16)
-        out[f"cpu_expert_bf16_T1_{kernels.name}_warm_s"] = host_time(lambda: kernel(y, x, w, weights))
+        out[f"cpu_expert_bf16_T1_{kernels.name}_warm_s"] = host_time(lambda kernel=kernel: kernel(y, x, w, weights))
         turn = iter(range(1 << 30))
         out[f"cpu_expert_bf16_T1_{kernels.name}_cold_s"] = host_time(
-            lambda: kernel(y, x, many[next(turn) % COLD_EXPERTS], weights), reps=2 * COLD_EXPERTS)
+            lambda kernel=kernel, turn=turn: kernel(y, x, many[next(turn) % COLD_EXPERTS], weights),
+            reps=2 * COLD_EXPERTS)
     return out
 
 

@@ -14,8 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "prompts" / "mixed.txt"
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(BENCH))
 from common import OUT, save_figure  # noqa: E402
 
 TRACES = OUT / "traces"
-SHARED = ROOT.parent / "shared" / "data" / "traces"
+REAL_TRACES = ROOT / "data" / "traces"  # (shipped in the repository)
 REAL = {"mixtral": "mixtral-8x7b", "qwen15": "qwen1.5-moe-a2.7b", "olmoe": "olmoe-1b-7b"}
 HELD_OUT_PROMPTS = 24
 
@@ -31,7 +31,7 @@ def real_trace(name: str):
 
     path = TRACES / name
     if not path.exists():
-        subprocess.run(["moetier", "trace", "import", str(SHARED / REAL[name]), "--out", str(path)], check=True)
+        subprocess.run(["moetier", "trace", "import", str(REAL_TRACES / REAL[name]), "--out", str(path)], check=True)
     return Trace.load(path)
 
 

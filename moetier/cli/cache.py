@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from moetier.cache.policies import LEARNED
-from moetier.cli.defaults import DEFAULT_MODEL, command, count, write_plot
+from moetier.cli.defaults import DEFAULT_MODEL, command, count, finite, write_plot
 from moetier.errors import MoetierError
 
 
@@ -165,7 +165,7 @@ def add_parser(sub) -> None:
     cb.add_argument("--policy", default="all", help="comma-separated names (`moetier list policies`), or all")
     cb.add_argument("--cache-partition", default="global", choices=["global", "per-layer", "both"],
                     help="one cache shared by all layers, or the slots split evenly among them")
-    cb.add_argument("--train-fraction", type=float, default=0.7,
+    cb.add_argument("--train-fraction", type=finite(0, 1), default=0.7,
                     help="learned policies fit on this first part; every policy is scored on the rest")
     cb.add_argument("--profile", default="this-machine",
                     help="hardware profile pricing a miss (the read of one expert) for the miss penalty")

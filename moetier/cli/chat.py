@@ -38,8 +38,9 @@ def streamer(parts: list[str], write):
     return on_text
 
 
-def run_chat(engine: Engine, max_new_tokens: int, temperature: float, top_p: float, seed: int,
-             system: str | None = None, read=input, write=sys.stdout.write) -> None:
+def run_chat(engine: Engine, max_new_tokens: int, sampling: dict, system: str | None = None, read=input,
+             write=sys.stdout.write) -> None:
+    """`sampling`: Engine.chat's keyword arguments (a seed, if any, moves on by one each turn)."""
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
         raise MoetierError(f"{engine.store.path} has no chat template",
                            hint="chat needs the model's chat template; `moetier generate` continues plain text")
@@ -65,10 +66,16 @@ def run_chat(engine: Engine, max_new_tokens: int, temperature: float, top_p: flo
             continue
         if not text:
             continue
-        messages = fit_history(engine, messages + [{"role": "user", "content": text}], max_new_tokens)
-        parts: list[str] = []
         try:
-            engine.chat(messages, max_new_tokens, temperature, top_p, seed + turn, on_text=streamer(parts, write))
+            messages = fit_history(engine, messages + [{"role": "user", "content": text}], max_new_tokens)
+        except MoetierError as e:  # this message is refused; the conversation goes on without it
+            print(f"moetier: error: {e}", file=sys.stderr)
+            continue
+        parts: list[str] = []
+        seed = sampling.get("seed")
+        try:
+            engine.chat(messages, max_new_tokens, on_text=streamer(parts, write),
+                        **{**sampling, "seed": None if seed is None else seed + turn})
         except KeyboardInterrupt:
             write(" [stopped]")
         write("\n")

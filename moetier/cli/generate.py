@@ -7,7 +7,15 @@ import json
 import sys
 
 from moetier.cache.policies import LIVE_POLICIES
-from moetier.cli.defaults import DEFAULT_MODEL, SEED, command, count, read_prompts
+from moetier.cli.defaults import (
+    DEFAULT_MODEL,
+    add_sampling_options,
+    command,
+    count,
+    finite,
+    read_prompts,
+    sampling_args,
+)
 from moetier.config import KERNELS
 from moetier.errors import MoetierError
 
@@ -51,10 +59,8 @@ def check_prompt_lengths(model: str, prompts: list[str]) -> None:
 def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[str] | None = None, **config):
     """The engine for `args`, with the one stderr line saying what expert cache it reserved and why. Its options,
     then `prompts` against the model's context window, are checked before anything is converted or loaded."""
-    from moetier.config import MemoryBudget
+    from moetier.config import HostMemory, MemoryBudget
     from moetier.engine.engine import Engine, EngineConfig
-
-    from moetier.config import HostMemory
 
     if getattr(args, "host_memory", None) is not None:
         config.setdefault("host_memory", HostMemory.parse(args.host_memory))
@@ -74,10 +80,11 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from moetier.engine.sampling import SamplingParams
+    from moetier.engine.engine import sampling_params
     from moetier.engine.stats import format_summary
 
-    params = SamplingParams(args.max_tokens, args.temperature, args.top_p, args.seed)  # refuses bad values
+    sampling = sampling_args(args)
+    sampling_params(args.max_tokens, **sampling)  # refuses bad values, before anything loads
     check_engine_args(args)
     prompts = read_prompts(args.prompt, args.prompt_file)
     engine = open_engine(args, progress=not args.json, prompts=prompts, policy=args.policy,
@@ -98,9 +105,8 @@ def _generate(args: argparse.Namespace) -> None:
         text_to_text = engine.spec.encoder_decoder is not None  # its output is a new text, not a continuation
         if stream and not text_to_text:
             sys.stdout.write(prompts[0])
-        out = engine.generate(prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                              top_p=params.top_p, seed=params.seed, ignore_eos=args.ignore_eos,
-                              on_text=on_text if stream else None)
+        out = engine.generate(prompts, max_new_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                              on_text=on_text if stream else None, **sampling)
     if args.json:
         print(json.dumps({"texts": out.texts, "token_ids": out.token_ids, "stats": out.stats}, indent=1))
         return
@@ -162,7 +168,7 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thresholds", default=None, metavar="T1,T2",
                    help="HOBBIT's importance thresholds (default: the model's fitted ones if it has them, else the "
                         "paper's 0.6,0.9; low-tier T2 1.0: no skipping)")
-    p.add_argument("--high-share", type=float, default=0.75,
+    p.add_argument("--high-share", type=finite(0, 1), default=0.75,
                    help="hobbit: the high-precision sub-cache's share of the expert budget")
     p.add_argument("--dense-precision", default="native", choices=["native", "int8", "int4"],
                    help="the attention projections and the head: native (exact), or quantized at load to int8/int4 "
@@ -284,9 +290,7 @@ def add_parser(sub) -> None:
     g.add_argument("--placement", default="none", choices=["none", *PLACEMENTS],
                    help="with --device cuda: per missing expert, read it into the GPU or compute it on the CPU from "
                         "host memory (every expert is kept there): smoe-two-pointer, prescope, greedy, hobbit-coop")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    g.add_argument("--seed", type=SEED, default=0, help="sampling seed")
+    add_sampling_options(g)
     g.add_argument("--reconvert", action="store_true",
                    help="convert a Hugging Face folder again even if the cache holds it (a damaged conversion)")
     g.add_argument("--json", action="store_true", help="print texts, token ids and statistics as JSON")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moetier.cli.defaults import command, count, make_folder, out_folder, write_plot
+from moetier.cli.defaults import command, count, finite, make_folder, out_folder, write_plot
 from moetier.errors import MoetierError
 
 BENCHED = ("stacked-gates", "llapor", "comoe-mlp", "hot")  # unless told (the oracle scores 100% by construction)
@@ -74,7 +74,7 @@ def add_parser(sub) -> None:
     pb.add_argument("--predictor", default=",".join(BENCHED), help="comma-separated (`moetier list predictors`)")
     pb.add_argument("--model", help="the traces' model, for predictors built on its weights (default: the trace's)")
     pb.add_argument("--distance", type=count(1, 1024), default=3, help="MoE layers ahead to score (1..N)")
-    pb.add_argument("--train-fraction", type=float, default=0.3,
+    pb.add_argument("--train-fraction", type=finite(0, 1), default=0.3,
                     help="share of each trace that predictors which learn learn from; the rest is scored")
     pb.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     pb.add_argument("--out", default="predict-bench", help="folder for the JSON and the plot")

@@ -10,7 +10,7 @@ import socket
 import sys
 
 from moetier.cache.policies import LIVE_POLICIES
-from moetier.cli.defaults import command, count
+from moetier.cli.defaults import add_sampling_options, command, count, sampling_args
 from moetier.cli.generate import (
     add_engine_options,
     add_precision_options,
@@ -128,7 +128,7 @@ def _chat(args: argparse.Namespace) -> None:
     config = engine_config(args)
     engine = open_engine(args, progress=True, **config)
     with engine:
-        run_chat(engine, args.max_tokens, args.temperature, args.top_p, args.seed, args.system)
+        run_chat(engine, args.max_tokens, sampling_args(args), args.system)
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -164,8 +164,6 @@ def add_parser(sub) -> None:
     c = command(sub, "chat", "chat with the model in the terminal (its chat template; /reset, Ctrl-C stops an answer)")
     add_run_options(c)
     c.add_argument("--max-tokens", type=int, default=512, help="new tokens per answer, at most")
-    c.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
-    c.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, in (0, 1]")
-    c.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_sampling_options(c)
     c.add_argument("--system", help="a system message to start every conversation with")
     c.set_defaults(func=_chat)

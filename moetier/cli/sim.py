@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moetier.atomic import atomic_write_json
 from moetier.cache.policies import POLICIES, SUFFIX, check_policy
-from moetier.cli.defaults import DEFAULT_MODEL, command, count, make_folder, out_folder, write_plot
+from moetier.cli.defaults import DEFAULT_MODEL, command, count, finite, make_folder, out_folder, write_plot
 from moetier.errors import MoetierError
 
 
@@ -245,7 +245,7 @@ def add_parser(sub) -> None:
                          "model's routers on the trace's recorded gate inputs; llapor, comoe-mlp: trained networks")
     sm.add_argument("--predict-distance", type=count(1, 1024), default=2,
                     help="MoE layers ahead to predict (HOBBIT's p)")
-    sm.add_argument("--oracle-error", type=float, default=0.0,
+    sm.add_argument("--oracle-error", type=finite(0, 1), default=0.0,
                     help="share of the oracle's (token, expert) pairs made wrong, drawn uniformly")
     sm.add_argument("--placement", default="none", choices=["none", *PLACEMENTS],
                     help="per missing expert, load it or compute it on the profile's host CPU: smoe-two-pointer (SMoE "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from moetier.cli.defaults import SEED, command, count
+from moetier.cli.defaults import SEED, command, count, finite
 from moetier.errors import MoetierError
 from moetier.store.synth import PRESETS
 
@@ -94,7 +94,7 @@ def add_parser(sub) -> None:
         s.add_argument("--" + name.replace("_", "-"), dest=name, type=SEED if name == "seed" else count(),
                        help=f"override the preset's {name}")
     s.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="override the preset's precision")
-    s.add_argument("--embed-std", dest="embed_std", type=float,
+    s.add_argument("--embed-std", dest="embed_std", type=finite(0, 1e6),
                    help="standard deviation of the token embedding (large keeps routing near-uniform)")
     s.add_argument("--force", action="store_true", help="replace an existing store (only a moetier store)")
     s.set_defaults(func=_synth)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moetier.cli.defaults import SEED, command, count, read_text_file, write_plot
+from moetier.cli.defaults import SEED, command, count, finite, read_text_file, write_plot
 from moetier.cli.generate import add_engine_options, check_engine_args, open_engine
 from moetier.errors import MoetierError
 
@@ -131,7 +131,7 @@ def add_parser(sub) -> None:
     tr.add_argument("--prompts", required=True, help="a text file, one prompt per line")
     tr.add_argument("--out", required=True, help="the trace folder to write")
     tr.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")
-    tr.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    tr.add_argument("--temperature", type=finite(0, 100), default=0.0, help="0 is greedy")
     tr.add_argument("--seed", type=SEED, default=0, help="sampling seed")
     tr.add_argument("--gate-inputs", action="store_true", help="also record the router's inputs")
     tr.add_argument("--force", action="store_true", help=force)

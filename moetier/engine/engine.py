@@ -139,6 +139,24 @@ class EngineConfig:
             raise MoetierError(f"policy {self.policy!r} needs a predictor", hint="give one, e.g. --predictor stacked-gates")
 
 
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def sampling_params(max_new_tokens, temperature=0.0, top_p=1.0, seed=0, **sampling) -> SamplingParams:
+    """SamplingParams from the Python API's arguments: unknown ones refused by name, logit_bias as a mapping."""
+    fields = set(SamplingParams.__dataclass_fields__) - {"max_new_tokens", "temperature", "top_p", "seed"}
+    unknown = sorted(set(sampling) - fields)
+    if unknown:
+        raise MoetierError(f"unknown sampling argument {unknown[0]!r}", hint=f"one of {', '.join(sorted(fields))}")
+    bias = sampling.pop("logit_bias", None) or {}
+    if not isinstance(bias, dict):
+        raise MoetierError("logit_bias must map token ids to biases ({token id: bias})")
+    return SamplingParams(max_new_tokens, temperature, top_p, seed, **sampling,
+                          logit_bias=tuple(sorted((int(k) if isinstance(k, str) and k.isdigit() else k, v)
+                                                  for k, v in bias.items())))
+
+
 @dataclass
 class GenerationOutput:
     texts: list[str]
@@ -327,24 +345,36 @@ class Engine:
         if self.closed:
             raise MoetierError("this Engine is closed", hint="make a new one with Engine.from_pretrained")
 
-    def encode(self, prompts: str | list[str] | list[list[int]]) -> list[list[int]]:
+    def encode(self, prompts: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        """Prompts as token ids: a text, texts, a list of ids (one prompt) or lists of ids (several)."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        if prompts and all(isinstance(p, list) for p in prompts):
-            return prompts
+        if not isinstance(prompts, (list, tuple)):
+            raise MoetierError(f"prompts must be text, a list of texts or token ids, not {type(prompts).__name__}")
+        if prompts and all(_is_id(t) for t in prompts):  # one prompt's ids
+            return [list(prompts)]
+        if prompts and all(isinstance(p, (list, tuple)) for p in prompts):
+            if not all(_is_id(t) for p in prompts for t in p):
+                raise MoetierError("prompts given as token ids must hold whole numbers only")
+            return [list(p) for p in prompts]
+        if not all(isinstance(p, str) for p in prompts):
+            raise MoetierError("prompts must be all texts or all token-id lists, not a mix")
         if self.tokenizer is None:
             raise MoetierError(f"{self.store.path} has no tokenizer", hint="pass token ids instead of text")
         return [self.tokenizer.encode(p) for p in prompts]
 
-    def generate(self, prompts: str | list[str] | list[list[int]], max_new_tokens: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
-                 on_text=None, on_token: OnToken | None = None) -> GenerationOutput:
-        """Generate for one prompt or a batch. `on_text(i, delta)` streams text as it is produced."""
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]], max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0, ignore_eos: bool = False,
+                 on_text=None, on_token: OnToken | None = None, **sampling) -> GenerationOutput:
+        """Generate for one prompt or a batch. `on_text(i, delta)` streams text as it is produced. Greedy by default
+        (exact mode's tokens); `temperature` > 0 samples, with `top_p` and any other SamplingParams field in
+        `sampling` (top_k, min_p, repetition_penalty, repetition_window, presence_penalty, frequency_penalty,
+        logit_bias as {token id: bias}); prompt i draws from `seed` + i (None: fresh randomness)."""
         self._check_open()
         if self.adapt_variant is not None:  # a switch of variant asked for while the last call ran
             self.adapt_variant.apply()
         ids = self.encode(prompts)
-        params = SamplingParams(max_new_tokens, temperature, top_p, seed)
+        params = sampling_params(max_new_tokens, temperature, top_p, seed, **sampling)
         streams = [TextStream(self.tokenizer) for _ in ids] if on_text and self.tokenizer else None
 
         def emit(b: int, out: list[int]) -> None:
@@ -370,9 +400,9 @@ class Engine:
         return GenerationOutput(texts, outputs, summary)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, on_text=None) -> str:
+             seed: int | None = 0, on_text=None, **sampling) -> str:
         """The assistant's answer to `messages` ([{"role": "user", "content": "..."}, ...]), the conversation
-        rendered with the model's chat template. `on_text(delta)` streams it."""
+        rendered with the model's chat template. `on_text(delta)` streams it. Sampling as `generate`'s."""
         self._check_open()
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise MoetierError(f"{self.store.path} has no chat template",
@@ -380,7 +410,7 @@ class Engine:
                                     "generate continues plain text")
         prompt = self.tokenizer.encode(self.tokenizer.chat_template.render(messages), add_bos=False)
         out = self.generate([prompt], max_new_tokens, temperature, top_p, seed,
-                            on_text=(lambda _, delta: on_text(delta)) if on_text else None)
+                            on_text=(lambda _, delta: on_text(delta)) if on_text else None, **sampling)
         return out.texts[0]
 
     def tune_substitution(self, budget_s: float, prompts: str | list[str] | list[list[int]], tokens: int = 24,

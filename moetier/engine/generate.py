@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.kv_pool import KVPool
 from moetier.engine.request import RequestParams
@@ -31,8 +29,8 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
              eos_ids: tuple[int, ...] = (), on_token: OnToken | None = None,
              stats: GenerationStats | None = None,
              step_hooks: list[OnStep] = ()) -> tuple[list[list[int]], GenerationStats]:
-    """Every prompt to its end (EOS, `params.max_new_tokens`, or the context window); one KV row each, all sampled
-    from one generator seeded by `params.seed`."""
+    """Every prompt to its end (EOS, `params.max_new_tokens`, or the context window); one KV row each, prompt i
+    sampled from its own generator seeded by `params.seed` + i (so it samples as it would alone with that seed)."""
     spec = model.spec
     check_prompts(prompts, spec.max_position_embeddings, spec.vocab_size)
     num = len(prompts)
@@ -41,8 +39,8 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
     stats.prompt_tokens = sum(map(len, prompts))
     scheduler = Scheduler(model, executor, KVPool(spec, num, max_len, model.dtype, model.device), eos_ids,
                           stats=stats, step_hooks=step_hooks)
-    generator = torch.Generator().manual_seed(params.seed)
-    ids = [scheduler.add_request(p, RequestParams(params), generator) for p in prompts]  # (0, 1, ...: rows too)
+    ids = [scheduler.add_request(p, RequestParams(params), params.generator(i))  # (ids 0, 1, ...: rows too)
+           for i, p in enumerate(prompts)]
     outputs: list[list[int]] = [[] for _ in prompts]
     while scheduler.has_work:
         for out in scheduler.step():

@@ -10,9 +10,8 @@ decodes one token together. A prefill never shares a step with decode tokens (no
 requests wait one prefill, which is simple and keeps each step one of the two shapes the model and the planner
 know; a request asking for its prompt's log-probabilities runs its prefill alone, with every position's logits.
 
-Requests sampled with one shared generator and the same parameters are sampled together, as one matrix (a
-`generate` call's batch: the same draws as before the scheduler existed); any other request draws from its own
-generator, seeded by its own seed, so its tokens do not depend on who else runs."""
+A step's requests are sampled together, each with its own parameters and its own generator (moetier/engine/
+sampling.py), so a request's tokens do not depend on who else runs."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from moetier.engine.request import (
     StepOutput,
     TokenLogprob,
 )
-from moetier.engine.sampling import sample
+from moetier.engine.sampling import check_vocab, sample
 from moetier.engine.stats import GenerationStats
 from moetier.engine.text_output import TextOutput
 from moetier.engine.tokenizer import Tokenizer
@@ -89,8 +88,8 @@ class Scheduler:
 
     def add_request(self, prompt: list[int], params: RequestParams | None = None,
                     generator: torch.Generator | None = None) -> int:
-        """Queue a request (refused now if its prompt cannot run); `generator`: one to share with others sampled
-        together (default: its own, seeded by its seed)."""
+        """Queue a request (refused now if its prompt cannot run); `generator`: the one it draws from (default: its
+        own, seeded by its seed, or fresh where it has none)."""
         spec, params = self.model.spec, params or RequestParams()
         limit = ("the model's context window" if self.kv.max_len >= spec.max_position_embeddings
                  else "the server's longest sequence (--max-model-len)")
@@ -100,7 +99,8 @@ class Scheduler:
                                hint="stop on token ids instead (EOS), or give max_tokens")
         if params.echo_logprobs and spec.encoder_decoder is not None:
             raise MoetierError("a text-to-text model gives no log-probabilities of its prompt tokens")
-        generator = generator or torch.Generator().manual_seed(params.sampling.seed)
+        check_vocab(params.sampling, spec.vocab_size)
+        generator = generator or params.sampling.generator()
         request = Request(self._next_id, list(prompt), params, generator)
         if self.tokenizer is not None:
             request.text = TextOutput(self.tokenizer, params.stop)
@@ -210,18 +210,12 @@ class Scheduler:
         return outputs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
-        """Requests sharing a generator and parameters draw together (the whole matrix when that is all of them)."""
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault((id(r.generator), r.params.sampling), []).append(i)
-        if len(groups) == 1:
-            return sample(logits, requests[0].params.sampling, requests[0].generator)
-        tokens = [0] * len(requests)
-        for rows in groups.values():
-            r = requests[rows[0]]
-            for i, token in zip(rows, sample(logits[rows], r.params.sampling, r.generator)):
-                tokens[i] = token
-        return tokens
+        """Each request's token from its row, by its own parameters and generator (one call for the batch)."""
+        params = [r.params.sampling for r in requests]
+        shaped = any(p.shaped for p in params)  # (the penalties' context lists only where one looks at them)
+        return sample(logits, params, [r.generator for r in requests],
+                      [r.prompt + r.output for r in requests] if shaped else None,
+                      [r.output for r in requests] if shaped else None)
 
     def _check_finished(self, r: Request, token: int) -> None:
         """EOS, a stop string, max tokens, or the end of its KV row. Its text (where it has one) is brought up to

@@ -32,7 +32,7 @@ from moetier.plan.layer_plan import RESIDENT, SKIP, LayerPlan, Run
 
 MODES = ("native", "int8", "int4", "int2", "hobbit", "low-tier")
 PAPER_T1, PAPER_T2 = 0.6, 0.9  # HOBBIT §3.2
-# What the paper's thresholds do on Mixtral-8x7B's real routing (../shared/data/traces/mixtral-8x7b, 577 tokens x 32
+# What the paper's thresholds do on Mixtral-8x7B's real routing (data/traces/mixtral-8x7b, 577 tokens x 32
 # layers, top-2): the shares of selected experts loaded high, low and skipped. Per-model defaults keep these shares.
 HOBBIT_SHARES = (0.636, 0.318, 0.046)
 UNIFORM = ("int8", "int4", "int2")

@@ -21,13 +21,18 @@ from starlette.background import BackgroundTask
 
 from moetier.engine.chat_template import ChatTemplateError
 from moetier.engine.request import RequestParams, TokenLogprob
-from moetier.engine.sampling import SamplingParams
+from moetier.engine.sampling import SamplingParams, check_vocab
 from moetier.engine.scheduler import check_prompt
 from moetier.errors import MoetierError, PromptTooLongError
 from moetier.serve.engine_loop import EngineLoop, Event, Sink
-from moetier.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body, usage
+from moetier.serve.protocol import MAX_SEED, ChatRequest, CompletionRequest, Sampling, error_body, usage
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming handler checks that its client is still there
+CLIENT_GONE = 499  # (nginx's "client closed request": the status of an answer nobody receives)
+
+
+class ClientGone(Exception):
+    """A non-streaming request's client went away before its answer was whole."""
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,45 @@ class ApiError(Exception):
                             headers=self.headers)
 
 
+class Guard:
+    """The API key (constant-time compare) and the body limit, before a handler reads anything — a plain ASGI
+    middleware: FastAPI's `@app.middleware("http")` wraps each request's messages so that a handler never sees its
+    client go away (`request.is_disconnected()` stayed False, and a whole answer whose client had left decoded on to
+    its end)."""
+
+    def __init__(self, app, settings: ServeSettings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                return await refusal.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> ApiError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.settings.api_key is not None and scope["path"].startswith("/v1/"):
+            expected = f"Bearer {self.settings.api_key}"
+            if not hmac.compare_digest(headers.get("authorization", "").encode(), expected.encode()):
+                return ApiError(401, "a wrong or missing API key", "authentication_error", "invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.settings.max_body_bytes):
+            return ApiError(413, f"the request body is larger than {self.settings.max_body_bytes} bytes",
+                            code="body_too_large")
+        return None
+
+
 def make_app(loop: EngineLoop, settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="moetier", version="1", docs_url=None, redoc_url=None)
+    app.add_middleware(Guard, settings=settings)
     tokenizer = loop.engine.tokenizer
     api = Api(loop, settings)
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        if e.status != 429 and request.url.path.startswith("/v1/") and request.method == "POST":
+            loop.metrics.requests.labels(outcome="invalid").inc()  # (429s are counted as rejected where made)
         return e.response()
 
     @app.exception_handler(404)
@@ -74,21 +111,7 @@ def make_app(loop: EngineLoop, settings: ServeSettings) -> FastAPI:
     async def not_allowed(request: Request, _) -> JSONResponse:
         return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """The API key (constant-time compare) and the body limit, before a handler reads anything."""
-        if settings.api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {settings.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return ApiError(401, "a wrong or missing API key", "authentication_error", "invalid_api_key").response()
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return ApiError(413, f"the request body is larger than {settings.max_body_bytes} bytes",
-                            code="body_too_large").response()
-        return await call_next(request)
-
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok"}
 
@@ -96,10 +119,19 @@ def make_app(loop: EngineLoop, settings: ServeSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(loop.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    model_card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "moetier",
+                  "max_model_len": settings.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "moetier", "max_model_len": settings.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != settings.model_name:
+            raise ApiError(404, f"the model {model_id!r} does not exist here; this server runs "
+                                f"{settings.model_name!r}", code="model_not_found", param="model")
+        return model_card
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -121,6 +153,9 @@ def make_app(loop: EngineLoop, settings: ServeSettings) -> FastAPI:
             text = tokenizer.chat_template.render([m.plain() for m in body.messages])
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
+        if body.limit() == 0:  # (completions take it, with echo, for the prompt's logprobs; chat has no echo)
+            raise ApiError(400, "max_tokens 0 generates nothing", param="max_completion_tokens"
+                           if body.max_completion_tokens is not None else "max_tokens")
         prompt = tokenizer.encode(text, add_bos=False)
         return await api.answer(request, body, [prompt], ChatFormat(tokenizer, body, settings.model_name))
 
@@ -149,9 +184,7 @@ class Api:
         try:
             body = kind.model_validate(data)
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from None
+            raise validation_error(e) from None
         if body.model is not None and body.model != self.settings.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist here; this server runs "
                                 f"{self.settings.model_name!r}", code="model_not_found", param="model")
@@ -179,8 +212,17 @@ class Api:
                            code="context_length_exceeded", param="max_tokens")
         if body.stops() and self.tokenizer is None:
             raise ApiError(400, "stop strings need the model's tokenizer; this model has none", param="stop")
-        seed = (body.seed if body.seed is not None else 0) + index  # n > 1: each choice its own draws
-        sampling = SamplingParams(max(1, limit if limit is not None else room), body.temperature, body.top_p, seed)
+        seed = None if body.seed is None else (body.seed + index) % (MAX_SEED + 1)  # n > 1: each its own draws
+        try:
+            sampling = SamplingParams(max(1, limit if limit is not None else room), body.temperature, body.top_p,
+                                      seed, top_k=max(0, body.top_k), min_p=body.min_p,
+                                      repetition_penalty=body.repetition_penalty,
+                                      presence_penalty=body.presence_penalty,
+                                      frequency_penalty=body.frequency_penalty, logit_bias=body.bias())
+            check_vocab(sampling, self.spec.vocab_size)
+        except (MoetierError, ValueError) as e:
+            raise ApiError(400, str(e).split("\n")[0], param="logit_bias" if "logit_bias" in str(e) else None) \
+                from None
         return RequestParams(sampling, body.stops(), body.ignore_eos, logprobs, echo)
 
     async def answer(self, request: Request, body, prompts: list[list[int]], fmt):
@@ -206,6 +248,8 @@ class Api:
                                      background=BackgroundTask(self._release, sinks))
         try:
             events = [await self._collect(request, sink) for sink in sinks]
+        except ClientGone:  # its requests aborted (below); what is answered goes nowhere
+            return Response(status_code=CLIENT_GONE)
         finally:
             self._release(sinks)
         return fmt.whole(events, [p for p, _ in jobs])
@@ -219,15 +263,21 @@ class Api:
                 self.loop.finished()
 
     async def _collect(self, request: Request, sink: Sink) -> list[Event]:
+        """The request's events, its client asked every DISCONNECT_POLL_S whether it is still there — also while
+        tokens come faster than that (a client gone mid-answer left its request decoding to the end)."""
         events: list[Event] = []
+        looked = time.monotonic()
         while not (events and events[-1].finished):
             try:
                 item = await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                item = None
+            if time.monotonic() - looked >= DISCONNECT_POLL_S:
+                looked = time.monotonic()
                 if await request.is_disconnected():
-                    raise asyncio.CancelledError from None  # (the finally aborts it)
-                continue
-            events.append(check_event(item))
+                    raise ClientGone
+            if item is not None:
+                events.append(check_event(item))
         return events
 
     async def _stream(self, request: Request, sinks: list[Sink], fmt) -> AsyncIterator[str]:
@@ -261,6 +311,21 @@ class Api:
             for task in pumps:
                 task.cancel()
             self._release(sinks)
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    """A body's first fault as one 400: a field we do not honour named as such; a union's branch names left out
+    of where it is (`prompt.0`, not `prompt.list[int].0`)."""
+    errors = e.errors()
+    unsupported = [err for err in errors if err["type"] == "extra_forbidden"]
+    if unsupported:
+        where = ".".join(str(p) for p in unsupported[0]["loc"])
+        return ApiError(400, f"{where}: this server does not support this field (moetier honours every field it "
+                             f"accepts, and refuses the rest)", code="unsupported_field", param=where)
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or ("[" not in p and p not in (
+        "str", "int", "float", "bool", "list", "dict")))
+    return ApiError(400, f"{where}: {first['msg']}", param=where or None)
 
 
 def check_event(item: Event | BaseException) -> Event:
@@ -343,9 +408,9 @@ class CompletionFormat:
     def final(self, last: dict[int, Event]) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)
         completion_tokens = 0 if self.skip_generated else sum(len(e.request.output) for e in last.values())
-        return {**self._head([{"index": i, "text": "", "logprobs": None, "finish_reason": e.finish_reason}
-                              for i, e in sorted(last.items())]),
-                "usage": usage(prompt_tokens, completion_tokens)}
+        out = self._head([{"index": i, "text": "", "logprobs": None, "finish_reason": e.finish_reason}
+                          for i, e in sorted(last.items())])
+        return {**out, "usage": usage(prompt_tokens, completion_tokens)} if self.body.stream_usage else out
 
 
 class ChatFormat:
@@ -392,7 +457,6 @@ class ChatFormat:
     def final(self, last: dict[int, Event]) -> dict:
         prompt_tokens = len(next(iter(last.values())).request.prompt)
         completion = sum(len(e.request.output) for e in last.values())
-        return {**self._head("chat.completion.chunk", [{"index": i, "delta": {}, "logprobs": None,
-                                                        "finish_reason": e.finish_reason}
-                                                       for i, e in sorted(last.items())]),
-                "usage": usage(prompt_tokens, completion)}
+        out = self._head("chat.completion.chunk", [{"index": i, "delta": {}, "logprobs": None,
+                                                    "finish_reason": e.finish_reason} for i, e in sorted(last.items())])
+        return {**out, "usage": usage(prompt_tokens, completion)} if self.body.stream_usage else out

@@ -11,7 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("moetier_requests", "requests by outcome (stop, length, abort, error, rejected)",
+        self.requests = Counter("moetier_requests", "requests by outcome (stop, length, abort, error, rejected: 429, invalid: other 4xx)",
                                 ["outcome"], registry=r)
         self.prompt_tokens = Counter("moetier_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("moetier_generation_tokens", "tokens generated", registry=r)

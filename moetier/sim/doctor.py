@@ -26,7 +26,7 @@ from moetier.sim.shapes import ModelShape, bytes_per_param
 from moetier.sim.sweep import budget_slots
 from moetier.trace.synthetic import LocalityFit, generate
 
-# fit_locality on ../shared/data/traces/qwen1.5-moe-a2.7b (the five layers, warm-up dropped), 2026-11-26
+# fit_locality on data/traces/qwen1.5-moe-a2.7b (the five layers, warm-up dropped), 2026-11-26
 LOCALITY = LocalityFit(zipf_s=0.1845, p_keep=0.0522, reuse_next=0.1173,
                        source="Qwen1.5-MoE-A2.7B's real routing (GSM8K), fitted")
 GATE_CONCENTRATION = 1.5  # Dirichlet: top-k shares near Mixtral's real 0.71/0.29 and Qwen1.5's 0.42/0.26/0.18/0.15

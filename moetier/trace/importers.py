@@ -1,4 +1,5 @@
-"""Importers for the JSON-lines routing traces in ../shared/data/traces (see its README):
+"""Importers for the JSON-lines routing traces in data/traces (see its README), plain (`*.jsonl`) or gzipped
+(`*.jsonl.gz`):
 
 - Mixtral logger (`{"dataset", "problem_id", "layer", "experts", "gating_probs", "token_idx"}`), records ordered
   by layer within a token; `problem_id` separates sequences.
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterator
@@ -28,12 +30,14 @@ from moetier.trace.format import Trace, TraceError
 # 8,448 long); real tokens routed to the same top-k that many times in a row do not occur in them, and
 # `--warmup 0` keeps everything where they might.
 WARMUP_MIN_RUN = 64
+JSONL = (".jsonl", ".jsonl.gz")
 KNOWN_MODELS = {"mixtral-8x7b": (32, 8), "qwen1.5-moe-a2.7b": (24, 60), "olmoe-1b-7b": (16, 64)}
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    opener = gzip.open if path.name.endswith(".gz") else open
     try:
-        with open(path, "rb") as f:
+        with opener(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
@@ -44,8 +48,8 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
                 if not isinstance(record, dict):
                     raise TraceError(f"{path}:{lineno}: expected a JSON object")
                 yield lineno, record
-    except OSError as e:
-        raise TraceError(f"cannot read {path}: {e.strerror or e}") from None
+    except (OSError, EOFError) as e:  # (gzip: BadGzipFile is an OSError; a cut-off file an EOFError)
+        raise TraceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def field(record: dict, name: str, path: Path, lineno: int):
@@ -113,9 +117,13 @@ def _warmups(streams: dict[int, tuple[list, list]], warmup: int | None) -> dict[
 
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
-        files = sorted(path.glob("*.jsonl"))
+        files = sorted(p for p in path.iterdir() if p.name.endswith(JSONL))
         if not files:
-            raise TraceError(f"{path} holds no *.jsonl files")
+            raise TraceError(f"{path} holds no *.jsonl or *.jsonl.gz files")
+        twice = sorted({p.name.removesuffix(".gz") for p in files if p.name.endswith(".gz")}
+                       & {p.name for p in files})
+        if twice:
+            raise TraceError(f"{path} holds {twice[0]} both plain and gzipped", hint="keep one of the two")
         return files
     if not path.exists():
         raise TraceError(f"{path} does not exist")

@@ -10,7 +10,7 @@ from moetier import Engine
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
 from moetier.resolve import builtin_models
-from train.corpus import GUTENBERG, code_documents, detokenise, prose_documents
+from train.corpus import code_documents, detokenise, prose_documents, read_book
 
 NAMES = ["demo-fine", "demo-coarse", "demo-deep"]
 
@@ -25,7 +25,7 @@ def engines(tmp_path_factory):
 
 
 def held_out_text() -> str:  # Alice is a validation book: never trained on
-    lines = (GUTENBERG / "carroll-alice.txt").read_text().splitlines()[20:60]
+    lines = read_book("carroll-alice.txt").splitlines()[20:60]
     return "\n".join(detokenise(line) for line in lines)
 
 

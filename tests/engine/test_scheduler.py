@@ -220,6 +220,6 @@ def test_greedy_takes_the_first_maximum_as_argmax_of_the_logits_dtype_does():
     logits = torch.randn(4, 50304, generator=g).bfloat16()
     logits[1, [7, 9000]] = 100.0  # a tie: the first one wins
     logits[2, -1] = 100.0
-    params = SamplingParams(temperature=0.0)
-    assert sample(logits, params, g) == logits.argmax(dim=-1).tolist()
-    assert sample(logits, params, g)[1:3] == [7, 50303]
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert sample(logits, params, [g] * 4) == logits.argmax(dim=-1).tolist()
+    assert sample(logits, params, [g] * 4)[1:3] == [7, 50303]

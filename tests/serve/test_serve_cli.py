@@ -80,11 +80,32 @@ def test_chat_keeps_history_resets_and_stops(text_store):
             return chat(messages, *a, **kw)
 
         engine.chat = spy
-        run_chat(engine, 6, 0.0, 1.0, 0, system="be brief", read=lambda _: next(lines), write=out.append)
+        run_chat(engine, 6, {"temperature": 0.0, "seed": 0}, system="be brief", read=lambda _: next(lines),
+                 write=out.append)
     assert seen[0] == ["be brief", "once upon a time"]
     assert seen[1][:2] == ["be brief", "once upon a time"] and seen[1][-1] == "and then" and len(seen[1]) == 4
     assert seen[2] == seen[0]  # after /reset, the same first turn
     assert "(a new conversation)\n" in out
+
+
+def test_a_message_longer_than_the_context_window_is_refused_and_the_conversation_goes_on(text_store, capsys):
+    from moetier import Engine
+    from moetier.cli.chat import run_chat
+
+    with Engine.from_pretrained(text_store, expert_memory="50%", progress=False) as engine:
+        huge = "the " * (engine.spec.max_position_embeddings + 10)
+        lines = iter(["once upon a time", huge, "and then", "/exit"])
+        seen = []
+        chat = engine.chat
+
+        def spy(messages, *a, **kw):
+            seen.append([m["content"] for m in messages])
+            return chat(messages, *a, **kw)
+
+        engine.chat = spy
+        run_chat(engine, 4, {"temperature": 0.0}, read=lambda _: next(lines), write=lambda _: None)
+    assert "moetier: error: the message is" in capsys.readouterr().err
+    assert len(seen) == 2 and seen[1][0] == "once upon a time" and seen[1][-1] == "and then"  # kept, without it
 
 
 def test_chat_without_a_template_says_so(tiny_store, capsys):

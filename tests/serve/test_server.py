@@ -34,11 +34,15 @@ def test_completions_equal_the_engine_alone_with_usage(served, reference):
 
 def test_streaming_gives_the_same_text_then_usage(served, reference):
     p = prompts(1, seed=1)[0]
-    stream = client(served).completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True)
+    stream = client(served).completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True,
+                                               stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reference.engine.tokenizer.decode(
         reference(p, 12))
     assert chunks[-1].usage.completion_tokens == len(reference(p, 12))
+    unasked = list(client(served).completions.create(model="tiny", prompt=p, max_tokens=3, temperature=0,
+                                                     stream=True))
+    assert all(c.usage is None for c in unasked)  # (OpenAI's: usage only when stream_options asks for it)
     with httpx.stream("POST", served.url + "/v1/completions", json={"prompt": p, "max_tokens": 3, "stream": True},
                       timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]
@@ -192,11 +196,13 @@ def test_api_key_and_body_limit(text_store):
         served.close()
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 10 ** 6) | st.floats(allow_nan=False, allow_infinity=False) | st.text(
-    max_size=8), lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-    max_leaves=10)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 10 ** 6) | st.integers(-2 ** 70, 2 ** 70)
+                    | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                    max_leaves=10)
 FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "logprobs", "echo", "n", "model",
-          "messages"]
+          "messages", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+          "stream_options", "response_format", "max_completion_tokens"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -205,7 +211,87 @@ def test_no_generated_body_gets_a_5xx(served, body, chat):
     if isinstance(body.get("max_tokens"), int) and not isinstance(body.get("max_tokens"), bool):
         body["max_tokens"] = min(body["max_tokens"], 4)  # (a valid one runs: keep it short)
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    r = httpx.post(served.url + path, json=body, timeout=60)
+    # (Python's json writes nan and inf as NaN and Infinity, which the server's json reads, as clients may send)
+    r = httpx.post(served.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=60)
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert "error" in r.json()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"), ("best_of", 2), ("suffix", "!"), ("functions", []), ("parallel_tool_calls", True),
+    ("logit_bias", {"x": 1}), ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
+])
+def test_a_field_the_server_does_not_honour_is_refused_by_name(served, field, value, chat):
+    if field == "suffix" and chat:
+        field = "modalities"
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = httpx.post(served.url + path, json={**body, field: value, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_image_content_is_refused_and_text_parts_are_read(served):
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}], "max_tokens": 2})
+    assert r.status_code == 400 and "messages.0.content" in r.json()["error"]["message"]
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def outcomes(served, outcome: str) -> float:
+    for line in httpx.get(served.url + "/metrics").text.splitlines():
+        if line.startswith(f'moetier_requests_total{{outcome="{outcome}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_found_wrong_seed_max_tokens_models_health_and_negative_ids(served):
+    before = outcomes(served, "invalid")
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "seed": 2 ** 64, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    assert outcomes(served, "invalid") == before + 1  # (/metrics counts it)
+    r = httpx.post(served.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                               "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert client(served).models.retrieve("tiny").id == "tiny"
+    assert httpx.get(served.url + "/v1/models/gpt-9").status_code == 404
+    assert httpx.head(served.url + "/health").status_code == 200
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": [5, -3], "max_tokens": 2})
+    assert r.status_code == 400 and "token ids must be whole numbers >= 0" in r.json()["error"]["message"]
+
+
+def test_a_client_waiting_for_a_whole_answer_that_goes_away_is_aborted(served):
+    before = outcomes(served, "abort")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(served.url + "/v1/completions", timeout=0.3, json={
+            "prompt": "once upon a time", "max_tokens": 80, "n": 8, "logprobs": 20, "ignore_eos": True})
+    assert served.idle(timeout=5)
+    assert outcomes(served, "abort") > before
+
+
+def test_sampling_fields_are_honoured(served, reference):
+    c = client(served)
+    tok = reference.engine.tokenizer
+    # a prompt whose greedy answer repeats a token (what the penalties act on)
+    p = next(q for q in prompts(30, seed=4) if len(set(reference(q, 40))) < len(reference(q, 40)))
+    plain = c.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0).choices[0].text
+    assert plain == tok.decode(reference(p, 40))
+    spread = c.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0,
+                                  presence_penalty=2).choices[0].text
+    assert spread != plain
+    forced = c.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0, logit_bias={"42": 100})
+    assert served.engine.tokenizer.encode(forced.choices[0].text) == [42] * 5
+    draws = {c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=1.0).choices[0].text
+             for _ in range(3)}
+    assert len(draws) > 1  # unseeded: different answers
+    seeded = {c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=1.0, seed=5,
+                                   extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.3}).choices[0].text
+              for _ in range(2)}
+    assert len(seeded) == 1

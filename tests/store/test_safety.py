@@ -119,7 +119,7 @@ def test_a_store_of_an_older_format_is_refused_with_the_way_out(tiny_store, tmp_
 def test_reconvert_repairs_a_damaged_store_in_the_cache(private_cache, capsys):
     args = ["generate", "--prompt", "The sea", "--max-tokens", "3", "--expert-memory", "100%"]
     assert main(args) == 0
-    store = next(p for p in private_cache.iterdir() if p.name.startswith("demo-fine-"))
+    store = next(p for p in private_cache.iterdir() if p.name.startswith("demo-deep-"))  # (the default model)
     # the dense weights, which the store holds whether its experts are copied or read from the checkpoint
     with open(store / DENSE, "r+b") as f:
         f.seek(-64, 2)

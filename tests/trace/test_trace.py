@@ -12,7 +12,7 @@ from moetier.trace.format import Trace, TraceError
 from moetier.trace.importers import import_trace
 from moetier.trace.stats import reuse_distances, reuse_next, summarize
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
+REAL_TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
 
 
 def make(ids: list[list[list[int]]], seq=None, num_experts: int = 4, layers=None) -> Trace:
@@ -65,14 +65,13 @@ def test_next_layer_predictability_sees_a_deterministic_mapping():
     assert summarize(t)["next_layer"][0]["recall"] == 1.0
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="needs ../shared/data/traces")
 @pytest.mark.parametrize("folder,tokens,layers,top_k,experts", [
     ("mixtral-8x7b", 577, list(range(32)), 2, 8),
     ("qwen1.5-moe-a2.7b", 4357, [0, 8, 12, 18, 23], 4, 60),
     ("olmoe-1b-7b", 4471, [0], 8, 64),
 ])
 def test_real_traces_import(folder, tokens, layers, top_k, experts):
-    t = import_trace(SHARED / folder)
+    t = import_trace(REAL_TRACES / folder)
     assert (t.num_tokens, t.layers, t.top_k, t.num_experts) == (tokens, layers, top_k, experts)
     assert not (t.topk_ids == t.topk_ids[0]).all(axis=(1, 2)).all()  # the warm-up pass is gone
     if folder != "mixtral-8x7b":
