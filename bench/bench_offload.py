@@ -152,7 +152,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     models = args.models.split(",")
     bar = tqdm(total=len(models) * (len(args.budgets.split(",")) + 1), desc="bench", unit="run")

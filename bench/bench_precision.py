@@ -167,7 +167,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     models = args.models.split(",")
     if args.synth:

@@ -26,10 +26,9 @@ LIVE = ("none", "stacked-gates", "smoe-lookahead", "llapor", "comoe-mlp")
 def live(models: list[str], prompts: list[str], max_tokens: int, out: Path) -> None:
     """Each predictor in the engine, every expert resident (so only the predictor's own time differs): decode
     recall one MoE layer ahead, and TPOT against none's in the same run."""
-    from tqdm import tqdm
-
     from moetier import Engine
     from moetier.atomic import atomic_write_json
+    from moetier.progress import tqdm
 
     rows = []
     bar = tqdm(total=len(models) * len(LIVE), desc="live", unit="run")

@@ -121,7 +121,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     models, budgets, configs = args.models.split(","), args.budgets.split(","), args.configs.split(",")
     if "none" not in configs:

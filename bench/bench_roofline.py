@@ -175,7 +175,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     models = args.models.split(",")
     bar = tqdm(total=len(models) * (len(KERNEL_SETS) + len(args.budgets.split(","))), desc="bench", unit="run")

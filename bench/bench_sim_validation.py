@@ -260,7 +260,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     models = [m for m in args.models.split(",") if not m.startswith("/") or (Path(m) / "manifest.json").exists()]
     prefetches = ["none", *filter(None, args.prefetch.split(","))]

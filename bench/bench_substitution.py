@@ -131,7 +131,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     configs = args.configs.split(",") + [f"sub:{a}" for a in args.alphas.split(",") if a]
     if "exact" not in configs:

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from moetier import Engine
 from moetier.engine.stats import GenerationStats
@@ -25,6 +24,7 @@ from moetier.errors import BudgetError
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
 from moetier.plan.route import DECODE, PREFILL
+from moetier.progress import tqdm
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model")
 

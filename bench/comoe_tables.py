@@ -46,8 +46,7 @@ def synthetic_trace(experts: int, fit, args):
 
 
 def cells(args) -> list[dict]:
-    from tqdm import tqdm
-
+    from moetier.progress import tqdm
     from moetier.sim.deploy import DEPLOYMENTS, fit, merged_shape, request_latency
     from moetier.sim.profile import HardwareProfile
     from moetier.sim.shapes import SHAPES

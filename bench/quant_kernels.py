@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--cold", type=int, default=0, help="copies of the expert to cycle through (0: one, warm)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]

@@ -26,12 +26,11 @@ MODES = ("native", "hobbit", "low-tier")
 
 
 def main() -> None:
-    from tqdm import tqdm
-
     from moetier.cache.policies import PolicyContext
     from moetier.cli.models import model_shape
     from moetier.errors import BudgetError
     from moetier.plan.precision import MixedPrecision
+    from moetier.progress import tqdm
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
     from moetier.sim.replay import simulate, trace_policy

@@ -25,10 +25,9 @@ STAGES = ("none", "hobbit", "smoe", "comoe", "presched", "ahead")
 
 
 def main() -> None:
-    from tqdm import tqdm
-
     from moetier.cli.models import model_shape
     from moetier.errors import BudgetError
+    from moetier.progress import tqdm
     from moetier.sim.cost import CostModel
     from moetier.sim.predictors import trace_predictor
     from moetier.sim.profile import HardwareProfile

@@ -135,9 +135,8 @@ def simulate_one(trace, shape, profile, budget, policy="lru", substitute=False, 
 
 
 def main() -> None:
-    from tqdm import tqdm
-
     from moetier.cli.models import model_shape
+    from moetier.progress import tqdm
     from moetier.trace.format import Trace
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

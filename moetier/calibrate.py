@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-from tqdm import tqdm
 
 from moetier.engine.huge_pages import private_mapping
 from moetier.engine.slots import HostSlots
@@ -32,6 +31,7 @@ from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels, make_kernels
 from moetier.model.kv_cache import KVCache
 from moetier.predict.base import Predictor
+from moetier.progress import tqdm
 from moetier.sim.cost import CostModel, linear_fit
 from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Piecewise, Tier, piecewise
 from moetier.sim.shapes import ModelShape

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from moetier.atomic import atomic_write_json, discard_dir, sweep, target_lock
+from moetier.atomic import DiskFullError, atomic_write_json, discard_dir, sweep, target_lock
 from moetier.config import format_bytes
 from moetier.errors import ModelNotFoundError, StoreError
 from moetier.paths import default_cache_dir
@@ -29,6 +29,12 @@ def builtin_models() -> dict[str, Path]:
     if not BUILTIN_DIR.is_dir():
         return {}
     return {p.name: p for p in sorted(BUILTIN_DIR.iterdir()) if (p / "config.json").exists()}
+
+
+def shipped(path: Path | str) -> bool:
+    """Whether `path` lies in a model shipped with moetier (the repository's models/): files moetier never writes."""
+    where = Path(path).absolute().resolve()
+    return any(where.is_relative_to(model.resolve()) for model in builtin_models().values())
 
 
 def inflated_builtins() -> dict[str, str]:
@@ -190,13 +196,33 @@ def _inflated(name: str, cache_dir: str | Path | None, progress: bool, rebuild: 
 
     base = resolve_model(inflated_builtins()[name], cache_dir, progress, rebuild)
     cache = _cache(cache_dir)
-    store = cache / f"{name}-{_fingerprint(base)}"  # a new base store (re-converted) gets a new inflation
+    store = cache / f"{name}-{_inflation_key(base)}"  # a base whose weights changed gets a new inflation
 
     def build() -> Path:
         n = intermediate_for(Store(base))
         if progress:
             _note(f"building {name} once: {inflated_builtins()[name]}'s experts inflated to intermediate size {n} "
                   f"into {store}")
-        return inflate(base, store, n, overwrite=True, progress=progress)
+        try:
+            return inflate(base, store, n, overwrite=True, progress=progress)
+        except DiskFullError as e:  # name what in this cache could go: an older build of the same model
+            stale = [p for p in cache.iterdir() if p.is_dir() and p != store and p.name.startswith(f"{name}-")
+                     and _built_from(p) == str(base.resolve())]
+            if not stale:
+                raise
+            size = sum(f.stat().st_size for p in stale for f in p.rglob("*") if f.is_file())
+            raise DiskFullError(str(e).split("\n")[0], hint=f"an older build of {name} in the same cache takes "
+                                f"{format_bytes(size)}: remove {', '.join(str(p) for p in stale)}") from None
 
     return _build_once(store, base, build, rebuild, progress)
+
+
+def _inflation_key(base: Path) -> str:
+    """What an inflation reads of its base store — the config, the dense weights and the native experts (their
+    checksums) — so the quantized copies `moetier quantize` adds to the base leave its -xl build alone (they
+    changed the base's manifest, and the 9 GiB demo-deep-xl was built again)."""
+    m = Manifest.load(base)
+    native = [(b.layer, b.expert, b.crc32) for b in m.blobs if b.precision == m.native_precision]
+    key = json.dumps([str(base.resolve()), m.config, m.native_precision, m.dense_crc32, sorted(native)],
+                     sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]

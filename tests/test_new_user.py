@@ -15,7 +15,7 @@ import pytest
 
 from moetier import resolve
 from moetier.atomic import target_lock
-from moetier.cli import build_parser, main
+from moetier.cli import main
 from moetier.cli.models import model_shape
 from moetier.store import inflate as inflate_module
 from moetier.store.convert import convert

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from moetier.atomic import atomic_dir
 from moetier.paths import default_cache_dir
+from moetier.progress import tqdm
 from train import corpus, tokenizer
 from train.configs import RECIPES, Recipe
 

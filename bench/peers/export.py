@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
+from moetier.progress import tqdm
 from moetier.store.store import Store
 
 HF_NAMES = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm", "router": "mlp.gate",

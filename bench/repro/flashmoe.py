@@ -51,8 +51,7 @@ def replay_hits(trace, slots: int, name: str, params: dict) -> float:
 
 
 def main() -> None:
-    from tqdm import tqdm
-
+    from moetier.progress import tqdm
     from moetier.sim.fit import train_flashmoe
 
     rows, claims = [], []

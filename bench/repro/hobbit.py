@@ -67,9 +67,8 @@ def penalties(test, slots: int, low: str, weights) -> dict[str, float]:
 
 
 def main() -> None:
-    from tqdm import tqdm
-
     from moetier.cache.policies import PolicyContext
+    from moetier.progress import tqdm
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
     from moetier.sim.replay import replay, trace_policy

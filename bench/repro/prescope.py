@@ -79,8 +79,7 @@ def trace_path() -> Path:
 def main() -> None:
     import argparse
 
-    from tqdm import tqdm
-
+    from moetier.progress import tqdm
     from moetier.sim.fit import use_counts
     from moetier.sim.runner import make_runner
 

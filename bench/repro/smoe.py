@@ -43,7 +43,8 @@ PAPER_STEPS = {"+CE": 0.08, "+CR": 0.20, "+Pre": 0.14, "+BA": 0.34}  # TPOT redu
 
 def main() -> None:
     from sim_smoe import retarget
-    from tqdm import tqdm
+
+    from moetier.progress import tqdm
 
     demo = demo_trace("demo-deep")
     rows, claims = [], []

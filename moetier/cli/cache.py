@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from moetier.cache.policies import LEARNED
-from moetier.cli.defaults import DEFAULT_MODEL, command, count, finite, write_plot
+from moetier.cli.defaults import command, count, finite, write_plot
 from moetier.errors import MoetierError
 
 
@@ -27,11 +28,10 @@ def _policies(spec: str, predicted: bool) -> list[str]:
 
 
 def _cache_bench(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
     from moetier.atomic import atomic_write_json
     from moetier.cache.keys import ExpertKey
     from moetier.cli.models import model_shape, replay_predictor
+    from moetier.progress import tqdm
     from moetier.sim.cache_bench import evaluate, format_table, plot, to_json
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile, ProfileError
@@ -98,11 +98,7 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
     from moetier.trace.format import Trace
 
     trace = Trace.load(args.trace)
-    if args.out:
-        out = Path(args.out)
-    else:
-        out = policy_file(model_dir(args.model, args.cache_dir), args.policy)
-        check_trace_fits_model(trace, args.model, args.cache_dir)
+    out = trained_destination(args, trace, lambda folder: policy_file(folder, args.policy))
     if args.policy == "flashmoe-ml":
         model = train_flashmoe(trace, progress=True)
         save_params(args.policy, out, {"model": model}, model.trained_on)
@@ -125,11 +121,7 @@ def _train_thresholds(args: argparse.Namespace) -> None:
     from moetier.trace.format import Trace
 
     trace = Trace.load(args.trace)
-    if args.out:
-        out = Path(args.out)
-    else:
-        out = policy_file(model_dir(args.model, args.cache_dir), THRESHOLDS)
-        check_trace_fits_model(trace, args.model, args.cache_dir)
+    out = trained_destination(args, trace, lambda folder: policy_file(folder, THRESHOLDS))
     t1, t2 = fit_thresholds(trace.topk_weights.astype(np.float32).reshape(-1, trace.top_k))
     save_thresholds(out, t1, t2, trace.model, shares=list(HOBBIT_SHARES), tokens=trace.num_tokens)
     print(f"T1 = {t1}, T2 = {t2} (loading {HOBBIT_SHARES[0]:.1%} of selected experts high, {HOBBIT_SHARES[1]:.1%} "
@@ -147,6 +139,24 @@ def check_trace_fits_model(trace, model: str, cache_dir: str | None) -> None:
         raise MoetierError(f"the trace ({trace.model}: top-{trace.top_k} of {trace.num_experts}, layers "
                            f"{trace.layers}) is not of {model} (top-{spec.top_k} of {spec.num_experts}, MoE layers "
                            f"{list(spec.moe_layers)})", hint="record a trace of this model with `moetier trace record`")
+
+
+def trained_destination(args: argparse.Namespace, trace, file_in: Callable[[Path], Path]) -> Path:
+    """Where `train` writes: --out, or the file `file_in(folder)` beside --model; checked first, before any work.
+    The trace must be of --model wherever the file goes (a file trained on another model's routing fitted nothing
+    it was given to); a model shipped with moetier (models/) is never written (its tracked files were)."""
+    from moetier.resolve import shipped
+
+    if args.model is None and args.out is None:
+        raise MoetierError("give --model (a model folder the file is saved with) or --out FILE",
+                           hint="a built-in model's own files are not written: copy its folder, or use --out")
+    if args.model is not None:
+        check_trace_fits_model(trace, args.model, args.cache_dir)
+    out = Path(args.out) if args.out else file_in(model_dir(args.model, args.cache_dir))
+    if shipped(out):
+        raise MoetierError(f"{out} is a file of a model shipped with moetier, which is never written",
+                           hint=f"give --out FILE, or copy {out.parents[1]} and train the copy (--model COPY)")
+    return out
 
 
 def model_dir(model: str, cache_dir: str | None) -> Path:
@@ -182,7 +192,8 @@ def add_parser(sub) -> None:
     cp = command(tr, "cache-policy", "fit a learned eviction policy on a trace and save it with the model")
     cp.add_argument("--policy", required=True, choices=LEARNED, help="the learned policy to fit")
     cp.add_argument("--trace", required=True, help="a trace of the model")
-    cp.add_argument("--model", default=DEFAULT_MODEL, help="the model to save it with (its policies/ folder)")
+    cp.add_argument("--model", help="the model the trace is of, which the file is saved with (its policies/ folder; a "
+                                    "built-in model's are not written: copy it first)")
     cp.add_argument("--out", help="write here instead")
     cp.add_argument("--expert-memory", default="25%", help="hobbit: the budget to fit the weights at")
     cp.add_argument("--precision", choices=["native", "hobbit"], default="native",
@@ -194,7 +205,8 @@ def add_parser(sub) -> None:
                                    "with the model: the shares of experts loaded high, low and skipped that the "
                                    "paper's 0.6 / 0.9 give on Mixtral-8x7B")
     th.add_argument("--trace", required=True, help="a trace of the model")
-    th.add_argument("--model", default=DEFAULT_MODEL, help="the model to save them with (its policies/ folder)")
+    th.add_argument("--model", help="the model the trace is of, which they are saved with (its policies/ folder; a "
+                                    "built-in model's are not written: copy it first)")
     th.add_argument("--out", help="write here instead")
     th.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     th.set_defaults(func=_train_thresholds)

@@ -110,9 +110,8 @@ def demo_corpus(which: str, hint: str) -> dict[str, str]:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
     from moetier.engine.engine import Engine
+    from moetier.progress import tqdm
     from moetier.quality import Windows, sweep
 
     check_engine_args(args)

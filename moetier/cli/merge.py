@@ -44,8 +44,7 @@ def spread(ids: list[int], tokens: int, window: int = WINDOW) -> list[list[int]]
 
 def calibrate(args: argparse.Namespace, text: str, what: str):
     """The trace of the model's routing and router inputs on the calibration `text`."""
-    from tqdm import tqdm
-
+    from moetier.progress import tqdm
     from moetier.trace.record import TraceRecorder
 
     engine = open_engine(args)
@@ -139,10 +138,9 @@ def _library(args: argparse.Namespace) -> None:
 
 def score_library(args: argparse.Namespace, source: Path, folder: Path, names: list[str], sources: dict):
     """Every variant scored with `moetier eval`'s measures against the original's own log-probabilities."""
-    from tqdm import tqdm
-
     from moetier.engine.engine import Engine
     from moetier.merge.library import Library, Variant
+    from moetier.progress import tqdm
     from moetier.quality import Windows, sweep
     from moetier.store.store import Store
 

@@ -83,10 +83,10 @@ def add_parser(sub) -> None:
 
 def _train_predictor(args: argparse.Namespace) -> None:
     import numpy as np
-    from tqdm import tqdm
 
-    from moetier.cli.cache import check_trace_fits_model, model_dir
+    from moetier.cli.cache import trained_destination
     from moetier.predictor_files import predictor_file, save_nets, train_nets
+    from moetier.progress import tqdm
     from moetier.trace.format import Trace
 
     traces = [Trace.load(path) for path in args.trace]
@@ -94,10 +94,9 @@ def _train_predictor(args: argparse.Namespace) -> None:
         if trace.gate_inputs is None:
             raise MoetierError(f"{path} has no gate inputs, which {args.predictor} learns from",
                                hint="record it with `moetier trace record --gate-inputs`")
-        check_trace_fits_model(trace, args.model, args.cache_dir)
         if trace.layers != traces[0].layers:
             raise MoetierError(f"{path} covers other layers than {args.trace[0]}", hint="give traces of one model")
-    out = Path(args.out) if args.out else predictor_file(model_dir(args.model, args.cache_dir), args.predictor)
+        out = trained_destination(args, trace, lambda folder: predictor_file(folder, args.predictor))
     first = traces[0]
     cat = lambda name: np.concatenate([getattr(t, name) for t in traces])  # noqa: E731
     seq = np.concatenate([t.seq + i * (1 << 20) for i, t in enumerate(traces)])  # sequences of different traces differ
@@ -113,14 +112,14 @@ def _train_predictor(args: argparse.Namespace) -> None:
 
 def add_train_parser(train) -> None:
     """`moetier train predictor`, in the `train` group."""
-    from moetier.cli.defaults import DEFAULT_MODEL
     from moetier.predictor_files import TRAINED
 
     tp = command(train, "predictor", "train a learned expert predictor on traces and save it with the model")
     tp.add_argument("--predictor", required=True, choices=TRAINED, help="the predictor to train")
     tp.add_argument("--trace", nargs="+", action="extend", required=True,
                     help="traces of the model recorded with --gate-inputs")
-    tp.add_argument("--model", default=DEFAULT_MODEL, help="the model to save it with (its predictors/ folder)")
+    tp.add_argument("--model", help="the model the traces are of, which it is saved with (its predictors/ folder; a "
+                                    "built-in model's are not written: copy it first)")
     tp.add_argument("--epochs", type=count(), default=30, help="passes over the traces (LLaPor's paper: 30)")
     tp.add_argument("--out", help="write here instead")
     tp.add_argument("--cache-dir", help="where Hugging Face folders are converted")

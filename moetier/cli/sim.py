@@ -183,7 +183,7 @@ def _items(text: str, option: str) -> list[str]:
 
 def _progress(configs: list, where: str):
     """A sweep of several cells shows a bar on stderr (each cell can take tens of seconds)."""
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     return tqdm(total=len(configs), desc=f"sim ({where})", unit="cell", disable=len(configs) < 2, leave=False)
 

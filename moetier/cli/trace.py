@@ -40,9 +40,8 @@ def _warmup(text: str) -> int | None:
 
 
 def _trace_record(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
     from moetier.engine.sampling import SamplingParams
+    from moetier.progress import tqdm
     from moetier.resolve import builtin_names
     from moetier.trace.record import TraceRecorder
 

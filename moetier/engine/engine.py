@@ -190,13 +190,15 @@ def choose_low(mixed: MixedPrecision, store: Store, cache_bytes: int) -> MixedPr
 
 def add_missing_precisions(store: Store, mixed: MixedPrecision, progress: bool) -> list[str]:
     """A store moetier converted into its cache on first use gets the quantized copies a mode needs on first use
-    too (returns those added); a store the user made is never changed (the executor names the command that would
-    add them)."""
+    too (returns those it lacked: added here, or by another process this one waited for under the store's lock —
+    either way its manifest must be read again); a store the user made is never changed (the executor names the
+    command that would add them)."""
     native = store.manifest.native_precision
     missing = [p for p in mixed.precisions(native) if p not in store.manifest.precisions]
     if not missing or not store.path.resolve().is_relative_to(default_cache_dir().resolve()):
         return []
-    return add_precisions(store.path, missing, progress)
+    add_precisions(store.path, missing, progress)
+    return missing
 
 
 def check_device(name: str) -> torch.device:
@@ -420,7 +422,7 @@ class Engine:
         if none does, to the fastest (the choice says by how much the budget is missed). Each run continues the
         text the one before produced, so every point meets new tokens, as a generation does (repeating one
         continuation measured a cache tuned to it: 20% optimistic on demo-deep-xl)."""
-        from tqdm import tqdm
+        from moetier.progress import tqdm
 
         self._check_open()
         stage = self.executor.substitution

@@ -144,7 +144,7 @@ class ExpertExecutor:
     def _fill(self, pool, precision: str, slot_of, desc: str) -> None:
         """Read every expert's `precision` copy into `pool` at `slot_of(layer, expert)` (once, at start-up): a low
         tier, or the host tier."""
-        from tqdm import tqdm
+        from moetier.progress import tqdm
 
         keys = self.spec.expert_keys()
         for layer, e in keys:

@@ -112,7 +112,7 @@ class HostTier:
 
     def fill(self, reader: ExpertReader, progress: bool = True) -> None:
         """Read every expert of each whole pool into its slot (once, at start-up)."""
-        from tqdm import tqdm
+        from moetier.progress import tqdm
 
         for precision, pool in self.pools.items():
             if not self.whole[precision]:

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from moetier.atomic import check_replaceable
 from moetier.errors import MoetierError
 from moetier.merge.plan import LayerMerge, Retention, combined_similarity, plan_layer
 from moetier.merge.refit import REFITS, group_tokens, refit_expert
 from moetier.merge.similarity import expert_output, functional_similarity, parameter_similarity
+from moetier.progress import tqdm
 from moetier.store.format import Manifest, is_store
 from moetier.store.store import Store
 from moetier.store.writer import StoreWriter, store_bytes

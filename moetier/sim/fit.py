@@ -72,7 +72,8 @@ def train_flashmoe(trace: Trace, hidden: int = 128, depth: int = 3, max_epochs: 
     a held-back tenth of the samples has not improved by 0.1% for `patience` epochs (the best epoch's weights
     kept)."""
     import torch
-    from tqdm import tqdm
+
+    from moetier.progress import tqdm
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)

@@ -66,7 +66,7 @@ def evaluate(trace: Trace, predictor: Predictor, name: str, label: str) -> list[
 def predict_bench(traces: dict[str, Trace], predictors: dict[str, Callable[[Trace, Trace], Predictor]],
                   train_share: float = 0.3, progress: bool = True) -> list[PredictRecord]:
     """`predictors`: name -> make(first part, whole trace) for each trace."""
-    from tqdm import tqdm
+    from moetier.progress import tqdm
 
     records = []
     bar = tqdm(total=len(traces) * len(predictors), desc="predict-bench", unit="run", disable=not progress)

@@ -9,12 +9,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from moetier.atomic import check_replaceable
 from moetier.config import ModelSpec
 from moetier.errors import CheckpointError
 from moetier.model.families import Family, family_for, parse_spec
+from moetier.progress import tqdm
 from moetier.quant.codes import quantize_expert
 from moetier.store.checkpoint import Checkpoint, read_config
 from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, SourceFile, is_store

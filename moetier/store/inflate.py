@@ -15,12 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from moetier.atomic import check_replaceable
 from moetier.config import ModelSpec
 from moetier.errors import MoetierError
 from moetier.model.families import family_for, parse_spec
+from moetier.progress import tqdm
 from moetier.store.format import DTYPES, Manifest, PrecisionLayout, is_store
 from moetier.store.store import Store
 from moetier.store.writer import StoreWriter, store_bytes

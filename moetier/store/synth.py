@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from tqdm import tqdm
 
 from moetier.atomic import check_free_space, check_replaceable
 from moetier.errors import MoetierError
+from moetier.progress import tqdm
 from moetier.store.format import Manifest, PrecisionLayout, is_store
 from moetier.store.writer import StoreWriter, store_bytes
 

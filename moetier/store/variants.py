@@ -15,11 +15,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from tqdm import tqdm
-
 from moetier.atomic import FULL, atomic_write_json, check_free_space, disk_full, target_lock
 from moetier.config import ModelSpec
 from moetier.errors import StoreError
+from moetier.progress import tqdm
 from moetier.quant.codes import BITS, quantize_expert
 from moetier.store.format import BlobRef, PrecisionLayout
 from moetier.store.quantize import expert_layout

@@ -126,3 +126,19 @@ def test_train_thresholds_writes_what_the_engine_reads(tmp_path, capsys):
     assert main(["train", "thresholds", "--trace", str(tmp_path / "t"), "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert 0 <= d["t1"] <= d["t2"] <= 1 and "T1 = " in capsys.readouterr().out
+
+
+def test_a_copy_another_process_added_meanwhile_is_used_not_refused(tiny_store):
+    """Two processes asking for the same quantized copy on first use: the second waits under the store's lock for
+    the first, finds the copy there, and must read the manifest again (it refused 'the store holds its experts at
+    bf16, not int2')."""
+    from moetier.resolve import resolve_model
+
+    ref, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=2)
+    cached = resolve_model(path.parent / "hf", progress=False)  # a store moetier converted into its cache
+    stale = Store(cached)  # read before the other process added int2
+    add_precisions(cached, "int2", progress=False)  # (the other process)
+    assert "int2" not in stale.manifest.precisions
+    with Engine(stale, EngineConfig(expert_memory=MemoryBudget.parse("50%"), precision=MixedPrecision("int2")),
+                progress=False) as engine:
+        assert engine.generate([[5, 9, 17]], max_new_tokens=3).token_ids[0]

@@ -152,3 +152,36 @@ def test_hobbit_weights_are_fitted_by_the_mixed_miss_penalty(trace, tmp_path):
                  "--out", str(tmp_path / "h.json")]) == 0
     saved = json.loads((tmp_path / "h.json").read_text())
     assert saved["precision"] == "hobbit" and len(saved["grid"][0]) == 5
+
+
+def test_a_shipped_models_files_are_never_written_and_a_foreign_table_is_one_line(trace, tmp_path, capsys):
+    """(`train cache-policy` with the default --model overwrote models/demo-fine/policies/flashmoe-ml.json; with
+    --out it skipped the trace's check, and the file then crashed `generate --policy static-hot` with a KeyError.)"""
+    import shutil
+
+    from moetier.resolve import builtin_models
+
+    shipped = builtin_models()["demo-coarse"] / "policies" / "static-hot.json"
+    before = shipped.read_bytes() if shipped.exists() else None
+    trace.save(tmp_path / "t")
+    demo = generate(LocalityFit(zipf_s=1.0, p_keep=0.5, reuse_next=0.0, source="hand-made"), 4, 8, 2, 200,
+                    seed=3, model="demo-coarse")
+    demo.save(tmp_path / "d")
+    assert main(["train", "cache-policy", "--policy", "static-hot", "--trace", str(tmp_path / "d")]) == 1
+    assert "give --model" in capsys.readouterr().err
+    assert main(["train", "cache-policy", "--policy", "static-hot", "--trace", str(tmp_path / "d"), "--model",
+                 "demo-coarse"]) == 1
+    assert "shipped with moetier, which is never written" in capsys.readouterr().err
+    assert (shipped.read_bytes() if shipped.exists() else None) == before
+    # a table of another model's trace (16 experts) in a copy of demo-coarse (8): refused in one line
+    copy = tmp_path / "my-coarse"
+    shutil.copytree(builtin_models()["demo-coarse"], copy)
+    assert main(["train", "cache-policy", "--policy", "static-hot", "--trace", str(tmp_path / "t"), "--out",
+                 str(copy / "policies" / "static-hot.json")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(copy), "--policy", "static-hot", "--prompt", "x", "--max-tokens",
+                 "2"]) == 1
+    err = capsys.readouterr().err
+    assert "was trained on another model's trace" in err and err.count("\n") == 2
+    assert main(["train", "cache-policy", "--policy", "static-hot", "--trace", str(tmp_path / "d"), "--model",
+                 str(copy)]) == 0  # the copy is the user's: written

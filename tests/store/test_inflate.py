@@ -127,3 +127,28 @@ def test_families_inflate_cannot_pad_are_refused(tiny_store, tmp_path, family, w
     with pytest.raises(MoetierError, match=why):
         inflate(small, tmp_path / "xl", 200, progress=False)
     assert not (tmp_path / "xl").exists()
+
+
+def test_quantizing_the_base_model_keeps_its_xl_build(tmp_path, monkeypatch):
+    """`moetier quantize demo-deep` adds copies to the base store: the -xl build read none of them and stays
+    (it was built again: 9 GiB for demo-deep-xl)."""
+    from moetier.store.variants import add_precisions
+
+    monkeypatch.setattr(inflate_module, "OLMOE_EXPERT_BYTES", 3 * 256 * 1024 * 2)
+    first = resolve_model("demo-coarse-xl", tmp_path, progress=False)
+    base = resolve_model("demo-coarse", tmp_path, progress=False)
+    add_precisions(base, "int8", progress=False)
+    assert resolve_model("demo-coarse-xl", tmp_path, progress=False) == first and first.exists()
+
+
+def test_a_rebuild_the_disk_cannot_hold_names_the_older_build_that_could_go(tmp_path, monkeypatch):
+    import moetier.resolve as resolve
+
+    monkeypatch.setattr(inflate_module, "OLMOE_EXPERT_BYTES", 3 * 256 * 1024 * 2)
+    first = resolve_model("demo-coarse-xl", tmp_path, progress=False)
+    monkeypatch.setattr(resolve, "_inflation_key", lambda base: "changed")  # the base's weights changed
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    with pytest.raises(MoetierError, match="needs") as e:
+        resolve_model("demo-coarse-xl", tmp_path, progress=False)
+    assert str(first) in e.value.hint and "older build of demo-coarse-xl" in e.value.hint
+

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.scored import ScoredPolicy
+from moetier.errors import MoetierError
 
 
 class StaticHotPolicy(ScoredPolicy):
@@ -19,6 +20,15 @@ class StaticHotPolicy(ScoredPolicy):
 
     def __init__(self, ctx: PolicyContext, counts: Mapping[ExpertKey, int]) -> None:
         super().__init__(ctx)
+        layers = set(ctx.layers)
+        foreign = sorted(k for k in counts if k.layer not in layers or not 0 <= k.expert < ctx.num_experts)
+        if foreign:  # (a table of another model's routing: its hot set would be experts this one does not have)
+            layer, expert = foreign[0]
+            raise MoetierError(f"the static-hot table counts expert {expert} of layer {layer}, which this model "
+                               f"does not have (MoE layers {list(ctx.layers)}, {ctx.num_experts} experts each): it "
+                               f"was trained on another model's trace",
+                               hint="train it on a trace of this model: `moetier train cache-policy --policy "
+                                    "static-hot --trace DIR --model M`")
         ranked = sorted(counts, key=lambda k: (-counts[k], k))
         self.ranked = tuple(ranked[:max(0, ctx.num_slots - ctx.top_k)])  # hottest first
         self.hot = frozenset(self.ranked)
