@@ -313,6 +313,10 @@ class MemoryBudget:
         """'30%', '512MiB', '2GB', '1073741824', 'auto'; a float in (0, 1] is a share."""
         if isinstance(text, MemoryBudget):
             return text
+        if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+            raise BudgetError(f"expert memory must be bytes, a share or 'auto', not {text!r}", hint=_BUDGET_HINT)
+        if isinstance(text, float) and not math.isfinite(text):
+            raise BudgetError(f"expert memory must be a finite number, not {text!r}", hint=_BUDGET_HINT)
         if isinstance(text, float) and 0 < text <= 1:
             return cls("share", text)
         if isinstance(text, (int, float)):

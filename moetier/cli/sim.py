@@ -30,11 +30,26 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(f"wrote {path}\n  disk: {disk.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {disk.per_read_s * 1e3:.3f} ms a request, "
           f"+ {disk.latency_s * 1e3:.3f} ms latency a lone read"
           f"\n  cpu: {cpu.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-          + ", ".join(f"{v / 1e12:.2f} TFLOP/s {k}" for k, v in cpu.flops.items())
+          + ", ".join(f"{flop_rate(v)} {k}" for k, v in cpu.flops.items())
           + f", {cpu.call_overhead_s * 1e6:.1f} us per call"
           f"\n  {args.model}: expert {m.expert_s(1) * 1e3:.3f} ms at 1 token, {m.expert_s(8) * 1e3:.3f} ms at 8; "
           f"dense {m.dense_s_per_layer(1) * 1e3:.3f} ms per layer"
           f"\n  shapes measured: {len(profile.measured)} (`moetier calibrate --model M` adds one)")
+
+
+def thrash_note(slots: int, per_token: int, hit_rate: float | None) -> str | None:
+    """Why a cache smaller than one token's experts hits nothing: each layer's experts are evicted before that layer
+    comes round again (a cycle longer than the cache, recency's worst case)."""
+    if slots >= per_token or (hit_rate or 0) > 0.05:
+        return None
+    return (f"the cache holds {slots} experts and each token needs {per_token} (its layers' top-k): every expert is "
+            f"evicted before its layer comes round again; a budget above one token's experts, or a policy that keeps "
+            f"some (lfu, static-hot), hits")
+
+
+def flop_rate(flops: float) -> str:
+    """A rate in the unit that shows it: a quantized expert's one-token rate is GFLOP/s (0.00 TFLOP/s said nothing)."""
+    return f"{flops / 1e12:.2f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
 
 
 def _sim(args: argparse.Namespace) -> None:
@@ -121,6 +136,9 @@ def _sim(args: argparse.Namespace) -> None:
             if write_plot(lambda path: plot_timeline(timeline, path, title), Path(args.timeline)):
                 summary["timeline_plot"] = args.timeline
         print(json.dumps(summary, indent=1))
+        note = thrash_note(summary["slots"], len(trace.layers) * trace.top_k, summary["hit_rate"])
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         return
     out = make_folder(Path(args.out or "sim-sweep"))
     atomic_write_json(out / "sweep.json", {"profile": profile.name, "model_shape": shape.name,

@@ -455,7 +455,7 @@ class Engine:
         `asked`: the caller's budget, which `--adapt` then never grows past (False: --adapt's own resize).
         Returns the new choice (its `note` says what was reserved)."""
         self._check_open()
-        budget = MemoryBudget.parse(budget) if isinstance(budget, str) else budget
+        budget = MemoryBudget.parse(budget)  # (refuses what is not a budget: None, -1, nan, ...)
         choice = self._replan(self.store, budget)
         slot = self.executor.residency.entry_bytes[self.executor.precision]
         if choice.cache_bytes < self.executor.tier_bytes + self.spec.top_k * slot:

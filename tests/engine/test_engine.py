@@ -119,3 +119,30 @@ def test_a_closed_engine_refuses_work_instead_of_hanging(tiny_store):
     for call in (lambda: engine.generate([[1, 2, 3]], max_new_tokens=2), engine.preload):
         with pytest.raises(MoetierError, match="this Engine is closed"):
             call()
+
+
+def test_the_python_apis_bad_arguments_are_moetier_errors_naming_them(tiny_store):
+    """(expert_memory=None, a flat list of ids, max_new_tokens=2.5, set_expert_memory(-1), seed=2**70 gave raw
+    Python errors.)"""
+    import math
+
+    import pytest
+
+    from moetier.errors import MoetierError
+
+    _, path = tiny_store("olmoe")
+    for bad in (None, [1], math.nan):
+        with pytest.raises(MoetierError, match="expert memory"):
+            Engine.from_pretrained(path, expert_memory=bad, progress=False)
+    with Engine.from_pretrained(path, expert_memory="50%", progress=False) as engine:
+        assert len(engine.generate([5, 9, 17], max_new_tokens=3).token_ids) == 1  # a flat list is one prompt
+        for kw, name in ((dict(max_new_tokens=2.5), "max new tokens"), (dict(seed=2**70), "seed"),
+                         (dict(temperature=math.nan), "temperature"), (dict(top_kk=1), "top_kk"),
+                         (dict(logit_bias=[1, 2]), "logit_bias")):
+            with pytest.raises(MoetierError, match=name):
+                engine.generate([5, 9], **kw)
+        for bad in (-1, None, math.inf):
+            with pytest.raises(MoetierError, match="expert memory"):
+                engine.set_expert_memory(bad)
+        with pytest.raises(MoetierError, match="token ids"):
+            engine.generate([[5, "x"]])
