@@ -22,9 +22,10 @@ def test_profile_is_complete_and_sourced(name):
     assert "cpu" in p.devices  # the second compute device CPU-assisted policies place experts on
     precision = "fp16" if name == "v100-pcie3" else "bf16"
     gpu = CostModel.of(p, SHAPES["olmoe-1b-7b"], precision)
-    # a GPU at small batch is memory-bound: 8 tokens cost what one does; a read costs more than compute, far more
-    # over a link (on the 64 GB Orin, experts come from the same LPDDR5 the GPU computes from)
-    assert gpu.expert_s(8) == pytest.approx(gpu.expert_s(1))
+    # a GPU at small batch is memory-bound: 8 tokens cost what one does (within 10%: the H200's is measured, 86 us
+    # against 93); a read costs more than compute, far more over a link (on the 64 GB Orin, experts come from the
+    # same LPDDR5 the GPU computes from)
+    assert gpu.expert_s(8) == pytest.approx(gpu.expert_s(1), rel=0.1)
     from moetier.cache.keys import ExpertKey
 
     assert gpu.read_s(ExpertKey(0, 0)) > (1 if name == "jetson-orin-64" else 3) * gpu.expert_s(1)

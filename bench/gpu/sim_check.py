@@ -1,0 +1,107 @@
+"""The simulator against the GPU run (issue 52, item 8): each of bench_gpu.py's rows of one model replayed on the
+`h200-pcie5` profile — calibrated from that run's micro-benchmarks and its 100% row — through the engine's own
+layer step, and the simulated TPOT held against the measured one.
+
+The routing is recorded here, on the CPU, with bench_gpu.py's own prompts (its warm-up call, then its measured
+call; exact mode routes alike on any device, but for bf16 rounding), and replayed as bench_sim_validation.py
+replays the CPU engine's. Rows the simulator does not model are left out, and said: CPU-assisted compute (the
+replay's placement prices another machine's CPU lane) and batches above 1 (bench_gpu.py's batch rows draw their
+prompts round-robin).
+
+    python bench/gpu/sim_check.py bench/gpu/results/2026-11-27-h200 --model demo-fine-xl
+    python bench/gpu/sim_check.py bench/gpu/results/2026-11-27-h200 --model olmoe-synth --tokens 12 --warmup 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "gpu"))
+
+MODES = {"lru": "none", "hobbit": "precision:hobbit", "prefetch-hobbit": "hobbit:stacked-gates",
+         "prefetch-presched": "presched:stacked-gates", "prefetch-oracle": "hobbit:oracle",
+         "substitute": "substitute:0.35"}
+
+
+def record(model: str, prompt_len: int, warmup: int, tokens: int, out: Path):
+    """The routing of bench_gpu.py's two calls (warm-up, measured), exact mode, every expert resident."""
+    from bench_gpu import prompt_ids, store_of
+
+    from moetier import Engine
+    from moetier.paths import default_cache_dir
+    from moetier.trace.record import TraceRecorder
+
+    with Engine.from_pretrained(store_of(model, default_cache_dir()), expert_memory="100%", progress=False) as engine, \
+            TraceRecorder(engine, gate_inputs=True) as recorder:
+        warm, measured = prompt_ids(engine, model, 1, prompt_len)
+        engine.generate(warm, max_new_tokens=warmup, ignore_eos=True)
+        engine.generate(measured, max_new_tokens=tokens, ignore_eos=True)
+        trace = recorder.trace(["warm-up", "measured"])
+    trace.save(out, overwrite=True)
+    return trace
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path, help="a bench/gpu/results/... folder (bench-*.json)")
+    ap.add_argument("--model", default="demo-fine-xl")
+    ap.add_argument("--profile", default="h200-pcie5")
+    ap.add_argument("--tokens", type=int, default=24, help="bench_gpu.py's --tokens for this model")
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "gpu-sim-check")
+    args = ap.parse_args()
+    import dataclasses
+
+    from bench_gpu import store_of
+    from bench_sim_validation import replay
+
+    from moetier.paths import default_cache_dir
+    from moetier.plan.precision import MixedPrecision
+    from moetier.policy_files import load_thresholds
+    from moetier.sim.profile import HardwareProfile
+    from moetier.store.store import Store
+    from moetier.store.variants import add_precisions
+
+    store = Store(store_of(args.model, default_cache_dir()))
+    if "int4" not in store.manifest.precisions:  # (HOBBIT's low copies, as the GPU run had them)
+        add_precisions(store.path, "int4", progress=False)
+        store = Store(store.path)
+    entry_bytes = {p: layout.blob_bytes for p, layout in store.manifest.precisions.items()}
+    # HOBBIT as the engine resolved it there: the model's fitted thresholds, the int4 low copy
+    hobbit = dataclasses.asdict(MixedPrecision("hobbit", low="int4").with_thresholds(load_thresholds(
+        store.trained_dir())))
+
+    rows = [r for path in sorted(args.results.glob("bench-*.json")) for r in json.loads(path.read_text())["rows"]
+            if r.get("model") == args.model and r.get("engine") == "moetier" and "tpot_s" in r]
+    args.out.mkdir(parents=True, exist_ok=True)
+    trace = record(args.model, args.prompt_len, args.warmup, args.tokens, args.out / f"{args.model}-trace")
+    profile = HardwareProfile.load(args.profile)
+    out, skipped = [], []
+    for r in rows:
+        if r["mode"] not in MODES or r["batch"] != 1 or r.get("tier") != "host":
+            skipped.append(f"{r['mode']} {r.get('tier')} {r['budget']} b{r['batch']}")
+            continue
+        cfg = {"model": str(store.path), "policy": "lru", "prefetch": MODES[r["mode"]]}
+        sim = replay(trace, profile, cfg, r["expert_slots"], store.native_layout.blob_bytes, 2, r["budget"] == "100%",
+                     entry_bytes, hobbit if r["mode"] == "hobbit" else None)
+        out.append({"mode": r["mode"], "budget": r["budget"], "real_tpot_s": r["tpot_s"], **sim,
+                    "ratio": sim["sim_tpot_s"] / r["tpot_s"], "real_hit_rate": r["decode_hit_rate"]})
+    print(f"{args.model} on {args.profile}: simulated against measured (one GPU round each)")
+    print(f"{'mode':>18} {'budget':>6} {'real ms':>8} {'sim ms':>8} {'sim/real':>8} {'hit real':>8} {'hit sim':>8}")
+    for o in out:
+        print(f"{o['mode']:>18} {o['budget']:>6} {o['real_tpot_s'] * 1e3:8.2f} {o['sim_tpot_s'] * 1e3:8.2f} "
+              f"{o['ratio']:8.2f} {o['real_hit_rate']:8.1%} {o['sim_hit_rate']:8.1%}")
+    within = sum(abs(o["ratio"] - 1) <= 0.15 for o in out)
+    print(f"within 15%: {within} of {len(out)}; not modelled here: {', '.join(skipped) or 'none'}")
+    (args.out / f"{args.model}.json").write_text(json.dumps({"profile": args.profile, "rows": out,
+                                                             "skipped": skipped}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
