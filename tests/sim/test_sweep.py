@@ -88,3 +88,24 @@ def test_a_profile_whose_memory_cannot_hold_the_experts_is_refused():
         check_holds(CostModel.of(nuc, shape, "fp32"))
     check_holds(CostModel.of(nuc, shape, "bf16"))
     check_holds(CostModel.of(HardwareProfile.load("jetson-orin"), shape, "fp32"))
+
+
+def test_a_cache_smaller_than_a_tokens_experts_says_why_it_hits_nothing(mixtral_trace, tmp_path, capsys):
+    """(The first `sim` example of the docs printed a 0% hit rate and no reason.)"""
+    _, path = mixtral_trace
+    assert main(["sim", "--trace", str(path), "--profile", "rtx4090", "--expert-memory", "12GiB"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["hit_rate"] == 0
+    assert "note: the cache holds 36 experts and each token needs 64" in err
+    assert main(["sim", "--trace", str(path), "--profile", "rtx4090", "--expert-memory", "12GiB", "--policy",
+                 "lfu"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["hit_rate"] > 0 and "note:" not in err
+
+
+def test_rates_print_in_the_unit_that_shows_them():
+    """(calibrate printed a quantized expert's one-token rate as 0.00 TFLOP/s.)"""
+    from moetier.cli.sim import flop_rate
+
+    assert flop_rate(2.61e12) == "2.61 TFLOP/s" and flop_rate(7.7e10) == "77.0 GFLOP/s"
+    assert flop_rate(1.1e9) == "1.1 GFLOP/s"
