@@ -100,11 +100,13 @@ def gpu_compute(dev: torch.device) -> dict:
         tensors = w if precision == "bf16" else quantize_expert(w, precision)
         tensors = {k: t.to(dev) for k, t in tensors.items()}
         kernel = make_expert_kernel(precision, kernels, torch.bfloat16)
-        for n in (1, 8):
-            x = torch.randn(n, 2048, dtype=torch.bfloat16, device=dev)
-            y, weights = torch.empty_like(x), torch.ones(n, dtype=torch.bfloat16, device=dev)
-            out[f"gpu_expert_{precision}_T{n}_s"] = cuda_time(
-                lambda kernel=kernel, y=y, x=x, tensors=tensors, weights=weights: kernel(y, x, tensors, weights))
+        paths = {"": kernel, "_dequant": getattr(kernel, "fallback", None)}  # (Triton's, and torch's beneath it)
+        for suffix, path in paths.items():
+            for n in (1, 8) if path is not None else ():
+                x = torch.randn(n, 2048, dtype=torch.bfloat16, device=dev)
+                y, weights = torch.empty_like(x), torch.ones(n, dtype=torch.bfloat16, device=dev)
+                out[f"gpu_expert_{precision}{suffix}_T{n}_s"] = cuda_time(
+                    lambda path=path, y=y, x=x, tensors=tensors, weights=weights: path(y, x, tensors, weights))
     x = torch.zeros(1, device=dev)
     out["gpu_tiny_kernel_s"] = cuda_time(lambda: x.add_(1), reps=200)
     start = time.perf_counter()

@@ -7,6 +7,8 @@ path: one native call, the row quantized once).
 
 - `DenseExpert`: bf16/fp16/fp32 SwiGLU slots, through the engine's kernels (native rows or torch).
 - `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
+- `TritonQuantizedExpert` (moetier/model/triton_experts.py): int8/int4/int2 SwiGLU slots on a GPU, from their
+  codes in two Triton kernels (where triton is installed; else `QuantizedExpert`'s torch path).
 - `QuantizedExpert`: int8/int4/int2 slots (moetier/quant/codes.py's codes). With the native library and bf16
   activations: up to 4 tokens straight from the codes — by integer dot products against the activations quantized
   to int8 per block of 128 or 32 (`csrc/q_int.c`, llama.cpp's way: VNNI or AVX2) where the shapes tile its
@@ -301,4 +303,10 @@ def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype
     if precision not in BITS:
         return dense_expert(kernels, spec)
     other = None if spec is None or spec.activation == "swiglu" else dense_expert(kernels, spec)
-    return QuantizedExpert(precision, kernels, dtype, getattr(kernels, "lib", None), other)
+    kernel = QuantizedExpert(precision, kernels, dtype, getattr(kernels, "lib", None), other)
+    if getattr(kernels, "name", "") == "cuda" and other is None and dtype == torch.bfloat16:
+        from moetier.model import triton_experts
+
+        if triton_experts.available():  # from the codes in two kernels, the dequantizing path beneath it
+            return triton_experts.TritonQuantizedExpert(BITS[precision], kernel)
+    return kernel
