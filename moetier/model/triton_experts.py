@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 MAX_TOKENS = 16  # rows of the tl.dot tile; a longer prompt's experts are dequantized once instead
-BLOCK_N = 32  # output rows a program computes
+BLOCK_N = 16  # output rows a program computes (16: tl.dot's least; more programs for a GPU's 132 SMs)
 BLOCK_K = 64  # inputs a step reads (a divisor of every group: 64 and 128)
 
 
