@@ -35,6 +35,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench_prefetch import RouteLog  # noqa: E402 (every (step, layer)'s routing: the oracle's truth)
+
 PROMPTS = ROOT / "prompts" / "mixed.txt"
 SYNTHS = {"olmoe-synth": "olmoe-1b-7b", "small-synth": "small"}  # random weights of a preset's shape (synth.py)
 
@@ -52,19 +54,6 @@ def modes() -> dict[str, dict]:
         "substitute": {"substitution": Substitution(alpha=0.35)},
         "cpu-assist": {"placement": "greedy"},
     }
-
-
-class RouteLog:
-    """Every (step, layer)'s topk_ids of a run: the truth the oracle run is handed (exact mode routes alike)."""
-
-    def __init__(self) -> None:
-        self.routes: dict[tuple[int, int], object] = {}
-
-    def on_route(self, route, gate_input) -> None:
-        self.routes[(route.step, route.layer)] = route.topk_ids.copy()
-
-    def on_plan(self, plan, phase) -> None:
-        pass
 
 
 def store_of(model: str, cache: Path) -> Path:

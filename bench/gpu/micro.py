@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from moetier.calibrate import median_time
+
 MIB = 1 << 20
 COLD_EXPERTS = 48  # 576 MiB of OLMoE-shaped experts
 
@@ -41,17 +43,6 @@ def cuda_time(fn, reps: int = 50, warmup: int = 5) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def host_time(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -130,9 +121,9 @@ def cpu_compute() -> dict:
     for name in ("auto", "torch"):
         kernels = make_kernels(name, torch.bfloat16, torch.device("cpu"))
         kernel = make_expert_kernel("bf16", kernels, torch.bfloat16)
-        out[f"cpu_expert_bf16_T1_{kernels.name}_warm_s"] = host_time(lambda kernel=kernel: kernel(y, x, w, weights))
+        out[f"cpu_expert_bf16_T1_{kernels.name}_warm_s"] = median_time(lambda kernel=kernel: kernel(y, x, w, weights))
         turn = iter(range(1 << 30))
-        out[f"cpu_expert_bf16_T1_{kernels.name}_cold_s"] = host_time(
+        out[f"cpu_expert_bf16_T1_{kernels.name}_cold_s"] = median_time(
             lambda kernel=kernel, turn=turn: kernel(y, x, many[next(turn) % COLD_EXPERTS], weights),
             reps=2 * COLD_EXPERTS)
     return out

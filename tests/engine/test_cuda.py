@@ -3,8 +3,6 @@ slots fed through fewer staging buffers than reads, quantized experts computed o
 prefetching, HOBBIT's mixed precision, SMoE's substitution, CPU-assisted compute (placement) and the command line.
 Skipped where torch sees no CUDA device (CI has none); `bench/gpu/run.sh` runs them on the GPU machine."""
 
-import shutil
-
 import pytest
 import torch
 
@@ -19,7 +17,6 @@ from moetier.plan.precision import MixedPrecision
 from moetier.plan.substitute import Substitution
 from moetier.store.reader import ON_DEMAND, ExpertReader
 from moetier.store.store import Store
-from moetier.store.variants import add_precisions
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu/run.sh)")]
@@ -40,16 +37,6 @@ def tokens(path, device: str, memory: str = "30%", batch: bool = False, costs: l
         if costs is not None:
             costs.append(engine.executor.costs)
     return [ids for o in outs for ids in o.token_ids], [o.stats for o in outs]
-
-
-@pytest.fixture(scope="module")
-def quantized(tiny_store, tmp_path_factory):
-    """A bf16 four-layer OLMoE with int8, int4 and int2 copies."""
-    _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
-    dest = tmp_path_factory.mktemp("quantized-cuda") / "store"
-    shutil.copytree(path, dest)
-    add_precisions(dest, "int8,int4,int2", progress=False)
-    return dest
 
 
 def test_device_slots_hold_every_expert_through_fewer_staging_buffers(tiny_store):

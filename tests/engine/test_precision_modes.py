@@ -1,7 +1,6 @@
 """Mixed precision in the real engine: every mode runs from the store's quantized copies, reads what its plan
 says, and leaves exact mode alone."""
 
-import shutil
 
 import pytest
 import torch
@@ -19,16 +18,6 @@ from moetier.store.variants import add_precisions
 def prompts(vocab: int = 128) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 12)]
-
-
-@pytest.fixture(scope="module")
-def quantized(tiny_store, tmp_path_factory):
-    """A bf16 four-layer OLMoE with int8, int4 and int2 copies (a store the user made)."""
-    _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
-    dest = tmp_path_factory.mktemp("quantized") / "store"
-    shutil.copytree(path, dest)
-    add_precisions(dest, "int8,int4,int2", progress=False)
-    return dest
 
 
 def run(path, mode, memory="100%", **kw):

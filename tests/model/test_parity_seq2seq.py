@@ -112,7 +112,7 @@ def test_generate_prints_the_new_text_alone(tmp_path, capsys):
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     tok.save(str(hf / "tokenizer.json"))
     assert main(["generate", "--model", str(hf), "--prompt", "w5 w9 w17 w33", "--max-tokens", "6",
-                 "--ignore-eos"]) == 0
+                 "--ignore-eos", "--temperature", "0"]) == 0  # (greedy, as the reference below)
     printed = capsys.readouterr().out.strip()
     expected = ref.generate(torch.tensor([[5, 9, 17, 33, 1]]), max_new_tokens=6, do_sample=False)[0, 1:].tolist()
     assert printed.split()[:len(expected)] == [tok.id_to_token(i) for i in expected]

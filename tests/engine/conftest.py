@@ -1,0 +1,18 @@
+"""Fixtures the engine's tests share."""
+
+import shutil
+
+import pytest
+import torch
+
+from moetier.store.variants import add_precisions
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_store, tmp_path_factory):
+    """A bf16 four-layer OLMoE with int8, int4 and int2 copies (a store the user made)."""
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    dest = tmp_path_factory.mktemp("quantized") / "store"
+    shutil.copytree(path, dest)
+    add_precisions(dest, "int8,int4,int2", progress=False)
+    return dest
