@@ -148,3 +148,17 @@ def test_the_readmes_generated_folders_are_git_ignored():
     for path in [*written, "sim-sweep/sweep.json"]:  # and sim's default output folder
         r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
         assert r.returncode == 0, f"{path} (written by a README example) is not git-ignored"
+
+
+def test_preload_starts_a_resident_run_resident(capsys):
+    """(The command a user runs, `generate --expert-memory 100%`, read every expert from disk during its first
+    tokens: 0.87x of the benchmark harness's preloaded figure.)"""
+    args = ["generate", "--model", "demo-fine", "--expert-memory", "100%", "--prompt", "The sea", "--max-tokens",
+            "4", "--json", "--seed", "1"]
+    assert main(args) == 0
+    cold = json.loads(capsys.readouterr().out)["stats"]
+    assert main([*args, "--preload"]) == 0
+    out, err = capsys.readouterr()
+    warm = json.loads(out)["stats"]
+    assert cold["prefill"]["loads"] > 0 and warm["prefill"]["loads"] == warm["decode"]["loads"] == 0
+    assert warm["hit_rate"] == 1 and "moetier: preloaded 128 experts" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from moetier.cache.policies import LIVE_POLICIES
 from moetier.cli.defaults import (
@@ -76,6 +77,10 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
     print(f"moetier: {engine.budget.note}", file=sys.stderr)
     if engine.host_note:
         print(f"moetier: {engine.host_note}", file=sys.stderr)
+    if getattr(args, "preload", False):
+        start = time.perf_counter()
+        loaded = engine.preload()
+        print(f"moetier: preloaded {loaded} experts in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     return engine
 
 
@@ -140,6 +145,10 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
                    help="with --device cuda: host memory for the experts behind the GPU's cache, page-locked, the "
                         "disk behind it: bytes (8GiB), a share of the experts (50%%), auto (the default: every expert "
                         "where the host has room, read at start-up), or 0 (none: every miss is read from disk)")
+    p.add_argument("--preload", action="store_true",
+                   help="fill the expert cache before the first token, layer by layer (with --expert-memory 100%%: "
+                        "the whole model resident from the start, as a benchmark's harness runs it; without it the "
+                        "cache fills as tokens need experts)")
     p.add_argument("--adapt", action="store_true",
                    help="resize the expert cache while running to the memory free beside it (CoMoE Eq. 17): it "
                         "shrinks when other processes take memory and grows back when they give it up; each change "
@@ -148,8 +157,11 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
                    help="with --adapt: a merge library (moetier merge --library) holding this model; between requests "
                         "run the best-quality variant whose weights all fit the memory free (CoMoE Eq. 34-35)")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
-                   help="auto (default): moetier's native kernels for batch-1 bf16 decoding on the CPU, built on first "
-                        "use with the C compiler, else torch's; torch; native (refuse if they cannot be built)")
+                   help="auto (default): moetier's native kernels for bf16 decoding on the CPU, built on first use with "
+                        "the C compiler (the best instruction set this CPU runs; a prefill's products in torch's GEMM "
+                        "where the CPU has bf16 dot products), else torch's; torch; native (refuse if they cannot be "
+                        "built); or one path by name, refused where this CPU lacks it: avx2, avx512 (that library for "
+                        "every product), amx (the AVX-512 library for decode, torch's GEMM on AMX for prefills)")
 
 
 def add_precision_options(p: argparse.ArgumentParser) -> None:

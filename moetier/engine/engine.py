@@ -36,7 +36,7 @@ from moetier.model.dense_quant import (
     quantizing,
     with_dense_precision,
 )
-from moetier.model.kernels import make_kernels
+from moetier.model.kernels import PATHS, check_kernel_path, make_kernels
 from moetier.model.stacked import materialized, stack_qkv
 from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
@@ -112,6 +112,11 @@ class EngineConfig:
         check_device(self.device)
         if self.kernels not in KERNELS:
             raise MoetierError(f"unknown kernels {self.kernels!r}", hint=f"one of {', '.join(KERNELS)}")
+        if self.kernels in PATHS:  # a path by name: this CPU runs it, or one line now
+            if torch.device(self.device).type != "cpu":
+                raise MoetierError(f"--kernels {self.kernels} is a CPU path; the model runs on {self.device}",
+                                   hint="use --kernels auto with a GPU")
+            check_kernel_path(self.kernels)
         if self.cache_partition not in PARTITIONS:
             raise MoetierError(f"unknown cache partition {self.cache_partition!r}", hint=f"one of {PARTITIONS}")
         if self.prefetch != "none" and self.prefetch not in PREFETCHERS:

@@ -356,9 +356,14 @@ class NativeWithGemm(NativeKernels):
 GEMM_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's: bf16 dot products torch's CPU GEMM uses
 
 
+PATHS = {"avx2": ("avx2", False), "avx512": ("avx512", False), "amx": ("avx512", True)}  # name -> (library, GEMM)
+
+
 def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKernels:
     """`auto`: native where it applies (bf16 on a CPU with AVX2 and a C compiler), else torch — saying why once
-    when bf16 on the CPU falls back. `native` insists and fails with the reason; `torch` never builds anything."""
+    when bf16 on the CPU falls back. `native` insists and fails with the reason; `torch` never builds anything.
+    A path by name (`avx2`, `avx512`, `amx`; PATHS) is that path or a refusal saying what the CPU lacks: so the AVX2
+    path runs, and is measured, on a CPU that has more."""
     if name not in KERNELS:
         raise MoetierError(f"unknown kernels {name!r}", hint=f"one of {', '.join(KERNELS)}")
     applies = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
@@ -369,6 +374,8 @@ def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKe
     if not applies:
         raise MoetierError(f"the native kernels are for bf16 weights on the CPU; this model is {dtype} on {device}",
                            hint="use kernels 'auto' or 'torch'")
+    if name in PATHS:
+        return kernel_path(name)
     loaded = native.load()
     if loaded.lib is not None:
         gemm = any(flag in native.cpu_flags() for flag in GEMM_FLAGS)
@@ -378,3 +385,34 @@ def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKe
     warnings.warn(f"moetier: bf16 decoding on torch's kernels, slower than the native ones: {loaded.reason}",
                   stacklevel=2)
     return TorchKernels()
+
+
+def check_kernel_path(name: str) -> None:
+    """A named path this CPU can run, or the one-line refusal (before anything loads or builds)."""
+    isa, gemm = PATHS[name]
+    runnable = native.runnable_isas()
+    if isa not in runnable:
+        raise MoetierError(f"--kernels {name}: this CPU has no {isa.upper()} path (it runs "
+                           f"{', '.join(runnable) or 'neither AVX2 nor AVX-512'})",
+                           hint=f"use --kernels auto, torch, or one of: {', '.join(runnable_paths()) or 'none'}")
+    if gemm and "amx_bf16" not in native.cpu_flags():
+        raise MoetierError(f"--kernels {name}: this CPU has no AMX (amx_bf16)",
+                           hint=f"use --kernels auto, torch, or one of: {', '.join(runnable_paths()) or 'none'}")
+
+
+def kernel_path(name: str) -> TorchKernels:
+    """One named path: its library (every product in it), or for `amx` the AVX-512 library's decode rows beside
+    torch's bf16 GEMM, which oneDNN runs on AMX; refused where this CPU cannot run it."""
+    check_kernel_path(name)
+    isa, gemm = PATHS[name]
+    loaded = native.load(isa)
+    if loaded.lib is None:
+        raise MoetierError(f"--kernels {name}: the native kernels are not available: {loaded.reason}",
+                           hint="use kernels 'torch'")
+    return (NativeWithGemm if gemm else NativeKernels)(loaded.lib, loaded.isa)
+
+
+def runnable_paths() -> list[str]:
+    """The named paths this CPU runs."""
+    flags, isas = native.cpu_flags(), native.runnable_isas()
+    return [name for name, (isa, gemm) in PATHS.items() if isa in isas and (not gemm or "amx_bf16" in flags)]

@@ -393,3 +393,54 @@ def test_a_gpu_gets_torchs_kernels_with_decode_attention_kept_off_cudnn():
     for window in (None, 3):
         want = TorchKernels().decode_attention(q, keys, values, batch, window, 0.25)
         assert torch.allclose(kernels.decode_attention(q, keys, values, batch, window, 0.25), want, atol=1e-6)
+
+
+AVX2_ONLY = frozenset({"avx", "avx2", "fma", "f16c"})
+
+
+def test_a_kernel_path_the_cpu_lacks_is_refused_in_one_line_before_anything_loads(monkeypatch, capsys):
+    """(The AVX2 library could only be chosen on an AVX-512 machine by hiding CPU flags.)"""
+    from moetier.cli import main
+    from moetier.errors import MoetierError
+    from moetier.model import native
+    from moetier.model.kernels import make_kernels, runnable_paths
+
+    monkeypatch.setattr(native, "cpu_flags", lambda: AVX2_ONLY)
+    assert runnable_paths() == ["avx2"]
+    for name, lacks in (("avx512", "no AVX512 path"), ("amx", "no AVX512 path")):
+        with pytest.raises(MoetierError, match=lacks):
+            make_kernels(name, torch.bfloat16, torch.device("cpu"))
+    assert main(["generate", "--model", "/no/such/model", "--prompt", "x", "--kernels", "avx512"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moetier: error: --kernels avx512: this CPU has no AVX512 path (it runs avx2)")
+    assert err.count("\n") == 2 and "no model at" not in err  # (refused before the model is even looked for)
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512", "amx"])
+def test_each_path_the_cpu_runs_is_the_library_it_names(path):
+    from moetier.model import native
+    from moetier.model.kernels import NativeKernels, NativeWithGemm, make_kernels, runnable_paths
+
+    if path not in runnable_paths():
+        pytest.skip(f"this CPU does not run the {path} path (it runs {', '.join(runnable_paths())})")
+    kernels = make_kernels(path, torch.bfloat16, torch.device("cpu"))
+    assert kernels.isa == ("avx2" if path == "avx2" else "avx512")
+    assert type(kernels) is (NativeWithGemm if path == "amx" else NativeKernels)
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(96, 256, generator=g).bfloat16(), torch.randn(40, 256, generator=g).bfloat16()
+    want = torch.nn.functional.linear(x.float(), w.float())  # (a prefill's 40 rows: the GEMM path for amx)
+    got = kernels.linear(x, w).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    assert native.load(kernels.isa).isa == kernels.isa
+
+
+def test_the_engine_decodes_alike_on_every_path_the_cpu_runs(tiny_store):
+    from moetier import Engine
+    from moetier.model.kernels import runnable_paths
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    outs = {}
+    for name in ["torch", *runnable_paths()]:
+        with Engine.from_pretrained(path, expert_memory="50%", kernels=name, progress=False) as engine:
+            outs[name] = engine.generate([[5, 9, 17, 33]], max_new_tokens=8).token_ids[0]
+    assert len(outs) >= 2 and all(ids == outs["torch"] for ids in outs.values()), outs
