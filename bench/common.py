@@ -38,12 +38,20 @@ def cpu_description() -> dict:
     return dict(model=model, cores=os.cpu_count(), vector_flags=vector)
 
 
-def run_child(script: str, cfg: dict) -> dict:
-    """Run `script --child CFG` in a fresh interpreter; its last stdout line is the JSON result."""
-    out = subprocess.run([sys.executable, script, "--child", json.dumps(cfg)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"configuration {cfg} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run_child(script: str, cfg: dict, load_aware: bool = True) -> dict:
+    """Run `script --child CFG` in a fresh interpreter, once the machine is idle, and again while other processes
+    took more than load.THRESHOLD_CORES during it (load.py); its last stdout line is the JSON result, returned with
+    a `load` entry saying what foreign CPU the kept run met. `load_aware` False: at once and once (a benchmark of
+    contention makes its own load), the load still measured and recorded."""
+    from load import measured
+
+    def once() -> dict:
+        out = subprocess.run([sys.executable, script, "--child", json.dumps(cfg)], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"configuration {cfg} failed:\n{out.stderr}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    return measured(once) if load_aware else measured(once, threshold=float("inf"), max_wait_s=0.0, window_s=0.0)
 
 
 def model_panels(rows: list[dict], width: float, height: float):
@@ -88,11 +96,14 @@ def rotated_rounds(script: str, configs: list[str], rounds: int, cfg: dict, bar)
 
 
 def median_row(stats: list[dict], base_tpot_s: float, quality: dict, medians: tuple[str, ...] = ()) -> dict:
-    """One configuration's row: median TPOT, its speed-up over `base_tpot_s`, every run's TPOT, median decode hit
-    rate and bytes per token, the median of each of the runs' `medians` statistics, and `quality`'s measures."""
+    """One configuration's row: median TPOT, its speed-up over `base_tpot_s`, every run's TPOT (and their spread),
+    median decode hit rate and bytes per token, the median of each of the runs' `medians` statistics, `quality`'s
+    measures, and how many of its runs were kept under foreign load (load.py)."""
     median = lambda key: statistics.median(s[key] for s in stats)  # noqa: E731
     tpot = median("tpot_s")
     return dict(tpot_s=tpot, speedup=base_tpot_s / tpot, tpot_runs_s=[s["tpot_s"] for s in stats],
+                tpot_spread_s=[min(s["tpot_s"] for s in stats), max(s["tpot_s"] for s in stats)],
+                runs_under_load=sum(bool(s.get("load", {}).get("under_load")) for s in stats),
                 hit_rate=median("decode_hit_rate"), expert_bytes_per_token=median("expert_bytes_per_token"),
                 **{key: median(key) for key in medians}, perplexity_change=quality.get("perplexity_change"),
                 top1_agreement=quality.get("top1_agreement"), kl=quality.get("kl"))

@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,6 +47,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 from cage import drop_cache, make_cage, run_caged  # noqa: E402
 from common import cpu_description, save_figure  # noqa: E402
 from llamacpp import LlamaCpp, build, parse_bench  # noqa: E402
+from load import THRESHOLD_CORES, mark, measured  # noqa: E402
 
 from moetier.paths import default_cache_dir  # noqa: E402
 
@@ -54,7 +56,9 @@ MODES = {  # format -> moetier's counterparts: (label, precision, dense precisio
     "q8_0": [("int8", "int8", "int8")],
     "q4_k_m": [("int4", "int4", "int4"), ("hobbit", "hobbit", "int4"), ("low-tier", "low-tier", "int4")],
 }
-STORE_PRECISIONS = {"q8_0": "int8", "q4_k_m": "int4,int2"}  # the copies a format's modes read
+MODE_PRECISIONS = {"native": (), "int8": ("int8",), "int4": ("int4",), "hobbit": ("int4",),
+                   "low-tier": ("int4", "int2")}  # the store's copies a mode reads (low-tier: whichever fits)
+USER = " (generate)"  # a moetier mode run as a user runs it, `moetier generate`, beside the harness's own run
 
 
 def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dict[str, Path]:
@@ -75,10 +79,16 @@ def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dic
             if not gguf.exists():
                 print(f"llama-quantize {f} ...", flush=True)
             out[f] = llama.quantize(bf16, gguf, f)
-    wanted = ",".join(sorted({p for f in formats if f in STORE_PRECISIONS for p in STORE_PRECISIONS[f].split(",")}))
+    wanted = ",".join(copies_needed(formats))
     if wanted:
         subprocess.run(["moetier", "quantize", str(store), "--precisions", wanted], check=True)
     return {f: out[f] for f in formats}
+
+
+def copies_needed(formats: list[str]) -> list[str]:
+    """The store's quantized copies the modes that run read, and no others (the 1.8 GB int2 copy was built for
+    Q4_K_M's int4 rows too)."""
+    return sorted({p for f in formats for label, *_ in MODES[f] for p in MODE_PRECISIONS[label]})
 
 
 def probe_rate() -> float:
@@ -88,19 +98,25 @@ def probe_rate() -> float:
     return float(proc.stdout.strip())
 
 
-def llama_run(llama: LlamaCpp, gguf: Path, cap: int | None, tokens: int, threads: int, timeout: float) -> dict:
-    argv = llama.bench_argv(gguf, tokens, threads, repetitions=2, load="none" if cap is None else "mmap")
+def llama_run(llama: LlamaCpp, gguf: Path, cap: int | None, tokens: int, threads: int, timeout: float,
+              repetitions: int = 3) -> dict:
+    """llama-bench's every repetition kept (`samples_tok_s`); the run's speed is their median after the first,
+    which warms a mapped file (one Q8_0 round moved from 1.29x to 1.72x on taking the last one alone)."""
+    argv = llama.bench_argv(gguf, tokens, threads, repetitions=repetitions, load="none" if cap is None else "mmap")
     proc, peak = run_caged(argv, cap, "moetier-peer", timeout)
     if proc.returncode != 0:
         return dict(error=f"llama-bench exit {proc.returncode}: {proc.stderr.strip()[-300:]}", peak=peak)
     r = parse_bench(proc.stdout)
-    return dict(tok_s=r["samples_tok_s"][-1], samples_tok_s=r["samples_tok_s"], peak=peak, build=r["build"])
+    samples = r["samples_tok_s"]
+    kept = samples[1:] if len(samples) > 1 else samples
+    return dict(tok_s=statistics.median(kept), samples_tok_s=samples, peak=peak, build=r["build"])
 
 
-def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens: int, timeout: float) -> dict:
+def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens: int, timeout: float,
+                kernels: str = "auto") -> dict:
     _, precision, dense = mode
     cfg = dict(store=str(store), budget="100%" if cap is None else "auto", preload=cap is None, precision=precision,
-               dense_precision=dense, tokens=tokens, warmup_tokens=tokens, prompt_len=16)
+               dense_precision=dense, tokens=tokens, warmup_tokens=tokens, prompt_len=16, kernels=kernels)
     env = dict(os.environ, OMP_NUM_THREADS=str(2))
     proc, peak = run_caged([sys.executable, str(HERE / "moetier_run.py"), json.dumps(cfg)], cap, "moetier-peer",
                            timeout, env)
@@ -108,6 +124,22 @@ def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens
         last = (proc.stderr.strip().splitlines() or [""])[-1]
         return dict(error=f"exit {proc.returncode}: {last[-300:]}", peak=peak)
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]), peak=peak)
+
+
+def user_run(store: Path, mode: tuple[str, str, str], tokens: int, timeout: float, kernels: str = "auto") -> dict:
+    """The mode as a user runs it resident: `moetier generate --expert-memory 100% --preload` (without --preload a
+    resident run reads every expert from disk during its first tokens: 0.87x of the harness's figure, seen on a
+    Zen 5), greedy, the decode speed from its statistics."""
+    _, precision, dense = mode
+    argv = ["moetier", "generate", "--model", str(store), "--expert-memory", "100%", "--preload", "--precision",
+            precision, "--dense-precision", dense, "--prompt", "The", "--max-tokens", str(tokens + 1),
+            "--ignore-eos", "--temperature", "0", "--kernels", kernels, "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(2)))
+    if proc.returncode != 0:
+        return dict(error=f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][-300:]}")
+    stats = json.loads(proc.stdout)["stats"]
+    return dict(tok_s=stats["decode_tokens_per_s"], tpot_s=stats["tpot_s"], command=" ".join(argv))
 
 
 def rows_of(formats: list[str], caps: list[str], ggufs: dict[str, Path]) -> list[dict]:
@@ -126,26 +158,38 @@ def summarize(rows: list[dict], runs: list[dict]) -> list[dict]:
         mine = [r for r in runs if r["format"] == row["format"] and r["setting"] == row["setting"]]
         llama = [r["tok_s"] for r in mine if r["engine"] == "llama.cpp" and "tok_s" in r]
         base = statistics.median(llama) if llama else None
-        for mode in ["llama.cpp"] + [m[0] for m in MODES[row["format"]]]:
+        for mode in dict.fromkeys(r["engine"] for r in mine):
             ok = [r for r in mine if r["engine"] == mode and "tok_s" in r]
             errors = [r["error"] for r in mine if r["engine"] == mode and "error" in r]
             med = statistics.median(r["tok_s"] for r in ok) if ok else None
+            every = [t for r in ok for t in r.get("samples_tok_s", [r["tok_s"]])]  # each repetition of each round
             out.append(dict(row, engine=mode, tok_s=med, runs_tok_s=[r["tok_s"] for r in ok],
+                            spread_tok_s=[min(every), max(every)] if every else None,
+                            under_load=mark(ok) == "*", foreign_cores=[r.get("load", {}).get("foreign_cores")
+                                                                        for r in ok],
                             peak_bytes=max((r.get("peak", -1) for r in ok), default=None),
                             ratio=(med / base) if med and base and mode != "llama.cpp" else None,
                             error=errors[0] if errors and not ok else None))
     return out
 
 
+def spread(s: dict) -> str:
+    """A row's spread over every repetition and round, min–max."""
+    return f"{s['spread_tok_s'][0]:.2f}–{s['spread_tok_s'][1]:.2f}" if s.get("spread_tok_s") else ""
+
+
 def table(summary: list[dict]) -> str:
-    lines = [f"{'format':>7} {'setting':>10} {'engine':>10} {'tok/s':>8} {'runs':>16} {'peak GiB':>9} {'x llama':>8}"]
+    lines = [f"{'format':>7} {'setting':>10} {'engine':>19} {'tok/s':>9} {'spread':>13} {'runs':>16} {'peak GiB':>9} "
+             f"{'x llama':>8}"]
     for s in summary:
-        tok = f"{s['tok_s']:.2f}" if s["tok_s"] else "—"
+        tok = (f"{s['tok_s']:.2f}" if s["tok_s"] else "—") + ("*" if s.get("under_load") else "")
         runs = ",".join(f"{t:.2f}" for t in s["runs_tok_s"])
         peak = f"{s['peak_bytes'] / 2**30:.2f}" if s["peak_bytes"] and s["peak_bytes"] > 0 else ""
         ratio = f"{s['ratio']:.2f}" if s["ratio"] else ""
-        lines.append(f"{s['format']:>7} {s['setting']:>10} {s['engine']:>10} {tok:>8} {runs:>16} {peak:>9} {ratio:>8}"
-                     + (f"  ({s['error'][:80]})" if s["error"] else ""))
+        lines.append(f"{s['format']:>7} {s['setting']:>10} {s['engine']:>19} {tok:>9} {spread(s):>13} {runs:>16} "
+                     f"{peak:>9} {ratio:>8}" + (f"  ({s['error'][:80]})" if s["error"] else ""))
+    if any(s.get("under_load") for s in summary):
+        lines.append(f"* kept although another process took over {THRESHOLD_CORES} cores during it (every rerun did)")
     return "\n".join(lines)
 
 
@@ -166,8 +210,8 @@ def markdown(summary: list[dict]) -> str:
                 return ""
             if s["tok_s"] is None:
                 return "does not run" if s["error"] and "exit 1" in s["error"] else "killed" if s["error"] else "—"
-            runs = "/".join(f"{t:.2f}" for t in s["runs_tok_s"])
-            return f"{s['tok_s']:.2f} ({runs})" + (f" **{s['ratio']:.2f}×**" if s.get("ratio") else "")
+            star = "\\*" if s.get("under_load") else ""
+            return f"{s['tok_s']:.2f}{star} ({spread(s)})" + (f" **{s['ratio']:.2f}×**" if s.get("ratio") else "")
 
         lines.append(f"| {fmt} | {setting} | {cap} | {cell(llama)} | " + " | ".join(cell(mine.get(m)) for m in modes)
                      + " |")
@@ -188,9 +232,12 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
         engines = list(dict.fromkeys(s["engine"] for s in mine))
         width = 0.8 / len(engines)
         for i, e in enumerate(engines):
-            ys = [next((s["tok_s"] or 0 for s in mine if s["setting"] == st and s["engine"] == e), 0)
-                  for st in settings]
-            ax.bar([j + (i - (len(engines) - 1) / 2) * width for j in range(len(settings))], ys, width, label=e)
+            cells = [next((s for s in mine if s["setting"] == st and s["engine"] == e), None) for st in settings]
+            ys = [(c["tok_s"] or 0) if c else 0 for c in cells]
+            lo = [y - c["spread_tok_s"][0] if c and c.get("spread_tok_s") else 0 for y, c in zip(ys, cells)]
+            hi = [c["spread_tok_s"][1] - y if c and c.get("spread_tok_s") else 0 for y, c in zip(ys, cells)]
+            ax.bar([j + (i - (len(engines) - 1) / 2) * width for j in range(len(settings))], ys, width, label=e,
+                   yerr=[lo, hi], capsize=2, error_kw={"linewidth": 0.8})  # (the spread: min–max of every run)
         ax.set_xticks(range(len(settings)), settings, fontsize=8)
         ax.set_yscale("log")
         ax.set_title(f"{f} (GGUF {mine[0]['gguf_bytes'] / 2**30:.1f} GiB)")
@@ -282,6 +329,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="measured tokens (resident); caps measure --cap-tokens")
     ap.add_argument("--cap-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repetitions", type=int, default=3, help="llama-bench's -r: every one kept, the first "
+                                                                   "(warming a mapped file) left out of the median")
+    ap.add_argument("--kernels", default="auto", help="moetier's kernel path (`moetier generate --kernels`): avx2 "
+                                                     "measures the AVX2 path on a CPU that has more")
+    ap.add_argument("--user-command", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run each moetier mode resident as a user runs it (`moetier generate --preload`)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it counts as failed")
     ap.add_argument("--out", type=Path, default=HERE.parent / "out" / "peers")
     ap.add_argument("--report", type=Path, nargs="+",
@@ -340,11 +393,16 @@ def main() -> None:
     ggufs = prepare(formats, llama, default_cache_dir() / "peers" / "models", store)
     rows = rows_of(formats, caps, ggufs)
     runs = []
-    jobs = [(row, e) for row in rows for e in ["llama.cpp"] + [m[0] for m in MODES[row["format"]]]]
+    def engines_of(row: dict) -> list[str]:
+        modes = [m[0] for m in MODES[row["format"]]]
+        users = [m + USER for m in modes] if row["cap_bytes"] is None and args.user_command else []
+        return ["llama.cpp", *modes, *users]
+
+    jobs = [(row, e) for row in rows for e in engines_of(row)]
     print(f"{len(jobs) * args.rounds} runs; load {os.getloadavg()[0]:.2f}", flush=True)
     for rnd in range(args.rounds):
         for row in rows:
-            engines = ["llama.cpp"] + [m[0] for m in MODES[row["format"]]]
+            engines = engines_of(row)
             engines = engines[rnd % len(engines):] + engines[:rnd % len(engines)]  # the order turns each round
             for engine in engines:
                 capped = row["cap_bytes"] is not None
@@ -353,11 +411,16 @@ def main() -> None:
                 tokens = args.cap_tokens if capped else args.tokens
                 probe = probe_rate()
                 t0 = time.perf_counter()
+                mode = next((m for m in MODES[row["format"]] if m[0] == engine.removesuffix(USER)), None)
                 if engine == "llama.cpp":
-                    r = llama_run(llama, ggufs[row["format"]], row["cap_bytes"], tokens, args.threads, args.timeout)
+                    run = partial(llama_run, llama, ggufs[row["format"]], row["cap_bytes"], tokens, args.threads,
+                                  args.timeout, args.repetitions)
+                elif engine.endswith(USER):
+                    run = partial(user_run, store, mode, tokens, args.timeout, args.kernels)
                 else:
-                    mode = next(m for m in MODES[row["format"]] if m[0] == engine)
-                    r = moetier_run(store, mode, row["cap_bytes"], tokens, args.timeout)
+                    run = partial(moetier_run, store, mode, row["cap_bytes"], tokens, args.timeout, args.kernels)
+                # waited for an idle machine, measured beside the other processes' CPU, run again under it
+                r = measured(run)
                 runs.append(dict(row, engine=engine, round=rnd, wall_s=time.perf_counter() - t0,
                                  probe_before_gb_s=probe, **r))
                 shown = f"{r['tok_s']:.2f} tok/s" if "tok_s" in r else r["error"][:120]
@@ -365,13 +428,18 @@ def main() -> None:
                     f", {r['probe_in_gb_s']:.1f} in moetier's process)" if r.get("probe_in_gb_s") else ")")
                 if r.get("huge_page_share") is not None:
                     shown += f"  {r['huge_page_share']:.0%} in huge pages"
-                print(f"round {rnd + 1} {row['format']:>7} {row['setting']:>9} {engine:>9}: {shown}", flush=True)
+                load = r["load"]
+                shown += f"  other processes {load['foreign_cores']:.2f} cores" + (
+                    f" (kept after {load['reruns']} reruns: MARKED)" if load["under_load"] else
+                    f" ({load['reruns']} reruns)" if load["reruns"] else "")
+                print(f"round {rnd + 1} {row['format']:>7} {row['setting']:>9} {engine:>19}: {shown}", flush=True)
     summary = summarize(rows, runs)
     print(table(summary))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compare.md").write_text(markdown(summary) + "\n")
     meta = dict(cpu=cpu_description(), llama_cpp=llama.version(), threads=args.threads, tokens=args.tokens,
-                cap_tokens=args.cap_tokens, rounds=args.rounds, date=time.strftime("%Y-%m-%d"))
+                cap_tokens=args.cap_tokens, rounds=args.rounds, repetitions=args.repetitions,
+                load_threshold_cores=THRESHOLD_CORES, kernels=args.kernels, date=time.strftime("%Y-%m-%d"))
     (args.out / "compare.json").write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1))
     plot(summary, args.out / "compare.png",
          f"OLMoE-1B-7B-shaped, same weights, {args.threads} threads, {meta['cpu']['model']}")

@@ -34,7 +34,8 @@ def run(cfg: dict) -> dict:
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(cfg["store"], expert_memory=cfg["budget"], progress=False,
                                     precision=MixedPrecision(cfg.get("precision", "native")),
-                                    dense_precision=cfg.get("dense_precision", "native"))
+                                    dense_precision=cfg.get("dense_precision", "native"),
+                                    kernels=cfg.get("kernels", "auto"))
     load_s = time.perf_counter() - t0
     if cfg.get("preload"):
         engine.preload()
