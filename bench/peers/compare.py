@@ -13,8 +13,15 @@ Each run is its own process, in its own memory cgroup for a cap (cap = a share o
 60%, 35%, 20% by default), with both engines' files dropped from the page cache first; the engines alternate, the
 order turning every round. Resident: llama.cpp loads the file into memory up front (`-lm none`), moetier holds
 every expert (100%, preloaded). Under a cap: llama.cpp maps the file (`-lm mmap`, what a user runs) and moetier
-takes `--expert-memory auto`. llama.cpp's speed is llama-bench's last repetition (the first warms its mapping);
-moetier's is the TPOT of the measured tokens after as many warm-up tokens.
+takes `--expert-memory auto`. llama.cpp's speed is the median of llama-bench's repetitions after the first (which
+warms its mapping), every repetition kept in the JSON; moetier's is the TPOT of the measured tokens after as many
+warm-up tokens. A row's spread (min–max over every repetition and round) stands beside its median in the table and
+as error bars in the plot. Beside the harness, each moetier mode also runs as a user runs it (`moetier generate
+--preload ...`), the `(generate)` rows.
+
+Load aware (bench/load.py): before each run the machine must be idle (bounded wait); other processes' CPU is
+sampled during the run and kept in the JSON; a run whose foreign load passes 0.25 cores is run again (twice at
+most) and, if kept, marked in the table.
 
     python bench/peers/compare.py [--formats bf16,q8_0,q4_k_m] [--caps resident,100,60,35,20] [--rounds 2]
 
@@ -332,7 +339,8 @@ def main() -> None:
     ap.add_argument("--repetitions", type=int, default=3, help="llama-bench's -r: every one kept, the first "
                                                                    "(warming a mapped file) left out of the median")
     ap.add_argument("--kernels", default="auto", help="moetier's kernel path (`moetier generate --kernels`): avx2 "
-                                                     "measures the AVX2 path on a CPU that has more")
+                                                     "measures the AVX2 path on a CPU that has more, beside "
+                                                     "llama.cpp's AVX2 build (built once)")
     ap.add_argument("--user-command", action=argparse.BooleanOptionalAction, default=True,
                     help="also run each moetier mode resident as a user runs it (`moetier generate --preload`)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it counts as failed")
@@ -389,7 +397,8 @@ def main() -> None:
     from bench_offload import SYNTH, store_of
 
     store = store_of(SYNTH)
-    llama = build(default_cache_dir())
+    # the AVX2 row: both engines held to AVX2 (llama.cpp's AVX2 build beside moetier's AVX2 kernels)
+    llama = build(default_cache_dir(), isa="avx2" if args.kernels == "avx2" else "native")
     ggufs = prepare(formats, llama, default_cache_dir() / "peers" / "models", store)
     rows = rows_of(formats, caps, ggufs)
     runs = []
@@ -433,16 +442,20 @@ def main() -> None:
                     f" (kept after {load['reruns']} reruns: MARKED)" if load["under_load"] else
                     f" ({load['reruns']} reruns)" if load["reruns"] else "")
                 print(f"round {rnd + 1} {row['format']:>7} {row['setting']:>9} {engine:>19}: {shown}", flush=True)
+                args.out.mkdir(parents=True, exist_ok=True)  # every run so far, should a long comparison stop
+                (args.out / "runs.partial.json").write_text(json.dumps(runs, indent=1))
     summary = summarize(rows, runs)
     print(table(summary))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compare.md").write_text(markdown(summary) + "\n")
     meta = dict(cpu=cpu_description(), llama_cpp=llama.version(), threads=args.threads, tokens=args.tokens,
                 cap_tokens=args.cap_tokens, rounds=args.rounds, repetitions=args.repetitions,
-                load_threshold_cores=THRESHOLD_CORES, kernels=args.kernels, date=time.strftime("%Y-%m-%d"))
+                load_threshold_cores=THRESHOLD_CORES, kernels=args.kernels, llama_cpp_build=llama.isa,
+                date=time.strftime("%Y-%m-%d"))
     (args.out / "compare.json").write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1))
     plot(summary, args.out / "compare.png",
          f"OLMoE-1B-7B-shaped, same weights, {args.threads} threads, {meta['cpu']['model']}")
+    (args.out / "runs.partial.json").unlink(missing_ok=True)
     print(f"wrote {args.out / 'compare.json'} and {args.out / 'compare.png'}")
 
 

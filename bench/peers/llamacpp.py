@@ -18,8 +18,17 @@ from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python's; its vendor/llama.cpp is the tree built
 TARGETS = ("llama-bench", "llama-perplexity", "llama-quantize")
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF")
+# The instruction sets a build may use: `native`, what this CPU has (its default); `avx2`, ggml's AVX2 kernels alone
+# on a CPU with more — the peer of `moetier --kernels avx2`, so an AVX2 machine's row can be measured on any machine.
+ISAS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+             "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+             "-DGGML_AMX_BF16=OFF"),
+}
 GGUF_TYPES = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}  # our names -> llama-quantize's
 
 # Run by the converter's interpreter: llama.cpp's converter with the allowances our tokenizers need. Both are
@@ -44,10 +53,15 @@ convert_hf_to_gguf.main()
 @dataclass(frozen=True)
 class LlamaCpp:
     tree: Path  # the source tree (its converter and gguf-py)
+    isa: str = "native"  # which build (ISAS) runs
+
+    def __post_init__(self):
+        if self.isa not in ISAS:
+            raise ValueError(f"unknown llama.cpp build {self.isa!r}; known: {', '.join(ISAS)}")
 
     @property
     def bin(self) -> Path:
-        return self.tree / "build" / "bin"
+        return self.tree / build_dir(self.isa) / "bin"
 
     def version(self) -> str:
         """What llama-bench says it is (a source distribution carries no commit: the PyPI version names it)."""
@@ -113,13 +127,30 @@ def home(cache: Path) -> Path:
     return cache / "peers" / f"llama.cpp-{VERSION}"
 
 
-def build(cache: Path, log=print) -> LlamaCpp:
-    """llama.cpp built for this CPU (GGML_NATIVE) under `cache`, once; a build that did not finish is redone."""
+def build_dir(isa: str) -> str:
+    return "build" if isa == "native" else f"build-{isa}"
+
+
+def build(cache: Path, log=print, isa: str = "native") -> LlamaCpp:
+    """llama.cpp built for this CPU (GGML_NATIVE), or for `isa` (ISAS), under `cache`, once; a build that did not
+    finish is redone."""
+    llama = LlamaCpp(home(cache) / "llama.cpp", isa)
+    done = home(cache) / ("built" if isa == "native" else f"built-{isa}")
+    if done.exists() and all((llama.bin / t).exists() for t in TARGETS):
+        return llama
+    if not (home(cache) / "built").exists():  # the source tree comes with the native build
+        fetch_source(cache, log)
+        compile_tree(llama.tree, "native", log)
+        (home(cache) / "built").write_text(VERSION)
+    if isa != "native":
+        compile_tree(llama.tree, isa, log)
+        done.write_text(VERSION)
+    return llama
+
+
+def fetch_source(cache: Path, log=print) -> None:
+    """llama-cpp-python's source distribution from PyPI, its vendored llama.cpp kept as `home/llama.cpp`."""
     root = home(cache)
-    tree = root / "llama.cpp"
-    done = root / "built"
-    if done.exists() and all((tree / "build" / "bin" / t).exists() for t in TARGETS):
-        return LlamaCpp(tree)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     log(f"building llama.cpp (llama-cpp-python {VERSION}'s) into {root}: about 10 minutes on two cores, once")
@@ -130,12 +161,16 @@ def build(cache: Path, log=print) -> LlamaCpp:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
         tar.extractall(root, members=members, filter="data")
     vendored = next(root.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    vendored.rename(tree)
+    vendored.rename(root / "llama.cpp")
     shutil.rmtree(next(root.glob("llama_cpp_python-*")), ignore_errors=True)
     sdist.unlink()
-    subprocess.run(["cmake", "-S", str(tree), "-B", str(tree / "build"), *CMAKE_FLAGS], check=True,
+
+
+def compile_tree(tree: Path, isa: str, log=print) -> None:
+    if isa != "native":
+        log(f"building llama.cpp's {isa} variant into {tree / build_dir(isa)}: about 10 minutes on two cores, once")
+    out = tree / build_dir(isa)
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(out), *CMAKE_FLAGS, *ISAS[isa]], check=True,
                    capture_output=True)
-    subprocess.run(["cmake", "--build", str(tree / "build"), "-j", "2", "--target", *TARGETS], check=True,
+    subprocess.run(["cmake", "--build", str(out), "-j", "2", "--target", *TARGETS], check=True,
                    capture_output=True)
-    done.write_text(VERSION)
-    return LlamaCpp(tree)

@@ -5,6 +5,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "peers" / "compare.py"
 
 
@@ -67,3 +69,16 @@ def test_only_the_copies_the_modes_read_are_built():
     assert compare.copies_needed(["q8_0", "q4_k_m"]) == ["int2", "int4", "int8"]
     compare.MODES["q4_k_m"] = [m for m in compare.MODES["q4_k_m"] if m[0] == "int4"]  # (--modes int4)
     assert compare.copies_needed(["q4_k_m"]) == ["int4"]
+
+
+def test_the_avx2_row_holds_llama_cpp_to_avx2_too():
+    load_compare()  # puts bench/peers on the path
+    import llamacpp
+
+    native, avx2 = llamacpp.LlamaCpp(Path("tree")), llamacpp.LlamaCpp(Path("tree"), "avx2")
+    assert native.bin == Path("tree/build/bin") and avx2.bin == Path("tree/build-avx2/bin")
+    flags = llamacpp.ISAS["avx2"]
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX2=ON" in flags
+    assert {"-DGGML_AVX512=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_INT8=OFF"} <= set(flags)
+    with pytest.raises(ValueError, match="avx9"):
+        llamacpp.LlamaCpp(Path("tree"), "avx9")
