@@ -1,0 +1,132 @@
+"""GGML's block formats, the ones GGUF files of MoE models carry (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4): their sizes, and
+the weights a run of blocks stands for, in torch (the reference every kernel is checked against, and the GPU's and
+any other path's way to them). The layouts are ggml's (`ggml-common.h`); these functions are checked bit for bit
+against the `gguf` package's numpy dequantizers (tests/quant/test_ggml_blocks.py), which stay the way to every
+other type (`dequantize_other`).
+
+A matrix [N, K] in a block format is N rows of K/block_size blocks, each row's blocks one after another, as GGUF
+stores a tensor whose first dimension (ggml's ne[0]) is K. Every function takes uint8 bytes [..., blocks·type_size]
+and returns float32 [..., blocks·block_size].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QK_K = 256  # weights in a k-quant super-block
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str  # GGUF's type name, lower case
+    block_size: int  # weights a block holds
+    type_size: int  # bytes a block takes
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.type_size <= 0:
+            raise ValueError(f"{self.name}: block and type sizes must be positive")
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of a row of `k` weights."""
+        if k % self.block_size:
+            raise ValueError(f"{self.name} rows are whole blocks of {self.block_size}; got {k} weights")
+        return k // self.block_size * self.type_size
+
+    @property
+    def bits(self) -> float:
+        return 8 * self.type_size / self.block_size
+
+
+FORMATS = {f.name: f for f in (
+    BlockFormat("q8_0", 32, 2 + 32),  # fp16 d; int8 qs[32]
+    BlockFormat("q4_k", QK_K, 2 + 2 + 12 + QK_K // 2),  # fp16 d, dmin; 6-bit scales and mins [12]; nibbles [128]
+    BlockFormat("q5_k", QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),  # as q4_k, and the fifth bits qh[32]
+    BlockFormat("q6_k", QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),  # ql[128], qh[64], int8 scales[16], fp16 d
+    BlockFormat("mxfp4", 32, 1 + 16),  # E8M0 exponent; fp4 (E2M1) nibbles [16]
+)}
+
+# MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4), the exponent then halved: exact in float32
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def dequantize(data: torch.Tensor, name: str) -> torch.Tensor:
+    """uint8 [..., B·type_size] of format `name` -> float32 [..., B·block_size]."""
+    fmt = FORMATS[name]
+    if data.dtype != torch.uint8 or data.shape[-1] % fmt.type_size:
+        raise ValueError(f"{name}: expected uint8 bytes in whole blocks of {fmt.type_size}, got {data.dtype} "
+                         f"{tuple(data.shape)}")
+    lead = data.shape[:-1]
+    blocks = data.reshape(-1, fmt.type_size)  # [B, type_size]
+    out = DEQUANTIZE[name](blocks)  # [B, block_size]
+    return out.reshape(*lead, -1)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes a block, little-endian fp16 -> float32 [B, 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * b[:, 2:].contiguous().view(torch.int8).float()
+
+
+def scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins of a q4_k/q5_k block's 12 bytes (ggml's get_scale_min_k4), [B, 8] each."""
+    q = scales.to(torch.int32)
+    d, m, md = q[:, 0:4], q[:, 4:8], q[:, 8:12]
+    sc = torch.cat([d & 63, (md & 0xF) | ((d >> 6) << 4)], dim=1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], dim=1)
+    return sc, mn
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q4_k/q5_k block's per-32 scale and offset, float32 [B, 8, 1]: w = d·sc·q − dmin·m."""
+    sc, mn = scale_min_k4(b[:, 4:16])
+    d = (_f16(b[:, 0:2]) * sc.float()).unsqueeze(-1)
+    dm = (_f16(b[:, 2:4]) * mn.float()).unsqueeze(-1)
+    return d, dm
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[B, 128] bytes -> [B, 8, 32]: each 32 bytes' low nibbles are one sub-block, their high nibbles the next."""
+    q = qs.reshape(-1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    return (q & 0xF).reshape(-1, 8, 32)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    d, dm = _k_scales(b)
+    return (d * _nibbles(b[:, 16:144]).float() - dm).reshape(-1, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    d, dm = _k_scales(b)
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)  # sub-block j's bit j
+    q = _nibbles(b[:, 48:176]) | ((qh & 1) << 4)
+    return (d * q.float() - dm).reshape(-1, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()  # [B, 16], one per 16 weights
+    d = (_f16(b[:, 208:210]) * scales).unsqueeze(-1)  # [B, 16, 1]
+    lo = ql.reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    lo = (lo & 0xF).reshape(-1, 8, 32)  # per half: ql[0:32] low, ql[32:64] low, ql[0:32] high, ql[32:64] high
+    hi = qh.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    hi = (hi & 3).reshape(-1, 8, 32)
+    q = (lo | (hi << 4)).to(torch.int8) - 32
+    return (d * q.reshape(-1, 16, 16).float()).reshape(-1, QK_K)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    e = b[:, :1].to(torch.int32)
+    # 2^(e-128) (the values table is doubled); e = 0 is 2^-128, a subnormal float32 that ldexp gives exactly
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 128)
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    qs = b[:, 1:17].to(torch.int64)
+    q = torch.cat([values[qs & 0xF], values[qs >> 4]], dim=1)  # low nibbles: the first 16 weights
+    return scale * q
+
+
+DEQUANTIZE = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "mxfp4": _mxfp4}
