@@ -24,7 +24,7 @@ from moetier.paths import default_cache_dir
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c", "q_int.c", "decode_block.c", "route.c",
-                                         "token_routed.c", "decode_step.c"))
+                                         "token_routed.c", "decode_step.c", "q_ggml.c"))
 HEADERS = (CSRC / "bf16.h",)
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 VECTOR_CAPABILITIES = ("AVX2", "AVX512")  # what torch.backends.cpu.get_cpu_capability() calls AVX2 or better
@@ -164,6 +164,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_decode_step_resident.restype = None
     lib.moetier_route_softmax.argtypes = [p, n, n, n, n, n, ctypes.c_float, n, p, p, p]
     lib.moetier_route_softmax.restype = None
+    lib.moetier_gq_act_bytes.argtypes = [i, n]
+    lib.moetier_gq_act_bytes.restype = n
+    lib.moetier_gq_quantize_act.argtypes = [i, p, n, i, p]
+    lib.moetier_gq_quantize_act.restype = None
+    lib.moetier_gq_fits.argtypes = [i, n]
+    lib.moetier_gq_fits.restype = i
+    lib.moetier_gq_linear.argtypes = [i, p, n, n, p, i, p]
+    lib.moetier_gq_linear.restype = None
     lib.moetier_threads.argtypes = []
     lib.moetier_threads.restype = n
     return lib

@@ -1,0 +1,42 @@
+"""A matrix in one of GGML's block formats times a few tokens, through the native library's integer kernels
+(`csrc/q_ggml.c`: the activation quantized to Q8_K or Q8_0 blocks, llama.cpp's arithmetic), or, for more tokens
+than a pass takes, the matrix dequantized once (moetier/quant/ggml_blocks.py) for torch's matmul.
+
+`GgmlLinear(lib)(x, w, fmt)`: x [T, K] (any float dtype), w uint8 [N, K/block·type_size] -> fp32 [T, N]."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from moetier.quant.ggml_blocks import FORMATS, dequantize
+
+TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3}  # csrc/q_ggml.c's GQ_*
+MAX_TOKENS = 4  # GQ_MAX_TOKENS
+
+
+class GgmlLinear:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def takes(self, fmt: str, k: int) -> bool:
+        """Whether the integer kernels compute format `fmt` over `k` inputs."""
+        return fmt in TYPE_IDS and bool(self.lib.moetier_gq_fits(TYPE_IDS[fmt], k))
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
+        t, k = x.shape
+        n = w.shape[0]
+        if w.dtype != torch.uint8 or w.shape[1] != FORMATS[fmt].row_bytes(k):
+            raise ValueError(f"{fmt} weights for {k} inputs are uint8 [N, {FORMATS[fmt].row_bytes(k)}], got "
+                             f"{w.dtype} {tuple(w.shape)}")
+        if t > MAX_TOKENS or not self.takes(fmt, k):
+            return x.float() @ dequantize(w, fmt).T
+        kind = TYPE_IDS[fmt]
+        xf = x.float().contiguous()
+        act = torch.empty(t * self.lib.moetier_gq_act_bytes(kind, k), dtype=torch.uint8)
+        self.lib.moetier_gq_quantize_act(kind, xf.data_ptr(), k, t, act.data_ptr())
+        y = torch.empty(t, n, dtype=torch.float32)
+        w = w.contiguous()
+        self.lib.moetier_gq_linear(kind, w.data_ptr(), n, k, act.data_ptr(), t, y.data_ptr())
+        return y

@@ -1,0 +1,67 @@
+"""The native kernels on GGML's block formats (csrc/q_ggml.c), on every instruction set this CPU runs: against the
+same arithmetic in torch — the activation quantized to Q8_K / Q8_0 blocks as ggml quantizes it, times the
+dequantized weights — to fp32 rounding, and against the float product within the activation's int8 rounding."""
+
+import pytest
+import torch
+
+from moetier.model import native
+from moetier.model.ggml_linear import MAX_TOKENS, GgmlLinear
+from moetier.quant.ggml_blocks import dequantize
+from moetier.quant.kquants import quantize
+
+ISAS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
+                                                        reason=f"this CPU cannot run {isa.name}"))
+        for isa in native.ISAS]
+FORMATS = ["q8_0", "q4_k", "q5_k", "q6_k"]
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def linear(request) -> GgmlLinear:
+    loaded = native.load(request.param)
+    assert loaded.lib is not None, loaded.reason
+    return GgmlLinear(loaded.lib)
+
+
+def activation_as_ggml(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [T, K] -> the values its int8 blocks stand for: Q8_K (256, scale from the signed largest, -127 / it, at
+    most 127) for the k-quants; 32 a block by max |x| / 127 for q8_0."""
+    t, k = x.shape
+    if fmt == "q8_0":
+        b = x.view(t, k // 32, 32)
+        d = b.abs().amax(-1, keepdim=True) / 127
+        return (torch.round(b / torch.where(d > 0, d, 1)) * d).view(t, k)
+    b = x.view(t, k // 256, 256)
+    big = b.gather(-1, b.abs().argmax(-1, keepdim=True))
+    iscale = torch.where(big != 0, -127 / big, 0)
+    q = torch.round(iscale * b).clamp(max=127)
+    return (q * torch.where(iscale != 0, 1 / iscale, 0)).view(t, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tokens", [1, 3, MAX_TOKENS])
+def test_the_kernel_is_ggmls_arithmetic(linear, fmt, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    w = quantize(torch.randn(96, 512, generator=g) * 0.02, fmt)
+    x = torch.randn(tokens, 512, generator=g)
+    y = linear(x, w, fmt)
+    want = (activation_as_ggml(x, fmt).double() @ dequantize(w, fmt).double().T).float()
+    torch.testing.assert_close(y, want, rtol=2e-5, atol=1e-5)
+    exact = x @ dequantize(w, fmt).T  # the activation's int8 rounding is all that parts them
+    assert ((y - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_big_matrix_in_parallel_and_a_long_batch_by_dequantizing(linear, fmt):
+    g = torch.Generator().manual_seed(1)
+    w = quantize(torch.randn(512, 1024, generator=g) * 0.02, fmt)  # over the threads' threshold
+    x = torch.randn(MAX_TOKENS + 2, 1024, generator=g)
+    rows = torch.cat([linear(x[i:i + 2], w, fmt) for i in range(0, len(x), 2)])
+    whole = linear(x, w, fmt)  # more tokens than a pass: dequantized, torch's product
+    torch.testing.assert_close(whole, x @ dequantize(w, fmt).T)
+    assert ((rows - whole).norm() / whole.norm()).item() < 0.02
+
+
+def test_weights_of_the_wrong_size_are_refused(linear):
+    with pytest.raises(ValueError, match=r"uint8 \[N, 144\]"):
+        linear(torch.zeros(1, 256), torch.zeros(4, 140, dtype=torch.uint8), "q4_k")
