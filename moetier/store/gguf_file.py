@@ -1,0 +1,213 @@
+"""A GGUF file (or a split set, `NAME-00001-of-0000N.gguf`) as a model: read with llama.cpp's own reader (the
+`gguf` package), its metadata mapped onto the Hugging Face config a family parses, its tensors found by the names
+llama.cpp's converter gave them (the `gguf` package's TensorNameMap, the converter's own table), each tensor's type,
+shape and place in its file, and its tokenizer built from `tokenizer.ggml.*` with the `tokenizers` library.
+
+Which architectures: llama.cpp's arch names mapped to the families moetier runs (`ARCHES`); any other is refused
+with its name. What the converter changed in the weights is undone where they are read: llama-arch Q/K rows
+permuted for its rotary layout (Mixtral: `unpermute`). Errors are one line (GgufError) before anything is
+written.""" 
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moetier.errors import CheckpointError
+
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+KNOWN_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "q8_0", "Q4_K": "q4_k",
+               "Q5_K": "q5_k", "Q6_K": "q6_k", "MXFP4": "mxfp4"}  # GGML type -> moetier's name for it
+HINT = "give a GGUF file as llama.cpp's convert_hf_to_gguf.py and llama-quantize write them"
+
+
+class GgufError(CheckpointError):
+    pass
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of the file: `shape` in torch's order (rows first: ggml's ne reversed), its GGML type's name,
+    `nbytes` at `offset` in `path`."""
+
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    path: Path
+    offset: int
+    nbytes: int
+    data: np.ndarray  # the reader's memory map: uint8 blocks for block types, the values for float ones
+
+    @property
+    def type(self) -> str | None:
+        """moetier's name for its type (None: one no kernel or conversion of ours reads)."""
+        return KNOWN_TYPES.get(self.ggml_type)
+
+
+def split_parts(path: Path) -> list[Path]:
+    """Every file of a split set named by its first (or any) part, in order; one file otherwise."""
+    m = SPLIT.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        raise GgufError(f"{path.name} is part of a split set of {count} files; missing: {', '.join(missing)}",
+                        hint="keep every part of the set in one folder")
+    return parts
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:  # a short or foreign file: the reader's own words
+        raise GgufError(f"{path} is not a readable GGUF file ({str(e).splitlines()[0][:160]})", hint=HINT) from None
+
+
+class GgufModel:
+    """A GGUF model's metadata, tensors and tokenizer (nothing read but its headers until a tensor is asked for)."""
+
+    def __init__(self, path: Path | str) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise GgufError(f"no GGUF file at {path}", hint=HINT)
+        self.path = path
+        self.parts = split_parts(path)
+        readers = [_reader(p) for p in self.parts]
+        self.metadata = _metadata(readers[0])
+        self.arch = str(self.metadata.get("general.architecture", ""))
+        self.tensors: dict[str, Tensor] = {}
+        for part, reader in zip(self.parts, readers):
+            for t in reader.tensors:
+                self.tensors[t.name] = Tensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                                              part, int(t.data_offset), int(t.n_bytes), t.data)
+        self.arch_spec = arch_spec(self.arch, self.metadata)
+        unknown = sorted({t.ggml_type for t in self.tensors.values() if t.type is None})
+        if unknown:
+            names = [t.name for t in self.tensors.values() if t.type is None]
+            raise GgufError(f"{path.name} has tensors of GGML types moetier does not read: {', '.join(unknown)} "
+                            f"({len(names)} tensors, e.g. {names[0]})",
+                            hint=f"moetier reads {', '.join(KNOWN_TYPES)}; requantize with llama-quantize")
+
+    def key(self, name: str, default=None):
+        """A metadata value under the arch's prefix (`{arch}.name`)."""
+        return self.metadata.get(f"{self.arch}.{name}", default)
+
+    def config(self) -> dict:
+        """The Hugging Face config.json the metadata stands for (what the family parses)."""
+        return {"model_type": self.arch_spec.model_type, **_common(self), **self.arch_spec.fields(self)}
+
+    def tensor(self, name: str) -> Tensor:
+        if name not in self.tensors:
+            raise GgufError(f"{self.path.name} has no tensor {name!r}, which its {self.arch} model needs", hint=HINT)
+        return self.tensors[name]
+
+
+def _metadata(reader) -> dict:
+    """Every key's value as Python (arrays of strings and numbers as lists); the reader's contents()."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = field.contents()
+        except (ValueError, IndexError) as e:
+            raise GgufError(f"metadata {key!r} cannot be read ({e})", hint=HINT) from None
+    return out
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one llama.cpp architecture maps onto a family: its model_type and the config fields its own."""
+
+    model_type: str
+    fields: Callable[[GgufModel], dict]
+    permute_qk: bool = False  # the converter permuted Q/K rows (llama arch): undone when read
+
+
+def decimal(value) -> float:
+    """A float32 the converter wrote from a config's decimal (1e-05), as that decimal: the shortest one the float32
+    rounds from, so the model computes with the config's value, as from the Hugging Face folder."""
+    return float(repr(np.float32(value)).removeprefix("np.float32(").removesuffix(")"))
+
+
+def _common(m: GgufModel) -> dict:
+    heads = int(m.key("attention.head_count", 0))
+    tokens = m.metadata.get("tokenizer.ggml.tokens") or []
+    embed = m.tensors.get("token_embd.weight")
+    cfg = {
+        "hidden_size": int(m.key("embedding_length", 0)),
+        "num_hidden_layers": int(m.key("block_count", 0)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(m.key("attention.head_count_kv", heads)),
+        "rms_norm_eps": decimal(m.key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": decimal(m.key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(m.key("context_length", 0)),
+        "num_experts_per_tok": int(m.key("expert_used_count", 0)),
+        "vocab_size": embed.shape[0] if embed is not None else len(tokens),
+        "tie_word_embeddings": "output.weight" not in m.tensors,
+        "hidden_act": "silu",
+        "dtype": "bfloat16",
+    }
+    if m.key("attention.key_length") is not None:
+        cfg["head_dim"] = int(m.key("attention.key_length"))
+    for ours, theirs in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                         ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        if theirs in m.metadata:
+            cfg[ours] = int(m.metadata[theirs])
+    return cfg
+
+
+def _olmoe(m: GgufModel) -> dict:  # llama.cpp's graph: softmax top-k, never renormalised
+    return {"num_experts": int(m.key("expert_count")), "intermediate_size": int(m.key("feed_forward_length")),
+            "norm_topk_prob": False}
+
+
+def _qwen2moe(m: GgufModel) -> dict:
+    return {"num_experts": int(m.key("expert_count")),
+            "moe_intermediate_size": int(m.key("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(m.key("expert_shared_feed_forward_length")),
+            "intermediate_size": int(m.key("feed_forward_length", 0)), "norm_topk_prob": False}
+
+
+def _qwen3moe(m: GgufModel) -> dict:  # llama.cpp's qwen3moe graph renormalises the top-k weights
+    return {"num_experts": int(m.key("expert_count")),
+            "moe_intermediate_size": int(m.key("expert_feed_forward_length")),
+            "intermediate_size": int(m.key("feed_forward_length", 0)), "norm_topk_prob": True}
+
+
+def _mixtral(m: GgufModel) -> dict:
+    return {"num_local_experts": int(m.key("expert_count")), "intermediate_size": int(m.key("feed_forward_length"))}
+
+
+ARCHES = {
+    "olmoe": ArchSpec("olmoe", _olmoe),
+    "qwen2moe": ArchSpec("qwen2_moe", _qwen2moe),
+    "qwen3moe": ArchSpec("qwen3_moe", _qwen3moe),
+    "llama": ArchSpec("mixtral", _mixtral, permute_qk=True),  # with experts: Mixtral (llama.cpp has no arch of its own)
+}
+
+
+def arch_spec(arch: str, metadata: dict) -> ArchSpec:
+    if arch == "llama" and not metadata.get("llama.expert_count"):
+        raise GgufError("this GGUF is a dense llama model (no llama.expert_count): moetier runs Mixture-of-Experts "
+                        "models", hint=f"GGUF architectures moetier runs: {', '.join(ARCHES)} (llama with experts)")
+    if arch not in ARCHES:
+        raise GgufError(f"GGUF architecture {arch!r} is not one moetier runs",
+                        hint=f"GGUF architectures moetier runs: {', '.join(ARCHES)} (llama with experts)")
+    return ARCHES[arch]
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of llama.cpp's converter's `permute` (LlamaModel.permute: each head's rows from rotate-half's
+    order to interleaved pairs), for Q or K [heads·head_dim, ...]."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
