@@ -169,14 +169,16 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
     from moetier.plan.precision import MODES, UNIFORM
 
     p.add_argument("--precision", default="native", choices=MODES,
-                   help="native (exact); int8/int4/int2 (every expert at that copy); hobbit (a missing expert loaded "
+                   help="native (exact); int8/int4/int2, or q8_0/q6_k/q5_k/q4_k (GGML's formats, fitted as "
+                        "llama-quantize fits them): every expert at that copy; hobbit (a missing expert loaded "
                         "at high or low precision by its gate, or skipped); low-tier (every expert resident at low "
                         "precision, the important ones cached at high)")
     p.add_argument("--low-precision", default="", choices=["", *UNIFORM], metavar="{" + ",".join(UNIFORM) + "}",
-                   help="hobbit/low-tier: the low copy (default int4 for hobbit; for low-tier the most precise that "
-                        "fits in 75%% of the budget)")
-    p.add_argument("--high-precision", default="", choices=["", "int8"], metavar="{int8}",
-                   help="hobbit/low-tier: the high copy (default the model's own; int8 pairs with int2 as in HOBBIT)")
+                   help="hobbit/low-tier: the low copy (default int4 for hobbit; q4_k for llama.cpp's Q4_K; for "
+                        "low-tier the most precise that fits in 75%% of the budget)")
+    p.add_argument("--high-precision", default="", choices=["", "int8", "q8_0"], metavar="{int8,q8_0}",
+                   help="hobbit/low-tier: the high copy (default the model's own; int8 pairs with int2 as in HOBBIT, "
+                        "q8_0 with q4_k as llama.cpp's formats)")
     p.add_argument("--thresholds", default=None, metavar="T1,T2",
                    help="HOBBIT's importance thresholds (default: the model's fitted ones if it has them, else the "
                         "paper's 0.6,0.9; low-tier T2 1.0: no skipping)")

@@ -42,12 +42,13 @@ from moetier.model.transformer import Transformer
 from moetier.paths import default_cache_dir
 from moetier.plan.alpha_budget import CALIBRATION_ALPHAS, AlphaChoice, choose_alpha
 from moetier.plan.placement import PLACEMENTS
-from moetier.plan.precision import UNIFORM, MixedPrecision
+from moetier.plan.precision import MixedPrecision
 from moetier.plan.prefetchers import PREFETCHERS
 from moetier.plan.substitute import Substitution
 from moetier.policy_files import load_thresholds, make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
 from moetier.predictor_files import TRAINED, load_nets
+from moetier.quant.precisions import CODES
 from moetier.resolve import resolve_model
 from moetier.store.reader import ExpertReader, check_reader_threads
 from moetier.store.store import Store
@@ -184,7 +185,7 @@ def choose_low(mixed: MixedPrecision, store: Store, cache_bytes: int) -> MixedPr
     if mixed.mode != "low-tier" or mixed.low:
         return mixed
     spec, n = store.spec, store.spec.num_expert_keys
-    for low in UNIFORM:
+    for low in CODES:  # our own copies (a GGML format is taken when named: --low-precision q4_k)
         if expert_layouts(spec, [low])[low].blob_bytes * n <= LOW_TIER_SHARE * cache_bytes:
             return dataclasses.replace(mixed, low=low)
     smallest = expert_layouts(spec, ["int2"])["int2"].blob_bytes * n

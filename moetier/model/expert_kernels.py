@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from moetier.config import ModelSpec
 from moetier.model.kernels import Fp32Buffer, TorchKernels
 from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
+from moetier.quant.precisions import BLOCKS
 
 NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the codes in one pass
 
@@ -300,6 +301,12 @@ def _group(k: int, scales: torch.Tensor) -> int:
 def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype, spec: ModelSpec | None = None):
     """The kernel for slots of `precision` in a model computing in `dtype` (`spec`: the model, for its activation;
     None: SwiGLU)."""
+    if precision in BLOCKS:  # GGML's formats: SwiGLU experts (a GGUF's, and our copies)
+        from moetier.model.ggml_experts import GgmlExpert
+
+        if spec is not None and spec.activation != "swiglu":
+            raise ValueError(f"{precision} copies are computed for SwiGLU experts, not {spec.activation}")
+        return GgmlExpert(precision, dtype, getattr(kernels, "lib", None) if kernels.name != "cuda" else None)
     if precision not in BITS:
         return dense_expert(kernels, spec)
     other = None if spec is None or spec.activation == "swiglu" else dense_expert(kernels, spec)

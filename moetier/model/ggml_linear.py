@@ -19,6 +19,7 @@ MAX_TOKENS = 4  # GQ_MAX_TOKENS
 class GgmlLinear:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
+        self.scratch = torch.empty(0, dtype=torch.uint8)  # the quantized activations, grown once to the largest
 
     def takes(self, fmt: str, k: int) -> bool:
         """Whether the integer kernels compute format `fmt` over `k` inputs."""
@@ -34,7 +35,10 @@ class GgmlLinear:
             return x.float() @ dequantize(w, fmt).T
         kind = TYPE_IDS[fmt]
         xf = x.float().contiguous()
-        act = torch.empty(t * self.lib.moetier_gq_act_bytes(kind, k), dtype=torch.uint8)
+        need = t * self.lib.moetier_gq_act_bytes(kind, k)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.uint8)
+        act = self.scratch
         self.lib.moetier_gq_quantize_act(kind, xf.data_ptr(), k, t, act.data_ptr())
         y = torch.empty(t, n, dtype=torch.float32)
         w = w.contiguous()

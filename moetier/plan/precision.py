@@ -2,7 +2,8 @@
 `low-tier` mode built on it.
 
 `MixedPrecision` configures a run:
-- `native` (exact mode), or `int8`/`int4`/`int2`: every expert at that one precision (the store's copies);
+- `native` (exact mode), or `int8`/`int4`/`int2` or a GGML block format (`q8_0`/`q6_k`/`q5_k`/`q4_k`): every
+  expert at that one precision (the store's copies);
 - `hobbit`: a missing expert is loaded at high precision if it matters for its token, at low precision if it
   matters less, or skipped; a resident copy of either precision is used as it is. The cache is split into a
   high- and a low-precision sub-cache (§3.4) by `high_share` of the bytes;
@@ -29,13 +30,14 @@ from moetier.cache.residency import Residency
 from moetier.config import format_bytes
 from moetier.errors import BudgetError, MoetierError
 from moetier.plan.layer_plan import RESIDENT, SKIP, LayerPlan, Run
+from moetier.quant.precisions import QUANTIZED
 
-MODES = ("native", "int8", "int4", "int2", "hobbit", "low-tier")
+MODES = ("native", *QUANTIZED, "hobbit", "low-tier")
 PAPER_T1, PAPER_T2 = 0.6, 0.9  # HOBBIT §3.2
 # What the paper's thresholds do on Mixtral-8x7B's real routing (data/traces/mixtral-8x7b, 577 tokens x 32
 # layers, top-2): the shares of selected experts loaded high, low and skipped. Per-model defaults keep these shares.
 HOBBIT_SHARES = (0.636, 0.318, 0.046)
-UNIFORM = ("int8", "int4", "int2")
+UNIFORM = QUANTIZED  # every expert at one quantized copy (most precise first: low-tier takes the first that fits)
 HIGH, LOW, SKIPPED = 0, 1, 2  # an assignment's level
 
 

@@ -119,7 +119,8 @@ def weight_grid(step: float = 0.25) -> list[HobbitWeights]:
 
 
 # HOBBIT §3.4's miss penalty: a miss costs its copy's bit width over the high copy's (a 16-bit miss C, int4 C/4)
-PENALTY_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, NATIVE: 16, "int8": 8, "int4": 4, "int2": 2}
+PENALTY_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, NATIVE: 16, "int8": 8, "int4": 4, "int2": 2, "q8_0": 8, "q6_k": 6,
+                "q5_k": 5, "q4_k": 4}
 
 
 def miss_penalty(plans, high: str) -> float:

@@ -11,12 +11,13 @@ from pathlib import Path
 
 from moetier.config import ALIGN, ModelSpec
 from moetier.errors import MoetierError
+from moetier.quant.precisions import QUANTIZED, bits_per_weight
 
 # Bytes per weight by precision. int4 carries one fp16 scale per group of 128 weights (our quantized layout);
 # int8 one fp16 scale per output channel, which is negligible at these sizes.
 # quantized: codes, plus moetier's bf16 scale and zero per group (quant/codes.py: int4 groups of 128, int2 of 64;
 # int8's one scale per row is under 0.1%)
-BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128, "int2": 0.25 + 4 / 64}
+BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, **{p: bits_per_weight(p) / 8 for p in QUANTIZED}}
 
 
 class ShapeError(MoetierError):

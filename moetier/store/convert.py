@@ -15,7 +15,7 @@ from moetier.config import ModelSpec
 from moetier.errors import CheckpointError
 from moetier.model.families import Family, family_for, parse_spec
 from moetier.progress import tqdm
-from moetier.quant.codes import quantize_expert
+from moetier.quant.precisions import quantize_expert
 from moetier.store.checkpoint import Checkpoint, read_config
 from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, SourceFile, is_store
 from moetier.store.link import segments_crc32, segments_of

@@ -31,6 +31,7 @@ import torch
 from moetier.atomic import atomic_write_json, marked_json
 from moetier.config import ALIGN
 from moetier.errors import StoreError, integer, parsing
+from moetier.quant.ggml_blocks import FORMATS as BLOCK_FORMATS
 
 FORMAT = "moetier-store"
 VERSION = 2
@@ -43,7 +44,9 @@ RECONVERT = ("re-convert it (`moetier generate --reconvert` for a model converte
 DAMAGED = f"the store is damaged; {RECONVERT}"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
-          "uint8": torch.uint8}  # the integer ones: quantized codes (moetier/quant/codes.py)
+          "uint8": torch.uint8,  # the integer ones: quantized codes (moetier/quant/codes.py)
+          **{fmt: torch.uint8 for fmt in BLOCK_FORMATS}}  # GGML's blocks, as bytes
+# [N, row bytes] (moetier/quant/ggml_blocks.py): the dtype names the format a kernel reads them in
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

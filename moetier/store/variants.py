@@ -19,7 +19,7 @@ from moetier.atomic import FULL, atomic_write_json, check_free_space, disk_full,
 from moetier.config import ModelSpec
 from moetier.errors import StoreError
 from moetier.progress import tqdm
-from moetier.quant.codes import BITS, quantize_expert
+from moetier.quant.precisions import QUANTIZED, quantize_expert
 from moetier.store.format import BlobRef, PrecisionLayout
 from moetier.store.quantize import expert_layout
 from moetier.store.store import Store
@@ -38,8 +38,8 @@ def parse_precisions(text: str | Iterable[str], native: str) -> list[str]:
     for p in names:
         if p == native:
             continue
-        if p not in BITS:
-            known = ", ".join([native, *BITS])
+        if p not in QUANTIZED:
+            known = ", ".join([native, *QUANTIZED])
             raise StoreError(f"unknown or unavailable precision {p!r} (this store's experts are {native})",
                              hint=f"choose from {known}")
         if p not in out:

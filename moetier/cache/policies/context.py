@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZED = frozenset({"int8", "int4", "int3", "int2"})
+from moetier.quant.precisions import QUANTIZED as PRECISIONS
+
+QUANTIZED = frozenset(PRECISIONS)
 
 
 @dataclass(frozen=True)

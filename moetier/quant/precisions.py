@@ -1,0 +1,55 @@
+"""The quantized precisions a store's expert copies come in, in one place: moetier's own codes (codes.py: int8,
+int4, int2) and GGML's block formats (ggml_blocks.py: q8_0, q6_k, q5_k, q4_k — the types llama.cpp's Q8_0, Q6_K,
+Q5_K_M and Q4_K_M files hold, fitted as ggml fits them by kquants.py, so one set of kernels serves a GGUF's
+experts and our own copies).
+
+A block format needs whole blocks in a row (256 inputs for the k-quants, 32 for q8_0); a matrix whose rows are
+not (a small model's 64-wide down_proj) takes q8_0 where its rows are whole blocks of 32. llama.cpp falls back to
+q5_0/q5_1/q8_0 by type; we take q8_0 always — more precise, a format the kernels already have."""
+
+from __future__ import annotations
+
+from moetier.quant.codes import BITS
+from moetier.quant.ggml_blocks import FORMATS
+
+BLOCKS = ("q8_0", "q6_k", "q5_k", "q4_k")  # most precise first
+CODES = tuple(BITS)  # int8, int4, int2
+# every quantized copy, most precise first (low-tier takes the first that fits)
+QUANTIZED = tuple(sorted((*CODES, *BLOCKS), key=lambda p: -(BITS[p] if p in BITS else FORMATS[p].bits)))
+
+
+def is_block(precision: str) -> bool:
+    return precision in BLOCKS
+
+
+def matrix_format(precision: str, k: int) -> str:
+    """The block format of an [N, k] matrix's `precision` copy: the precision's own, or q8_0 where rows of `k` are
+    not whole blocks of it; refused where they are not whole blocks of 32 either."""
+    fmt = FORMATS[precision]
+    if k % fmt.block_size == 0:
+        return precision
+    if k % FORMATS["q8_0"].block_size == 0:
+        return "q8_0"
+    either = "" if precision == "q8_0" else " (or of 32, in q8_0)"
+    raise ValueError(f"{precision} needs in_features in whole blocks of {fmt.block_size}{either}; got {k}")
+
+
+def bits_per_weight(precision: str) -> float:
+    """Stored bits a weight (codes and scales) for a big matrix: what memory sizing reads."""
+    if precision in BLOCKS:
+        return FORMATS[precision].bits
+    return {"int8": 8.0, "int4": 4.0 + 32 / 128, "int2": 2.0 + 32 / 64}[precision]
+
+
+def quantize_expert(tensors: dict, precision: str) -> dict:
+    """An expert's float tensors -> the named tensors of its `precision` blob (store/quantize.py lays them out):
+    codes and scales for moetier's own precisions; for a block format each matrix's blocks as uint8 [N, row bytes],
+    its biases in bfloat16."""
+    import torch
+
+    from moetier.quant import codes, kquants
+
+    if precision not in BLOCKS:
+        return codes.quantize_expert(tensors, precision)
+    return {name: t.to(torch.bfloat16) if t.dim() == 1 else kquants.quantize(t.float(), matrix_format(precision, t.shape[1]))
+            for name, t in tensors.items()}
