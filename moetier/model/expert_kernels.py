@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ModelSpec
+from moetier.errors import MoetierError
 from moetier.model.kernels import Fp32Buffer, TorchKernels
 from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
 from moetier.quant.precisions import BLOCKS
@@ -305,7 +306,8 @@ def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype
         from moetier.model.ggml_experts import GgmlExpert
 
         if spec is not None and spec.activation != "swiglu":
-            raise ValueError(f"{precision} copies are computed for SwiGLU experts, not {spec.activation}")
+            raise MoetierError(f"{precision} copies are computed for SwiGLU experts; this model's are "
+                               f"{spec.activation}", hint="use --precision int8, int4 or int2")
         return GgmlExpert(precision, dtype, getattr(kernels, "lib", None) if kernels.name != "cuda" else None)
     if precision not in BITS:
         return dense_expert(kernels, spec)

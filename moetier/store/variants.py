@@ -19,7 +19,7 @@ from moetier.atomic import FULL, atomic_write_json, check_free_space, disk_full,
 from moetier.config import ModelSpec
 from moetier.errors import StoreError
 from moetier.progress import tqdm
-from moetier.quant.precisions import QUANTIZED, quantize_expert
+from moetier.quant.precisions import BLOCKS, QUANTIZED, quantize_expert
 from moetier.store.format import BlobRef, PrecisionLayout
 from moetier.store.quantize import expert_layout
 from moetier.store.store import Store
@@ -48,7 +48,13 @@ def parse_precisions(text: str | Iterable[str], native: str) -> list[str]:
 
 
 def expert_layouts(spec: ModelSpec, precisions: Iterable[str]) -> dict[str, PrecisionLayout]:
-    """The blob layout of each quantized precision for this model's experts (refused if its shape cannot be)."""
+    """The blob layout of each quantized precision for this model's experts (refused if its shape cannot be, or a
+    GGML format for experts that are not SwiGLU: its kernels are SwiGLU's)."""
+    precisions = list(precisions)
+    blocks = [p for p in precisions if p in BLOCKS]
+    if blocks and spec.activation != "swiglu":
+        raise StoreError(f"{blocks[0]} copies are for SwiGLU experts; this model's are {spec.activation}",
+                         hint="use int8, int4 or int2")
     try:
         return {p: expert_layout(p, spec.expert_shapes) for p in precisions}
     except ValueError as e:

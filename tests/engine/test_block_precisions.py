@@ -109,3 +109,12 @@ def test_q4_k_is_closer_to_the_exact_expert_than_int4():
            for p in ("q4_k", "int4")}
     assert isinstance(make_expert_kernel("int4", kernels, torch.bfloat16), QuantizedExpert)
     assert err["q4_k"] < 0.8 * err["int4"]
+
+
+def test_experts_that_are_not_swiglu_are_refused_before_anything_is_written(tiny_store, tmp_path):
+    _, path = tiny_store("gpt_oss", dtype=torch.bfloat16)
+    shutil.copytree(path, tmp_path / "store")
+    before = sorted(p.name for p in (tmp_path / "store").iterdir())
+    with pytest.raises(StoreError, match="q4_k copies are for SwiGLU experts; this model's are swiglu-clamped"):
+        add_precisions(tmp_path / "store", "q4_k", progress=False)
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == before
