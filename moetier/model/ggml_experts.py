@@ -37,4 +37,4 @@ class GgmlExpert(OneByOne):
         gate, up = gate_up[:, :i], gate_up[:, i:]
         act = F.silu(gate) * up  # [n, I]
         y = self.linear(act, w["down_proj"], matrix_format(self.precision, i))  # [n, H] fp32
-        out.copy_((y.to(self.dtype) * weights[:, None].to(self.dtype)))
+        out.copy_(y.to(self.dtype) * weights[:, None].to(self.dtype))

@@ -10,16 +10,19 @@
 - q6_k: per 16 weights a symmetric scale by the x²-weighted fit over 19 candidates (make_qx_quants, rmse_type 1),
   the sixteen scales to int8 under an fp16 super-scale, the codes taken again.
 
-A group's sums are taken one term after another in float32, as the C takes them (`seq_sum`): torch's own order
-moved a sum's last bit, and where two candidate fits were that close, the other was kept (3% of q6_k's groups).
-tests/quant/test_kquants.py checks the bytes against a line-by-line transliteration of the C. Returns the bytes `ggml_blocks.dequantize` reads: uint8 [N, K/block_size·type_size] for an [N, K] matrix.
+Byte for byte what the C writes: a group's sums are taken one term after another in float32, as the C takes them
+(`seq_sum`: torch's own order moved a sum's last bit, and where two candidate fits were that close, the other was
+kept — 3% of q6_k's groups), the square root correctly rounded (torch's float32 sqrt is not), a maximum of zeros +0
+as the C's. tests/quant/test_kquants.py checks the bytes against a line-by-line transliteration of the C; on
+OLMoE-shaped weights they were also the bytes llama-quantize wrote (docs/mixed-precision.md). Returns the bytes
+`ggml_blocks.dequantize` reads: uint8 [N, K/block_size·type_size] for an [N, K] matrix.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moetier.quant.ggml_blocks import FORMATS, QK_K
+from moetier.quant.ggml_blocks import FORMATS
 
 BLOCKS_AT_ONCE = 1 << 13  # super-blocks fitted at once: each candidate's temporaries are a few MB
 
@@ -220,4 +223,3 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
 
 
 FIT = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
-assert all(FORMATS[name].block_size in (32, QK_K) for name in FIT)
