@@ -4,6 +4,7 @@ trace against a shape — so a refused input never costs a conversion or a 9 GiB
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from moetier.model.families import family_for, parse_spec
 from moetier.resolve import inflated_builtins, model_path
 from moetier.store.checkpoint import Checkpoint, read_config
 from moetier.store.format import MANIFEST, PRECISION_OF_DTYPE, RECONVERT, Manifest
+from moetier.store.gguf_store import is_gguf
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class ModelInfo:
         """The model's tokenizer from its own files (unverified: the engine checks them again at load), or None."""
         from moetier.engine.tokenizer import Tokenizer
 
+        if is_gguf(self.folder):  # built from the file's metadata, as indexing builds it
+            from moetier.store.gguf_file import GgufModel
+            from moetier.store.gguf_tokenizer import tokenizer_files
+
+            files = tokenizer_files(GgufModel(self.folder).metadata)
+            return Tokenizer(files["tokenizer.json"].decode(), json.loads(files["tokenizer_config.json"]),
+                             self.spec.bos_token_id)
         path = self.folder / "tokenizer.json"
         if not path.exists():
             return None
@@ -49,6 +58,8 @@ def inspect_model(model: str | Path) -> ModelInfo:
     if name in inflated_builtins() and not Path(model).exists():
         return _inflated(name, inspect_model(inflated_builtins()[name]))
     path = model_path(model)
+    if is_gguf(path):
+        return _gguf_info(name, path)
     if (path / MANIFEST).exists():
         m = Manifest.load(path)
         native = m.precisions[m.native_precision]
@@ -56,6 +67,19 @@ def inspect_model(model: str | Path) -> ModelInfo:
     config = read_config(path)
     family, spec = family_for(config), parse_spec(config)
     return _checkpoint_info(name, path, family, spec)
+
+
+def _gguf_info(name: str, path: Path) -> ModelInfo:
+    """A GGUF as indexing will store it: its config from the metadata, its experts' precision and largest layout."""
+    from moetier.store.gguf_file import GgufModel
+    from moetier.store.gguf_store import model_dtype, precision_layout
+
+    model = GgufModel(path)
+    config = model.config()
+    family_for(config)  # an unsupported family is refused here, as at indexing
+    spec = parse_spec(dict(config, dtype=str(model_dtype(model)).removeprefix("torch.")))
+    layout = precision_layout(model, spec)
+    return ModelInfo(name, spec, layout.name, layout.blob_bytes, path)
 
 
 def _checkpoint_info(name: str, path: Path, family, spec: ModelSpec) -> ModelInfo:

@@ -1,6 +1,6 @@
-"""What `--model` names: a converted store, a Hugging Face folder (converted on first use into a cache), a
-built-in model's name, or a built-in name with `-xl` (its experts inflated to OLMoE's size, built on first use
-into the cache)."""
+"""What `--model` names: a converted store, a Hugging Face folder (converted on first use into a cache), a GGUF
+file or split set (indexed on first use into the cache: its experts read in place), a built-in model's name, or a
+built-in name with `-xl` (its experts inflated to OLMoE's size, built on first use into the cache)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from moetier.paths import default_cache_dir
 from moetier.store.checkpoint import read_config
 from moetier.store.convert import convert
 from moetier.store.format import DENSE, MANIFEST, RECONVERT, Manifest
+from moetier.store.gguf_store import is_gguf
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "models"
 XL = "-xl"  # a built-in model with real-size experts: `demo-fine-xl`
@@ -48,10 +49,11 @@ def builtin_names() -> list[str]:
     return [*builtin_models(), *inflated_builtins()]
 
 
-def _fingerprint(model_dir: Path) -> str:
-    """Changes when the checkpoint does: its path, and each file's name, size and modification time."""
+def _fingerprint(model_dir: Path, files: list[Path] | None = None) -> str:
+    """Changes when the checkpoint does: its path, and each file's name, size and modification time (`files`: a
+    GGUF's parts; default the folder's files)."""
     h = hashlib.sha256(str(model_dir.resolve()).encode())
-    for f in sorted(model_dir.iterdir()):
+    for f in files if files is not None else sorted(model_dir.iterdir()):
         if f.is_file():
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -74,6 +76,9 @@ def model_path(model: str | Path) -> Path:
         raise ModelNotFoundError(f"no model at {path}",
                                  hint=f"give a Hugging Face model folder, a converted store, or a built-in "
                                       f"model name ({names})")
+    if path.is_file() and not is_gguf(path):
+        raise ModelNotFoundError(f"{path} is a file, not a model",
+                                 hint="give a GGUF file (.gguf), a Hugging Face model folder or a converted store")
     if path.is_dir() and (path / DENSE).exists() and not (path / "config.json").exists():
         raise StoreError(f"{path} looks like a moetier store but has no {MANIFEST} (its conversion never finished, "
                          f"or the file was removed)", hint=RECONVERT)
@@ -93,11 +98,27 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
             raise StoreError(f"{path} is a converted store, not a model converted on first use",
                              hint="convert its source again with `moetier convert --force SRC STORE`")
         return path
+    if is_gguf(path):
+        return _indexed(path, cache_dir, progress, reconvert)
     read_config(path)  # clear errors for a folder without a readable config.json
     cache = _cache(cache_dir)
     sweep(cache)  # what conversions killed earlier left behind
     store = cache / f"{path.name}-{_fingerprint(path)}"
     return _build_once(store, path, lambda: convert(path, store, overwrite=True, progress=progress), reconvert,
+                       progress)
+
+
+def _indexed(path: Path, cache_dir: str | Path | None, progress: bool, reindex: bool) -> Path:
+    """The linked store of GGUF `path` in the cache, indexed on first use (and again once the file changes)."""
+    from moetier.store.gguf_file import GgufModel, split_parts
+    from moetier.store.gguf_store import index_gguf
+
+    parts = split_parts(path)
+    GgufModel(path)  # every refusal (arch, types, a truncated file) before the cache is touched
+    cache = _cache(cache_dir)
+    sweep(cache)
+    store = cache / f"{parts[0].name.removesuffix('.gguf')}-{_fingerprint(parts[0], parts)}"
+    return _build_once(store, parts[0], lambda: index_gguf(path, store, overwrite=True, progress=progress), reindex,
                        progress)
 
 

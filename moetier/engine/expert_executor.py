@@ -149,7 +149,7 @@ class ExpertExecutor:
         keys = self.spec.expert_keys()
         for layer, e in keys:
             slot, blob = slot_of(layer, e), self.manifest.blob(layer, e, precision)
-            self.reader.submit(blob, pool.read_target(slot, blob.phase), pool.completions[slot], ON_DEMAND)
+            self.reader.submit(blob, pool.read_target(slot, blob.phase, blob.layer), pool.completions[slot], ON_DEMAND)
         for layer, e in tqdm(keys, desc=desc, unit="expert", disable=None, leave=False):
             pool.completions[slot_of(layer, e)].wait()
 

@@ -119,7 +119,7 @@ class HostTier:
                 continue
             for slot, key in enumerate(self.keys):
                 blob = self.manifest.blob(*key, precision)
-                reader.submit(blob, pool.read_target(slot, blob.phase), pool.completions[slot], ON_DEMAND)
+                reader.submit(blob, pool.read_target(slot, blob.phase, blob.layer), pool.completions[slot], ON_DEMAND)
             for slot, key in enumerate(tqdm(self.keys, desc=f"host memory ({precision})", unit="expert",
                                             disable=not progress or None, leave=False)):
                 pool.completions[slot].wait()
@@ -185,8 +185,8 @@ class HostTier:
         """A copy out of `slot` was queued; it must finish before the slot is read into again."""
         self._busy[precision][slot] = event
 
-    def read_target(self, precision: str, slot: int, phase: int = 0) -> memoryview:
-        return self.pools[precision].read_target(slot, phase)
+    def read_target(self, precision: str, slot: int, phase: int = 0, layer: int | None = None) -> memoryview:
+        return self.pools[precision].read_target(slot, phase, layer)
 
     def weights(self, precision: str, slot: int) -> dict[str, torch.Tensor]:
         return self.pools[precision].weights(slot)

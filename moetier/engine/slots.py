@@ -74,18 +74,21 @@ class HostSlots:
             segment, offset = self._where[slot]
             segment.madvise(mmap.MADV_DONTNEED, offset, self.stride)
 
-    def read_target(self, slot: int, phase: int = 0) -> memoryview:
-        """Where the slot's next blob lands: `phase` bytes into its first page (BlobRef.phase; 0 without slack)."""
-        if phase != self._phases[slot] and phase + self.slot_bytes <= self.stride:  # (per load, never per hit)
+    def read_target(self, slot: int, phase: int = 0, layer: int | None = None) -> memoryview:
+        """Where the slot's next blob lands: `phase` bytes into its first page (BlobRef.phase; 0 without slack);
+        `layer`: the blob's, where the layout differs by layer (the views follow it)."""
+        moved = phase != self._phases[slot] and phase + self.slot_bytes <= self.stride
+        if moved or self.layout.layers:  # (per load, never per hit)
             flat, view = self._regions[slot]
+            phase = phase if moved else self._phases[slot]
             self.views[slot] = view[phase:phase + self.slot_bytes]
-            self._tensors[slot] = self.layout.views(flat[phase:phase + self.slot_bytes])
+            self._tensors[slot] = self.layout.views(flat[phase:phase + self.slot_bytes], layer)
             self._phases[slot] = phase
         return self.views[slot]
 
     def submit(self, reader, key, blob, slot: int, priority: int) -> None:
         """Read `blob` (expert `key`) into `slot`; its completion fires when the bytes are there."""
-        reader.submit(blob, self.read_target(slot, blob.phase), self.completions[slot], priority)
+        reader.submit(blob, self.read_target(slot, blob.phase, blob.layer), self.completions[slot], priority)
 
     def landed(self, slot: int) -> None:
         """Nothing to do: a read lands where compute reads."""
@@ -145,8 +148,11 @@ class DeviceSlots:
     def release(self, slots: Iterable[int]) -> None:
         """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
 
-    def read_target(self, slot: int, phase: int = 0) -> memoryview:
-        """A staging buffer (`phase` unused: an unaligned linked blob goes through the reader's bounce buffers)."""
+    def read_target(self, slot: int, phase: int = 0, layer: int | None = None) -> memoryview:
+        """A staging buffer (`phase` unused: an unaligned linked blob goes through the reader's bounce buffers);
+        `layer`: the blob's, where the layout differs by layer (the slot's views follow it)."""
+        if self.layout.layers:
+            self._tensors[slot] = self.layout.views(self._blocks[slot], layer)
         if slot in self._pending:  # an earlier read into this slot was never used (a prefetch evicted unused)
             self.completions[slot].done.wait()
             self._free.append(self._pending.pop(slot))
@@ -159,7 +165,7 @@ class DeviceSlots:
         return self._staging[i][1]
 
     def submit(self, reader, key, blob, slot: int, priority: int) -> None:
-        reader.submit(blob, self.read_target(slot, blob.phase), self.completions[slot], priority)
+        reader.submit(blob, self.read_target(slot, blob.phase, blob.layer), self.completions[slot], priority)
 
     def link_activity(self) -> tuple[int, float]:
         """The reader's activity prices a load (the copy out of staging is a small part of it)."""

@@ -63,6 +63,8 @@ class TieredDeviceSlots:
         if slot in self._pending:  # an earlier load into this slot never used (a prefetch evicted unused)
             self._drop_pending(slot)
         self._free[slot].record(torch.cuda.current_stream(self.device))  # the previous expert: read by what is queued
+        if self.layout.layers:  # the views of this blob's layer (a Q4_K_M GGUF's layers differ)
+            self._tensors[slot] = self.layout.views(self._blocks[slot], blob.layer)
         host = self.tier.lookup(key, self.precision)
         if host is not None:
             self._copy(host, slot)
@@ -70,7 +72,7 @@ class TieredDeviceSlots:
             return
         host = self.tier.admit(key, self.precision, blob.length)
         self._pending[slot] = host
-        reader.submit(blob, self.tier.read_target(self.precision, host, blob.phase), self.completions[slot], priority)
+        reader.submit(blob, self.tier.read_target(self.precision, host, blob.phase, blob.layer), self.completions[slot], priority)
 
     def _drop_pending(self, slot: int) -> None:
         host = self._pending.pop(slot)

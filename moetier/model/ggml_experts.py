@@ -1,7 +1,8 @@
 """SwiGLU experts whose matrices are in GGML's block formats (a store's q8_0/q6_k/q5_k/q4_k copies, and a GGUF's
 experts read in place): gate and up, then down, each through `GgmlLinear` — the native integer kernels for up to
 four tokens, the matrix dequantized for torch's matmul beyond, or always without the native library. Which format
-each matrix is in follows from the precision and its width (moetier/quant/precisions.py: matrix_format)."""
+each matrix is in follows from its shape (moetier/quant/precisions.py: format_of), so the layers of one precision
+may differ (a Q4_K_M file's down_proj is Q6_K in some)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from moetier.model.expert_kernels import OneByOne
 from moetier.model.ggml_linear import GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
-from moetier.quant.precisions import BLOCKS, matrix_format
+from moetier.quant.precisions import BLOCKS, format_of
 
 
 class TorchGgml:
@@ -30,11 +31,19 @@ class GgmlExpert(OneByOne):
             raise ValueError(f"not a GGML block precision: {precision!r}")
         self.precision, self.dtype = precision, dtype
         self.linear = GgmlLinear(lib) if lib is not None else TorchGgml()
+        self._formats: dict[tuple[int, int], str] = {}  # (in_features, row bytes) -> format
+
+    def _format(self, k: int, w: torch.Tensor) -> str:
+        key = (k, w.shape[1])
+        fmt = self._formats.get(key)
+        if fmt is None:
+            fmt = self._formats[key] = format_of(*key)
+        return fmt
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         h, i = x.shape[1], w["gate_up_proj"].shape[0] // 2
-        gate_up = self.linear(x, w["gate_up_proj"], matrix_format(self.precision, h)).to(self.dtype)  # [n, 2I]
+        gate_up = self.linear(x, w["gate_up_proj"], self._format(h, w["gate_up_proj"])).to(self.dtype)  # [n, 2I]
         gate, up = gate_up[:, :i], gate_up[:, i:]
         act = F.silu(gate) * up  # [n, I]
-        y = self.linear(act, w["down_proj"], matrix_format(self.precision, i))  # [n, H] fp32
+        y = self.linear(act, w["down_proj"], self._format(i, w["down_proj"]))  # [n, H] fp32
         out.copy_(y.to(self.dtype) * weights[:, None].to(self.dtype))

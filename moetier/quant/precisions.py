@@ -34,6 +34,17 @@ def matrix_format(precision: str, k: int) -> str:
     raise ValueError(f"{precision} needs in_features in whole blocks of {fmt.block_size}{either}; got {k}")
 
 
+def format_of(k: int, row_bytes: int) -> str:
+    """The block format of a matrix whose rows of `k` weights take `row_bytes` each: each format's bytes for the
+    same weights differ (272, 210, 176, 144 for 256), so a matrix's shape says its format — which is how a GGUF's
+    experts, whose down_proj is Q6_K in some layers and Q4_K in others, are computed without being told."""
+    for name in BLOCKS:
+        fmt = FORMATS[name]
+        if k % fmt.block_size == 0 and k // fmt.block_size * fmt.type_size == row_bytes:
+            return name
+    raise ValueError(f"no block format takes {row_bytes} bytes for {k} weights")
+
+
 def bits_per_weight(precision: str) -> float:
     """Stored bits a weight (codes and scales) for a big matrix: what memory sizing reads."""
     if precision in BLOCKS:

@@ -76,22 +76,39 @@ class TensorLayout:
 
 @dataclass(frozen=True)
 class PrecisionLayout:
-    """How one expert's tensors sit in a blob of this precision."""
+    """How one expert's tensors sit in a blob of this precision. `layers`: the layers whose experts sit otherwise
+    (a GGUF's Q4_K_M keeps some layers' down_proj in Q6_K, the rest in Q4_K: one precision, two layouts); a slot
+    is sized for the largest, and its views are made for the layer of the expert that lands in it."""
 
     name: str
     tensors: tuple[TensorLayout, ...]
+    layers: dict[int, tuple[TensorLayout, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for tensors in (self.tensors, *self.layers.values()):
+            if [t.name for t in tensors] != [t.name for t in self.tensors]:
+                raise ValueError(f"precision {self.name}: a layer's layout names other tensors than the others'")
+
+    def tensors_of(self, layer: int | None) -> tuple[TensorLayout, ...]:
+        """The tensors of an expert of `layer` (None: the layout most layers have)."""
+        return self.layers.get(layer, self.tensors) if self.layers else self.tensors
 
     @property
     def nbytes(self) -> int:
-        return max(t.offset + t.nbytes for t in self.tensors)
+        return max(t.offset + t.nbytes for tensors in (self.tensors, *self.layers.values()) for t in tensors)
 
     @property
     def blob_bytes(self) -> int:
         return align_up(self.nbytes)
 
-    def views(self, blob: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One expert's tensors as views of its bytes `blob` [>= nbytes] uint8."""
-        return {t.name: blob[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in self.tensors}
+    def views(self, blob: torch.Tensor, layer: int | None = None) -> dict[str, torch.Tensor]:
+        """One expert's tensors (of `layer`, where layers differ) as views of its bytes `blob` [>= nbytes] uint8."""
+        return {t.name: blob[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
+                for t in self.tensors_of(layer)}
+
+    def for_layer(self, layer: int) -> PrecisionLayout:
+        """The layout of `layer`'s experts alone."""
+        return PrecisionLayout(self.name, self.tensors_of(layer))
 
     @classmethod
     def swiglu(cls, name: str, dtype: str, hidden: int, intermediate: int) -> PrecisionLayout:
@@ -110,10 +127,6 @@ class PrecisionLayout:
             offset = align_up(t.offset + t.nbytes, TENSOR_ALIGN)
         return cls(name, tuple(out))
 
-    @classmethod
-    def from_json(cls, d: dict) -> PrecisionLayout:
-        return cls(d["name"], tuple(TensorLayout(t["name"], t["dtype"], tuple(t["shape"]), t["offset"])
-                                    for t in d["tensors"]))
 
 
 @dataclass(frozen=True)
@@ -209,7 +222,7 @@ class Manifest:
             "format": FORMAT, "version": self.version, "complete": self.complete, "family": self.family,
             "source": self.source, "config": self.config, "tokenizer_files": list(self.tokenizer_files),
             "native_precision": self.native_precision,
-            "precisions": {k: asdict(v) for k, v in self.precisions.items()},
+            "precisions": {k: _layout_json(v) for k, v in self.precisions.items()},
             "dense_crc32": self.dense_crc32, "file_crc32": self.file_crc32,
             **({"sources": {k: asdict(v) for k, v in self.sources.items()}} if self.sources else {}),
             "experts": [[b.layer, b.expert, b.precision, b.file, b.offset, b.length, b.crc32]
@@ -265,16 +278,32 @@ def _parse_source(d: dict) -> SourceFile:
     return SourceFile(path, integer(d["size"], "source size", 0), integer(d["mtime_ns"], "source time", 0))
 
 
+def _layout_json(layout: PrecisionLayout) -> dict:
+    """A layout as the manifest keeps it (`layers` only where some layer's experts sit otherwise)."""
+    d = asdict(layout)
+    if not layout.layers:
+        del d["layers"]
+    return d
+
+
 def _parse_layout(name, d: dict) -> PrecisionLayout:
+    if d["name"] != name:
+        raise ValueError(f"precision {name!r}: misnamed layout")
+    layers = {integer(int(k), "layer", 0): _parse_tensors(name, v)
+              for k, v in _mapping(d.get("layers", {}), "layers").items()}
+    return PrecisionLayout(name, _parse_tensors(name, d["tensors"]), layers)
+
+
+def _parse_tensors(name: str, rows: list) -> tuple[TensorLayout, ...]:
     tensors = []
-    for t in d["tensors"]:
+    for t in rows:
         if t["dtype"] not in DTYPES:
             raise ValueError(f"precision {name}: unknown dtype {t['dtype']!r}")
         shape = tuple(integer(n, "tensor dimension", 1) for n in t["shape"])
         tensors.append(TensorLayout(_text(t["name"], "tensor name"), t["dtype"], shape, integer(t["offset"], "offset", 0)))
-    if not tensors or d["name"] != name:
-        raise ValueError(f"precision {name!r}: empty or misnamed layout")
-    return PrecisionLayout(name, tuple(tensors))
+    if not tensors:
+        raise ValueError(f"precision {name!r}: an empty layout")
+    return tuple(tensors)
 
 
 def _parse_blob(row: list, precisions: dict[str, PrecisionLayout], sources: dict[str, SourceFile]) -> BlobRef:

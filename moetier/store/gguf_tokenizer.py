@@ -36,9 +36,12 @@ def build(metadata: dict) -> Tokenizer:
         raise GgufError(f"the GGUF's pre-tokenizer {pre!r} is not one moetier knows",
                         hint=f"known: {', '.join(PRE)}")
     tokens = list(metadata["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre in ("llama-bpe",
-                                                                                                      "llama-v3")))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # a merge whose pieces or result are not tokens can never apply (llama.cpp finds no token for it); the converter
+    # writes one ("a b") for a vocabulary without merges, which the tokenizers library would refuse
+    merges = [pair for pair in (tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", []))
+              if len(pair) == 2 and pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab]
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama-v3")))
     if PRE[pre] is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:

@@ -129,7 +129,7 @@ class Store:
             crc = crc32(piece) if len(piece) == blob.length else None
         if crc != blob.crc32:
             raise ChecksumError(f"expert {expert} of layer {layer} in {where} fails its checksum", hint=DAMAGED)
-        return self.manifest.precisions[blob.precision].views(torch.frombuffer(data, dtype=torch.uint8))
+        return self.manifest.precisions[blob.precision].views(torch.frombuffer(data, dtype=torch.uint8), layer)
 
     def read_file(self, name: str) -> bytes:
         """A copied file (tokenizer.json, ...), verified against its checksum."""

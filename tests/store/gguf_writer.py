@@ -30,7 +30,8 @@ def tokenizer_metadata(tokenizer_json: Path) -> dict:
 
 def write(path: Path, arch: str, keys: dict, tensors: dict, tokenizer: dict | None = None) -> Path:
     """`keys`: {arch}-relative metadata (ints, floats, strings); `tensors`: name -> float32 array (written F32) or
-    (array, block type) (quantized with moetier's ggml-exact quantizer, rows along the last axis)."""
+    (array, type): a block type (quantized with moetier's ggml-exact quantizer, rows along the last axis), or
+    "bf16"."""
     w = GGUFWriter(path, arch)
     for key, value in keys.items():
         full = f"{arch}.{key}"
@@ -56,6 +57,11 @@ def write(path: Path, arch: str, keys: dict, tensors: dict, tokenizer: dict | No
             values, kind = t
             import torch
 
+            if kind == "bf16":
+                raw = torch.from_numpy(np.ascontiguousarray(values, np.float32)).bfloat16().view(torch.int16).numpy()
+                data = raw.view(np.uint8).reshape(*values.shape[:-1], -1)  # the writer takes a byte shape
+                w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType.BF16)
+                continue
             rows = torch.from_numpy(np.ascontiguousarray(values, np.float32)).reshape(-1, values.shape[-1])
             raw = quantize(rows, kind).numpy().reshape(*values.shape[:-1], -1)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=BLOCK_TYPES[kind])

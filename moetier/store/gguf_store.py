@@ -1,0 +1,193 @@
+"""A GGUF file (or split set) -> a linked store: nothing of the experts copied. Each expert is three slices of its
+layer's stacked tensors (`blk.N.ffn_{gate,up,down}_exps.weight`: gate's and up's rows one after the other make the
+store's gate_up_proj, down's its down_proj), read in place in the file's own type — bf16/f16/f32 as a safetensors
+folder's experts are, q8_0/q6_k/q5_k/q4_k as GGML's blocks the kernels compute on (moetier/model/ggml_experts.py).
+The store holds the dense weights, the manifest (every expert's slices and their CRC-32, the file's size and time,
+checked at every open) and the tokenizer built from the file's metadata.
+
+A file whose layers keep their experts in different types (Q4_K_M: down_proj in Q6_K in some layers, Q4_K in the
+rest) is one precision whose layout differs by layer (format.PrecisionLayout.layers). Dense weights in a block
+format are dequantized here to the model's dtype, with a note of what that costs (computing them on their blocks
+is a lever left: docs/gguf.md)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moetier.atomic import check_replaceable
+from moetier.config import ModelSpec, format_bytes
+from moetier.model.families import family_for, parse_spec
+from moetier.progress import tqdm
+from moetier.quant.ggml_blocks import FORMATS, dequantize
+from moetier.quant.precisions import BLOCKS
+from moetier.store.checkpoint import Located
+from moetier.store.convert import dense_tensors
+from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, SourceFile, is_store
+from moetier.store.gguf_file import HINT, GgufError, GgufModel, Tensor, unpermute
+from moetier.store.gguf_tokenizer import tokenizer_files
+from moetier.store.link import segments_crc32, segments_of
+from moetier.store.writer import MANIFEST_BYTES_PER_LINKED_BLOB, StoreWriter, store_bytes
+
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PARTS = ("gate", "up", "down")
+
+
+def is_gguf(path: Path | str) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+class GgufCheckpoint:
+    """A GGUF's dense tensors by their Hugging Face names (what Family.dense_names gives), through the converter's
+    own name table (the gguf package's TensorNameMap), as the model's dtype: what convert.dense_tensors reads."""
+
+    def __init__(self, model: GgufModel, dtype: torch.dtype) -> None:
+        import gguf
+
+        arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == model.arch)
+        self.model, self.dtype = model, dtype
+        self.names = gguf.get_tensor_name_map(arch, int(model.key("block_count", 0)))
+        self.dequantized: list[str] = []  # dense tensors the file keeps in a block format
+
+    def gguf_name(self, hf_name: str) -> str:
+        name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise GgufError(f"{self.model.path.name}: no GGUF name for {hf_name} in llama.cpp's {self.model.arch} "
+                            f"table", hint=HINT)
+        return name
+
+    def get(self, hf_name: str) -> torch.Tensor:
+        t = self.model.tensor(self.gguf_name(hf_name))
+        w = values(t)
+        if t.type not in FLOATS:
+            self.dequantized.append(t.name)
+        if self.model.arch_spec.permute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = "attention.head_count" if "q_proj" in hf_name else "attention.head_count_kv"
+            w = unpermute(w, int(self.model.key(heads)))
+        return w.to(self.dtype)
+
+
+def values(t: Tensor) -> torch.Tensor:
+    """A tensor's values (float32 for a block format, dequantized as ggml does), in torch's shape."""
+    data = torch.from_numpy(np.array(t.data))  # a copy: the reader's map is read-only
+    if t.type in FLOATS:
+        return data.view(FLOATS[t.type]).reshape(t.shape) if data.dtype == torch.uint8 else data.reshape(t.shape)
+    return dequantize(data, t.type).reshape(t.shape)
+
+
+def model_dtype(model: GgufModel) -> torch.dtype:
+    """What the model computes in: its experts' float type (a float expert is computed in its own), else the
+    embeddings', else bfloat16 (a file that quantized both)."""
+    for name in ("blk.0.ffn_gate_exps.weight", "token_embd.weight"):
+        t = model.tensors.get(name)
+        if t is not None and t.type in FLOATS:
+            return FLOATS[t.type]
+    return torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """One layer's three stacked expert tensors."""
+
+    gate: Tensor
+    up: Tensor
+    down: Tensor
+
+    def matrix(self, name: str, t: Tensor, rows: int, k: int) -> tuple[str, str, tuple[int, int]]:
+        """(store tensor, dtype, shape) of one expert's slice of `t` [E, rows, k]."""
+        if t.type in BLOCKS:
+            return name, t.type, (rows, FORMATS[t.type].row_bytes(k))
+        if t.type in FLOATS:
+            return name, t.type, (rows, k)
+        raise GgufError(f"{t.name} is {t.ggml_type}; moetier reads a GGUF's experts in F32, F16, BF16, "
+                        f"{', '.join(f.upper() for f in BLOCKS)}", hint="requantize with llama-quantize")
+
+    def layout(self, spec: ModelSpec, name: str) -> PrecisionLayout:
+        h, i = spec.hidden_size, spec.moe_intermediate_size
+        if self.gate.type != self.up.type:
+            raise GgufError(f"{self.gate.name} is {self.gate.ggml_type} but {self.up.name} is {self.up.ggml_type}: "
+                            f"moetier keeps an expert's gate and up in one type", hint="requantize with llama-quantize")
+        return PrecisionLayout.packed(name, [self.matrix("gate_up_proj", self.gate, 2 * i, h),
+                                             self.matrix("down_proj", self.down, h, i)])
+
+    def locate(self, expert: int) -> dict[str, list[Located]]:
+        def piece(t: Tensor) -> Located:
+            step = t.nbytes // t.shape[0]
+            rows, k = t.shape[1:]
+            return Located(t.path, t.offset + expert * step, step, t.type,
+                           (rows, FORMATS[t.type].row_bytes(k) if t.type in BLOCKS else k))
+
+        return {"gate_up_proj": [piece(self.gate), piece(self.up)], "down_proj": [piece(self.down)]}
+
+
+def expert_tensors(model: GgufModel, spec: ModelSpec, layer: int) -> ExpertTensors:
+    tensors = ExpertTensors(*(model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in PARTS))
+    h, i, e = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    for t, shape in zip((tensors.gate, tensors.up, tensors.down), ((e, i, h), (e, i, h), (e, h, i))):
+        if t.shape != shape:
+            raise GgufError(f"{t.name} is {t.shape}; the file's metadata implies {shape}", hint=HINT)
+    return tensors
+
+
+def precision_layout(model: GgufModel, spec: ModelSpec) -> PrecisionLayout:
+    """The experts' precision (named by gate and up's type) and its layout, per layer where layers differ."""
+    per_layer = {layer: expert_tensors(model, spec, layer) for layer in spec.moe_layers}
+    kinds = {t.gate.type for t in per_layer.values()}
+    if len(kinds) > 1:
+        raise GgufError(f"{model.path.name} keeps its layers' experts in several types ({', '.join(sorted(kinds))}); "
+                        f"moetier reads one type for gate and up across layers", hint="requantize with llama-quantize")
+    kind = kinds.pop()
+    name = kind if kind in BLOCKS else PRECISION_OF_DTYPE[FLOATS[kind]]
+    layouts = {layer: t.layout(spec, name).tensors for layer, t in per_layer.items()}
+    common = Counter(layouts.values()).most_common(1)[0][0]
+    if kind in FLOATS and {t.down.type for t in per_layer.values()} != {kind}:
+        raise GgufError(f"{model.path.name}: experts' down_proj in another type than gate and up ({kind})", hint=HINT)
+    return PrecisionLayout(name, common, {layer: t for layer, t in layouts.items() if t != common})
+
+
+def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False, progress: bool = True) -> Path:
+    """Index GGUF `path` (any part of a split set) into a linked store at `store_dir`. Atomic, as convert."""
+    path, store_dir = Path(path), Path(store_dir)
+    check_replaceable(store_dir, "store", is_store, overwrite, (path,))
+    model = GgufModel(path)
+    dtype = model_dtype(model)
+    config = dict(model.config(), dtype=str(dtype).removeprefix("torch."))
+    family, spec = family_for(config), parse_spec(config)
+    layout = precision_layout(model, spec)
+    ckpt = GgufCheckpoint(model, dtype)
+    dense = dense_tensors(ckpt, family, spec)
+    if ckpt.dequantized:
+        dequantized = sum(model.tensor(n).nbytes for n in ckpt.dequantized)
+        print(f"moetier: {len(ckpt.dequantized)} dense tensors of {path.name} ({format_bytes(dequantized)}, e.g. "
+              f"{ckpt.dequantized[0]}) are computed in {str(ckpt.dtype).removeprefix('torch.')}, dequantized once "
+              f"here; the experts stay in the file's types", file=sys.stderr)
+    names = {part: part.name for part in model.parts}
+    indexed = {name: SourceFile.of(part) for part, name in names.items()}
+    files = tokenizer_files(model.metadata)
+    total = len(spec.moe_layers) * spec.num_experts
+    needed = store_bytes(sum(t.nbytes for t in dense.values()), 0, 0, sum(map(len, files.values()))) \
+        + total * MANIFEST_BYTES_PER_LINKED_BLOB
+    with StoreWriter(store_dir, overwrite, tuple(model.parts), needed) as writer, \
+            tqdm(total=total, desc=f"index {path.name}", unit="expert", disable=not progress) as bar:
+        writer.write_dense(dense)
+        paths = {name: part for part, name in names.items()}
+        for layer in spec.moe_layers:
+            tensors, own = expert_tensors(model, spec, layer), layout.for_layer(layer)
+            for e in range(spec.num_experts):
+                segments = segments_of(tensors.locate(e), own, names)
+                if isinstance(segments, str):
+                    raise GgufError(f"expert {e} of layer {layer}: {segments}", hint=HINT)
+                writer.add_linked(layer, e, layout, segments, segments_crc32(segments, paths))
+                bar.update()
+        for name, data in files.items():
+            (writer.tmp / name).write_bytes(data)
+            writer.add_file(name)
+        manifest = Manifest(family=family.name, config=config, precisions={layout.name: layout},
+                            native_precision=layout.name, blobs=tuple(writer.blobs), source=str(path.resolve()),
+                            tokenizer_files=tuple(files), sources=indexed)
+        return writer.commit(manifest)

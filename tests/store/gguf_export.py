@@ -1,0 +1,88 @@
+"""A Hugging Face checkpoint written as llama.cpp's converter writes it (convert_hf_to_gguf.py: each family's
+keys, the converter's tensor names from the gguf package's TensorNameMap, experts stacked per layer as
+blk.N.ffn_{gate,up,down}_exps, llama's Q/K rows permuted for its rotary layout, norms and routers in F32), for
+tests that run one model from both. Checked against the real converter on demo-deep (docs/gguf.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from moetier.model.families import family_for, parse_spec
+from moetier.store.checkpoint import Checkpoint
+from moetier.store.sources import expert_source
+from tests.store import gguf_writer
+
+ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def keys(config: dict, arch: str) -> dict:
+    heads = config["num_attention_heads"]
+    out = {"block_count": config["num_hidden_layers"], "context_length": config["max_position_embeddings"],
+           "embedding_length": config["hidden_size"], "attention.head_count": heads,
+           "attention.head_count_kv": config.get("num_key_value_heads", heads),
+           "rope.freq_base": float(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta")),
+           "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+           "expert_count": config.get("num_experts") or config["num_local_experts"],
+           "expert_used_count": config["num_experts_per_tok"], "feed_forward_length": config["intermediate_size"]}
+    if arch in ("qwen2moe", "qwen3moe"):
+        out["expert_feed_forward_length"] = config["moe_intermediate_size"]
+    if arch == "qwen2moe":
+        out["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
+    if config.get("head_dim"):
+        out["attention.key_length"] = out["attention.value_length"] = config["head_dim"]
+    return out
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export(hf_dir: Path, out: Path, expert_types: dict | None = None, dense_type: str | None = None,
+           tokenizer: dict | None = None, replace: dict | None = None) -> Path:
+    """`expert_types`: {layer: (gate/up type, down type)} (None: every expert F32, or "bf16"); `dense_type`: the
+    2-D dense matrices' (None: F32); `replace`: {GGUF name: values} written F32 instead of the checkpoint's."""
+    ckpt = Checkpoint(hf_dir)
+    config = ckpt.config
+    family, spec = family_for(config), parse_spec(config)
+    arch = ARCH[config["model_type"]]
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     spec.num_layers)
+    tensors = {}
+    for theirs in family.dense_names(spec).values():
+        w = ckpt.get(theirs).float().numpy()
+        if arch == "llama" and theirs.endswith(("q_proj.weight", "k_proj.weight")):
+            kv = "q_proj" not in theirs
+            w = permute(w, config["num_key_value_heads"] if kv else config["num_attention_heads"])
+        name = names.get_name(theirs, try_suffixes=(".weight", ".bias"))
+        matrix = w.ndim == 2 and not name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+        tensors[name] = (w, dense_type) if matrix and dense_type else w
+    for layer in spec.moe_layers:
+        source = expert_source(ckpt, family, spec, layer)
+        experts = [source.get(e) for e in range(spec.num_experts)]
+        i = spec.moe_intermediate_size
+        stacked = {"gate": np.stack([x["gate_up_proj"][:i].float().numpy() for x in experts]),
+                   "up": np.stack([x["gate_up_proj"][i:].float().numpy() for x in experts]),
+                   "down": np.stack([x["down_proj"].float().numpy() for x in experts])}
+        kinds = (expert_types or {}).get(layer, (None, None))
+        for part, w in stacked.items():
+            kind = kinds[1] if part == "down" else kinds[0]
+            tensors[f"blk.{layer}.ffn_{part}_exps.weight"] = (w, kind) if kind else w
+    tensors.update({name: np.asarray(v, np.float32) for name, v in (replace or {}).items()})
+    meta = tokenizer or byte_tokenizer(spec.vocab_size, config.get("bos_token_id"), config.get("eos_token_id"))
+    return gguf_writer.write(out, arch, keys(config, arch), tensors, meta)
+
+
+def byte_tokenizer(vocab: int, bos: int | None, eos: int | None) -> dict:
+    """`vocab` byte-level tokens without merges (a tiny model's: its ids are all the tests use)."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = (alphabet + [f"[PAD{i}]" for i in range(len(alphabet), vocab)])[:vocab]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * vocab, "tokenizer.ggml.merges": ["a b"]}  # the converter's
+    meta.update({f"tokenizer.ggml.{k}_token_id": v for k, v in (("bos", bos), ("eos", eos)) if v is not None})
+    return meta

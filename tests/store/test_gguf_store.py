@@ -1,0 +1,208 @@
+"""GGUF files run in place: the same model as its Hugging Face folder (logits to the parity tests' tolerance, greedy
+tokens equal transformers'), its experts read from the file in its own types — a Q4_K_M-like file's layers in
+different ones —, nothing copied, and every file that cannot be read, changed or rotted refused."""
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from moetier import Engine
+from moetier.cli import main
+from moetier.config import MemoryBudget
+from moetier.engine.engine import EngineConfig
+from moetier.engine.stats import GenerationStats
+from moetier.errors import ChecksumError, StoreError
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
+from moetier.plan.route import DECODE, PREFILL
+from moetier.resolve import resolve_model
+from moetier.store.format import Manifest
+from moetier.store.gguf_file import GgufModel
+from moetier.store.gguf_store import index_gguf
+from moetier.store.store import Store
+from tests.model.test_parity import ATOL, engine_with_slots, reference_run
+from tests.store import gguf_export
+from tests.tiny_models import build_tiny
+
+
+def engine(path, slots: int | None = None, kernels: str = "auto") -> Engine:
+    store = Store(path)
+    slots = slots or store.spec.num_expert_keys
+    return Engine(store, EngineConfig(expert_memory=MemoryBudget("bytes", slots * store.native_layout.blob_bytes),
+                                      kernels=kernels))
+
+
+def logits(path, prompt: list[int], steps: int, slots: int | None = None, kernels: str = "auto"):
+    """Our prefill logits [T, V] and `steps` greedy decode steps' logits [V] each."""
+    with engine(path, slots, kernels) as e:
+        assert e.executor.pool.num_slots == (slots or e.spec.num_expert_keys)
+        kv, phases = KVCache(e.spec, 1, 64, e.model.w["embed_tokens"].dtype), GenerationStats().phases
+        e.executor.begin_step(PREFILL, phases)
+        prefill = e.model.forward(StepBatch.prefill([prompt], [0]), kv, all_logits=True)
+        out, token = [], prefill[-1].argmax().item()
+        for i in range(steps):
+            e.executor.begin_step(DECODE, phases)
+            step = e.model.forward(StepBatch.decode_step([token], [0], [len(prompt) + i], 1), kv)[0]
+            out.append(step)
+            token = step.argmax().item()
+    return prefill, out
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral"])
+def test_a_gguf_is_the_model_its_folder_is(tiny_store, tmp_path, family):
+    """Written as llama.cpp's converter writes it (F32), indexed, run: transformers' logits on the folder to the
+    parity tests' tolerance, its 32 greedy tokens, at one layer's top-k slots and at all experts."""
+    ref, hf_store = tiny_store(family)
+    path = gguf_export.export(hf_store.parent / "hf", tmp_path / f"{family}.gguf")
+    store = index_gguf(path, tmp_path / "store", progress=False)
+    m = Manifest.load(store)
+    assert m.native_precision == "fp32" and set(m.sources) == {path.name} and not (store / "experts").exists()
+    torch.manual_seed(1)
+    prompt = torch.randint(3, ref.config.vocab_size, (11,)).tolist()
+    ref_prefill, ref_steps, ref_tokens = reference_run(ref, prompt, 8)
+    greedy = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    for slots in (ref.config.num_experts_per_tok, Store(store).spec.num_expert_keys):
+        prefill, steps = logits(store, prompt, 8, slots)
+        assert (prefill - ref_prefill).abs().max().item() <= ATOL
+        assert max((a - b).abs().max().item() for a, b in zip(steps, ref_steps)) <= ATOL
+        with engine_with_slots(store, slots) as engine:
+            out = engine.generate([prompt], max_new_tokens=32, ignore_eos=True)
+        assert out.token_ids[0][:len(greedy)] == greedy.tolist()
+
+
+def test_a_bf16_gguf_computes_as_its_bf16_folder(tiny_store, tmp_path):
+    """bf16 experts read in place from the file, bf16 dense weights: the very logits of the folder's store."""
+    _, hf_store = tiny_store("olmoe", dtype=torch.bfloat16)
+    experts = {layer: ("bf16", "bf16") for layer in range(2)}
+    path = gguf_export.export(hf_store.parent / "hf", tmp_path / "bf16.gguf", experts, dense_type="bf16")
+    assert GgufModel(path).tensor("blk.0.ffn_down_exps.weight").type == "bfloat16"
+    store = index_gguf(path, tmp_path / "store", progress=False)
+    assert Manifest.load(store).native_precision == "bf16"
+    prompt = list(range(5, 16))
+    a, b = logits(store, prompt, 6, 2), logits(hf_store, prompt, 6, 2)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.fixture(scope="module")
+def k_quant(tmp_path_factory):
+    """An OLMoE-shaped tiny model in whole 256-blocks, its experts as a Q4_K_M file keeps them: gate and up Q4_K,
+    down Q6_K in layer 0 and Q4_K in layer 1 — with the rest F32 (the model computes in fp32) and in bf16 (in bf16:
+    the native kernels' case) —; and the F32 file with every expert at the values gguf's own dequantizer gives
+    those blocks."""
+    root = tmp_path_factory.mktemp("k_quant")
+    build_tiny("olmoe", root / "hf", hidden_size=256, intermediate_size=256, num_attention_heads=4,
+               num_key_value_heads=4)
+    kinds = {0: ("q4_k", "q6_k"), 1: ("q4_k", "q4_k")}
+    quantized = gguf_export.export(root / "hf", root / "q4_k_m.gguf", kinds)
+    bf16 = gguf_export.export(root / "hf", root / "q4_k_m-bf16.gguf", kinds, dense_type="bf16")
+    reader = gguf.GGUFReader(quantized)
+    rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors
+               if "_exps" in t.name}
+    floats = gguf_export.export(root / "hf", root / "rounded.gguf", replace=rounded)
+    return {name: index_gguf(path, root / name, progress=False)
+            for name, path in (("q4_k_m", quantized), ("floats", floats), ("q4_k_m-bf16", bf16))}
+
+
+def test_a_files_layers_in_different_types_are_one_precision(k_quant):
+    quantized = k_quant["q4_k_m"]
+    m = Manifest.load(quantized)
+    layout = m.precisions["q4_k"]
+    assert m.native_precision == "q4_k"
+    assert {layer: t[1].dtype for layer, t in ((0, layout.tensors_of(0)), (1, layout.tensors_of(1)))} == \
+        {0: "q6_k", 1: "q4_k"}
+    assert layout.blob_bytes >= max(layout.for_layer(i).nbytes for i in (0, 1))
+    assert Store(quantized).read_expert(0, 3)["down_proj"].shape == (256, 210)  # Q6_K: 210 bytes a 256
+    assert Store(quantized).read_expert(1, 3)["down_proj"].shape == (256, 144)  # Q4_K: 144
+
+
+def test_k_quant_experts_compute_what_their_dequantized_values_do(k_quant):
+    """The blocks computed in place (fp32: dequantized, torch's matmul) against the float file holding gguf's
+    dequantized values — through a cache of two slots, so one slot holds layer 0's and layer 1's experts in turn."""
+    prompt = list(range(3, 14))
+    want, got = logits(k_quant["floats"], prompt, 6, 2), logits(k_quant["q4_k_m"], prompt, 6, 2)
+    assert (got[0] - want[0]).abs().max().item() <= ATOL
+    assert max((a - b).abs().max().item() for a, b in zip(got[1], want[1])) <= ATOL
+
+
+def test_the_native_kernels_compute_a_files_blocks_as_ggml_does(k_quant):
+    """In bf16, the native kernels (integer dot products against the activations in Q8_K, as ggml computes them)
+    against torch's path (the blocks dequantized): apart by the activations' 8-bit rounding only."""
+    prompt = list(range(3, 14))
+    native, torch_path = (logits(k_quant["q4_k_m-bf16"], prompt, 6, 2, k) for k in ("auto", "torch"))
+    scale = torch_path[0].abs().max().item()
+    assert (native[0].float() - torch_path[0].float()).abs().max().item() <= 0.03 * scale
+    assert sum(a.argmax() == b.argmax() for a, b in zip(native[1], torch_path[1])) >= 5
+
+
+def test_dense_weights_in_a_block_format_are_dequantized_once_with_a_note(tiny_store, tmp_path, capsys):
+    _, hf_store = tiny_store("olmoe")
+    path = gguf_export.export(hf_store.parent / "hf", tmp_path / "m.gguf", dense_type="q8_0")
+    store = Store(index_gguf(path, tmp_path / "store", progress=False))
+    note = capsys.readouterr().err
+    assert "dense tensors of m.gguf" in note and "dequantized once" in note
+    q = GgufModel(path).tensor("blk.1.attn_q.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(q.data, gguf.GGMLQuantizationType.Q8_0))
+    assert Manifest.load(store.path).config["dtype"] == "float32"  # the experts' (F32)
+    assert torch.equal(store.load_dense()["layers.1.q_proj"], want)
+
+
+def test_moetier_runs_a_gguf_named_on_the_command_line(k_quant, tmp_path, capsys):
+    """`--model FILE.gguf`: indexed into the cache once, then reused; the file itself untouched."""
+    path = Path(Manifest.load(k_quant["q4_k_m"]).source)
+    before = path.stat()
+    args = ["generate", "--model", str(path), "--cache-dir", str(tmp_path / "cache"), "--prompt", "hello",
+            "--max-tokens", "4", "--temperature", "0"]
+    assert main(args) == 0
+    assert main(args) == 0
+    entries = list((tmp_path / "cache").iterdir())
+    assert len([e for e in entries if e.name.startswith("q4_k_m-")]) == 1
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert resolve_model(path, tmp_path / "cache", progress=False) in entries
+
+
+def test_a_gguf_changed_after_indexing_is_indexed_again_or_refused(tmp_path, tiny_store):
+    _, hf_store = tiny_store("olmoe")
+    path = gguf_export.export(hf_store.parent / "hf", tmp_path / "m.gguf")
+    store = index_gguf(path, tmp_path / "store", progress=False)
+    first = resolve_model(path, tmp_path / "cache", progress=False)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(StoreError, match="changed since .* indexed it"):
+        Store(store)
+    second = resolve_model(path, tmp_path / "cache", progress=False)  # `--model FILE`: a new index, the old gone
+    assert second != first and not first.exists()
+
+
+def test_bytes_that_rot_in_a_gguf_fail_their_checksum_naming_the_file(tmp_path, tiny_store):
+    _, hf_store = tiny_store("olmoe")
+    path = gguf_export.export(hf_store.parent / "hf", tmp_path / "m.gguf")
+    store = index_gguf(path, tmp_path / "store", progress=False)
+    down = GgufModel(path).tensor("blk.1.ffn_down_exps.weight")
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(down.offset + 6 * down.nbytes // down.shape[0] + 8)  # inside expert 6's slice
+        f.write(b"\xff\xff\xff\xff")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with Engine.from_pretrained(store, expert_memory="100%", progress=False) as engine:
+        with pytest.raises(ChecksumError, match=r"expert 6 of layer 1.*m\.gguf"):
+            engine.preload()
+
+
+def test_a_gguf_that_cannot_run_is_one_line_and_writes_nothing(tmp_path, capsys):
+    from tests.store import gguf_writer
+
+    bad = gguf_writer.write(tmp_path / "dense.gguf", "llama", {"block_count": 1, "embedding_length": 64},
+                            {"token_embd.weight": np.zeros((8, 64), np.float32)})
+    cache = tmp_path / "cache"
+    code = main(["generate", "--model", str(bad), "--cache-dir", str(cache), "--prompt", "hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 2 and err[0].startswith("moetier: error:") and "dense llama" in err[0]
+    assert not cache.exists() or not any(cache.iterdir())
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    assert main(["generate", "--model", str(text), "--prompt", "hi"]) == 1
+    assert "is a file, not a model" in capsys.readouterr().err
