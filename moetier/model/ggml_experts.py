@@ -31,6 +31,7 @@ class GgmlExpert(OneByOne):
             raise ValueError(f"not a GGML block precision: {precision!r}")
         self.precision, self.dtype = precision, dtype
         self.linear = GgmlLinear(lib) if lib is not None else TorchGgml()
+        self.fused = lib is not None and dtype == torch.bfloat16  # the native call computes bf16 models' experts
         self._formats: dict[tuple[int, int], str] = {}  # (in_features, row bytes) -> format
 
     def _format(self, k: int, w: torch.Tensor) -> str:
@@ -42,8 +43,12 @@ class GgmlExpert(OneByOne):
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         h, i = x.shape[1], w["gate_up_proj"].shape[0] // 2
-        gate_up = self.linear(x, w["gate_up_proj"], self._format(h, w["gate_up_proj"])).to(self.dtype)  # [n, 2I]
+        gu_fmt, d_fmt = self._format(h, w["gate_up_proj"]), self._format(i, w["down_proj"])
+        if self.fused and out.is_contiguous() and self.linear.fuses(x, gu_fmt, d_fmt, i):  # the same ops, one call
+            self.linear.swiglu(out, x, w["gate_up_proj"], gu_fmt, w["down_proj"], d_fmt, weights)
+            return
+        gate_up = self.linear(x, w["gate_up_proj"], gu_fmt).to(self.dtype)  # [n, 2I]
         gate, up = gate_up[:, :i], gate_up[:, i:]
         act = F.silu(gate) * up  # [n, I]
-        y = self.linear(act, w["down_proj"], self._format(i, w["down_proj"]))  # [n, H] fp32
+        y = self.linear(act, w["down_proj"], d_fmt)  # [n, H] fp32
         out.copy_(y.to(self.dtype) * weights[:, None].to(self.dtype))

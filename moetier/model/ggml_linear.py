@@ -44,3 +44,22 @@ class GgmlLinear:
         w = w.contiguous()
         self.lib.moetier_gq_linear(kind, w.data_ptr(), n, k, act.data_ptr(), t, y.data_ptr())
         return y
+
+    def fuses(self, x: torch.Tensor, gu_fmt: str, d_fmt: str, i: int) -> bool:
+        """Whether `swiglu` computes this expert: bf16 rows, at most a pass of tokens, both formats in the kernels."""
+        return (x.dtype == torch.bfloat16 and x.shape[0] <= MAX_TOKENS and self.takes(gu_fmt, x.shape[1])
+                and self.takes(d_fmt, i))
+
+    def swiglu(self, out: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, gu_fmt: str, down: torch.Tensor,
+               d_fmt: str, weights: torch.Tensor) -> None:
+        """out [T, H] bf16 = a SwiGLU expert on x [T, H] bf16 scaled by weights [T], in one native call
+        (csrc/q_ggml.c moetier_gq_swiglu: what GgmlExpert's torch ops compute, without their per-op costs)."""
+        t, h = x.shape
+        i = gate_up.shape[0] // 2
+        gu, d = TYPE_IDS[gu_fmt], TYPE_IDS[d_fmt]
+        need = self.lib.moetier_gq_swiglu_scratch(gu, d, h, i, t)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.uint8)
+        w = weights.to(torch.bfloat16).contiguous()
+        self.lib.moetier_gq_swiglu(gu, gate_up.data_ptr(), d, down.data_ptr(), h, i, x.contiguous().data_ptr(), t,
+                                   w.data_ptr(), out.data_ptr(), self.scratch.data_ptr())

@@ -172,6 +172,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_gq_fits.restype = i
     lib.moetier_gq_linear.argtypes = [i, p, n, n, p, i, p]
     lib.moetier_gq_linear.restype = None
+    lib.moetier_gq_swiglu_scratch.argtypes = [i, i, n, n, i]
+    lib.moetier_gq_swiglu_scratch.restype = n
+    lib.moetier_gq_swiglu.argtypes = [i, p, i, p, n, n, p, i, p, p, p]
+    lib.moetier_gq_swiglu.restype = None
     lib.moetier_threads.argtypes = []
     lib.moetier_threads.restype = n
     return lib

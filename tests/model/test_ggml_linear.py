@@ -65,3 +65,24 @@ def test_a_big_matrix_in_parallel_and_a_long_batch_by_dequantizing(linear, fmt):
 def test_weights_of_the_wrong_size_are_refused(linear):
     with pytest.raises(ValueError, match=r"uint8 \[N, 144\]"):
         linear(torch.zeros(1, 256), torch.zeros(4, 140, dtype=torch.uint8), "q4_k")
+
+
+@pytest.mark.parametrize("tokens", [1, 2, MAX_TOKENS])
+@pytest.mark.parametrize("gu_fmt,d_fmt", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k")])
+def test_one_call_computes_an_expert_as_the_ops_one_by_one(linear, gu_fmt, d_fmt, tokens):
+    """moetier_gq_swiglu (one native call an expert) against GgmlExpert's torch ops around the same kernels: the
+    same bf16 roundings, so the same bits."""
+    from moetier.model.ggml_experts import GgmlExpert
+
+    torch.manual_seed(tokens)
+    h, i = 512, 256
+    w = {"gate_up_proj": quantize(torch.randn(2 * i, h) * 0.05, gu_fmt),
+         "down_proj": quantize(torch.randn(h, i) * 0.05, d_fmt)}
+    x = torch.randn(tokens, h).bfloat16()
+    weights = torch.rand(tokens).bfloat16()
+    fused, ops = GgmlExpert(gu_fmt, torch.bfloat16, linear.lib), GgmlExpert(gu_fmt, torch.bfloat16, linear.lib)
+    ops.fused = False
+    a, b = torch.empty(tokens, h, dtype=torch.bfloat16), torch.empty(tokens, h, dtype=torch.bfloat16)
+    fused(a, x, w, weights)
+    ops(b, x, w, weights)
+    assert fused.fused and torch.equal(a, b)

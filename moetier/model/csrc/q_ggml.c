@@ -16,6 +16,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -23,6 +24,8 @@
 
 #define GQ_MAX_TOKENS 4
 #define GQ_PARALLEL_MIN_BYTES (128 * 1024)
+#define GQ_PREFETCH_AHEAD 2048 /* bytes: a row or two of a k-quant expert matrix; reads from memory, not cache,
+                                  went 7.7 -> see docs/gguf.md */
 #define QK 256
 
 enum { GQ_Q8_0 = 0, GQ_Q4_K = 1, GQ_Q5_K = 2, GQ_Q6_K = 3 };
@@ -98,110 +101,147 @@ void moetier_gq_quantize_act(int type, const float *x, long K, int T, void *out)
     }
 }
 
-static inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* 32 codes (uint8, <= 63) times 32 activation codes, each 16-input half scaled by its own int16: int32 x 8. */
-static inline __m256i dot32_scaled(__m256i q, const int8_t *x, __m256i scales16) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x)), scales16);
+static inline float hsum_ps128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* The 8 six-bit scales and mins of a q4_k/q5_k block (ggml's get_scale_min_k4). */
-static inline void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *m) {
-    for (int j = 0; j < 4; j++) sc[j] = q[j] & 63, m[j] = q[j + 4] & 63;
-    for (int j = 4; j < 8; j++) {
-        sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+/* Byte masks for vpshufb: int16 lane i of a 128-bit half broadcast over the half (BROADCAST16[i]); and, from 16
+   int8, byte 2i over 8 bytes then byte 2i + 1 over 8 (PAIR8[i]: two sub-blocks' scales, widened after). */
+static const uint8_t BROADCAST16[8][32] = {
+#define B16(i) {2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, \
+                2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1, 2*i, 2*i+1}
+    B16(0), B16(1), B16(2), B16(3), B16(4), B16(5), B16(6), B16(7)
+#undef B16
+};
+static const uint8_t PAIR8[8][16] = {
+#define P8(i) {2*i, 2*i, 2*i, 2*i, 2*i, 2*i, 2*i, 2*i, 2*i+1, 2*i+1, 2*i+1, 2*i+1, 2*i+1, 2*i+1, 2*i+1, 2*i+1}
+    P8(0), P8(1), P8(2), P8(3), P8(4), P8(5), P8(6), P8(7)
+#undef P8
+};
+
+/* The 8 six-bit scales (bytes 0-7) and mins (8-15) of a q4_k/q5_k block, unpacked as ggml's AVX2 path does. */
+static inline __m256i scales_mins_k4(const uint8_t *q) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    uint32_t u[4];
+    memcpy(u, q, 12);
+    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+    const uint32_t mins_low = u[1] & kmask1;
+    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+    u[2] = mins_low;
+    u[0] &= kmask1;
+    return _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));  /* int16 x 16 */
 }
 
-/* A q4_k or q5_k super-block against one token's q8k block. */
-static inline float dot_q45k(const uint8_t *blk, const q8k *a, const int five) {
-    uint8_t sc[8], mn[8];
-    scale_min_k4(blk + 4, sc, mn);
+/* A q4_k or q5_k super-block against T tokens' q8k blocks a[t]: each token's scaled sum into acc[t], its mins'
+   into accm[t]. The weights' codes are unpacked once for all T tokens. */
+static inline void blk_q45k(const uint8_t *blk, const q8k *const *a, int T, __m256 *acc, __m128 *accm,
+                            const int five) {
+    const __m256i sm = scales_mins_k4(blk + 4);
+    const __m128i mins = _mm256_extracti128_si256(sm, 1);
+    const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);  /* the 8 scales in both halves */
     const uint8_t *qs = blk + (five ? 48 : 16), *qh = blk + 16;
     const __m256i low = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-    __m256i acc = _mm256_setzero_si256();
+    __m256i q[8];
     for (int c = 0; c < 4; c++) { /* 64 weights: sub-block 2c in the low nibbles, 2c + 1 in the high */
-        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        q[2 * c] = _mm256_and_si256(v, low);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         if (five) {
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4));
+            q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4));
+            q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1],
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4));
             hbits = _mm256_srli_epi16(hbits, 2);
         }
-        acc = _mm256_add_epi32(acc, dot32_scaled(lo, a->qs + 64 * c, _mm256_set1_epi16(sc[2 * c])));
-        acc = _mm256_add_epi32(acc, dot32_scaled(hi, a->qs + 64 * c + 32, _mm256_set1_epi16(sc[2 * c + 1])));
     }
-    int summ = 0;
-    for (int j = 0; j < 8; j++) summ += mn[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
-    return f16_to_f32(blk) * a->d * (float)hsum_i32(acc) - f16_to_f32(blk + 2) * a->d * (float)summ;
-}
-
-static inline __m256i two_scales(const int8_t *sc) { /* two int8 scales, each over 8 int16 lanes */
-    return _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
-}
-
-/* A q6_k super-block against one token's q8k block. */
-static inline float dot_q6k(const uint8_t *blk, const q8k *a) {
-    const uint8_t *ql = blk, *qh = blk + 128;
-    const int8_t *sc = (const int8_t *)(blk + 192);
-    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
-    __m256i acc = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++) { /* 128 weights: four runs of 32, each two sub-blocks of 16 */
-        __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-        __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-        __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-        __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
-        __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
-        __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
-        __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
-        const int8_t *x = a->qs + 128 * h, *s = sc + 8 * h;
-        acc = _mm256_add_epi32(acc, dot32_scaled(q0, x, two_scales(s)));
-        acc = _mm256_add_epi32(acc, dot32_scaled(q1, x + 32, two_scales(s + 2)));
-        acc = _mm256_add_epi32(acc, dot32_scaled(q2, x + 64, two_scales(s + 4)));
-        acc = _mm256_add_epi32(acc, dot32_scaled(q3, x + 96, two_scales(s + 6)));
-    }
-    int bias = 0; /* the codes are stored + 32 */
-    for (int j = 0; j < 16; j++) bias += sc[j] * a->bsums[j];
-    return f16_to_f32(blk + 208) * a->d * (float)(hsum_i32(acc) - 32 * bias);
-}
-
-/* A q8_0 block against one token's block: |xq| times q with xq's sign (pairs of at most 127 * 127 * 2). */
-static inline float dot_q8_0(const uint8_t *blk, const q8b *a) {
-    __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), x = _mm256_loadu_si256((const __m256i *)a->qs);
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)),
-                                  _mm256_set1_epi16(1));
-    return f16_to_f32(blk) * a->d * (float)hsum_i32(p);
-}
-
-/* One row's blocks against T tokens' activations. */
-static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *w, long K, const char *act,
-                                                         long act_bytes, int T, float *out) {
-    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type];
-    float sum[GQ_MAX_TOKENS] = {0};
-    for (long b = 0; b < blocks; b++) {
-        const uint8_t *blk = w + b * ts;
-        for (int t = 0; t < T; t++) {
-            const char *a = act + t * act_bytes;
-            switch (type) {
-                case GQ_Q8_0: sum[t] += dot_q8_0(blk, (const q8b *)a + b); break;
-                case GQ_Q4_K: sum[t] += dot_q45k(blk, (const q8k *)a + b, 0); break;
-                case GQ_Q5_K: sum[t] += dot_q45k(blk, (const q8k *)a + b, 1); break;
-                default: sum[t] += dot_q6k(blk, (const q8k *)a + b);
-            }
+    const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+    for (int t = 0; t < T; t++) {
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(a[t]->qs + 32 * j)));
+            const __m256i sc = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)BROADCAST16[j]));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(sc, p));
         }
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(sumi), acc[t]);
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)a[t]->bsums);  /* per 16 inputs */
+        const __m128i sums32 = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+        accm[t] = _mm_fmadd_ps(_mm_set1_ps(dmin * a[t]->d), _mm_cvtepi32_ps(_mm_madd_epi16(mins, sums32)), accm[t]);
     }
-    for (int t = 0; t < T; t++) out[t] = sum[t];
 }
+
+/* A q6_k super-block against T tokens' q8k blocks: codes stored + 32, taken off through the bsums. */
+static inline void blk_q6k(const uint8_t *blk, const q8k *const *a, int T, __m256 *acc) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  /* the 16 scales, for the bias */
+    const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    __m256i q[8], scale[8];
+    for (int h = 0; h < 2; h++) { /* 128 weights: four runs of 32, each two sub-blocks of 16 */
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+    }
+    for (int v = 0; v < 8; v++)
+        scale[v] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)PAIR8[v])));
+    const float d = f16_to_f32(blk + 208);
+    for (int t = 0; t < T; t++) {
+        __m256i sumi = _mm256_setzero_si256();
+        for (int v = 0; v < 8; v++) {
+            const __m256i p = _mm256_maddubs_epi16(q[v], _mm256_loadu_si256((const __m256i *)(a[t]->qs + 32 * v)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scale[v], p));
+        }
+        const __m256i bias = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a[t]->bsums));
+        sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(bias, 5));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(sumi), acc[t]);
+    }
+}
+
+/* A q8_0 block against T tokens' blocks: |xq| times q with xq's sign (pairs of at most 127 * 127 * 2). */
+static inline void blk_q8_0(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), aq = _mm256_sign_epi8(q, q);
+    const float d = f16_to_f32(blk);
+    for (int t = 0; t < T; t++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)a[t]->qs);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(p), acc[t]);
+    }
+}
+
+/* One row's blocks against T tokens' activations (a function per type: nothing decided per block). */
+#define ROW_DOT(name, act_t, BLOCK)                                                                           \
+    static void name(const uint8_t *w, long blocks, long ts, const char *act, long act_bytes, int T,          \
+                     float *out) {                                                                             \
+        __m256 acc[GQ_MAX_TOKENS];                                                                             \
+        __m128 accm[GQ_MAX_TOKENS];                                                                            \
+        const act_t *a[GQ_MAX_TOKENS];                                                                         \
+        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), accm[t] = _mm_setzero_ps();                  \
+        for (long b = 0; b < blocks; b++) {                                                                    \
+            for (long off = 0; off < ts; off += 64) /* ahead of the hardware prefetcher, as q_int.c */          \
+                _mm_prefetch((const char *)(w + b * ts + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);               \
+            for (int t = 0; t < T; t++) a[t] = (const act_t *)(act + t * act_bytes) + b;                        \
+            BLOCK;                                                                                             \
+        }                                                                                                      \
+        for (int t = 0; t < T; t++) out[t] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);                            \
+    }
+ROW_DOT(row_q4k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 0))
+ROW_DOT(row_q5k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 1))
+ROW_DOT(row_q6k, q8k, blk_q6k(w + b * ts, a, T, acc))
+ROW_DOT(row_q8_0, q8b, blk_q8_0(w + b * ts, a, T, acc))
+#undef ROW_DOT
 
 int moetier_gq_fits(int type, long K) {
     return type >= GQ_Q8_0 && type <= GQ_Q6_K && K > 0 && K % BLOCK_SIZE[type] == 0;
@@ -210,11 +250,48 @@ int moetier_gq_fits(int type, long K) {
 /* y [T, N] fp32 = W [N, K] (`type` blocks, rows back to back) x the T activations `act` (moetier_gq_quantize_act's),
    T <= GQ_MAX_TOKENS. Rows in parallel where the matrix is big enough to pay for the threads. */
 void moetier_gq_linear(int type, const uint8_t *w, long N, long K, const void *act, int T, float *y) {
-    const long row_bytes = K / BLOCK_SIZE[type] * TYPE_SIZE[type], act_bytes = moetier_gq_act_bytes(type, K);
+    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], row_bytes = blocks * ts;
+    const long act_bytes = moetier_gq_act_bytes(type, K);
 #pragma omp parallel for schedule(static) if (N * row_bytes >= GQ_PARALLEL_MIN_BYTES)
     for (long r = 0; r < N; r++) {
         float out[GQ_MAX_TOKENS];
-        row_dot(type, w + r * row_bytes, K, (const char *)act, act_bytes, T, out);
+        const uint8_t *row = w + r * row_bytes;
+        switch (type) {
+            case GQ_Q8_0: row_q8_0(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
+            case GQ_Q4_K: row_q4k(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
+            case GQ_Q5_K: row_q5k(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
+            default: row_q6k(row, blocks, ts, (const char *)act, act_bytes, T, out);
+        }
         for (int t = 0; t < T; t++) y[t * N + r] = out[t];
+    }
+}
+
+/* Bytes of scratch moetier_gq_swiglu needs: both matrices' activations, gate_up's and down's outputs, h. */
+long moetier_gq_swiglu_scratch(int gu_type, int d_type, long H, long I, int T) {
+    return T * (moetier_gq_act_bytes(gu_type, H) + moetier_gq_act_bytes(d_type, I)) + 4L * T * (2 * I + H + I + H)
+           + 64;
+}
+
+/* One SwiGLU expert in block formats for T <= GQ_MAX_TOKENS bf16 rows x [T, H], as GgmlExpert computes it with
+   torch's ops in bf16: g, u = bf16(gate_up . x); h = bf16(bf16(silu(g)) * u); out [T, H] = bf16(bf16(down . h) *
+   weight[t]) — in one call, so an expert costs its two matrices and not a dozen small torch ops. */
+void moetier_gq_swiglu(int gu_type, const uint8_t *w_gu, int d_type, const uint8_t *w_d, long H, long I,
+                       const uint16_t *x, int T, const uint16_t *weights, uint16_t *out, void *scratch) {
+    char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *xf = (float *)p, *gu = xf + T * H, *hf = gu + T * 2 * I, *y = hf + T * I;
+    char *act_gu = (char *)(y + T * H), *act_d = act_gu + T * moetier_gq_act_bytes(gu_type, H);
+    for (long i = 0; i < T * H; i++) xf[i] = bf16_to_f32(x[i]);
+    moetier_gq_quantize_act(gu_type, xf, H, T, act_gu);
+    moetier_gq_linear(gu_type, w_gu, 2 * I, H, act_gu, T, gu);
+    for (int t = 0; t < T; t++)
+        for (long i = 0; i < I; i++) {
+            const float g = round_bf16(gu[t * 2 * I + i]), u = round_bf16(gu[t * 2 * I + I + i]);
+            hf[t * I + i] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+        }
+    moetier_gq_quantize_act(d_type, hf, I, T, act_d);
+    moetier_gq_linear(d_type, w_d, H, I, act_d, T, y);
+    for (int t = 0; t < T; t++) {
+        const float w = bf16_to_f32(weights[t]);
+        for (long h = 0; h < H; h++) out[t * H + h] = f32_to_bf16(round_bf16(y[t * H + h]) * w);
     }
 }
