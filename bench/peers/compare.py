@@ -5,6 +5,9 @@ resident and under memory caps, for each format and its moetier counterpart —
     q8_0    llama.cpp Q8_0     moetier --precision int8 --dense-precision int8
     q4_k_m  llama.cpp Q4_K_M   moetier --precision int4 / hobbit / low-tier, --dense-precision int4
 
+and, for each format, "same file": moetier given that GGUF itself (`--model FILE.gguf`), computing it in the
+file's own types (its Q8_0 / Q4_K / Q6_K blocks), so the two engines run the very same weights.
+
 The weights: the synthetic OLMoE-1B-7B store (written on first use, 13 GB), exported to a Hugging Face folder and
 converted by llama.cpp's own converter, then llama-quantize (bench/peers/llamacpp.py builds llama.cpp from PyPI's
 llama-cpp-python source distribution on first use). moetier reads its store, whose int8/int4 copies it adds.
@@ -59,12 +62,16 @@ from load import THRESHOLD_CORES, mark, measured  # noqa: E402
 from moetier.paths import default_cache_dir  # noqa: E402
 
 MODES = {  # format -> moetier's counterparts: (label, precision, dense precision)
-    "bf16": [("native", "native", "native")],
-    "q8_0": [("int8", "int8", "int8")],
-    "q4_k_m": [("int4", "int4", "int4"), ("hobbit", "hobbit", "int4"), ("low-tier", "low-tier", "int4")],
+    "bf16": [("native", "native", "native"), ("same file", "native", "native")],
+    "q8_0": [("int8", "int8", "int8"), ("same file", "native", "native")],
+    "q4_k_m": [("int4", "int4", "int4"), ("hobbit", "hobbit", "int4"), ("low-tier", "low-tier", "int4"),
+               ("same file", "native", "native")],
 }
+SAME_FILE = "same file"  # moetier given llama.cpp's GGUF itself (`--model FILE.gguf`: its experts read in place, in
+# the file's types; its attention and head in theirs)
 MODE_PRECISIONS = {"native": (), "int8": ("int8",), "int4": ("int4",), "hobbit": ("int4",),
-                   "low-tier": ("int4", "int2")}  # the store's copies a mode reads (low-tier: whichever fits)
+                   "low-tier": ("int4", "int2"), SAME_FILE: ()}  # the store's copies a mode reads (low-tier: whichever
+# fits)
 USER = " (generate)"  # a moetier mode run as a user runs it, `moetier generate`, beside the harness's own run
 
 
@@ -90,6 +97,15 @@ def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dic
     if wanted:
         subprocess.run(["moetier", "quantize", str(store), "--precisions", wanted], check=True)
     return {f: out[f] for f in formats}
+
+
+def indexed(ggufs: dict[str, Path]) -> dict[str, Path]:
+    """Each GGUF's store in moetier's cache (indexed once, here, outside any timed run) for the same-file rows."""
+    from moetier.resolve import resolve_model
+
+    if not any(m[0] == SAME_FILE for f in ggufs for m in MODES[f]):
+        return {}
+    return {f: resolve_model(g) for f, g in ggufs.items()}
 
 
 def copies_needed(formats: list[str]) -> list[str]:
@@ -406,6 +422,7 @@ def main() -> None:
     # the AVX2 row: both engines held to AVX2 (llama.cpp's AVX2 build beside moetier's AVX2 kernels)
     llama = build(default_cache_dir(), isa="avx2" if args.kernels == "avx2" else "native")
     ggufs = prepare(formats, llama, default_cache_dir() / "peers" / "models", store)
+    index = indexed(ggufs)
     rows = rows_of(formats, caps, ggufs)
     runs = []
     def engines_of(row: dict) -> list[str]:
@@ -425,15 +442,16 @@ def main() -> None:
                 probe = probe_rate()
                 t0 = time.perf_counter()
                 mode = next((m for m in MODES[row["format"]] if m[0] == engine.removesuffix(USER)), None)
+                model = ggufs[row["format"]] if mode and mode[0] == SAME_FILE else store
                 if engine == "llama.cpp":
                     run = partial(llama_run, llama, ggufs[row["format"]], row["cap_bytes"], tokens, args.threads,
                                   args.timeout, args.repetitions)
                 elif engine.endswith(USER):
-                    run = partial(user_run, store, mode, tokens, args.timeout, args.kernels)
+                    run = partial(user_run, model, mode, tokens, args.timeout, args.kernels)
                 else:
-                    run = partial(moetier_run, store, mode, row["cap_bytes"], tokens, args.timeout, args.kernels)
+                    run = partial(moetier_run, model, mode, row["cap_bytes"], tokens, args.timeout, args.kernels)
                 if capped:  # each attempt from a cold page cache (a rerun found the first attempt's pages)
-                    run = partial(cold, run, [ggufs[row["format"]], store])
+                    run = partial(cold, run, [ggufs[row["format"]], store, *index.values()])
                 # waited for an idle machine, measured beside the other processes' CPU, run again under it
                 r = measured(run)
                 runs.append(dict(row, engine=engine, round=rnd, wall_s=time.perf_counter() - t0,

@@ -100,8 +100,12 @@ def _profiles(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _families(_: argparse.Namespace) -> list[tuple[str, str]]:
     from moetier.model.families import FAMILIES, REFUSED
+    from moetier.store.gguf_file import ARCHES
 
-    rows = [(name, " ".join((type(f).__doc__ or "").split())) for name, f in FAMILIES.items()]
+    gguf = {spec.model_type: arch for arch, spec in ARCHES.items()}  # llama.cpp's names, where a GGUF runs
+    rows = [(name, " ".join((type(f).__doc__ or "").split())
+             + (f" GGUF arch: {gguf[name]}{' (with experts)' if gguf[name] == 'llama' else ''}." if name in gguf
+                else "")) for name, f in FAMILIES.items()]
     return rows + [(name, f"refused: {_summary(why, 100)}") for name, why in REFUSED.items()]
 
 

@@ -274,6 +274,8 @@ class Engine:
         convert = released(quantizing(config.dense_precision))  # (native: None, every tensor as it is)
         dense = {name: t.to(self.device) if convert is None else t
                  for name, t in store.load_dense(convert).items()}
+        if config.dense_precision == "native" and self.device.type == "cpu":  # a GGUF's, in the file's blocks
+            dense.update(store.load_dense_blocks())
         dense = quantize_dense(dense, self.spec, config.dense_precision)  # a tied head's copy (native: unchanged)
         release_freed_memory()  # what reading (and quantizing) them left, before the cache is reserved
         if self.spec.encoder_decoder is None:  # one product for q, k and v (moetier/model/stacked.py)
@@ -322,7 +324,7 @@ class Engine:
                 host_tier.close()
             raise
         self.model = make_model(self.spec, dense, self.executor,
-                                with_dense_precision(self.kernels, config.dense_precision))
+                                with_dense_precision(self.kernels, config.dense_precision, dense))
         self.executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)

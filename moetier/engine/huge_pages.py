@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from moetier.memory import release_freed_memory
+from moetier.model.dense_quant import BlockMatrix
 from moetier.model.stacked import Stacked
 
 
@@ -101,6 +102,8 @@ def _tensors(value) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, Stacked):
         return [t for role in value.pieces() for t in role]
+    if isinstance(value, BlockMatrix):
+        return [value.data]
     q = value.q  # a QuantizedMatrix
     return [t for t in (q.codes, q.scales, q.zeros) if t is not None]
 
@@ -108,6 +111,8 @@ def _tensors(value) -> list[torch.Tensor]:
 def _rebuilt(value, moved):
     if isinstance(value, torch.Tensor):
         return moved(value)
+    if isinstance(value, BlockMatrix):
+        return replace(value, data=moved(value.data))
     q = value.q
     return replace(value, q=replace(q, codes=moved(q.codes), scales=moved(q.scales),
                                     zeros=None if q.zeros is None else moved(q.zeros)))

@@ -17,8 +17,11 @@ import torch.nn.functional as F
 
 from moetier.config import ModelSpec
 from moetier.errors import MoetierError
+from moetier.model.ggml_linear import GgmlLinear
 from moetier.model.kernels import TorchKernels
 from moetier.quant.codes import BITS, Quantized, dequantize, group_size, quantize, quantized_nbytes
+from moetier.quant.ggml_blocks import FORMATS
+from moetier.quant.ggml_blocks import dequantize as ggml_dequantize
 
 DENSE_PRECISIONS = ("native", "int8", "int4")
 MAX_ROWS = 4  # csrc/q_int.c's QI_MAX_TOKENS
@@ -45,6 +48,25 @@ class QuantizedMatrix:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q.codes, self.q.scales, self.q.zeros)
                    if t is not None)
+
+
+@dataclass(frozen=True)
+class BlockMatrix:
+    """A dense [N, K] weight kept in one of GGML's block formats, as a GGUF file holds it (store/gguf_store.py):
+    `data` uint8 [N, row bytes] in `fmt`."""
+
+    data: torch.Tensor
+    fmt: str
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (self.shape[0], FORMATS[self.fmt].row_bytes(
+                self.shape[1])):
+            raise ValueError(f"{self.fmt} [{self.shape}] weights are uint8 [N, row bytes], got {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
 
 
 def quantize_matrix(w: torch.Tensor, precision: str) -> QuantizedMatrix:
@@ -118,7 +140,8 @@ def quantize_dense(dense: dict, spec: ModelSpec, precision: str) -> dict:
 
 
 def dense_bytes(dense: dict) -> int:
-    return sum(t.nbytes if isinstance(t, QuantizedMatrix) else t.numel() * t.element_size() for t in dense.values())
+    return sum(t.nbytes if isinstance(t, (QuantizedMatrix, BlockMatrix)) else t.numel() * t.element_size()
+               for t in dense.values())
 
 
 class QuantizedDenseKernels:
@@ -135,8 +158,11 @@ class QuantizedDenseKernels:
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.dense = torch.empty(0, dtype=torch.bfloat16)  # a prefill's dequantized matrix, reused across calls
         self.fits: dict[tuple[int, int, int], bool] = {}
+        self.ggml = GgmlLinear(self.lib) if self.lib is not None else None  # (its own fallback past 4 rows)
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, BlockMatrix):
+            return self._blocks(x, weight, bias)
         if not isinstance(weight, QuantizedMatrix):
             return self.base.linear(x, weight, bias)
         n, k = weight.shape
@@ -153,6 +179,14 @@ class QuantizedDenseKernels:
                                        y.data_ptr(), n, k, rows, self.scratch.data_ptr())
             return y if bias is None else y + bias
         return F.linear(x, self._dequantized(weight, x.dtype), bias)
+
+    def _blocks(self, x: torch.Tensor, weight: BlockMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+        """A GGUF's matrix: the integer kernels for a few rows (fp32 out, rounded to x's dtype as a product in it
+        is), its blocks dequantized for more."""
+        if self.ggml is not None and x.dim() == 2:
+            y = self.ggml(x, weight.data, weight.fmt).to(x.dtype)
+            return y if bias is None else y + bias
+        return F.linear(x, ggml_dequantize(weight.data, weight.fmt).to(x.dtype), bias)
 
     def _fits(self, weight: QuantizedMatrix) -> bool:
         key = (weight.bits, weight.shape[1], weight.group)
@@ -174,6 +208,7 @@ class QuantizedDenseKernels:
         return out
 
 
-def with_dense_precision(kernels: TorchKernels, precision: str):
-    """The kernels a model with `precision` dense weights computes on."""
-    return kernels if precision == "native" else QuantizedDenseKernels(kernels)
+def with_dense_precision(kernels: TorchKernels, precision: str, dense: dict | None = None):
+    """The kernels a model with `precision` dense weights computes on (native ones from a GGUF's blocks too)."""
+    blocks = dense is not None and any(isinstance(t, BlockMatrix) for t in dense.values())
+    return kernels if precision == "native" and not blocks else QuantizedDenseKernels(kernels)

@@ -154,6 +154,27 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
+class DenseBlock:
+    """A dense matrix a GGUF keeps in a block format, computed in it (model/dense_quant.py's BlockMatrix): its
+    `nbytes` at `offset` in source file `source` — [rows, in_features] weights in `fmt` — their CRC-32, and the
+    heads whose rows llama.cpp's converter permuted (0: none)."""
+
+    source: str  # a key of Manifest.sources
+    offset: int
+    nbytes: int
+    fmt: str
+    rows: int
+    in_features: int
+    crc32: int
+    heads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fmt not in BLOCK_FORMATS or self.nbytes != self.rows * BLOCK_FORMATS[self.fmt].row_bytes(
+                self.in_features):
+            raise ValueError(f"a {self.fmt} matrix [{self.rows}, {self.in_features}] is not {self.nbytes} bytes")
+
+
+@dataclass(frozen=True)
 class BlobRef:
     """Where one expert at one precision lives on disk: `length` bytes at `offset` in the store's `file`, or, for a
     linked blob, its `segments` in source files (`file` empty; `crc32` over the segments' bytes in blob order)."""
@@ -196,6 +217,7 @@ class Manifest:
     file_crc32: dict[str, int] = field(default_factory=dict)  # per copied file (tokenizer, generation config)
     sources: dict[str, SourceFile] = field(default_factory=dict)  # what linked blobs read, by name
     complete: bool = True
+    dense_blocks: dict[str, DenseBlock] = field(default_factory=dict)  # a GGUF's dense matrices in their blocks
 
     @property
     def version(self) -> int:
@@ -225,6 +247,8 @@ class Manifest:
             "precisions": {k: _layout_json(v) for k, v in self.precisions.items()},
             "dense_crc32": self.dense_crc32, "file_crc32": self.file_crc32,
             **({"sources": {k: asdict(v) for k, v in self.sources.items()}} if self.sources else {}),
+            **({"dense_blocks": {k: list(dataclasses.astuple(v)) for k, v in self.dense_blocks.items()}}
+               if self.dense_blocks else {}),
             "experts": [[b.layer, b.expert, b.precision, b.file, b.offset, b.length, b.crc32]
                         + ([[list(dataclasses.astuple(s)) for s in b.segments]] if b.segments else [])
                         for b in self.blobs],
@@ -268,7 +292,21 @@ def _parse_manifest(d: dict) -> Manifest:
         dense_crc32={_text(k, "tensor name"): integer(v, "crc32", 0) for k, v in _mapping(d["dense_crc32"],
                                                                                             "dense_crc32").items()},
         file_crc32={_relative(k): integer(v, "crc32", 0) for k, v in _mapping(d["file_crc32"], "file_crc32").items()},
-        sources=sources)
+        sources=sources,
+        dense_blocks={_text(k, "tensor name"): _parse_dense_block(v, sources)
+                      for k, v in _mapping(d.get("dense_blocks", {}), "dense_blocks").items()})
+
+
+def _parse_dense_block(row: list, sources: dict[str, SourceFile]) -> DenseBlock:
+    source, offset, nbytes, fmt, rows, k, crc, heads = row
+    if source not in sources:
+        raise ValueError(f"a dense matrix reads from {source!r}, which the manifest's sources do not name")
+    block = DenseBlock(source, integer(offset, "offset", 0), integer(nbytes, "length", 1), _text(fmt, "format"),
+                       integer(rows, "rows", 1), integer(k, "in_features", 1), integer(crc, "crc32", 0),
+                       integer(heads, "heads", 0))
+    if block.offset + block.nbytes > sources[source].size:
+        raise ValueError(f"a dense matrix of {block.nbytes} bytes reaches past its source file")
+    return block
 
 
 def _parse_source(d: dict) -> SourceFile:

@@ -19,16 +19,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from zlib_ng.zlib_ng import crc32
 
 from moetier.atomic import check_replaceable
 from moetier.config import ModelSpec, format_bytes
+from moetier.model.dense_quant import quantized_names
 from moetier.model.families import family_for, parse_spec
 from moetier.progress import tqdm
 from moetier.quant.ggml_blocks import FORMATS, dequantize
 from moetier.quant.precisions import BLOCKS
 from moetier.store.checkpoint import Located
 from moetier.store.convert import dense_tensors
-from moetier.store.format import PRECISION_OF_DTYPE, Manifest, PrecisionLayout, SourceFile, is_store
+from moetier.store.format import PRECISION_OF_DTYPE, DenseBlock, Manifest, PrecisionLayout, SourceFile, is_store
 from moetier.store.gguf_file import HINT, GgufError, GgufModel, Tensor, unpermute
 from moetier.store.gguf_tokenizer import tokenizer_files
 from moetier.store.link import segments_crc32, segments_of
@@ -161,13 +163,16 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
     layout = precision_layout(model, spec)
     ckpt = GgufCheckpoint(model, dtype)
     dense = dense_tensors(ckpt, family, spec)
-    if ckpt.dequantized:
-        dequantized = sum(model.tensor(n).nbytes for n in ckpt.dequantized)
-        print(f"moetier: {len(ckpt.dequantized)} dense tensors of {path.name} ({format_bytes(dequantized)}, e.g. "
-              f"{ckpt.dequantized[0]}) are computed in {str(ckpt.dtype).removeprefix('torch.')}, dequantized once "
-              f"here; the experts stay in the file's types", file=sys.stderr)
     names = {part: part.name for part in model.parts}
     indexed = {name: SourceFile.of(part) for part, name in names.items()}
+    blocks = dense_blocks(model, ckpt, family.dense_names(spec))
+    in_blocks = {model.tensor(ckpt.gguf_name(family.dense_names(spec)[n])).name for n in blocks}
+    dequantized = [n for n in ckpt.dequantized if n not in in_blocks]
+    if dequantized:
+        size = sum(model.tensor(n).nbytes for n in dequantized)
+        print(f"moetier: {len(dequantized)} dense tensors of {path.name} ({format_bytes(size)}, e.g. {dequantized[0]}) "
+              f"are computed in {str(ckpt.dtype).removeprefix('torch.')}, dequantized once here; the experts, the "
+              f"attention projections and the head stay in the file's types", file=sys.stderr)
     files = tokenizer_files(model.metadata)
     total = len(spec.moe_layers) * spec.num_experts
     needed = store_bytes(sum(t.nbytes for t in dense.values()), 0, 0, sum(map(len, files.values()))) \
@@ -189,5 +194,23 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
             writer.add_file(name)
         manifest = Manifest(family=family.name, config=config, precisions={layout.name: layout},
                             native_precision=layout.name, blobs=tuple(writer.blobs), source=str(path.resolve()),
-                            tokenizer_files=tuple(files), sources=indexed)
+                            tokenizer_files=tuple(files), sources=indexed, dense_blocks=blocks)
         return writer.commit(manifest)
+
+
+def dense_blocks(model: GgufModel, ckpt: GgufCheckpoint, names: dict[str, str]) -> dict[str, DenseBlock]:
+    """The attention projections and the head the file keeps in a block format, as the engine computes them in it
+    (`--dense-precision native`): where each lies, and its checksum."""
+    out = {}
+    for ours, theirs in names.items():
+        if not (ours == "lm_head" or quantized_names([ours])):
+            continue
+        t = model.tensor(ckpt.gguf_name(theirs))
+        if t.type not in BLOCKS:
+            continue
+        heads = 0
+        if model.arch_spec.permute_qk and ours.endswith(("q_proj", "k_proj")):
+            heads = int(model.key("attention.head_count" if ours.endswith("q_proj") else "attention.head_count_kv"))
+        out[ours] = DenseBlock(t.path.name, t.offset, t.nbytes, t.type, t.shape[0], t.shape[1],
+                               crc32(np.asarray(t.data).reshape(-1)), heads)
+    return out

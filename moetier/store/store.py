@@ -112,6 +112,24 @@ class Store:
             os.close(fd)
         return out
 
+    def load_dense_blocks(self) -> dict:
+        """A GGUF store's attention projections and head in the file's block formats (model/dense_quant.py's
+        BlockMatrix), read from the file and checked against their checksums; {} for any other store."""
+        from moetier.model.dense_quant import BlockMatrix
+        from moetier.store.gguf_file import unpermute
+
+        out = {}
+        for name, block in self.manifest.dense_blocks.items():
+            where = self.manifest.sources[block.source].path
+            data = _read_at(where, block.offset, block.nbytes)
+            if len(data) != block.nbytes or crc32(data) != block.crc32:
+                raise ChecksumError(f"dense tensor {name} in {where} fails its checksum", hint=DAMAGED)
+            rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(block.rows, -1)
+            if block.heads:  # the converter's rotary permutation of Q/K rows, undone row by row
+                rows = unpermute(rows, block.heads).contiguous()
+            out[name] = BlockMatrix(rows, block.fmt, (block.rows, block.in_features))
+        return out
+
     def read_expert(self, layer: int, expert: int, precision: str | None = None) -> dict[str, torch.Tensor]:
         """One expert's tensors, read synchronously and verified against its checksum (for tools that rewrite
         a store; the engine reads through ExpertReader)."""

@@ -99,12 +99,14 @@ def k_quant(tmp_path_factory):
     kinds = {0: ("q4_k", "q6_k"), 1: ("q4_k", "q4_k")}
     quantized = gguf_export.export(root / "hf", root / "q4_k_m.gguf", kinds)
     bf16 = gguf_export.export(root / "hf", root / "q4_k_m-bf16.gguf", kinds, dense_type="bf16")
+    blocks = gguf_export.export(root / "hf", root / "q4_k_m-dense.gguf", kinds, dense_type="q4_k")
     reader = gguf.GGUFReader(quantized)
     rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors
                if "_exps" in t.name}
     floats = gguf_export.export(root / "hf", root / "rounded.gguf", replace=rounded)
     return {name: index_gguf(path, root / name, progress=False)
-            for name, path in (("q4_k_m", quantized), ("floats", floats), ("q4_k_m-bf16", bf16))}
+            for name, path in (("q4_k_m", quantized), ("floats", floats), ("q4_k_m-bf16", bf16),
+                               ("q4_k_m-dense", blocks))}
 
 
 def test_a_files_layers_in_different_types_are_one_precision(k_quant):
@@ -136,6 +138,29 @@ def test_the_native_kernels_compute_a_files_blocks_as_ggml_does(k_quant):
     scale = torch_path[0].abs().max().item()
     assert (native[0].float() - torch_path[0].float()).abs().max().item() <= 0.03 * scale
     assert sum(a.argmax() == b.argmax() for a, b in zip(native[1], torch_path[1])) >= 5
+
+
+def test_attention_and_the_head_are_computed_in_the_files_blocks(k_quant):
+    """A file whose projections and head are Q4_K: kept in their blocks (BlockMatrix, read from the file) and
+    computed by the integer kernels — against the same file's blocks dequantized (`--dense-precision` int8 is
+    not asked: torch's kernels take the dequantizing path)."""
+    from moetier.model.dense_quant import BlockMatrix
+
+    path = k_quant["q4_k_m-dense"]
+    assert set(Manifest.load(path).dense_blocks) >= {"lm_head", "layers.0.q_proj", "layers.1.o_proj"}
+    with engine(path, 2) as e:
+        assert isinstance(e.model.w["lm_head"], BlockMatrix) and e.dense_bytes < Store(path).dense_bytes
+    prompt = list(range(3, 14))
+    native, dequantized = (logits(path, prompt, 6, 2, k) for k in ("auto", "torch"))
+    a, b = native[0].float(), dequantized[0].float()
+    assert ((a - b).norm() / b.norm()).item() <= 0.03  # each product 0.5-0.6% off by the activations' rounding
+    assert sum(a.argmax() == b.argmax() for a, b in zip(native[1], dequantized[1])) >= 5
+
+
+def test_the_families_list_names_their_gguf_architectures(capsys):
+    assert main(["list", "families"]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF arch: olmoe" in out and "GGUF arch: llama (with experts)" in out and "GGUF arch: qwen3moe" in out
 
 
 def test_dense_weights_in_a_block_format_are_dequantized_once_with_a_note(tiny_store, tmp_path, capsys):
