@@ -9,7 +9,8 @@ step 3% and 9% faster, bench/alternate_steps.py). The block calls the same kerne
 order, so the logits are the same bit for bit (tests/model/test_decode_block.py).
 
 It applies where those kernels would all run natively anyway: bf16 weights on the native kernels, or quantized
-attention products (`--dense-precision`) that their integer kernel computes; RMSNorm, standard grouped-query
+attention products (`--dense-precision`) that their integer kernel computes, or a GGUF's own blocks (q, k and v
+apart, each in its type); RMSNorm, standard grouped-query
 attention with stacked q/k/v (no sinks, no latent attention, no q/k/v clamp), whole-head RoPE in halves, and a KV
 cache in the model's dtype. Elsewhere `make` returns None and the layer-by-layer forward runs."""
 
@@ -21,13 +22,15 @@ import torch
 
 from moetier.config import ModelSpec
 from moetier.model.attention import Attention
-from moetier.model.dense_quant import QuantizedDenseKernels, QuantizedMatrix
+from moetier.model.dense_quant import BlockMatrix, QuantizedDenseKernels, QuantizedMatrix
+from moetier.model.ggml_linear import TYPE_IDS
 from moetier.model.kernels import NativeKernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.rope import RopeTables
 from moetier.model.router import SoftmaxRouter
 
 QK_NORM = {"none": 0, "full": 1, "head": 2}  # the C side's codes (moetier_decode_layer.qk_norm)
+GGML_BITS = -1  # moetier_matrix.bits of a GGUF's blocks (decode_block.c)
 
 
 class Matrix(ctypes.Structure):
@@ -61,11 +64,31 @@ def _base(kernels):
 
 
 def _product(weight, lib) -> bool:
-    """Whether the block computes this product as the kernels' `linear` does: bf16 rows, or a quantized matrix
-    their integer kernel takes (QuantizedDenseKernels' own test)."""
+    """Whether the block computes this product as the kernels' `linear` does: bf16 rows, a quantized matrix
+    their integer kernel takes (QuantizedDenseKernels' own test), or a GGUF's blocks (one matrix, or q/k/v)."""
+    if isinstance(weight, tuple):
+        return all(_product(part, lib) for part in weight)
+    if isinstance(weight, BlockMatrix):
+        return weight.fmt in TYPE_IDS and bool(lib.moetier_gq_fits(TYPE_IDS[weight.fmt], weight.shape[1]))
     if isinstance(weight, QuantizedMatrix):
         return bool(lib.moetier_qi_fits(weight.bits, weight.shape[1], weight.group))
     return _bf16(weight)
+
+
+def _qkv(a: Attention):
+    """The layer's q/k/v product: stacked (stacked.py), or a GGUF's three block matrices side by side (their
+    types may differ, so they are not stacked: the block computes each part in its own); None otherwise."""
+    if a.qkv_proj is not None:
+        return a.qkv_proj
+    parts = (a.q_proj, a.k_proj, a.v_proj)
+    return parts if all(isinstance(p, BlockMatrix) for p in parts) else None
+
+
+def _qkv_bias(a: Attention) -> torch.Tensor | None:
+    """The q/k/v bias over the stacked product's rows (the three biases one after another where apart)."""
+    if a.qkv_proj is not None or a.q_bias is None:
+        return a.qkv_bias if a.qkv_proj is not None else None
+    return torch.cat([a.q_bias, a.k_bias, a.v_bias]).contiguous()
 
 
 def _fits(spec: ModelSpec, embed: torch.Tensor, attn: list, layers: list[dict[str, torch.Tensor]], kernels) -> bool:
@@ -76,11 +99,14 @@ def _fits(spec: ModelSpec, embed: torch.Tensor, attn: list, layers: list[dict[st
     if spec.qk_norm not in QK_NORM:
         return False
     for a, w in zip(attn, layers):
-        if type(a) is not Attention or a.qkv_proj is None:
+        if type(a) is not Attention or _qkv(a) is None:
             return False
+        biases = [] if a.qkv_proj is not None else [a.q_bias, a.k_bias, a.v_bias]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            return False  # some of q/k/v biased, not all
         tensors = [w["input_norm"], w["post_attn_norm"]]
-        tensors += [t for t in (a.qkv_bias, a.o_bias, a.q_norm, a.k_norm) if t is not None]
-        if not all(_bf16(t) for t in tensors) or not all(_product(m, base.lib) for m in (a.qkv_proj, a.o_proj)):
+        tensors += [t for t in (_qkv_bias(a), a.o_bias, a.q_norm, a.k_norm) if t is not None]
+        if not all(_bf16(t) for t in tensors) or not all(_product(m, base.lib) for m in (_qkv(a), a.o_proj)):
             return False
     return True
 
@@ -93,6 +119,12 @@ def _router_fused(router, w: dict[str, torch.Tensor]) -> bool:
 
 
 def _matrix(weight, bias: torch.Tensor | None) -> Matrix:
+    if isinstance(weight, BlockMatrix):
+        weight = (weight,)
+    if isinstance(weight, tuple):  # a GGUF's blocks: up to three parts, their types four bits each
+        ptrs = [p.data.data_ptr() for p in weight] + [None] * (3 - len(weight))
+        types = sum(TYPE_IDS[p.fmt] << (4 * i) for i, p in enumerate(weight))
+        return Matrix(*ptrs, _ptr(bias), GGML_BITS, types)
     if isinstance(weight, QuantizedMatrix):
         q = weight.q
         return Matrix(q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.zeros), _ptr(bias), weight.bits, weight.group)
@@ -104,6 +136,7 @@ class DecodeBlocks:
                  is_moe: list[bool], kernels) -> None:
         self.spec, self.lib = spec, _base(kernels).lib
         h, d = spec.hidden_size, spec.head_dim
+        self.held: list[torch.Tensor] = []  # tensors made here that the layers' structures point at
         self.fused_router = [is_moe[i] and _router_fused(router, w) for i, w in enumerate(layers)]
         self.layers = [self._layer(a, w, fused) for a, w, fused in zip(attn, layers, self.fused_router)]
         self.addresses = [ctypes.addressof(layer) for layer in self.layers]
@@ -120,7 +153,7 @@ class DecodeBlocks:
         self.xs, self.logit_rows = list(self.x), list(self.logits)
         self.x_ptrs, self.logit_ptrs = [x.data_ptr() for x in self.xs], [r.data_ptr() for r in self.logit_rows]
         self.residual_ptr, self.work_ptr = self.residual.data_ptr(), self.work.data_ptr()
-        products = [self._scratch(a.qkv_proj) for a in attn] + [self._scratch(a.o_proj) for a in attn]
+        products = [self._scratch(_qkv(a)) for a in attn] + [self._scratch(a.o_proj) for a in attn]
         self.products = max(*products, h + (spec.num_experts or 1))  # floats for the largest product (router's too)
 
     @classmethod
@@ -133,6 +166,12 @@ class DecodeBlocks:
 
     def _scratch(self, weight) -> int:
         """Floats a product of `weight` needs: K + N for bf16 rows, the integer kernel's bytes for a quantized one."""
+        if isinstance(weight, BlockMatrix):
+            weight = (weight,)
+        if isinstance(weight, tuple):  # K + N floats and the largest part's activation bytes (product_ggml)
+            k = weight[0].shape[1]
+            act = max(self.lib.moetier_gq_act_bytes(TYPE_IDS[p.fmt], k) for p in weight)
+            return k + sum(p.shape[0] for p in weight) + act // 4 + 1
         n, k = weight.shape
         if isinstance(weight, QuantizedMatrix):
             return self.lib.moetier_linear_qi_scratch(weight.bits, weight.group, n, k, 1) // 4 + 1
@@ -141,9 +180,12 @@ class DecodeBlocks:
     def _layer(self, a: Attention, w: dict[str, torch.Tensor], fused_router: bool) -> DecodeLayer:
         spec = self.spec
         router = _matrix(w["router"], w.get("router.bias")) if fused_router else Matrix()
+        qkv_bias = _qkv_bias(a)
+        if qkv_bias is not None:
+            self.held.append(qkv_bias)  # (the block reads it by address)
         return DecodeLayer(
             _ptr(w["input_norm"]), _ptr(a.q_norm), _ptr(a.k_norm), _ptr(w["post_attn_norm"]),
-            _matrix(a.qkv_proj, a.qkv_bias), _matrix(a.o_proj, a.o_bias), router, spec.hidden_size, spec.num_heads,
+            _matrix(_qkv(a), qkv_bias), _matrix(a.o_proj, a.o_bias), router, spec.hidden_size, spec.num_heads,
             spec.num_kv_heads, spec.head_dim, spec.num_experts or 1, QK_NORM[spec.qk_norm], a.window or 0,
             spec.rms_norm_eps, a.scale)
 

@@ -42,9 +42,10 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def export(hf_dir: Path, out: Path, expert_types: dict | None = None, dense_type: str | None = None,
-           tokenizer: dict | None = None, replace: dict | None = None) -> Path:
+           tokenizer: dict | None = None, replace: dict | None = None, dense_types: dict | None = None) -> Path:
     """`expert_types`: {layer: (gate/up type, down type)} (None: every expert F32, or "bf16"); `dense_type`: the
-    2-D dense matrices' (None: F32); `replace`: {GGUF name: values} written F32 instead of the checkpoint's."""
+    2-D dense matrices' (None: F32), `dense_types` {part of a name ("attn_v"): type} where they differ, as a
+    Q4_K_M's attn_v is Q6_K; `replace`: {GGUF name: values} written F32 instead of the checkpoint's."""
     ckpt = Checkpoint(hf_dir)
     config = ckpt.config
     family, spec = family_for(config), parse_spec(config)
@@ -59,7 +60,8 @@ def export(hf_dir: Path, out: Path, expert_types: dict | None = None, dense_type
             w = permute(w, config["num_key_value_heads"] if kv else config["num_attention_heads"])
         name = names.get_name(theirs, try_suffixes=(".weight", ".bias"))
         matrix = w.ndim == 2 and not name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
-        tensors[name] = (w, dense_type) if matrix and dense_type else w
+        kind = next((t for part, t in (dense_types or {}).items() if part in name), dense_type)
+        tensors[name] = (w, kind) if matrix and kind else w
     for layer in spec.moe_layers:
         source = expert_source(ckpt, family, spec, layer)
         experts = [source.get(e) for e in range(spec.num_experts)]

@@ -99,7 +99,8 @@ def k_quant(tmp_path_factory):
     kinds = {0: ("q4_k", "q6_k"), 1: ("q4_k", "q4_k")}
     quantized = gguf_export.export(root / "hf", root / "q4_k_m.gguf", kinds)
     bf16 = gguf_export.export(root / "hf", root / "q4_k_m-bf16.gguf", kinds, dense_type="bf16")
-    blocks = gguf_export.export(root / "hf", root / "q4_k_m-dense.gguf", kinds, dense_type="q4_k")
+    blocks = gguf_export.export(root / "hf", root / "q4_k_m-dense.gguf", kinds, dense_type="q4_k",
+                                dense_types={"attn_v": "q6_k", "output.": "q6_k"})  # as Q4_K_M keeps them
     reader = gguf.GGUFReader(quantized)
     rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors
                if "_exps" in t.name}
@@ -155,6 +156,32 @@ def test_attention_and_the_head_are_computed_in_the_files_blocks(k_quant):
     a, b = native[0].float(), dequantized[0].float()
     assert ((a - b).norm() / b.norm()).item() <= 0.03  # each product 0.5-0.6% off by the activations' rounding
     assert sum(a.argmax() == b.argmax() for a, b in zip(native[1], dequantized[1])) >= 5
+
+
+@pytest.fixture(scope="module")
+def qwen2_k_quant(tmp_path_factory):
+    """A Qwen2-MoE (q/k/v biases, a shared expert) in whole 256-blocks, everything Q4_K but attn_v (Q6_K)."""
+    root = tmp_path_factory.mktemp("qwen2_k_quant")
+    build_tiny("qwen2_moe", root / "hf", hidden_size=256, moe_intermediate_size=256, intermediate_size=256,
+               shared_expert_intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = gguf_export.export(root / "hf", root / "m.gguf", {0: ("q4_k", "q4_k"), 1: ("q4_k", "q6_k")},
+                              dense_type="q4_k", dense_types={"attn_v": "q6_k"})
+    return index_gguf(path, root / "store", progress=False)
+
+
+@pytest.mark.parametrize("which", ["olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("budget", ["100%", "50%"])
+def test_the_native_decode_block_computes_a_files_blocks_bit_for_bit(k_quant, qwen2_k_quant, which, budget):
+    """The attention block in one native call (decode_block.c), its q, k and v in their own types (v Q6_K beside
+    Q4_K q and k), with and without biases: the layer-by-layer forward's logits, bit for bit."""
+    from tests.model.test_decode_block import decode_logits
+
+    path = k_quant["q4_k_m-dense"] if which == "olmoe" else qwen2_k_quant
+    assert Manifest.load(path).dense_blocks["layers.0.v_proj"].fmt == "q6_k"
+    with Engine.from_pretrained(path, expert_memory=budget, kernels="native", progress=False) as e:
+        assert e.model.blocks is not None
+        fused, layered = decode_logits(e, blocks=True), decode_logits(e, blocks=False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, layered))
 
 
 def test_the_families_list_names_their_gguf_architectures(capsys):

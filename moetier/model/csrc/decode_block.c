@@ -23,8 +23,17 @@ void moetier_kv_write(const char *k, const char *v, char *k_row, char *v_row, lo
 void moetier_linear_qi(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, long group,
                        const uint16_t *x, uint16_t *y, long N, long K, int T, char *scratch);
 
-/* A product's weight: bf16 rows (bits 16), or a quantized matrix's codes, scales and zeros (bits 8, 4 or 2: what
-   QuantizedDenseKernels.linear computes, its bias added to the rounded product as its `y + bias` adds it). */
+long moetier_gq_act_bytes(int type, long K);
+void moetier_gq_quantize_act(int type, const float *x, long K, int T, void *out);
+void moetier_gq_linear(int type, const uint8_t *w, long N, long K, const void *act, int T, float *y);
+
+#define GGML_BITS -1 /* a GGUF's matrix in GGML blocks (q_ggml.c): weight, scales and zeros hold up to three parts'
+                        blocks (q, k and v, kept apart: a Q4_K_M file's v may be Q6_K beside Q4_K q and k), group
+                        their types (GQ_*), four bits each */
+
+/* A product's weight: bf16 rows (bits 16), a quantized matrix's codes, scales and zeros (bits 8, 4 or 2: what
+   QuantizedDenseKernels.linear computes, its bias added to the rounded product as its `y + bias` adds it), or a
+   GGUF's blocks (GGML_BITS). */
 typedef struct {
     const void *weight, *scales, *zeros;
     const uint16_t *bias; /* NULL: none */
@@ -40,9 +49,33 @@ typedef struct {
     float eps, scale;
 } moetier_decode_layer;
 
+/* y [N] = x [K] through GGUF blocks in up to three parts of n0, n1 and N - n0 - n1 rows, each part as
+   QuantizedDenseKernels computes a BlockMatrix: x quantized for its type, the fp32 product rounded to bf16.
+   scratch: K + N floats and the activation's bytes. */
+static void product_ggml(const moetier_matrix *m, const uint16_t *x, uint16_t *y, long N, long K, long n0, long n1,
+                         float *scratch) {
+    float *xf = scratch, *yf = xf + K;
+    char *act = (char *)(yf + N);
+    const void *parts[3] = {m->weight, m->scales, m->zeros};
+    const long rows[3] = {n0, n1, N - n0 - n1};
+    for (long i = 0; i < K; i++) xf[i] = bf16_to_f32(x[i]);
+    for (int p = 0, first = 0; p < 3 && rows[p] > 0; first += (int)rows[p], p++) {
+        const int type = (int)(m->group >> (4 * p)) & 0xF;
+        moetier_gq_quantize_act(type, xf, K, 1, act);
+        moetier_gq_linear(type, parts[p], rows[p], K, act, 1, yf + first);
+    }
+    for (long i = 0; i < N; i++) y[i] = f32_to_bf16(yf[i]);
+    if (m->bias) add_bf16(y, m->bias, N);
+}
+
 /* y [N] = x [K] through m; scratch: floats for a bf16 product, bytes (moetier_linear_qi_scratch) for a quantized
-   one. */
-static void product(const moetier_matrix *m, const uint16_t *x, uint16_t *y, long N, long K, float *scratch) {
+   one; n0, n1: a GGUF matrix's parts (product_ggml). */
+static void product(const moetier_matrix *m, const uint16_t *x, uint16_t *y, long N, long K, long n0, long n1,
+                    float *scratch) {
+    if (m->bits == GGML_BITS) {
+        product_ggml(m, x, y, N, K, n0, n1, scratch);
+        return;
+    }
     if (m->bits == 16) {
         moetier_linear_bf16(m->weight, x, m->bias, y, N, K, scratch);
         return;
@@ -66,7 +99,7 @@ void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const
              *o = att + nq, *router = o + H;
     if (delta) add_bf16(h, delta, H);
     moetier_rms_norm_bf16(h, L->input_norm, xn, 1, H, L->eps);
-    product(&L->qkv_proj, xn, qkv, nqkv, H, scratch);
+    product(&L->qkv_proj, xn, qkv, nqkv, H, nq, nkv, scratch);
     const uint16_t *qs = qkv, *ks = qkv + nq, *vs = qkv + nq + nkv;
     if (L->qk_norm == 1) { /* over all heads at once */
         moetier_rms_norm_bf16(qs, L->q_norm, qk, 1, nq, L->eps);
@@ -84,11 +117,11 @@ void moetier_decode_block_bf16(const moetier_decode_layer *L, uint16_t *h, const
     const long end = position + 1, start = L->window && end > L->window ? end - L->window : 0;
     moetier_decode_attention_bf16(q, k_cache, v_cache, att, L->heads, L->kv_heads, start, end, max_len, d,
                                   L->scale, scratch);
-    product(&L->o_proj, att, o, H, nq, scratch);
+    product(&L->o_proj, att, o, H, nq, H, 0, scratch);
     add_bf16(h, o, H);
     moetier_rms_norm_bf16(h, L->post_attn_norm, x, 1, H, L->eps);
     if (L->router.weight) {
-        product(&L->router, x, router, L->num_experts, H, scratch);
+        product(&L->router, x, router, L->num_experts, H, L->num_experts, 0, scratch);
         for (long e = 0; e < L->num_experts; e++) logits[e] = bf16_to_f32(router[e]);
     }
 }
