@@ -20,6 +20,7 @@ class GgmlLinear:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the quantized activations, grown once to the largest
+        self.dense = torch.empty(0, dtype=torch.float32)  # a prefill's dequantized matrix, grown once likewise
 
     def takes(self, fmt: str, k: int) -> bool:
         """Whether the integer kernels compute format `fmt` over `k` inputs."""
@@ -32,7 +33,7 @@ class GgmlLinear:
             raise ValueError(f"{fmt} weights for {k} inputs are uint8 [N, {FORMATS[fmt].row_bytes(k)}], got "
                              f"{w.dtype} {tuple(w.shape)}")
         if t > MAX_TOKENS or not self.takes(fmt, k):
-            return x.float() @ dequantize(w, fmt).T
+            return x.float() @ self.dequantize(w, fmt, k).T
         kind = TYPE_IDS[fmt]
         xf = x.float().contiguous()
         need = t * self.lib.moetier_gq_act_bytes(kind, k)
@@ -44,6 +45,18 @@ class GgmlLinear:
         w = w.contiguous()
         self.lib.moetier_gq_linear(kind, w.data_ptr(), n, k, act.data_ptr(), t, y.data_ptr())
         return y
+
+    def dequantize(self, w: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+        """w's values, fp32 [N, k] (a prefill's GEMM): natively, bit for bit ggml_blocks.dequantize, in a buffer
+        reused across calls (valid until the next)."""
+        if fmt not in TYPE_IDS:
+            return dequantize(w, fmt)
+        n = w.shape[0]
+        if self.dense.numel() < n * k:
+            self.dense = torch.empty(n * k, dtype=torch.float32)
+        out = self.dense[:n * k].view(n, k)
+        self.lib.moetier_gq_dequantize(TYPE_IDS[fmt], w.contiguous().data_ptr(), n, k, out.data_ptr())
+        return out
 
     def fuses(self, x: torch.Tensor, gu_fmt: str, d_fmt: str, i: int) -> bool:
         """Whether `swiglu` computes this expert: bf16 rows, at most a pass of tokens, both formats in the kernels."""

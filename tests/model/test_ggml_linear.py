@@ -86,3 +86,12 @@ def test_one_call_computes_an_expert_as_the_ops_one_by_one(linear, gu_fmt, d_fmt
     fused(a, x, w, weights)
     ops(b, x, w, weights)
     assert fused.fused and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_dequantization_is_ggml_blocks_bit_for_bit(linear, fmt):
+    """A prefill's matrix dequantized natively (moetier_gq_dequantize) equals the torch dequantizer, which equals
+    gguf's (tests/quant/test_ggml_blocks.py), on blocks that take every code and scale."""
+    torch.manual_seed(0)
+    w = quantize(torch.randn(96, 512) * torch.logspace(-3, 0, 96)[:, None], fmt)
+    assert torch.equal(linear.dequantize(w, fmt, 512), dequantize(w, fmt))

@@ -295,3 +295,75 @@ void moetier_gq_swiglu(int gu_type, const uint8_t *w_gu, int d_type, const uint8
         for (long h = 0; h < H; h++) out[t * H + h] = f32_to_bf16(round_bf16(y[t * H + h]) * w);
     }
 }
+
+/* Dequantization, as ggml's dequantize_row_* (and moetier/quant/ggml_blocks.py, bit for bit: no fused
+   multiply-adds, the products in ggml's order), for a prefill's products through a float GEMM: W [N, K] in `type`
+   -> out [N, K] fp32, rows in parallel. */
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+
+static NO_FMA void deq_q8_0(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b);
+    for (int l = 0; l < 32; l++) y[l] = d * (float)(int8_t)b[2 + l];
+}
+
+static void scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) { /* ggml's get_scale_min_k4 */
+    if (j < 4) {
+        *sc = q[j] & 63, *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static NO_FMA void deq_q45k(const uint8_t *b, float *y, const int five) {
+    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + (five ? 48 : 16);
+    for (int j = 0, is = 0, u1 = 1, u2 = 2; j < QK; j += 64, is += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
+        uint8_t sc, m;
+        scale_min(is, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        scale_min(is + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) {
+            const int hi1 = five && (qh[l] & u1) ? 16 : 0, hi2 = five && (qh[l] & u2) ? 16 : 0;
+            y[j + l] = d1 * (float)((ql[l] & 0xF) + hi1) - m1;
+            y[j + 32 + l] = d2 * (float)((ql[l] >> 4) + hi2) - m2;
+        }
+    }
+}
+
+static NO_FMA void deq_q6k(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b + 208);
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    for (int n = 0; n < QK; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * (float)sc[is + 0] * (float)q1;
+            y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+            y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+            y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+        }
+    }
+}
+
+void moetier_gq_dequantize(int type, const uint8_t *w, long N, long K, float *out) {
+    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
+#pragma omp parallel for schedule(static) if (N * blocks * ts >= GQ_PARALLEL_MIN_BYTES)
+    for (long r = 0; r < N; r++) {
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *blk = w + (r * blocks + b) * ts;
+            float *y = out + r * K + b * bs;
+            switch (type) {
+                case GQ_Q8_0: deq_q8_0(blk, y); break;
+                case GQ_Q4_K: deq_q45k(blk, y, 0); break;
+                case GQ_Q5_K: deq_q45k(blk, y, 1); break;
+                default: deq_q6k(blk, y);
+            }
+        }
+    }
+}
