@@ -1,5 +1,5 @@
-"""What the commands accept as a model shape: a shape's name, a built-in model, or a model or store directory
-(whose shape is read from its config.json, and beside which its trained policies live)."""
+"""What the commands accept as a model shape: a shape's name, a built-in model, a model or store directory (whose
+shape is read from its config.json, and beside which its trained policies live), or a GGUF file."""
 
 from __future__ import annotations
 
@@ -8,27 +8,34 @@ from pathlib import Path
 from moetier.model_info import inspect_model
 from moetier.resolve import builtin_names, inflated_builtins, resolve_model
 from moetier.sim.shapes import SHAPES, ModelShape, ShapeError, shape_named
+from moetier.store.gguf_store import is_gguf
 from moetier.store.store import Store
 
 
 def _store(name: str, cache_dir: str | None) -> Store | None:
     """The store whose weights or trained files `name` uses. An `-xl` model's routers and trained files are its
     base model's (inflating touches only the experts), so the small base is converted, never the 9 GiB -xl."""
-    if name not in builtin_names() and not Path(name).is_dir():
+    if name not in builtin_names() and not _model_path(name):
         return None
     base = inflated_builtins().get(name, name) if not Path(name).exists() else name
     return Store(resolve_model(base, cache_dir, progress=False))
 
 
+def _model_path(name: str) -> bool:
+    """A model directory (Hugging Face or a store) or a GGUF file."""
+    return Path(name).is_dir() or (is_gguf(name) and Path(name).is_file())
+
+
 def model_shape(name: str) -> tuple[ModelShape, int | None]:
     """(shape, expert blob bytes if known) for a shape name, a Hugging Face id naming one, a built-in model, or a
     model or store directory: read from its config.json or manifest, nothing converted or built."""
-    shape = shape_named(name)
+    shape = None if is_gguf(name) and Path(name).is_file() else shape_named(name)  # (a file named after a model)
     if shape is not None:
         return shape, None
-    if name not in builtin_names() and not Path(name).is_dir():
+    if name not in builtin_names() and not _model_path(name):
         known = ", ".join(sorted(SHAPES) + builtin_names())
-        raise ShapeError(f"no model shape {name!r}", hint=f"known shapes: {known}; or give a model or store directory")
+        raise ShapeError(f"no model shape {name!r}",
+                         hint=f"known shapes: {known}; or give a model or store directory, or a GGUF file")
     info = inspect_model(name)
     return ModelShape.from_spec(info.spec, Path(name).name, info.precision), info.blob_bytes
 

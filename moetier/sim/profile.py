@@ -146,6 +146,9 @@ class Tier:
         return self.bandwidth_bytes_per_s * self.utilisation
 
 
+BLOCK_KIN = {"q8_0": "int8", "q6_k": "int8", "q5_k": "int4", "q4_k": "int4"}  # GGML format -> our integer kernel's
+
+
 @dataclass(frozen=True)
 class Device:
     name: str
@@ -154,7 +157,11 @@ class Device:
     call_overhead_s: float = 0.0
 
     def kernel_s(self, nbytes: float, flop: float, precision: str, calls: int = 1) -> float:
-        """Roofline time of `calls` kernels that read `nbytes` of weights and do `flop` FLOPs in total."""
+        """Roofline time of `calls` kernels that read `nbytes` of weights and do `flop` FLOPs in total. A GGML block
+        format a profile does not list is priced as the integer precision whose kernels do the same work (the same
+        multiply-adds on int8 activations): an approximation until `moetier calibrate` measures them."""
+        if precision not in self.flops and BLOCK_KIN.get(precision) in self.flops:
+            precision = BLOCK_KIN[precision]
         if precision not in self.flops:
             raise ProfileError(f"device {self.name!r} lists no throughput for {precision}",
                                hint=f"it lists {', '.join(self.flops)}")
