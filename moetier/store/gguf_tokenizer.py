@@ -37,8 +37,9 @@ def build(metadata: dict) -> Tokenizer:
                         hint=f"known: {', '.join(PRE)}")
     tokens = list(metadata["tokenizer.ggml.tokens"])
     vocab = {t: i for i, t in enumerate(tokens)}
-    # a merge whose pieces or result are not tokens can never apply (llama.cpp finds no token for it); the converter
-    # writes one ("a b") for a vocabulary without merges, which the tokenizers library would refuse
+    # a merge whose pieces or result are not tokens can never apply (llama.cpp finds no token for it); a file made
+    # from a vocabulary without merges carries a placeholder one ("a b": llama.cpp's loader wants a merge), which
+    # the tokenizers library would refuse
     merges = [pair for pair in (tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", []))
               if len(pair) == 2 and pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab]
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama-v3")))

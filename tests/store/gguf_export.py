@@ -1,7 +1,8 @@
 """A Hugging Face checkpoint written as llama.cpp's converter writes it (convert_hf_to_gguf.py: each family's
 keys, the converter's tensor names from the gguf package's TensorNameMap, experts stacked per layer as
 blk.N.ffn_{gate,up,down}_exps, llama's Q/K rows permuted for its rotary layout, norms and routers in F32), for
-tests that run one model from both. Checked against the real converter on demo-deep (docs/gguf.md)."""
+tests that run one model from both. Checked against the real converter (llama.cpp 0.3.36's, --outtype f32) on
+demo-deep: the same tensor names, shapes, types and bytes, the same keys and values (docs/gguf.md)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def keys(config: dict, arch: str) -> dict:
            "embedding_length": config["hidden_size"], "attention.head_count": heads,
            "attention.head_count_kv": config.get("num_key_value_heads", heads),
            "rope.freq_base": float(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta")),
-           "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+           # (llama.cpp's OlmoeModel writes OLMoE's 1e-5 whatever the config says: demo-deep's is 1e-6)
+           "attention.layer_norm_rms_epsilon": 1e-5 if arch == "olmoe" else float(config["rms_norm_eps"]),
            "expert_count": config.get("num_experts") or config["num_local_experts"],
            "expert_used_count": config["num_experts_per_tok"], "feed_forward_length": config["intermediate_size"]}
     if arch in ("qwen2moe", "qwen3moe"):
@@ -85,6 +87,7 @@ def byte_tokenizer(vocab: int, bos: int | None, eos: int | None) -> dict:
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens = (alphabet + [f"[PAD{i}]" for i in range(len(alphabet), vocab)])[:vocab]
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [1] * vocab, "tokenizer.ggml.merges": ["a b"]}  # the converter's
+            "tokenizer.ggml.token_type": [1] * vocab, "tokenizer.ggml.merges": ["a b"]}  # as bench/peers' conversion
+    # gives a vocabulary without merges (llama.cpp's loader wants one)
     meta.update({f"tokenizer.ggml.{k}_token_id": v for k, v in (("bos", bos), ("eos", eos)) if v is not None})
     return meta
