@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from moetier.model.expert_kernels import OneByOne
 from moetier.model.ggml_linear import GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
-from moetier.quant.precisions import BLOCKS, format_of
+from moetier.quant.precisions import GGUF_BLOCKS, format_of
 
 
 class TorchGgml:
     """GgmlLinear's contract without the native library: dequantized, torch's matmul."""
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
-        return x.float() @ dequantize(w, fmt).T
+        return x.float() @ dequantize(w.reshape(w.shape[0], -1), fmt).T
 
 
 class GgmlExpert(OneByOne):
@@ -27,18 +27,18 @@ class GgmlExpert(OneByOne):
     output are rounded to, as a float expert's torch ops round them."""
 
     def __init__(self, precision: str, dtype: torch.dtype, lib=None) -> None:
-        if precision not in BLOCKS:
+        if precision not in GGUF_BLOCKS:
             raise ValueError(f"not a GGML block precision: {precision!r}")
         self.precision, self.dtype = precision, dtype
         self.linear = GgmlLinear(lib) if lib is not None else TorchGgml()
         self.fused = lib is not None and dtype == torch.bfloat16  # the native call computes bf16 models' experts
-        self._formats: dict[tuple[int, int], str] = {}  # (in_features, row bytes) -> format
+        self._formats: dict[tuple, str] = {}  # (in_features, the view's shape past its rows) -> format
 
     def _format(self, k: int, w: torch.Tensor) -> str:
-        key = (k, w.shape[1])
+        key = (k, *w.shape[1:])
         fmt = self._formats.get(key)
         if fmt is None:
-            fmt = self._formats[key] = format_of(*key)
+            fmt = self._formats[key] = format_of(k, tuple(w.shape[1:]))
         return fmt
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from moetier.quant.ggml_blocks import FORMATS, dequantize
 
-TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3}  # csrc/q_ggml.c's GQ_*
+TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7}  # GQ_*
 MAX_TOKENS = 4  # GQ_MAX_TOKENS
 
 
@@ -29,6 +29,7 @@ class GgmlLinear:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
         t, k = x.shape
         n = w.shape[0]
+        w = w.reshape(n, -1)  # (a legacy format's [N, blocks, block bytes] view: its rows)
         if w.dtype != torch.uint8 or w.shape[1] != FORMATS[fmt].row_bytes(k):
             raise ValueError(f"{fmt} weights for {k} inputs are uint8 [N, {FORMATS[fmt].row_bytes(k)}], got "
                              f"{w.dtype} {tuple(w.shape)}")
@@ -52,6 +53,7 @@ class GgmlLinear:
         if fmt not in TYPE_IDS:
             return dequantize(w, fmt)
         n = w.shape[0]
+        w = w.reshape(n, -1)
         if self.dense.numel() < n * k:
             self.dense = torch.empty(n * k, dtype=torch.float32)
         out = self.dense[:n * k].view(n, k)

@@ -1,4 +1,5 @@
-"""GGML's block formats, the ones GGUF files of MoE models carry (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4): their sizes, and
+"""GGML's block formats, the ones GGUF files of MoE models carry (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, and the legacy
+Q4_0, Q4_1, Q5_0, Q5_1 that k-quant files fall back to): their sizes, and
 the weights a run of blocks stands for, in torch (the reference every kernel is checked against, and the GPU's and
 any other path's way to them). The layouts are ggml's (`ggml-common.h`); these functions are checked bit for bit
 against the `gguf` package's numpy dequantizers (tests/quant/test_ggml_blocks.py), which stay the way to every
@@ -45,6 +46,12 @@ FORMATS = {f.name: f for f in (
     BlockFormat("q5_k", QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),  # as q4_k, and the fifth bits qh[32]
     BlockFormat("q6_k", QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),  # ql[128], qh[64], int8 scales[16], fp16 d
     BlockFormat("mxfp4", 32, 1 + 16),  # E8M0 exponent; fp4 (E2M1) nibbles [16]
+    # the legacy formats llama-quantize falls back to where a row is not whole 256-blocks (a Q4_K_M file's
+    # 1,408-wide down_proj of Qwen1.5-MoE), and Q4_0 files: low nibbles the first 16 weights, high the next 16
+    BlockFormat("q4_0", 32, 2 + 16),  # fp16 d; nibbles [16]: w = d·(q − 8)
+    BlockFormat("q4_1", 32, 2 + 2 + 16),  # fp16 d, m; nibbles [16]: w = d·q + m
+    BlockFormat("q5_0", 32, 2 + 4 + 16),  # fp16 d; fifth bits qh (32, little-endian); nibbles [16]: w = d·(q − 16)
+    BlockFormat("q5_1", 32, 2 + 2 + 4 + 16),  # fp16 d, m; qh; nibbles: w = d·q + m
 )}
 
 # MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4), the exponent then halved: exact in float32
@@ -129,4 +136,33 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     return scale * q
 
 
-DEQUANTIZE = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "mxfp4": _mxfp4}
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """[B, 16] bytes -> [B, 32] int32: the low nibbles (weights 0-15), then the high (16-31)."""
+    q = qs.to(torch.int32)
+    return torch.cat([q & 0xF, q >> 4], dim=1)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[B, 4] bytes (a little-endian uint32) -> [B, 32] int32: bit j is weight j's fifth bit, as 16 or 0."""
+    bits = qh.to(torch.int32).repeat_interleave(8, dim=1) >> torch.arange(8).repeat(4)
+    return (bits & 1) << 4
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * (_nibbles32(b[:, 2:18]) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * _nibbles32(b[:, 4:20]).float() + _f16(b[:, 2:4])
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * ((_nibbles32(b[:, 6:22]) | _fifth_bits(b[:, 2:6])) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * (_nibbles32(b[:, 8:24]) | _fifth_bits(b[:, 4:8])).float() + _f16(b[:, 2:4])
+
+
+DEQUANTIZE = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "mxfp4": _mxfp4, "q4_0": _q4_0,
+              "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1}

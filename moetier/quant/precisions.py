@@ -13,6 +13,8 @@ from moetier.quant.codes import BITS
 from moetier.quant.ggml_blocks import FORMATS
 
 BLOCKS = ("q8_0", "q6_k", "q5_k", "q4_k")  # most precise first
+LEGACY = ("q5_1", "q5_0", "q4_1", "q4_0")  # read from a GGUF, never made here: llama-quantize's fallbacks
+GGUF_BLOCKS = (*BLOCKS, *LEGACY)  # the formats a GGUF's matrices are computed in
 CODES = tuple(BITS)  # int8, int4, int2
 # every quantized copy, most precise first (low-tier takes the first that fits)
 QUANTIZED = tuple(sorted((*CODES, *BLOCKS), key=lambda p: -(BITS[p] if p in BITS else FORMATS[p].bits)))
@@ -34,20 +36,34 @@ def matrix_format(precision: str, k: int) -> str:
     raise ValueError(f"{precision} needs in_features in whole blocks of {fmt.block_size}{either}; got {k}")
 
 
-def format_of(k: int, row_bytes: int) -> str:
-    """The block format of a matrix whose rows of `k` weights take `row_bytes` each: each format's bytes for the
-    same weights differ (272, 210, 176, 144 for 256), so a matrix's shape says its format — which is how a GGUF's
-    experts, whose down_proj is Q6_K in some layers and Q4_K in others, are computed without being told."""
-    for name in BLOCKS:
-        fmt = FORMATS[name]
-        if k % fmt.block_size == 0 and k // fmt.block_size * fmt.type_size == row_bytes:
-            return name
-    raise ValueError(f"no block format takes {row_bytes} bytes for {k} weights")
+def format_of(k: int, shape: tuple[int, ...]) -> str:
+    """The block format of a matrix of rows of `k` weights from its view's shape past the rows: (row bytes,) for
+    q8_0 and the k-quants, whose bytes for the same weights differ (272, 210, 176, 144 for 256); (blocks, block
+    bytes) for the legacy formats (`matrix_shape`), two of which take as many bytes as a k-quant (q4_0 and q4_k:
+    4.5 bits). So a GGUF's experts, whose down_proj is Q6_K in some layers and Q4_K or Q5_0 in others, are computed
+    without being told."""
+    if len(shape) == 2:
+        fmt = next((FORMATS[n] for n in LEGACY if FORMATS[n].type_size == shape[1]), None)
+        if fmt is not None and k == shape[0] * fmt.block_size:
+            return fmt.name
+    elif len(shape) == 1:
+        for name in BLOCKS:
+            fmt = FORMATS[name]
+            if k % fmt.block_size == 0 and k // fmt.block_size * fmt.type_size == shape[0]:
+                return name
+    raise ValueError(f"no block format has rows of {k} weights as {shape}")
+
+
+def matrix_shape(fmt: str, n: int, k: int) -> tuple[int, ...]:
+    """How an [n, k] matrix in `fmt` is viewed: [n, row bytes], or [n, blocks, block bytes] for a legacy format
+    (format_of tells them apart by it)."""
+    f = FORMATS[fmt]
+    return (n, k // f.block_size, f.type_size) if fmt in LEGACY else (n, f.row_bytes(k))
 
 
 def bits_per_weight(precision: str) -> float:
     """Stored bits a weight (codes and scales) for a big matrix: what memory sizing reads."""
-    if precision in BLOCKS:
+    if precision in GGUF_BLOCKS:
         return FORMATS[precision].bits
     return {"int8": 8.0, "int4": 4.0 + 32 / 128, "int2": 2.0 + 32 / 64}[precision]
 

@@ -146,7 +146,8 @@ class Tier:
         return self.bandwidth_bytes_per_s * self.utilisation
 
 
-BLOCK_KIN = {"q8_0": "int8", "q6_k": "int8", "q5_k": "int4", "q4_k": "int4"}  # GGML format -> our integer kernel's
+BLOCK_KIN = {"q8_0": "int8", "q6_k": "int8", "q5_k": "int4", "q4_k": "int4", "q5_1": "int4", "q5_0": "int4",
+             "q4_1": "int4", "q4_0": "int4"}  # GGML format -> our integer kernel's
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from moetier.errors import CheckpointError
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 KNOWN_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "q8_0", "Q4_K": "q4_k",
-               "Q5_K": "q5_k", "Q6_K": "q6_k", "MXFP4": "mxfp4"}  # GGML type -> moetier's name for it
+               "Q5_K": "q5_k", "Q6_K": "q6_k", "MXFP4": "mxfp4", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0",
+               "Q5_1": "q5_1"}  # GGML type -> moetier's name for it
 HINT = "give a GGUF file as llama.cpp's convert_hf_to_gguf.py and llama-quantize write them"
 
 

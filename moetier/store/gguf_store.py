@@ -26,8 +26,8 @@ from moetier.config import ModelSpec, format_bytes
 from moetier.model.dense_quant import quantized_names
 from moetier.model.families import family_for, parse_spec
 from moetier.progress import tqdm
-from moetier.quant.ggml_blocks import FORMATS, dequantize
-from moetier.quant.precisions import BLOCKS
+from moetier.quant.ggml_blocks import dequantize
+from moetier.quant.precisions import GGUF_BLOCKS, matrix_shape
 from moetier.store.checkpoint import Located
 from moetier.store.convert import dense_tensors
 from moetier.store.format import PRECISION_OF_DTYPE, DenseBlock, Manifest, PrecisionLayout, SourceFile, is_store
@@ -102,12 +102,12 @@ class ExpertTensors:
 
     def matrix(self, name: str, t: Tensor, rows: int, k: int) -> tuple[str, str, tuple[int, int]]:
         """(store tensor, dtype, shape) of one expert's slice of `t` [E, rows, k]."""
-        if t.type in BLOCKS:
-            return name, t.type, (rows, FORMATS[t.type].row_bytes(k))
+        if t.type in GGUF_BLOCKS:
+            return name, t.type, matrix_shape(t.type, rows, k)
         if t.type in FLOATS:
             return name, t.type, (rows, k)
         raise GgufError(f"{t.name} is {t.ggml_type}; moetier reads a GGUF's experts in F32, F16, BF16, "
-                        f"{', '.join(f.upper() for f in BLOCKS)}", hint="requantize with llama-quantize")
+                        f"{', '.join(f.upper() for f in GGUF_BLOCKS)}", hint="requantize with llama-quantize")
 
     def layout(self, spec: ModelSpec, name: str) -> PrecisionLayout:
         h, i = spec.hidden_size, spec.moe_intermediate_size
@@ -122,7 +122,7 @@ class ExpertTensors:
             step = t.nbytes // t.shape[0]
             rows, k = t.shape[1:]
             return Located(t.path, t.offset + expert * step, step, t.type,
-                           (rows, FORMATS[t.type].row_bytes(k) if t.type in BLOCKS else k))
+                           matrix_shape(t.type, rows, k) if t.type in GGUF_BLOCKS else (rows, k))
 
         return {"gate_up_proj": [piece(self.gate), piece(self.up)], "down_proj": [piece(self.down)]}
 
@@ -144,7 +144,7 @@ def precision_layout(model: GgufModel, spec: ModelSpec) -> PrecisionLayout:
         raise GgufError(f"{model.path.name} keeps its layers' experts in several types ({', '.join(sorted(kinds))}); "
                         f"moetier reads one type for gate and up across layers", hint="requantize with llama-quantize")
     kind = kinds.pop()
-    name = kind if kind in BLOCKS else PRECISION_OF_DTYPE[FLOATS[kind]]
+    name = kind if kind in GGUF_BLOCKS else PRECISION_OF_DTYPE[FLOATS[kind]]
     layouts = {layer: t.layout(spec, name).tensors for layer, t in per_layer.items()}
     common = Counter(layouts.values()).most_common(1)[0][0]
     if kind in FLOATS and {t.down.type for t in per_layer.values()} != {kind}:
@@ -206,7 +206,7 @@ def dense_blocks(model: GgufModel, ckpt: GgufCheckpoint, names: dict[str, str]) 
         if not (ours == "lm_head" or quantized_names([ours])):
             continue
         t = model.tensor(ckpt.gguf_name(theirs))
-        if t.type not in BLOCKS:
+        if t.type not in GGUF_BLOCKS:
             continue
         heads = 0
         if model.arch_spec.permute_qk and ours.endswith(("q_proj", "k_proj")):

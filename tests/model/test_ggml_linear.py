@@ -9,11 +9,22 @@ from moetier.model import native
 from moetier.model.ggml_linear import MAX_TOKENS, GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
 from moetier.quant.kquants import quantize
+from moetier.quant.precisions import matrix_shape
 
 ISAS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
                                                         reason=f"this CPU cannot run {isa.name}"))
         for isa in native.ISAS]
-FORMATS = ["q8_0", "q4_k", "q5_k", "q6_k"]
+FORMATS = ["q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1"]
+LEGACY_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
+
+
+def quantize_any(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Our ggml-exact quantizer; for the legacy formats (which moetier only reads) the gguf package's."""
+    if fmt not in LEGACY_TYPES:
+        return quantize(w, fmt)
+    import gguf
+
+    return torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[LEGACY_TYPES[fmt]]))
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -27,7 +38,7 @@ def activation_as_ggml(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x [T, K] -> the values its int8 blocks stand for: Q8_K (256, scale from the signed largest, -127 / it, at
     most 127) for the k-quants; 32 a block by max |x| / 127 for q8_0."""
     t, k = x.shape
-    if fmt == "q8_0":
+    if fmt == "q8_0" or fmt in LEGACY_TYPES:  # Q8_0-like blocks of 32
         b = x.view(t, k // 32, 32)
         d = b.abs().amax(-1, keepdim=True) / 127
         return (torch.round(b / torch.where(d > 0, d, 1)) * d).view(t, k)
@@ -42,7 +53,7 @@ def activation_as_ggml(x: torch.Tensor, fmt: str) -> torch.Tensor:
 @pytest.mark.parametrize("tokens", [1, 3, MAX_TOKENS])
 def test_the_kernel_is_ggmls_arithmetic(linear, fmt, tokens):
     g = torch.Generator().manual_seed(tokens)
-    w = quantize(torch.randn(96, 512, generator=g) * 0.02, fmt)
+    w = quantize_any(torch.randn(96, 512, generator=g) * 0.02, fmt)
     x = torch.randn(tokens, 512, generator=g)
     y = linear(x, w, fmt)
     want = (activation_as_ggml(x, fmt).double() @ dequantize(w, fmt).double().T).float()
@@ -54,7 +65,7 @@ def test_the_kernel_is_ggmls_arithmetic(linear, fmt, tokens):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_big_matrix_in_parallel_and_a_long_batch_by_dequantizing(linear, fmt):
     g = torch.Generator().manual_seed(1)
-    w = quantize(torch.randn(512, 1024, generator=g) * 0.02, fmt)  # over the threads' threshold
+    w = quantize_any(torch.randn(512, 1024, generator=g) * 0.02, fmt)  # over the threads' threshold
     x = torch.randn(MAX_TOKENS + 2, 1024, generator=g)
     rows = torch.cat([linear(x[i:i + 2], w, fmt) for i in range(0, len(x), 2)])
     whole = linear(x, w, fmt)  # more tokens than a pass: dequantized, torch's product
@@ -68,7 +79,8 @@ def test_weights_of_the_wrong_size_are_refused(linear):
 
 
 @pytest.mark.parametrize("tokens", [1, 2, MAX_TOKENS])
-@pytest.mark.parametrize("gu_fmt,d_fmt", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k")])
+@pytest.mark.parametrize("gu_fmt,d_fmt", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k"),
+                                          ("q4_k", "q5_0"), ("q4_0", "q4_1"), ("q5_1", "q4_k")])
 def test_one_call_computes_an_expert_as_the_ops_one_by_one(linear, gu_fmt, d_fmt, tokens):
     """moetier_gq_swiglu (one native call an expert) against GgmlExpert's torch ops around the same kernels: the
     same bf16 roundings, so the same bits."""
@@ -76,8 +88,10 @@ def test_one_call_computes_an_expert_as_the_ops_one_by_one(linear, gu_fmt, d_fmt
 
     torch.manual_seed(tokens)
     h, i = 512, 256
-    w = {"gate_up_proj": quantize(torch.randn(2 * i, h) * 0.05, gu_fmt),
-         "down_proj": quantize(torch.randn(h, i) * 0.05, d_fmt)}
+    # (as a slot views them: a legacy format's matrix [N, blocks, block bytes], so its shape tells it from a
+    # k-quant of as many bytes)
+    w = {"gate_up_proj": quantize_any(torch.randn(2 * i, h) * 0.05, gu_fmt).view(matrix_shape(gu_fmt, 2 * i, h)),
+         "down_proj": quantize_any(torch.randn(h, i) * 0.05, d_fmt).view(matrix_shape(d_fmt, h, i))}
     x = torch.randn(tokens, h).bfloat16()
     weights = torch.rand(tokens).bfloat16()
     fused, ops = GgmlExpert(gu_fmt, torch.bfloat16, linear.lib), GgmlExpert(gu_fmt, torch.bfloat16, linear.lib)
@@ -93,5 +107,5 @@ def test_native_dequantization_is_ggml_blocks_bit_for_bit(linear, fmt):
     """A prefill's matrix dequantized natively (moetier_gq_dequantize) equals the torch dequantizer, which equals
     gguf's (tests/quant/test_ggml_blocks.py), on blocks that take every code and scale."""
     torch.manual_seed(0)
-    w = quantize(torch.randn(96, 512) * torch.logspace(-3, 0, 96)[:, None], fmt)
+    w = quantize_any(torch.randn(96, 512) * torch.logspace(-3, 0, 96)[:, None], fmt)
     assert torch.equal(linear.dequantize(w, fmt, 512), dequantize(w, fmt))

@@ -10,8 +10,10 @@ from gguf import quants as gq
 from moetier.quant.ggml_blocks import FORMATS, dequantize
 
 TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
-         "q6_k": GGMLQuantizationType.Q6_K, "mxfp4": GGMLQuantizationType.MXFP4}
-F16_AT = {"q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "mxfp4": ()}  # where a block keeps fp16s
+         "q6_k": GGMLQuantizationType.Q6_K, "mxfp4": GGMLQuantizationType.MXFP4, "q4_0": GGMLQuantizationType.Q4_0,
+         "q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0, "q5_1": GGMLQuantizationType.Q5_1}
+F16_AT = {"q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "mxfp4": (), "q4_0": (0,), "q4_1": (0, 2),
+          "q5_0": (0,), "q5_1": (0, 2)}  # where a block keeps fp16s
 
 
 def random_blocks(name: str, n: int, seed: int) -> np.ndarray:

@@ -9,11 +9,15 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import quants as gguf_quants
 
 from moetier.quant.kquants import quantize
 
 BLOCK_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_k": GGMLQuantizationType.Q4_K,
-               "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K}
+               "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K,
+               "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
+               "q5_0": GGMLQuantizationType.Q5_0, "q5_1": GGMLQuantizationType.Q5_1}
+LEGACY = ("q4_0", "q4_1", "q5_0", "q5_1")  # quantized by the gguf package's own (moetier never writes them)
 
 
 def tokenizer_metadata(tokenizer_json: Path) -> dict:
@@ -63,7 +67,8 @@ def write(path: Path, arch: str, keys: dict, tensors: dict, tokenizer: dict | No
                 w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType.BF16)
                 continue
             rows = torch.from_numpy(np.ascontiguousarray(values, np.float32)).reshape(-1, values.shape[-1])
-            raw = quantize(rows, kind).numpy().reshape(*values.shape[:-1], -1)
+            raw = (gguf_quants.quantize(rows.numpy(), BLOCK_TYPES[kind]) if kind in LEGACY else
+                   quantize(rows, kind).numpy()).reshape(*values.shape[:-1], -1)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=BLOCK_TYPES[kind])
         else:
             w.add_tensor(name, np.ascontiguousarray(t, np.float32))

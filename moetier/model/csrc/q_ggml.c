@@ -28,11 +28,13 @@
                                   went 7.7 -> see docs/gguf.md */
 #define QK 256
 
-enum { GQ_Q8_0 = 0, GQ_Q4_K = 1, GQ_Q5_K = 2, GQ_Q6_K = 3 };
+enum { GQ_Q8_0 = 0, GQ_Q4_K = 1, GQ_Q5_K = 2, GQ_Q6_K = 3, GQ_Q4_0 = 4, GQ_Q4_1 = 5, GQ_Q5_0 = 6, GQ_Q5_1 = 7 };
 
 /* Bytes of one block and the inputs it covers, per type (ggml's). */
-static const long TYPE_SIZE[] = {34, 144, 176, 210};
-static const long BLOCK_SIZE[] = {32, QK, QK, QK};
+static const long TYPE_SIZE[] = {34, 144, 176, 210, 18, 20, 22, 24};
+static const long BLOCK_SIZE[] = {32, QK, QK, QK, 32, 32, 32, 32};
+
+static inline int is_k(int type) { return type >= GQ_Q4_K && type <= GQ_Q6_K; }
 
 typedef struct { /* one token's activation for a k-quant matrix, per 256 inputs */
     float d;
@@ -40,8 +42,9 @@ typedef struct { /* one token's activation for a k-quant matrix, per 256 inputs 
     int16_t bsums[QK / 16];
 } q8k;
 
-typedef struct { /* ...for a Q8_0 matrix, per 32 inputs */
+typedef struct { /* ...for a Q8_0 or legacy (Q4_0, Q4_1, Q5_0, Q5_1) matrix, per 32 inputs */
     float d;
+    int32_t sum; /* of qs: the legacy formats' offsets (- 8, - 16) and minimums (+ m) meet it */
     int8_t qs[32];
 } q8b;
 
@@ -52,7 +55,7 @@ static inline float f16_to_f32(const uint8_t *p) {
 }
 
 long moetier_gq_act_bytes(int type, long K) {
-    return type == GQ_Q8_0 ? K / 32 * (long)sizeof(q8b) : K / QK * (long)sizeof(q8k);
+    return is_k(type) ? K / QK * (long)sizeof(q8k) : K / 32 * (long)sizeof(q8b);
 }
 
 /* ggml's quantize_row_q8_K: the scale from the signed value of largest magnitude, -127 / it, codes rounded to
@@ -85,8 +88,9 @@ static void quantize_q8b(const float *x, long K, q8b *y) {
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        for (int j = 0; j < 32; j++) y[b].qs[j] = (int8_t)nearbyintf(x[j] * id);
-        y[b].d = d;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) y[b].qs[j] = (int8_t)nearbyintf(x[j] * id), sum += y[b].qs[j];
+        y[b].d = d, y[b].sum = sum;
     }
 }
 
@@ -94,10 +98,10 @@ static void quantize_q8b(const float *x, long K, q8b *y) {
 void moetier_gq_quantize_act(int type, const float *x, long K, int T, void *out) {
     const long bytes = moetier_gq_act_bytes(type, K);
     for (int t = 0; t < T; t++) {
-        if (type == GQ_Q8_0)
-            quantize_q8b(x + t * K, K, (q8b *)((char *)out + t * bytes));
-        else
+        if (is_k(type))
             quantize_q8k(x + t * K, K, (q8k *)((char *)out + t * bytes));
+        else
+            quantize_q8b(x + t * K, K, (q8b *)((char *)out + t * bytes));
     }
 }
 
@@ -221,6 +225,37 @@ static inline void blk_q8_0(const uint8_t *blk, const q8b *const *a, int T, __m2
     }
 }
 
+/* 32 bits (little-endian) -> 32 bytes, 0xFF where the bit is set (ggml's bytes_from_bits_32). */
+static inline __m256i bytes_from_bits(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuffle),
+                                          _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+/* A legacy block (Q4_0, Q4_1, Q5_0, Q5_1) against T tokens' q8b blocks: its 32 codes unsigned (the nibbles, the
+   fifth bits), the offset (- 8, - 16) taken off through the activation's sum in integers, a minimum (+ m) as a
+   float term: d dx (sum q x - off sum x) + m dx sum x. */
+static inline void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc, __m128 *accm,
+                              const int type) {
+    const int has_m = type == GQ_Q4_1 || type == GQ_Q5_1, five = type == GQ_Q5_0 || type == GQ_Q5_1;
+    const uint8_t *qh = blk + (has_m ? 4 : 2), *qs = qh + (five ? 4 : 0);
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0xF);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    if (five) q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
+    const int off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
+    const float d = f16_to_f32(blk), m = has_m ? f16_to_f32(blk + 2) : 0.0f;
+    for (int t = 0; t < T; t++) {
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)a[t]->qs)),
+                                      _mm256_set1_epi16(1));
+        p = _mm256_add_epi32(p, _mm256_setr_epi32(-off * a[t]->sum, 0, 0, 0, 0, 0, 0, 0));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(p), acc[t]);
+        if (has_m) accm[t] = _mm_sub_ss(accm[t], _mm_set_ss(m * a[t]->d * (float)a[t]->sum));
+    }
+}
+
 /* One row's blocks against T tokens' activations (a function per type: nothing decided per block). */
 #define ROW_DOT(name, act_t, BLOCK)                                                                           \
     static void name(const uint8_t *w, long blocks, long ts, const char *act, long act_bytes, int T,          \
@@ -241,10 +276,14 @@ ROW_DOT(row_q4k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 0))
 ROW_DOT(row_q5k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 1))
 ROW_DOT(row_q6k, q8k, blk_q6k(w + b * ts, a, T, acc))
 ROW_DOT(row_q8_0, q8b, blk_q8_0(w + b * ts, a, T, acc))
+ROW_DOT(row_q4_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_0))
+ROW_DOT(row_q4_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_1))
+ROW_DOT(row_q5_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_0))
+ROW_DOT(row_q5_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_1))
 #undef ROW_DOT
 
 int moetier_gq_fits(int type, long K) {
-    return type >= GQ_Q8_0 && type <= GQ_Q6_K && K > 0 && K % BLOCK_SIZE[type] == 0;
+    return type >= GQ_Q8_0 && type <= GQ_Q5_1 && K > 0 && K % BLOCK_SIZE[type] == 0;
 }
 
 /* y [T, N] fp32 = W [N, K] (`type` blocks, rows back to back) x the T activations `act` (moetier_gq_quantize_act's),
@@ -260,7 +299,11 @@ void moetier_gq_linear(int type, const uint8_t *w, long N, long K, const void *a
             case GQ_Q8_0: row_q8_0(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
             case GQ_Q4_K: row_q4k(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
             case GQ_Q5_K: row_q5k(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
-            default: row_q6k(row, blocks, ts, (const char *)act, act_bytes, T, out);
+            case GQ_Q6_K: row_q6k(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
+            case GQ_Q4_0: row_q4_0(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
+            case GQ_Q4_1: row_q4_1(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
+            case GQ_Q5_0: row_q5_0(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
+            default: row_q5_1(row, blocks, ts, (const char *)act, act_bytes, T, out);
         }
         for (int t = 0; t < T; t++) y[t * N + r] = out[t];
     }
@@ -351,6 +394,23 @@ static NO_FMA void deq_q6k(const uint8_t *b, float *y) {
     }
 }
 
+static NO_FMA void deq_legacy(const uint8_t *b, float *y, const int type) {
+    const int has_m = type == GQ_Q4_1 || type == GQ_Q5_1, five = type == GQ_Q5_0 || type == GQ_Q5_1;
+    const uint8_t *qh = b + (has_m ? 4 : 2), *qs = qh + (five ? 4 : 0);
+    uint32_t h = 0;
+    if (five) memcpy(&h, qh, 4);
+    const int off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
+    const float d = f16_to_f32(b), m = has_m ? f16_to_f32(b + 2) : 0.0f;
+    for (int j = 0; j < 16; j++) {
+        const int q0 = (qs[j] & 0xF) | (int)(((h >> j) & 1) << 4), q1 = (qs[j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
+        if (has_m) {
+            y[j] = d * (float)q0 + m, y[j + 16] = d * (float)q1 + m;
+        } else {
+            y[j] = d * (float)(q0 - off), y[j + 16] = d * (float)(q1 - off);
+        }
+    }
+}
+
 void moetier_gq_dequantize(int type, const uint8_t *w, long N, long K, float *out) {
     const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
 #pragma omp parallel for schedule(static) if (N * blocks * ts >= GQ_PARALLEL_MIN_BYTES)
@@ -362,7 +422,8 @@ void moetier_gq_dequantize(int type, const uint8_t *w, long N, long K, float *ou
                 case GQ_Q8_0: deq_q8_0(blk, y); break;
                 case GQ_Q4_K: deq_q45k(blk, y, 0); break;
                 case GQ_Q5_K: deq_q45k(blk, y, 1); break;
-                default: deq_q6k(blk, y);
+                case GQ_Q6_K: deq_q6k(blk, y); break;
+                default: deq_legacy(blk, y, type);
             }
         }
     }
