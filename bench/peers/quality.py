@@ -14,6 +14,11 @@ perplexities differ in level; what compares is each format's change from its eng
 
     python bench/peers/quality.py [--model models/demo-deep] [--ctx 128] [--chunks 48] [--windows 8]
 
+`--same-file`: moetier scores each GGUF itself (`--model FILE.gguf`) as llama-perplexity scores it — the text
+tokenized by the file's tokenizer, consecutive chunks of --ctx tokens (the first a BOS where the file says to add
+one), the second half of each scored (tokens n/2 + 1 .. n - 1, each from the logits before it) — so the two tools'
+perplexities are one measure of one file, compared directly.
+
 Writes OUT/quality.json and prints the table.
 """
 
@@ -100,6 +105,33 @@ def moetier_eval(model: str, precision: str, dense: str, text: Path, ctx: int, w
                 kl=mine.get("kl"), top1_agreement=mine.get("top1_agreement"))
 
 
+def moetier_like_llama(gguf: Path, text: Path, ctx: int, chunks: int) -> dict:
+    """moetier's perplexity of `gguf` on `text` by llama-perplexity's method (above), teacher-forced in the engine:
+    a prefill of each chunk's first half and one token, then a decode step per token."""
+    import math
+
+    import torch
+
+    from moetier import Engine
+    from moetier.engine.score import teacher_forced
+
+    with Engine.from_pretrained(gguf, expert_memory="100%", progress=False) as engine:
+        tok = engine.tokenizer
+        ids = tok.encode(text.read_text())  # (what the tokenizer adds, as llama.cpp's add_bos)
+        n = min(chunks, len(ids) // ctx)
+        bos = engine.spec.bos_token_id if tok.add_bos else None
+        rows = [ids[i * ctx:(i + 1) * ctx] for i in range(n)]
+        if bos is not None:
+            rows = [[bos, *row[1:]] for row in rows]
+        nll, count = 0.0, 0
+        for row in rows:
+            logp, _ = teacher_forced(engine, row, ctx // 2 + 1)  # [ctx/2 - 1, V]
+            targets = torch.tensor(row[ctx // 2 + 1:])
+            nll -= logp.gather(1, targets[:, None]).sum().item()
+            count += len(targets)
+    return dict(perplexity=math.exp(nll / count), chunks=n, tokens=len(ids), scored=count)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(HERE.parents[1] / "models" / "demo-deep"))
@@ -107,8 +139,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=48, help="chunks scored by llama-perplexity")
     ap.add_argument("--windows", type=int, default=8, help="windows scored by moetier eval (each ~12 s here)")
     ap.add_argument("--out", type=Path, default=HERE.parent / "out" / "peers")
+    ap.add_argument("--same-file", action="store_true", help="moetier scores each GGUF as llama-perplexity does")
+    ap.add_argument("--llama-build", choices=("native", "avx2"), default="native",
+                    help="llama.cpp's build (on a Sapphire Rapids-class Xeon the native build's llama-perplexity "
+                         "crashed on demo-deep's Q8_0 file; its AVX2 build ran it)")
     args = ap.parse_args()
-    llama = build(default_cache_dir())
+    llama = build(default_cache_dir(), isa=args.llama_build)
     work = default_cache_dir() / "peers" / "models"
     work.mkdir(parents=True, exist_ok=True)
     name = Path(args.model).name
@@ -121,7 +157,14 @@ def main() -> None:
         base = Path(tmp) / "bf16.kld"
         for fmt, precision, dense in PAIRS:
             theirs = llama_perplexity(llama, ggufs[fmt], text, args.ctx, args.chunks, base, first=fmt == "bf16")
-            ours = moetier_eval(args.model, precision, dense, text, args.ctx, args.windows)
+            if args.same_file:
+                ours = moetier_like_llama(ggufs[fmt], text, args.ctx, args.chunks)
+                precision, dense = "the file", "the file"
+                ours["exact_perplexity"] = rows[0]["moetier_run"]["perplexity"] if rows else ours["perplexity"]
+                ours["vs_llama_cpp"] = ours["perplexity"] / theirs["perplexity"] - 1 if theirs["perplexity"] else None
+                ours["kl"] = ours["top1_agreement"] = None
+            else:
+                ours = moetier_eval(args.model, precision, dense, text, args.ctx, args.windows)
             rows.append(dict(format=fmt, moetier=f"{precision} (dense {dense})", llama_cpp=theirs, moetier_run=ours,
                              gguf_bytes=ggufs[fmt].stat().st_size))
             print(f"{fmt}: llama.cpp {theirs}; moetier {ours}", flush=True)
@@ -137,6 +180,12 @@ def main() -> None:
               f"{o['perplexity'] / o['exact_perplexity'] - 1:+7.2%} "
               f"{fmt_kl(o['kl'] if r['format'] != 'bf16' else None)} "
               f"{fmt_top(o['top1_agreement'] if r['format'] != 'bf16' else None)}")
+    if args.same_file:
+        for r in rows:
+            o = r["moetier_run"]
+            print(f"{r['format']:>7}: moetier {o['perplexity']:.4f} against llama-perplexity "
+                  f"{r['llama_cpp']['perplexity']:.4f} on the same file, {o['vs_llama_cpp']:+.2%} ({o['chunks']} "
+                  f"chunks of {args.ctx}, {o['scored']} tokens scored)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.json").write_text(json.dumps(dict(model=args.model, ctx=args.ctx, rows=rows), indent=1))
     print(f"wrote {args.out / 'quality.json'}")
