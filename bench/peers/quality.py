@@ -143,20 +143,29 @@ def main() -> None:
     ap.add_argument("--llama-build", choices=("native", "avx2"), default="native",
                     help="llama.cpp's build (on a Sapphire Rapids-class Xeon the native build's llama-perplexity "
                          "crashed on demo-deep's Q8_0 file; its AVX2 build ran it)")
+    ap.add_argument("--gguf", action="append", default=[], metavar="FORMAT=FILE",
+                    help="with --same-file: score these files (e.g. q4_k_m=olmoe-1b-7b-synth-q4_k_m.gguf, bf16 first "
+                         "for KL) instead of converting --model")
     args = ap.parse_args()
     llama = build(default_cache_dir(), isa=args.llama_build)
-    work = default_cache_dir() / "peers" / "models"
-    work.mkdir(parents=True, exist_ok=True)
-    name = Path(args.model).name
-    bf16 = llama.convert(untied(Path(args.model), work / f"{name}-untied"), work / f"{name}-bf16.gguf")
-    ggufs = {"bf16": bf16, **{f: llama.quantize(bf16, work / f"{name}-{f}.gguf", f) for f, _, _ in PAIRS[1:]}}
+    if args.gguf:
+        if not args.same_file:
+            raise SystemExit("--gguf scores the files themselves: give --same-file")
+        ggufs = {f: Path(p) for f, p in (g.split("=", 1) for g in args.gguf)}
+    else:
+        work = default_cache_dir() / "peers" / "models"
+        work.mkdir(parents=True, exist_ok=True)
+        name = Path(args.model).name
+        bf16 = llama.convert(untied(Path(args.model), work / f"{name}-untied"), work / f"{name}-bf16.gguf")
+        ggufs = {"bf16": bf16, **{f: llama.quantize(bf16, work / f"{name}-{f}.gguf", f) for f, _, _ in PAIRS[1:]}}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "held-out.txt"
         text.write_text(held_out_text())
         base = Path(tmp) / "bf16.kld"
-        for fmt, precision, dense in PAIRS:
-            theirs = llama_perplexity(llama, ggufs[fmt], text, args.ctx, args.chunks, base, first=fmt == "bf16")
+        for fmt, precision, dense in [p for p in PAIRS if p[0] in ggufs]:
+            theirs = llama_perplexity(llama, ggufs[fmt], text, args.ctx, args.chunks, base,
+                                      first=fmt == "bf16" or "bf16" not in ggufs)
             if args.same_file:
                 ours = moetier_like_llama(ggufs[fmt], text, args.ctx, args.chunks)
                 precision, dense = "the file", "the file"
@@ -168,7 +177,7 @@ def main() -> None:
             rows.append(dict(format=fmt, moetier=f"{precision} (dense {dense})", llama_cpp=theirs, moetier_run=ours,
                              gguf_bytes=ggufs[fmt].stat().st_size))
             print(f"{fmt}: llama.cpp {theirs}; moetier {ours}", flush=True)
-    base_l = rows[0]["llama_cpp"]["perplexity"]
+    base_l = rows[0]["llama_cpp"]["perplexity"]  # (the first format's: bf16 where it ran)
     print(f"{'format':>7} {'llama.cpp ppl':>14} {'change':>7} {'KL':>7} {'top-1':>6} | {'moetier':>18} {'ppl':>7} "
           f"{'change':>7} {'KL':>7} {'top-1':>6}")
     for r in rows:
