@@ -1,14 +1,15 @@
 """A GGUF file (or split set) -> a linked store: nothing of the experts copied. Each expert is three slices of its
 layer's stacked tensors (`blk.N.ffn_{gate,up,down}_exps.weight`: gate's and up's rows one after the other make the
 store's gate_up_proj, down's its down_proj), read in place in the file's own type — bf16/f16/f32 as a safetensors
-folder's experts are, q8_0/q6_k/q5_k/q4_k as GGML's blocks the kernels compute on (moetier/model/ggml_experts.py).
-The store holds the dense weights, the manifest (every expert's slices and their CRC-32, the file's size and time,
-checked at every open) and the tokenizer built from the file's metadata.
+folder's experts are, q8_0/q6_k/q5_k/q4_k and the legacy q5_1/q5_0/q4_1/q4_0 as GGML's blocks the kernels compute
+on (moetier/model/ggml_experts.py). The store holds the dense weights, the manifest (every expert's slices and their
+CRC-32, the file's size and time, checked at every open) and the tokenizer built from the file's metadata.
 
 A file whose layers keep their experts in different types (Q4_K_M: down_proj in Q6_K in some layers, Q4_K in the
-rest) is one precision whose layout differs by layer (format.PrecisionLayout.layers). Dense weights in a block
-format are dequantized here to the model's dtype, with a note of what that costs (computing them on their blocks
-is a lever left: docs/gguf.md)."""
+rest) is one precision whose layout differs by layer (format.PrecisionLayout.layers). The attention projections and
+the head, where the file keeps them in a block format, are indexed where they lie (Manifest.dense_blocks) and
+computed in it; dense.safetensors holds every dense tensor in the model's dtype as well (what `--dense-precision
+int8|int4` and the tools that rewrite a store read), the others dequantized here with a note saying which."""
 
 from __future__ import annotations
 
