@@ -149,6 +149,16 @@ class Store:
             raise ChecksumError(f"expert {expert} of layer {layer} in {where} fails its checksum", hint=DAMAGED)
         return self.manifest.precisions[blob.precision].views(torch.frombuffer(data, dtype=torch.uint8), layer)
 
+    def read_expert_values(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """The native expert's tensors as values: a GGUF's block-format matrices dequantized (float32, as ggml does),
+        float tensors as they are — what a quantized copy is made from."""
+        from moetier.quant.ggml_blocks import FORMATS, dequantize
+
+        tensors = self.read_expert(layer, expert)
+        formats = {t.name: t.dtype for t in self.native_layout.tensors_of(layer)}
+        return {name: dequantize(t.reshape(t.shape[0], -1), formats[name]) if formats[name] in FORMATS else t
+                for name, t in tensors.items()}
+
     def read_file(self, name: str) -> bytes:
         """A copied file (tokenizer.json, ...), verified against its checksum."""
         data = (self.path / name).read_bytes()

@@ -129,7 +129,7 @@ def _layer(store: Store, layer: int, layouts: dict[str, PrecisionLayout], bar) -
             tmp.parent.mkdir(parents=True, exist_ok=True)
             files[p], refs[p] = open(tmp, "wb"), []
         for e in experts if todo else ():
-            native = store.read_expert(layer, e)
+            native = store.read_expert_values(layer, e)  # (a GGUF's blocks dequantized)
             for p, layout in todo.items():
                 f = files[p]
                 offset = f.tell()

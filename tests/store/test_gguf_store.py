@@ -186,6 +186,24 @@ def test_the_native_decode_block_computes_a_files_blocks_bit_for_bit(k_quant, qw
     assert all(torch.equal(a, b) for a, b in zip(fused, layered))
 
 
+def test_quantized_copies_of_a_gguf_are_made_from_its_values(k_quant, tmp_path):
+    """HOBBIT's and int4's copies of a Q4_K_M file's experts (each layer's own formats, Q5_0 included) are made
+    from the values its blocks stand for, as from a float checkpoint's."""
+    from moetier.quant.codes import quantize_expert
+    from moetier.quant.ggml_blocks import dequantize
+    from moetier.store.variants import add_precisions
+
+    store = index_gguf(Manifest.load(k_quant["q4_k_m"]).source, tmp_path / "store", progress=False)
+    assert add_precisions(store, "int4", progress=False) == ["int4"]
+    s = Store(store)
+    for layer, fmt in ((0, "q6_k"), (2, "q5_0")):
+        blocks = s.read_expert(layer, 5)
+        values = {"gate_up_proj": dequantize(blocks["gate_up_proj"], "q4_k"),
+                  "down_proj": dequantize(blocks["down_proj"].reshape(256, -1), fmt)}
+        want, got = quantize_expert(values, "int4"), s.read_expert(layer, 5, "int4")
+        assert all(torch.equal(want[name], got[name]) for name in want)
+
+
 def test_the_families_list_names_their_gguf_architectures(capsys):
     assert main(["list", "families"]) == 0
     out = capsys.readouterr().out
