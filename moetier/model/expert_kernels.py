@@ -31,7 +31,7 @@ from moetier.config import ModelSpec
 from moetier.errors import MoetierError
 from moetier.model.kernels import Fp32Buffer, TorchKernels
 from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
-from moetier.quant.precisions import GGUF_BLOCKS
+from moetier.quant.precisions import GGUF_BLOCKS, MIXES
 
 NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the codes in one pass
 
@@ -302,7 +302,7 @@ def _group(k: int, scales: torch.Tensor) -> int:
 def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype, spec: ModelSpec | None = None):
     """The kernel for slots of `precision` in a model computing in `dtype` (`spec`: the model, for its activation;
     None: SwiGLU)."""
-    if precision in GGUF_BLOCKS:  # GGML's formats: SwiGLU experts (a GGUF's, and our copies)
+    if precision in GGUF_BLOCKS or precision in MIXES:  # GGML's formats: SwiGLU experts (a GGUF's, our copies)
         from moetier.model.ggml_experts import GgmlExpert
 
         if spec is not None and spec.activation != "swiglu":

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from moetier.model.expert_kernels import OneByOne
 from moetier.model.ggml_linear import GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
-from moetier.quant.precisions import GGUF_BLOCKS, format_of
+from moetier.quant.precisions import GGUF_BLOCKS, MIXES, format_of
 
 
 class TorchGgml:
@@ -27,7 +27,7 @@ class GgmlExpert(OneByOne):
     output are rounded to, as a float expert's torch ops round them."""
 
     def __init__(self, precision: str, dtype: torch.dtype, lib=None) -> None:
-        if precision not in GGUF_BLOCKS:
+        if precision not in GGUF_BLOCKS and precision not in MIXES:
             raise ValueError(f"not a GGML block precision: {precision!r}")
         self.precision, self.dtype = precision, dtype
         self.linear = GgmlLinear(lib) if lib is not None else TorchGgml()

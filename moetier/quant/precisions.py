@@ -13,15 +13,45 @@ from moetier.quant.codes import BITS
 from moetier.quant.ggml_blocks import FORMATS
 
 BLOCKS = ("q8_0", "q6_k", "q5_k", "q4_k")  # most precise first
+# llama.cpp's mixes for our own copies: (the base format, the format `use_more_bits` layers' down_proj take) —
+# Q4_K_M's rule (llama-quant.cpp) for an expert's matrices; the attention and head it also changes are
+# --dense-precision's business, not an expert copy's
+MIXES = {"q4_k_m": ("q4_k", "q6_k")}
 LEGACY = ("q5_1", "q5_0", "q4_1", "q4_0")  # read from a GGUF, never made here: llama-quantize's fallbacks
 GGUF_BLOCKS = (*BLOCKS, *LEGACY)  # the formats a GGUF's matrices are computed in
 CODES = tuple(BITS)  # int8, int4, int2
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama-quant.cpp's choice of the layers (of `n`) whose ffn_down a _M mix keeps wider: the first and last
+    eighth, and every third between (OLMoE's 16: layers 0, 1, 4, 7, 10, 13, 14, 15 — what its Q4_K_M file holds)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mix_format(precision: str, name: str, i: int, n: int) -> str:
+    """The format of matrix `name` in layer `i` of `n` (counted among the MoE layers) of mix `precision`."""
+    base, more = MIXES[precision]
+    return more if name == "down_proj" and use_more_bits(i, n) else base
+
+
+def bits_per_weight(precision: str) -> float:
+    """Stored bits a weight (codes and scales) for a big matrix: what memory sizing reads (a mix: half its layers'
+    down_proj wider, use_more_bits' share as layers grow)."""
+    if precision in MIXES:
+        base, more = (FORMATS[f].bits for f in MIXES[precision])
+        return (2 * base + (base + more) / 2) / 3
+    if precision in GGUF_BLOCKS:
+        return FORMATS[precision].bits
+    return {"int8": 8.0, "int4": 4.0 + 32 / 128, "int2": 2.0 + 32 / 64}[precision]
+
+
 # every quantized copy, most precise first (low-tier takes the first that fits)
-QUANTIZED = tuple(sorted((*CODES, *BLOCKS), key=lambda p: -(BITS[p] if p in BITS else FORMATS[p].bits)))
+QUANTIZED = tuple(sorted((*CODES, *BLOCKS, *MIXES), key=lambda p: -bits_per_weight(p)))
 
 
 def is_block(precision: str) -> bool:
-    return precision in BLOCKS
+    """A copy in GGML's block formats: one format, or a mix of them."""
+    return precision in BLOCKS or precision in MIXES
 
 
 def matrix_format(precision: str, k: int) -> str:
@@ -61,22 +91,19 @@ def matrix_shape(fmt: str, n: int, k: int) -> tuple[int, ...]:
     return (n, k // f.block_size, f.type_size) if fmt in LEGACY else (n, f.row_bytes(k))
 
 
-def bits_per_weight(precision: str) -> float:
-    """Stored bits a weight (codes and scales) for a big matrix: what memory sizing reads."""
-    if precision in GGUF_BLOCKS:
-        return FORMATS[precision].bits
-    return {"int8": 8.0, "int4": 4.0 + 32 / 128, "int2": 2.0 + 32 / 64}[precision]
-
-
-def quantize_expert(tensors: dict, precision: str) -> dict:
+def quantize_expert(tensors: dict, precision: str, formats: dict[str, str] | None = None) -> dict:
     """An expert's float tensors -> the named tensors of its `precision` blob (store/quantize.py lays them out):
-    codes and scales for moetier's own precisions; for a block format each matrix's blocks as uint8 [N, row bytes],
-    its biases in bfloat16."""
+    codes and scales for moetier's own precisions; for a block format each matrix's blocks as uint8 [N, row bytes]
+    (`formats`: each matrix's, as its layer's layout has them — a mix's differ by layer), its biases in
+    bfloat16."""
     import torch
 
     from moetier.quant import codes, kquants
 
-    if precision not in BLOCKS:
+    if not is_block(precision):
         return codes.quantize_expert(tensors, precision)
-    return {name: t.to(torch.bfloat16) if t.dim() == 1 else kquants.quantize(t.float(), matrix_format(precision, t.shape[1]))
+    if formats is None and precision in MIXES:
+        raise ValueError(f"{precision} is a mix: its formats come from the layer's layout")
+    return {name: t.to(torch.bfloat16) if t.dim() == 1 else
+            kquants.quantize(t.float(), formats[name] if formats else matrix_format(precision, t.shape[1]))
             for name, t in tensors.items()}

@@ -147,7 +147,7 @@ class Tier:
 
 
 BLOCK_KIN = {"q8_0": "int8", "q6_k": "int8", "q5_k": "int4", "q4_k": "int4", "q5_1": "int4", "q5_0": "int4",
-             "q4_1": "int4", "q4_0": "int4"}  # GGML format -> our integer kernel's
+             "q4_1": "int4", "q4_0": "int4", "q4_k_m": "int4"}  # GGML format -> our integer kernel's
 
 
 @dataclass(frozen=True)

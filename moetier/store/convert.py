@@ -111,7 +111,7 @@ def convert(model_dir: Path | str, store_dir: Path | str, overwrite: bool = Fals
                     if not linked:
                         writer.add_expert(layer, e, layout, tensors)
                     for p, q_layout in quantized.items():
-                        writer.add_expert(layer, e, q_layout, quantize_expert(tensors, p))
+                        writer.add_expert(layer, e, q_layout, quantize_expert(tensors, p, q_layout.formats(layer)))
                 bar.update()
         manifest = Manifest(
             family=family.name, config=ckpt.config, precisions={layout.name: layout, **quantized},

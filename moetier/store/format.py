@@ -106,6 +106,10 @@ class PrecisionLayout:
         return {t.name: blob[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
                 for t in self.tensors_of(layer)}
 
+    def formats(self, layer: int | None = None) -> dict[str, str]:
+        """Each tensor's dtype name in `layer`'s experts (a block format's name for GGML blocks)."""
+        return {t.name: t.dtype for t in self.tensors_of(layer)}
+
     def for_layer(self, layer: int) -> PrecisionLayout:
         """The layout of `layer`'s experts alone."""
         return PrecisionLayout(self.name, self.tensors_of(layer))

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 from moetier.quant.codes import BITS, group_size
 from moetier.quant.ggml_blocks import FORMATS
-from moetier.quant.precisions import QUANTIZED, is_block, matrix_format
+from collections import Counter
+
+from moetier.quant.precisions import MIXES, QUANTIZED, is_block, matrix_format, mix_format
 from moetier.store.format import PrecisionLayout
 
 
-def expert_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> PrecisionLayout:
+def expert_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...],
+                  moe_layers: tuple[int, ...] = ()) -> PrecisionLayout:
     """How one expert's `precision` copy sits in a blob: per matrix its codes, then its scales (and zeros); then its
-    biases as they are (`shapes`: ModelSpec.expert_shapes)."""
+    biases as they are (`shapes`: ModelSpec.expert_shapes). A mix's layout differs by layer (`moe_layers`)."""
     if precision not in QUANTIZED:
         raise ValueError(f"unknown quantized precision {precision!r}; known: {', '.join(QUANTIZED)}")
+    if precision in MIXES:
+        return _mix_layout(precision, shapes, moe_layers)
     if is_block(precision):
         return _block_layout(precision, shapes)
     tensors = []
@@ -34,15 +39,28 @@ def expert_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...
     return PrecisionLayout.packed(precision, tensors)
 
 
-def _block_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> PrecisionLayout:
+def _mix_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...],
+                moe_layers: tuple[int, ...]) -> PrecisionLayout:
+    """A mix's layout: its base format's, and where use_more_bits widens a layer's down_proj, that layer's own."""
+    if not moe_layers:
+        raise ValueError(f"{precision} is laid out per layer: give the model's MoE layers")
+    n = len(moe_layers)
+    per = {layer: _block_layout(precision, shapes, {name: mix_format(precision, name, i, n) for name, _ in shapes})
+           .tensors for i, layer in enumerate(moe_layers)}
+    common = Counter(per.values()).most_common(1)[0][0]
+    return PrecisionLayout(precision, common, {layer: t for layer, t in per.items() if t != common})
+
+
+def _block_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...],
+                  formats: dict[str, str] | None = None) -> PrecisionLayout:
     """Each matrix as its rows of blocks (dtype: the block format's name, bytes [N, row bytes]), as a GGUF file
-    holds an expert's slice of a stacked tensor; biases in bfloat16."""
+    holds an expert's slice of a stacked tensor; biases in bfloat16. `formats`: each matrix's (a mix's layer)."""
     tensors = []
     for name, shape in shapes:
         if len(shape) == 1:
             tensors.append((name, "bfloat16", shape))
             continue
         n, k = shape
-        fmt = matrix_format(precision, k)
+        fmt = matrix_format(formats[name] if formats else precision, k)
         tensors.append((name, fmt, (n, FORMATS[fmt].row_bytes(k))))
     return PrecisionLayout.packed(precision, tensors)

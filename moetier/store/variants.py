@@ -19,7 +19,7 @@ from moetier.atomic import FULL, atomic_write_json, check_free_space, disk_full,
 from moetier.config import ModelSpec
 from moetier.errors import StoreError
 from moetier.progress import tqdm
-from moetier.quant.precisions import BLOCKS, QUANTIZED, quantize_expert
+from moetier.quant.precisions import QUANTIZED, is_block, quantize_expert
 from moetier.store.format import BlobRef, PrecisionLayout
 from moetier.store.quantize import expert_layout
 from moetier.store.store import Store
@@ -51,12 +51,12 @@ def expert_layouts(spec: ModelSpec, precisions: Iterable[str]) -> dict[str, Prec
     """The blob layout of each quantized precision for this model's experts (refused if its shape cannot be, or a
     GGML format for experts that are not SwiGLU: its kernels are SwiGLU's)."""
     precisions = list(precisions)
-    blocks = [p for p in precisions if p in BLOCKS]
+    blocks = [p for p in precisions if is_block(p)]
     if blocks and spec.activation != "swiglu":
         raise StoreError(f"{blocks[0]} copies are for SwiGLU experts; this model's are {spec.activation}",
                          hint="use int8, int4 or int2")
     try:
-        return {p: expert_layout(p, spec.expert_shapes) for p in precisions}
+        return {p: expert_layout(p, spec.expert_shapes, spec.moe_layers) for p in precisions}
     except ValueError as e:
         raise StoreError(f"cannot quantize this model's experts: {e}") from None
 
@@ -133,7 +133,8 @@ def _layer(store: Store, layer: int, layouts: dict[str, PrecisionLayout], bar) -
             for p, layout in todo.items():
                 f = files[p]
                 offset = f.tell()
-                crc = write_blob(f, layout, quantize_expert(native, p), f"expert {e} of layer {layer}")
+                crc = write_blob(f, layout.for_layer(layer), quantize_expert(native, p, layout.formats(layer)),
+                                 f"expert {e} of layer {layer}", layout.blob_bytes)
                 refs[p].append(BlobRef(layer, e, p, expert_file(p, layer), offset, layout.blob_bytes, crc))
                 bar.update()
         for p, f in files.items():

@@ -35,9 +35,11 @@ def expert_file(precision: str, layer: int) -> str:
     return f"experts/{precision}/layer_{layer:03d}.bin"
 
 
-def write_blob(f: BinaryIO, layout: PrecisionLayout, tensors: dict[str, torch.Tensor], what: str) -> int:
-    """Write one expert's tensors packed by `layout` (zeros between them and up to the blob's padded length) at
-    `f`'s position; returns the blob's CRC-32."""
+def write_blob(f: BinaryIO, layout: PrecisionLayout, tensors: dict[str, torch.Tensor], what: str,
+               blob_bytes: int | None = None) -> int:
+    """Write one expert's tensors packed by `layout` (zeros between them and up to the blob's padded length,
+    `blob_bytes` where a layer's layout is smaller than the precision's slots) at `f`'s position; returns the
+    blob's CRC-32."""
     crc, written = 0, 0
     for t in layout.tensors:
         data = tensors[t.name]
@@ -48,7 +50,7 @@ def write_blob(f: BinaryIO, layout: PrecisionLayout, tensors: dict[str, torch.Te
             f.write(buf)
             crc = crc32(buf, crc)
         written = t.offset + t.nbytes
-    pad = bytes(layout.blob_bytes - written)
+    pad = bytes((blob_bytes or layout.blob_bytes) - written)
     f.write(pad)
     return crc32(pad, crc)
 
@@ -112,7 +114,8 @@ class StoreWriter:
             (self.tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             f = self._files[rel] = open(self.tmp / rel, "wb")
         offset = f.tell()
-        crc = write_blob(f, layout, tensors, f"expert {expert} of layer {layer}")
+        # (a layout that differs by layer: this layer's tensors, padded to the largest layer's blob)
+        crc = write_blob(f, layout.for_layer(layer), tensors, f"expert {expert} of layer {layer}", layout.blob_bytes)
         ref = BlobRef(layer, expert, layout.name, rel, offset, layout.blob_bytes, crc)
         self.blobs.append(ref)
         return ref

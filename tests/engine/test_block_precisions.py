@@ -118,3 +118,26 @@ def test_experts_that_are_not_swiglu_are_refused_before_anything_is_written(tiny
     with pytest.raises(StoreError, match="q4_k copies are for SwiGLU experts; this model's are swiglu-clamped"):
         add_precisions(tmp_path / "store", "q4_k", progress=False)
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == before
+
+
+def test_a_q4_k_m_copy_widens_the_down_proj_of_llama_cpps_layers(tiny_store, tmp_path):
+    """`--precisions q4_k_m`: Q4_K, with down_proj in Q6_K in the layers llama.cpp's use_more_bits picks (of 8: the
+    first, the last and every third between: 0, 3, 6, 7), each expert's bytes ggml's quantizer's, and a run computes
+    from them through a cache of two slots (which hold both layouts in turn)."""
+    from moetier.quant.kquants import quantize
+    from moetier.quant.precisions import use_more_bits
+
+    assert [i for i in range(16) if use_more_bits(i, 16)] == [0, 1, 4, 7, 10, 13, 14, 15]  # OLMoE's Q4_K_M file
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, **dict(WIDE, num_hidden_layers=8))
+    shutil.copytree(path, tmp_path / "store")
+    add_precisions(tmp_path / "store", "q4_k_m", progress=False)
+    store = Store(tmp_path / "store")
+    layout = store.manifest.precisions["q4_k_m"]
+    wide = [layer for layer in range(8) if layout.formats(layer)["down_proj"] == "q6_k"]
+    assert wide == [0, 3, 6, 7] and all(layout.formats(layer)["gate_up_proj"] == "q4_k" for layer in range(8))
+    for layer in (3, 4):
+        floats, copy = store.read_expert(layer, 2), store.read_expert(layer, 2, "q4_k_m")
+        fmt = "q6_k" if layer in wide else "q4_k"
+        assert torch.equal(copy["down_proj"], quantize(floats["down_proj"].float(), fmt))
+    tokens, stats = run(tmp_path / "store", "q4_k_m", f"{2 * layout.blob_bytes}B")
+    assert all(len(t) == 10 for t in tokens) and stats[0]["hit_rate"] < 1

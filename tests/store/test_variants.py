@@ -52,11 +52,11 @@ def test_a_killed_run_resumes_and_keeps_finished_layers(store_copy, monkeypatch)
     real = variants.quantize_expert
     calls = []
 
-    def dies_in_the_second_layer(tensors, precision):
+    def dies_in_the_second_layer(tensors, precision, formats=None):
         calls.append(precision)
         if len(calls) > Store(store_copy).spec.num_experts:
             raise KeyboardInterrupt
-        return real(tensors, precision)
+        return real(tensors, precision, formats)
 
     monkeypatch.setattr(variants, "quantize_expert", dies_in_the_second_layer)
     with pytest.raises(KeyboardInterrupt):
@@ -65,7 +65,7 @@ def test_a_killed_run_resumes_and_keeps_finished_layers(store_copy, monkeypatch)
     assert list(store_copy.glob("experts/int4/layer_*.json")) and not list(store_copy.glob("experts/int4/.*tmp*"))
 
     counted = []
-    monkeypatch.setattr(variants, "quantize_expert", lambda t, p: counted.append(p) or real(t, p))
+    monkeypatch.setattr(variants, "quantize_expert", lambda t, p, f=None: counted.append(p) or real(t, p, f))
     add_precisions(store_copy, "int4", progress=False)
     store = Store(store_copy)
     assert len(counted) == store.spec.num_experts  # only the unfinished layer was quantized again
@@ -84,7 +84,7 @@ def test_a_sidecar_that_does_not_match_its_file_is_redone(store_copy, monkeypatc
     side.write_text(json.dumps(d))
     counted = []
     real = variants.quantize_expert
-    monkeypatch.setattr(variants, "quantize_expert", lambda t, p: counted.append(p) or real(t, p))
+    monkeypatch.setattr(variants, "quantize_expert", lambda t, p, f=None: counted.append(p) or real(t, p, f))
     add_precisions(store_copy, "int8", progress=False)
     assert len(counted) == Store(store_copy).spec.num_experts
 
