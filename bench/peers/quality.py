@@ -105,9 +105,10 @@ def moetier_eval(model: str, precision: str, dense: str, text: Path, ctx: int, w
                 kl=mine.get("kl"), top1_agreement=mine.get("top1_agreement"))
 
 
-def moetier_like_llama(gguf: Path, text: Path, ctx: int, chunks: int) -> dict:
-    """moetier's perplexity of `gguf` on `text` by llama-perplexity's method (above), teacher-forced in the engine:
-    a prefill of each chunk's first half and one token, then a decode step per token."""
+def moetier_like_llama(gguf: Path | str, text: Path, ctx: int, chunks: int, **config) -> dict:
+    """moetier's perplexity of `gguf` (or any model, with engine `config`: our own copies) on `text` by
+    llama-perplexity's method (above), teacher-forced in the engine: a prefill of each chunk's first half and one
+    token, then a decode step per token."""
     import math
 
     import torch
@@ -115,7 +116,7 @@ def moetier_like_llama(gguf: Path, text: Path, ctx: int, chunks: int) -> dict:
     from moetier import Engine
     from moetier.engine.score import teacher_forced
 
-    with Engine.from_pretrained(gguf, expert_memory="100%", progress=False) as engine:
+    with Engine.from_pretrained(gguf, expert_memory="100%", progress=False, **config) as engine:
         tok = engine.tokenizer
         ids = tok.encode(text.read_text())  # (what the tokenizer adds, as llama.cpp's add_bos)
         n = min(chunks, len(ids) // ctx)
@@ -143,6 +144,9 @@ def main() -> None:
     ap.add_argument("--llama-build", choices=("native", "avx2"), default="native",
                     help="llama.cpp's build (on a Sapphire Rapids-class Xeon the native build's llama-perplexity "
                          "crashed on demo-deep's Q8_0 file; its AVX2 build ran it)")
+    ap.add_argument("--own-copies", action="store_true",
+                    help="with --same-file: also score --model with our own q8_0 and q4_k_m copies (experts and "
+                         "dense), the same way, beside llama.cpp's files of the same weights")
     ap.add_argument("--gguf", action="append", default=[], metavar="FORMAT=FILE",
                     help="with --same-file: score these files (e.g. q4_k_m=olmoe-1b-7b-synth-q4_k_m.gguf, bf16 first "
                          "for KL) instead of converting --model")
@@ -189,8 +193,24 @@ def main() -> None:
               f"{o['perplexity'] / o['exact_perplexity'] - 1:+7.2%} "
               f"{fmt_kl(o['kl'] if r['format'] != 'bf16' else None)} "
               f"{fmt_top(o['top1_agreement'] if r['format'] != 'bf16' else None)}")
+    if args.own_copies:
+        from moetier.plan.precision import MixedPrecision
+
+        with tempfile.TemporaryDirectory() as tmp:
+            text = Path(tmp) / "held-out.txt"
+            text.write_text(held_out_text())
+            exact = moetier_like_llama(args.model, text, args.ctx, args.chunks)
+            for fmt in ("q8_0", "q4_k_m"):
+                own = moetier_like_llama(args.model, text, args.ctx, args.chunks, precision=MixedPrecision(fmt),
+                                         dense_precision=fmt)
+                llama_row = next(r for r in rows if r["format"] == fmt)["llama_cpp"]
+                change, theirs = own["perplexity"] / exact["perplexity"] - 1, llama_row["perplexity"] / base_l - 1
+                rows.append(dict(format=f"own {fmt}", own=own, exact=exact, change=change, llama_change=theirs))
+                print(f"our own {fmt} copies of {Path(args.model).name}: perplexity {own['perplexity']:.4f}, "
+                      f"{change:+.2%} from our bf16 ({exact['perplexity']:.4f}); llama.cpp's {fmt.upper()} file "
+                      f"{theirs:+.2%} from its bf16 file (the same {own['scored']} tokens)")
     if args.same_file:
-        for r in rows:
+        for r in [r for r in rows if "moetier_run" in r]:
             o = r["moetier_run"]
             print(f"{r['format']:>7}: moetier {o['perplexity']:.4f} against llama-perplexity "
                   f"{r['llama_cpp']['perplexity']:.4f} on the same file, {o['vs_llama_cpp']:+.2%} ({o['chunks']} "

@@ -184,9 +184,11 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
                         "paper's 0.6,0.9; low-tier T2 1.0: no skipping)")
     p.add_argument("--high-share", type=finite(0, 1), default=0.75,
                    help="hobbit: the high-precision sub-cache's share of the expert budget")
-    p.add_argument("--dense-precision", default="native", choices=["native", "int8", "int4"],
-                   help="the attention projections and the head: native (exact), or quantized at load to int8/int4 "
-                        "(as llama.cpp's Q8_0 and Q4_K_M files hold them; the embedding and norms stay)")
+    p.add_argument("--dense-precision", default="native", choices=["native", "int8", "int4", "q8_0", "q4_k_m"],
+                   help="the attention projections and the head: native (exact; a GGUF's: its own blocks), or "
+                        "quantized at load to our int8/int4 or to GGML's q8_0/q4_k_m as llama.cpp's Q8_0 and Q4_K_M "
+                        "files hold them (fitted as ggml fits them: slow to load for a big model); the embedding "
+                        "and norms stay")
 
 
 def precision_fields(args: argparse.Namespace) -> dict:

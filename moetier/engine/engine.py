@@ -271,7 +271,7 @@ class Engine:
         ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k, high)
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
         policy = make_policy_for_model(config.policy, ctx, store.trained_dir())
-        convert = released(quantizing(config.dense_precision))  # (native: None, every tensor as it is)
+        convert = released(quantizing(config.dense_precision, self.spec.num_layers))  # (native: None: as they are)
         dense = {name: t.to(self.device) if convert is None else t
                  for name, t in store.load_dense(convert).items()}
         if config.dense_precision == "native" and self.device.type == "cpu":  # a GGUF's, in the file's blocks

@@ -19,11 +19,18 @@ from moetier.config import ModelSpec
 from moetier.errors import MoetierError
 from moetier.model.ggml_linear import GgmlLinear
 from moetier.model.kernels import TorchKernels
+from moetier.quant import kquants
 from moetier.quant.codes import BITS, Quantized, dequantize, group_size, quantize, quantized_nbytes
 from moetier.quant.ggml_blocks import FORMATS
 from moetier.quant.ggml_blocks import dequantize as ggml_dequantize
+from moetier.quant.precisions import matrix_format, use_more_bits
 
-DENSE_PRECISIONS = ("native", "int8", "int4")
+DENSE_PRECISIONS = ("native", "int8", "int4", "q8_0", "q4_k_m")
+# GGML's, as llama.cpp's files keep them (computed as a GGUF's own: BlockMatrix): q8_0 everywhere; q4_k_m Q4_K with
+# attn_v in Q6_K in use_more_bits' layers and the head in Q6_K (llama-quant.cpp's Q4_K_M); q8_0 where a row is not
+# whole 256-blocks. Fitted by moetier/quant/kquants.py as the engine loads: ~0.3 us a weight (seconds for the demo
+# models, minutes for OLMoE-1B-7B's 0.5 B dense weights: a C quantizer is the lever)
+BLOCK_DENSE = ("q8_0", "q4_k_m")
 MAX_ROWS = 4  # csrc/q_int.c's QI_MAX_TOKENS
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -69,7 +76,26 @@ class BlockMatrix:
         return self.data.numel()
 
 
-def quantize_matrix(w: torch.Tensor, precision: str) -> QuantizedMatrix:
+def block_format(name: str, precision: str, num_layers: int) -> str:
+    """The GGML format of dense matrix `name` at block precision `precision` (llama.cpp's rule, above)."""
+    if precision == "q8_0":
+        return "q8_0"
+    if name == "lm_head":
+        return "q6_k"
+    layer = int(name.split(".")[1])
+    return "q6_k" if name.endswith("v_proj") and use_more_bits(layer, num_layers) else "q4_k"
+
+
+def quantize_block_matrix(w: torch.Tensor, fmt: str) -> BlockMatrix:
+    n, k = w.shape
+    fmt = matrix_format(fmt, k)  # (q8_0 where rows are not whole blocks of the format)
+    return BlockMatrix(kquants.quantize(w.float(), fmt), fmt, (n, k))
+
+
+def quantize_matrix(w: torch.Tensor, precision: str, name: str = "", num_layers: int = 0):
+    """`w` at dense precision `precision`: a QuantizedMatrix of our codes, or a BlockMatrix in GGML's formats."""
+    if precision in BLOCK_DENSE:
+        return quantize_block_matrix(w, block_format(name, precision, num_layers))
     n, k = w.shape
     group = k if precision == "int8" else group_size(precision, k)
     return QuantizedMatrix(quantize(w, precision), (n, k), group)
@@ -108,18 +134,22 @@ def quantized_dense_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], preci
     quantized = set(quantized_names(list(tensors)))
     kept = sum(nbytes for n, (_, nbytes) in tensors.items() if n not in quantized and n != "lm_head")
     head = tensors.get("lm_head", tensors["embed_tokens"])[0]
+    if precision in BLOCK_DENSE:  # (each at its widest format: Q6_K for q4_k_m's v, q8_0 where rows are narrow)
+        bits = 8.5 if precision == "q8_0" else 6.5625
+        return kept + int(sum(tensors[n][0][0] * tensors[n][0][1] for n in quantized) * bits / 8) \
+            + int(head[0] * head[1] * bits / 8)
     return kept + sum(quantized_nbytes(precision, *tensors[n][0]) for n in quantized) \
         + quantized_nbytes(precision, *head)
 
 
-def quantizing(precision: str):
+def quantizing(precision: str, num_layers: int = 0):
     """What `Store.load_dense(convert)` keeps of each tensor as it reads it: a `precision` copy of each projection
     and of an untied head (None for "native"), so the float matrices are never all in memory beside their copies."""
     if precision == "native":
         return None
 
     def convert(name: str, t: torch.Tensor):
-        return quantize_matrix(t, precision) if name == "lm_head" or quantized_names([name]) else t
+        return quantize_matrix(t, precision, name, num_layers) if name == "lm_head" or quantized_names([name]) else t
 
     return convert
 
@@ -130,12 +160,12 @@ def quantize_dense(dense: dict, spec: ModelSpec, precision: str) -> dict:
     check_dense_precision(spec, precision)
     if precision == "native":
         return dense
-    out = dict(dense)
+    out, made = dict(dense), (QuantizedMatrix, BlockMatrix)
     for name in quantized_names(list(dense)):
-        if not isinstance(out[name], QuantizedMatrix):
-            out[name] = quantize_matrix(dense[name], precision)
+        if not isinstance(out[name], made):
+            out[name] = quantize_matrix(dense[name], precision, name, spec.num_layers)
     head = out.get("lm_head", dense["embed_tokens"])
-    out["lm_head"] = head if isinstance(head, QuantizedMatrix) else quantize_matrix(head, precision)
+    out["lm_head"] = head if isinstance(head, made) else quantize_matrix(head, precision, "lm_head", spec.num_layers)
     return out
 
 

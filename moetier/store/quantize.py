@@ -3,10 +3,10 @@ block formats: moetier/quant/ggml_blocks.py)."""
 
 from __future__ import annotations
 
-from moetier.quant.codes import BITS, group_size
-from moetier.quant.ggml_blocks import FORMATS
 from collections import Counter
 
+from moetier.quant.codes import BITS, group_size
+from moetier.quant.ggml_blocks import FORMATS
 from moetier.quant.precisions import MIXES, QUANTIZED, is_block, matrix_format, mix_format
 from moetier.store.format import PrecisionLayout
 
