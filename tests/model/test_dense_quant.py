@@ -122,3 +122,37 @@ def test_auto_kernels_are_wrapped_only_when_asked():
 
     assert with_dense_precision(base, "native") is base
     assert isinstance(with_dense_precision(base, "int4"), QuantizedDenseKernels)
+
+
+def test_a_q4_k_m_dense_precision_follows_llama_cpps_mix():
+    """q/k/o Q4_K, v Q6_K in use_more_bits' layers (of 12, as demo-deep's Q4_K_M file has them: 0, 3, 6, 9, 10,
+    11), the head Q6_K; q8_0 for the q8_0 precision and where rows are not whole 256-blocks."""
+    from moetier.model.dense_quant import block_format, quantize_block_matrix
+
+    v = [i for i in range(12) if block_format(f"layers.{i}.v_proj", "q4_k_m", 12) == "q6_k"]
+    assert v == [0, 3, 6, 9, 10, 11]
+    assert {block_format(f"layers.3.{p}_proj", "q4_k_m", 12) for p in "qko"} == {"q4_k"}
+    assert block_format("lm_head", "q4_k_m", 12) == "q6_k" and block_format("layers.3.q_proj", "q8_0", 12) == "q8_0"
+    assert quantize_block_matrix(torch.randn(8, 64), "q4_k").fmt == "q8_0"  # 64 wide: no whole 256-block
+
+
+@pytest.mark.parametrize("precision", ["q8_0", "q4_k_m"])
+def test_an_engine_with_ggml_dense_weights_scores_near_exact(tiny_store, precision):
+    """bf16 OLMoE 256 wide (whole k-quant blocks): its projections and head as GGML blocks (BlockMatrix), their
+    bytes known before loading, each next-token distribution near exact mode's (a misread block: KL of order one)."""
+    from moetier.engine.score import teacher_forced
+    from moetier.model.dense_quant import BlockMatrix
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, hidden_size=256, intermediate_size=256, num_hidden_layers=2)
+    ids = [5, 9, 2, 33, 17, 4, 8, 61, 22, 7, 90, 3]
+    everything = MemoryBudget("share", 1.0)
+    with Engine(Store(path), EngineConfig(expert_memory=everything), progress=False) as exact:
+        want, _ = teacher_forced(exact, ids, 4)
+    with Engine(Store(path), EngineConfig(expert_memory=everything, dense_precision=precision),
+                progress=False) as engine:
+        head = engine.model.w["lm_head"]
+        assert isinstance(head, BlockMatrix) and head.fmt == {"q8_0": "q8_0", "q4_k_m": "q6_k"}[precision]
+        assert engine.budget.dense_bytes >= engine.dense_bytes and engine.dense_bytes < Store(path).dense_bytes
+        got, _ = teacher_forced(engine, ids, 4)
+    kl = (want.exp() * (want - got)).sum(-1)
+    assert 0 < kl.max() < {"q8_0": 0.01, "q4_k_m": 0.1}[precision]
