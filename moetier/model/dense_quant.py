@@ -1,12 +1,15 @@
-"""Dense weights at a quantized precision (`--dense-precision int8|int4`), as llama.cpp's Q4_K_M and Q8_0 files
-quantize attention and the head beside the experts: at batch 1 a decode step reads every attention projection and
-the head once (0.74 GB of OLMoE-1B-7B's 2.35 GB a token in bf16), so with int4 experts they are most of the bytes.
+"""Dense weights at a quantized precision (`--dense-precision int8|int4|q8_0|q4_k_m`, or a GGUF's own blocks), as
+llama.cpp's Q4_K_M and Q8_0 files quantize attention and the head beside the experts: at batch 1 a decode step
+reads every attention projection and the head once (0.74 GB of OLMoE-1B-7B's 2.35 GB a token in bf16), so with
+int4 experts they are most of the bytes.
 
 The matrices that only ever meet `kernels.linear` — each layer's q/k/v/o projections and the head — are quantized
 when the engine loads (moetier/quant/codes.py's formats; the store is not changed), and `QuantizedDenseKernels`
 computes them: up to 4 rows by integer dot products from the codes (csrc/q_int.c), more rows (a prefill) through
-the matrix dequantized to bf16 once per call. Embeddings, norms, routers, shared experts and dense MLPs stay as
-they are. Not exact by definition: `moetier eval --sweep dense-precision=int8,int4` measures what it costs."""
+the matrix dequantized to bf16 once per call. GGML's formats (q8_0, q4_k_m, and a GGUF's attention and head read in
+place) are `BlockMatrix`es, computed by csrc/q_ggml.c's integer kernels. Embeddings, norms, routers, shared experts
+and dense MLPs stay as they are. Not exact by definition: `moetier eval --sweep dense-precision=int8,int4` measures
+what it costs."""
 
 from __future__ import annotations
 
