@@ -23,14 +23,13 @@ import torch
 from moetier.config import ModelSpec
 from moetier.model.attention import Attention
 from moetier.model.dense_quant import BlockMatrix, QuantizedDenseKernels, QuantizedMatrix
-from moetier.model.ggml_linear import TYPE_IDS
+from moetier.model.ggml_linear import GGML_BITS, TYPE_IDS
 from moetier.model.kernels import NativeKernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.rope import RopeTables
 from moetier.model.router import SoftmaxRouter
 
 QK_NORM = {"none": 0, "full": 1, "head": 2}  # the C side's codes (moetier_decode_layer.qk_norm)
-GGML_BITS = -1  # moetier_matrix.bits of a GGUF's blocks (decode_block.c)
 
 
 class Matrix(ctypes.Structure):

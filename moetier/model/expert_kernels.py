@@ -46,7 +46,8 @@ class TokenTable:
 
     ptrs: np.ndarray  # [E, P] int64: expert e's P addresses
     shape: tuple[int, ...]  # (H, I) in bf16; (H, I, gate_up group, down group) quantized
-    bits: int = 16  # the experts' precision: 16 (bf16 rows, P = 2) or a quantized one's bits (P = 6)
+    bits: int = 16  # the experts' precision: 16 (bf16 rows, P = 2), a quantized one's bits (P = 6), or -1: GGML
+    # blocks and their types (P = 4: gate_up_proj's address and type, down_proj's; ggml_experts.py)
 
     def __post_init__(self) -> None:
         if self.ptrs.ndim != 2 or self.ptrs.dtype != np.int64:

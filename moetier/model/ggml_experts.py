@@ -6,11 +6,12 @@ may differ (a Q4_K_M file's down_proj is Q6_K in some)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moetier.model.expert_kernels import OneByOne
-from moetier.model.ggml_linear import GgmlLinear
+from moetier.model.expert_kernels import OneByOne, TokenTable
+from moetier.model.ggml_linear import GGML_BITS, TYPE_IDS, GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
 from moetier.quant.precisions import GGUF_BLOCKS, MIXES, format_of
 
@@ -52,3 +53,32 @@ class GgmlExpert(OneByOne):
         act = F.silu(gate) * up  # [n, I]
         y = self.linear(act, w["down_proj"], d_fmt)  # [n, H] fp32
         out.copy_(y.to(self.dtype) * weights[:, None].to(self.dtype))
+
+    def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
+        """A layer's resident experts (by id) for `token_routed`: each one's blocks and their formats, as a layer's
+        views hold them (a Q4_K_M file's down_proj differs by layer, not within one), or None where the native call
+        does not compute them (no library, not bf16, a format or width the kernels lack)."""
+        if not self.fused:
+            return None
+        h, i = ws[0]["down_proj"].shape[0], ws[0]["gate_up_proj"].shape[0] // 2
+        rows = []
+        for w in ws:
+            gu, d = self._format(h, w["gate_up_proj"]), self._format(i, w["down_proj"])
+            if not (self.linear.takes(gu, h) and self.linear.takes(d, i)):
+                return None
+            rows.append([w["gate_up_proj"].data_ptr(), TYPE_IDS[gu], w["down_proj"].data_ptr(), TYPE_IDS[d]])
+        return TokenTable(np.array(rows, dtype=np.int64), (h, i), GGML_BITS)
+
+    def token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     table: TokenTable) -> None:
+        """One token's experts straight from the router's [1, k] outputs (TokenTable.takes them) in one native call
+        (moetier_gq_swiglu_token_routed): what `token` computes — each expert as `__call__` computes it, in
+        ascending ids, summed as the kernels' combine sums — without a Python call an expert."""
+        (h, i), k, linear = table.shape, topk_ids.shape[1], self.linear
+        need = linear.lib.moetier_gq_token_scratch(k, h, i)
+        if linear.scratch.numel() < need:
+            linear.scratch = torch.empty(need, dtype=torch.uint8)
+        linear.lib.moetier_gq_swiglu_token_routed(
+            table.ptrs.ctypes.data, topk_ids.data_ptr(), topk_weights.data_ptr(),
+            32 if topk_weights.dtype == torch.float32 else 16, k, h, i, x.data_ptr(), out.data_ptr(),
+            linear.scratch.data_ptr())

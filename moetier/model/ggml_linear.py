@@ -14,6 +14,8 @@ from moetier.quant.ggml_blocks import FORMATS, dequantize
 
 TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7}  # GQ_*
 MAX_TOKENS = 4  # GQ_MAX_TOKENS
+GGML_BITS = -1  # how the C side marks GGML blocks: moetier_matrix.bits (decode_block.c), a TokenTable's bits
+# (decode_step.c, token_routed.c: [E, 4] addresses and types)
 
 
 class GgmlLinear:
@@ -21,10 +23,14 @@ class GgmlLinear:
         self.lib = lib
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the quantized activations, grown once to the largest
         self.dense = torch.empty(0, dtype=torch.float32)  # a prefill's dequantized matrix, grown once likewise
+        self.fits: dict[tuple[str, int], bool] = {}
 
     def takes(self, fmt: str, k: int) -> bool:
-        """Whether the integer kernels compute format `fmt` over `k` inputs."""
-        return fmt in TYPE_IDS and bool(self.lib.moetier_gq_fits(TYPE_IDS[fmt], k))
+        """Whether the integer kernels compute format `fmt` over `k` inputs (asked once per shape)."""
+        key = (fmt, k)
+        if key not in self.fits:
+            self.fits[key] = fmt in TYPE_IDS and bool(self.lib.moetier_gq_fits(TYPE_IDS[fmt], k))
+        return self.fits[key]
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
         t, k = x.shape

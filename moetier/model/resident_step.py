@@ -22,6 +22,7 @@ import torch
 from moetier.config import ModelSpec
 from moetier.model.decode_block import DecodeBlocks
 from moetier.model.expert_kernels import TokenTable
+from moetier.model.ggml_linear import GGML_BITS
 from moetier.model.kv_cache import KVCache
 from moetier.model.router import NativeSoftmaxRouter
 
@@ -77,10 +78,11 @@ class ResidentStep:
         h, k, need = self.spec.hidden_size, self.route.top_k, 0
         for layer, table in zip(self.layers, tables, strict=True):
             i = table.shape[1]
-            groups = table.shape[2:] if table.bits != 16 else (0, 0)
+            groups = table.shape[2:] if table.bits not in (16, GGML_BITS) else (0, 0)
             layer.table, layer.bits, layer.intermediate = table.ptrs.ctypes.data, table.bits, i
             layer.gu_group, layer.d_group = groups
             need = max(need, 4 * (h + k * (i + h)) if table.bits == 16 else
+                       self.lib.moetier_gq_token_scratch(k, h, i) if table.bits == GGML_BITS else
                        self.lib.moetier_swiglu_qi_token_scratch(table.bits, *groups, h, i, k))
         if self.expert_scratch.numel() < need:
             self.expert_scratch = torch.empty(need, dtype=torch.uint8)

@@ -109,3 +109,32 @@ def test_native_dequantization_is_ggml_blocks_bit_for_bit(linear, fmt):
     torch.manual_seed(0)
     w = quantize_any(torch.randn(96, 512) * torch.logspace(-3, 0, 96)[:, None], fmt)
     assert torch.equal(linear.dequantize(w, fmt, 512), dequantize(w, fmt))
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_experts_in_one_call_are_token_bit_for_bit(linear, weights_dtype):
+    """moetier_gq_swiglu_token_routed (a layer's resident experts from the router's ids and weights, unordered)
+    against `token`: each expert one call, in ascending ids, summed by the kernels' combine."""
+    from moetier.model.ggml_experts import GgmlExpert
+
+    torch.manual_seed(5)
+    h, i = 512, 256
+    ws = [{"gate_up_proj": quantize(torch.randn(2 * i, h) * 0.05, "q4_k"),
+           "down_proj": quantize(torch.randn(h, i) * 0.05, "q6_k")} for _ in range(6)]
+    expert = GgmlExpert("q4_k", torch.bfloat16, linear.lib)
+    table = expert.token_table(ws)
+    x = torch.randn(1, h).bfloat16()
+    ids = torch.tensor([[4, 1, 3]])
+    weights = torch.rand(1, 3).to(weights_dtype)
+
+    def combine(x, token_of, ys):  # NativeKernels.combine for one token
+        y = torch.empty_like(x)
+        linear.lib.moetier_sum_rows_bf16(ys.data_ptr(), ys.shape[0], ys.shape[1], y.data_ptr())
+        return y
+
+    order = ids[0].argsort()
+    want, got = torch.empty(1, h, dtype=torch.bfloat16), torch.empty(1, h, dtype=torch.bfloat16)
+    expert.token(want, x, weights[0][order], [ws[e] for e in ids[0][order].tolist()], combine)
+    assert table is not None and table.takes(x, ids, weights)
+    expert.token_routed(got, x, ids, weights, table)
+    assert torch.equal(got, want)

@@ -58,6 +58,8 @@ def strip_steps(heard):
     ("mixtral", {"sliding_window": 4}, "native"),  # fp32 routing weights; a window the context outgrows
     ("olmoe", {"hidden_size": 128, "intermediate_size": 64}, "int4"),  # the integer token kernel
     ("olmoe", {"hidden_size": 128, "intermediate_size": 64}, "int8"),
+    # GGML blocks (a table of addresses and types): q4_k_m, its down_proj Q6_K in layer 1, Q4_K in layer 0
+    ("olmoe", {"hidden_size": 256, "intermediate_size": 256}, "q4_k_m"),
 ])
 def test_the_step_in_one_call_is_the_layers_bit_for_bit(tiny_store, tmp_path, monkeypatch, family, overrides,
                                                           precision):

@@ -204,6 +204,24 @@ def test_quantized_copies_of_a_gguf_are_made_from_its_values(k_quant, tmp_path):
         assert all(torch.equal(want[name], got[name]) for name in want)
 
 
+def test_a_gguf_decode_step_in_one_native_call_is_the_layers_bit_for_bit(k_quant, monkeypatch):
+    """Every expert resident: the whole step in one call (decode_step.c) — the file's attention blocks, its experts
+    through their table of blocks and types — against the layer-by-layer forward, bit for bit."""
+    from moetier.model.resident_step import ResidentStep
+    from tests.model.test_resident_step import run
+
+    calls = []
+    step_call = ResidentStep.__call__
+    monkeypatch.setattr(ResidentStep, "__call__", lambda self, kv: calls.append(1) or step_call(self, kv))
+    with Engine.from_pretrained(k_quant["q4_k_m-dense"], expert_memory="100%", kernels="native",
+                                progress=False) as e:
+        assert e.model.resident_step is not None
+        e.preload()
+        whole, layered = run(e, whole=True), run(e, whole=False)
+    assert len(calls) == 6
+    assert all(torch.equal(a, b) for a, b in zip(whole[0], layered[0]))
+
+
 def test_the_families_list_names_their_gguf_architectures(capsys):
     assert main(["list", "families"]) == 0
     out = capsys.readouterr().out

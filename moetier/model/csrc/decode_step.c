@@ -24,12 +24,16 @@ void moetier_swiglu_bf16_token_routed(const int64_t *table, const int64_t *ids, 
 void moetier_swiglu_qi_token_routed(int bits, const int64_t *table, const int64_t *ids, const void *weights,
                                     long wbits, long k, long gu_group, long d_group, const uint16_t *x, uint16_t *out,
                                     long H, long I, char *scratch);
+void moetier_gq_swiglu_token_routed(const int64_t *table, const int64_t *ids, const void *weights, long wbits,
+                                    long k, long H, long I, const uint16_t *x, uint16_t *out, char *scratch);
+
+#define GGML_BITS -1 /* a table of GGML blocks and their types, [E, 4] (token_routed.c) */
 
 /* One MoE layer's part of the step: its block, its cache rows, its experts' table and what the router writes. */
 typedef struct {
     const moetier_decode_layer *block;
     uint16_t *k_cache, *v_cache;  /* this sequence's rows [kv_heads, max_len, head_dim] */
-    const int64_t *table;         /* [E, 2] bf16 (bits 16) or [E, 6] quantized addresses */
+    const int64_t *table;         /* [E, 2] bf16 (bits 16), [E, 6] quantized or [E, 4] GGML (GGML_BITS) addresses */
     long bits, intermediate, gu_group, d_group;
     float *logits, *scores;       /* [E] each */
     int64_t *ids;                 /* [k] */
@@ -57,7 +61,10 @@ void moetier_decode_step_resident(long n, const moetier_step_layer *layers, cons
         moetier_route_softmax(l->logits, 32, 1, route->num_experts, route->top_k, route->norm, route->scale,
                               route->round_bf16, l->scores, l->ids, l->weights);
         const long wbits = route->round_bf16 ? 16 : 32;
-        if (l->bits == 16)
+        if (l->bits == GGML_BITS)
+            moetier_gq_swiglu_token_routed(l->table, l->ids, l->weights, wbits, route->top_k, H, l->intermediate, l->x,
+                                           delta, expert_scratch);
+        else if (l->bits == 16)
             moetier_swiglu_bf16_token_routed(l->table, l->ids, l->weights, wbits, route->top_k, l->x, delta, H,
                                              l->intermediate, (float *)expert_scratch);
         else
