@@ -105,10 +105,12 @@ def moetier_eval(model: str, precision: str, dense: str, text: Path, ctx: int, w
                 kl=mine.get("kl"), top1_agreement=mine.get("top1_agreement"))
 
 
-def moetier_like_llama(gguf: Path | str, text: Path, ctx: int, chunks: int, **config) -> dict:
+def moetier_like_llama(gguf: Path | str, text: Path, ctx: int, chunks: int, reference: list | None = None,
+                       **config) -> dict:
     """moetier's perplexity of `gguf` (or any model, with engine `config`: our own copies) on `text` by
     llama-perplexity's method (above), teacher-forced in the engine: a prefill of each chunk's first half and one
-    token, then a decode step per token."""
+    token, then a decode step per token. `reference`: another run's `logps` (the bf16 file's): the mean KL from it
+    and the share of positions whose most likely token is its, as llama-perplexity's --kl-divergence reports."""
     import math
 
     import torch
@@ -124,13 +126,21 @@ def moetier_like_llama(gguf: Path | str, text: Path, ctx: int, chunks: int, **co
         rows = [ids[i * ctx:(i + 1) * ctx] for i in range(n)]
         if bos is not None:
             rows = [[bos, *row[1:]] for row in rows]
-        nll, count = 0.0, 0
-        for row in rows:
+        nll, count, kl, same, logps = 0.0, 0, 0.0, 0, []
+        for j, row in enumerate(rows):
             logp, _ = teacher_forced(engine, row, ctx // 2 + 1)  # [ctx/2 - 1, V]
             targets = torch.tensor(row[ctx // 2 + 1:])
             nll -= logp.gather(1, targets[:, None]).sum().item()
             count += len(targets)
-    return dict(perplexity=math.exp(nll / count), chunks=n, tokens=len(ids), scored=count)
+            logps.append(logp)
+            if reference is not None:
+                ref = reference[j]
+                kl += float((ref.exp() * (ref - logp)).sum())
+                same += int((ref.argmax(1) == logp.argmax(1)).sum())
+    out = dict(perplexity=math.exp(nll / count), chunks=n, tokens=len(ids), scored=count, logps=logps)
+    if reference is not None:
+        out.update(kl=kl / count, top1_agreement=same / count)
+    return out
 
 
 def main() -> None:
@@ -166,16 +176,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "held-out.txt"
         text.write_text(held_out_text())
-        base = Path(tmp) / "bf16.kld"
+        base, reference = Path(tmp) / "bf16.kld", None
         for fmt, precision, dense in [p for p in PAIRS if p[0] in ggufs]:
             theirs = llama_perplexity(llama, ggufs[fmt], text, args.ctx, args.chunks, base,
                                       first=fmt == "bf16" or "bf16" not in ggufs)
             if args.same_file:
-                ours = moetier_like_llama(ggufs[fmt], text, args.ctx, args.chunks)
+                ours = moetier_like_llama(ggufs[fmt], text, args.ctx, args.chunks, reference)
+                reference = ours.pop("logps") if reference is None else reference  # (the first file's: bf16)
+                ours.pop("logps", None)
                 precision, dense = "the file", "the file"
                 ours["exact_perplexity"] = rows[0]["moetier_run"]["perplexity"] if rows else ours["perplexity"]
                 ours["vs_llama_cpp"] = ours["perplexity"] / theirs["perplexity"] - 1 if theirs["perplexity"] else None
-                ours["kl"] = ours["top1_agreement"] = None
+                ours.setdefault("kl", None)
+                ours.setdefault("top1_agreement", None)
             else:
                 ours = moetier_eval(args.model, precision, dense, text, args.ctx, args.windows)
             rows.append(dict(format=fmt, moetier=f"{precision} (dense {dense})", llama_cpp=theirs, moetier_run=ours,
@@ -200,15 +213,19 @@ def main() -> None:
             text = Path(tmp) / "held-out.txt"
             text.write_text(held_out_text())
             exact = moetier_like_llama(args.model, text, args.ctx, args.chunks)
+            logps = exact.pop("logps")
             for fmt in ("q8_0", "q4_k_m"):
-                own = moetier_like_llama(args.model, text, args.ctx, args.chunks, precision=MixedPrecision(fmt),
+                own = moetier_like_llama(args.model, text, args.ctx, args.chunks, logps, precision=MixedPrecision(fmt),
                                          dense_precision=fmt)
+                own.pop("logps")
                 llama_row = next(r for r in rows if r["format"] == fmt)["llama_cpp"]
                 change, theirs = own["perplexity"] / exact["perplexity"] - 1, llama_row["perplexity"] / base_l - 1
                 rows.append(dict(format=f"own {fmt}", own=own, exact=exact, change=change, llama_change=theirs))
                 print(f"our own {fmt} copies of {Path(args.model).name}: perplexity {own['perplexity']:.4f}, "
-                      f"{change:+.2%} from our bf16 ({exact['perplexity']:.4f}); llama.cpp's {fmt.upper()} file "
-                      f"{theirs:+.2%} from its bf16 file (the same {own['scored']} tokens)")
+                      f"{change:+.2%} from our bf16 ({exact['perplexity']:.4f}), KL {own['kl']:.4f}, top-1 "
+                      f"{own['top1_agreement']:.1%}; llama.cpp's {fmt.upper()} file {theirs:+.2%} from its bf16 file, "
+                      f"KL {llama_row.get('kl')}, top-1 {llama_row.get('top1_agreement')} (the same {own['scored']} "
+                      f"tokens)")
     if args.same_file:
         for r in [r for r in rows if "moetier_run" in r]:
             o = r["moetier_run"]
