@@ -74,8 +74,8 @@ def model_path(model: str | Path) -> Path:
     if not path.exists():
         names = ", ".join(builtin_names()) or "none shipped yet"
         raise ModelNotFoundError(f"no model at {path}",
-                                 hint=f"give a Hugging Face model folder, a converted store, or a built-in "
-                                      f"model name ({names})")
+                                 hint=f"give a Hugging Face model folder, a GGUF file, a converted store, or a "
+                                      f"built-in model name ({names})")
     if path.is_file() and not is_gguf(path):
         raise ModelNotFoundError(f"{path} is a file, not a model",
                                  hint="give a GGUF file (.gguf), a Hugging Face model folder or a converted store")

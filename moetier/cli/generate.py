@@ -131,7 +131,8 @@ def _generate(args: argparse.Namespace) -> None:
 def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     """Options of every command that runs the engine."""
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="Hugging Face folder, converted store, or built-in model name (`moetier list models`)")
+                   help="Hugging Face folder, GGUF file, converted store, or built-in model name (`moetier list "
+                        "models`)")
     p.add_argument("--expert-memory", default=expert_memory,
                    help="expert cache: bytes (512MiB, 2GB), a share of all expert bytes at the run's precision "
                         "(30%%), or auto (what the host and the container allow, less the dense weights, the "
