@@ -219,9 +219,9 @@ class QuantizedDenseKernels:
         if self.ggml is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
             y = self.ggml(x, weight.data, weight.fmt).to(x.dtype)
             return y if bias is None else y + bias
-        values = ggml_dequantize(weight.data, weight.fmt) if self.ggml is None else \
-            self.ggml.dequantize(weight.data, weight.fmt, weight.shape[1])
-        return F.linear(x, values.to(x.dtype), bias)
+        values = ggml_dequantize(weight.data, weight.fmt).to(x.dtype) if self.ggml is None else \
+            self.ggml.dequantize(weight.data, weight.fmt, weight.shape[1], x.dtype)
+        return F.linear(x, values, bias)
 
     def _fits(self, weight: QuantizedMatrix) -> bool:
         key = (weight.bits, weight.shape[1], weight.group)

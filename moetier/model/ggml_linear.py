@@ -39,7 +39,9 @@ class GgmlLinear:
         if w.dtype != torch.uint8 or w.shape[1] != FORMATS[fmt].row_bytes(k):
             raise ValueError(f"{fmt} weights for {k} inputs are uint8 [N, {FORMATS[fmt].row_bytes(k)}], got "
                              f"{w.dtype} {tuple(w.shape)}")
-        if t > MAX_TOKENS or not self.takes(fmt, k):
+        if t > MAX_TOKENS or not self.takes(fmt, k):  # (a prefill: a bf16 model's through torch's bf16 GEMM)
+            if x.dtype == torch.bfloat16 and fmt in TYPE_IDS:
+                return (x @ self.dequantize(w, fmt, k, torch.bfloat16).T).float()
             return x.float() @ self.dequantize(w, fmt, k).T
         kind = TYPE_IDS[fmt]
         xf = x.float().contiguous()
@@ -53,17 +55,18 @@ class GgmlLinear:
         self.lib.moetier_gq_linear(kind, w.data_ptr(), n, k, act.data_ptr(), t, y.data_ptr())
         return y
 
-    def dequantize(self, w: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
-        """w's values, fp32 [N, k] (a prefill's GEMM): natively, bit for bit ggml_blocks.dequantize, in a buffer
-        reused across calls (valid until the next)."""
+    def dequantize(self, w: torch.Tensor, fmt: str, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """w's values [N, k] (a prefill's GEMM), fp32 or rounded to bf16: natively, bit for bit ggml_blocks.
+        dequantize (and its bf16 rounding), in a buffer reused across calls (valid until the next)."""
         if fmt not in TYPE_IDS:
-            return dequantize(w, fmt)
+            return dequantize(w, fmt).to(dtype)
         n = w.shape[0]
         w = w.reshape(n, -1)
-        if self.dense.numel() < n * k:
+        if self.dense.numel() * 4 < n * k * dtype.itemsize:
             self.dense = torch.empty(n * k, dtype=torch.float32)
-        out = self.dense[:n * k].view(n, k)
-        self.lib.moetier_gq_dequantize(TYPE_IDS[fmt], w.contiguous().data_ptr(), n, k, out.data_ptr())
+        out = self.dense.view(torch.uint8)[:n * k * dtype.itemsize].view(dtype).view(n, k)
+        call = self.lib.moetier_gq_dequantize if dtype == torch.float32 else self.lib.moetier_gq_dequantize_bf16
+        call(TYPE_IDS[fmt], w.contiguous().data_ptr(), n, k, out.data_ptr())
         return out
 
     def fuses(self, x: torch.Tensor, gu_fmt: str, d_fmt: str, i: int) -> bool:

@@ -174,6 +174,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_gq_linear.restype = None
     lib.moetier_gq_dequantize.argtypes = [i, p, n, n, p]
     lib.moetier_gq_dequantize.restype = None
+    lib.moetier_gq_dequantize_bf16.argtypes = [i, p, n, n, p]
+    lib.moetier_gq_dequantize_bf16.restype = None
     lib.moetier_gq_token_scratch.argtypes = [n, n, n]
     lib.moetier_gq_token_scratch.restype = n
     lib.moetier_gq_swiglu_token_routed.argtypes = [p, p, p, n, n, n, n, p, p, p]

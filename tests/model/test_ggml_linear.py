@@ -71,6 +71,8 @@ def test_a_big_matrix_in_parallel_and_a_long_batch_by_dequantizing(linear, fmt):
     whole = linear(x, w, fmt)  # more tokens than a pass: dequantized, torch's product
     torch.testing.assert_close(whole, x @ dequantize(w, fmt).T)
     assert ((rows - whole).norm() / whole.norm()).item() < 0.02
+    xb = x.bfloat16()  # a bf16 model's prefill: torch's bf16 GEMM on the values rounded to bf16
+    torch.testing.assert_close(linear(xb, w, fmt), (xb @ dequantize(w, fmt).bfloat16().T).float(), rtol=0, atol=0)
 
 
 def test_weights_of_the_wrong_size_are_refused(linear):
@@ -109,6 +111,7 @@ def test_native_dequantization_is_ggml_blocks_bit_for_bit(linear, fmt):
     torch.manual_seed(0)
     w = quantize_any(torch.randn(96, 512) * torch.logspace(-3, 0, 96)[:, None], fmt)
     assert torch.equal(linear.dequantize(w, fmt, 512), dequantize(w, fmt))
+    assert torch.equal(linear.dequantize(w, fmt, 512, torch.bfloat16), dequantize(w, fmt).bfloat16())
 
 
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])

@@ -428,3 +428,25 @@ void moetier_gq_dequantize(int type, const uint8_t *w, long N, long K, float *ou
         }
     }
 }
+
+/* As moetier_gq_dequantize, each value rounded to bf16 (out [N, K] bf16): a prefill's matrix for torch's bf16 GEMM,
+   written at half the bytes and never converted again. */
+void moetier_gq_dequantize_bf16(int type, const uint8_t *w, long N, long K, uint16_t *out) {
+    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
+#pragma omp parallel for schedule(static) if (N * blocks * ts >= GQ_PARALLEL_MIN_BYTES)
+    for (long r = 0; r < N; r++) {
+        float y[QK];
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *blk = w + (r * blocks + b) * ts;
+            switch (type) {
+                case GQ_Q8_0: deq_q8_0(blk, y); break;
+                case GQ_Q4_K: deq_q45k(blk, y, 0); break;
+                case GQ_Q5_K: deq_q45k(blk, y, 1); break;
+                case GQ_Q6_K: deq_q6k(blk, y); break;
+                default: deq_legacy(blk, y, type);
+            }
+            uint16_t *o = out + r * K + b * bs;
+            for (long j = 0; j < bs; j++) o[j] = f32_to_bf16(y[j]);
+        }
+    }
+}
