@@ -24,8 +24,8 @@
 
 #define GQ_MAX_TOKENS 4
 #define GQ_PARALLEL_MIN_BYTES (128 * 1024)
-#define GQ_PREFETCH_AHEAD 2048 /* bytes: a row or two of a k-quant expert matrix; reads from memory, not cache,
-                                  went 7.7 -> see docs/gguf.md */
+#define GQ_PREFETCH_AHEAD 2048 /* bytes: a row or two of a k-quant expert matrix, ahead of the hardware prefetcher
+                                  (as q_int.c): a Q4_K gate_up from memory 307 -> 140 us (docs/gguf.md) */
 #define QK 256
 
 enum { GQ_Q8_0 = 0, GQ_Q4_K = 1, GQ_Q5_K = 2, GQ_Q6_K = 3, GQ_Q4_0 = 4, GQ_Q4_1 = 5, GQ_Q5_0 = 6, GQ_Q5_1 = 7 };
