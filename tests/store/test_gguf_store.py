@@ -25,7 +25,7 @@ from moetier.store.gguf_file import GgufModel
 from moetier.store.gguf_store import index_gguf
 from moetier.store.store import Store
 from tests.model.test_parity import ATOL, engine_with_slots, reference_run
-from tests.store import gguf_export
+from tests.store import gguf_export, gguf_writer
 from tests.tiny_models import build_tiny
 
 
@@ -222,6 +222,28 @@ def test_a_gguf_decode_step_in_one_native_call_is_the_layers_bit_for_bit(k_quant
     assert all(torch.equal(a, b) for a, b in zip(whole[0], layered[0]))
 
 
+def test_a_gguf_chats_with_the_template_and_tokenizer_it_carries(tmp_path):
+    """demo-deep written as a GGUF with its tokenizer and chat template in `tokenizer.ggml.*` and
+    `tokenizer.chat_template` (as the converter writes them): the engine renders and tokenizes a conversation as
+    the Hugging Face folder's files do, and answers."""
+    import json
+
+    from moetier.engine.tokenizer import Tokenizer
+    from tests.store.test_gguf_file import DEMO
+
+    settings = json.loads((DEMO / "tokenizer_config.json").read_text())
+    config = json.loads((DEMO / "config.json").read_text())
+    meta = {**gguf_writer.tokenizer_metadata(DEMO / "tokenizer.json"), "tokenizer.chat_template": settings["chat_template"],
+            "tokenizer.ggml.bos_token_id": config["bos_token_id"], "tokenizer.ggml.eos_token_id": config["eos_token_id"]}
+    path = gguf_export.export(DEMO, tmp_path / "demo-deep.gguf", tokenizer=meta)
+    messages = [{"role": "user", "content": "Where is the old man?"}]
+    folder = Tokenizer.from_file(DEMO / "tokenizer.json", config["bos_token_id"])
+    want = folder.encode(folder.chat_template.render(messages), add_bos=False)
+    with Engine.from_pretrained(path, expert_memory="100%", cache_dir=tmp_path / "cache", progress=False) as e:
+        assert e.tokenizer.encode(e.tokenizer.chat_template.render(messages), add_bos=False) == want
+        assert e.chat(messages, max_new_tokens=6)
+
+
 def test_the_families_list_names_their_gguf_architectures(capsys):
     assert main(["list", "families"]) == 0
     out = capsys.readouterr().out
@@ -283,8 +305,6 @@ def test_bytes_that_rot_in_a_gguf_fail_their_checksum_naming_the_file(tmp_path, 
 
 
 def test_a_gguf_that_cannot_run_is_one_line_and_writes_nothing(tmp_path, capsys):
-    from tests.store import gguf_writer
-
     bad = gguf_writer.write(tmp_path / "dense.gguf", "llama", {"block_count": 1, "embedding_length": 64},
                             {"token_embd.weight": np.zeros((8, 64), np.float32)})
     cache = tmp_path / "cache"
