@@ -39,7 +39,6 @@ from moetier.model.dense_quant import (
 from moetier.model.kernels import PATHS, check_kernel_path, make_kernels
 from moetier.model.stacked import materialized, stack_qkv
 from moetier.model.transformer import Transformer
-from moetier.paths import default_cache_dir
 from moetier.plan.alpha_budget import CALIBRATION_ALPHAS, AlphaChoice, choose_alpha
 from moetier.plan.placement import PLACEMENTS
 from moetier.plan.precision import MixedPrecision
@@ -49,7 +48,7 @@ from moetier.policy_files import load_thresholds, make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
 from moetier.predictor_files import TRAINED, load_nets
 from moetier.quant.precisions import CODES
-from moetier.resolve import resolve_model
+from moetier.resolve import BUILT_FROM, resolve_model
 from moetier.store.reader import ExpertReader, check_reader_threads
 from moetier.store.store import Store
 from moetier.store.variants import add_precisions, expert_layouts
@@ -197,11 +196,12 @@ def choose_low(mixed: MixedPrecision, store: Store, cache_bytes: int) -> MixedPr
 def add_missing_precisions(store: Store, mixed: MixedPrecision, progress: bool) -> list[str]:
     """A store moetier converted into its cache on first use gets the quantized copies a mode needs on first use
     too (returns those it lacked: added here, or by another process this one waited for under the store's lock —
-    either way its manifest must be read again); a store the user made is never changed (the executor names the
-    command that would add them)."""
+    either way its manifest must be read again) — in whichever cache it was built (`--cache-dir` too: the note
+    moetier leaves in each build says so); a store the user made is never changed (the executor names the command
+    that would add them)."""
     native = store.manifest.native_precision
     missing = [p for p in mixed.precisions(native) if p not in store.manifest.precisions]
-    if not missing or not store.path.resolve().is_relative_to(default_cache_dir().resolve()):
+    if not missing or not (store.path / BUILT_FROM).is_file():
         return []
     add_precisions(store.path, missing, progress)
     return missing

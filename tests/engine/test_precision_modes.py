@@ -87,6 +87,16 @@ def test_a_model_converted_on_first_use_gets_its_copies_on_first_use(tiny_store)
         assert len(engine.generate([prompts()[0]], max_new_tokens=3, ignore_eos=True).token_ids[0]) == 3
 
 
+def test_a_model_built_in_another_cache_gets_its_copies_there_too(tiny_store, tmp_path):
+    """`--cache-dir` elsewhere than the default: the build there is moetier's (its note says so), so a mode's
+    copies are added to it on first use, as in the default cache."""
+    _, plain = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=4)
+    with Engine.from_pretrained(plain.parent / "hf", precision=MixedPrecision("int4"), cache_dir=tmp_path / "elsewhere",
+                                progress=False) as engine:
+        assert engine.store.path.is_relative_to(tmp_path / "elsewhere")
+        assert "int4" in engine.store.manifest.precisions
+
+
 def test_a_models_fitted_thresholds_are_its_defaults(quantized):
     from moetier.policy_files import save_thresholds
 
