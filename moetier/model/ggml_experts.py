@@ -34,6 +34,7 @@ class GgmlExpert(OneByOne):
         self.linear = GgmlLinear(lib) if lib is not None else TorchGgml()
         self.fused = lib is not None and dtype == torch.bfloat16  # the native call computes bf16 models' experts
         self._formats: dict[tuple, str] = {}  # (in_features, the view's shape past its rows) -> format
+        self._token_scratch: dict[tuple[int, int, int], int] = {}  # (k, H, I) -> bytes token_routed needs
 
     def _format(self, k: int, w: torch.Tensor) -> str:
         key = (k, *w.shape[1:])
@@ -75,7 +76,9 @@ class GgmlExpert(OneByOne):
         (moetier_gq_swiglu_token_routed): what `token` computes — each expert as `__call__` computes it, in
         ascending ids, summed as the kernels' combine sums — without a Python call an expert."""
         (h, i), k, linear = table.shape, topk_ids.shape[1], self.linear
-        need = linear.lib.moetier_gq_token_scratch(k, h, i)
+        need = self._token_scratch.get((k, h, i))
+        if need is None:  # (once per shape: not a foreign call a layer)
+            need = self._token_scratch[(k, h, i)] = linear.lib.moetier_gq_token_scratch(k, h, i)
         if linear.scratch.numel() < need:
             linear.scratch = torch.empty(need, dtype=torch.uint8)
         linear.lib.moetier_gq_swiglu_token_routed(

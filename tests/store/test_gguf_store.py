@@ -26,6 +26,7 @@ from moetier.store.gguf_store import index_gguf
 from moetier.store.store import Store
 from tests.model.test_parity import ATOL, engine_with_slots, reference_run
 from tests.store import gguf_export, gguf_writer
+from tests.store.test_gguf_file import DEMO as DEMO_DIR
 from tests.tiny_models import build_tiny
 
 
@@ -229,15 +230,14 @@ def test_a_gguf_chats_with_the_template_and_tokenizer_it_carries(tmp_path):
     import json
 
     from moetier.engine.tokenizer import Tokenizer
-    from tests.store.test_gguf_file import DEMO
 
-    settings = json.loads((DEMO / "tokenizer_config.json").read_text())
-    config = json.loads((DEMO / "config.json").read_text())
-    meta = {**gguf_writer.tokenizer_metadata(DEMO / "tokenizer.json"), "tokenizer.chat_template": settings["chat_template"],
+    settings = json.loads((DEMO_DIR / "tokenizer_config.json").read_text())
+    config = json.loads((DEMO_DIR / "config.json").read_text())
+    meta = {**gguf_writer.tokenizer_metadata(DEMO_DIR / "tokenizer.json"), "tokenizer.chat_template": settings["chat_template"],
             "tokenizer.ggml.bos_token_id": config["bos_token_id"], "tokenizer.ggml.eos_token_id": config["eos_token_id"]}
-    path = gguf_export.export(DEMO, tmp_path / "demo-deep.gguf", tokenizer=meta)
+    path = gguf_export.export(DEMO_DIR, tmp_path / "demo-deep.gguf", tokenizer=meta)
     messages = [{"role": "user", "content": "Where is the old man?"}]
-    folder = Tokenizer.from_file(DEMO / "tokenizer.json", config["bos_token_id"])
+    folder = Tokenizer.from_file(DEMO_DIR / "tokenizer.json", config["bos_token_id"])
     want = folder.encode(folder.chat_template.render(messages), add_bos=False)
     with Engine.from_pretrained(path, expert_memory="100%", cache_dir=tmp_path / "cache", progress=False) as e:
         assert e.tokenizer.encode(e.tokenizer.chat_template.render(messages), add_bos=False) == want
@@ -302,6 +302,28 @@ def test_bytes_that_rot_in_a_gguf_fail_their_checksum_naming_the_file(tmp_path, 
     with Engine.from_pretrained(store, expert_memory="100%", progress=False) as engine:
         with pytest.raises(ChecksumError, match=r"expert 6 of layer 1.*m\.gguf"):
             engine.preload()
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"blk.1.ffn_up_exps.weight": "q8_0"}, "moetier keeps an expert's gate and up in one type"),
+    ({"blk.1.ffn_gate_exps.weight": "q8_0", "blk.1.ffn_up_exps.weight": "q8_0"}, "in several types"),
+    ({"blk.0.ffn_down_exps.weight": "shape"}, "the file's metadata implies"),
+])
+def test_experts_a_file_keeps_otherwise_than_moetier_reads_are_refused_in_one_line(tmp_path, capsys, change, words):
+    """Gate and up in two types, layers whose gate and up differ in type, an expert tensor not of the metadata's
+    shape: each one line naming the tensors, exit 1, nothing in the cache."""
+    rng = np.random.default_rng(0)
+    tensors = gguf_writer.olmoe_tensors(rng, expert_type="q4_k")
+    for name, kind in change.items():
+        values = tensors[name][0]
+        tensors[name] = values[:, :, :128] if kind == "shape" else (values, kind)
+    path = gguf_writer.write(tmp_path / "odd.gguf", "olmoe", gguf_writer.olmoe_keys(), tensors,
+                             gguf_writer.tokenizer_metadata(DEMO_DIR / "tokenizer.json"))
+    cache = tmp_path / "cache"
+    assert main(["generate", "--model", str(path), "--cache-dir", str(cache), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("moetier: error:") and words in err[0] and len(err) == 2
+    assert not cache.exists() or not any(p for p in cache.iterdir() if not p.name.startswith("."))
 
 
 def test_a_gguf_that_cannot_run_is_one_line_and_writes_nothing(tmp_path, capsys):

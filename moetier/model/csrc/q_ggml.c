@@ -411,22 +411,22 @@ static NO_FMA void deq_legacy(const uint8_t *b, float *y, const int type) {
     }
 }
 
+/* One block of `type` -> its BLOCK_SIZE[type] values. */
+static inline void deq_block(int type, const uint8_t *blk, float *y) {
+    switch (type) {
+        case GQ_Q8_0: deq_q8_0(blk, y); break;
+        case GQ_Q4_K: deq_q45k(blk, y, 0); break;
+        case GQ_Q5_K: deq_q45k(blk, y, 1); break;
+        case GQ_Q6_K: deq_q6k(blk, y); break;
+        default: deq_legacy(blk, y, type);
+    }
+}
+
 void moetier_gq_dequantize(int type, const uint8_t *w, long N, long K, float *out) {
     const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
 #pragma omp parallel for schedule(static) if (N * blocks * ts >= GQ_PARALLEL_MIN_BYTES)
-    for (long r = 0; r < N; r++) {
-        for (long b = 0; b < blocks; b++) {
-            const uint8_t *blk = w + (r * blocks + b) * ts;
-            float *y = out + r * K + b * bs;
-            switch (type) {
-                case GQ_Q8_0: deq_q8_0(blk, y); break;
-                case GQ_Q4_K: deq_q45k(blk, y, 0); break;
-                case GQ_Q5_K: deq_q45k(blk, y, 1); break;
-                case GQ_Q6_K: deq_q6k(blk, y); break;
-                default: deq_legacy(blk, y, type);
-            }
-        }
-    }
+    for (long r = 0; r < N; r++)
+        for (long b = 0; b < blocks; b++) deq_block(type, w + (r * blocks + b) * ts, out + r * K + b * bs);
 }
 
 /* As moetier_gq_dequantize, each value rounded to bf16 (out [N, K] bf16): a prefill's matrix for torch's bf16 GEMM,
@@ -437,14 +437,7 @@ void moetier_gq_dequantize_bf16(int type, const uint8_t *w, long N, long K, uint
     for (long r = 0; r < N; r++) {
         float y[QK];
         for (long b = 0; b < blocks; b++) {
-            const uint8_t *blk = w + (r * blocks + b) * ts;
-            switch (type) {
-                case GQ_Q8_0: deq_q8_0(blk, y); break;
-                case GQ_Q4_K: deq_q45k(blk, y, 0); break;
-                case GQ_Q5_K: deq_q45k(blk, y, 1); break;
-                case GQ_Q6_K: deq_q6k(blk, y); break;
-                default: deq_legacy(blk, y, type);
-            }
+            deq_block(type, w + (r * blocks + b) * ts, y);
             uint16_t *o = out + r * K + b * bs;
             for (long j = 0; j < bs; j++) o[j] = f32_to_bf16(y[j]);
         }
