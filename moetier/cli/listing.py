@@ -102,7 +102,7 @@ def _families(_: argparse.Namespace) -> list[tuple[str, str]]:
     from moetier.model.families import FAMILIES, REFUSED
     from moetier.store.gguf_file import ARCHES
 
-    gguf = {spec.model_type: arch for arch, spec in ARCHES.items()}  # llama.cpp's names, where a GGUF runs
+    gguf = {t: arch for arch, spec in ARCHES.items() for t in spec.model_types}  # llama.cpp's names, where a GGUF runs
     rows = [(name, " ".join((type(f).__doc__ or "").split())
              + (f" GGUF arch: {gguf[name]}{' (with experts)' if gguf[name] == 'llama' else ''}." if name in gguf
                 else "")) for name, f in FAMILIES.items()]

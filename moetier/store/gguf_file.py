@@ -5,8 +5,9 @@ shape and place in its file, and its tokenizer built from `tokenizer.ggml.*` wit
 
 Which architectures: llama.cpp's arch names mapped to the families moetier runs (`ARCHES`); any other is refused
 with its name. What the converter changed in the weights is undone where they are read: llama-arch Q/K rows
-permuted for its rotary layout (Mixtral: `unpermute`). Errors are one line (GgufError) before anything is
-written.""" 
+permuted for its rotary layout (Mixtral: `unpermute`), DeepSeek's kv_b_proj split into attn_k_b (transposed) and
+attn_v_b (gguf_store.GgufCheckpoint joins them), GLM's multi-token-prediction layers counted in block_count.
+Errors are one line (GgufError) before anything is written."""
 
 from __future__ import annotations
 
@@ -127,11 +128,20 @@ def _metadata(reader) -> dict:
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """How one llama.cpp architecture maps onto a family: its model_type and the config fields its own."""
+    """How one llama.cpp architecture maps onto families: the model_types it stands for (the first unless its
+    fields say another: deepseek2 is V2 or V3 by its gating function) and the config fields its own."""
 
-    model_type: str
+    model_types: tuple[str, ...]
     fields: Callable[[GgufModel], dict]
     permute_qk: bool = False  # the converter permuted Q/K rows (llama arch): undone when read
+
+    def __post_init__(self):
+        if not self.model_types:
+            raise ValueError("an ArchSpec stands for at least one model_type")
+
+    @property
+    def model_type(self) -> str:
+        return self.model_types[0]
 
 
 def decimal(value) -> float:
@@ -189,11 +199,69 @@ def _mixtral(m: GgufModel) -> dict:
     return {"num_local_experts": int(m.key("expert_count")), "intermediate_size": int(m.key("feed_forward_length"))}
 
 
+GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax; absent: softmax, as V2's files)
+
+
+def _routed(m: GgufModel) -> dict:
+    """DeepSeek's and GLM's expert fields (the dense first layers, the shared experts, the router's scale)."""
+    return {"n_routed_experts": int(m.key("expert_count")),
+            "moe_intermediate_size": int(m.key("expert_feed_forward_length")),
+            "intermediate_size": int(m.key("feed_forward_length", 0)),
+            "n_shared_experts": int(m.key("expert_shared_count", 0)),
+            "first_k_dense_replace": int(m.key("leading_dense_block_count", 0)),
+            "routed_scaling_factor": decimal(m.key("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(m.key("expert_weights_norm", False)),
+            "n_group": int(m.key("expert_group_count", 1)), "topk_group": int(m.key("expert_group_used_count", 1))}
+
+
+def _yarn(m: GgufModel) -> dict:
+    """rope_parameters for a file's YaRN keys ({} without). The file keeps 0.1·mscale_all_dim as
+    yarn_log_multiplier and not mscale, which llama.cpp takes as equal (its deepseek2 graph cancels the rotary
+    magnitude): so do we — the same as transformers for every DeepSeek release, whose two are equal."""
+    if m.key("rope.scaling.type") != "yarn":
+        return {}
+    mscale = decimal(float(m.key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)
+    return {"rope_type": "yarn", "rope_theta": decimal(m.key("rope.freq_base", 10000.0)),
+            "factor": decimal(m.key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
+            "beta_fast": decimal(m.key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": decimal(m.key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
+
+
+def _deepseek2(m: GgufModel) -> dict:
+    """V3 (and Moonlight, Kimi) where the router is sigmoid with a correction bias; V2 otherwise. The converter
+    writes MLA as multi-query attention with the latent as one wide head (head_count_kv 1, key_length
+    kv_lora_rank + rope); the per-head sizes are the *_mla keys (older files: key_length and value_length)."""
+    rope = int(m.key("rope.dimension_count"))
+    qk = int(m.key("attention.key_length_mla", m.key("attention.key_length")))
+    v3 = int(m.key("expert_gating_func", 0)) == GATING_SIGMOID or any(n.endswith("exp_probs_b.bias") for n in m.tensors)
+    q_lora = m.key("attention.q_lora_rank")
+    cfg = {**_routed(m), "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+           "num_key_value_heads": int(m.key("attention.head_count")), "kv_lora_rank": int(m.key("attention.kv_lora_rank")),
+           "q_lora_rank": None if q_lora is None else int(q_lora), "qk_rope_head_dim": rope, "qk_nope_head_dim": qk - rope,
+           "v_head_dim": int(m.key("attention.value_length_mla", m.key("attention.value_length"))), "head_dim": rope}
+    if not v3:  # transformers' V2 router: greedy, or the best max-score groups where the model has groups
+        cfg["topk_method"] = "group_limited_greedy" if cfg["n_group"] > 1 else "greedy"
+    if (yarn := _yarn(m)):
+        cfg["rope_parameters"] = yarn
+    return cfg
+
+
+def _glm4moe(m: GgufModel) -> dict:
+    """GLM-4.5: block_count counts the multi-token-prediction layers (nextn_predict_layers) after the model's."""
+    head_dim = int(m.key("attention.key_length"))
+    return {**_routed(m), "num_hidden_layers": int(m.key("block_count")) - int(m.key("nextn_predict_layers", 0)),
+            "partial_rotary_factor": int(m.key("rope.dimension_count", head_dim)) / head_dim,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in m.tensors, "attention_bias": "blk.0.attn_q.bias" in m.tensors}
+
+
 ARCHES = {
-    "olmoe": ArchSpec("olmoe", _olmoe),
-    "qwen2moe": ArchSpec("qwen2_moe", _qwen2moe),
-    "qwen3moe": ArchSpec("qwen3_moe", _qwen3moe),
-    "llama": ArchSpec("mixtral", _mixtral, permute_qk=True),  # with experts: Mixtral (llama.cpp has no arch of its own)
+    "olmoe": ArchSpec(("olmoe",), _olmoe),
+    "qwen2moe": ArchSpec(("qwen2_moe",), _qwen2moe),
+    "qwen3moe": ArchSpec(("qwen3_moe",), _qwen3moe),
+    "llama": ArchSpec(("mixtral",), _mixtral, permute_qk=True),  # with experts: Mixtral (llama.cpp has no arch of its own)
+    "deepseek2": ArchSpec(("deepseek_v2", "deepseek_v3"), _deepseek2),
+    "glm4moe": ArchSpec(("glm4_moe",), _glm4moe),
 }
 
 

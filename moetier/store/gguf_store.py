@@ -58,6 +58,8 @@ class GgufCheckpoint:
         self.dequantized: list[str] = []  # dense tensors the file keeps in a block format
 
     def gguf_name(self, hf_name: str) -> str:
+        # (the converter renames DeepSeek's e_score_correction_bias to e_score_correction.bias before its table)
+        hf_name = hf_name.removesuffix("_bias") + ".bias" if hf_name.endswith("e_score_correction_bias") else hf_name
         name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise GgufError(f"{self.model.path.name}: no GGUF name for {hf_name} in llama.cpp's {self.model.arch} "
@@ -65,14 +67,28 @@ class GgufCheckpoint:
         return name
 
     def get(self, hf_name: str) -> torch.Tensor:
-        t = self.model.tensor(self.gguf_name(hf_name))
-        w = values(t)
-        if t.type not in FLOATS:
-            self.dequantized.append(t.name)
+        name = self.gguf_name(hf_name)
+        if name.endswith("attn_kv_b.weight") and name not in self.model.tensors:
+            return self.kv_b(name).to(self.dtype)
+        t = self.model.tensor(name)
+        w = self.read(t)
         if self.model.arch_spec.permute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = "attention.head_count" if "q_proj" in hf_name else "attention.head_count_kv"
             w = unpermute(w, int(self.model.key(heads)))
         return w.to(self.dtype)
+
+    def read(self, t: Tensor) -> torch.Tensor:
+        if t.type not in FLOATS:
+            self.dequantized.append(t.name)
+        return values(t)
+
+    def kv_b(self, name: str) -> torch.Tensor:
+        """MLA's kv_b_proj [H·(nope + v), kv_lora] from the two halves the converter splits it into for llama.cpp's
+        absorbed attention: attn_k_b [H, kv_lora, nope] (each head's key rows, transposed) and attn_v_b
+        [H, v, kv_lora]."""
+        k_b = self.read(self.model.tensor(name.replace("attn_kv_b", "attn_k_b")))
+        v_b = self.read(self.model.tensor(name.replace("attn_kv_b", "attn_v_b")))
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
 def values(t: Tensor) -> torch.Tensor:
@@ -86,7 +102,8 @@ def values(t: Tensor) -> torch.Tensor:
 def model_dtype(model: GgufModel) -> torch.dtype:
     """What the model computes in: its experts' float type (a float expert is computed in its own), else the
     embeddings', else bfloat16 (a file that quantized both)."""
-    for name in ("blk.0.ffn_gate_exps.weight", "token_embd.weight"):
+    experts = next((n for n in model.tensors if n.endswith("ffn_gate_exps.weight")), "")  # (the first MoE layer's)
+    for name in (experts, "token_embd.weight"):
         t = model.tensors.get(name)
         if t is not None and t.type in FLOATS:
             return FLOATS[t.type]

@@ -2,7 +2,9 @@
 keys, the converter's tensor names from the gguf package's TensorNameMap, experts stacked per layer as
 blk.N.ffn_{gate,up,down}_exps, llama's Q/K rows permuted for its rotary layout, norms and routers in F32), for
 tests that run one model from both. Checked against the real converter (llama.cpp 0.3.36's, --outtype f32) on
-demo-deep: the same tensor names, shapes, types and bytes, the same keys and values (docs/gguf.md)."""
+demo-deep and on tiny DeepSeek-V2, DeepSeek-V3 and GLM-4.5 folders: the same tensor names, shapes, types and bytes,
+the same keys and values (docs/gguf.md) — DeepSeek's kv_b_proj split into attn_k_b (transposed) and attn_v_b, MLA
+written as one wide key-value head, GLM's block_count counting its multi-token-prediction layer."""
 
 from __future__ import annotations
 
@@ -16,7 +18,46 @@ from moetier.store.checkpoint import Checkpoint
 from moetier.store.sources import expert_source
 from tests.store import gguf_writer
 
-ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
+
+
+def routed_keys(config: dict) -> dict:
+    """DeepSeek's and GLM's expert keys, as DeepseekV2Model / Glm4MoeModel and TextModel write them."""
+    out = {"expert_feed_forward_length": config["moe_intermediate_size"],
+           "expert_shared_count": config.get("n_shared_experts") or 0,
+           "leading_dense_block_count": config.get("first_k_dense_replace") or 0}
+    if config.get("n_group"):
+        out |= {"expert_group_count": config["n_group"], "expert_group_used_count": config["topk_group"]}
+    if config.get("routed_scaling_factor") is not None:
+        out["expert_weights_scale"] = float(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        out["expert_weights_norm"] = True
+    return out
+
+
+def deepseek2_keys(config: dict) -> dict:
+    rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    out = {"attention.head_count_kv": 1, "attention.kv_lora_rank": rank, "attention.key_length": rank + rope,
+           "attention.value_length": rank, "attention.key_length_mla": config["qk_nope_head_dim"] + rope,
+           "attention.value_length_mla": config["v_head_dim"], "rope.dimension_count": rope,
+           "vocab_size": config["vocab_size"], **routed_keys(config)}
+    if config.get("q_lora_rank"):
+        out["attention.q_lora_rank"] = config["q_lora_rank"]
+    p = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (p.get("rope_type") or p.get("type")) == "yarn":
+        out |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(p["factor"]),
+                "rope.scaling.original_context_length": p["original_max_position_embeddings"],
+                "rope.scaling.yarn_beta_fast": float(p["beta_fast"]), "rope.scaling.yarn_beta_slow": float(p["beta_slow"]),
+                "rope.scaling.yarn_log_multiplier": 0.1 * p["mscale_all_dim"]}
+    return out
+
+
+def glm4moe_keys(config: dict) -> dict:
+    nextn = config.get("num_nextn_predict_layers") or 0
+    partial = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
+    return {"block_count": config["num_hidden_layers"] + nextn, "nextn_predict_layers": nextn,
+            "rope.dimension_count": int(config["head_dim"] * partial), "expert_gating_func": 2, **routed_keys(config)}
 
 
 def keys(config: dict, arch: str) -> dict:
@@ -27,7 +68,7 @@ def keys(config: dict, arch: str) -> dict:
            "rope.freq_base": float(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta")),
            # (llama.cpp's OlmoeModel writes OLMoE's 1e-5 whatever the config says: demo-deep's is 1e-6)
            "attention.layer_norm_rms_epsilon": 1e-5 if arch == "olmoe" else float(config["rms_norm_eps"]),
-           "expert_count": config.get("num_experts") or config["num_local_experts"],
+           "expert_count": config.get("num_experts") or config.get("n_routed_experts") or config["num_local_experts"],
            "expert_used_count": config["num_experts_per_tok"], "feed_forward_length": config["intermediate_size"]}
     if arch in ("qwen2moe", "qwen3moe"):
         out["expert_feed_forward_length"] = config["moe_intermediate_size"]
@@ -35,7 +76,14 @@ def keys(config: dict, arch: str) -> dict:
         out["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
     if config.get("head_dim"):
         out["attention.key_length"] = out["attention.value_length"] = config["head_dim"]
-    return out
+    return out | {"deepseek2": deepseek2_keys, "glm4moe": glm4moe_keys}.get(arch, lambda c: {})(config)
+
+
+def split_kv_b(w: np.ndarray, config: dict, name: str) -> dict:
+    heads, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    kv_b = w.reshape(heads, nope + v, w.shape[-1])
+    return {name.replace("attn_kv_b", "attn_k_b"): np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)),
+            name.replace("attn_kv_b", "attn_v_b"): np.ascontiguousarray(kv_b[:, nope:])}
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -60,6 +108,10 @@ def export(hf_dir: Path, out: Path, expert_types: dict | None = None, dense_type
         if arch == "llama" and theirs.endswith(("q_proj.weight", "k_proj.weight")):
             kv = "q_proj" not in theirs
             w = permute(w, config["num_key_value_heads"] if kv else config["num_attention_heads"])
+        if theirs.endswith("kv_b_proj.weight"):  # DeepseekV2Model.modify_tensors: split, k_b transposed
+            tensors.update(split_kv_b(w, config, names.get_name(theirs, try_suffixes=(".weight",))))
+            continue
+        theirs = theirs.removesuffix("_bias") + ".bias" if theirs.endswith("e_score_correction_bias") else theirs
         name = names.get_name(theirs, try_suffixes=(".weight", ".bias"))
         matrix = w.ndim == 2 and not name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
         kind = next((t for part, t in (dense_types or {}).items() if part in name), dense_type)

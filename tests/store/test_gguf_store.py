@@ -27,7 +27,7 @@ from moetier.store.store import Store
 from tests.model.test_parity import ATOL, engine_with_slots, reference_run
 from tests.store import gguf_export, gguf_writer
 from tests.store.test_gguf_file import DEMO as DEMO_DIR
-from tests.tiny_models import build_tiny
+from tests.tiny_models import FAMILY_CONFIGS, build_tiny
 
 
 def engine(path, slots: int | None = None, kernels: str = "auto") -> Engine:
@@ -55,11 +55,17 @@ def logits(path, prompt: list[int], steps: int, slots: int | None = None, kernel
     return prefill, out
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral"])
+# A GGUF keeps DeepSeek's YaRN mscale_all_dim but not its mscale (llama.cpp takes them equal, as every DeepSeek
+# release has them): the tiny V3's are made equal here
+GGUF_OVERRIDES = {"deepseek_v3": dict(rope_scaling={**FAMILY_CONFIGS["deepseek_v3"]["rope_scaling"], "mscale": 0.8})}
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3",
+                                    "glm4_moe"])
 def test_a_gguf_is_the_model_its_folder_is(tiny_store, tmp_path, family):
     """Written as llama.cpp's converter writes it (F32), indexed, run: transformers' logits on the folder to the
     parity tests' tolerance, its 32 greedy tokens, at one layer's top-k slots and at all experts."""
-    ref, hf_store = tiny_store(family)
+    ref, hf_store = tiny_store(family, **GGUF_OVERRIDES.get(family, {}))
     path = gguf_export.export(hf_store.parent / "hf", tmp_path / f"{family}.gguf")
     store = index_gguf(path, tmp_path / "store", progress=False)
     m = Manifest.load(store)
@@ -161,6 +167,31 @@ def test_attention_and_the_head_are_computed_in_the_files_blocks(k_quant):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() <= 0.05
 
 
+@pytest.mark.parametrize("family,dense_types", [
+    ("deepseek_v3", {"attn_output": "q8_0", "attn_q_a": "q4_k", "attn_kv_a_mqa": "q8_0", "output.": "q6_k"}),
+    ("glm4_moe", {"attn_output": "q8_0", "attn_q.": "q4_k", "attn_k.": "q8_0", "output.": "q6_k"})])
+def test_a_k_quant_deepseek_or_glm_file_computes_its_blocks(tmp_path, family, dense_types):
+    """MLA's and GLM's projections and experts in a file's blocks (a dense first layer, a shared expert, the
+    correction bias beside): torch's path equals the same file with every block dequantized by gguf, and the native
+    kernels are that apart by the activations' rounding only."""
+    build_tiny(family, tmp_path / "hf", hidden_size=256, moe_intermediate_size=256, intermediate_size=256,
+               **GGUF_OVERRIDES.get(family, {}))
+    path = gguf_export.export(tmp_path / "hf", tmp_path / "q.gguf", {1: ("q4_k", "q6_k")}, dense_types=dense_types)
+    rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors
+               if t.tensor_type.name not in ("F32", "F16", "BF16")}
+    floats = gguf_export.export(tmp_path / "hf", tmp_path / "floats.gguf", replace=rounded)
+    quantized, want = (index_gguf(p, tmp_path / p.stem, progress=False) for p in (path, floats))
+    assert {"lm_head", "layers.0.o_proj", "layers.1.o_proj"} <= set(Manifest.load(quantized).dense_blocks)
+    assert Manifest.load(quantized).native_precision == "q4_k"
+    prompt, feed = list(range(3, 14)), [17, 40, 5, 99, 23, 61]
+    a, b = logits(quantized, prompt, 6, 2, "torch", feed), logits(want, prompt, 6, 2, "torch", feed)
+    assert (a[0] - b[0]).abs().max().item() <= ATOL
+    assert max((x - y).abs().max().item() for x, y in zip(a[1], b[1])) <= ATOL
+    native = logits(quantized, prompt, 6, 2, "auto", feed)
+    for x, y in zip(native[1], a[1]):
+        assert ((x.float() - y.float()).norm() / y.float().norm()).item() <= 0.05
+
+
 @pytest.fixture(scope="module")
 def qwen2_k_quant(tmp_path_factory):
     """A Qwen2-MoE (q/k/v biases, a shared expert) in whole 256-blocks, everything Q4_K but attn_v (Q6_K)."""
@@ -248,6 +279,9 @@ def test_the_families_list_names_their_gguf_architectures(capsys):
     assert main(["list", "families"]) == 0
     out = capsys.readouterr().out
     assert "GGUF arch: olmoe" in out and "GGUF arch: llama (with experts)" in out and "GGUF arch: qwen3moe" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "GGUF arch: deepseek2" in lines["deepseek_v2"] and "GGUF arch: deepseek2" in lines["deepseek_v3"]
+    assert "GGUF arch: glm4moe" in lines["glm4_moe"] and "GGUF arch" not in lines["phimoe"]
 
 
 def test_dense_weights_in_a_block_format_are_dequantized_once_with_a_note(tiny_store, tmp_path, capsys):
