@@ -23,8 +23,12 @@ from moetier.errors import CheckpointError
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 KNOWN_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "q8_0", "Q4_K": "q4_k",
-               "Q5_K": "q5_k", "Q6_K": "q6_k", "MXFP4": "mxfp4", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0",
-               "Q5_1": "q5_1"}  # GGML type -> moetier's name for it
+               "Q5_K": "q5_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0",
+               "Q5_1": "q5_1"}  # GGML type -> moetier's name for it: read and computed as they are
+# Types no kernel of ours computes, which the gguf package's dequantizers read (gguf.quants): a dense tensor's
+# values are read once at indexing, experts are dequantized into the store's own copies, each with a note
+DEQUANTIZED_TYPES = ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+                     "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
 HINT = "give a GGUF file as llama.cpp's convert_hf_to_gguf.py and llama-quantize write them"
 
 
@@ -47,8 +51,12 @@ class Tensor:
 
     @property
     def type(self) -> str | None:
-        """moetier's name for its type (None: one no kernel or conversion of ours reads)."""
+        """moetier's name for its type (None: one no kernel of ours reads: dequantized, or refused)."""
         return KNOWN_TYPES.get(self.ggml_type)
+
+    @property
+    def readable(self) -> bool:
+        return self.type is not None or self.ggml_type in DEQUANTIZED_TYPES
 
 
 def split_parts(path: Path) -> list[Path]:
@@ -92,12 +100,13 @@ class GgufModel:
                 self.tensors[t.name] = Tensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
                                               part, int(t.data_offset), int(t.n_bytes), t.data)
         self.arch_spec = arch_spec(self.arch, self.metadata)
-        unknown = sorted({t.ggml_type for t in self.tensors.values() if t.type is None})
+        unknown = sorted({t.ggml_type for t in self.tensors.values() if not t.readable})
         if unknown:
-            names = [t.name for t in self.tensors.values() if t.type is None]
+            names = [t.name for t in self.tensors.values() if not t.readable]
             raise GgufError(f"{path.name} has tensors of GGML types moetier does not read: {', '.join(unknown)} "
                             f"({len(names)} tensors, e.g. {names[0]})",
-                            hint=f"moetier reads {', '.join(KNOWN_TYPES)}; requantize with llama-quantize")
+                            hint=f"moetier reads {', '.join([*KNOWN_TYPES, *DEQUANTIZED_TYPES])}; requantize with "
+                                 f"llama-quantize")
 
     def key(self, name: str, default=None):
         """A metadata value under the arch's prefix (`{arch}.name`)."""

@@ -91,12 +91,18 @@ class GgufCheckpoint:
         return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
-def values(t: Tensor) -> torch.Tensor:
-    """A tensor's values (float32 for a block format, dequantized as ggml does), in torch's shape."""
-    data = torch.from_numpy(np.array(t.data))  # a copy: the reader's map is read-only
+def values(t: Tensor, expert: int | None = None) -> torch.Tensor:
+    """A tensor's values (float32 for a block format, dequantized as ggml does), in torch's shape; `expert`: one
+    expert's matrix of a stacked [E, rows, k] tensor."""
+    raw, shape = (t.data, t.shape) if expert is None else (t.data[expert], t.shape[1:])
+    if t.type is None:  # a type only the gguf package dequantizes (DEQUANTIZED_TYPES)
+        from gguf import GGMLQuantizationType, quants
+
+        return torch.from_numpy(quants.dequantize(np.asarray(raw), GGMLQuantizationType[t.ggml_type])).reshape(shape)
+    data = torch.from_numpy(np.array(raw))  # a copy: the reader's map is read-only
     if t.type in FLOATS:
-        return data.view(FLOATS[t.type]).reshape(t.shape) if data.dtype == torch.uint8 else data.reshape(t.shape)
-    return dequantize(data, t.type).reshape(t.shape)
+        return data.view(FLOATS[t.type]).reshape(shape) if data.dtype == torch.uint8 else data.reshape(shape)
+    return dequantize(data, t.type).reshape(shape)
 
 
 def model_dtype(model: GgufModel) -> torch.dtype:
@@ -154,6 +160,35 @@ def expert_tensors(model: GgufModel, spec: ModelSpec, layer: int) -> ExpertTenso
     return tensors
 
 
+def kept_as_they_are(model: GgufModel, spec: ModelSpec) -> bool:
+    """Whether every expert tensor is in a type the kernels compute (otherwise all are dequantized into copies)."""
+    return all(t.type in FLOATS or t.type in GGUF_BLOCKS for layer in spec.moe_layers
+               for t in (model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in PARTS))
+
+
+def dequantized_layout(spec: ModelSpec, dtype: torch.dtype) -> PrecisionLayout:
+    h, i, name = spec.hidden_size, spec.moe_intermediate_size, str(dtype).removeprefix("torch.")
+    return PrecisionLayout.packed(PRECISION_OF_DTYPE[dtype], [("gate_up_proj", name, (2 * i, h)),
+                                                              ("down_proj", name, (h, i))])
+
+
+def dequantized_expert(tensors: ExpertTensors, expert: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gate, up, down = (values(t, expert).to(dtype) for t in (tensors.gate, tensors.up, tensors.down))
+    return {"gate_up_proj": torch.cat([gate, up]), "down_proj": down}
+
+
+def note_dequantized_experts(model: GgufModel, spec: ModelSpec, layout: PrecisionLayout) -> None:
+    kinds = Counter(model.tensor(f"blk.{layer}.ffn_{p}_exps.weight").ggml_type for layer in spec.moe_layers
+                    for p in PARTS)
+    file_bytes = sum(model.tensor(f"blk.{layer}.ffn_{p}_exps.weight").nbytes for layer in spec.moe_layers
+                     for p in PARTS)
+    copies = len(spec.moe_layers) * spec.num_experts * layout.blob_bytes
+    print(f"moetier: the experts of {model.path.name} are {', '.join(kinds)}, which moetier's kernels do not compute: "
+          f"dequantized once here to {layout.name} copies in the store ({format_bytes(copies)} written, "
+          f"{copies / file_bytes:.1f}x the file's {format_bytes(file_bytes)}); requantized to Q4_K_M, Q8_0 or "
+          f"Q6_K with llama-quantize, they are read in place", file=sys.stderr)
+
+
 def precision_layout(model: GgufModel, spec: ModelSpec) -> PrecisionLayout:
     """The experts' precision (named by gate and up's type) and its layout, per layer where layers differ."""
     per_layer = {layer: expert_tensors(model, spec, layer) for layer in spec.moe_layers}
@@ -178,7 +213,8 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
     dtype = model_dtype(model)
     config = dict(model.config(), dtype=str(dtype).removeprefix("torch."))
     family, spec = family_for(config), parse_spec(config)
-    layout = precision_layout(model, spec)
+    in_place = kept_as_they_are(model, spec)
+    layout = precision_layout(model, spec) if in_place else dequantized_layout(spec, dtype)
     ckpt = GgufCheckpoint(model, dtype)
     dense = dense_tensors(ckpt, family, spec)
     names = {part: part.name for part in model.parts}
@@ -189,12 +225,15 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
     if dequantized:
         size = sum(model.tensor(n).nbytes for n in dequantized)
         print(f"moetier: {len(dequantized)} dense tensors of {path.name} ({format_bytes(size)}, e.g. {dequantized[0]}) "
-              f"are computed in {str(ckpt.dtype).removeprefix('torch.')}, dequantized once here; the experts, the "
-              f"attention projections and the head stay in the file's types", file=sys.stderr)
+              f"are computed in {str(ckpt.dtype).removeprefix('torch.')}, dequantized once here; what the kernels "
+              f"compute in the file's blocks stays in them", file=sys.stderr)
     files = tokenizer_files(model.metadata)
     total = len(spec.moe_layers) * spec.num_experts
-    needed = store_bytes(sum(t.nbytes for t in dense.values()), 0, 0, sum(map(len, files.values()))) \
+    copies = (0, 0) if in_place else (total, layout.blob_bytes)
+    needed = store_bytes(sum(t.nbytes for t in dense.values()), *copies, sum(map(len, files.values()))) \
         + total * MANIFEST_BYTES_PER_LINKED_BLOB
+    if not in_place:
+        note_dequantized_experts(model, spec, layout)
     with StoreWriter(store_dir, overwrite, tuple(model.parts), needed) as writer, \
             tqdm(total=total, desc=f"index {path.name}", unit="expert", disable=not progress) as bar:
         writer.write_dense(dense)
@@ -202,6 +241,10 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
         for layer in spec.moe_layers:
             tensors, own = expert_tensors(model, spec, layer), layout.for_layer(layer)
             for e in range(spec.num_experts):
+                if not in_place:
+                    writer.add_expert(layer, e, layout, dequantized_expert(tensors, e, dtype))
+                    bar.update()
+                    continue
                 segments = segments_of(tensors.locate(e), own, names)
                 if isinstance(segments, str):
                     raise GgufError(f"expert {e} of layer {layer}: {segments}", hint=HINT)

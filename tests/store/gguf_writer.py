@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 
 from moetier.quant.kquants import quantize
@@ -18,6 +18,22 @@ BLOCK_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_k": GGMLQuantizationType.Q
                "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
                "q5_0": GGMLQuantizationType.Q5_0, "q5_1": GGMLQuantizationType.Q5_1}
 LEGACY = ("q4_0", "q4_1", "q5_0", "q5_1")  # quantized by the gguf package's own (moetier never writes them)
+# Types neither moetier nor the gguf package quantizes: written as random valid blocks (random codes, scales
+# fixed to sane values — the byte of each block that holds them), whatever the values given: tests compare them
+# with their dequantized values, not with the checkpoint's. {type: [(byte offset in a block, its value)]}
+RANDOM_BLOCKS = {"Q2_K": [(80, b"\x00\x14"), (82, b"\x00\x14")], "Q3_K": [(108, b"\x00\x14")],
+                 "IQ4_XS": [(0, b"\x00\x04")], "MXFP4": [(0, bytes([121]))]}  # (fp16 2^-10, 2^-14; 2^-6)
+
+
+def random_blocks(shape: tuple[int, ...], kind: str, seed: int = 0) -> np.ndarray:
+    """uint8 [*shape[:-1], row bytes] of `kind` for float values of `shape` (rows along the last axis)."""
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, blocks = int(np.prod(shape[:-1])), shape[-1] // block
+    data = np.random.default_rng(seed).integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for offset, value in RANDOM_BLOCKS[kind]:
+        data[:, :, offset:offset + len(value)] = np.frombuffer(value, np.uint8)
+    return data.reshape(*shape[:-1], blocks * size)
 
 
 def tokenizer_metadata(tokenizer_json: Path) -> dict:
@@ -34,8 +50,8 @@ def tokenizer_metadata(tokenizer_json: Path) -> dict:
 
 def write(path: Path, arch: str, keys: dict, tensors: dict, tokenizer: dict | None = None) -> Path:
     """`keys`: {arch}-relative metadata (ints, floats, strings); `tensors`: name -> float32 array (written F32) or
-    (array, type): a block type (quantized with moetier's ggml-exact quantizer, rows along the last axis), or
-    "bf16"."""
+    (array, type): a block type (quantized with moetier's ggml-exact quantizer, rows along the last axis),
+    "bf16", or a RANDOM_BLOCKS type (random blocks of the array's shape)."""
     w = GGUFWriter(path, arch)
     for key, value in keys.items():
         full = f"{arch}.{key}"
@@ -65,6 +81,10 @@ def write(path: Path, arch: str, keys: dict, tensors: dict, tokenizer: dict | No
                 raw = torch.from_numpy(np.ascontiguousarray(values, np.float32)).bfloat16().view(torch.int16).numpy()
                 data = raw.view(np.uint8).reshape(*values.shape[:-1], -1)  # the writer takes a byte shape
                 w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType.BF16)
+                continue
+            if kind in RANDOM_BLOCKS:
+                raw = random_blocks(values.shape, kind, seed=len(name))
+                w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[kind])
                 continue
             rows = torch.from_numpy(np.ascontiguousarray(values, np.float32)).reshape(-1, values.shape[-1])
             raw = (gguf_quants.quantize(rows.numpy(), BLOCK_TYPES[kind]) if kind in LEGACY else

@@ -104,16 +104,17 @@ def test_a_truncated_file_is_one_line(olmoe_file, tmp_path):
 
 
 def test_an_unknown_tensor_type_is_named(tmp_path):
+    """A type neither our kernels nor the gguf package's dequantizers read (Q8_K: ggml's activation blocks)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    path = tmp_path / "q2k.gguf"
+    path = tmp_path / "q8k.gguf"
     w = GGUFWriter(path, "olmoe")
     for key, value in gguf_writer.olmoe_keys().items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"olmoe.{key}", value)
-    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 84), np.uint8), raw_shape=(4, 84),
-                 raw_dtype=GGMLQuantizationType.Q2_K)
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 292), np.uint8), raw_shape=(4, 292),
+                 raw_dtype=GGMLQuantizationType.Q8_K)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(GgufError, match="Q2_K"):
+    with pytest.raises(GgufError, match="types moetier does not read: Q8_K"):
         GgufModel(path)
 
 

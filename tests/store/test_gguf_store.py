@@ -192,6 +192,29 @@ def test_a_k_quant_deepseek_or_glm_file_computes_its_blocks(tmp_path, family, de
         assert ((x.float() - y.float()).norm() / y.float().norm()).item() <= 0.05
 
 
+def test_types_the_kernels_do_not_compute_are_dequantized_once_with_a_note(tmp_path, capsys):
+    """Q3_K and IQ4_XS experts (a Q3_K_M's and an IQ4_XS file's), MXFP4 and Q2_K ones, a Q3_K projection: dequantized
+    by the gguf package once while indexing — the experts into the store's own copies, said in a note with what
+    they cost — and the model computes what the same file holding those values in F32 does."""
+    build_tiny("olmoe", tmp_path / "hf", hidden_size=256, intermediate_size=256, num_key_value_heads=4)
+    kinds = {0: ("Q3_K", "IQ4_XS"), 1: ("MXFP4", "Q2_K")}
+    path = gguf_export.export(tmp_path / "hf", tmp_path / "q3.gguf", kinds, dense_types={"attn_q.": "Q3_K"})
+    rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors
+               if t.tensor_type.name not in ("F32", "F16", "BF16")}
+    floats = gguf_export.export(tmp_path / "hf", tmp_path / "floats.gguf", replace=rounded)
+    capsys.readouterr()
+    store = index_gguf(path, tmp_path / "store", progress=False)
+    err = capsys.readouterr().err
+    assert "experts of q3.gguf are Q3_K, IQ4_XS, MXFP4, Q2_K" in err and "dequantized once here to fp32 copies" in err
+    assert "2 dense tensors of q3.gguf (55.0 KiB, e.g. blk.0.attn_q.weight) are computed in float32" in err
+    m = Manifest.load(store)
+    assert m.native_precision == "fp32" and (store / "experts").exists() and "layers.0.q_proj" not in m.dense_blocks
+    want = index_gguf(floats, tmp_path / "floats", progress=False)
+    prompt = list(range(3, 14))
+    a, b = logits(store, prompt, 6, 2), logits(want, prompt, 6, 2)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
 @pytest.fixture(scope="module")
 def qwen2_k_quant(tmp_path_factory):
     """A Qwen2-MoE (q/k/v biases, a shared expert) in whole 256-blocks, everything Q4_K but attn_v (Q6_K)."""
