@@ -72,13 +72,14 @@ def inspect_model(model: str | Path) -> ModelInfo:
 def _gguf_info(name: str, path: Path) -> ModelInfo:
     """A GGUF as indexing will store it: its config from the metadata, its experts' precision and largest layout."""
     from moetier.store.gguf_file import GgufModel
-    from moetier.store.gguf_store import model_dtype, precision_layout
+    from moetier.store.gguf_store import expert_layout, model_dtype
 
     model = GgufModel(path)
     config = model.config()
     family_for(config)  # an unsupported family is refused here, as at indexing
-    spec = parse_spec(dict(config, dtype=str(model_dtype(model)).removeprefix("torch.")))
-    layout = precision_layout(model, spec)
+    dtype = model_dtype(model)
+    spec = parse_spec(dict(config, dtype=str(dtype).removeprefix("torch.")))
+    layout = expert_layout(model, spec, dtype)
     return ModelInfo(name, spec, layout.name, layout.blob_bytes, path)
 
 

@@ -189,6 +189,11 @@ def note_dequantized_experts(model: GgufModel, spec: ModelSpec, layout: Precisio
           f"Q6_K with llama-quantize, they are read in place", file=sys.stderr)
 
 
+def expert_layout(model: GgufModel, spec: ModelSpec, dtype: torch.dtype) -> PrecisionLayout:
+    """How the store keeps the experts: in the file's types where the kernels compute them, else dequantized."""
+    return precision_layout(model, spec) if kept_as_they_are(model, spec) else dequantized_layout(spec, dtype)
+
+
 def precision_layout(model: GgufModel, spec: ModelSpec) -> PrecisionLayout:
     """The experts' precision (named by gate and up's type) and its layout, per layer where layers differ."""
     per_layer = {layer: expert_tensors(model, spec, layer) for layer in spec.moe_layers}
@@ -214,7 +219,7 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
     config = dict(model.config(), dtype=str(dtype).removeprefix("torch."))
     family, spec = family_for(config), parse_spec(config)
     in_place = kept_as_they_are(model, spec)
-    layout = precision_layout(model, spec) if in_place else dequantized_layout(spec, dtype)
+    layout = expert_layout(model, spec, dtype)
     ckpt = GgufCheckpoint(model, dtype)
     dense = dense_tensors(ckpt, family, spec)
     names = {part: part.name for part in model.parts}

@@ -18,6 +18,7 @@ from moetier.engine.stats import GenerationStats
 from moetier.errors import ChecksumError, StoreError
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
+from moetier.model_info import inspect_model
 from moetier.plan.route import DECODE, PREFILL
 from moetier.resolve import resolve_model
 from moetier.store.format import Manifest
@@ -202,7 +203,8 @@ def test_types_the_kernels_do_not_compute_are_dequantized_once_with_a_note(tmp_p
     rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors
                if t.tensor_type.name not in ("F32", "F16", "BF16")}
     floats = gguf_export.export(tmp_path / "hf", tmp_path / "floats.gguf", replace=rounded)
-    capsys.readouterr()
+    info = inspect_model(path)  # what doctor and sim see: the copies' layout (fp32 gate·up and down)
+    assert info.precision == "fp32" and 3 * 256 * 256 * 4 <= info.blob_bytes < 3 * 256 * 256 * 4 + 8192
     store = index_gguf(path, tmp_path / "store", progress=False)
     err = capsys.readouterr().err
     assert "experts of q3.gguf are Q3_K, IQ4_XS, MXFP4, Q2_K" in err and "dequantized once here to fp32 copies" in err
