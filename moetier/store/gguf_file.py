@@ -6,7 +6,8 @@ shape and place in its file, and its tokenizer built from `tokenizer.ggml.*` wit
 Which architectures: llama.cpp's arch names mapped to the families moetier runs (`ARCHES`); any other is refused
 with its name. What the converter changed in the weights is undone where they are read: llama-arch Q/K rows
 permuted for its rotary layout (Mixtral: `unpermute`), DeepSeek's kv_b_proj split into attn_k_b (transposed) and
-attn_v_b (gguf_store.GgufCheckpoint joins them), GLM's multi-token-prediction layers counted in block_count.
+attn_v_b (gguf_store.GgufCheckpoint joins them), GLM's multi-token-prediction layers counted in block_count,
+gpt-oss's gate_up de-interleaved (as the store wants it) and its sinks named `.weight`.
 Errors are one line (GgufError) before anything is written."""
 
 from __future__ import annotations
@@ -224,17 +225,21 @@ def _routed(m: GgufModel) -> dict:
 
 
 def _yarn(m: GgufModel) -> dict:
-    """rope_parameters for a file's YaRN keys ({} without). The file keeps 0.1·mscale_all_dim as
-    yarn_log_multiplier and not mscale, which llama.cpp takes as equal (its deepseek2 graph cancels the rotary
-    magnitude): so do we — the same as transformers for every DeepSeek release, whose two are equal."""
+    """rope_parameters for a file's YaRN keys ({} without). A file with yarn_log_multiplier (DeepSeek's) keeps
+    0.1·mscale_all_dim there and not mscale, which llama.cpp takes as equal (its deepseek2 graph cancels the rotary
+    magnitude): so do we — the same as transformers for every DeepSeek release, whose two are equal. Without it the
+    magnitude is YaRN's default, 0.1·ln(factor) + 1, in both."""
     if m.key("rope.scaling.type") != "yarn":
         return {}
-    mscale = decimal(float(m.key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)
-    return {"rope_type": "yarn", "rope_theta": decimal(m.key("rope.freq_base", 10000.0)),
-            "factor": decimal(m.key("rope.scaling.factor")),
-            "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
-            "beta_fast": decimal(m.key("rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": decimal(m.key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
+    out = {"rope_type": "yarn", "rope_theta": decimal(m.key("rope.freq_base", 10000.0)),
+           "factor": decimal(m.key("rope.scaling.factor")),
+           "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
+           "beta_fast": decimal(m.key("rope.scaling.yarn_beta_fast", 32.0)),
+           "beta_slow": decimal(m.key("rope.scaling.yarn_beta_slow", 1.0))}
+    if m.key("rope.scaling.yarn_log_multiplier") is not None:
+        mscale = decimal(float(m.key("rope.scaling.yarn_log_multiplier")) / 0.1)
+        out |= {"mscale": mscale, "mscale_all_dim": mscale}
+    return out
 
 
 def _deepseek2(m: GgufModel) -> dict:
@@ -264,6 +269,22 @@ def _glm4moe(m: GgufModel) -> dict:
             "use_qk_norm": "blk.0.attn_q_norm.weight" in m.tensors, "attention_bias": "blk.0.attn_q.bias" in m.tensors}
 
 
+def _gpt_oss(m: GgufModel) -> dict:
+    """gpt-oss: what the file does not say, as llama.cpp's gpt-oss graph fixes it and the released models have it —
+    sliding and full layers alternating from a sliding one (its swa pattern 2), SwiGLU clamped at 7, and YaRN
+    without truncating its correction range (the released config's `truncate: false`)."""
+    layers, window = int(m.key("block_count")), m.key("attention.sliding_window")
+    cfg = {"num_local_experts": int(m.key("expert_count")),
+           "intermediate_size": int(m.key("expert_feed_forward_length")), "swiglu_limit": 7.0,
+           "attention_bias": "blk.0.attn_q.bias" in m.tensors,
+           "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
+    if window:
+        cfg["sliding_window"] = int(window)
+    if (yarn := _yarn(m)):
+        cfg["rope_parameters"] = {**yarn, "truncate": False}
+    return cfg
+
+
 ARCHES = {
     "olmoe": ArchSpec(("olmoe",), _olmoe),
     "qwen2moe": ArchSpec(("qwen2_moe",), _qwen2moe),
@@ -271,6 +292,7 @@ ARCHES = {
     "llama": ArchSpec(("mixtral",), _mixtral, permute_qk=True),  # with experts: Mixtral (llama.cpp has no arch of its own)
     "deepseek2": ArchSpec(("deepseek_v2", "deepseek_v3"), _deepseek2),
     "glm4moe": ArchSpec(("glm4_moe",), _glm4moe),
+    "gpt-oss": ArchSpec(("gpt_oss",), _gpt_oss),
 }
 
 

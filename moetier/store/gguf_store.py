@@ -30,9 +30,9 @@ from moetier.progress import tqdm
 from moetier.quant.ggml_blocks import dequantize
 from moetier.quant.precisions import GGUF_BLOCKS, matrix_shape
 from moetier.store.checkpoint import Located
-from moetier.store.convert import dense_tensors
+from moetier.store.convert import dense_tensors, native_layout
 from moetier.store.format import PRECISION_OF_DTYPE, DenseBlock, Manifest, PrecisionLayout, SourceFile, is_store
-from moetier.store.gguf_file import HINT, GgufError, GgufModel, Tensor, unpermute
+from moetier.store.gguf_file import HINT, KNOWN_TYPES, GgufError, GgufModel, Tensor, unpermute
 from moetier.store.gguf_tokenizer import tokenizer_files
 from moetier.store.link import segments_crc32, segments_of
 from moetier.store.writer import MANIFEST_BYTES_PER_LINKED_BLOB, StoreWriter, store_bytes
@@ -60,6 +60,7 @@ class GgufCheckpoint:
     def gguf_name(self, hf_name: str) -> str:
         # (the converter renames DeepSeek's e_score_correction_bias to e_score_correction.bias before its table)
         hf_name = hf_name.removesuffix("_bias") + ".bias" if hf_name.endswith("e_score_correction_bias") else hf_name
+        hf_name = hf_name + ".weight" if hf_name.endswith("self_attn.sinks") else hf_name  # (gpt-oss's, likewise)
         name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise GgufError(f"{self.model.path.name}: no GGUF name for {hf_name} in llama.cpp's {self.model.arch} "
@@ -161,37 +162,46 @@ def expert_tensors(model: GgufModel, spec: ModelSpec, layer: int) -> ExpertTenso
 
 
 def kept_as_they_are(model: GgufModel, spec: ModelSpec) -> bool:
-    """Whether every expert tensor is in a type the kernels compute (otherwise all are dequantized into copies)."""
-    return all(t.type in FLOATS or t.type in GGUF_BLOCKS for layer in spec.moe_layers
-               for t in (model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in PARTS))
+    """Whether the experts are read in place: every expert tensor in a type the kernels compute, and no biases
+    (gpt-oss's: the store keeps them beside each expert's matrices). Otherwise every expert is copied."""
+    return not bias_tensors(spec) and all(
+        t.type in FLOATS or t.type in GGUF_BLOCKS for layer in spec.moe_layers
+        for t in (model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in PARTS))
 
 
-def dequantized_layout(spec: ModelSpec, dtype: torch.dtype) -> PrecisionLayout:
-    h, i, name = spec.hidden_size, spec.moe_intermediate_size, str(dtype).removeprefix("torch.")
-    return PrecisionLayout.packed(PRECISION_OF_DTYPE[dtype], [("gate_up_proj", name, (2 * i, h)),
-                                                              ("down_proj", name, (h, i))])
+def bias_tensors(spec: ModelSpec) -> bool:
+    return any(name.endswith(".bias") for name, _ in spec.expert_shapes)
 
 
-def dequantized_expert(tensors: ExpertTensors, expert: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def dequantized_expert(model: GgufModel, tensors: ExpertTensors, expert: int, dtype: torch.dtype,
+                       biases: bool) -> dict[str, torch.Tensor]:
+    """One expert's tensors as native_layout keeps them, in `dtype`: dequantized (or as they are, for floats)."""
     gate, up, down = (values(t, expert).to(dtype) for t in (tensors.gate, tensors.up, tensors.down))
-    return {"gate_up_proj": torch.cat([gate, up]), "down_proj": down}
+    out = {"gate_up_proj": torch.cat([gate, up]), "down_proj": down}
+    if biases:
+        gate_b, up_b, down_b = (values(model.tensor(t.name.replace(".weight", ".bias")), expert).to(dtype)
+                                for t in (tensors.gate, tensors.up, tensors.down))
+        out |= {"gate_up_proj.bias": torch.cat([gate_b, up_b]), "down_proj.bias": down_b}
+    return out
 
 
-def note_dequantized_experts(model: GgufModel, spec: ModelSpec, layout: PrecisionLayout) -> None:
-    kinds = Counter(model.tensor(f"blk.{layer}.ffn_{p}_exps.weight").ggml_type for layer in spec.moe_layers
-                    for p in PARTS)
-    file_bytes = sum(model.tensor(f"blk.{layer}.ffn_{p}_exps.weight").nbytes for layer in spec.moe_layers
-                     for p in PARTS)
+def note_copied_experts(model: GgufModel, spec: ModelSpec, layout: PrecisionLayout) -> None:
+    experts = [model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for layer in spec.moe_layers for p in PARTS]
+    kinds = Counter(t.ggml_type for t in experts)
+    file_bytes = sum(t.nbytes for t in experts)
     copies = len(spec.moe_layers) * spec.num_experts * layout.blob_bytes
-    print(f"moetier: the experts of {model.path.name} are {', '.join(kinds)}, which moetier's kernels do not compute: "
-          f"dequantized once here to {layout.name} copies in the store ({format_bytes(copies)} written, "
-          f"{copies / file_bytes:.1f}x the file's {format_bytes(file_bytes)}); requantized to Q4_K_M, Q8_0 or "
-          f"Q6_K with llama-quantize, they are read in place", file=sys.stderr)
+    unread = [k for k in kinds if KNOWN_TYPES.get(k) not in (*FLOATS, *GGUF_BLOCKS)]
+    why = (f"are {', '.join(kinds)}, which moetier's kernels do not compute" if unread else
+           f"carry biases, which the store keeps beside each expert's {', '.join(kinds)} matrices")
+    print(f"moetier: the experts of {model.path.name} {why}: copied once here to {layout.name} in the store "
+          f"({format_bytes(copies)} written, {copies / file_bytes:.1f}x the file's {format_bytes(file_bytes)})"
+          + ("; requantized to Q4_K_M, Q8_0 or Q6_K with llama-quantize, they are read in place" if unread and
+             not bias_tensors(spec) else ""), file=sys.stderr)
 
 
 def expert_layout(model: GgufModel, spec: ModelSpec, dtype: torch.dtype) -> PrecisionLayout:
-    """How the store keeps the experts: in the file's types where the kernels compute them, else dequantized."""
-    return precision_layout(model, spec) if kept_as_they_are(model, spec) else dequantized_layout(spec, dtype)
+    """How the store keeps the experts: in the file's types where read in place, else as a folder's copies."""
+    return precision_layout(model, spec) if kept_as_they_are(model, spec) else native_layout(spec, dtype)
 
 
 def precision_layout(model: GgufModel, spec: ModelSpec) -> PrecisionLayout:
@@ -218,7 +228,7 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
     dtype = model_dtype(model)
     config = dict(model.config(), dtype=str(dtype).removeprefix("torch."))
     family, spec = family_for(config), parse_spec(config)
-    in_place = kept_as_they_are(model, spec)
+    in_place, biases = kept_as_they_are(model, spec), bias_tensors(spec)
     layout = expert_layout(model, spec, dtype)
     ckpt = GgufCheckpoint(model, dtype)
     dense = dense_tensors(ckpt, family, spec)
@@ -238,7 +248,7 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
     needed = store_bytes(sum(t.nbytes for t in dense.values()), *copies, sum(map(len, files.values()))) \
         + total * MANIFEST_BYTES_PER_LINKED_BLOB
     if not in_place:
-        note_dequantized_experts(model, spec, layout)
+        note_copied_experts(model, spec, layout)
     with StoreWriter(store_dir, overwrite, tuple(model.parts), needed) as writer, \
             tqdm(total=total, desc=f"index {path.name}", unit="expert", disable=not progress) as bar:
         writer.write_dense(dense)
@@ -247,7 +257,7 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
             tensors, own = expert_tensors(model, spec, layer), layout.for_layer(layer)
             for e in range(spec.num_experts):
                 if not in_place:
-                    writer.add_expert(layer, e, layout, dequantized_expert(tensors, e, dtype))
+                    writer.add_expert(layer, e, layout, dequantized_expert(model, tensors, e, dtype, biases))
                     bar.update()
                     continue
                 segments = segments_of(tensors.locate(e), own, names)

@@ -19,7 +19,7 @@ from moetier.store.sources import expert_source
 from tests.store import gguf_writer
 
 ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
 
 
 def routed_keys(config: dict) -> dict:
@@ -44,12 +44,9 @@ def deepseek2_keys(config: dict) -> dict:
            "vocab_size": config["vocab_size"], **routed_keys(config)}
     if config.get("q_lora_rank"):
         out["attention.q_lora_rank"] = config["q_lora_rank"]
-    p = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if (p.get("rope_type") or p.get("type")) == "yarn":
-        out |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(p["factor"]),
-                "rope.scaling.original_context_length": p["original_max_position_embeddings"],
-                "rope.scaling.yarn_beta_fast": float(p["beta_fast"]), "rope.scaling.yarn_beta_slow": float(p["beta_slow"]),
-                "rope.scaling.yarn_log_multiplier": 0.1 * p["mscale_all_dim"]}
+    if (yarn := yarn_keys(config)):
+        p = config.get("rope_parameters") or config.get("rope_scaling")
+        out |= {**yarn, "rope.scaling.yarn_log_multiplier": 0.1 * p["mscale_all_dim"]}
     return out
 
 
@@ -58,6 +55,20 @@ def glm4moe_keys(config: dict) -> dict:
     partial = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
     return {"block_count": config["num_hidden_layers"] + nextn, "nextn_predict_layers": nextn,
             "rope.dimension_count": int(config["head_dim"] * partial), "expert_gating_func": 2, **routed_keys(config)}
+
+
+def yarn_keys(config: dict) -> dict:
+    p = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (p.get("rope_type") or p.get("type")) != "yarn":
+        return {}
+    return {"rope.scaling.type": "yarn", "rope.scaling.factor": float(p["factor"]),
+            "rope.scaling.original_context_length": p["original_max_position_embeddings"],
+            "rope.scaling.yarn_beta_fast": float(p["beta_fast"]), "rope.scaling.yarn_beta_slow": float(p["beta_slow"])}
+
+
+def gpt_oss_keys(config: dict) -> dict:
+    return {"attention.sliding_window": config["sliding_window"],
+            "expert_feed_forward_length": config["intermediate_size"], **yarn_keys(config)}
 
 
 def keys(config: dict, arch: str) -> dict:
@@ -76,7 +87,8 @@ def keys(config: dict, arch: str) -> dict:
         out["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
     if config.get("head_dim"):
         out["attention.key_length"] = out["attention.value_length"] = config["head_dim"]
-    return out | {"deepseek2": deepseek2_keys, "glm4moe": glm4moe_keys}.get(arch, lambda c: {})(config)
+    return out | {"deepseek2": deepseek2_keys, "glm4moe": glm4moe_keys, "gpt-oss": gpt_oss_keys}.get(
+        arch, lambda c: {})(config)
 
 
 def split_kv_b(w: np.ndarray, config: dict, name: str) -> dict:
@@ -112,6 +124,7 @@ def export(hf_dir: Path, out: Path, expert_types: dict | None = None, dense_type
             tensors.update(split_kv_b(w, config, names.get_name(theirs, try_suffixes=(".weight",))))
             continue
         theirs = theirs.removesuffix("_bias") + ".bias" if theirs.endswith("e_score_correction_bias") else theirs
+        theirs = theirs + ".weight" if theirs.endswith("self_attn.sinks") else theirs  # GptOssModel.filter_tensors
         name = names.get_name(theirs, try_suffixes=(".weight", ".bias"))
         matrix = w.ndim == 2 and not name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
         kind = next((t for part, t in (dense_types or {}).items() if part in name), dense_type)
@@ -123,6 +136,11 @@ def export(hf_dir: Path, out: Path, expert_types: dict | None = None, dense_type
         stacked = {"gate": np.stack([x["gate_up_proj"][:i].float().numpy() for x in experts]),
                    "up": np.stack([x["gate_up_proj"][i:].float().numpy() for x in experts]),
                    "down": np.stack([x["down_proj"].float().numpy() for x in experts])}
+        if "down_proj.bias" in experts[0]:  # gpt-oss: biases per expert, gate's and up's apart
+            stacked_b = {"gate": [x["gate_up_proj.bias"][:i] for x in experts],
+                         "up": [x["gate_up_proj.bias"][i:] for x in experts], "down": [x["down_proj.bias"] for x in experts]}
+            tensors.update({f"blk.{layer}.ffn_{part}_exps.bias": np.stack([b.float().numpy() for b in bs])
+                            for part, bs in stacked_b.items()})
         kinds = (expert_types or {}).get(layer, (None, None))
         for part, w in stacked.items():
             kind = kinds[1] if part == "down" else kinds[0]

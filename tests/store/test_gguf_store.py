@@ -56,13 +56,14 @@ def logits(path, prompt: list[int], steps: int, slots: int | None = None, kernel
     return prefill, out
 
 
-# A GGUF keeps DeepSeek's YaRN mscale_all_dim but not its mscale (llama.cpp takes them equal, as every DeepSeek
-# release has them): the tiny V3's are made equal here
-GGUF_OVERRIDES = {"deepseek_v3": dict(rope_scaling={**FAMILY_CONFIGS["deepseek_v3"]["rope_scaling"], "mscale": 0.8})}
+# What a GGUF does not keep, as llama.cpp fixes it: DeepSeek's YaRN mscale (taken equal to mscale_all_dim, as every
+# DeepSeek release has them) and gpt-oss's SwiGLU limit (7, as released): the tiny models' are made so here
+GGUF_OVERRIDES = {"deepseek_v3": dict(rope_scaling={**FAMILY_CONFIGS["deepseek_v3"]["rope_scaling"], "mscale": 0.8}),
+                  "gpt_oss": dict(swiglu_limit=7.0)}
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-                                    "glm4_moe"])
+                                    "glm4_moe", "gpt_oss"])
 def test_a_gguf_is_the_model_its_folder_is(tiny_store, tmp_path, family):
     """Written as llama.cpp's converter writes it (F32), indexed, run: transformers' logits on the folder to the
     parity tests' tolerance, its 32 greedy tokens, at one layer's top-k slots and at all experts."""
@@ -70,7 +71,9 @@ def test_a_gguf_is_the_model_its_folder_is(tiny_store, tmp_path, family):
     path = gguf_export.export(hf_store.parent / "hf", tmp_path / f"{family}.gguf")
     store = index_gguf(path, tmp_path / "store", progress=False)
     m = Manifest.load(store)
-    assert m.native_precision == "fp32" and set(m.sources) == {path.name} and not (store / "experts").exists()
+    # (gpt-oss's experts carry biases: copied into the store's layout, as from its folder)
+    assert m.native_precision == "fp32" and set(m.sources) == {path.name}
+    assert (store / "experts").exists() == (family == "gpt_oss")
     torch.manual_seed(1)
     prompt = torch.randint(3, ref.config.vocab_size, (11,)).tolist()
     ref_prefill, ref_steps, ref_tokens = reference_run(ref, prompt, 8)
@@ -207,7 +210,8 @@ def test_types_the_kernels_do_not_compute_are_dequantized_once_with_a_note(tmp_p
     assert info.precision == "fp32" and 3 * 256 * 256 * 4 <= info.blob_bytes < 3 * 256 * 256 * 4 + 8192
     store = index_gguf(path, tmp_path / "store", progress=False)
     err = capsys.readouterr().err
-    assert "experts of q3.gguf are Q3_K, IQ4_XS, MXFP4, Q2_K" in err and "dequantized once here to fp32 copies" in err
+    assert "experts of q3.gguf are Q3_K, IQ4_XS, MXFP4, Q2_K, which moetier's kernels do not compute: copied once " \
+           "here to fp32 in the store (12.0 MiB written, 8.6x the file's 1.4 MiB); requantized" in err
     assert "2 dense tensors of q3.gguf (55.0 KiB, e.g. blk.0.attn_q.weight) are computed in float32" in err
     m = Manifest.load(store)
     assert m.native_precision == "fp32" and (store / "experts").exists() and "layers.0.q_proj" not in m.dense_blocks
@@ -215,6 +219,31 @@ def test_types_the_kernels_do_not_compute_are_dequantized_once_with_a_note(tmp_p
     prompt = list(range(3, 14))
     a, b = logits(store, prompt, 6, 2), logits(want, prompt, 6, 2)
     assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_a_gpt_oss_mxfp4_file_runs_its_experts_values_with_their_biases(tmp_path, capsys):
+    """gpt-oss as its released GGUFs hold it (MXFP4 experts beside F32 biases, sinks, the router's bias): the experts
+    copied with their biases, and the model computes what the same file with the MXFP4 blocks' values in F32
+    does."""
+    build_tiny("gpt_oss", tmp_path / "hf", hidden_size=256, intermediate_size=256, **GGUF_OVERRIDES["gpt_oss"])
+    path = gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4.gguf", {0: ("MXFP4", "MXFP4"), 1: ("MXFP4", "MXFP4")})
+    rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors
+               if t.tensor_type.name == "MXFP4"}
+    assert len(rounded) == 6
+    floats = gguf_export.export(tmp_path / "hf", tmp_path / "floats.gguf", replace=rounded)
+    capsys.readouterr()
+    store = index_gguf(path, tmp_path / "store", progress=False)
+    assert "experts of mxfp4.gguf are MXFP4, which moetier's kernels do not compute: copied once" in capsys.readouterr().err
+    bias = Store(store).read_expert(1, 3)["down_proj.bias"]
+    assert torch.equal(bias, torch.from_numpy(gguf_tensor(path, "blk.1.ffn_down_exps.bias")[3].copy()))
+    want = index_gguf(floats, tmp_path / "floats", progress=False)
+    prompt = list(range(3, 14))
+    a, b = logits(store, prompt, 6, 2), logits(want, prompt, 6, 2)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def gguf_tensor(path: Path, name: str) -> np.ndarray:
+    return next(np.asarray(t.data) for t in gguf.GGUFReader(path).tensors if t.name == name)
 
 
 @pytest.fixture(scope="module")
