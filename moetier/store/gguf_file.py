@@ -285,6 +285,25 @@ def _gpt_oss(m: GgufModel) -> dict:
     return cfg
 
 
+def _phimoe(m: GgufModel) -> dict:
+    """Phi-3.5-MoE. The file keeps LongRoPE's factors as tensors and one magnitude (rope.scaling.attn_factor, which
+    the converter computes as sqrt(1 + ln(factor)/ln(original)) whatever short_mscale and long_mscale the config
+    gave): both scales are that one, as llama.cpp computes it. Sparsemixer's jitter is the released 0.01 (the
+    file keeps none)."""
+    window = int(m.key("attention.sliding_window", 0))  # (0: none, as the converter writes a None)
+    cfg = {"num_local_experts": int(m.key("expert_count")), "intermediate_size": int(m.key("feed_forward_length")),
+           "attention_bias": "blk.0.attn_q.bias" in m.tensors, "lm_head_bias": "output.bias" in m.tensors,
+           "router_jitter_noise": 0.01, "sliding_window": window or None}
+    if "rope_factors_long.weight" in m.tensors:
+        factors = {f"{k}_factor": [decimal(v) for v in np.asarray(m.tensor(f"rope_factors_{k}.weight").data, np.float32)]
+                   for k in ("long", "short")}
+        scale = decimal(m.key("rope.scaling.attn_factor", 1.0))
+        cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": decimal(m.key("rope.freq_base", 10000.0)),
+                                  "original_max_position_embeddings": int(m.key("rope.scaling.original_context_length")),
+                                  "short_mscale": scale, "long_mscale": scale, **factors}
+    return cfg
+
+
 ARCHES = {
     "olmoe": ArchSpec(("olmoe",), _olmoe),
     "qwen2moe": ArchSpec(("qwen2_moe",), _qwen2moe),
@@ -293,6 +312,7 @@ ARCHES = {
     "deepseek2": ArchSpec(("deepseek_v2", "deepseek_v3"), _deepseek2),
     "glm4moe": ArchSpec(("glm4_moe",), _glm4moe),
     "gpt-oss": ArchSpec(("gpt_oss",), _gpt_oss),
+    "phimoe": ArchSpec(("phimoe",), _phimoe),
 }
 
 

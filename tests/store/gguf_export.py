@@ -8,6 +8,7 @@ written as one wide key-value head, GLM's block_count counting its multi-token-p
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -19,7 +20,8 @@ from moetier.store.sources import expert_source
 from tests.store import gguf_writer
 
 ARCH = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss",
+        "phimoe": "phimoe"}
 
 
 def routed_keys(config: dict) -> dict:
@@ -71,6 +73,21 @@ def gpt_oss_keys(config: dict) -> dict:
             "expert_feed_forward_length": config["intermediate_size"], **yarn_keys(config)}
 
 
+def phimoe_keys(config: dict) -> dict:
+    """Phi3MiniModel's: LongRoPE's one magnitude from the context lengths (not the config's mscales)."""
+    p = config.get("rope_parameters") or config.get("rope_scaling")
+    scale = config["max_position_embeddings"] / p["original_max_position_embeddings"]
+    return {"rope.scaling.original_context_length": p["original_max_position_embeddings"],
+            "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"],
+            "attention.sliding_window": config.get("sliding_window") or 0,
+            "rope.scaling.attn_factor": math.sqrt(1 + math.log(scale) / math.log(p["original_max_position_embeddings"]))}
+
+
+def phimoe_tensors(config: dict) -> dict:
+    p = config.get("rope_parameters") or config.get("rope_scaling")
+    return {f"rope_factors_{k}.weight": np.asarray(p[f"{k}_factor"], np.float32) for k in ("long", "short")}
+
+
 def keys(config: dict, arch: str) -> dict:
     heads = config["num_attention_heads"]
     out = {"block_count": config["num_hidden_layers"], "context_length": config["max_position_embeddings"],
@@ -87,8 +104,8 @@ def keys(config: dict, arch: str) -> dict:
         out["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
     if config.get("head_dim"):
         out["attention.key_length"] = out["attention.value_length"] = config["head_dim"]
-    return out | {"deepseek2": deepseek2_keys, "glm4moe": glm4moe_keys, "gpt-oss": gpt_oss_keys}.get(
-        arch, lambda c: {})(config)
+    return out | {"deepseek2": deepseek2_keys, "glm4moe": glm4moe_keys, "gpt-oss": gpt_oss_keys,
+                  "phimoe": phimoe_keys}.get(arch, lambda c: {})(config)
 
 
 def split_kv_b(w: np.ndarray, config: dict, name: str) -> dict:
@@ -114,7 +131,7 @@ def export(hf_dir: Path, out: Path, expert_types: dict | None = None, dense_type
     arch = ARCH[config["model_type"]]
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      spec.num_layers)
-    tensors = {}
+    tensors = phimoe_tensors(config) if arch == "phimoe" else {}
     for theirs in family.dense_names(spec).values():
         w = ckpt.get(theirs).float().numpy()
         if arch == "llama" and theirs.endswith(("q_proj.weight", "k_proj.weight")):

@@ -2,6 +2,7 @@
 tokens equal transformers'), its experts read from the file in its own types — a Q4_K_M-like file's layers in
 different ones —, nothing copied, and every file that cannot be read, changed or rotted refused."""
 
+import math
 import os
 from pathlib import Path
 
@@ -57,13 +58,17 @@ def logits(path, prompt: list[int], steps: int, slots: int | None = None, kernel
 
 
 # What a GGUF does not keep, as llama.cpp fixes it: DeepSeek's YaRN mscale (taken equal to mscale_all_dim, as every
-# DeepSeek release has them) and gpt-oss's SwiGLU limit (7, as released): the tiny models' are made so here
+# DeepSeek release has them), gpt-oss's SwiGLU limit (7, as released) and Phi's two LongRoPE magnitudes (the one
+# the converter computes from the context lengths, √(1 + ln 8 / ln 32) here): the tiny models' are made so here
+PHI_MSCALE = (1 + math.log(256 / 32) / math.log(32)) ** 0.5
 GGUF_OVERRIDES = {"deepseek_v3": dict(rope_scaling={**FAMILY_CONFIGS["deepseek_v3"]["rope_scaling"], "mscale": 0.8}),
-                  "gpt_oss": dict(swiglu_limit=7.0)}
+                  "gpt_oss": dict(swiglu_limit=7.0),
+                  "phimoe": dict(rope_scaling={**FAMILY_CONFIGS["phimoe"]["rope_scaling"], "short_mscale": PHI_MSCALE,
+                                               "long_mscale": PHI_MSCALE})}
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-                                    "glm4_moe", "gpt_oss"])
+                                    "glm4_moe", "gpt_oss", "phimoe"])
 def test_a_gguf_is_the_model_its_folder_is(tiny_store, tmp_path, family):
     """Written as llama.cpp's converter writes it (F32), indexed, run: transformers' logits on the folder to the
     parity tests' tolerance, its 32 greedy tokens, at one layer's top-k slots and at all experts."""
@@ -335,7 +340,8 @@ def test_the_families_list_names_their_gguf_architectures(capsys):
     assert "GGUF arch: olmoe" in out and "GGUF arch: llama (with experts)" in out and "GGUF arch: qwen3moe" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert "GGUF arch: deepseek2" in lines["deepseek_v2"] and "GGUF arch: deepseek2" in lines["deepseek_v3"]
-    assert "GGUF arch: glm4moe" in lines["glm4_moe"] and "GGUF arch" not in lines["phimoe"]
+    assert "GGUF arch: glm4moe" in lines["glm4_moe"] and "GGUF arch: gpt-oss" in lines["gpt_oss"]
+    assert "GGUF arch: phimoe" in lines["phimoe"] and "GGUF arch" not in lines["switch_transformers"]
 
 
 def test_dense_weights_in_a_block_format_are_dequantized_once_with_a_note(tiny_store, tmp_path, capsys):
