@@ -79,7 +79,8 @@ class Config:
     precision_mode: str = "native"
     low: str = ""
     substitute: bool = False
-    preload: bool = False
+    preload: bool | str = False  # True: Engine.preload()'s order; "hot": a hot-expert table (the trace's most used
+    # experts first, static-hot's counts), under whatever policy evicts
     policy_params: tuple = ()  # (key, value) pairs for the policy's constructor (a fitted table, weights)
 
 
@@ -112,11 +113,20 @@ def simulate(trace, shape, profile: str, budget: str, config: Config, batch: int
         predictor = trace_predictor(config.predictor, trace, config.distance, error_rate=config.error)
     sub = Substitution().resolved(shape.total_expert_params) if config.substitute else None
     policy = trace_policy(config.policy, ctx, trace, **dict(config.policy_params))
-    result = replay(trace, policy, slots, cost, cost.precision, config.preload, prefetch=config.prefetch,
+    preload = hot_table(trace) if config.preload == "hot" else config.preload
+    result = replay(trace, policy, slots, cost, cost.precision, preload, prefetch=config.prefetch,
                     predictor=predictor, mixed=mixed, substitution=sub, placement=config.placement)
     dec = result.counts.phases[1]
     return dict(profile=profile, shape=shape.name, budget=budget, slots=slots, interleaved=batch, **result.summary(),
                 low_share=dec.low_runs / max(1, dec.needed))
+
+
+def hot_table(trace) -> list:
+    """The trace's experts, most used first (static-hot's counts; ties to the lower key): a hot-expert table."""
+    from moetier.sim.fit import use_counts
+
+    counts = use_counts(trace)
+    return sorted(counts, key=lambda key: (-counts[key], key))
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,14 @@ class Claim:
     ours: float  # ours, the same way round
     setting: str = ""  # our trace, shape, profile
     note: str = ""
+    band: tuple[float, float] | None = None  # the paper's own range for this ratio, where it gives one
+    why: str = ""  # where ours falls outside the band: why (geometry, trace, profile)
+
+    def __post_init__(self) -> None:
+        if self.paper <= 0 or self.ours <= 0:
+            raise ValueError(f"{self.figure} {self.what}: ratios are positive, got {self.paper} and {self.ours}")
+        if self.band is not None and not 0 < self.band[0] <= self.paper <= self.band[1]:
+            raise ValueError(f"{self.figure} {self.what}: the band {self.band} must hold the paper's {self.paper}")
 
     @property
     def agrees(self) -> bool:
@@ -135,29 +153,45 @@ class Claim:
 
         return side(self.paper) == side(self.ours)
 
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """The magnitude band: the paper's range where it states one, else within 2x of its ratio either way."""
+        return self.band or (self.paper / 2, self.paper * 2)
+
+    @property
+    def in_band(self) -> bool:
+        low, high = self.bounds
+        return low <= self.ours <= high
+
 
 def report(name: str, title: str, rows: list[dict], claims: list[Claim], out: Path = OUT / "repro") -> Path:
     """Write OUT/NAME.{json,md,png} (default bench/out/repro); print the table. Returns the JSON path."""
     from common import cpu_description
 
     out.mkdir(parents=True, exist_ok=True)
-    table = ["| figure | comparison | setting | paper | ours | same direction |", "|---|---|---|---|---|---|"]
+    table = ["| figure | comparison | setting | paper | ours | same direction | within the band |",
+             "|---|---|---|---|---|---|---|"]
     for c in claims:
+        low, high = c.bounds
         table.append(f"| {c.figure} | {c.what} | {c.setting} | {c.paper:.2f}× | {c.ours:.2f}× | "
-                     f"{'yes' if c.agrees else '**no**'}{' — ' + c.note if c.note else ''} |")
+                     f"{'yes' if c.agrees else '**no**'}{' — ' + c.note if c.note else ''} | "
+                     f"{'yes' if c.in_band else '**no**'} ({low:.2f}–{high:.2f}×)"
+                     f"{' — ' + c.why if c.why and not c.in_band else ''} |")
     (out / f"{name}.md").write_text("\n".join(table) + "\n")
     (out / f"{name}.json").write_text(json.dumps({
-        "title": title, "cpu": cpu_description(), "claims": [dict(dataclasses.asdict(c), agrees=c.agrees)
-                                                              for c in claims], "rows": rows}, indent=1, default=str))
+        "title": title, "cpu": cpu_description(),
+        "claims": [dict(dataclasses.asdict(c), agrees=c.agrees, in_band=c.in_band, bounds=c.bounds) for c in claims],
+        "rows": rows}, indent=1, default=str))
     plot(claims, out / f"{name}.png", title)
     print("\n".join(table))
-    agree = sum(c.agrees for c in claims)
-    print(f"{agree} of {len(claims)} claims point the same way; wrote {out / name}.json, .md and .png")
+    agree, in_band = sum(c.agrees for c in claims), sum(c.in_band for c in claims)
+    print(f"{agree} of {len(claims)} claims point the same way, {in_band} of {len(claims)} within the magnitude band; "
+          f"wrote {out / name}.json, .md and .png")
     return out / f"{name}.json"
 
 
 def plot(claims: list[Claim], path: Path, title: str) -> None:
-    """Paper and ours side by side per claim, as ratios (log scale; 1 = no change)."""
+    """Paper and ours side by side per claim, as ratios (log scale; 1 = no change), the band between."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,6 +202,8 @@ def plot(claims: list[Claim], path: Path, title: str) -> None:
     x = np.arange(len(claims))
     ax.bar(x - 0.2, [c.paper for c in claims], 0.4, label="paper")
     ax.bar(x + 0.2, [c.ours for c in claims], 0.4, label="ours (simulated)")
+    ax.vlines(x, [c.bounds[0] for c in claims], [c.bounds[1] for c in claims], color="grey", lw=3, alpha=0.5,
+              label="magnitude band")
     ax.axhline(1, color="black", lw=0.8)
     ax.set_yscale("log")
     ax.set_xticks(x, [f"{c.figure}\n{c.what}" for c in claims], fontsize=6, rotation=30, ha="right")

@@ -5,7 +5,9 @@ The paper's machines (a100-pcie4, v100-pcie3: 32 GB, Xeon Gold 6230R host) with 
 GPU (the paper does not state its cache; at the cards' whole room DeepSeek-V2-Lite would fit entire). Traces: decode streams drawn for each shape with the skew and locality of real routing (Mixtral's own
 shared trace for Mixtral-8x7B, Qwen1.5-MoE's for the small-expert models), 64 x 16 tokens, interleaved into batches
 (moetier/trace/batch.py; a stream cut into as many pieces as the batch). Every system starts with the cache filled
-(the paper gives all baselines the same hot-expert table). The systems as the simulator poses them: PreScope is
+from the same hot-expert table, as the paper gives all baselines PreScope's: the trace's most used experts first
+(static-hot's counts; Fiddler's own policy is static-hot); "no hot table" starts PreScope cold. The systems as the
+simulator poses them: PreScope is
 PreSched (cross-layer placement, Eq. 4-5, and its prefetch, Alg. 1) with a predictor right 94% of the time (Table 3)
 seeing three layers ahead; HybriMoE greedy layer-by-layer placement with next-layer prefetch; Fiddler a static hot
 set on the GPU and the rest on the CPU; Fate GPU-only with the accurate prefetch. Prefill is not timed (the paper's
@@ -28,10 +30,10 @@ from harness import OUT, Claim, Config, demo_trace, real_trace, report, shape_of
 
 LLAPOR = dict(predictor="oracle", error=0.06, distance=3)
 SYSTEMS = {
-    "prescope": Config("lru", "presched", **LLAPOR, placement="prescope", preload=True),
-    "hybrimoe": Config("lru", "hobbit", **dict(LLAPOR, distance=1), placement="greedy", preload=True),
+    "prescope": Config("lru", "presched", **LLAPOR, placement="prescope", preload="hot"),
+    "hybrimoe": Config("lru", "hobbit", **dict(LLAPOR, distance=1), placement="greedy", preload="hot"),
     "fiddler": Config("static-hot", placement="cpu-offload"),
-    "fate": Config("lru", "hobbit", **dict(LLAPOR, distance=1), preload=True),
+    "fate": Config("lru", "hobbit", **dict(LLAPOR, distance=1), preload="hot"),
 }
 ABLATION = {  # Fig. 15: one component off at a time
     "no hot table": dataclasses.replace(SYSTEMS["prescope"], preload=False),

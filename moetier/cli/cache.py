@@ -91,7 +91,6 @@ def _check_budgets(budgets: list[str], traces: list) -> None:
 
 
 def _train_cache_policy(args: argparse.Namespace) -> None:
-    from moetier.plan.precision import MixedPrecision
     from moetier.policy_files import policy_file, save_params
     from moetier.sim.cache_bench import budget_slots
     from moetier.sim.fit import fit_hobbit, train_flashmoe, use_counts
@@ -106,11 +105,40 @@ def _train_cache_policy(args: argparse.Namespace) -> None:
         save_params(args.policy, out, {"counts": use_counts(trace)}, trace.model)
     else:
         slots = budget_slots(args.expert_memory, trace)
-        weights, table = fit_hobbit(trace, slots, mixed=MixedPrecision(args.precision))
+        mixed, high, entry_bytes = _hobbit_run(args)
+        weights, table = fit_hobbit(trace, slots, mixed=mixed, high=high, entry_bytes=entry_bytes)
+        pair = mixed.pair(high) if mixed.mixed else (high,)
         save_params(args.policy, out, {"weights": weights}, trace.model, slots=slots, precision=args.precision,
+                    pair=list(pair), thresholds=[mixed.t1, mixed.t2] if mixed.mixed else None,
                     grid=[[*dataclasses.astuple(w), penalty] for w, penalty in table])
-        print(f"weights lru/lfu/lhu/fld = {weights.lru}/{weights.lfu}/{weights.lhu}/{weights.fld}")
+        print(f"weights lru/lfu/lhu/fld = {weights.lru}/{weights.lfu}/{weights.lhu}/{weights.fld} "
+              f"({' + '.join(pair)}{f', T1 {mixed.t1}, T2 {mixed.t2}' if mixed.mixed else ''})")
     print(f"wrote {out}")
+
+
+def _hobbit_run(args: argparse.Namespace):
+    """The run HOBBIT's weights are fitted for: its precision mode and pair, the model's own precision, one expert's
+    bytes at each copy (the model's store: the sub-caches hold as many entries as its runs'; without --model, the
+    copies' bit widths) and the model's fitted thresholds (the paper's without)."""
+    from moetier.plan.precision import MixedPrecision
+    from moetier.policy_files import load_thresholds
+    from moetier.resolve import resolve_model
+    from moetier.sim.replay import NATIVE
+    from moetier.store.store import Store
+    from moetier.store.variants import expert_layouts
+
+    if args.precision != "hobbit":
+        return MixedPrecision(), NATIVE, None
+    mixed = MixedPrecision("hobbit", high=args.high_precision, low=args.low_precision)
+    if args.model is None:
+        return mixed.with_thresholds(), NATIVE, None
+    store = Store(resolve_model(args.model, args.cache_dir, progress=False))
+    high = store.manifest.native_precision
+    mixed = mixed.with_thresholds(load_thresholds(model_dir(args.model, args.cache_dir)))
+    copies = [p for p in dict.fromkeys(mixed.pair(high)) if p != high]
+    entry_bytes = {high: store.native_layout.blob_bytes,
+                   **{p: layout.blob_bytes for p, layout in expert_layouts(store.spec, copies).items()}}
+    return mixed, high, entry_bytes
 
 
 def _train_thresholds(args: argparse.Namespace) -> None:
@@ -166,6 +194,7 @@ def model_dir(model: str, cache_dir: str | None) -> Path:
 
 
 def add_parser(sub) -> None:
+    from moetier.plan.precision import UNIFORM
     from moetier.predict import PREDICTORS
 
     cb = command(sub, "cache-bench", "every eviction policy on routing traces, against the optimum")
@@ -196,9 +225,15 @@ def add_parser(sub) -> None:
                                     "built-in model's are not written: copy it first)")
     cp.add_argument("--out", help="write here instead")
     cp.add_argument("--expert-memory", default="25%", help="hobbit: the budget to fit the weights at")
-    cp.add_argument("--precision", choices=["native", "hobbit"], default="native",
-                    help="hobbit: the cache to fit the weights for — one precision (misses), or HOBBIT's mixed one "
-                         "(the miss penalty of Fig. 18a: a missed int4 copy costs a quarter of a missed 16-bit one)")
+    cp.add_argument("--precision", choices=["native", "hobbit"], default="hobbit",
+                    help="hobbit: the cache to fit the weights for — HOBBIT's mixed one (default: the miss penalty "
+                         "of Fig. 18a, a missed low copy costing B_l/B_h of a missed high one, on the run's own pair, "
+                         "geometry and thresholds), or one precision (misses)")
+    cp.add_argument("--low-precision", default="int4", choices=UNIFORM,
+                    help="hobbit: the pair's low copy (int4 beside the model's own; int2 beside int8, as HOBBIT's "
+                         "Jetson runs)")
+    cp.add_argument("--high-precision", default="", choices=["", "int8", "q8_0"], metavar="{int8,q8_0}",
+                    help="hobbit: the pair's high copy (default the model's own)")
     cp.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     cp.set_defaults(func=_train_cache_policy)
     th = command(tr, "thresholds", "fit HOBBIT's importance thresholds T1, T2 to a model's routing and save them "

@@ -167,7 +167,7 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
 
 def add_precision_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that runs the engine at chosen precisions (docs/mixed-precision.md)."""
-    from moetier.plan.precision import MODES, UNIFORM
+    from moetier.plan.precision import CACHED, MODES, UNIFORM
 
     p.add_argument("--precision", default="native", choices=MODES,
                    help="native (exact); int8/int4/int2, or q8_0/q6_k/q5_k/q4_k (GGML's formats, fitted as "
@@ -185,6 +185,10 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
                         "paper's 0.6,0.9; low-tier T2 1.0: no skipping)")
     p.add_argument("--high-share", type=finite(0, 1), default=0.75,
                    help="hobbit: the high-precision sub-cache's share of the expert budget")
+    p.add_argument("--hobbit-cached", default="by-gate", choices=CACHED,
+                   help="hobbit: by-gate (the paper, default): a cached low copy of an important expert is a miss "
+                        "at high precision; as-held: any cached copy runs at the precision it is held at (fewer "
+                        "reads, important experts at low precision)")
     p.add_argument("--dense-precision", default="native", choices=["native", "int8", "int4", "q8_0", "q4_k_m"],
                    help="the attention projections and the head: native (exact; a GGUF's: its own blocks), or "
                         "quantized at load to our int8/int4 or to GGML's q8_0/q4_k_m as llama.cpp's Q8_0 and Q4_K_M "
@@ -201,7 +205,7 @@ def precision_fields(args: argparse.Namespace) -> dict:
         except ValueError:
             raise MoetierError(f"--thresholds takes T1,T2 (e.g. 0.6,0.9), got {args.thresholds!r}") from None
     return {"mode": args.precision, "high": args.high_precision, "low": args.low_precision, "t1": t1, "t2": t2,
-            "high_share": args.high_share}
+            "high_share": args.high_share, "cached": args.hobbit_cached}
 
 
 def precision_config(args: argparse.Namespace):

@@ -128,24 +128,28 @@ def miss_penalty(plans, high: str) -> float:
     return sum(PENALTY_BITS[ld.precision] for p in plans for ld in p.loads) / PENALTY_BITS[high]
 
 
-def fit_hobbit(trace: Trace, num_slots: int, step: float = 0.25, mixed: MixedPrecision | None = None
-               ) -> tuple[HobbitWeights, list[tuple]]:
+def fit_hobbit(trace: Trace, num_slots: int, step: float = 0.25, mixed: MixedPrecision | None = None,
+               high: str = NATIVE, entry_bytes: dict[str, int] | None = None) -> tuple[HobbitWeights, list[tuple]]:
     """HOBBIT's weights: the grid point of least miss penalty (Fig. 18a's measure) replaying `trace` with `num_slots`
-    slots in the precision mode `mixed` (default: one precision, where the penalty is the miss count; `hobbit`: a
-    missed int4 copy costs a quarter of a missed high one, and LHU — uses at high precision — differs from LFU).
+    slots (of the model's own precision `high`) in the precision mode `mixed` — default one precision, where the
+    penalty is the miss count; `hobbit`: the run's own pair (mixed.pair(high): int8 + int2 as well as 16-bit + int4),
+    a missed low copy costing B_l/B_h of a missed high one (1/4 for both) and LHU counting uses at the pair's high
+    precision. `entry_bytes`: one expert's bytes at each precision of the pair as the run's store lays them out, so
+    the replayed sub-caches hold as many entries as the run's (default: their bit widths, which split the bytes
+    alike but for scales and alignment). `mixed`'s thresholds: give the model's fitted ones (the paper's otherwise).
     Returns the weights and the grid, each point with its penalty."""
     mixed = mixed or MixedPrecision()
-    precisions = (NATIVE, *mixed.precisions(NATIVE)) if mixed.mixed else (NATIVE,)
-    entry_bytes = {p: PENALTY_BITS[p] for p in precisions}  # (the cache splits its room by these, as by bytes)
     if mixed.mixed:
         mixed = mixed.with_thresholds()
-    high = mixed.pair(NATIVE)[0] if mixed.mixed else NATIVE
-    ctx = PolicyContext(num_slots, tuple(trace.layers), trace.num_experts, trace.top_k)
+    pair = mixed.pair(high) if mixed.mixed else (high,)
+    entry_bytes = entry_bytes or {p: PENALTY_BITS[p] for p in {high, *pair}}
+    ctx = PolicyContext(num_slots, tuple(trace.layers), trace.num_experts, trace.top_k,
+                        pair[0] if mixed.mixed else None)
     table = []
     for w in weight_grid(step):
-        result = replay(trace, HobbitPolicy(ctx, w), num_slots, keep_plans=True, mixed=mixed,
+        result = replay(trace, HobbitPolicy(ctx, w), num_slots, precision=high, keep_plans=True, mixed=mixed,
                         entry_bytes=entry_bytes if mixed.mixed else None)
-        table.append((w, miss_penalty(result.plans, high)))
+        table.append((w, miss_penalty(result.plans, pair[0])))
     # ties go to the simpler policy; at one precision LHU counts what per-sequence LFU counts
     best = min(table, key=lambda t: (t[1], -t[0].lru, -t[0].lfu))
     return best[0], table

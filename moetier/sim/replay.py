@@ -5,7 +5,7 @@ policy (a test checks it)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,14 +149,15 @@ class SimResult:
 
 
 def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostModel | FreeCost,
-             precision: Precision = NATIVE, preload: bool = False, per_layer: bool = False,
+             precision: Precision = NATIVE, preload: bool | Sequence[ExpertKey] = False, per_layer: bool = False,
              timeline_steps: tuple[int, ...] = (), keep_plans: bool = False, prefetch: str = "none",
              predictor: Predictor | None = None, prefetch_params: dict | None = None,
              mixed: MixedPrecision | None = None, substitution: Substitution | None = None,
              placement: str = "none") -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
     clock. A policy's start set (static-hot's hot table) is loaded first, as the engine loads it when made; `preload`
-    then starts as Engine.preload() does (experts admitted layer by layer until the cache is full);
+    then starts as Engine.preload() does (experts admitted layer by layer until the cache is full), or, given keys,
+    admits those in their order until it is (a hot-expert table, hottest first, under any policy);
     `per_layer` splits the cache evenly among the trace's layers; timelines are kept for `timeline_steps`
     (negative indices count from the end). Layers the trace does not cover run with their experts resident. A
     trace without full router scores hands the policies its top-k weights with zeros elsewhere. `prefetch` names a
@@ -185,8 +186,10 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     executor = SimExecutor(layer_step, cost, costs)
     # as the engine starts: a policy's hot set loaded when it is made, then Engine.preload() if asked
     starts = [policy.start_set()]
-    if preload:
+    if preload is True:
         starts.append(ExpertKey(layer, e) for layer in trace.all_layers for e in range(trace.num_experts))
+    elif preload:
+        starts.append(preload)
     for keys in starts:
         for key, _ in residency.admit_while_room(keys, high):
             residency.landed(key)

@@ -21,6 +21,19 @@ def test_a_claim_agrees_when_both_sides_point_the_same_way():
     assert not Claim("Fig. 1", "x", 1.01, 0.93).agrees
 
 
+def test_a_claim_is_in_band_within_2x_of_the_papers_ratio_or_within_its_range():
+    """Direction alone let 6.0x stand for the paper's 1.57x: the band is the magnitude's bar beside it."""
+    assert Claim("Fig. 1", "x", 1.57, 3.0).in_band and not Claim("Fig. 1", "x", 1.57, 6.0).in_band
+    assert Claim("Fig. 1", "x", 1.57, 6.0).agrees  # the same way round, far off
+    assert not Claim("Fig. 1", "x", 3.21, 1.5).in_band and Claim("Fig. 1", "x", 3.21, 1.7).in_band
+    ranged = Claim("Fig. 1", "x", 1.19, 1.7, band=(1.19, 1.57))  # the paper's own range: 1.19-1.57x
+    assert not ranged.in_band and ranged.bounds == (1.19, 1.57) and Claim("F", "x", 1.19, 1.5, band=(1.19, 1.57)).in_band
+    import pytest
+
+    with pytest.raises(ValueError, match="must hold the paper's"):
+        Claim("Fig. 1", "x", 2.0, 1.0, band=(1.0, 1.5))
+
+
 def tiny_trace(shape, tokens=40, seqs=4):
     rng = np.random.default_rng(0)
     layers = list(shape.moe_layers)
@@ -44,3 +57,4 @@ def test_simulate_gives_the_replays_summary_and_batches_interleave(tmp_path):
     path = report("t", "test", [one, four], [Claim("Fig. 1", "x", 2.0, 1.5, "s")], out=tmp_path)
     written = json.loads(path.read_text())
     assert written["claims"][0]["agrees"] and (tmp_path / "t.png").exists() and (tmp_path / "t.md").exists()
+    assert written["claims"][0]["in_band"] and "| yes (1.00–4.00×) |" in (tmp_path / "t.md").read_text()

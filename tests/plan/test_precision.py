@@ -13,6 +13,7 @@ from moetier.plan.precision import (
     HIGH,
     LOW,
     SKIPPED,
+    AsHeldPrecisionStage,
     LowTierStage,
     MixedPrecision,
     PrecisionStage,
@@ -51,17 +52,58 @@ def test_misses_get_their_precision_and_the_least_important_are_skipped():
     assert [(ld.expert, ld.precision) for ld in plan.loads] == [(1, "bf16"), (2, "bf16"), (3, "int4")]
 
 
-def test_a_resident_copy_of_any_precision_is_used_as_it_is():
-    r = residency()
-    for e, p in ((1, "int4"), (4, "bf16")):
+def cached(r, held: dict, landed: bool = True):
+    for e, p in held.items():
         r.admit(ExpertKey(0, e), p)
-        r.landed(ExpertKey(0, e))
+        if landed:
+            r.landed(ExpertKey(0, e))
     r.unpin_all()
+
+
+def test_as_held_a_cached_copy_of_any_precision_is_used_as_it_is():
+    r = residency()
+    cached(r, {1: "int4", 4: "bf16"})
     plan = LayerPlan.exact(route([[1, 2, 3, 4]], [[0.5, 0.3, 0.15, 0.05]]), "bf16")
-    plan = OnDemandStage(r)(PrecisionStage(r, "bf16", "int4", 0.6, 0.9)(plan))
+    plan = OnDemandStage(r)(AsHeldPrecisionStage(r, "bf16", "int4", 0.6, 0.9)(plan))
     assert plan.assign_ids.tolist() == [[1, 2, 3, 4]]  # expert 4 would be skipped, but it is resident
     assert {run.expert: (run.precision, run.source) for run in plan.runs} == {
         1: ("int4", RESIDENT), 4: ("bf16", RESIDENT), 2: ("bf16", "load"), 3: ("int4", "load")}
+
+
+def test_by_gate_a_cached_low_copy_of_an_important_expert_is_a_miss_at_high_precision():
+    """§3.2: the first expert always high, and each expert's precision from its gate whether cached or not — a
+    low copy serves only a low need; a high copy serves any."""
+    r = residency()
+    cached(r, {1: "int4", 2: "int4", 3: "bf16", 4: "int4"})  # 1 first, 2 important, 3 low, 4 would be skipped
+    plan = LayerPlan.exact(route([[1, 2, 3, 4]], [[0.5, 0.3, 0.15, 0.05]]), "bf16")
+    plan = OnDemandStage(r)(PrecisionStage(r, "bf16", "int4", 0.6, 0.9)(plan))
+    assert {run.expert: (run.precision, run.source) for run in plan.runs} == {
+        3: ("bf16", RESIDENT), 4: ("int4", RESIDENT), 1: ("bf16", "load"), 2: ("bf16", "load")}
+    assert [(ld.expert, ld.precision) for ld in plan.loads] == [(1, "bf16"), (2, "bf16")]
+    assert {k.expert: e.precision for k, e in r.entries.items()} == {1: "bf16", 2: "bf16", 3: "bf16", 4: "int4"}
+    assert r.used_bytes == 3 * 10 + 3  # the two low copies left
+
+
+def test_by_gate_a_low_copy_still_reading_runs_low():
+    """A read in flight is never interrupted: the important expert waits for its low copy (one layer's loss)."""
+    r = residency()
+    cached(r, {1: "int4"}, landed=False)
+    plan = LayerPlan.exact(route([[1, 2]], [[0.55, 0.45]]), "bf16")  # both important
+    plan = OnDemandStage(r)(PrecisionStage(r, "bf16", "int4", 0.6, 0.9)(plan))
+    assert {run.expert: (run.precision, run.source) for run in plan.runs} == {1: ("int4", "in-flight"),
+                                                                              2: ("bf16", "load")}
+
+
+def test_by_gate_the_first_expert_is_high_over_a_top_8_of_low_copies():
+    """A top-8 model with its thresholds at 0: only the first expert is important — of eight cached low copies only
+    its copy is read again."""
+    r = Residency(1000, {"bf16": 10, "int4": 3}, LRUPolicy())
+    cached(r, {e: "int4" for e in range(8)})
+    weights = [[0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05]]
+    plan = LayerPlan.exact(route([[5, 0, 1, 2, 3, 4, 6, 7]], weights), "bf16")
+    plan = OnDemandStage(r)(PrecisionStage(r, "bf16", "int4", 0.0, 1.0)(plan))
+    assert [(ld.expert, ld.precision) for ld in plan.loads] == [(5, "bf16")]
+    assert sorted(run.expert for run in plan.runs if run.precision == "int4") == [0, 1, 2, 3, 4, 6, 7]
 
 
 def test_a_layer_whose_experts_are_all_cached_is_left_as_routed():
@@ -118,10 +160,19 @@ def test_the_low_tier_serves_unimportant_misses_without_a_read():
 @pytest.mark.parametrize("kw, match", [({"mode": "fp8"}, "unknown precision mode"),
                                        ({"mode": "hobbit", "t1": 0.9, "t2": 0.5}, "0 <= T1 <= T2"),
                                        ({"mode": "hobbit", "low": "int3"}, "unknown low precision"),
-                                       ({"mode": "hobbit", "high_share": 0}, "high_share")])
+                                       ({"mode": "hobbit", "high_share": 0}, "high_share"),
+                                       ({"mode": "hobbit", "cached": "always"}, "unknown cached-copy rule")])
 def test_bad_configurations_are_refused(kw, match):
     with pytest.raises(MoetierError, match=match):
         MixedPrecision(**kw)
+
+
+@pytest.mark.parametrize("cached, stage", [("by-gate", PrecisionStage), ("as-held", AsHeldPrecisionStage)])
+def test_the_cached_copy_rule_picks_the_loader(cached, stage):
+    from moetier.plan.precision import setup
+
+    made = setup(MixedPrecision("hobbit", cached=cached), "bf16", {"bf16": 10, "int4": 3}, 100, LRUPolicy(), (0,), 8, 2)
+    assert type(made.stages[0]) is stage
 
 
 def test_low_tier_does_not_skip_unless_asked():

@@ -154,6 +154,55 @@ def test_hobbit_weights_are_fitted_by_the_mixed_miss_penalty(trace, tmp_path):
     assert saved["precision"] == "hobbit" and len(saved["grid"][0]) == 5
 
 
+def test_hobbit_weights_are_fitted_on_the_runs_own_pair_and_geometry(trace):
+    """int8 + int2 (HOBBIT's Jetson pair): a missed int2 copy costs 1/4 of a missed int8 one — not the 1/8 of a
+    16-bit one — and the replayed sub-caches hold as many entries as the run's blob sizes make (each grid point's
+    penalty is a replay of that very cache)."""
+    from moetier.cache.policies import LRUPolicy
+    from moetier.cache.policies.context import PolicyContext
+    from moetier.cache.policies.hobbit import HobbitPolicy
+    from moetier.plan.precision import MixedPrecision, setup
+    from moetier.sim.fit import fit_hobbit, miss_penalty
+    from moetier.sim.replay import replay
+
+    weights = np.random.default_rng(1).dirichlet([1, 1], size=trace.topk_ids.shape[:2])
+    trace = dataclasses.replace(trace, topk_weights=-np.sort(-weights, axis=-1).astype(np.float16))
+    slots, mixed = 6, MixedPrecision("hobbit", low="int2", t1=0.6, t2=0.9)
+    geometry = {"int8": 12288, "int2": 4096}  # (an int2 blob is a third of an int8 one after alignment: not a quarter)
+    best, table = fit_hobbit(trace, slots, step=0.5, mixed=mixed, high="int8", entry_bytes=geometry)
+    penalties = [p for _, p in table]
+    assert all(4 * p == int(4 * p) for p in penalties) and any(p != int(p) for p in penalties)
+    made = setup(mixed, "int8", geometry, slots * geometry["int8"], LRUPolicy(), tuple(trace.layers), 16, 2)
+    assert made.residency.slots("int2") == slots * 12288 // 4 // 4096 == 4  # 25% of the bytes, in 4 KiB entries
+    ctx = PolicyContext(slots, tuple(trace.layers), trace.num_experts, trace.top_k, "int8")
+    for w, penalty in table:
+        plans = replay(trace, HobbitPolicy(ctx, w), slots, precision="int8", keep_plans=True, mixed=mixed,
+                       entry_bytes=geometry).plans
+        assert penalty == miss_penalty(plans, "int8")
+        assert {ld.precision for p in plans for ld in p.loads} == {"int8", "int2"}
+    assert dict(table)[best] == min(penalties)
+
+
+def test_train_hobbit_for_a_model_fits_its_pair_and_thresholds(tmp_path, capsys):
+    """`train cache-policy --policy hobbit --model M` fits for M's runs by default: the mixed penalty, the pair asked
+    (int8 + int2), M's own thresholds (policies/thresholds.json) — and says so in the file."""
+    from moetier.policy_files import load_thresholds
+    from moetier.resolve import builtin_models, resolve_model
+    from moetier.store.store import Store
+
+    spec = Store(resolve_model("demo-coarse", None, progress=False)).spec
+    t = generate(LocalityFit(zipf_s=1.0, p_keep=0.5, reuse_next=0.0, source="hand-made"), len(spec.moe_layers),
+                 spec.num_experts, spec.top_k, 120, seed=3, model="demo-coarse", layers=list(spec.moe_layers))
+    t.save(tmp_path / "t")
+    out = tmp_path / "hobbit.json"
+    assert main(["train", "cache-policy", "--policy", "hobbit", "--trace", str(tmp_path / "t"), "--model", "demo-coarse",
+                 "--out", str(out), "--high-precision", "int8", "--low-precision", "int2"]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["precision"] == "hobbit" and saved["pair"] == ["int8", "int2"]
+    assert tuple(saved["thresholds"]) == load_thresholds(builtin_models()["demo-coarse"])
+    assert "(int8 + int2, T1 " in capsys.readouterr().out
+
+
 def test_a_shipped_models_files_are_never_written_and_a_foreign_table_is_one_line(trace, tmp_path, capsys):
     """(`train cache-policy` with the default --model overwrote models/demo-fine/policies/flashmoe-ml.json; with
     --out it skipped the trace's check, and the file then crashed `generate --policy static-hot` with a KeyError.)"""
