@@ -14,10 +14,18 @@ WINDOW = 256  # calibration tokens per prefill
 
 
 def retention(args: argparse.Namespace):
-    from moetier.merge.plan import ADAPTIVE, AdaptiveRatio, FixedRatio
+    """How many experts a layer keeps: exactly one of --ratio, --adaptive, --threshold (θ_act alone)."""
+    from moetier.merge.plan import ADAPTIVE, ActivationThreshold, AdaptiveRatio, FixedRatio
 
+    given = [f"--{name}" for name in ("ratio", "adaptive", "threshold") if getattr(args, name) is not None]
+    if len(given) != 1:
+        raise MoetierError(f"give one way to choose the experts kept, not {' and '.join(given)}" if given else
+                           "give one way to choose the experts kept",
+                           hint="--ratio R, --adaptive {light,medium,heavy}, --threshold θ_act, or --library")
     if args.ratio is not None:
         return FixedRatio(args.ratio)
+    if args.threshold is not None:
+        return ActivationThreshold(args.threshold)
     r_base, delta_r = ADAPTIVE[args.adaptive]
     return AdaptiveRatio(r_base, delta_r, args.min_experts, args.adaptive)
 
@@ -84,7 +92,7 @@ def _merge(args: argparse.Namespace) -> None:
     check_engine_args(args)
     if args.library:
         return _library(args)
-    settings = MergeSettings(retention(args), args.alpha, args.threshold, args.align, args.members, args.refit)  # refused first
+    settings = MergeSettings(retention(args), args.alpha, args.align, args.members, args.refit)  # refused first
     text, what = calibration_text(args)
     source = source_model(args, [Path(args.out)])
     report = _write(source, Path(args.out), calibrate(args, text, what), settings, what, args.force)
@@ -117,7 +125,7 @@ def _library(args: argparse.Namespace) -> None:
         raise MoetierError("--library builds the paper's six variants", hint="drop --ratio, --adaptive, --threshold")
     folder = Path(args.out)
     variants = paper_variants(args.min_experts)
-    MergeSettings(variants["fixed-light"], args.alpha, None, args.align, args.members, args.refit)  # refuses bad values first
+    MergeSettings(variants["fixed-light"], args.alpha, args.align, args.members, args.refit)  # refuses bad values first
     if (folder / FILE).exists():
         Library.load(folder)  # a library.json that is not one (someone else's file) is refused, not replaced
     sources = texts(args.text)  # the held-out texts to score on
@@ -125,7 +133,7 @@ def _library(args: argparse.Namespace) -> None:
     source = source_model(args, [folder / name for name in variants])
     trace = calibrate(args, text, what)
     for name, retention in variants.items():
-        _write(source, folder / name, trace, MergeSettings(retention, args.alpha, None, args.align, args.members, args.refit),
+        _write(source, folder / name, trace, MergeSettings(retention, args.alpha, args.align, args.members, args.refit),
                what, args.force)
     library = score_library(args, source, folder, list(variants), sources)
     print(library_table(library))
@@ -211,7 +219,7 @@ def add_parser(sub) -> None:
                               "other model (docs/merging.md)")
     add_engine_options(m, "100%")
     m.add_argument("--out", required=True, help="the store folder to write (with --library: the folder of variants)")
-    how = m.add_mutually_exclusive_group(required=True)
+    how = m.add_mutually_exclusive_group()  # (--threshold too: retention() refuses none or two)
     how.add_argument("--library", action="store_true",
                      help="build the paper's six variants (fixed and adaptive, light/medium/heavy) into --out, score "
                           "each against the original on held-out text, list them in --out/library.json")
@@ -223,17 +231,18 @@ def add_parser(sub) -> None:
     m.add_argument("--alpha", type=float, default=0.5, help="weight of parameter similarity against functional "
                                                             "(Eq. 27)")
     m.add_argument("--threshold", type=float, help="θ_act: keep the experts above this share of a layer's "
-                                                   "activations instead of a count")
+                                                   "activations (instead of --ratio or --adaptive)")
     m.add_argument("--no-align", dest="align", action="store_false",
                    help="average members unit by unit as Eq. 30 is written, without matching their hidden units to "
                         "the principal's first")
     m.add_argument("--members", choices=["average", "principal"], default="average",
                    help="a merged expert's weights: its group averaged by frequency (Eq. 30), or the principal's own "
                         "(a baseline: the others pruned, their tokens sent to it)")
-    m.add_argument("--refit", choices=["none", "down", "all"], default="down",
-                   help="then fit each merged expert to its group's outputs on the calibration tokens: down (default) "
-                        "its down projection by least squares; all: then every weight by gradient steps (seconds "
-                        "for the demo models, hours for large experts on a CPU); none: Eq. 30's average alone")
+    m.add_argument("--refit", choices=["none", "down", "all"], default=None,
+                   help="then fit each merged expert to its group's outputs on the calibration tokens: down (default "
+                        "for averaged members) its down projection by least squares; all: then every weight by "
+                        "gradient steps (seconds for the demo models, hours for large experts on a CPU); none: "
+                        "Eq. 30's average alone (and --members principal's own weights, its only choice)")
     m.add_argument("--calibration", help="a text file to calibrate on (default: the demo models' training text)")
     m.add_argument("--calibration-tokens", type=count(WINDOW), default=8192,
                    help="tokens of it to route (the refit gains from more: docs/merging.md)")

@@ -23,6 +23,7 @@ from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import TorchKernels
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, PhaseCounters
+from moetier.plan.device_memory import device_memory
 from moetier.plan.layer_plan import HOST, IN_FLIGHT, RESIDENT, LayerPlan, Load, Prefetch, Run
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.pipeline import plan_stages
@@ -77,6 +78,7 @@ class ExpertExecutor:
         self.costs = RunningCosts(entry_bytes[self.precision])
         if substitution is not None:
             substitution = substitution.resolved(spec.num_expert_keys * spec.expert_params)
+        prefetch_params = {"memory": device_memory(str(self.device)), **(prefetch_params or {})}  # (CoMoE's m_avail)
         stages = plan_stages(made, substitution, prefetch, predictor, self.costs, spec.top_k, prefetch_params,
                              placement)
         # the substitution stage, if any: its α is tuned at run time (--tpot-budget)

@@ -48,22 +48,25 @@ ALIGN_MAX_UNITS = 4096  # an exact assignment is O(I^3): ~0.4 s at 2048 units, h
 
 @dataclass(frozen=True)
 class MergeSettings:
-    retention: Retention
+    retention: Retention  # how many principals: a ratio, adaptive, or above θ_act (ActivationThreshold)
     alpha: float = 0.5  # Eq. 27: the weight of parameter similarity against functional
-    threshold: float | None = None  # θ_act: principals by frequency instead of by count
     align: bool = True  # permute each member's hidden units to its principal's before averaging
     members: str = "average"  # Eq. 30; "principal": the principal's own weights (a baseline: pruning, rerouted)
-    refit: str = "down"  # then fit each merged expert to its group's outputs: one of REFITS (moetier/merge/refit.py)
+    refit: str | None = None  # then fit each merged expert to its group's outputs: one of REFITS
+    # (moetier/merge/refit.py); None: "down" for averaged members, "none" for a principal's own weights
 
     def __post_init__(self) -> None:
-        if self.refit not in REFITS:
-            raise MoetierError(f"--refit must be one of {', '.join(REFITS)}, got {self.refit!r}")
         if self.members not in MEMBERS:
             raise MoetierError(f"--members must be one of {', '.join(MEMBERS)}, got {self.members!r}")
+        if self.refit is None:
+            object.__setattr__(self, "refit", "none" if self.members == "principal" else "down")
+        if self.refit not in REFITS:
+            raise MoetierError(f"--refit must be one of {', '.join(REFITS)}, got {self.refit!r}")
+        if self.members == "principal" and self.refit != "none":
+            raise MoetierError(f"--members principal keeps each principal's own weights; --refit {self.refit} would "
+                               f"change them", hint="drop --refit (or --members principal)")
         if not 0 <= self.alpha <= 1:
             raise MoetierError(f"--alpha must be in [0, 1], got {self.alpha}")
-        if self.threshold is not None and not 0 <= self.threshold < 1:
-            raise MoetierError(f"--threshold is a share of a layer's activations in [0, 1), got {self.threshold}")
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def layer_merge(store: Store, layer: int, column: int, trace: Trace, settings: M
     x = torch.from_numpy(trace.gate_inputs[rows, column].astype(np.float32))  # [N, H]
     func = functional_similarity(torch.stack([expert_output(w, x, spec.activation) for w in experts]))  # [E, N, H]
     similarity = combined_similarity(param.numpy(), func.numpy(), settings.alpha)
-    return plan_layer(counts, similarity, settings.retention, spec.top_k, settings.threshold)
+    return plan_layer(counts, similarity, settings.retention, spec.top_k)
 
 
 def _chunks(experts: list[dict[str, torch.Tensor]]):
@@ -191,7 +194,8 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
     files = sum(len(src.read_file(name)) for name in m.tokenizer_files)
     config = dict(m.config, moetier_merged={
         "groups": [list(x.group_of) for x in merges], "from": str(src.path.resolve()),
-        "method": settings.retention.name, "alpha": settings.alpha, "threshold": settings.threshold,
+        "method": settings.retention.name, "alpha": settings.alpha,
+        "threshold": getattr(settings.retention, "theta", None),
         "aligned": align, "members": settings.members, "refit": settings.refit,
         "calibration": calibration, "calibration_tokens": int(trace.num_tokens), "kept": list(kept)})
     with StoreWriter(out, overwrite, (src.path,), store_bytes(src.dense_bytes, sum(kept), layout.blob_bytes, files)) \

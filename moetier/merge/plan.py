@@ -68,7 +68,26 @@ class AdaptiveRatio:
         return f"adaptive-{self.label}" if self.label else f"adaptive-{self.r_base:g}-{self.delta_r:g}"
 
 
-Retention = FixedRatio | AdaptiveRatio
+@dataclass(frozen=True)
+class ActivationThreshold:
+    """θ_act (§III-B): keep the experts whose share of a layer's activations is above θ (at least the most used)."""
+
+    theta: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.theta < 1:
+            raise MoetierError(f"--threshold is a share of a layer's activations in [0, 1), got {self.theta}",
+                               hint="--threshold 0.05 keeps the experts taking more than 5% of a layer's tokens")
+
+    def kept(self, frequency: np.ndarray) -> int:
+        return len(choose_principals(frequency, threshold=self.theta))
+
+    @property
+    def name(self) -> str:
+        return f"threshold-{self.theta:g}"
+
+
+Retention = FixedRatio | AdaptiveRatio | ActivationThreshold
 
 
 def activation_frequency(counts: np.ndarray) -> np.ndarray:
@@ -139,16 +158,10 @@ def group(similarity: np.ndarray, principals: list[int]) -> list[int]:
     return out
 
 
-def plan_layer(counts: np.ndarray, similarity: np.ndarray, retention: Retention, top_k: int,
-               threshold: float | None = None) -> LayerMerge:
-    """A layer's merge: principals by `retention` (at least top_k, at most E) or by `threshold` (θ_act; then at
-    least top_k of the most frequent), each other expert grouped to its most similar principal."""
+def plan_layer(counts: np.ndarray, similarity: np.ndarray, retention: Retention, top_k: int) -> LayerMerge:
+    """A layer's merge: as many principals as `retention` keeps (at least top_k, at most E) — a ratio's count, or
+    those above θ_act, which are the most frequent too —, each other expert grouped to its most similar
+    principal."""
     frequency = activation_frequency(counts)
-    num = len(frequency)
-    if threshold is not None:
-        principals = choose_principals(frequency, threshold=threshold)
-        if len(principals) < top_k:
-            principals = choose_principals(frequency, kept=top_k)
-    else:
-        principals = choose_principals(frequency, kept=min(num, max(top_k, retention.kept(frequency))))
+    principals = choose_principals(frequency, kept=min(len(frequency), max(top_k, retention.kept(frequency))))
     return LayerMerge(tuple(principals), tuple(group(similarity, principals)), tuple(float(x) for x in frequency))

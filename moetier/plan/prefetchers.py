@@ -23,6 +23,7 @@ from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.residency import Residency
 from moetier.errors import MoetierError
 from moetier.plan.costs import RunningCosts
+from moetier.plan.device_memory import DeviceMemory, FixedMemory
 from moetier.plan.layer_plan import HOST, IN_FLIGHT, LOAD, LayerPlan
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.placement import gpu_queue, predicted_misses
@@ -87,21 +88,22 @@ class ComoePrefetch(PrefetchStage):
     name = "comoe"
 
     def __init__(self, residency: Residency, precision: Precision, costs: RunningCosts, theta_base: float | None = None,
-                 delta: float = 0.5, top_k: int = 1) -> None:
+                 delta: float = 0.5, top_k: int = 1, memory: DeviceMemory | None = None) -> None:
         """The paper gives no values for θ_base or δ. θ_base defaults to half of 1/k, the probability a routed
-        expert has on average when the router's k choices share it evenly."""
+        expert has on average when the router's k choices share it evenly. `memory`: the device's free share,
+        m_avail/m_GPU (moetier/plan/device_memory.py; None: none free, as a machine whose memory the cache fills)."""
         super().__init__(residency, precision)
         self.costs, self.delta = costs, delta
+        self.memory = memory or FixedMemory()
         self.theta_base = theta_base if theta_base is not None else 0.5 / top_k
         if not 0.0 < self.theta_base < 1.0 or delta < 0:
             raise ValueError(f"need 0 < theta_base < 1 and delta >= 0 (got {self.theta_base}, {delta})")
 
     def threshold(self) -> float:
-        """θ_pre(t) = θ_base · S_b(t) · (1 + δ · m_avail/m_total) (Eq. 19, as printed: more free memory and a
-        steadier link raise the bar, although the paper's prose says a steadier link makes it more aggressive)."""
-        r = self.residency
-        free = r.free_bytes / r.capacity_bytes if r.capacity_bytes else 0.0
-        return self.theta_base * self.costs.bandwidth_stability() * (1 + self.delta * free)
+        """θ_pre(t) = θ_base · S_b(t) · (1 + δ · m_avail/m_GPU) (Eq. 19, as printed: more free memory and a
+        steadier link raise the bar, although the paper's prose says a steadier link makes it more aggressive);
+        m_avail/m_GPU the device's free memory, not the cache's."""
+        return self.theta_base * self.costs.bandwidth_stability() * (1 + self.delta * self.memory.free_share())
 
     def select(self, plan: LayerPlan) -> Iterable[ExpertKey]:
         layer = min(plan.predictions)
@@ -122,8 +124,8 @@ class Comoe37Prefetch(ComoePrefetch):
     name = "comoe-37"
 
     def threshold(self) -> float:
-        r = self.residency
-        return self.theta_base * (r.free_bytes / r.capacity_bytes if r.capacity_bytes else 0.0)
+        """θ_pre = γ·M_avail/M_GPU: the device's free memory (a full cache on a machine with room keeps it > 0)."""
+        return self.theta_base * self.memory.free_share()
 
 
 class PreSchedPrefetch(PrefetchStage):
@@ -244,8 +246,10 @@ def make_prefetcher(name: str, residency: Residency, precision: Precision, costs
     """The stage `name`, or a clear error."""
     if name not in PREFETCHERS:
         raise MoetierError(f"unknown prefetcher {name!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
+    memory = params.pop("memory", None)  # the device's free memory: CoMoE's thresholds read it
     if name in ("comoe", "comoe-37"):
         params.setdefault("top_k", top_k)
+        params["memory"] = memory
     if name in NEEDS_COSTS:
         params["costs"] = costs
     return PREFETCHERS[name](residency, precision, **params)

@@ -14,6 +14,7 @@ from moetier.cache.keys import ExpertKey, Precision
 from moetier.cache.policies import OFFLINE, EvictionPolicy, PolicyContext, base_name
 from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, predictor_recall, prefetch_summary
+from moetier.plan.device_memory import FixedMemory
 from moetier.plan.layer_plan import LayerPlan
 from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
@@ -180,6 +181,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
         if not isinstance(cost, CostModel):
             raise ValueError("a replay knows no model size: give the substitution its alpha")
         substitution = substitution.resolved(cost.shape.total_expert_params)
+    prefetch_params = {"memory": FixedMemory((free_share(cost, made.residency.capacity_bytes),)),
+                       **(prefetch_params or {})}
     stages = plan_stages(made, substitution, prefetch, predictor, costs, trace.top_k, prefetch_params, placement)
     layer_step = LayerStep(residency, Planner(high, stages), hooks=[counts, log] if keep_plans else [counts],
                            predictor=predictor)
@@ -223,6 +226,16 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
         result.bytes_read.append(counts.phases[phase].bytes_read - loads_before)
     result.plans = log.plans
     return result
+
+
+def free_share(cost: CostModel | FreeCost, cache_bytes: int) -> float:
+    """The simulated device's free memory beside the model (CoMoE's m_avail/m_GPU): the profile's fast tier less
+    the dense weights and the expert cache; a free machine (no profile) has none beside its cache."""
+    profile = getattr(cost, "profile", None)
+    if profile is None or profile.fast_tier_bytes <= 0:
+        return 0.0
+    used = cost.shape.dense_bytes() + cache_bytes
+    return max(0.0, profile.fast_tier_bytes - used) / profile.fast_tier_bytes
 
 
 def replay(trace: Trace, policy: EvictionPolicy, num_slots: int, preload: bool = False, per_layer: bool = False,

@@ -4,6 +4,7 @@ line before anything is converted or loaded."""
 import json
 
 import pytest
+import torch
 
 from moetier.cli import main
 from moetier.merge.library import Library
@@ -34,6 +35,23 @@ def test_merge_writes_a_smaller_store_and_says_what_it_kept(text_store, texts, t
     assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "It was", "--max-tokens", "4"]) == 0
 
 
+def test_theta_act_alone_merges_and_the_store_records_the_method_that_ran(text_store, texts, tmp_path,  # noqa: F811
+                                                                         capsys):
+    """`--threshold` without a ratio (θ_act: the experts above that share of a layer's activations); and
+    `--members principal` keeps each principal's own weights — no refit — which the store says."""
+    cal, _ = texts
+    assert main(["merge", "--model", str(text_store), "--out", str(tmp_path / "t"), "--threshold", "0.05",
+                 "--members", "principal", "--calibration", str(cal), "--calibration-tokens", "256"]) == 0
+    assert "threshold-0.05, experts kept of" in capsys.readouterr().out
+    merged, src = Store(tmp_path / "t"), Store(text_store)
+    record = merged.spec.hf_config["moetier_merged"]
+    assert (record["method"], record["threshold"], record["members"], record["refit"]) == (
+        "threshold-0.05", 0.05, "principal", "none")
+    layer = merged.spec.moe_layers[0]
+    p = merged.spec.experts_of(layer)[0]
+    assert all(torch.equal(merged.read_expert(layer, p)[k], v) for k, v in src.read_expert(layer, p).items())
+
+
 def test_the_library_lists_the_papers_six_with_their_quality(text_store, texts, tmp_path, capsys):  # noqa: F811
     cal, held = texts
     assert main(["merge", "--model", str(text_store), "--out", str(tmp_path / "lib"), "--library", "--calibration",
@@ -55,6 +73,10 @@ def test_the_library_lists_the_papers_six_with_their_quality(text_store, texts, 
     (["--ratio", "0.5", "--alpha", "2"], "--alpha must be in [0, 1]"),
     (["--library", "--ratio", "0.5"], "not allowed with argument"),
     (["--ratio", "0.5", "--calibration", "{missing}"], "cannot read"),
+    ([], "give one way to choose the experts kept"),
+    (["--ratio", "0.5", "--threshold", "0.1"], "not --ratio and --threshold"),
+    (["--threshold", "1.5"], "--threshold is a share of a layer's activations"),
+    (["--ratio", "0.5", "--members", "principal", "--refit", "down"], "keeps each principal's own weights"),
 ])
 def test_bad_input_is_refused_in_one_line_before_loading(text_store, tmp_path, capsys, extra, message):  # noqa: F811
     (tmp_path / "mine").mkdir()

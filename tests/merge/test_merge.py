@@ -175,8 +175,11 @@ def test_alignment_changes_nothing_an_expert_computes_and_principal_members_keep
     shuffled = permuted(a, torch.randperm(a["down_proj"].shape[1], generator=torch.Generator().manual_seed(1)))
     for name, t in aligned(shuffled, a).items():  # a unit order undone: matched back exactly
         torch.testing.assert_close(t, a[name], rtol=0, atol=0)
-    report = merge_store(store, tmp_path / "p", calibration(store), MergeSettings(FixedRatio(0.5), members="principal",
-                                                                                refit="none"), progress=False)
+    principal = MergeSettings(FixedRatio(0.5), members="principal")  # its own weights: no refit, unless asked
+    assert principal.refit == "none" and MergeSettings(FixedRatio(0.5)).refit == "down"
+    with pytest.raises(MoetierError, match="keeps each principal's own weights"):
+        MergeSettings(FixedRatio(0.5), members="principal", refit="down")
+    report = merge_store(store, tmp_path / "p", calibration(store), principal, progress=False)
     out = Store(report.path)
     for layer in out.spec.moe_layers:
         for p in out.spec.experts_of(layer):

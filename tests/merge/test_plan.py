@@ -9,6 +9,7 @@ from moetier.errors import MoetierError
 from moetier.merge.plan import (
     ADAPTIVE,
     FIXED,
+    ActivationThreshold,
     AdaptiveRatio,
     FixedRatio,
     LayerMerge,
@@ -67,8 +68,10 @@ def test_a_layer_keeps_at_least_top_k_and_its_groups_are_consistent():
     assert m.principals == (0, 1) and set(m.group_of) == {0, 1}
     m = plan_layer(counts, s, FixedRatio(1.0), top_k=2)
     assert m.principals == (0, 1, 2, 3) and m.group_of == (0, 1, 2, 3)
-    m = plan_layer(counts, s, FixedRatio(1.0), top_k=2, threshold=0.5)  # only one above θ: top-k after all
+    m = plan_layer(counts, s, ActivationThreshold(0.5), top_k=2)  # only one above θ: top-k after all
     assert m.principals == (0, 1)
+    assert plan_layer(np.array([5, 3, 1, 1]), s, ActivationThreshold(0.25), top_k=1).principals == (0, 1)
+    assert ActivationThreshold(0.25).name == "threshold-0.25"
     assert m.members(0) == [0, 2, 3] and m.members(1) == [1]  # 2 and 3 alike to both (0): the lower id
     with pytest.raises(ValueError):
         LayerMerge((1,), (1, 0), (0.5, 0.5))  # expert 1 maps to 0, which is not a principal

@@ -9,6 +9,7 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LRUPolicy
 from moetier.cache.residency import PREFETCHED, Residency
 from moetier.plan.costs import RunningCosts
+from moetier.plan.device_memory import FixedMemory
 from moetier.plan.layer_plan import IN_FLIGHT, RESIDENT
 from moetier.plan.on_demand import OnDemandStage
 from moetier.plan.planner import Planner
@@ -154,21 +155,36 @@ def test_comoe_threshold_is_equation_19():
     costs = RunningCosts(100)
     for bandwidth in (100.0, 300.0, 100.0, 300.0):  # a swinging link
         costs.observe_read(int(bandwidth), 1.0)
-    r, stage, step = make(4, ComoePrefetch, costs=costs, theta_base=0.2, delta=0.5)
+    r, stage, step = make(4, ComoePrefetch, costs=costs, theta_base=0.2, delta=0.5, memory=FixedMemory((0.6,)))
     samples = np.array([100.0, 300.0, 100.0, 300.0])
     s_b = 1 - np.sqrt(np.mean((samples - costs.bandwidth) ** 2)) / costs.bandwidth  # Eq. 11-12 around r̂ (Eq. 10)
-    assert 0 < s_b < 1 and stage.threshold() == pytest.approx(0.2 * s_b * (1 + 0.5 * 1.0))  # empty cache: all free
+    assert 0 < s_b < 1 and stage.threshold() == pytest.approx(0.2 * s_b * (1 + 0.5 * 0.6))  # the device's 60% free
     row = [0.5, 0.3, 0.1, 0.1, 0, 0, 0, 0]  # a distribution: 0.5 and 0.3 pass a threshold near 0.15
     step.predictor.scores = {0: {1: row}}
     plan = run(step, 0, [6, 7])
     assert stage.threshold() < 0.3 and [p.key for p in plan.prefetches] == [ExpertKey(1, 0), ExpertKey(1, 1)]
 
 
-def test_comoe_37_threshold_is_gamma_times_the_free_share():
-    r, stage, step = make(4, Comoe37Prefetch, costs=RunningCosts(100), theta_base=0.4)
-    assert stage.threshold() == pytest.approx(0.4)  # an empty cache: all of it free
-    run(step, 0, [6, 7])  # two of the four slots taken
-    assert r.free_bytes == r.capacity_bytes // 2 and stage.threshold() == pytest.approx(0.2)
+def test_comoe_37_threshold_is_gamma_times_the_devices_free_share():
+    """Eq. 37's M_avail/M_GPU is the device's free memory: on a made series, a cache full by design on a machine
+    with room keeps θ_pre > 0 (the cache's own free share made it 0 and prefetched every predicted expert)."""
+    memory = FixedMemory((0.5, 0.5, 0.25, 0.0))
+    r, stage, step = make(2, Comoe37Prefetch, costs=RunningCosts(100), theta_base=0.4, memory=memory)
+    run(step, 0, [6, 7])  # both slots taken: the cache is full
+    assert r.free_bytes == 0
+    assert [stage.threshold() for _ in range(4)] == pytest.approx([0.2, 0.2, 0.1, 0.0])
+    assert stage.threshold() == 0.0  # the series' last reading holds
+
+
+def test_the_device_gauges_read_free_over_total_at_most_every_refresh():
+    from moetier.plan.device_memory import HostMemory, _Sampled
+
+    readings = iter([(30, 100), (80, 100)])
+    gauge = _Sampled(lambda: next(readings), refresh_s=3600)
+    assert gauge.free_share() == 0.3 and gauge.free_share() == 0.3  # (not read again within the hour)
+    assert 0 < HostMemory().free_share() <= 1
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        FixedMemory((1.5,))
 
 
 def test_presched_counts_prefetches_per_equations_6_and_7():
