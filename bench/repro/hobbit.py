@@ -24,6 +24,13 @@ from harness import Claim, Config, real_trace, report, shape_of, simulate  # noq
 
 PAIRS = {"rtx4090": ("fp16", "int4"), "jetson-orin": ("int8", "int2")}
 PREDICT = dict(predictor="oracle", error=0.16, distance=2)
+WHY = {  # rows outside the magnitude band: why
+    "14": "the baselines are moetier's stages with the same prefetch, not MoE-Offloading's or MoE-Infinity's own "
+          "runtimes (their overheads are not modelled); and HOBBIT now reads an important expert's high copy where "
+          "its low copy is cached (by gate, §3.2): 5x the reads of as-held on the Orin",
+    "18": "the policy is fitted on 70% of four problems' routing and scored on the rest: a small trace, where the "
+          "fitted weights beat LRU and LFU by more than the paper's 4.7-8.7% and 2.1-4.2%",
+}
 FIG16 = (1.19, 1.57)  # dynamic loading's speed-up, the paper's range over prompt and output lengths
 
 
@@ -125,9 +132,9 @@ def main() -> None:
         speed = lambda a, b, tpot=tpot: tpot[b] / tpot[a]  # noqa: E731  (a's decode speed over b's)
         if profile == "rtx4090":
             claims += [Claim("Fig. 14c", "HOBBIT over MoE-Offloading, decode", 3.21,
-                             speed("hobbit", "moe-offloading"), setting),
+                             speed("hobbit", "moe-offloading"), setting, why=WHY["14"]),
                        Claim("Fig. 14c", "HOBBIT over MoE-Infinity, decode", 2.30, speed("hobbit", "moe-infinity"),
-                             setting),
+                             setting, why=WHY["14"]),
                        Claim("Fig. 16", "dynamic loading, 4090 + CPU (coop)", 1.19,
                              speed("coop, hobbit", "coop, one precision"), setting,
                              "the paper's lowest: gains from CPU compute at int4", band=FIG16),
@@ -142,7 +149,7 @@ def main() -> None:
                              "a wrong int4 prefetch costs a quarter of the link")]
         else:
             claims += [Claim("Fig. 14a", "HOBBIT over MoE-Infinity, decode", 3.64, speed("hobbit", "moe-infinity"),
-                             setting, "llama.cpp's 13x comes from page faults, not modelled"),
+                             setting, "llama.cpp's 13x comes from page faults, not modelled", why=WHY["14"]),
                        Claim("Fig. 16", "dynamic loading, Jetson", 1.57, speed("hobbit", "hobbit, one precision"),
                              setting, "the paper's highest", band=FIG16)]
         shares = {rule: precision_shares(test, slots, high, low, weights, entry_bytes, rule)
@@ -155,10 +162,10 @@ def main() -> None:
         rows.append(dict(profile=profile, penalties=pen))
         claims += [Claim("Fig. 18a", "miss penalty, LRU over HOBBIT's policy", 1 / (1 - 0.0469),
                          pen["lru"] / pen["hobbit"], setting, "paper: 4.69-8.68% lower than LRU",
-                         band=(1 / (1 - 0.0469), 1 / (1 - 0.0868))),
+                         band=(1 / (1 - 0.0469), 1 / (1 - 0.0868)), why=WHY["18"]),
                    Claim("Fig. 18a", "miss penalty, LFU over HOBBIT's policy", 1 / (1 - 0.0213),
                          pen["lfu"] / pen["hobbit"], setting, "paper: 2.13-4.19% lower than LFU",
-                         band=(1 / (1 - 0.0213), 1 / (1 - 0.0419)))]
+                         band=(1 / (1 - 0.0213), 1 / (1 - 0.0419)), why=WHY["18"])]
     # Fig. 18b: sequence-level LFU against model-level LFU, hit rate, at the 4090's slots
     ctx = PolicyContext(slots, tuple(test.layers), test.num_experts, test.top_k)
     hits = {name: replay(trace, trace_policy(name, ctx, trace), slots).hit_rate for name in ("lfu", "lfu-seq")}

@@ -64,7 +64,10 @@ def main() -> None:
             cached = max((s for s in BASELINES if s != "llama.cpp"), key=lambda s: results[s]["hit_rate"])
             claims.append(Claim("Fig. 12", f"cache ratio, SMoE over best baseline, batch {batch}", 1.65,
                                 results["smoe"]["hit_rate"] / max(results[cached]["hit_rate"], 1e-9), where,
-                                f"paper: at least 1.65x; best: {cached}"))
+                                f"paper: at least 1.65x; best: {cached}", band=(1.65, float("inf")),
+                                why="the best baseline here (moetier's LFU cache with the same prefetch) keeps "
+                                    "nearly as many of the needed experts; SMoE's substitutes add 2-4% hits, where "
+                                    "the paper's baselines ran without its relevance-aware caching"))
         steps = {}
         for step, config in tqdm(ABLATION.items(), desc=f"{setting} ablation"):
             steps[step] = simulate(trace, shape, profile, "auto", config)

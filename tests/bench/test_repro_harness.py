@@ -28,6 +28,8 @@ def test_a_claim_is_in_band_within_2x_of_the_papers_ratio_or_within_its_range():
     assert not Claim("Fig. 1", "x", 3.21, 1.5).in_band and Claim("Fig. 1", "x", 3.21, 1.7).in_band
     ranged = Claim("Fig. 1", "x", 1.19, 1.7, band=(1.19, 1.57))  # the paper's own range: 1.19-1.57x
     assert not ranged.in_band and ranged.bounds == (1.19, 1.57) and Claim("F", "x", 1.19, 1.5, band=(1.19, 1.57)).in_band
+    at_least = Claim("Fig. 12", "x", 1.65, 1.04, band=(1.65, float("inf")))  # "at least 1.65x"
+    assert not at_least.in_band and Claim("Fig. 12", "x", 1.65, 5.0, band=(1.65, float("inf"))).in_band
     import pytest
 
     with pytest.raises(ValueError, match="must hold the paper's"):
