@@ -1,4 +1,5 @@
-"""A GGUF file (or split set) -> a linked store: nothing of the experts copied. Each expert is three slices of its
+"""A GGUF file (or split set) -> a linked store: nothing of the experts copied where the kernels compute the file's
+types (otherwise, and for experts with biases, each expert is copied once: below). Each expert is three slices of its
 layer's stacked tensors (`blk.N.ffn_{gate,up,down}_exps.weight`: gate's and up's rows one after the other make the
 store's gate_up_proj, down's its down_proj), read in place in the file's own type — bf16/f16/f32 as a safetensors
 folder's experts are, q8_0/q6_k/q5_k/q4_k and the legacy q5_1/q5_0/q4_1/q4_0 as GGML's blocks the kernels compute
@@ -9,7 +10,11 @@ A file whose layers keep their experts in different types (Q4_K_M: down_proj in 
 rest) is one precision whose layout differs by layer (format.PrecisionLayout.layers). The attention projections and
 the head, where the file keeps them in a block format, are indexed where they lie (Manifest.dense_blocks) and
 computed in it; dense.safetensors holds every dense tensor in the model's dtype as well (what `--dense-precision
-int8|int4` and the tools that rewrite a store read), the others dequantized here with a note saying which."""
+int8|int4` and the tools that rewrite a store read), the others dequantized here with a note saying which.
+
+Experts in a type no kernel of ours computes (Q3_K, Q2_K, the IQ types, MXFP4: gguf_file.DEQUANTIZED_TYPES),
+or carrying biases (gpt-oss's), are copied into the store's own blobs as a Hugging Face folder's would be — in the
+model's dtype, dequantized by the gguf package — with a note naming the types and what the copies cost."""
 
 from __future__ import annotations
 
@@ -173,7 +178,7 @@ def bias_tensors(spec: ModelSpec) -> bool:
     return any(name.endswith(".bias") for name, _ in spec.expert_shapes)
 
 
-def dequantized_expert(model: GgufModel, tensors: ExpertTensors, expert: int, dtype: torch.dtype,
+def expert_copy(model: GgufModel, tensors: ExpertTensors, expert: int, dtype: torch.dtype,
                        biases: bool) -> dict[str, torch.Tensor]:
     """One expert's tensors as native_layout keeps them, in `dtype`: dequantized (or as they are, for floats)."""
     gate, up, down = (values(t, expert).to(dtype) for t in (tensors.gate, tensors.up, tensors.down))
@@ -257,7 +262,7 @@ def index_gguf(path: Path | str, store_dir: Path | str, overwrite: bool = False,
             tensors, own = expert_tensors(model, spec, layer), layout.for_layer(layer)
             for e in range(spec.num_experts):
                 if not in_place:
-                    writer.add_expert(layer, e, layout, dequantized_expert(model, tensors, e, dtype, biases))
+                    writer.add_expert(layer, e, layout, expert_copy(model, tensors, e, dtype, biases))
                     bar.update()
                     continue
                 segments = segments_of(tensors.locate(e), own, names)
