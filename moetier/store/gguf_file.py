@@ -7,8 +7,9 @@ Which architectures: llama.cpp's arch names mapped to the families moetier runs 
 with its name. What the converter changed in the weights is undone where they are read: llama-arch Q/K rows
 permuted for its rotary layout (Mixtral: `unpermute`), DeepSeek's kv_b_proj split into attn_k_b (transposed) and
 attn_v_b (gguf_store.GgufCheckpoint joins them), GLM's multi-token-prediction layers counted in block_count,
-gpt-oss's gate_up de-interleaved (as the store wants it) and its sinks named `.weight`.
-Errors are one line (GgufError) before anything is written."""
+gpt-oss's sinks named `.weight` (its gate and up the converter writes apart, as the store keeps them). What a file
+does not keep is taken as llama.cpp's graph fixes it (each arch's function says what). Errors are one line
+(GgufError) before anything is written."""
 
 from __future__ import annotations
 
