@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -22,21 +21,18 @@ class DeviceMemory(Protocol):
         """The device's free memory over its total, in [0, 1]."""
 
 
-@dataclass(frozen=True)
 class FixedMemory:
     """A free share that does not change, or a made series of them, one per reading (the last repeats)."""
 
-    shares: Sequence[float] = (0.0,)
-    _next: list = field(default_factory=lambda: [0], repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if not self.shares or not all(0.0 <= s <= 1.0 for s in self.shares):
-            raise ValueError(f"free-memory shares are in [0, 1], got {tuple(self.shares)}")
+    def __init__(self, shares: Sequence[float] = (0.0,)) -> None:
+        if not shares or not all(0.0 <= s <= 1.0 for s in shares):
+            raise ValueError(f"free-memory shares are in [0, 1], got {tuple(shares)}")
+        self.shares, self._next = tuple(float(s) for s in shares), 0
 
     def free_share(self) -> float:
-        i = self._next[0]
-        self._next[0] = min(i + 1, len(self.shares) - 1)
-        return float(self.shares[i])
+        share = self.shares[self._next]
+        self._next = min(self._next + 1, len(self.shares) - 1)
+        return share
 
 
 class _Sampled:
