@@ -257,9 +257,11 @@ class Engine:
         self.device = check_device(config.device)
         check_dense_precision(self.spec, config.dense_precision)
         tensors = store.dense_tensors()
+        in_blocks = config.dense_precision == "native" and self.device.type == "cpu"  # (a GGUF's: below)
+        blocks = {name: b.nbytes for name, b in store.manifest.dense_blocks.items()} if in_blocks else {}
         self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device),
                                   config.precision,
-                                  quantized_dense_bytes(tensors, config.dense_precision) + config.reserve_bytes,
+                                  quantized_dense_bytes(tensors, config.dense_precision, blocks) + config.reserve_bytes,
                                   load_bytes=dense_load_bytes(tensors, config.dense_precision))
         slots = self.budget.slots
         per_layer = config.cache_partition == "per-layer"
@@ -274,7 +276,7 @@ class Engine:
         convert = released(quantizing(config.dense_precision, self.spec.num_layers))  # (native: None: as they are)
         dense = {name: t.to(self.device) if convert is None else t
                  for name, t in store.load_dense(convert).items()}
-        if config.dense_precision == "native" and self.device.type == "cpu":  # a GGUF's, in the file's blocks
+        if in_blocks:  # a GGUF's, in the file's blocks (their float copies, mapped, dropped)
             dense.update(store.load_dense_blocks())
         dense = quantize_dense(dense, self.spec, config.dense_precision)  # a tied head's copy (native: unchanged)
         release_freed_memory()  # what reading (and quantizing) them left, before the cache is reserved

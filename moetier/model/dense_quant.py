@@ -129,11 +129,14 @@ def dense_load_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], precision:
     return 2 * max(tensors[n][1] for n in converted)
 
 
-def quantized_dense_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], precision: str) -> int:
+def quantized_dense_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], precision: str,
+                          blocks: dict[str, int] | None = None) -> int:
     """The dense weights' bytes at `precision` from each tensor's (shape, bytes) alone, before loading them (a tied
-    head gets a quantized copy of its own beside the embedding)."""
+    head gets a quantized copy of its own beside the embedding). `blocks`: at "native", the tensors a GGUF's blocks
+    stand for, with the blocks' bytes (what is kept of them: their float copies are mapped and dropped)."""
     if precision == "native":
-        return sum(nbytes for _, nbytes in tensors.values())
+        blocks = blocks or {}
+        return sum(nbytes for name, (_, nbytes) in tensors.items() if name not in blocks) + sum(blocks.values())
     quantized = set(quantized_names(list(tensors)))
     kept = sum(nbytes for n, (_, nbytes) in tensors.items() if n not in quantized and n != "lm_head")
     head = tensors.get("lm_head", tensors["embed_tokens"])[0]

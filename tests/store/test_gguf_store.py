@@ -251,6 +251,18 @@ def gguf_tensor(path: Path, name: str) -> np.ndarray:
     return next(np.asarray(t.data) for t in gguf.GGUFReader(path).tensors if t.name == name)
 
 
+def test_a_gguf_budget_counts_the_blocks_kept_not_their_float_copies(k_quant):
+    """The dense weights a GGUF's run keeps: its projections and head in the file's blocks, not the float copies the
+    store holds of them too (counted, they made the OLMoE-shaped Q4_K_M file refuse a 0.78 GiB cap it now runs in)."""
+    from moetier.model.dense_quant import quantized_dense_bytes
+
+    store = Store(k_quant["q4_k_m-dense"])
+    blocks = {name: b.nbytes for name, b in store.manifest.dense_blocks.items()}
+    with engine(store.path, 2) as e:
+        assert e.budget.dense_bytes == quantized_dense_bytes(store.dense_tensors(), "native", blocks)
+        assert e.budget.dense_bytes < store.dense_bytes and e.dense_bytes == e.budget.dense_bytes
+
+
 @pytest.fixture(scope="module")
 def qwen2_k_quant(tmp_path_factory):
     """A Qwen2-MoE (q/k/v biases, a shared expert) in whole 256-blocks, everything Q4_K but attn_v (Q6_K)."""
