@@ -96,12 +96,13 @@ def precision_shares(test, slots: int, high: str, low: str, weights, entry_bytes
     plans = replay(test, HobbitPolicy(ctx, weights), slots, precision=high, keep_plans=True, mixed=mixed,
                    entry_bytes=entry_bytes).plans
     runs = [run for p in plans for run in p.runs]
-    top1 = [p.route.topk_ids[t, int(np.argmax(p.route.topk_weights[t]))] for p in plans
-            for t in range(p.route.topk_ids.shape[0])]
-    low_top1 = sum(1 for p in plans for t in range(p.route.topk_ids.shape[0]) for run in p.runs
-                   if run.expert == p.route.topk_ids[t, int(np.argmax(p.route.topk_weights[t]))]
-                   and run.precision == low)
-    return {"low_share": sum(run.precision == low for run in runs) / len(runs), "top1_low_share": low_top1 / len(top1),
+    top1, low_top1 = 0, 0
+    for p in plans:
+        at = {run.expert: run.precision for run in p.runs}
+        firsts = np.take_along_axis(p.route.topk_ids, p.route.topk_weights.argmax(axis=1)[:, None], axis=1)[:, 0]
+        top1 += len(firsts)
+        low_top1 += sum(at.get(int(e)) == low for e in firsts)
+    return {"low_share": sum(run.precision == low for run in runs) / len(runs), "top1_low_share": low_top1 / top1,
             "reads": sum(len(p.loads) for p in plans)}
 
 

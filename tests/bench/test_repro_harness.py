@@ -32,6 +32,8 @@ def test_a_claim_is_in_band_within_2x_of_the_papers_ratio_or_within_its_range():
     assert not at_least.in_band and Claim("Fig. 12", "x", 1.65, 5.0, band=(1.65, float("inf"))).in_band
     import pytest
 
+    with pytest.raises(ValueError, match="ratios are positive"):
+        Claim("Fig. 1", "x", 2.0, 0.0)
     with pytest.raises(ValueError, match="must hold the paper's"):
         Claim("Fig. 1", "x", 2.0, 1.0, band=(1.0, 1.5))
 

@@ -79,25 +79,36 @@ def test_the_dense_bytes_are_known_before_loading(tiny_store, family, precision)
         assert dense_bytes(dense) < store.dense_bytes
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_an_engine_with_quantized_dense_weights_scores_near_exact(tiny_store, precision):
-    """bf16 OLMoE, teacher-forced through prefill and decode steps: each next-token distribution near exact mode's
-    (KL below 0.01 at int8, 0.1 at int4; a misread scale or code gives KL of order one), and the budget counts the
-    quantized dense bytes."""
+def kl_against_exact(path, precision: str, check, generate: bool = False):
+    """Teacher-forced through prefill and decode steps, exact mode and `--dense-precision precision` on the store at
+    `path` (every expert resident): KL(exact || it) per position, and its 4 greedy tokens if `generate`. `check(engine)`
+    asserts on the quantized engine while it is open."""
     from moetier.engine.score import teacher_forced
 
-    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
     ids = [5, 9, 2, 33, 17, 4, 8, 61, 22, 7, 90, 3]
     everything = MemoryBudget("share", 1.0)
     with Engine(Store(path), EngineConfig(expert_memory=everything), progress=False) as exact:
         want, _ = teacher_forced(exact, ids, 4)
     with Engine(Store(path), EngineConfig(expert_memory=everything, dense_precision=precision),
                 progress=False) as engine:
+        check(engine)
+        got, _ = teacher_forced(engine, ids, 4)
+        tokens = engine.generate([ids], max_new_tokens=4, ignore_eos=True).token_ids if generate else None
+    return (want.exp() * (want - got)).sum(-1), tokens  # [positions]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_an_engine_with_quantized_dense_weights_scores_near_exact(tiny_store, precision):
+    """bf16 OLMoE, teacher-forced through prefill and decode steps: each next-token distribution near exact mode's
+    (KL below 0.01 at int8, 0.1 at int4; a misread scale or code gives KL of order one), and the budget counts the
+    quantized dense bytes."""
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+
+    def check(engine):
         assert isinstance(engine.model.lm_head, QuantizedMatrix)
         assert engine.budget.dense_bytes == engine.dense_bytes < Store(path).dense_bytes
-        got, _ = teacher_forced(engine, ids, 4)
-        tokens = engine.generate([ids], max_new_tokens=4, ignore_eos=True).token_ids
-    kl = (want.exp() * (want - got)).sum(-1)  # [positions]
+
+    kl, tokens = kl_against_exact(path, precision, check, generate=True)
     assert kl.max() < {"int8": 0.01, "int4": 0.1}[precision] and kl.max() > 0
     assert len(tokens[0]) == 4
 
@@ -140,19 +151,14 @@ def test_a_q4_k_m_dense_precision_follows_llama_cpps_mix():
 def test_an_engine_with_ggml_dense_weights_scores_near_exact(tiny_store, precision):
     """bf16 OLMoE 256 wide (whole k-quant blocks): its projections and head as GGML blocks (BlockMatrix), their
     bytes known before loading, each next-token distribution near exact mode's (a misread block: KL of order one)."""
-    from moetier.engine.score import teacher_forced
     from moetier.model.dense_quant import BlockMatrix
 
     _, path = tiny_store("olmoe", dtype=torch.bfloat16, hidden_size=256, intermediate_size=256, num_hidden_layers=2)
-    ids = [5, 9, 2, 33, 17, 4, 8, 61, 22, 7, 90, 3]
-    everything = MemoryBudget("share", 1.0)
-    with Engine(Store(path), EngineConfig(expert_memory=everything), progress=False) as exact:
-        want, _ = teacher_forced(exact, ids, 4)
-    with Engine(Store(path), EngineConfig(expert_memory=everything, dense_precision=precision),
-                progress=False) as engine:
+
+    def check(engine):
         head = engine.model.w["lm_head"]
         assert isinstance(head, BlockMatrix) and head.fmt == {"q8_0": "q8_0", "q4_k_m": "q6_k"}[precision]
         assert engine.budget.dense_bytes >= engine.dense_bytes and engine.dense_bytes < Store(path).dense_bytes
-        got, _ = teacher_forced(engine, ids, 4)
-    kl = (want.exp() * (want - got)).sum(-1)
+
+    kl, _ = kl_against_exact(path, precision, check)
     assert 0 < kl.max() < {"q8_0": 0.01, "q4_k_m": 0.1}[precision]

@@ -127,3 +127,11 @@ def test_a_split_set_names_its_missing_part(tmp_path):
     (tmp_path / "model-00002-of-00003.gguf").write_bytes(b"")
     assert [p.name for p in split_parts(first)] == [f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     assert split_parts(tmp_path / "model.gguf") == [tmp_path / "model.gguf"]
+
+
+def test_an_arch_stands_for_at_least_one_family():
+    from moetier.store.gguf_file import ARCHES, ArchSpec
+
+    assert ARCHES["deepseek2"].model_types == ("deepseek_v2", "deepseek_v3") and ARCHES["deepseek2"].model_type == "deepseek_v2"
+    with pytest.raises(ValueError, match="at least one model_type"):
+        ArchSpec((), lambda m: {})
