@@ -46,6 +46,7 @@ from moetier.plan.prefetchers import PREFETCHERS
 from moetier.plan.substitute import Substitution
 from moetier.policy_files import load_thresholds, make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
+from moetier.predict.grouped import for_model
 from moetier.predictor_files import TRAINED, load_nets
 from moetier.quant.precisions import CODES
 from moetier.resolve import BUILT_FROM, resolve_model
@@ -246,6 +247,20 @@ def device_memory(device: torch.device) -> MemoryView:
     return MemoryView(free, str(device), total, total - free)
 
 
+@dataclass(frozen=True)
+class _Parts:
+    """What holds one store's experts (Engine._parts)."""
+
+    store: Store
+    precision: MixedPrecision
+    reader: ExpertReader
+    host_tier: HostTier | None
+    own_tier: bool  # made here (closed with the engine), not handed in
+    host_note: str
+    executor: ExpertExecutor
+    model: Transformer
+
+
 class Engine:
     def __init__(self, store: Store, config: EngineConfig = EngineConfig(), memory: MemoryView | None = None,
                  predictor: Predictor | None = None, progress: bool = True, host_tier: HostTier | None = None) -> None:
@@ -268,11 +283,8 @@ class Engine:
         if per_layer and slots < len(self.spec.moe_layers):
             raise BudgetError(f"a per-layer cache needs a slot for each of the {len(self.spec.moe_layers)} MoE "
                               f"layers; the budget gives {slots}", hint="give more --expert-memory")
-        mixed = config.precision
-        high = mixed.pair(store.manifest.native_precision)[0] if mixed.mixed else None  # what LHU counts
-        ctx = PolicyContext(slots, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k, high)
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
-        policy = make_policy_for_model(config.policy, ctx, store.trained_dir())
+        policy = self._policy(store, self.budget)
         convert = released(quantizing(config.dense_precision, self.spec.num_layers))  # (native: None: as they are)
         dense = {name: t.to(self.device) if convert is None else t
                  for name, t in store.load_dense(convert).items()}
@@ -288,46 +300,14 @@ class Engine:
             dense = materialized(dense)
         self.dense_bytes = dense_bytes(dense)
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
-        if predictor is None and config.predictor != "none":
-            predictor = make_predictor(config.predictor, self.spec.moe_layers, self.spec.num_experts, self.spec.top_k,
-                                       config.predict_distance,
-                                       **predictor_inputs(config.predictor, dense, store, lambda: self.model))
-        fitted = load_thresholds(store.trained_dir())  # the model's own T1, T2, where it has them
-        self.precision = choose_low(config.precision.with_thresholds(fitted), store, self.budget.cache_bytes)
-        if add_missing_precisions(store, self.precision, progress):
-            self.store = store = Store(store.path)
-        if config.placement != "none" and self.device.type == "cpu":
-            check_host_tier(store, self.budget, memory or memory_available(), True,
-                            self.precision.host_precisions(store.manifest.native_precision))
-        host_choice = None
-        if host_tier is None and self.device.type != "cpu":  # (checked before the reader's threads start)
-            host_choice = plan_host_tier(store, config.host_memory or HostMemory(), memory_available(),
-                                         self.precision.host_precisions(store.manifest.native_precision),
-                                         must_hold_all=config.placement != "none")
-        self.host_note = host_choice.note if host_choice else ""
-        self.reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
-                                   manifest=store.manifest)
-        self._own_tier = host_choice is not None
-        try:
-            if host_choice is not None:
-                host_tier = HostTier(store.manifest, self.spec.expert_keys(), host_choice.slots)
-                host_tier.fill(self.reader, progress)
-            self.host_tier = host_tier
-            self.executor = ExpertExecutor(self.spec, store.manifest, self.budget.cache_bytes, policy, self.reader,
-                                           per_layer, self.device, self.kernels, config.prefetch, predictor,
-                                           mixed=self.precision, dtype=dense["embed_tokens"].dtype,
-                                           substitution=config.substitution, placement=config.placement,
-                                           host_kernels=make_kernels(config.kernels, dense["embed_tokens"].dtype,
-                                                                     "cpu") if self.device.type != "cpu" else None,
-                                           host_tier=host_tier)
-        except BaseException:
-            self.reader.close()
-            if self._own_tier and host_tier is not None:
-                host_tier.close()
-            raise
-        self.model = make_model(self.spec, dense, self.executor,
-                                with_dense_precision(self.kernels, config.dense_precision, dense))
-        self.executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
+        self._given_predictor, self._given_tier = predictor is not None, host_tier is not None
+        parts = self._parts(store, self.budget, policy, predictor, dense,
+                            with_dense_precision(self.kernels, config.dense_precision, dense), memory, progress,
+                            host_tier)
+        self.store, self.spec, self.precision, self.reader = parts.store, parts.store.spec, parts.precision, parts.reader
+        self.host_tier, self._own_tier, self.host_note = parts.host_tier, parts.own_tier, parts.host_note
+        self.executor, self.model = parts.executor, parts.model
+        store = self.store
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)
         # fewer compute threads while other processes want the cores (moetier/engine/cpu_share.py)
@@ -352,6 +332,62 @@ class Engine:
         """`reconvert`: convert a Hugging Face folder again even if the cache holds its store (a damaged one)."""
         config = EngineConfig(expert_memory=MemoryBudget.parse(expert_memory), policy=policy, **config)
         return cls(Store(resolve_model(model, cache_dir, progress, reconvert)), config, progress=progress)
+
+    def _policy(self, store: Store, budget: BudgetChoice):
+        """The run's eviction policy for `store`'s experts at `budget` (a learned one's file read from beside it)."""
+        mixed = self.config.precision
+        high = mixed.pair(store.manifest.native_precision)[0] if mixed.mixed else None  # what LHU counts
+        ctx = PolicyContext(budget.slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k, high)
+        return make_policy_for_model(self.config.policy, ctx, store.trained_dir())
+
+    def _parts(self, store: Store, budget: BudgetChoice, policy, predictor: Predictor | None,
+               dense: dict[str, torch.Tensor], kernels, memory: MemoryView | None, progress: bool,
+               host_tier: HostTier | None) -> _Parts:
+        """Everything that holds one store's experts — its precision pair, predictor, reader, host tier, executor
+        and the model over them and `dense` — made for `store` at `budget`: at start-up, and for each switch of
+        variant (use_variant), so a switched engine runs as a fresh one on the variant would. Nothing of the
+        engine's is touched: a failure closes what it opened and leaves the engine as it was."""
+        config, spec = self.config, store.spec
+        if predictor is None and config.predictor != "none":
+            predictor = make_predictor(config.predictor, spec.moe_layers, spec.num_experts, spec.top_k,
+                                       config.predict_distance,
+                                       **predictor_inputs(config.predictor, dense, store, lambda: self.model))
+        if predictor is not None:  # a merged variant's: each group's scores on its principal
+            predictor = for_model(predictor, spec.expert_groups)
+        fitted = load_thresholds(store.trained_dir())  # the model's own T1, T2, where it has them
+        precision = choose_low(config.precision.with_thresholds(fitted), store, budget.cache_bytes)
+        if add_missing_precisions(store, precision, progress):
+            store = Store(store.path)
+        if config.placement != "none" and self.device.type == "cpu":
+            check_host_tier(store, budget, memory or memory_available(), True,
+                            precision.host_precisions(store.manifest.native_precision))
+        host_choice = None
+        if host_tier is None and self.device.type != "cpu":  # (checked before the reader's threads start)
+            host_choice = plan_host_tier(store, config.host_memory or HostMemory(), memory_available(),
+                                         precision.host_precisions(store.manifest.native_precision),
+                                         must_hold_all=config.placement != "none")
+        reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
+                              manifest=store.manifest)
+        try:
+            if host_choice is not None:
+                host_tier = HostTier(store.manifest, spec.expert_keys(), host_choice.slots)
+                host_tier.fill(reader, progress)
+            dtype = dense["embed_tokens"].dtype
+            executor = ExpertExecutor(spec, store.manifest, budget.cache_bytes, policy, reader,
+                                      config.cache_partition == "per-layer", self.device, self.kernels,
+                                      config.prefetch, predictor, mixed=precision, dtype=dtype,
+                                      substitution=config.substitution, placement=config.placement,
+                                      host_kernels=make_kernels(config.kernels, dtype, "cpu")
+                                      if self.device.type != "cpu" else None, host_tier=host_tier)
+            model = make_model(spec, dense, executor, kernels)
+            executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
+        except BaseException:
+            reader.close()
+            if host_choice is not None and host_tier is not None:
+                host_tier.close()
+            raise
+        return _Parts(store, precision, reader, host_tier, host_choice is not None,
+                      host_choice.note if host_choice else "", executor, model)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -490,33 +526,29 @@ class Engine:
         """Run another variant of this model from the next call on: the original or a merged store of it (`moetier
         merge`) — the same dense weights (checked by their checksums) and config but for the merge, so the dense
         weights, tokenizer and kernels stay and only the experts, the router's groups and the cache change. The cache
-        keeps the bytes it has (at most every expert of the variant). Between calls, never during one. Made for
-        configurations that plan from the store alone: no predictor, prefetch, placement, substitution or mixed
-        precision (each holds state of one store's experts). Returns the new cache's budget choice."""
+        keeps the bytes it has (at most every expert of the variant). Between calls, never during one. Everything
+        that holds one store's experts is made again for the variant as a fresh engine on it would make it (CoMoE
+        Algorithm 7: the coarse level's switch under the fine level's prediction, prefetch, eviction, precision and
+        placement): the policy, the predictor (by name; a merged variant's scores grouped onto its principals), the
+        precision pair with the variant's thresholds, the substitution stage, the host tier on a GPU. Refused where
+        what the engine was handed holds one store's experts: a predictor object (an oracle of a trace) or a host
+        tier made by the caller. Returns the new cache's budget choice."""
         self._check_open()
-        config = self.config
-        if (config.predictor != "none" or config.placement != "none" or config.substitution is not None
-                or self.precision.mixed):
-            raise MoetierError("switching variants is built for runs without a predictor, placement, substitution or "
-                               "mixed precision", hint="run the variant as its own model instead")
+        if self._given_predictor or self._given_tier:
+            raise MoetierError("this engine was handed a predictor or host tier made for one store's experts; a "
+                               "variant needs its own", hint="name the predictor in the config instead, or run the "
+                               "variant as its own model")
         new = Store(resolve_model(model, progress=False))
         check_variant(self.store, new)
         budget = self._replan(new, MemoryBudget("bytes", self.budget.cache_bytes))
-        ctx = PolicyContext(budget.slots, new.spec.moe_layers, new.spec.num_experts, new.spec.top_k, None)
-        policy = make_policy_for_model(config.policy, ctx, new.trained_dir())
-        reader = ExpertReader(new.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
-                              manifest=new.manifest)
-        try:
-            executor = ExpertExecutor(new.spec, new.manifest, budget.cache_bytes, policy, reader,
-                                      config.cache_partition == "per-layer", self.device, self.kernels,
-                                      mixed=self.precision, dtype=self.model.dtype)
-            model = make_model(new.spec, self.model.w, executor, self.model.kernels)  # (the same dense weights)
-        except BaseException:
-            reader.close()
-            raise
+        parts = self._parts(new, budget, self._policy(new, budget), None, self.model.w, self.model.kernels, None,
+                            False, None)
         self.reader.close()
-        self.store, self.spec, self.reader, self.executor, self.model, self.budget = (new, new.spec, reader, executor,
-                                                                                     model, budget)
+        if self._own_tier and self.host_tier is not None:
+            self.host_tier.close()
+        self.store, self.spec, self.precision, self.reader = parts.store, parts.store.spec, parts.precision, parts.reader
+        self.host_tier, self._own_tier, self.host_note = parts.host_tier, parts.own_tier, parts.host_note
+        self.executor, self.model, self.budget = parts.executor, parts.model, budget
         return budget
 
     def preload(self) -> int:

@@ -30,8 +30,9 @@ class Store:
 
     def trained_dir(self, folder: str = "policies") -> Path:
         """Where trained files for this model live (`folder`: policies, or predictors): beside the store, or beside
-        the model it was converted from (the built-in models ship theirs), or, for a store inflated from another
-        (same routers, same routing), where that one's live."""
+        the model it was converted from (the built-in models ship theirs), or, for a store inflated or merged from
+        another (the same routers: a merged store's router sums each group's share of the same routing, and its
+        predictors' scores are grouped the same way), where that one's live."""
         return _trained_dir(self.path, self.manifest, folder)
 
     @property
@@ -187,7 +188,7 @@ def _trained_dir(path: Path, manifest: Manifest, folder: str) -> Path:
     source = Path(manifest.source) if manifest.source else None
     if source is not None and (source / folder).is_dir():
         return source
-    base = manifest.config.get("moetier_inflated", {}).get("from")
+    base = (manifest.config.get("moetier_inflated") or manifest.config.get("moetier_merged") or {}).get("from")
     if base and is_store(Path(base)):
         found = _trained_dir(Path(base), Manifest.load(Path(base)), folder)
         if (found / folder).is_dir():

@@ -19,6 +19,9 @@ from moetier.merge.merge import MergeSettings, merge_store
 from moetier.merge.plan import AdaptiveRatio, FixedRatio
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
+from moetier.plan.precision import MixedPrecision
+from moetier.plan.substitute import Substitution
+from moetier.predict.grouped import GroupedPredictor
 from moetier.store.store import Store
 from moetier.trace.record import TraceRecorder
 
@@ -148,7 +151,6 @@ def test_what_cannot_be_merged_is_refused_before_anything_is_written(merged, tin
 def test_a_merged_store_quantizes_and_runs_in_every_precision_mode(tiny_store, tmp_path, mode):
     """Its quantized copies are of the experts it holds; each mode reads only those (a merged-away id is never
     routed to, so never looked for)."""
-    from moetier.plan.precision import MixedPrecision
     from moetier.store.variants import add_precisions
 
     _, store = tiny_store("olmoe", dtype=torch.bfloat16, num_experts=8, num_hidden_layers=3)
@@ -284,16 +286,67 @@ def test_adapt_with_variants_switches_down_when_memory_goes_and_back_when_it_hol
         EngineConfig(variants=str(tmp_path))
 
 
-def test_switching_refuses_what_it_is_not_built_for(merged, tmp_path):
-    """A run with a predictor holds state of one store's experts: use_variant refuses it; a store not in the library
-    cannot start a variant hook."""
+@pytest.fixture(scope="module")
+def with_low_copies(tmp_path_factory, tiny_store):
+    """An original (its own copy) and its half-merge, both with int4 copies of their experts (mixed precision)."""
+    from moetier.store.variants import add_precisions
+
+    _, store = tiny_store("olmoe", copy=True, **FAMILIES["olmoe"])
+    report = merge_store(store, tmp_path_factory.mktemp("merged-int4") / "half", calibration(store),
+                         MergeSettings(FixedRatio(0.5)), progress=False)
+    for path in (store, report.path):
+        add_precisions(path, ["int4"], progress=False)
+    return store, report.path
+
+
+SWITCHED = {  # CoMoE Algorithm 7: the coarse level's switch under each of the fine level's mechanisms
+    "predict+prefetch+eq38+hobbit": dict(predictor="stacked-gates", prefetch="comoe-37", policy="comoe",
+                                         precision=MixedPrecision("hobbit")),
+    "substitution+placement": dict(predictor="stacked-gates", prefetch="comoe", substitution=Substitution(0.3),
+                                   placement="greedy"),
+}
+
+
+@pytest.mark.parametrize("mechanisms", SWITCHED)
+def test_a_switched_engine_writes_what_a_fresh_one_on_the_variant_writes(with_low_copies, mechanisms):
+    """A variant switch under prediction, prefetch, Eq. 38's eviction and mixed precision (or substitution and
+    placement): the same engine, switched to the merged variant and back, writes each time the tokens a fresh
+    engine on that variant writes (a merged variant's predictions grouped onto its principals: never a
+    merged-away id asked of its store)."""
+    store, half = with_low_copies
+    config = EngineConfig(expert_memory=MemoryBudget.parse("50%"), **SWITCHED[mechanisms])
+    first, second = [[5, 9, 17, 33, 2, 40]], [[7, 3, 90, 11]]
+
+    def fresh(path):
+        with Engine(Store(path), config) as engine:
+            return engine.generate(second, max_new_tokens=10, ignore_eos=True).token_ids[0]
+
+    expected = {"original": fresh(store), "merged": fresh(half)}
+    assert expected["original"] != expected["merged"]
+    with Engine(Store(store), config) as engine:
+        engine.generate(first, max_new_tokens=6, ignore_eos=True)
+        engine.use_variant(half)
+        out = engine.generate(second, max_new_tokens=10, ignore_eos=True)
+        assert out.token_ids[0] == expected["merged"] and engine.store.spec.expert_groups
+        assert isinstance(engine.executor.layer_step.predictor, GroupedPredictor)  # (its scores on principals)
+        engine.use_variant(store)
+        assert engine.generate(second, max_new_tokens=10, ignore_eos=True).token_ids[0] == expected["original"]
+        assert not isinstance(engine.executor.layer_step.predictor, GroupedPredictor)
+
+
+def test_switching_refuses_what_holds_one_stores_experts(merged, tmp_path):
+    """An engine handed a predictor object (an oracle of one store's trace) cannot switch: use_variant refuses and
+    keeps the store it runs; a store not in the library cannot start a variant hook."""
     from moetier.engine.adapt_variant import AdaptVariant
     from moetier.merge.library import Library, Variant
+    from moetier.predict.hot import HotPredictor
 
     _, store, report = merged("olmoe")
-    config = EngineConfig(expert_memory=MemoryBudget.parse("100%"), predictor="stacked-gates")
-    with Engine(Store(store), config) as engine:
-        with pytest.raises(MoetierError, match="built for runs without a predictor"):
+    spec = Store(store).spec
+    hot = HotPredictor(spec.moe_layers, spec.num_experts, spec.top_k, {i: [1] * 8 for i in spec.moe_layers})
+    config = EngineConfig(expert_memory=MemoryBudget.parse("100%"), predictor="hot", prefetch="comoe")
+    with Engine(Store(store), config, predictor=hot) as engine:
+        with pytest.raises(MoetierError, match="handed a predictor or host tier"):
             engine.use_variant(report.path)
         assert engine.store.path == Store(store).path
         library = Library(str(report.path), (Variant("fixed-medium", str(report.path), 1, (4, 4)),))

@@ -66,3 +66,19 @@ def test_oracle_refuses_impossible_settings():
         OraclePredictor(LAYERS, E, K, lambda s, layer: None, error_rate=1.5)
     with pytest.raises(ValueError, match="at least 2 top_k"):
         OraclePredictor(LAYERS, 2 * K - 1, K, lambda s, layer: None, error_rate=0.1)
+
+
+def test_a_merged_models_predictions_sum_each_group_onto_its_principal():
+    """GroupedPredictor: the inner predictor's scores [T, E], each column added into its principal's, merged-away ids
+    0 — what the merged router does to the probabilities — and state calls passed through."""
+    from moetier.predict.grouped import GroupedPredictor, for_model
+    from moetier.predict.hot import HotPredictor
+
+    inner = HotPredictor([0, 1], 4, 2, {0: np.array([1, 2, 3, 4]), 1: np.array([4, 3, 2, 1])})
+    grouped = for_model(inner, [[0, 0, 2, 2], [1, 1, 1, 3]])
+    assert isinstance(grouped, GroupedPredictor) and for_model(grouped, ()) is inner and for_model(inner, ()) is inner
+    (layer, scores), = grouped.predict(0, np.zeros((3, 8))).items()
+    assert layer == 1 and scores.shape == (3, 4)
+    np.testing.assert_allclose(scores[0], [0.0, 0.9, 0.0, 0.1], rtol=1e-6)
+    with pytest.raises(ValueError, match="one group list"):
+        GroupedPredictor(inner, [[0, 0, 2, 2]])
