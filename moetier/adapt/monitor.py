@@ -7,10 +7,11 @@ S_r(t) = 1 − σ_r(t)/r̂(t) (Eq. 11) with σ_r the deviation of the last w sam
 [0, 1] here (the paper leaves it unbounded below; as a multiplier a negative stability means nothing).
 
 From them:
-- how many experts the cache should hold (Eq. 17): E'(t) = min(max(1, ⌊A_m·m_avail(t) / (S_e·(1 + β(1 −
-  S_m(t))))⌋), E), S_e one expert's bytes, A_m the share of the memory given to experts, β the aversion to risk: an
-  unsteady memory (low S_m) keeps more in reserve. The paper's floor is 1 expert; here one layer's top-k (a layer
-  needs its k experts at once);
+- how many experts the model should have after aggregation (Eq. 17): E'(t) = min(max(1, ⌊A_m·m_avail(t) /
+  (S_e·(1 + β(1 − S_m(t))))⌋), E), S_e one expert's bytes, A_m the share of the memory given to experts, β the
+  aversion to risk: an unsteady memory (low S_m) keeps more in reserve. The engine's variant hook picks the variant
+  by it (engine/adapt_variant.py); `--adapt`'s cache sizing uses the same formula for a slot count (ours, named in
+  engine/adapt_cache.py), its floor one layer's top-k (a layer needs its k experts at once) where the paper's is 1;
 - an expert's offload priority (Eq. 18): P = γ·f_act + (1 − γ)·s/L_comm — how much keeping it saves (often used,
   slow to bring back);
 - which library variant to run (Eq. 34–35): the best quality that fits the memory now, switched to only when the
@@ -83,7 +84,8 @@ def offload_priority(frequency: float, size: int, load_s: float, gamma: float = 
 @dataclass(frozen=True)
 class Choice:
     name: str
-    bytes_needed: int  # M_req: what running it takes (its dense weights and the expert cache it wants)
+    needed: float  # M_req: what running it takes, in the unit `available` is given in — experts (the engine's
+    # variant hook: a variant's expert count against E'(t), Eq. 17) or bytes
     quality: float  # P: higher is better (e.g. minus the perplexity change)
 
 
@@ -97,8 +99,8 @@ class Switching:
 
     def best(self, choices: Sequence[Choice], available: float) -> Choice | None:
         """Eq. 34: the highest quality whose M_req fits `available`; None if none fits."""
-        fitting = [c for c in choices if c.bytes_needed <= available]
-        return max(fitting, key=lambda c: (c.quality, -c.bytes_needed)) if fitting else None
+        fitting = [c for c in choices if c.needed <= available]
+        return max(fitting, key=lambda c: (c.quality, -c.needed)) if fitting else None
 
     def should_switch(self, current: Choice, best: Choice | None, available: float, switch_cost: float,
                       stable_for: int) -> bool:
@@ -107,6 +109,6 @@ class Switching:
         memory is gone means being killed, which no gain outweighs)."""
         if best is None or best == current:
             return False
-        if current.bytes_needed > available:
+        if current.needed > available:
             return True
         return best.quality - current.quality > self.weight * switch_cost and stable_for > self.hold

@@ -217,9 +217,11 @@ class Residency:
             self._release_pin(key)
             self._evict(key)
 
-    def resize(self, capacity_bytes: int) -> list[ExpertKey]:
+    def resize(self, capacity_bytes: int, order=None) -> list[ExpertKey]:
         """Change the capacity between steps. Shrinking evicts by policy until the entries fit (a per-layer split
-        shrinks each layer's share); growing adds free bytes. Returns what was evicted."""
+        shrinks each layer's share) — or by `order`, an object whose `victim_among(keys)` names the one to leave of
+        the evictable keys listed (CoMoE's Eq. 18: cache/offload_priority.py); growing adds free bytes. Returns
+        what was evicted."""
         if capacity_bytes < 0:
             raise ValueError("capacity must not be negative")
         old, self.capacity_bytes = self.capacity_bytes, capacity_bytes
@@ -231,7 +233,8 @@ class Residency:
                     self.capacity_bytes = old
                     raise ValueError(f"cannot shrink the cache to {capacity_bytes} bytes: "
                                      f"{self._held_bytes} bytes are pinned or being read")
-                victim = self.policy.victim(view)
+                victim = self.policy.victim(view) if order is None else \
+                    order.victim_among([k for k in self.entries if k in view])  # (a resize: rare, not per token)
                 self._evict(victim)
                 evicted.append(victim)
         return evicted

@@ -1,24 +1,26 @@
-"""`--adapt --library FOLDER`: the variant of the model the memory allows (CoMoE Eq. 34–35, Algorithm 7), chosen
-while the engine runs and switched to between calls.
+"""`--adapt --library FOLDER`: the variant of the model the memory allows (CoMoE Eq. 17, 34–35, Algorithm 7),
+chosen while the engine runs and switched to between calls.
 
 A step hook beside the cache's (moetier/engine/adapt_cache.py): at each look it takes the room the whole model could
 have — what this process may still take plus what its dense weights and cache hold — smoothed (Eq. 10) and never
-above the room now, and picks by Eq. 34 the best quality among the library's variants whose dense weights and every
-expert fit in it (M_req: the variant resident; a variant that fits runs without reads). It asks for a switch by Eq.
-35: the quality gained (minus the perplexity change the library measured) must exceed λ·C_switch, C_switch the
-seconds to read the new variant's cache at the link's measured rate (λ = 0.01: one point of perplexity is worth a
-second of reads), and the new choice must have held for `hold` looks; a variant that no longer fits is left at
-once. The switch itself happens at the start of the engine's next call (Engine.use_variant: the dense weights,
-tokenizer and KV cache layout are the variants' own, so nothing but the experts changes) — between requests, not
-between the tokens of one: a running call holds its model and executor, and a request is seconds, where the memory
-pressure this answers lasts longer. Each request for a switch and each switch is one line on stderr."""
+above the room now, less the dense weights (every variant's own), and computes Eq. 17's E'(t), the target number of
+experts after aggregation: ⌊A_m·room/(S_e·(1 + β(1 − S_m)))⌋ within [1, E], S_e one expert's bytes in the cache, S_m
+the memory's stability. Eq. 34 then picks the best quality among the library's variants of at most E'(t) experts
+(a variant within it runs resident, without reads) — or, where none is, the one with the fewest (it runs
+offloaded, the least pressed). It asks for a switch by Eq. 35: the quality gained (minus the perplexity change the
+library measured) must exceed λ·C_switch, C_switch the seconds to read the new variant's cache at the link's
+measured rate (λ = 0.01: one point of perplexity is worth a second of reads), and the new choice must have held for
+`hold` looks; a variant over E'(t) is left at once. The switch itself happens at the start of the engine's next call
+(Engine.use_variant: the dense weights, tokenizer and KV cache layout are the variants' own, so nothing but the
+experts changes, and everything that holds them is made again) — between requests, not between the tokens of one:
+a running call holds its model and executor, and a request is seconds, where the memory pressure this answers lasts
+longer. Each request for a switch and each switch is one line on stderr."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from moetier.adapt.monitor import Choice, Switching
-from moetier.config import format_bytes
+from moetier.adapt.monitor import CacheSizing, Choice, Switching
 from moetier.engine.memory_looks import MemoryLooks
 from moetier.errors import MoetierError
 from moetier.merge.library import Library, Variant
@@ -28,10 +30,12 @@ DEFAULT_READ_RATE = 1e9  # bytes/s until the link has been measured
 
 
 class AdaptVariant(MemoryLooks):
-    def __init__(self, engine, library: Library, memory, switching: Switching | None = None, **looks) -> None:
-        """`looks`: MemoryLooks' look_s, clock and say."""
+    def __init__(self, engine, library: Library, memory, switching: Switching | None = None,
+                 sizing: CacheSizing | None = None, **looks) -> None:
+        """`sizing`: Eq. 17's A_m and β; `looks`: MemoryLooks' look_s, clock and say."""
         super().__init__(engine, memory, **looks)
-        self.library, self.switching = library, switching or Switching()
+        self.library, self.switching, self.sizing = library, switching or Switching(), sizing or CacheSizing()
+        self.target: int | None = None  # E'(t) at the last look
         self.best: str | None = None
         self.stable_for = 0
         self.pending: Variant | None = None
@@ -45,7 +49,8 @@ class AdaptVariant(MemoryLooks):
         return next((v for v in self.library.variants if Path(v.path).resolve() == here), None)
 
     def choice(self, v: Variant) -> Choice:
-        return Choice(v.name, self.engine.dense_bytes + v.expert_bytes, -v.quality.get("perplexity_change", 0.0))
+        """A variant for Eq. 34: M_req its expert count (against E'(t)), P minus its measured perplexity change."""
+        return Choice(v.name, sum(v.kept), -v.quality.get("perplexity_change", 0.0))
 
     def __call__(self, batch=None, phase: int | None = None) -> None:
         view = self.look()
@@ -53,22 +58,24 @@ class AdaptVariant(MemoryLooks):
             return
         executor = self.engine.executor
         room_now = view.available + executor.reserved_bytes + self.engine.dense_bytes
-        room = min(self.room.observe(room_now), room_now)
+        room = min(self.room.observe(room_now), room_now) - self.engine.dense_bytes  # the experts'
+        slot = executor.residency.entry_bytes[executor.precision]  # S_e
         choices = {v.name: v for v in self.library.variants}
-        best = self.switching.best([self.choice(v) for v in choices.values()], room)
-        name = best.name if best is not None else None
-        self.stable_for = self.stable_for + 1 if name == self.best else 1
-        self.best = name
-        current = self.current()
-        target = self.pending or current
-        if best is None or best.name == target.name:
+        most = max(sum(v.kept) for v in choices.values())  # E
+        self.target = self.sizing.experts(room, slot, self.room.stability, most)  # E'(t)
+        listed = [self.choice(v) for v in choices.values()]
+        best = self.switching.best(listed, self.target) or min(listed, key=lambda c: (c.needed, -c.quality))
+        self.stable_for = self.stable_for + 1 if best.name == self.best else 1
+        self.best = best.name
+        target = self.pending or self.current()
+        if best.name == target.name:
             return
         rate = executor.costs.bandwidth or DEFAULT_READ_RATE
         cost = PER_SECOND * min(executor.reserved_bytes, choices[best.name].expert_bytes) / rate
-        if self.switching.should_switch(self.choice(target), best, room, cost, self.stable_for):
+        if self.switching.should_switch(self.choice(target), best, self.target, cost, self.stable_for):
             self.pending = choices[best.name]
-            self.say(f"moetier: adapt: switch to {best.name} at the next request ({format_bytes(best.bytes_needed)} "
-                     f"resident, Δ quality {best.quality - self.choice(target).quality:+.3f}): {view.describe()}")
+            self.say(f"moetier: adapt: switch to {best.name} at the next request ({best.needed:.0f} experts, E'(t) "
+                     f"{self.target}, Δ quality {best.quality - self.choice(target).quality:+.3f}): {view.describe()}")
 
     def apply(self) -> None:
         """Switch to the pending variant, if any (the engine calls this between calls). A switch that cannot be made

@@ -493,12 +493,13 @@ class Engine:
         stage.alpha = choice.alpha
         return choice
 
-    def set_expert_memory(self, budget: str | MemoryBudget, asked: bool = True) -> BudgetChoice:
+    def set_expert_memory(self, budget: str | MemoryBudget, asked: bool = True, order=None) -> BudgetChoice:
         """Resize the expert cache to `budget` ("2GiB", "40%", auto) between generate calls or steps, without
         restarting: the budget is planned as at start-up against the memory free now plus what the cache holds
         (so it may grow back into memory it gave up), shrinking evicts by the policy and gives the freed slots'
         pages back, growing adds slots. Refused (BudgetError, the cache unchanged) where the budget cannot fit.
         `asked`: the caller's budget, which `--adapt` then never grows past (False: --adapt's own resize).
+        `order`: which experts leave first when it shrinks (None: the policy's; --adapt's: CoMoE Eq. 18).
         Returns the new choice (its `note` says what was reserved)."""
         self._check_open()
         budget = MemoryBudget.parse(budget)  # (refuses what is not a budget: None, -1, nan, ...)
@@ -507,7 +508,7 @@ class Engine:
         if choice.cache_bytes < self.executor.tier_bytes + self.spec.top_k * slot:
             raise BudgetError(f"{choice.note.split(';')[0]}: less than the low tier and one layer's top-k beside it",
                               hint="give more memory, or run without the low tier")
-        self.executor.resize(choice.cache_bytes)
+        self.executor.resize(choice.cache_bytes, order)
         self.budget = choice
         if asked and self.adapt is not None:
             self.adapt.ceiling = self.executor.slots

@@ -324,16 +324,16 @@ class ExpertExecutor:
                 else:
                     self.residency.drop(key)
 
-    def resize(self, capacity_bytes: int) -> list[ExpertKey]:
+    def resize(self, capacity_bytes: int, order=None) -> list[ExpertKey]:
         """The cache's new size (the whole budget, the low tier's part included), between steps. The reads in flight
         land first (a running read is never interrupted) and prefetched experts become plain entries; shrinking then
-        evicts by the policy and hands the freed slots' pages back to the system, growing adds slots that fill as
-        experts are needed. Returns the evicted keys."""
+        evicts by the policy (or by `order`: Residency.resize's) and hands the freed slots' pages back to the system,
+        growing adds slots that fill as experts are needed. Returns the evicted keys."""
         for precision, slot in list(self.in_flight.values()):
             self.pools[precision].completions[slot].done.wait()
         self._poll_landed()
         self.residency.unpin_all(PREFETCHED)
-        evicted = self.residency.resize(capacity_bytes - self.tier_bytes)
+        evicted = self.residency.resize(capacity_bytes - self.tier_bytes, order)
         for precision in self.residency.entry_bytes:
             pool = self.pools[precision]
             pool.ensure(max(pool.num_slots, self.residency.slots(precision)))

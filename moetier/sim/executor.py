@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moetier.cache.keys import ExpertKey
+from moetier.cache.residency import PREFETCHED
 from moetier.plan.costs import RunningCosts
 from moetier.plan.layer_plan import FAST, HOST, IN_FLIGHT, LOAD, LayerPlan, Load
 from moetier.plan.route import RouteResult
@@ -96,6 +97,18 @@ class SimExecutor:
             self.queued[prefetch.key] = self.now
         self._observe(plan, tokens)
         return plan, tl
+
+    def resize(self, capacity_bytes: int, order=None) -> list[ExpertKey]:
+        """The cache resized between steps as the engine's executor resizes it: the reads in flight land first (the
+        clock waits for them; a read is never interrupted), prefetched experts become plain entries, then the
+        residency shrinks by the policy or `order` (Residency.resize) or grows. Returns the evicted keys."""
+        if self.queued:
+            self._advance(float("inf"))  # (queued prefetches start behind the running ones)
+        if self.landing:
+            self.now = max(self.now, *self.landing.values())
+        self._land(self.now)
+        self.residency.unpin_all(PREFETCHED)
+        return self.residency.resize(capacity_bytes, order)
 
     def idle(self, seconds: float) -> None:
         """Work on the compute device that involves no expert of the cache (dense layers, the head)."""

@@ -5,7 +5,7 @@ policy (a test checks it)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +16,7 @@ from moetier.plan.costs import RunningCosts
 from moetier.plan.counters import CountingHook, predictor_recall, prefetch_summary
 from moetier.plan.device_memory import FixedMemory
 from moetier.plan.layer_plan import LayerPlan
+from moetier.plan.offload_priority import OffloadPriority
 from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
 from moetier.plan.precision import MixedPrecision, setup
@@ -27,7 +28,8 @@ from moetier.sim.cost import CostModel, FreeCost
 from moetier.sim.executor import LayerTimeline, SimExecutor
 from moetier.trace.format import Trace
 
-NATIVE = "native"  # the precision a trace's experts are replayed at when the model's own is not known
+NATIVE = "native"
+SHRINKS = ("offload-priority", "policy")  # who leaves a shrinking cache  # the precision a trace's experts are replayed at when the model's own is not known
 
 
 def steps(trace: Trace) -> Iterator[tuple[int, np.ndarray]]:
@@ -154,7 +156,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
              timeline_steps: tuple[int, ...] = (), keep_plans: bool = False, prefetch: str = "none",
              predictor: Predictor | None = None, prefetch_params: dict | None = None,
              mixed: MixedPrecision | None = None, substitution: Substitution | None = None,
-             placement: str = "none") -> SimResult:
+             placement: str = "none", resizes: Mapping[int, int] | None = None,
+             shrink: str = "offload-priority") -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
     clock. A policy's start set (static-hot's hot table) is loaded first, as the engine loads it when made; `preload`
     then starts as Engine.preload() does (experts admitted layer by layer until the cache is full), or, given keys,
@@ -166,7 +169,12 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     `mixed`: a precision mode (moetier/plan/precision.py) over the model's own `precision`; `num_slots` then counts
     the budget in experts at that precision, and the cost model prices each read and compute at its own.
     `substitution`: SMoE's (α None: the paper's for the model's size, from the cost model's shape). `placement`: a
-    stage of moetier.plan.placement choosing per missing expert between a read and the profile's host CPU."""
+    stage of moetier.plan.placement choosing per missing expert between a read and the profile's host CPU.
+    `resizes`: memory pressure, {step index: slots} — before that step the cache is resized to that many experts (at
+    the model's precision, a low tier's share beside them) as `--adapt` resizes the engine's; shrinking, `shrink`
+    chooses who leaves: "offload-priority" (CoMoE Eq. 18, plan/offload_priority.py, as --adapt) or "policy"."""
+    if shrink not in SHRINKS:
+        raise ValueError(f"unknown shrink order {shrink!r}: one of {', '.join(SHRINKS)}")
     if trace.encoder is not None and predictor is not None:
         raise ValueError("predictors cover a trace's own columns: set its encoder aside (Trace.decoder_only)")
     mixed = mixed or MixedPrecision()
@@ -187,6 +195,12 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     layer_step = LayerStep(residency, Planner(high, stages), hooks=[counts, log] if keep_plans else [counts],
                            predictor=predictor)
     executor = SimExecutor(layer_step, cost, costs)
+    resizes = dict(resizes or {})
+    order = None
+    if resizes and shrink == "offload-priority":  # counts the activations from the first step, as --adapt's
+        order = OffloadPriority(trace.all_layers, trace.num_experts, lambda k: residency.entries[k].nbytes,
+                                lambda: costs.bandwidth)
+        layer_step.hooks.append(order)
     # as the engine starts: a policy's hot set loaded when it is made, then Engine.preload() if asked
     starts = [policy.start_set()]
     if preload is True:
@@ -208,6 +222,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
             group = seqs
             layer_step.on_sequence_start()
         layer_step.begin_step(phase)
+        if index in resizes:
+            executor.resize(resizes[index] * entry_bytes[precision] - made.tier_bytes, order)
         start, loads_before = executor.now, counts.phases[phase].bytes_read
         for table, table_rows, j, layer in layer_visits(trace, rows, encoder_rows):
             if table is not trace and j == 0:  # the encoder's layers the trace does not cover run resident

@@ -247,9 +247,9 @@ def test_an_engine_switches_between_a_model_and_its_merged_variant_between_calls
 
 
 def test_adapt_with_variants_switches_down_when_memory_goes_and_back_when_it_holds(merged, tmp_path):
-    """CoMoE Eq. 34-35 between requests: a library of the original and its half; the memory falls below what the
-    original needs resident (only the half fits: switched to at the next call, at once), then comes back and holds
-    (switched back once it has held `hold` looks and the gain outweighs the refill)."""
+    """CoMoE Eq. 17, 34-35 between requests: a library of the original and its half; the memory falls below what
+    the original needs resident (E'(t) under its 16 experts: the half switched to at the next call, at once), then
+    comes back and holds (switched back once it has held `hold` looks and the gain outweighs the refill)."""
     from moetier.engine.adapt_variant import AdaptVariant
     from moetier.merge.library import Library, Variant
 
@@ -271,12 +271,16 @@ def test_adapt_with_variants_switches_down_when_memory_goes_and_back_when_it_hol
                     + [10 * whole] * 12)
         hook.memory = lambda: MemoryView(int(next(room)), "host")
         hook.clock, hook.say = lambda: float(next(ticks)), lines.append
-        names = []
+        names, targets = [], []
         for _ in range(17):
             hook()
             engine.generate(prompt, max_new_tokens=2)  # (a switch asked for is made at the start of a call)
             names.append(hook.current().name)
+            targets.append(hook.target)
         assert names[:2] == ["original"] * 2 and "fixed-medium" in names[2:5] and names[-1] == "original"
+        # Eq. 17's E'(t), the experts after aggregation the memory allows: all 16 with room, fewer than the
+        # original's while the memory is short (the half's 8 chosen), all 16 again once it has held
+        assert targets[:2] == [16, 16] and max(targets[2:5]) < 16 and targets[-1] == 16
         assert hook.switches[0] == ("original", "fixed-medium") and hook.switches[-1] == ("fixed-medium", "original")
         assert any("switch to fixed-medium" in line for line in lines)
         hook.pending = Variant("gone", str(tmp_path / "gone"), 1, (1,))  # a switch that cannot be made

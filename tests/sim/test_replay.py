@@ -211,3 +211,37 @@ def test_interleaving_a_batch_1_trace_makes_the_engines_batched_steps(tiny_store
     assert [(phase, sorted(set(batched.seq[rows].tolist()))) for phase, rows in steps(batched)] == \
         [(0, [0, 1, 2])] + [(1, [0, 1, 2])] * 5
     assert sorted(map(tuple, np.c_[batched.seq, batched.pos])) == sorted(map(tuple, np.c_[single.seq, single.pos]))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_engine_and_simulator_agree_under_memory_pressure(tiny_store, policy):
+    """The cache shrunk between steps (as --adapt does, the least used leaving first by CoMoE's Eq. 18) and grown
+    back: the engine and the simulator, told the same resizes at the same steps, make the same plans."""
+    from moetier.plan.offload_priority import OffloadPriority
+    from moetier.sim.cost import FreeCost
+    from moetier.sim.replay import simulate
+
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    store = Store(path)
+    blob, slots = store.native_layout.blob_bytes, 12
+    engine = Engine(store, EngineConfig(expert_memory=MemoryBudget("bytes", slots * blob), policy=policy))
+    executor = engine.executor
+    order = OffloadPriority(store.spec.moe_layers, store.spec.num_experts, lambda k: executor.residency.entries[k].nbytes,
+                            lambda: executor.costs.bandwidth)
+    executor.layer_step.hooks.append(order)
+    resizes = {9: 4, 20: 9, 30: 3}  # step index -> slots
+
+    def pressure(batch=None, phase=None):
+        n = resizes.get(executor.layer_step.step - 1)
+        if n is not None:
+            engine.set_expert_memory(MemoryBudget("bytes", n * blob), order=order)
+
+    engine.step_hooks.append(pressure)
+    plans, trace = record(engine)
+    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
+    result = simulate(trace, trace_policy(policy, ctx, trace), slots, FreeCost(None, store.manifest.native_precision),
+                      store.manifest.native_precision, keep_plans=True, resizes=resizes)
+    assert result.outcomes() == [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in plans]
+    policy_order = simulate(trace, trace_policy(policy, ctx, trace), slots, FreeCost(None, "native"),
+                            keep_plans=True, resizes=resizes, shrink="policy")
+    assert policy_order.outcomes() != result.outcomes()  # (the order decided something)
