@@ -7,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+
 from moetier.atomic import atomic_write_json
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LEARNED, EvictionPolicy, PolicyContext, base_name, make_policy
@@ -76,3 +78,29 @@ def load_thresholds(model_dir: Path | None) -> tuple[float, float] | None:
 
 def save_thresholds(path: Path, t1: float, t2: float, trained_on: str, **extra) -> None:
     atomic_write_json(path, {"t1": t1, "t2": t2, "trained_on": trained_on, **extra})
+
+
+SIMILARITY = "similarity"  # policies/similarity.json: each MoE layer's expert similarity (CoMoE Eq. 27)
+_SIMILARITY_HINT = "`moetier train similarity --trace DIR --model M` writes it"
+
+
+def load_similarity(model_dir: Path | None, moe_layers, num_experts: int) -> dict[int, np.ndarray]:
+    """Each MoE layer's [E, E] expert similarity saved with the model; refused without its file."""
+    path = policy_file(model_dir, SIMILARITY) if model_dir else None
+    if path is None or not path.exists():
+        where = f" ({path} does not exist)" if path else " (no model directory to look in)"
+        raise MoetierError(f"similar-expert substitution needs the model's expert similarities{where}",
+                           hint=_SIMILARITY_HINT)
+    with parsing(str(path), hint=f"the file is damaged; {_SIMILARITY_HINT}"):
+        d = json.loads(path.read_bytes())
+        out = {int(layer): np.asarray(m, dtype=np.float32) for layer, m in d["layers"].items()}
+        if set(out) != set(moe_layers) or any(m.shape != (num_experts, num_experts) for m in out.values()):
+            raise ValueError(f"need an [{num_experts}, {num_experts}] matrix for each of MoE layers "
+                             f"{list(moe_layers)}")
+        return out
+
+
+def save_similarity(path: Path, layers: dict[int, np.ndarray], alpha: float, trained_on: str, **extra) -> None:
+    atomic_write_json(path, {"alpha": alpha, "layers": {str(layer): np.round(m, 4).tolist()
+                                                        for layer, m in layers.items()},
+                             "trained_on": trained_on, **extra})

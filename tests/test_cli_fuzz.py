@@ -61,6 +61,7 @@ BASE = {
     ("cache-bench",): ["--trace", "{trace}", "--expert-memory", "25%", "--out", "{out}"],
     ("train", "cache-policy"): ["--policy", "static-hot", "--trace", "{trace}", "--model", "{missing}"],
     ("train", "thresholds"): ["--trace", "{trace}", "--out", "{out}.json"],
+    ("train", "similarity"): ["--trace", "{trace}", "--model", "{missing}", "--out", "{out}.json"],
     ("train", "predictor"): ["--predictor", "llapor", "--trace", "{trace}", "--model", "{missing}", "--out",
                              "{out}.safetensors"],
     ("predict-bench",): ["--trace", "{trace}", "--predictor", "hot"],

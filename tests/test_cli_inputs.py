@@ -151,7 +151,7 @@ BAD = [
      "unknown or unavailable precision 'bf16' (this store's experts are fp32)"),
     # substitution: refused before the model is looked for
     (["generate", "--model", "/no/such", "--prompt", "x", "--substitute", "lots"],
-     "--substitute takes off, auto or a number"),
+     "--substitute takes off, auto, similar or a number"),
     (["generate", "--model", "/no/such", "--prompt", "x", "--substitute", "1.5"], "must be within [0, 1)"),
     (["generate", "--model", "/no/such", "--prompt", "x", "--tpot-budget", "fast"], "'fast' is not a duration"),
     (["generate", "--model", "/no/such", "--prompt", "x", "--tpot-budget", "0ms"], "must be positive"),

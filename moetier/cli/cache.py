@@ -245,6 +245,8 @@ def add_parser(sub) -> None:
     th.add_argument("--out", help="write here instead")
     th.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     th.set_defaults(func=_train_thresholds)
+    from moetier.cli.merge import add_train_parser as add_train_similarity
     from moetier.cli.predict import add_train_parser
 
     add_train_parser(tr)
+    add_train_similarity(tr)

@@ -65,6 +65,9 @@ def engine_config(args: argparse.Namespace, fields: dict, param: str | None, val
     if dense not in DENSE_PRECISIONS:
         raise MoetierError(f"unknown dense precision {dense!r}", hint=f"one of {', '.join(DENSE_PRECISIONS)}")
     if param in SUBSTITUTION:
+        if substitution is not None and not isinstance(substitution, Substitution):
+            raise MoetierError(f"--sweep {param} sweeps SMoE's substitution; --substitute similar has no {param}",
+                               hint="sweep with --substitute off, auto or an alpha")
         base = substitution or Substitution(None, args.substitute_weight, args.batch_aware)
         if param == "alpha":
             try:

@@ -221,7 +221,8 @@ def add_substitution_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--substitute", default="off", metavar="ALPHA",
                    help="replace a missing low-score expert by a cached one of similar score (SMoE): off (default, "
                         "exact), auto (the paper's alpha for the model's size: 0.35 up to 20B expert parameters), or "
-                        "alpha in [0, 1)")
+                        "alpha in [0, 1); or `similar`: a mispredicted low-priority expert by the most similar cached "
+                        "one (CoMoE §III-D; needs `moetier train similarity`)")
     p.add_argument("--substitute-weight", default="scaled", choices=WEIGHTS,
                    help="a substitute's weight: scaled (its own gate under the routing's normalisation) or inherit "
                         "(the replaced expert's)")
@@ -257,6 +258,14 @@ def substitution_config(args: argparse.Namespace):
     from moetier.plan.substitute import Substitution
 
     text = args.substitute.strip().lower()
+    if text == "similar":
+        from moetier.plan.similar_substitute import SimilarSubstitution
+
+        if getattr(args, "tpot_budget", None) is not None or args.substitute_weight != "scaled" \
+                or not args.batch_aware:
+            raise MoetierError("--substitute similar takes the replaced expert's weight and has no alpha to tune",
+                               hint="drop --tpot-budget, --substitute-weight and --no-batch-aware (SMoE's options)")
+        return SimilarSubstitution()
     if getattr(args, "tpot_budget", None) is not None:
         parse_seconds(args.tpot_budget)  # refused before any model is loaded
         if text not in ("off", "auto"):
@@ -270,7 +279,8 @@ def substitution_config(args: argparse.Namespace):
         try:
             alpha = float(text)
         except ValueError:
-            raise MoetierError(f"--substitute takes off, auto or a number in [0, 1), got {args.substitute!r}") from None
+            raise MoetierError(f"--substitute takes off, auto, similar or a number in [0, 1), got "
+                               f"{args.substitute!r}") from None
     return Substitution(alpha, args.substitute_weight, args.batch_aware)
 
 

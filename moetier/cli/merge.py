@@ -253,3 +253,39 @@ def add_parser(sub) -> None:
     m.add_argument("--prefix", type=count(), default=16, help="with --library: tokens of each window before scoring")
     m.add_argument("--force", action="store_true", help="replace an existing store at --out (only a moetier store)")
     m.set_defaults(func=_merge)
+
+
+def add_train_parser(train) -> None:
+    """`moetier train similarity`: the expert similarities CoMoE's similar-expert substitution reads."""
+    sp = command(train, "similarity", "compute each MoE layer's expert similarity (CoMoE Eq. 25-27, as merging "
+                                      "measures it) from a calibration trace and save it with the model, for "
+                                      "--substitute similar")
+    sp.add_argument("--trace", required=True, help="a trace of the model recorded with --gate-inputs")
+    sp.add_argument("--model", required=True, help="the model the trace is of (its experts are read)")
+    sp.add_argument("--out", help="write here instead of the model's policies/ folder (a built-in model's are not "
+                                  "written: copy it first)")
+    sp.add_argument("--alpha", type=float, default=0.5, help="Eq. 27's weight of parameter against functional "
+                                                             "similarity, in [0, 1]")
+    sp.add_argument("--cache-dir", help="where Hugging Face folders are converted")
+    sp.set_defaults(func=_train_similarity)
+
+
+def _train_similarity(args: argparse.Namespace) -> None:
+    from moetier.cli.cache import trained_destination
+    from moetier.merge.merge import check_trace, layer_similarity
+    from moetier.policy_files import SIMILARITY, policy_file, save_similarity
+    from moetier.progress import tqdm
+    from moetier.resolve import resolve_model
+    from moetier.store.store import Store
+    from moetier.trace.format import Trace
+
+    if not 0 <= args.alpha <= 1:
+        raise MoetierError(f"--alpha must be in [0, 1], got {args.alpha}")
+    trace = Trace.load(args.trace)
+    out = trained_destination(args, trace, lambda folder: policy_file(folder, SIMILARITY))
+    store = Store(resolve_model(args.model, args.cache_dir, progress=False))
+    check_trace(store, trace)
+    layers = {layer: layer_similarity(store, layer, column, trace, args.alpha)
+              for column, layer in enumerate(tqdm(store.spec.moe_layers, desc="similarity", unit="layer"))}
+    save_similarity(out, layers, args.alpha, trace.model, tokens=int(trace.num_tokens))
+    print(f"wrote {out} ({len(layers)} layers of {store.spec.num_experts} experts)")

@@ -43,8 +43,9 @@ from moetier.plan.alpha_budget import CALIBRATION_ALPHAS, AlphaChoice, choose_al
 from moetier.plan.placement import PLACEMENTS
 from moetier.plan.precision import MixedPrecision
 from moetier.plan.prefetchers import PREFETCHERS
+from moetier.plan.similar_substitute import SimilarSubstitution
 from moetier.plan.substitute import Substitution
-from moetier.policy_files import load_thresholds, make_policy_for_model
+from moetier.policy_files import load_similarity, load_thresholds, make_policy_for_model
 from moetier.predict import PREDICTORS, Predictor, make_predictor
 from moetier.predict.grouped import for_model
 from moetier.predictor_files import TRAINED, load_nets
@@ -89,7 +90,8 @@ class EngineConfig:
     predictor: str = "none"  # what the prefetch stage and the eviction policy hear: a name of moetier.predict
     predict_distance: int = 2  # MoE layers ahead the predictor scores (HOBBIT's p; the other stages use the next)
     precision: MixedPrecision = MixedPrecision()  # every expert at the model's own precision: exact mode
-    substitution: Substitution | None = None  # SMoE's substitution of low-score experts (None: exact mode)
+    substitution: Substitution | SimilarSubstitution | None = None  # SMoE's substitution of low-score experts, or
+    # CoMoE's of mispredicted low-priority ones by similar cached experts (None: exact mode)
     dense_precision: str = "native"  # or int8/int4: attention projections and the head quantized at load (as
     # llama.cpp's Q8_0/Q4_K_M files hold them); not exact
     share_cpu: bool = True  # on the CPU: as many compute threads as other runnable processes leave cores for
@@ -354,6 +356,10 @@ class Engine:
                                        **predictor_inputs(config.predictor, dense, store, lambda: self.model))
         if predictor is not None:  # a merged variant's: each group's scores on its principal
             predictor = for_model(predictor, spec.expert_groups)
+        substitution = config.substitution
+        if isinstance(substitution, SimilarSubstitution):  # the model's own similarities (refused without them)
+            substitution = dataclasses.replace(substitution, similarity=load_similarity(
+                store.trained_dir(), spec.moe_layers, spec.num_experts))
         fitted = load_thresholds(store.trained_dir())  # the model's own T1, T2, where it has them
         precision = choose_low(config.precision.with_thresholds(fitted), store, budget.cache_bytes)
         if add_missing_precisions(store, precision, progress):
@@ -376,7 +382,7 @@ class Engine:
             executor = ExpertExecutor(spec, store.manifest, budget.cache_bytes, policy, reader,
                                       config.cache_partition == "per-layer", self.device, self.kernels,
                                       config.prefetch, predictor, mixed=precision, dtype=dtype,
-                                      substitution=config.substitution, placement=config.placement,
+                                      substitution=substitution, placement=config.placement,
                                       host_kernels=make_kernels(config.kernels, dtype, "cpu")
                                       if self.device.type != "cpu" else None, host_tier=host_tier)
             model = make_model(spec, dense, executor, kernels)

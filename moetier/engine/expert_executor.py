@@ -30,6 +30,7 @@ from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
 from moetier.plan.precision import MixedPrecision, setup
 from moetier.plan.route import RouteResult
+from moetier.plan.similar_substitute import SimilarSubstitution
 from moetier.plan.step import LayerStep
 from moetier.plan.substitute import Substitution, SubstitutionStage
 from moetier.predict.base import Predictor
@@ -42,7 +43,8 @@ class ExpertExecutor:
                  reader: ExpertReader, per_layer: bool = False, device: torch.device | str = "cpu",
                  kernels: TorchKernels | None = None, prefetch: str = "none", predictor: Predictor | None = None,
                  prefetch_params: dict | None = None, mixed: MixedPrecision | None = None,
-                 dtype: torch.dtype = torch.bfloat16, substitution: Substitution | None = None,
+                 dtype: torch.dtype = torch.bfloat16,
+                 substitution: Substitution | SimilarSubstitution | None = None,
                  placement: str = "none", host_kernels: TorchKernels | None = None,
                  host_tier: HostTier | None = None) -> None:
         """`prefetch`: a stage of moetier.plan.prefetchers (or "none"), choosing reads from `predictor`'s scores.

@@ -105,15 +105,22 @@ def check_trace(store: Store, trace: Trace) -> None:
 
 def layer_merge(store: Store, layer: int, column: int, trace: Trace, settings: MergeSettings) -> LayerMerge:
     """One layer's principals and groups from the trace's routing and router inputs at `column`."""
+    counts = np.bincount(trace.topk_ids[:, column].ravel(), minlength=store.spec.num_experts)  # [E] (Eq. 28's
+    # numerator)
+    similarity = layer_similarity(store, layer, column, trace, settings.alpha)
+    return plan_layer(counts, similarity, settings.retention, store.spec.top_k)
+
+
+def layer_similarity(store: Store, layer: int, column: int, trace: Trace, alpha: float) -> np.ndarray:
+    """Eq. 27's S = α·S_param + (1 − α)·S_func [E, E] of one layer's experts, S_func on the trace's router inputs
+    at `column` (what merging groups by, and what similar-expert substitution substitutes by)."""
     spec = store.spec
-    counts = np.bincount(trace.topk_ids[:, column].ravel(), minlength=spec.num_experts)  # [E] (Eq. 28's numerator)
     experts = [store.read_expert(layer, e) for e in range(spec.num_experts)]
     param = parameter_similarity(_chunks(experts))  # [E, E]
     rows = np.linspace(0, trace.num_tokens - 1, min(FUNC_TOKENS, trace.num_tokens)).round().astype(int)
     x = torch.from_numpy(trace.gate_inputs[rows, column].astype(np.float32))  # [N, H]
     func = functional_similarity(torch.stack([expert_output(w, x, spec.activation) for w in experts]))  # [E, N, H]
-    similarity = combined_similarity(param.numpy(), func.numpy(), settings.alpha)
-    return plan_layer(counts, similarity, settings.retention, spec.top_k)
+    return combined_similarity(param.numpy(), func.numpy(), alpha)
 
 
 def _chunks(experts: list[dict[str, torch.Tensor]]):

@@ -21,6 +21,7 @@ from moetier.plan.pipeline import plan_stages
 from moetier.plan.planner import Planner
 from moetier.plan.precision import MixedPrecision, setup
 from moetier.plan.route import DECODE, PREFILL, RouteResult
+from moetier.plan.similar_substitute import SimilarSubstitution
 from moetier.plan.step import LayerHook, LayerStep
 from moetier.plan.substitute import Substitution
 from moetier.predict.base import Predictor
@@ -155,7 +156,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
              precision: Precision = NATIVE, preload: bool | Sequence[ExpertKey] = False, per_layer: bool = False,
              timeline_steps: tuple[int, ...] = (), keep_plans: bool = False, prefetch: str = "none",
              predictor: Predictor | None = None, prefetch_params: dict | None = None,
-             mixed: MixedPrecision | None = None, substitution: Substitution | None = None,
+             mixed: MixedPrecision | None = None, substitution: Substitution | SimilarSubstitution | None = None,
              placement: str = "none", resizes: Mapping[int, int] | None = None,
              shrink: str = "offload-priority") -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
@@ -168,7 +169,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     stage of moetier.plan.prefetchers fed by `predictor`, which hears the trace's gate inputs where it has them.
     `mixed`: a precision mode (moetier/plan/precision.py) over the model's own `precision`; `num_slots` then counts
     the budget in experts at that precision, and the cost model prices each read and compute at its own.
-    `substitution`: SMoE's (α None: the paper's for the model's size, from the cost model's shape). `placement`: a
+    `substitution`: SMoE's (α None: the paper's for the model's size, from the cost model's shape), or CoMoE's
+    similar-expert one (its similarity handed in). `placement`: a
     stage of moetier.plan.placement choosing per missing expert between a read and the profile's host CPU.
     `resizes`: memory pressure, {step index: slots} — before that step the cache is resized to that many experts (at
     the model's precision, a low tier's share beside them) as `--adapt` resizes the engine's; shrinking, `shrink`
@@ -185,7 +187,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     residency, high = made.residency, made.high
     counts, log = CountingHook(entry_bytes, high if mixed.mixed else None), PlanLog()
     costs = RunningCosts(entry_bytes[high])
-    if substitution is not None and substitution.alpha is None:
+    if isinstance(substitution, Substitution) and substitution.alpha is None:
         if not isinstance(cost, CostModel):
             raise ValueError("a replay knows no model size: give the substitution its alpha")
         substitution = substitution.resolved(cost.shape.total_expert_params)
@@ -257,7 +259,7 @@ def free_share(cost: CostModel | FreeCost, cache_bytes: int) -> float:
 def replay(trace: Trace, policy: EvictionPolicy, num_slots: int, preload: bool = False, per_layer: bool = False,
            precision: Precision = NATIVE, keep_plans: bool = False, predictor: Predictor | None = None,
            mixed: MixedPrecision | None = None, entry_bytes: dict[Precision, int] | None = None,
-           substitution: Substitution | None = None) -> SimResult:
+           substitution: Substitution | SimilarSubstitution | None = None) -> SimResult:
     """Hits and misses alone: `simulate` on a machine where nothing takes time (the policy hears `predictor`'s
     predictions, if one is given; nothing is prefetched). A mixed-precision `mixed` needs each precision's
     `entry_bytes` (a store's blob sizes) to split the cache as the engine does; a `substitution` its alpha."""

@@ -245,3 +245,40 @@ def test_engine_and_simulator_agree_under_memory_pressure(tiny_store, policy):
     policy_order = simulate(trace, trace_policy(policy, ctx, trace), slots, FreeCost(None, "native"),
                             keep_plans=True, resizes=resizes, shrink="policy")
     assert policy_order.outcomes() != result.outcomes()  # (the order decided something)
+
+
+def test_similar_expert_substitution_from_the_trained_file_agrees_with_the_simulator(tiny_store, tmp_path, capsys):
+    """CoMoE §III-D end to end: `moetier train similarity` on a calibration trace writes the model's similarities;
+    an engine with --substitute similar runs mispredicted low-priority experts as similar cached ones, and the
+    simulator, handed the same file, makes the same plans; without the file the engine is refused by name."""
+    from moetier.cli import main
+    from moetier.errors import MoetierError
+    from moetier.plan.similar_substitute import SimilarSubstitution
+    from moetier.policy_files import load_similarity
+
+    _, path = tiny_store("qwen2_moe", num_hidden_layers=4, copy=True)
+    store = Store(path)
+    slots = 12  # of 32 experts
+    budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
+    config = EngineConfig(expert_memory=budget, substitution=SimilarSubstitution(min_similarity=0.0))
+    with pytest.raises(MoetierError, match="moetier train similarity"):
+        Engine(store, config)
+    with Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("100%"))) as engine, \
+            TraceRecorder(engine, gate_inputs=True) as recorder:
+        for p in PROMPTS:
+            engine.generate([p], max_new_tokens=4, ignore_eos=True)
+        recorder.trace(["a", "b", "c"]).save(tmp_path / "calib")
+    assert main(["train", "similarity", "--trace", str(tmp_path / "calib"), "--model", str(path)]) in (0, None)
+    assert "wrote" in capsys.readouterr().out
+    similarity = load_similarity(store.trained_dir(), store.spec.moe_layers, store.spec.num_experts)
+    plans, trace = record(Engine(store, config))
+
+    def outcomes(plans):
+        return [(p.layer, p.assign_ids.tolist(), [r.expert for r in p.hits], [ld.expert for ld in p.loads])
+                for p in plans]
+
+    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
+    result = replay(trace, trace_policy("lru", ctx, trace), slots, precision=store.manifest.native_precision,
+                    keep_plans=True, substitution=SimilarSubstitution(min_similarity=0.0, similarity=similarity))
+    assert outcomes(result.plans) == outcomes(plans)
+    assert result.counts.phases[1].substituted > 0 and result.counts.phases[0].substituted == 0
