@@ -226,9 +226,9 @@ class ModelSpec:
             self._check_groups()
 
     def _check_groups(self) -> None:
-        if len(self.expert_groups) != len(self.moe_layers) or self.router.kind != "softmax":
+        if len(self.expert_groups) != len(self.moe_layers) or self.router.kind not in ("softmax", "top1"):
             raise UnsupportedModelError("config.json: moetier_merged needs one group list per MoE layer, and a "
-                                        "softmax router")
+                                        "softmax or top-1 router")
         for layer, groups in zip(self.moe_layers, self.expert_groups):
             principals = set(groups)
             if len(groups) != self.num_experts or any(not 0 <= g < self.num_experts or groups[g] != g

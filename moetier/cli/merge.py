@@ -68,9 +68,9 @@ def calibrate(args: argparse.Namespace, text: str, what: str):
         return recorder.trace([f"window {i}" for i in range(len(windows))])
 
 
-def source_model(args: argparse.Namespace, outs: list[Path]) -> Path:
+def source_model(args: argparse.Namespace, outs: list[Path], settings) -> Path:
     """The model to merge, resolved (a Hugging Face folder converted), once `outs` — the stores to write — are known
-    writable; refused if it cannot be merged or if it is one of them."""
+    writable; refused if it cannot be merged, if it is one of them, or if `settings` do not apply to it."""
     from moetier.atomic import check_replaceable
     from moetier.merge.merge import check_mergeable
     from moetier.resolve import resolve_model
@@ -83,6 +83,7 @@ def source_model(args: argparse.Namespace, outs: list[Path]) -> Path:
     for out in outs:
         check_replaceable(out, "store", is_store, args.force, (source,))
     check_mergeable(Store(source))
+    settings.scope_for(Store(source).spec)
     return source
 
 
@@ -92,9 +93,9 @@ def _merge(args: argparse.Namespace) -> None:
     check_engine_args(args)
     if args.library:
         return _library(args)
-    settings = MergeSettings(retention(args), args.alpha, args.align, args.members, args.refit)  # refused first
+    settings = MergeSettings(retention(args), args.alpha, args.align, args.members, args.refit, args.scope)  # refused first
     text, what = calibration_text(args)
-    source = source_model(args, [Path(args.out)])
+    source = source_model(args, [Path(args.out)], settings)
     report = _write(source, Path(args.out), calibrate(args, text, what), settings, what, args.force)
     print(f"  its perplexity beside the original's: moetier eval --model {report.path} (and --model {args.model}); "
           f"the paper's six with their quality: moetier merge --library", file=sys.stderr)
@@ -125,16 +126,17 @@ def _library(args: argparse.Namespace) -> None:
         raise MoetierError("--library builds the paper's six variants", hint="drop --ratio, --adaptive, --threshold")
     folder = Path(args.out)
     variants = paper_variants(args.min_experts)
-    MergeSettings(variants["fixed-light"], args.alpha, args.align, args.members, args.refit)  # refuses bad values first
+    first = MergeSettings(variants["fixed-light"], args.alpha, args.align, args.members, args.refit, args.scope)
+    # (refuses bad values before any work)
     if (folder / FILE).exists():
         Library.load(folder)  # a library.json that is not one (someone else's file) is refused, not replaced
     sources = texts(args.text)  # the held-out texts to score on
     text, what = calibration_text(args)
-    source = source_model(args, [folder / name for name in variants])
+    source = source_model(args, [folder / name for name in variants], first)
     trace = calibrate(args, text, what)
     for name, retention in variants.items():
-        _write(source, folder / name, trace, MergeSettings(retention, args.alpha, args.align, args.members, args.refit),
-               what, args.force)
+        settings = MergeSettings(retention, args.alpha, args.align, args.members, args.refit, args.scope)
+        _write(source, folder / name, trace, settings, what, args.force)
     library = score_library(args, source, folder, list(variants), sources)
     print(library_table(library))
     print(f"wrote {library.save(folder)}")
@@ -243,6 +245,10 @@ def add_parser(sub) -> None:
                         "for averaged members) its down projection by least squares; all: then every weight by "
                         "gradient steps (seconds for the demo models, hours for large experts on a CPU); none: "
                         "Eq. 30's average alone (and --members principal's own weights, its only choice)")
+    m.add_argument("--scope", choices=["all", "encoder"], default=None,
+                   help="which MoE layers merge: all (the default for a decoder alone), or an encoder-decoder's "
+                        "encoder alone, its decoder's experts kept whole (CoMoE's encoder-focused aggregation, §III-B "
+                        "3: the default for Switch)")
     m.add_argument("--calibration", help="a text file to calibrate on (default: the demo models' training text)")
     m.add_argument("--calibration-tokens", type=count(WINDOW), default=8192,
                    help="tokens of it to route (the refit gains from more: docs/merging.md)")
@@ -272,7 +278,7 @@ def add_train_parser(train) -> None:
 
 def _train_similarity(args: argparse.Namespace) -> None:
     from moetier.cli.cache import trained_destination
-    from moetier.merge.merge import check_trace, layer_similarity
+    from moetier.merge.merge import check_trace, layer_similarity, layer_tables
     from moetier.policy_files import SIMILARITY, policy_file, save_similarity
     from moetier.progress import tqdm
     from moetier.resolve import resolve_model
@@ -285,7 +291,8 @@ def _train_similarity(args: argparse.Namespace) -> None:
     out = trained_destination(args, trace, lambda folder: policy_file(folder, SIMILARITY))
     store = Store(resolve_model(args.model, args.cache_dir, progress=False))
     check_trace(store, trace)
-    layers = {layer: layer_similarity(store, layer, column, trace, args.alpha)
-              for column, layer in enumerate(tqdm(store.spec.moe_layers, desc="similarity", unit="layer"))}
+    layers = {layer: layer_similarity(store, layer, column, table, args.alpha)
+              for layer, (table, column) in zip(tqdm(store.spec.moe_layers, desc="similarity", unit="layer"),
+                                                layer_tables(trace))}
     save_similarity(out, layers, args.alpha, trace.model, tokens=int(trace.num_tokens))
     print(f"wrote {out} ({len(layers)} layers of {store.spec.num_experts} experts)")

@@ -31,7 +31,7 @@ import torch
 
 from moetier.atomic import check_replaceable
 from moetier.errors import MoetierError
-from moetier.merge.plan import LayerMerge, Retention, combined_similarity, plan_layer
+from moetier.merge.plan import LayerMerge, Retention, activation_frequency, combined_similarity, plan_layer
 from moetier.merge.refit import REFITS, group_tokens, refit_expert
 from moetier.merge.similarity import expert_output, functional_similarity, parameter_similarity
 from moetier.progress import tqdm
@@ -43,6 +43,7 @@ from moetier.trace.format import Trace
 FUNC_TOKENS = 128  # calibration tokens per layer for S_func: each expert runs on all of them
 PARAM_CHUNK = 1 << 18  # parameters of each expert per step of the cosine's Gram matrix
 MEMBERS = ("average", "principal")
+SCOPES = ("all", "encoder")
 ALIGN_MAX_UNITS = 4096  # an exact assignment is O(I^3): ~0.4 s at 2048 units, hours for a Mixtral's 14,336
 
 
@@ -54,6 +55,8 @@ class MergeSettings:
     members: str = "average"  # Eq. 30; "principal": the principal's own weights (a baseline: pruning, rerouted)
     refit: str | None = None  # then fit each merged expert to its group's outputs: one of REFITS
     # (moetier/merge/refit.py); None: "down" for averaged members, "none" for a principal's own weights
+    scope: str | None = None  # which MoE layers merge: all, or an encoder-decoder's encoder alone (CoMoE
+    # §III-B 3's encoder-focused aggregation); None: "encoder" for an encoder-decoder, "all" otherwise
 
     def __post_init__(self) -> None:
         if self.members not in MEMBERS:
@@ -67,6 +70,15 @@ class MergeSettings:
                                f"change them", hint="drop --refit (or --members principal)")
         if not 0 <= self.alpha <= 1:
             raise MoetierError(f"--alpha must be in [0, 1], got {self.alpha}")
+        if self.scope is not None and self.scope not in SCOPES:
+            raise MoetierError(f"--scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+
+    def scope_for(self, spec) -> str:
+        """The scope that runs for a model of `spec`: as given, or the model's default."""
+        if self.scope == "encoder" and spec.encoder_decoder is None:
+            raise MoetierError("--scope encoder merges an encoder-decoder's encoder; this model is a decoder alone",
+                               hint="use --scope all (the default for it)")
+        return self.scope or ("encoder" if spec.encoder_decoder is not None else "all")
 
 
 @dataclass(frozen=True)
@@ -86,29 +98,44 @@ def check_mergeable(store: Store) -> None:
     if spec.activation not in ("swiglu", "relu"):
         raise MoetierError(f"merging averages SwiGLU or ReLU experts; {store.path.name}'s ({store.manifest.family}) "
                            f"are {spec.activation} with biases and clamping", hint="merge a model of another family")
-    if spec.router.kind != "softmax" or spec.encoder_decoder is not None:
+    if spec.router.kind not in ("softmax", "top1"):
         raise MoetierError(f"merging sums each group's softmax probabilities; {store.path.name}'s router is "
-                           f"{spec.router.kind!r}{' in an encoder-decoder' if spec.encoder_decoder else ''}",
-                           hint="merge a model whose router takes a softmax over every expert (Mixtral, Qwen, "
-                                "OLMoE, DeepSeek-V2)")
+                           f"{spec.router.kind!r}", hint="merge a model whose router takes a softmax over every "
+                                                         "expert (Mixtral, Qwen, OLMoE, DeepSeek-V2, Switch)")
 
 
 def check_trace(store: Store, trace: Trace) -> None:
     spec = store.spec
-    if (trace.num_experts, trace.top_k, tuple(trace.layers)) != (spec.num_experts, spec.top_k, spec.moe_layers):
+    if (trace.num_experts, trace.top_k, tuple(trace.all_layers)) != (spec.num_experts, spec.top_k,
+                                                                      spec.moe_layers):
         raise MoetierError("the calibration trace is not of this model (its layers, experts or top-k differ)",
                            hint="record it from the model being merged")
-    if trace.gate_inputs is None:
+    if any(table.gate_inputs is None for table, _ in layer_tables(trace)):
         raise MoetierError("the calibration trace has no router inputs (S_func runs the experts on them)",
                            hint="record it with --gate-inputs")
 
 
+def layer_tables(trace: Trace) -> list[tuple[Trace, int]]:
+    """(table, column) of each MoE layer the trace routes, in order: an encoder-decoder's encoder layers in its
+    encoder's table, then the trace's own columns."""
+    encoder = [(trace.encoder, j) for j in range(len(trace.encoder.layers))] if trace.encoder is not None else []
+    return [*encoder, *((trace, j) for j in range(len(trace.layers)))]
+
+
 def layer_merge(store: Store, layer: int, column: int, trace: Trace, settings: MergeSettings) -> LayerMerge:
-    """One layer's principals and groups from the trace's routing and router inputs at `column`."""
+    """One layer's principals and groups from the routing and router inputs at `column` of `trace` (the layer's
+    table: layer_tables)."""
     counts = np.bincount(trace.topk_ids[:, column].ravel(), minlength=store.spec.num_experts)  # [E] (Eq. 28's
     # numerator)
     similarity = layer_similarity(store, layer, column, trace, settings.alpha)
     return plan_layer(counts, similarity, settings.retention, store.spec.top_k)
+
+
+def kept_whole(store: Store, column: int, trace: Trace) -> LayerMerge:
+    """A layer outside the merge's scope: every expert its own group (copied as it is)."""
+    counts = np.bincount(trace.topk_ids[:, column].ravel(), minlength=store.spec.num_experts)
+    experts = tuple(range(store.spec.num_experts))
+    return LayerMerge(experts, experts, tuple(float(x) for x in activation_frequency(counts)))
 
 
 def layer_similarity(store: Store, layer: int, column: int, trace: Trace, alpha: float) -> np.ndarray:
@@ -195,15 +222,19 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
     check_replaceable(out, "store", is_store, overwrite, (src.path,))  # before any work
     m, spec, layout = src.manifest, src.spec, src.native_layout
     align = settings.align and spec.moe_intermediate_size <= ALIGN_MAX_UNITS
-    merges = [layer_merge(src, layer, j, trace, settings)
-              for j, layer in enumerate(tqdm(spec.moe_layers, desc="similarity", unit="layer", disable=not progress))]
+    scope, tables = settings.scope_for(spec), layer_tables(trace)
+    encoder = spec.encoder_decoder.encoder_layers if spec.encoder_decoder is not None else spec.num_layers
+    merges = [layer_merge(src, layer, j, table, settings) if scope == "all" or layer < encoder
+              else kept_whole(src, j, table)  # (the decoder's, under encoder-focused aggregation)
+              for layer, (table, j) in zip(tqdm(spec.moe_layers, desc="similarity", unit="layer",
+                                                 disable=not progress), tables)]
     kept = tuple(len(x.principals) for x in merges)
     files = sum(len(src.read_file(name)) for name in m.tokenizer_files)
     config = dict(m.config, moetier_merged={
         "groups": [list(x.group_of) for x in merges], "from": str(src.path.resolve()),
         "method": settings.retention.name, "alpha": settings.alpha,
         "threshold": getattr(settings.retention, "theta", None),
-        "aligned": align, "members": settings.members, "refit": settings.refit,
+        "aligned": align, "members": settings.members, "refit": settings.refit, "scope": scope,
         "calibration": calibration, "calibration_tokens": int(trace.num_tokens), "kept": list(kept)})
     with StoreWriter(out, overwrite, (src.path,), store_bytes(src.dense_bytes, sum(kept), layout.blob_bytes, files)) \
             as writer, tqdm(total=sum(kept), unit="expert", desc=f"merge {out.name}", disable=not progress) as bar:
@@ -211,7 +242,7 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
         for name in m.tokenizer_files:
             (writer.tmp / name).write_bytes(src.read_file(name))  # verified against the source's checksums
             writer.add_file(name)
-        for column, (layer, merge) in enumerate(zip(spec.moe_layers, merges)):
+        for (table, column), layer, merge in zip(tables, spec.moe_layers, merges):
             for p in merge.principals:
                 ids = merge.members(p) if settings.members == "average" else [p]
                 members = {e: src.read_expert(layer, e) for e in ids}
@@ -219,7 +250,7 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
                     members = {e: w if e == p else aligned(w, members[p]) for e, w in members.items()}
                 expert = averaged(members, merge.frequency)
                 if settings.refit != "none" and len(merge.members(p)) > 1:
-                    expert = _refitted(settings.refit, expert, src, layer, column, merge.members(p), trace)
+                    expert = _refitted(settings.refit, expert, src, layer, column, merge.members(p), table)
                 writer.add_expert(layer, p, layout, expert)
                 bar.update()
         manifest = Manifest(family=m.family, config=config, precisions={layout.name: layout},

@@ -144,7 +144,12 @@ class Top1Router(SoftmaxRouter):
 
     def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
         scores = F.softmax(self.logits(x, w), dim=-1, dtype=torch.float32)  # [T, E]
-        topk_weights, topk_ids = scores.to(x.dtype).max(dim=-1, keepdim=True)  # [T, 1]
+        return self.top1(scores, scores, x.dtype, segments)
+
+    def top1(self, scores: torch.Tensor, ranked: torch.Tensor, dtype: torch.dtype, segments) -> Routed:
+        """The best of `ranked` [T, E] per token, weighted by its value, under the capacity; `scores` are what the
+        policies read."""
+        topk_weights, topk_ids = ranked.to(dtype).max(dim=-1, keepdim=True)  # [T, 1]
         for first, length in segments or ():
             if length > self.spec.capacity:  # only a long prompt can fill an expert
                 ids = topk_ids[first:first + length, 0]
@@ -152,6 +157,18 @@ class Top1Router(SoftmaxRouter):
                 rank = one_hot.cumsum(dim=0).gather(1, ids[:, None])  # [t, 1] the token's place in its expert's queue
                 topk_weights[first:first + length].masked_fill_(rank > self.spec.capacity, 0.0)
         return scores, topk_ids, topk_weights
+
+
+class MergedTop1Router(Top1Router):
+    """A merged Switch model's (CoMoE's own models, §IV): Switch's softmax over the original experts, each group's
+    probabilities summed into its principal (as MergedRouter), then Switch's top-1 over the principals weighted by
+    the group's sum, under the same capacity (counted per merged expert: a merged expert is one expert). Reads the
+    layer's `router.groups` and `router.absent` as MergedRouter does."""
+
+    def __call__(self, x: torch.Tensor, w: dict[str, torch.Tensor], segments=None) -> Routed:
+        probs = F.softmax(self.logits(x, w), dim=-1, dtype=torch.float32)  # [T, E]
+        scores = torch.zeros_like(probs).index_add_(1, w["router.groups"], probs)  # [T, E]: a group's sum
+        return self.top1(scores, scores.masked_fill(w["router.absent"], -1.0), x.dtype, segments)
 
 
 class MergedRouter(SoftmaxRouter):
@@ -190,9 +207,17 @@ ROUTER_CLASSES = {"softmax": SoftmaxRouter, "group-limited": GroupLimitedRouter,
 def make_router(spec: RouterSpec, top_k: int, linear: Linear = F.linear, lib=None,
                 merged: bool = False) -> SoftmaxRouter:
     """`lib`: the native library, where the native kernels run (a plain softmax router then routes through it).
-    `merged`: the model's experts were merged (ModelSpec.expert_groups; a softmax router's)."""
+    `merged`: the model's experts were merged (ModelSpec.expert_groups; a softmax or top-1 router's)."""
     if merged:
-        return MergedRouter(spec, top_k, linear)
+        return (MergedTop1Router if spec.kind == "top1" else MergedRouter)(spec, top_k, linear)
     if lib is not None and spec.kind == "softmax":
         return NativeSoftmaxRouter(spec, top_k, linear, lib)
     return ROUTER_CLASSES[spec.kind](spec, top_k, linear)
+
+
+def add_groups(layers: list[dict[str, torch.Tensor]], spec, device: torch.device) -> None:
+    """A merged model's layers get `router.groups` [E] (each expert's principal) and `router.absent` [E] (merged
+    away), which the merged routers read (ModelSpec.expert_groups; nothing for a model not merged)."""
+    for layer, groups in zip(spec.moe_layers, spec.expert_groups):
+        g = torch.tensor(groups, dtype=torch.int64, device=device)  # [E]
+        layers[layer].update({"router.groups": g, "router.absent": g != torch.arange(len(groups), device=device)})

@@ -21,7 +21,7 @@ from moetier.model.batch import StepBatch
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
 from moetier.model.layers import layer_weights
-from moetier.model.router import make_router
+from moetier.model.router import add_groups, make_router
 from moetier.model.transformer import Experts
 
 
@@ -51,7 +51,8 @@ class EncoderDecoder:
         self.dtype, self.device = dense["embed_tokens"].dtype, dense["embed_tokens"].device
         self.s2s = spec.encoder_decoder
         self.layers = layer_weights(dense, spec.num_layers)
-        self.router = make_router(spec.router, spec.top_k)
+        self.router = make_router(spec.router, spec.top_k, merged=bool(spec.expert_groups))
+        add_groups(self.layers, spec, self.device)  # a merged model's (MergedTop1Router reads them)
         self.is_moe = spec.is_moe_layer
         self.lm_head = dense.get("lm_head", dense["embed_tokens"])
         self.head_scale = spec.hidden_size ** -0.5 if spec.tie_word_embeddings else None  # T5's tied head

@@ -18,7 +18,7 @@ from moetier.model.layers import layer_weights, rms_norm_fp32_weight
 from moetier.model.mla import LatentAttention
 from moetier.model.resident_step import ResidentStep
 from moetier.model.rope import Rope, RopeTables
-from moetier.model.router import make_router
+from moetier.model.router import add_groups, make_router
 
 
 class Experts(Protocol):
@@ -61,10 +61,7 @@ class Transformer:
                                   merged=bool(spec.expert_groups))
         self.is_moe = spec.is_moe_layer
         self.layers = layer_weights(dense, spec.num_layers)
-        for layer, groups in zip(spec.moe_layers, spec.expert_groups):  # a merged model's (MergedRouter reads them)
-            g = torch.tensor(groups, dtype=torch.int64, device=self.device)  # [E]
-            self.layers[layer].update({"router.groups": g, "router.absent": g != torch.arange(len(groups),
-                                                                                          device=self.device)})
+        add_groups(self.layers, spec, self.device)  # a merged model's (MergedRouter reads them)
         # one native call a layer for a one-sequence decode step's attention (None where it does not apply)
         self.blocks = DecodeBlocks.make(spec, dense["embed_tokens"], self.attn, self.layers, self.router, self.is_moe,
                                         self.kernels)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from moetier.config import MemoryBudget
 from moetier.engine.engine import Engine, EngineConfig
+from moetier.engine.stats import GenerationStats
 from moetier.errors import MoetierError
 from moetier.memory import MemoryView
 from moetier.merge.merge import MergeSettings, merge_store
@@ -20,6 +21,7 @@ from moetier.merge.plan import AdaptiveRatio, FixedRatio
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
 from moetier.plan.precision import MixedPrecision
+from moetier.plan.route import DECODE, PREFILL
 from moetier.plan.substitute import Substitution
 from moetier.predict.grouped import GroupedPredictor
 from moetier.store.store import Store
@@ -139,6 +141,10 @@ def test_what_cannot_be_merged_is_refused_before_anything_is_written(merged, tin
     _, v3 = tiny_store("deepseek_v3")
     with pytest.raises(MoetierError, match="router is 'noaux-tc'"):
         merge_store(v3, tmp_path / "z", trace, settings, progress=False)
+    with pytest.raises(MoetierError, match="merges an encoder-decoder's encoder"):
+        merge_store(store, tmp_path / "z", trace, MergeSettings(FixedRatio(0.5), scope="encoder"), progress=False)
+    with pytest.raises(MoetierError, match="--scope must be one of"):
+        MergeSettings(FixedRatio(0.5), scope="decoder")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(MoetierError):
@@ -418,3 +424,82 @@ def test_the_server_switches_variant_between_its_requests(merged, tmp_path):
             loop.stop()
         assert got_a == expected["original"] and got_b == expected["merged"]
         assert engine.store.path == half.path and metrics.variant_switches._value.get() == 1
+
+
+def switch_calibration(store, prompts: int = 6, tokens: int = 40):
+    """A trace of a Switch model on random prompts with router inputs: the encoder's routing of each prompt and the
+    decoder's of a few generated tokens."""
+    g = torch.Generator().manual_seed(7)
+    with Engine.from_pretrained(store, expert_memory="100%", progress=False) as engine, \
+            TraceRecorder(engine, gate_inputs=True) as rec:
+        for _ in range(prompts):
+            engine.generate([torch.randint(3, 128, (tokens,), generator=g).tolist()], max_new_tokens=6,
+                            ignore_eos=True)
+        return rec.trace([str(i) for i in range(prompts)])
+
+
+def merged_switch_reference(ref, path):
+    """Transformers' Switch model with the merged store's routing and experts: each merged layer's top-1 router sums
+    its group's probabilities into the principal and takes the best principal under the capacity (as
+    MergedTop1Router), each expert id computes its group's merged expert."""
+    ref, store = copy.deepcopy(ref), Store(path)
+    spec = store.spec
+    sparse = [m for m in ref.modules() if type(m).__name__ == "SwitchTransformersSparseMLP"]  # encoder's, then
+    assert len(sparse) == len(spec.moe_layers)  # the decoder's
+    for layer, groups, mlp in zip(spec.moe_layers, spec.expert_groups, sparse):
+        g = torch.tensor(groups)
+        with torch.no_grad():
+            for e, principal in enumerate(groups):
+                w = store.read_expert(layer, principal)
+                mlp.experts[f"expert_{e}"].wi.weight.copy_(w["up_proj"])
+                mlp.experts[f"expert_{e}"].wo.weight.copy_(w["down_proj"])
+        if list(groups) == list(range(len(groups))):
+            continue  # (a layer kept whole routes as it did)
+
+        def forward(self, hidden_states, g=g):
+            logits = self.classifier(hidden_states.to(self.dtype))
+            probs = F.softmax(logits, dim=-1, dtype=self.dtype).to(hidden_states.dtype)
+            sums = torch.zeros_like(probs).index_add_(-1, g, probs)
+            top, index = sums.masked_fill(g != torch.arange(len(g)), -1.0).max(dim=-1)
+            chosen = F.one_hot(index, num_classes=self.num_experts)
+            chosen = chosen * (torch.cumsum(chosen, dim=-2) <= self.expert_capacity)
+            return chosen, top.unsqueeze(-1), logits
+
+        mlp.router.forward = types.MethodType(forward, mlp.router)
+    return ref
+
+
+@pytest.mark.parametrize("scope", ["encoder", "all"])
+def test_a_merged_switch_model_computes_what_transformers_computes_with_its_merged_routers(tiny_store, tmp_path,
+                                                                                           scope):
+    """CoMoE's own models: a tiny Switch Transformers checkpoint (encoder and decoder experts, top-1 routers)
+    merged to half its experts — the encoder's alone by default (encoder-focused aggregation: the decoder's kept
+    whole), or every MoE layer's — runs in the engine with the decoder's logits equal to transformers' carrying the
+    same merge, resident and offloaded."""
+    from tests.model.test_parity_seq2seq import reference_steps
+
+    ref, store = tiny_store("switch_transformers")
+    settings = MergeSettings(FixedRatio(0.5), scope=None if scope == "encoder" else scope)
+    report = merge_store(store, tmp_path / "half", switch_calibration(store), settings, progress=False)
+    spec = Store(report.path).spec
+    encoder = spec.encoder_decoder.encoder_layers
+    kept = dict(zip(spec.moe_layers, report.kept))
+    assert all(kept[layer] == 4 for layer in spec.moe_layers if layer < encoder or scope == "all")
+    assert all(kept[layer] == 8 for layer in spec.moe_layers if layer >= encoder and scope == "encoder")
+    assert Store(report.path).manifest.config["moetier_merged"]["scope"] == scope
+    reference = merged_switch_reference(ref, report.path)
+    torch.manual_seed(1)
+    prompt, fed = torch.randint(3, 128, (11,)).tolist(), torch.randint(3, 128, (8,)).tolist()
+    expected = reference_steps(reference, prompt, fed)
+    assert (expected[-1] - reference_steps(ref, prompt, fed)[-1]).abs().max() > 1e-3  # (the merge changed it)
+    for budget in ("100%", "30%"):
+        with Engine(Store(report.path), EngineConfig(expert_memory=MemoryBudget.parse(budget))) as engine:
+            kv = KVCache(engine.spec, 1, 64, torch.float32)
+            stats = GenerationStats()
+            engine.executor.begin_step(PREFILL, stats.phases)
+            steps = [engine.model.forward(StepBatch.prefill([prompt], [0]), kv)[0]]
+            for i, token in enumerate(fed):
+                engine.executor.begin_step(DECODE, stats.phases)
+                steps.append(engine.model.forward(StepBatch.decode_step([token], [0], [len(prompt) + i], 1), kv)[0])
+            for i, (ours, theirs) in enumerate(zip(steps, expected)):
+                assert (ours - theirs).abs().max().item() <= 1e-5, f"step {i} differs at {budget}"

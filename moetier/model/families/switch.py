@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from moetier.config import EncoderDecoderSpec, ModelSpec, RouterSpec
 from moetier.errors import UnsupportedModelError
-from moetier.model.families.base import Family, number, optional_int, require, token_ids
+from moetier.model.families.base import Family, expert_groups, number, optional_int, require, token_ids
 
 CONTEXT = 512  # T5's and Switch's training length: relative positions run longer, but moetier bounds the window
 
@@ -69,6 +69,7 @@ class SwitchFamily(Family):
             tie_word_embeddings=tied,
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch."),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
+            expert_groups=expert_groups(cfg),
             hf_config=cfg,
         )
 
