@@ -31,11 +31,12 @@ class Entry:
     slot: int  # in its precision's pool
     loading: bool = True
     pin: str | None = IN_USE
+    kept: bool = False  # resident for good (Residency.keep)
 
     @property
     def held(self) -> bool:
-        """Not evictable: a read in flight, or pinned."""
-        return self.loading or self.pin is not None
+        """Not evictable: a read in flight, pinned, or kept."""
+        return self.loading or self.pin is not None or self.kept
 
 
 class _Evictable:
@@ -208,7 +209,7 @@ class Residency:
         entry = self.entries[key]
         if entry.loading:
             entry.loading = False
-            if entry.pin is None:
+            if entry.pin is None and not entry.kept:
                 self._unhold(key, entry)
 
     def drop(self, key: ExpertKey) -> None:
@@ -247,10 +248,21 @@ class Residency:
             return
         if entry.pin is not None:
             self._pinned[entry.pin].discard(key)
-        elif not entry.loading:
+        elif not entry.loading and not entry.kept:
             self._hold(key, entry)
         entry.pin = reason
         self._pinned[reason].add(key)
+
+    def keep(self, keys: Iterable[ExpertKey]) -> None:
+        """Hold `keys` (cached already) for good: never evicted, never a policy's candidate — an encoder-decoder's
+        decoder experts under CoMoE's encoder-focused offloading (`--offload encoder`), so only the encoder's
+        come and go."""
+        for key in keys:
+            entry = self.entries[key]
+            if not entry.kept:
+                if not entry.held:
+                    self._hold(key, entry)
+                entry.kept = True
 
     def unpin(self, key: ExpertKey, reason: str) -> None:
         """Release `key`'s pin if it is pinned for `reason`."""
@@ -268,7 +280,7 @@ class Residency:
         for key in self._pinned[reason]:
             entry = self.entries[key]
             entry.pin = None
-            if not entry.loading:
+            if not entry.loading and not entry.kept:
                 self._unhold(key, entry)
         self._pinned[reason].clear()
 
@@ -326,7 +338,7 @@ class Residency:
         if entry.pin is not None:
             self._pinned[entry.pin].discard(key)
             entry.pin = None
-            if not entry.loading:
+            if not entry.loading and not entry.kept:
                 self._unhold(key, entry)
 
     def _hold(self, key: ExpertKey, entry: Entry) -> None:

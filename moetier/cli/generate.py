@@ -66,6 +66,7 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
     if getattr(args, "host_memory", None) is not None:
         config.setdefault("host_memory", HostMemory.parse(args.host_memory))
     config.setdefault("adapt", getattr(args, "adapt", False))
+    config.setdefault("offload", getattr(args, "offload", "all"))
     config.setdefault("variants", getattr(args, "variants", None))
     EngineConfig(expert_memory=MemoryBudget.parse(args.expert_memory), reader_threads=args.reader_threads,
                  device=args.device, kernels=args.kernels, **config)  # refuses what the options say, first
@@ -156,7 +157,11 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
                         "is one line on stderr")
     p.add_argument("--variants", metavar="FOLDER",
                    help="with --adapt: a merge library (moetier merge --library) holding this model; between requests "
-                        "run the best-quality variant whose weights all fit the memory free (CoMoE Eq. 34-35)")
+                        "run the best-quality variant of at most the experts the memory free holds (CoMoE Eq. 17, "
+                        "34-35)")
+    p.add_argument("--offload", default="all", choices=["all", "encoder"],
+                   help="whose experts the cache offloads: every MoE layer's (default), or an encoder-decoder's "
+                        "(Switch) encoder's alone, the decoder's kept resident (CoMoE's encoder-focused offloading)")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="auto (default): moetier's native kernels for bf16 decoding on the CPU, built on first use with "
                         "the C compiler (the best instruction set this CPU runs; a prefill's products in torch's GEMM "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
 from moetier.config import KERNELS, HostMemory, MemoryBudget, format_bytes
 from moetier.engine.adapt_cache import AdaptCache
@@ -56,6 +57,7 @@ from moetier.store.store import Store
 from moetier.store.variants import add_precisions, expert_layouts
 
 PARTITIONS = ("global", "per-layer")
+OFFLOADS = ("all", "encoder")
 LOW_TIER_SHARE = 0.75  # low-tier's default: the resident low copies take at most this share of the expert budget
 # (int2 of a 12 MiB expert is 16% of its bf16 bytes: at a 25% budget, 62% of it)
 
@@ -102,6 +104,8 @@ class EngineConfig:
     # expert cache's room like the dense weights
     host_memory: HostMemory | None = None  # the host tier behind a GPU's cache (engine/host_tier.py): bytes, a
     # share of the experts, auto, or none; None: the default, auto on a GPU (every expert where the host has room)
+    offload: str = "all"  # whose experts the cache offloads: every MoE layer's, or an encoder-decoder's encoder's
+    # alone, the decoder's kept resident (CoMoE's encoder-focused offloading: Residency.keep)
     adapt: bool = False  # the expert cache follows the memory free beside it while running (engine/adapt_cache.py)
     variants: str | None = None  # with adapt: a merge library's folder; its variants switched between by the memory
 
@@ -113,6 +117,11 @@ class EngineConfig:
             raise MoetierError("--variants switches between a model's merged variants as the memory changes: it "
                                "needs --adapt", hint="add --adapt")
         check_device(self.device)
+        if self.offload not in OFFLOADS:
+            raise MoetierError(f"unknown offload scope {self.offload!r}", hint=f"one of {', '.join(OFFLOADS)}")
+        if self.offload == "encoder" and self.cache_partition != "global":
+            raise MoetierError("--offload encoder keeps the decoder's experts in one shared cache beside the "
+                               "encoder's", hint="drop --cache-partition per-layer")
         if self.kernels not in KERNELS:
             raise MoetierError(f"unknown kernels {self.kernels!r}", hint=f"one of {', '.join(KERNELS)}")
         if self.kernels in PATHS:  # a path by name: this CPU runs it, or one line now
@@ -208,6 +217,22 @@ def add_missing_precisions(store: Store, mixed: MixedPrecision, progress: bool) 
         return []
     add_precisions(store.path, missing, progress)
     return missing
+
+
+def decoder_experts(store: Store, budget: BudgetChoice) -> list[ExpertKey]:
+    """An encoder-decoder's decoder experts, which `--offload encoder` keeps resident — refused where there is no
+    decoder, or where the budget does not hold them and one encoder layer's top-k beside."""
+    spec = store.spec
+    if spec.encoder_decoder is None:
+        raise MoetierError("--offload encoder offloads an encoder-decoder's encoder; this model is a decoder alone",
+                           hint="use --offload all (the default)")
+    first = spec.encoder_decoder.encoder_layers
+    kept = [ExpertKey(layer, e) for layer, e in spec.expert_keys() if layer >= first]
+    if budget.slots < len(kept) + spec.top_k:
+        raise BudgetError(f"--offload encoder keeps the decoder's {len(kept)} experts resident and needs room for "
+                          f"{spec.top_k} of the encoder's beside them; the budget holds {budget.slots}",
+                          hint="give more --expert-memory, or use --offload all")
+    return kept
 
 
 def check_device(name: str) -> torch.device:
@@ -372,6 +397,7 @@ class Engine:
             host_choice = plan_host_tier(store, config.host_memory or HostMemory(), memory_available(),
                                          precision.host_precisions(store.manifest.native_precision),
                                          must_hold_all=config.placement != "none")
+        kept = decoder_experts(store, budget) if config.offload == "encoder" else []  # (refused before the reader)
         reader = ExpertReader(store.path, config.reader_threads, config.chunk_bytes, config.verify_checksums,
                               manifest=store.manifest)
         try:
@@ -386,6 +412,8 @@ class Engine:
                                       host_kernels=make_kernels(config.kernels, dtype, "cpu")
                                       if self.device.type != "cpu" else None, host_tier=host_tier)
             model = make_model(spec, dense, executor, kernels)
+            executor.preload(kept)  # (--offload encoder: the decoder's experts, resident for good)
+            executor.residency.keep(kept)
             executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
         except BaseException:
             reader.close()

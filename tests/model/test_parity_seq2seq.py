@@ -132,3 +132,40 @@ def test_what_a_text_to_text_model_cannot_do_is_refused(tiny_store):
             engine.model.forward(StepBatch.prefill([[5, 6, 7]], [0], starts=[3]), kv)
         with pytest.raises(MoetierError, match="reads its input with an encoder"):
             teacher_forced(engine, [5, 6, 7, 8, 9], prefix=2)
+
+
+def test_offloading_the_encoder_alone_keeps_the_decoder_resident_and_exact(tiny_store):
+    """CoMoE's encoder-focused offloading (--offload encoder): the decoder's experts are loaded first and never
+    leave, the encoder's come and go through what the budget leaves them (a smaller share than the decoder's), and
+    the tokens are exact mode's; a decoder-only model, a per-layer split and a budget that cannot hold the decoder's
+    experts are refused."""
+    from moetier.cache.keys import ExpertKey
+    from moetier.config import MemoryBudget
+    from moetier.engine.engine import Engine, EngineConfig
+    from moetier.errors import BudgetError, MoetierError
+
+    ref, path = tiny_store("switch_transformers")
+    store = Store(path)
+    spec, blob = store.spec, store.native_layout.blob_bytes
+    first = spec.encoder_decoder.encoder_layers
+    decoder = {ExpertKey(layer, e) for layer, e in spec.expert_keys() if layer >= first}  # 16 of 32
+    prompts = [torch.randint(3, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (11, 7, 15)]
+    expected = [ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, 1:].tolist() for p in prompts]
+    config = EngineConfig(expert_memory=MemoryBudget("bytes", 20 * blob), offload="encoder")
+    with Engine(store, config) as engine:
+        residency = engine.executor.residency
+        assert decoder <= set(residency.entries)  # loaded first
+        for p, want in zip(prompts, expected):
+            out = engine.generate([p], max_new_tokens=12, ignore_eos=True)
+            assert out.token_ids[0][:len(want)] == want
+            assert decoder <= set(residency.entries)  # never evicted
+        encoder_held = [k for k in residency.entries if k.layer < first]
+        assert len(encoder_held) <= 4 and out.stats["hit_rate"] < 1.0  # the encoder's 16 through 4 slots
+    with pytest.raises(BudgetError, match="keeps the decoder's 16 experts resident"):
+        Engine(store, EngineConfig(expert_memory=MemoryBudget("bytes", 16 * blob), offload="encoder"))
+    _, olmoe = tiny_store("olmoe")
+    with pytest.raises(MoetierError, match="this model is a decoder alone"):
+        Engine(Store(olmoe), EngineConfig(offload="encoder"))
+    with pytest.raises(MoetierError, match="one shared cache"):
+        EngineConfig(offload="encoder", cache_partition="per-layer")
