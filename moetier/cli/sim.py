@@ -60,6 +60,7 @@ def _sim(args: argparse.Namespace) -> None:
     from moetier.cli.models import model_shape, policy_dir, replay_predictor
     from moetier.plan.prefetchers import PREFETCHERS
     from moetier.policy_files import load_params
+    from moetier.predictor_files import TRAINED
     from moetier.sim.cost import CostModel
     from moetier.sim.profile import HardwareProfile
     from moetier.sim.runner import make_runner
@@ -84,7 +85,7 @@ def _sim(args: argparse.Namespace) -> None:
             raise MoetierError("--ray needs Ray, an optional extra", hint="pip install 'moetier[ray]'")
     trace = Trace.load(args.trace)
     fitted = {base_name(p) for p in _items(args.policy, "--policy")} & set(LEARNED)
-    trace = encoder_set_aside(trace, args.predictor != "none" or bool(fitted), lambda m: print(m, file=sys.stderr))
+    trace = encoder_set_aside(trace, args.predictor in TRAINED or bool(fitted), lambda m: print(m, file=sys.stderr))
     profile = HardwareProfile.load(args.profile)
     model = args.model_shape or trace.model
     shape, blob_bytes = model_shape(model)  # config.json alone: nothing is converted or built for a shape

@@ -10,21 +10,29 @@ import numpy as np
 
 from moetier.errors import MoetierError
 from moetier.predict import Predictor, make_predictor
-from moetier.sim.replay import steps
+from moetier.sim.replay import layer_visits, steps
 from moetier.trace.format import Trace
 
 
 def trace_truth(trace: Trace):
-    """(forward step, layer) -> topk_ids [T, k] of that step, steps numbered as the replay's layer step does."""
-    rows = [r for _, r in steps(trace)]
-    column = {layer: j for j, layer in enumerate(trace.layers)}
-    return lambda step, layer: trace.topk_ids[rows[step - 1], column[layer]]
+    """(forward step, layer) -> topk_ids [T, k] of that step, steps numbered as the replay's layer step does; an
+    encoder-decoder's encoder layers give the encoder's rows of the step's prompts (at its prefill steps)."""
+    encoder_rows = trace.encoder_rows()
+    visits = [{layer: (table, rows, j) for table, rows, j, layer in layer_visits(trace, r, encoder_rows)}
+              for _, r in steps(trace)]
+
+    def truth(step: int, layer: int) -> np.ndarray:
+        table, rows, j = visits[step - 1][layer]
+        return table.topk_ids[rows, j]
+
+    return truth
 
 
 def trace_counts(trace: Trace) -> dict[int, np.ndarray]:
-    """Per layer, how often each expert was selected in `trace` [E]."""
-    return {layer: np.bincount(trace.topk_ids[:, j].ravel().astype(np.int64), minlength=trace.num_experts)
-            for j, layer in enumerate(trace.layers)}
+    """Per layer (an encoder's too), how often each expert was selected in `trace` [E]."""
+    tables = [trace.encoder, trace] if trace.encoder is not None else [trace]
+    return {layer: np.bincount(t.topk_ids[:, j].ravel().astype(np.int64), minlength=trace.num_experts)
+            for t in tables for j, layer in enumerate(t.layers)}
 
 
 def check_replayable(name: str) -> None:
@@ -50,8 +58,8 @@ def trace_predictor(name: str, trace: Trace, distance: int = 1, routers: Mapping
     elif name == "hot":
         inputs = {"counts": counts if counts is not None else trace_counts(trace)}
     elif name in ("stacked-gates", "llapor", "comoe-mlp"):
-        if trace.gate_inputs is None:
+        if trace.gate_inputs is None or (trace.encoder is not None and trace.encoder.gate_inputs is None):
             raise MoetierError(f"{name} predicts from the router's input, and this trace has none",
                                hint="record it with `moetier trace record --gate-inputs`")
         inputs = {"routers": routers} if name == "stacked-gates" else {"nets": nets}
-    return make_predictor(name, trace.layers, trace.num_experts, trace.top_k, distance, **inputs)
+    return make_predictor(name, trace.all_layers, trace.num_experts, trace.top_k, distance, **inputs)

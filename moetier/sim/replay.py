@@ -177,8 +177,8 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     chooses who leaves: "offload-priority" (CoMoE Eq. 18, plan/offload_priority.py, as --adapt) or "policy"."""
     if shrink not in SHRINKS:
         raise ValueError(f"unknown shrink order {shrink!r}: one of {', '.join(SHRINKS)}")
-    if trace.encoder is not None and predictor is not None:
-        raise ValueError("predictors cover a trace's own columns: set its encoder aside (Trace.decoder_only)")
+    if predictor is not None and set(predictor.moe_layers) != set(trace.all_layers):
+        raise ValueError("the predictor must cover the trace's MoE layers (an encoder's too: sim/predictors.py)")
     mixed = mixed or MixedPrecision()
     # a free machine counts experts, not bytes
     entry_bytes = {p: max(1, cost.at(p).expert_bytes) for p in {precision, *mixed.precisions(precision)}}

@@ -19,13 +19,14 @@ from moetier.trace.batch import interleave
 from moetier.trace.format import Trace
 
 
-def encoder_set_aside(trace: Trace, learned_or_predicted: bool, say: Callable[[str], None]) -> Trace:
-    """Learned policies and predictors are fitted on a trace's own columns, the decoder's: with either, an
-    encoder-decoder's encoder routing is left out of the replay (and that is said)."""
-    if trace.encoder is None or not learned_or_predicted:
+def encoder_set_aside(trace: Trace, fitted: bool, say: Callable[[str], None]) -> Trace:
+    """Learned policies and trained predictors are fitted on a trace's own columns, the decoder's: with either, an
+    encoder-decoder's encoder routing is left out of the replay (and that is said). The predictors built on the
+    trace or the routers (oracle, hot, stacked-gates) cover the encoder's layers too."""
+    if trace.encoder is None or not fitted:
         return trace
-    say(f"note: the encoder's routing (layers {trace.encoder.layers}) is set aside: learned policies and predictors "
-        f"cover the decoder's layers")
+    say(f"note: the encoder's routing (layers {trace.encoder.layers}) is set aside: learned policies and trained "
+        f"predictors cover the decoder's layers")
     return trace.decoder_only()
 
 

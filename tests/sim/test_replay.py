@@ -37,13 +37,13 @@ def write_trained_policies(store_path, spec):
         (store_path / "policies" / f"{name}.json").write_text(json.dumps(payload))
 
 
-def record(engine):
-    """The engine's plans and its recorded trace over PROMPTS, 12 new tokens each (the engine is closed after)."""
+def record(engine, max_new_tokens: int = 12):
+    """The engine's plans and its recorded trace over PROMPTS, `max_new_tokens` each (the engine is closed after)."""
     log = PlanLog()
     engine.executor.layer_step.hooks.append(log)
     with engine, TraceRecorder(engine) as recorder:
         for p in PROMPTS:
-            engine.generate([p], max_new_tokens=12, ignore_eos=True)
+            engine.generate([p], max_new_tokens=max_new_tokens, ignore_eos=True)
         trace = recorder.trace(["a", "b", "c"])
     return log.plans, trace
 
@@ -282,3 +282,35 @@ def test_similar_expert_substitution_from_the_trained_file_agrees_with_the_simul
                     keep_plans=True, substitution=SimilarSubstitution(min_similarity=0.0, similarity=similarity))
     assert outcomes(result.plans) == outcomes(plans)
     assert result.counts.phases[1].substituted > 0 and result.counts.phases[0].substituted == 0
+
+
+@pytest.mark.parametrize("policy", ["comoe", "lru+predicted"])
+def test_engine_and_replay_agree_with_a_predictor_over_an_encoder(tiny_store, policy):
+    """An encoder-decoder (Switch) with a predictor across the encoder's and the decoder's MoE layers: the engine
+    handed the oracle of a recorded trace, and the simulator replaying that trace with the same oracle over both
+    stacks, make the same plans; stacked-gates replays over both stacks from the trace's gate inputs (the encoder's
+    from its own table)."""
+    from moetier.sim.predictors import trace_predictor
+
+    _, path = tiny_store("switch_transformers")
+    store = Store(path)
+    slots = 12  # of 32 experts
+    budget = MemoryBudget("bytes", slots * store.native_layout.blob_bytes)
+    with Engine(store, EngineConfig(expert_memory=budget)) as engine, \
+            TraceRecorder(engine, gate_inputs=True) as recorder:
+        for p in PROMPTS:
+            engine.generate([p], max_new_tokens=8, ignore_eos=True)
+        trace = recorder.trace(["a", "b", "c"])
+        routers = {layer: engine.model.w[f"layers.{layer}.router"] for layer in store.spec.moe_layers}
+    assert trace.encoder is not None and trace.encoder.gate_inputs is not None
+    oracle = trace_predictor("oracle", trace)
+    assert set(oracle.moe_layers) == set(store.spec.moe_layers)  # the encoder's layers too
+    config = EngineConfig(expert_memory=budget, policy=policy, predictor="oracle")
+    plans, again = record(Engine(store, config, predictor=oracle), max_new_tokens=8)
+    ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
+    result = replay(again, trace_policy(policy, ctx, again), slots, precision=store.manifest.native_precision,
+                    keep_plans=True, predictor=trace_predictor("oracle", again))
+    assert result.outcomes() == [(p.layer, [h.expert for h in p.hits], [ld.expert for ld in p.loads]) for p in plans]
+    gates = replay(trace, trace_policy(policy, ctx, trace), slots, precision=store.manifest.native_precision,
+                   predictor=trace_predictor("stacked-gates", trace, routers=routers))
+    assert gates.needed == result.needed and gates.hits > 0
