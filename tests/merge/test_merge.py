@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from moetier.config import MemoryBudget
 from moetier.engine.engine import Engine, EngineConfig
-from moetier.engine.stats import GenerationStats
 from moetier.errors import MoetierError
 from moetier.memory import MemoryView
 from moetier.merge.merge import MergeSettings, merge_store
@@ -21,7 +20,6 @@ from moetier.merge.plan import AdaptiveRatio, FixedRatio
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
 from moetier.plan.precision import MixedPrecision
-from moetier.plan.route import DECODE, PREFILL
 from moetier.plan.substitute import Substitution
 from moetier.predict.grouped import GroupedPredictor
 from moetier.store.store import Store
@@ -476,7 +474,7 @@ def test_a_merged_switch_model_computes_what_transformers_computes_with_its_merg
     merged to half its experts — the encoder's alone by default (encoder-focused aggregation: the decoder's kept
     whole), or every MoE layer's — runs in the engine with the decoder's logits equal to transformers' carrying the
     same merge, resident and offloaded."""
-    from tests.model.test_parity_seq2seq import reference_steps
+    from tests.model.test_parity_seq2seq import engine_steps, reference_steps
 
     ref, store = tiny_store("switch_transformers")
     settings = MergeSettings(FixedRatio(0.5), scope=None if scope == "encoder" else scope)
@@ -494,12 +492,5 @@ def test_a_merged_switch_model_computes_what_transformers_computes_with_its_merg
     assert (expected[-1] - reference_steps(ref, prompt, fed)[-1]).abs().max() > 1e-3  # (the merge changed it)
     for budget in ("100%", "30%"):
         with Engine(Store(report.path), EngineConfig(expert_memory=MemoryBudget.parse(budget))) as engine:
-            kv = KVCache(engine.spec, 1, 64, torch.float32)
-            stats = GenerationStats()
-            engine.executor.begin_step(PREFILL, stats.phases)
-            steps = [engine.model.forward(StepBatch.prefill([prompt], [0]), kv)[0]]
-            for i, token in enumerate(fed):
-                engine.executor.begin_step(DECODE, stats.phases)
-                steps.append(engine.model.forward(StepBatch.decode_step([token], [0], [len(prompt) + i], 1), kv)[0])
-            for i, (ours, theirs) in enumerate(zip(steps, expected)):
+            for i, (ours, theirs) in enumerate(zip(engine_steps(engine, prompt, fed), expected)):
                 assert (ours - theirs).abs().max().item() <= 1e-5, f"step {i} differs at {budget}"

@@ -35,6 +35,18 @@ def reference_steps(ref, prompt: list[int], fed: list[int]):
     return logits
 
 
+def engine_steps(engine, prompt: list[int], fed: list[int]) -> list[torch.Tensor]:
+    """The engine's decoder logits [V] after the encoder's pass and the start token, then after each of `fed`."""
+    kv = KVCache(engine.spec, 1, 64, torch.float32)
+    stats = GenerationStats()
+    engine.executor.begin_step(PREFILL, stats.phases)
+    steps = [engine.model.forward(StepBatch.prefill([prompt], [0]), kv)[0]]
+    for i, token in enumerate(fed):
+        engine.executor.begin_step(DECODE, stats.phases)
+        steps.append(engine.model.forward(StepBatch.decode_step([token], [0], [len(prompt) + i], 1), kv)[0])
+    return steps
+
+
 @pytest.mark.parametrize("overrides,atol", CASES, ids=["tied", "untied", "capacity"])
 def test_exact_mode_matches_transformers(tiny_store, overrides, atol):
     assert atol <= ATOL
@@ -50,14 +62,7 @@ def test_exact_mode_matches_transformers(tiny_store, overrides, atol):
     hit_rates = []
     for slots in range(spec.top_k, spec.num_expert_keys + 1):
         with engine_with_slots(path, slots) as engine:
-            kv = KVCache(engine.spec, 1, 64, torch.float32)
-            stats = GenerationStats()
-            engine.executor.begin_step(PREFILL, stats.phases)
-            steps = [engine.model.forward(StepBatch.prefill([prompt], [0]), kv)[0]]
-            for i, token in enumerate(fed):
-                engine.executor.begin_step(DECODE, stats.phases)
-                steps.append(engine.model.forward(StepBatch.decode_step([token], [0], [len(prompt) + i], 1), kv)[0])
-            for i, (ours, theirs) in enumerate(zip(steps, expected)):
+            for i, (ours, theirs) in enumerate(zip(engine_steps(engine, prompt, fed), expected)):
                 assert (ours - theirs).abs().max().item() <= atol, f"step {i} differs at {slots} slots"
             out = engine.generate([prompt], max_new_tokens=32, ignore_eos=True)
             assert out.token_ids[0][:len(ref_greedy)] == ref_greedy, f"greedy tokens differ at {slots} slots"
