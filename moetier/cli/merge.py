@@ -241,10 +241,11 @@ def add_parser(sub) -> None:
                    help="a merged expert's weights: its group averaged by frequency (Eq. 30), or the principal's own "
                         "(a baseline: the others pruned, their tokens sent to it)")
     m.add_argument("--refit", choices=["none", "down", "all"], default=None,
-                   help="then fit each merged expert to its group's outputs on the calibration tokens: down (default "
-                        "for averaged members) its down projection by least squares; all: then every weight by "
-                        "gradient steps (seconds for the demo models, hours for large experts on a CPU); none: "
-                        "Eq. 30's average alone (and --members principal's own weights, its only choice)")
+                   help="then fit each merged expert to its group's outputs on the calibration tokens: all (the "
+                        "default for experts of at most 2^20 parameters, as the demo models': minutes) every weight by "
+                        "gradient steps; down (the default for larger ones, where tuning takes hours on a CPU) its "
+                        "down projection by least squares; none: Eq. 30's average alone (and --members principal's "
+                        "own weights, its only choice)")
     m.add_argument("--scope", choices=["all", "encoder"], default=None,
                    help="which MoE layers merge: all (the default for a decoder alone), or an encoder-decoder's "
                         "encoder alone, its decoder's experts kept whole (CoMoE's encoder-focused aggregation, §III-B "

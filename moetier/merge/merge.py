@@ -44,6 +44,8 @@ FUNC_TOKENS = 128  # calibration tokens per layer for S_func: each expert runs o
 PARAM_CHUNK = 1 << 18  # parameters of each expert per step of the cosine's Gram matrix
 MEMBERS = ("average", "principal")
 SCOPES = ("all", "encoder")
+TUNE_MAX_PARAMS = 1 << 20  # the default refit tunes every weight of experts this small (the demo models' 49-197 K;
+# OLMoE's 6.3 M, Mixtral's 176 M take the closed-form `down`): 100 Adam steps over each group's tokens, minutes
 ALIGN_MAX_UNITS = 4096  # an exact assignment is O(I^3): ~0.4 s at 2048 units, hours for a Mixtral's 14,336
 
 
@@ -54,16 +56,17 @@ class MergeSettings:
     align: bool = True  # permute each member's hidden units to its principal's before averaging
     members: str = "average"  # Eq. 30; "principal": the principal's own weights (a baseline: pruning, rerouted)
     refit: str | None = None  # then fit each merged expert to its group's outputs: one of REFITS
-    # (moetier/merge/refit.py); None: "down" for averaged members, "none" for a principal's own weights
+    # (moetier/merge/refit.py); None: for averaged members "all" where the experts are small enough to tune in
+    # minutes (TUNE_MAX_PARAMS), else "down"; "none" for a principal's own weights
     scope: str | None = None  # which MoE layers merge: all, or an encoder-decoder's encoder alone (CoMoE
     # §III-B 3's encoder-focused aggregation); None: "encoder" for an encoder-decoder, "all" otherwise
 
     def __post_init__(self) -> None:
         if self.members not in MEMBERS:
             raise MoetierError(f"--members must be one of {', '.join(MEMBERS)}, got {self.members!r}")
-        if self.refit is None:
-            object.__setattr__(self, "refit", "none" if self.members == "principal" else "down")
-        if self.refit not in REFITS:
+        if self.refit is None and self.members == "principal":
+            object.__setattr__(self, "refit", "none")
+        if self.refit is not None and self.refit not in REFITS:
             raise MoetierError(f"--refit must be one of {', '.join(REFITS)}, got {self.refit!r}")
         if self.members == "principal" and self.refit != "none":
             raise MoetierError(f"--members principal keeps each principal's own weights; --refit {self.refit} would "
@@ -72,6 +75,15 @@ class MergeSettings:
             raise MoetierError(f"--alpha must be in [0, 1], got {self.alpha}")
         if self.scope is not None and self.scope not in SCOPES:
             raise MoetierError(f"--scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+
+    def refit_for(self, spec) -> str:
+        """The refit that runs for a model of `spec`: as given, or by the experts' size — `all` (every weight
+        tuned: +3.3% perplexity on demo-deep's held-out prose at half the experts, against +7.3% with `down`) where
+        an expert has at most TUNE_MAX_PARAMS parameters, `down` (closed form) beyond, where tuning takes hours on
+        a CPU."""
+        if self.refit is not None:
+            return self.refit
+        return "all" if spec.expert_params <= TUNE_MAX_PARAMS else "down"
 
     def scope_for(self, spec) -> str:
         """The scope that runs for a model of `spec`: as given, or the model's default."""
@@ -222,7 +234,7 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
     check_replaceable(out, "store", is_store, overwrite, (src.path,))  # before any work
     m, spec, layout = src.manifest, src.spec, src.native_layout
     align = settings.align and spec.moe_intermediate_size <= ALIGN_MAX_UNITS
-    scope, tables = settings.scope_for(spec), layer_tables(trace)
+    scope, refit, tables = settings.scope_for(spec), settings.refit_for(spec), layer_tables(trace)
     encoder = spec.encoder_decoder.encoder_layers if spec.encoder_decoder is not None else spec.num_layers
     merges = [layer_merge(src, layer, j, table, settings) if scope == "all" or layer < encoder
               else kept_whole(src, j, table)  # (the decoder's, under encoder-focused aggregation)
@@ -234,7 +246,7 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
         "groups": [list(x.group_of) for x in merges], "from": str(src.path.resolve()),
         "method": settings.retention.name, "alpha": settings.alpha,
         "threshold": getattr(settings.retention, "theta", None),
-        "aligned": align, "members": settings.members, "refit": settings.refit, "scope": scope,
+        "aligned": align, "members": settings.members, "refit": refit, "scope": scope,
         "calibration": calibration, "calibration_tokens": int(trace.num_tokens), "kept": list(kept)})
     with StoreWriter(out, overwrite, (src.path,), store_bytes(src.dense_bytes, sum(kept), layout.blob_bytes, files)) \
             as writer, tqdm(total=sum(kept), unit="expert", desc=f"merge {out.name}", disable=not progress) as bar:
@@ -249,8 +261,8 @@ def merge_store(source: Path | str, out: Path | str, trace: Trace, settings: Mer
                 if align:
                     members = {e: w if e == p else aligned(w, members[p]) for e, w in members.items()}
                 expert = averaged(members, merge.frequency)
-                if settings.refit != "none" and len(merge.members(p)) > 1:
-                    expert = _refitted(settings.refit, expert, src, layer, column, merge.members(p), table)
+                if refit != "none" and len(merge.members(p)) > 1:
+                    expert = _refitted(refit, expert, src, layer, column, merge.members(p), table)
                 writer.add_expert(layer, p, layout, expert)
                 bar.update()
         manifest = Manifest(family=m.family, config=config, precisions={layout.name: layout},

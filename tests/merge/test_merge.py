@@ -182,7 +182,11 @@ def test_alignment_changes_nothing_an_expert_computes_and_principal_members_keep
     for name, t in aligned(shuffled, a).items():  # a unit order undone: matched back exactly
         torch.testing.assert_close(t, a[name], rtol=0, atol=0)
     principal = MergeSettings(FixedRatio(0.5), members="principal")  # its own weights: no refit, unless asked
-    assert principal.refit == "none" and MergeSettings(FixedRatio(0.5)).refit == "down"
+    assert principal.refit == "none" and MergeSettings(FixedRatio(0.5)).refit is None  # (by the experts' size:)
+    small, large = src.spec, dataclasses.replace(src.spec, moe_intermediate_size=1 << 20)
+    assert MergeSettings(FixedRatio(0.5)).refit_for(small) == "all"
+    assert MergeSettings(FixedRatio(0.5)).refit_for(large) == "down"
+    assert MergeSettings(FixedRatio(0.5), refit="none").refit_for(small) == "none"
     with pytest.raises(MoetierError, match="keeps each principal's own weights"):
         MergeSettings(FixedRatio(0.5), members="principal", refit="down")
     report = merge_store(store, tmp_path / "p", calibration(store), principal, progress=False)
