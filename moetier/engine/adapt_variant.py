@@ -1,4 +1,4 @@
-"""`--adapt --library FOLDER`: the variant of the model the memory allows (CoMoE Eq. 17, 34–35, Algorithm 7),
+"""`--adapt --variants FOLDER`: the variant of the model the memory allows (CoMoE Eq. 17, 34–35, Algorithm 7),
 chosen while the engine runs and switched to between calls.
 
 A step hook beside the cache's (moetier/engine/adapt_cache.py): at each look it takes the room the whole model could

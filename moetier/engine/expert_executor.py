@@ -180,9 +180,10 @@ class ExpertExecutor:
 
     def _resident_step(self) -> ResidentLayers | None:
         """ResidentLayers for this step when planning would change nothing: every expert resident (so no read, no
-        eviction), nothing but on-demand planning, and no observer but the counters (a trace recorder hears plans)."""
+        eviction), nothing but on-demand planning, and no observer of plans but the counters (a trace recorder hears
+        plans; one that hears routes alone, as --adapt's offload priority, is told them by ResidentLayers)."""
         if (not self._plain or len(self.residency) < self.spec.num_expert_keys or self.in_flight
-                or self.layer_step.hooks != [self.counts]):
+                or any(h is not self.counts and h.needs_plans for h in self.layer_step.hooks)):
             self._resident = None  # (slots may move before every expert is resident again)
             return None
         if self._resident is None:

@@ -40,6 +40,7 @@ class ResidentLayers:
         self.kernel = executor.expert_kernels[executor.precision]
         self.combine = executor.kernels.combine
         self.policy, self.counts = residency.policy, executor.counts
+        self.hooks = executor.layer_step.hooks  # (live: the route listeners among them hear each route)
         self.keys = [[ExpertKey(layer, e) for e in range(spec.num_experts)] for layer in spec.moe_layers]
         # each layer's experts as the kernel's one native token call takes them (None: through `token`)
         tables = [self.kernel.token_table(ws) for ws in self.weights]
@@ -83,8 +84,12 @@ class ResidentLayers:
         for layer, step, phase, scores, topk_ids, topk_weights in self.routes:
             # copies: the one-call step's buffers are written again next step
             ids = topk_ids.cpu().numpy().copy()  # [T, k]
-            policy.on_route(RouteResult(layer, step, ids, topk_weights.float().cpu().numpy().copy(),
-                                        scores.cpu().numpy().copy(), phase))
+            route = RouteResult(layer, step, ids, topk_weights.float().cpu().numpy().copy(),
+                                scores.cpu().numpy().copy(), phase)
+            policy.on_route(route)
+            for hook in self.hooks:  # route listeners (no hook that needs plans is there: the executor checks)
+                if hook is not self.counts:
+                    hook.on_route(route, None)
             experts = np.unique(ids)  # ascending: a plan's order of resident runs
             keys = self.keys[self.index[layer]]
             for e in experts.tolist():

@@ -37,9 +37,11 @@ class OffloadPriority(LayerHook):
         self._row = {layer: i for i, layer in enumerate(moe_layers)}
         self.counts = np.zeros((len(self._row), num_experts), dtype=np.int64)  # [L, E] activations
 
-    def on_plan(self, plan, phase: int) -> None:
-        ids = plan.route.topk_ids  # [T, k]
-        np.add.at(self.counts[self._row[plan.layer]], ids[ids >= 0], 1)
+    needs_plans = False  # (the routes are all it counts)
+
+    def on_route(self, route, gate_input) -> None:
+        ids = route.topk_ids  # [T, k]
+        np.add.at(self.counts[self._row[route.layer]], ids[ids >= 0], 1)
 
     def frequency(self, key: ExpertKey) -> float:
         """f_act: the expert's share of its layer's activations so far (0 before any)."""

@@ -29,7 +29,11 @@ from moetier.predict.base import Predictor
 
 
 class LayerHook:
-    """An observer of layer steps; subclasses override what they need."""
+    """An observer of layer steps; subclasses override what they need. One that hears routes alone (`needs_plans`
+    False) lets a step whose every expert is resident skip planning beside it (engine/resident_layers.py tells it
+    each route)."""
+
+    needs_plans = True
 
     def on_route(self, route: RouteResult, gate_input) -> None:
         """Before planning: the layer's routing and the router's input (a tensor for the real executor, None

@@ -131,3 +131,24 @@ def test_adapting_never_grows_past_what_was_asked(tiny_store):
         for _ in range(3):
             adapt()
         assert adapt.ceiling == engine.executor.slots < asked
+
+
+def test_adapt_counts_every_route_for_eq_18_without_giving_up_the_resident_fast_path(tiny_store):
+    """--adapt's offload priority (CoMoE Eq. 18) hears routes alone: with every expert resident the step still
+    skips planning (ResidentLayers), which tells it each layer's route, so it counts what a planned run counts."""
+    _, store = tiny_store("olmoe")
+    spec = Store(store).spec
+    counted, config = {}, EngineConfig(expert_memory=MemoryBudget.parse("100%"), adapt=True)
+    with Engine(Store(store), config) as engine:
+        engine.preload()
+        fast = []
+        engine.step_hooks.append(lambda batch=None, phase=None: fast.append(engine.executor.resident_layers))
+        engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+        assert all(r is not None for r in fast)  # every step skipped planning
+        counted["resident"] = engine.adapt.order.counts.copy()
+    with Engine(Store(store), config) as engine:
+        engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True)  # (not preloaded: steps planned while it fills)
+        counted["planned"] = engine.adapt.order.counts.copy()
+    assert counted["resident"].sum() == counted["planned"].sum() == (len(PROMPT[0]) + 7) * spec.top_k * len(
+        spec.moe_layers)
+    assert (counted["resident"] == counted["planned"]).all()

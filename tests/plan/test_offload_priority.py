@@ -14,17 +14,16 @@ from moetier.sim.replay import simulate
 from moetier.trace.format import Trace
 
 
-class Plan:  # what the hook reads of a carried-out plan
-    def __init__(self, layer, ids):
-        ids = np.array(ids, np.int64)
-        self.layer, self.route = layer, RouteResult(layer, 0, ids, np.ones(ids.shape, np.float32),
-                                                    np.zeros((len(ids), 4), np.float32), DECODE)
+def route(layer, ids):
+    ids = np.array(ids, np.int64)
+    return RouteResult(layer, 0, ids, np.ones(ids.shape, np.float32), np.zeros((len(ids), 4), np.float32), DECODE)
 
 
 def test_the_least_used_leave_first_and_a_better_read_rate_stays():
     sizes = {ExpertKey(0, e): 100 for e in range(4)} | {ExpertKey(0, 3): 25}  # expert 3 a low-precision copy
     order = OffloadPriority([0], 4, sizes.__getitem__, lambda: 1e3, gamma=0.5)
-    order.on_plan(Plan(0, [[0, 1], [0, 2], [0, 3]]), DECODE)  # 0 three times; 1, 2, 3 once
+    order.on_route(route(0, [[0, 1], [0, 2], [0, 3]]), None)  # 0 three times; 1, 2, 3 once
+    assert not order.needs_plans  # (a step of resident layers tells it its routes)
     assert order.frequency(ExpertKey(0, 0)) == pytest.approx(3 / 6) and order.frequency(ExpertKey(0, 1)) == 1 / 6
     keys = list(sizes)
     p = order.priorities(keys)
