@@ -170,7 +170,7 @@ def test_synthetic_trace_reproduces_the_fitted_locality(tmp_path, capsys):
 
 def test_a_synthetic_switch_trace_has_its_encoder_and_sim_replays_it(tmp_path, capsys):
     """`trace synth --model-shape switch-base-8`: prompts through the encoder's layers beside the generations; `sim`
-    replays both, and sets the encoder aside (saying so) when a predictor is asked for."""
+    replays both, with a predictor over both stacks too."""
     import json
 
     from moetier.trace.synthetic import LocalityFit, generate
@@ -186,8 +186,9 @@ def test_a_synthetic_switch_trace_has_its_encoder_and_sim_replays_it(tmp_path, c
     assert main(["sim", "--trace", str(tmp_path / "sw"), "--profile", "nuc-a500", "--expert-memory", "50%",
                  "--predictor", "hot", "--prefetch", "ahead"]) == 0
     out = capsys.readouterr()
-    assert "encoder's routing (layers [1, 3, 5, 7, 9, 11]) is set aside" in out.err
-    assert json.loads(out.out)["ttft_s"] < whole["ttft_s"]  # the prefill no longer encodes the prompts
+    assert "set aside" not in out.err  # hot's table covers the encoder's layers too: the prompts are still encoded
+    ahead = json.loads(out.out)
+    assert ahead["prefetches"]["issued"] > 0 and ahead["ttft_s"] > 0.5 * whole["ttft_s"]
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "phimoe", "switch_transformers"])
