@@ -44,7 +44,7 @@ FUNC_TOKENS = 128  # calibration tokens per layer for S_func: each expert runs o
 PARAM_CHUNK = 1 << 18  # parameters of each expert per step of the cosine's Gram matrix
 MEMBERS = ("average", "principal")
 SCOPES = ("all", "encoder")
-TUNE_MAX_PARAMS = 1 << 20  # the default refit tunes every weight of experts this small (the demo models' 49-197 K;
+TUNE_MAX_PARAMS = 1 << 20  # the default refit tunes every weight of experts this small (the demo models' 49-393 K;
 # OLMoE's 6.3 M, Mixtral's 176 M take the closed-form `down`): 100 Adam steps over each group's tokens, minutes
 ALIGN_MAX_UNITS = 4096  # an exact assignment is O(I^3): ~0.4 s at 2048 units, hours for a Mixtral's 14,336
 
