@@ -221,7 +221,7 @@ class Residency:
     def resize(self, capacity_bytes: int, order=None) -> list[ExpertKey]:
         """Change the capacity between steps. Shrinking evicts by policy until the entries fit (a per-layer split
         shrinks each layer's share) — or by `order`, an object whose `victim_among(keys)` names the one to leave of
-        the evictable keys listed (CoMoE's Eq. 18: cache/offload_priority.py); growing adds free bytes. Returns
+        the evictable keys listed (CoMoE's Eq. 18: plan/offload_priority.py); growing adds free bytes. Returns
         what was evicted."""
         if capacity_bytes < 0:
             raise ValueError("capacity must not be negative")
@@ -233,7 +233,7 @@ class Residency:
                 if self._evictable_bytes(part) == 0:
                     self.capacity_bytes = old
                     raise ValueError(f"cannot shrink the cache to {capacity_bytes} bytes: "
-                                     f"{self._held_bytes} bytes are pinned or being read")
+                                     f"{self._held_bytes} bytes are pinned, kept or being read")
                 victim = self.policy.victim(view) if order is None else \
                     order.victim_among([k for k in self.entries if k in view])  # (a resize: rare, not per token)
                 self._evict(victim)

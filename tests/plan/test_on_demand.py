@@ -105,7 +105,7 @@ def test_capacity_grows_and_shrinks_between_steps():
         r.resize(100)
         raise AssertionError("a cache whose entries are all held cannot shrink")
     except ValueError as e:
-        assert "pinned or being read" in str(e)
+        assert "pinned, kept or being read" in str(e)
     assert r.capacity_bytes == 200
 
 
