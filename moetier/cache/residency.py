@@ -220,8 +220,8 @@ class Residency:
 
     def resize(self, capacity_bytes: int, order=None) -> list[ExpertKey]:
         """Change the capacity between steps. Shrinking evicts by policy until the entries fit (a per-layer split
-        shrinks each layer's share) — or by `order`, an object whose `victim_among(keys)` names the one to leave of
-        the evictable keys listed (CoMoE's Eq. 18: plan/offload_priority.py); growing adds free bytes. Returns
+        shrinks each layer's share) — or by `order`, an object whose `ranked(keys)` puts the evictable keys in the order
+        they leave, once a shrink (CoMoE's Eq. 18: plan/offload_priority.py); growing adds free bytes. Returns
         what was evicted."""
         if capacity_bytes < 0:
             raise ValueError("capacity must not be negative")
@@ -229,13 +229,13 @@ class Residency:
         evicted = []
         scopes = list(self._part_evictable.items()) or [(None, self._evictable)]
         for part, view in scopes:
+            queue = None if order is None else iter(order.ranked([k for k in self.entries if k in view]))
             while self._over(part):
                 if self._evictable_bytes(part) == 0:
                     self.capacity_bytes = old
                     raise ValueError(f"cannot shrink the cache to {capacity_bytes} bytes: "
                                      f"{self._held_bytes} bytes are pinned, kept or being read")
-                victim = self.policy.victim(view) if order is None else \
-                    order.victim_among([k for k in self.entries if k in view])  # (a resize: rare, not per token)
+                victim = self.policy.victim(view) if queue is None else next(queue)
                 self._evict(victim)
                 evicted.append(victim)
         return evicted

@@ -40,8 +40,7 @@ class OffloadPriority(LayerHook):
     needs_plans = False  # (the routes are all it counts)
 
     def on_route(self, route, gate_input) -> None:
-        ids = route.topk_ids  # [T, k]
-        np.add.at(self.counts[self._row[route.layer]], ids[ids >= 0], 1)
+        np.add.at(self.counts[self._row[route.layer]], route.topk_ids.ravel(), 1)  # [T, k] (a route has no SKIP)
 
     def frequency(self, key: ExpertKey) -> float:
         """f_act: the expert's share of its layer's activations so far (0 before any)."""
@@ -51,12 +50,18 @@ class OffloadPriority(LayerHook):
     def priorities(self, keys: Collection[ExpertKey]) -> dict[ExpertKey, float]:
         """Eq. 18 for each of `keys`, each term scaled to a share of its largest (above)."""
         rate = self.bandwidth() or 1.0
-        f = {k: self.frequency(k) for k in keys}
+        totals = np.maximum(self.counts.sum(axis=1), 1)  # [L] (once, not once a key)
+        f = {k: float(self.counts[self._row[k.layer], k.expert]) / float(totals[self._row[k.layer]]) for k in keys}
         r = {k: self.entry_bytes(k) / (READ_LATENCY_S + self.entry_bytes(k) / rate) for k in keys}  # s/L_comm
         f_top, r_top = max(f.values(), default=0) or 1.0, max(r.values(), default=0) or 1.0
         return {k: self.gamma * f[k] / f_top + (1 - self.gamma) * r[k] / r_top for k in keys}
 
-    def victim_among(self, keys: Collection[ExpertKey]) -> ExpertKey:
-        """The lowest priority of `keys` (ties: the lower key, so runs agree)."""
+    def ranked(self, keys: Collection[ExpertKey]) -> list[ExpertKey]:
+        """`keys` in the order they leave: lowest priority first (ties: the lower key, so runs agree). A shrink
+        ranks its candidates once (Residency.resize), as the priorities stand when it happens."""
         p = self.priorities(keys)
-        return min(keys, key=lambda k: (p[k], k))
+        return sorted(keys, key=lambda k: (p[k], k))
+
+    def victim_among(self, keys: Collection[ExpertKey]) -> ExpertKey:
+        """The first of `keys` to leave."""
+        return self.ranked(keys)[0]
