@@ -54,3 +54,12 @@ def test_under_pressure_eq_18_keeps_the_most_used_where_lru_keeps_the_most_recen
     assert kept == {"offload-priority": [0], "policy": []}  # LRU let 0 go (least recent); Eq. 18 kept it
     with pytest.raises(ValueError, match="unknown shrink order"):
         simulate(trace, LRUPolicy(), 5, FreeCost(), resizes={8: 2}, shrink="fifo")
+
+
+def test_a_predictor_must_cover_the_traces_layers():
+    from moetier.predict.hot import HotPredictor
+
+    trace = one_layer([0, 1, 0])
+    other = HotPredictor([5], 6, 1, {5: np.ones(6)})
+    with pytest.raises(ValueError, match="must cover the trace's MoE layers"):
+        simulate(trace, LRUPolicy(), 2, FreeCost(), predictor=other)

@@ -64,3 +64,20 @@ def test_prompts_run_as_routed_and_bad_settings_are_refused():
         SimilarSubstitution(min_similarity=2.0)
     with pytest.raises(ValueError, match="similarity"):
         SimilarSubstitution().stage(cache(0), "bf16")
+
+
+def test_the_similarity_file_is_read_checked_and_refused_by_name(tmp_path):
+    """policies/similarity.json: saved and read back; a missing file, a damaged one and one of another shape are
+    refused, each naming the command that writes it."""
+    from moetier.policy_files import load_similarity, policy_file, save_similarity
+
+    save_similarity(policy_file(tmp_path, "similarity"), {0: SIM, 2: SIM}, 0.5, "t")
+    read = load_similarity(tmp_path, (0, 2), E)
+    np.testing.assert_allclose(read[2], SIM, atol=1e-4)
+    with pytest.raises(MoetierError, match="moetier train similarity"):
+        load_similarity(tmp_path / "none", (0, 2), E)
+    with pytest.raises(MoetierError, match="moetier train similarity"):
+        load_similarity(tmp_path, (0, 1), E)  # another model's layers
+    policy_file(tmp_path, "similarity").write_text("{not json")
+    with pytest.raises(MoetierError, match="damaged"):
+        load_similarity(tmp_path, (0, 2), E)
