@@ -1,7 +1,8 @@
 """Which ways of holding a model fit a device's memory, and what each costs a request: CoMoE's Tables I–II.
 
-Four deployments (CoMoE §IV-C): `original` — every weight on the device; `merged` (M-SMoE) — a merged variant,
-⌊r·E⌋ experts a MoE layer (Eq. 28's fixed ratio; each layer's router shrinks with it), on the device; `offloaded`
+Four deployments (CoMoE §IV-C): `original` — every weight on the device; `merged` (M-SMoE) — a merged variant, as
+many experts in each MoE layer as a real merge kept there (`MergedLayers`: a merged store's groups, whose router is
+the original's with each group's probabilities summed), on the device; `offloaded`
 (E-Offload) — dense weights on the device, experts in host memory behind an expert cache of what the device has
 left; `merged+offloaded` (CoMoE) — both. Offloading covers every MoE layer (`scope="all"`, what moetier does) or,
 as the paper does for Switch (§III-B 3, §IV-D), the encoder's alone, the decoder's experts resident
@@ -14,10 +15,12 @@ are the shape's at one precision (ModelShape: the embedding tied to the head, no
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import PolicyContext, make_policy
 from moetier.plan.route import DECODE, PREFILL
 from moetier.sim.cost import CostModel
@@ -60,54 +63,81 @@ class Fit:
     why: str  # the limit it breaks, if it does not fit
 
 
-def merged_shape(shape: ModelShape, ratio: float) -> ModelShape:
-    """The shape of a fixed-ratio merged variant: ⌊r·E⌋ experts a MoE layer (at least top-k), Eq. 28."""
-    if not 0 < ratio <= 1:
-        raise ValueError(f"merge ratio must be in (0, 1], got {ratio}")
-    kept = max(shape.top_k, int(ratio * shape.num_experts))
-    return dataclasses.replace(shape, name=f"{shape.name} merged r={ratio:g}", num_experts=kept)
+@dataclass(frozen=True)
+class MergedLayers:
+    """What a real merge (`moetier merge`, moetier/merge/merge.py) made of a model: for each MoE layer, each expert's
+    principal (a merged store's `moetier_merged.groups`, Eq. 29; a principal is its own) — how many experts the
+    layer keeps, and where its tokens go."""
+
+    groups: Mapping[int, tuple[int, ...]]  # MoE layer -> [E] principal of each expert
+
+    def __post_init__(self) -> None:
+        for layer, group_of in self.groups.items():
+            if not group_of or any(not 0 <= g < len(group_of) or group_of[g] != g for g in group_of):
+                raise ValueError(f"layer {layer}'s groups must map each expert to a principal that maps to itself")
+
+    def principals(self, layer: int) -> tuple[int, ...]:
+        return tuple(sorted(set(self.groups[layer])))
+
+    def kept(self, layer: int) -> int:
+        return len(set(self.groups[layer]))
+
+
+def _experts_held(shape: ModelShape, merged: MergedLayers | None) -> dict[int, int]:
+    """Experts each MoE layer holds: the merge's count, or the shape's."""
+    if merged is not None and set(merged.groups) != set(shape.moe_layers):
+        raise ValueError(f"the merge covers layers {sorted(merged.groups)}, the shape's MoE layers are "
+                         f"{list(shape.moe_layers)}")
+    return {layer: merged.kept(layer) if merged is not None else shape.num_experts for layer in shape.moe_layers}
 
 
 def fit(shape: ModelShape, deployment: Deployment, device_bytes: int, host_bytes: int, workspace_bytes: int,
-        precision: str) -> Fit:
-    """Whether `deployment` of `shape` (already merged if it is) fits a device of `device_bytes` beside a host of
-    `host_bytes`."""
+        precision: str, merged: MergedLayers | None = None) -> Fit:
+    """Whether `deployment` of `shape` fits a device of `device_bytes` beside a host of `host_bytes`; a merged
+    deployment holds what the real merge `merged` kept in each layer (the dense weights are the original's: a
+    merged store keeps the whole router, its groups summing its probabilities)."""
+    if deployment.merged and merged is None:
+        raise ValueError("a merged deployment needs the merge (MergedLayers) it holds")
+    held_experts = _experts_held(shape, merged if deployment.merged else None)
     expert = shape.expert_bytes(precision)
     offloaded = tuple(layer for layer in shape.moe_layers if deployment.offloaded and
                       (deployment.scope == "all" or layer < shape.encoder_layers))
-    resident = (len(shape.moe_layers) - len(offloaded)) * shape.num_experts * expert
+    resident = sum(n for layer, n in held_experts.items() if layer not in offloaded) * expert
     fixed = shape.dense_bytes(precision) + resident + workspace_bytes
-    held = len(offloaded) * shape.num_experts * expert
+    behind = sum(held_experts[layer] for layer in offloaded)
     least = shape.top_k * expert if offloaded else 0
-    slots = min(max(0, device_bytes - fixed) // expert, len(offloaded) * shape.num_experts) if offloaded else 0
+    slots = min(max(0, device_bytes - fixed) // expert, behind) if offloaded else 0
     why = ""
     if fixed + least > device_bytes:
         why = f"needs {(fixed + least) / 1e9:.1f} GB on the device"
-    elif held > host_bytes:
-        why = f"offloads {held / 1e9:.1f} GB to a host of {host_bytes / 1e9:.0f} GB"
-    return Fit(fixed + least, held, slots, offloaded, not why, why)
+    elif behind * expert > host_bytes:
+        why = f"offloads {behind * expert / 1e9:.1f} GB to a host of {host_bytes / 1e9:.0f} GB"
+    return Fit(fixed + least, behind * expert, slots, offloaded, not why, why)
 
 
-def merge_trace(trace: Trace, kept: int) -> Trace:
-    """A trace's routing as a fixed-ratio merged variant routes it: in each layer the `kept` most used experts are
-    the principals (Eq. 28), every other expert joins one of them (Eq. 29 by similarity in a real merge; here, at
-    shape level where no weights exist, the principals taken in turn), ids renumbered 0..kept-1. A top-k whose
-    members fall in one group keeps the group once and fills the rest with the next most used principals."""
+def merged_routing(trace: Trace, merged: MergedLayers) -> Trace:
+    """A trace's routing as the merged model routes it: each expert's tokens go to its principal (ids kept, as a
+    merged store keeps its principals' ids). The merged router sends a token to the group whose summed probability
+    is highest; a trace of top-k ids alone has only each token's chosen experts, so a group is taken by its chosen
+    member — exact at top-1 when the chosen expert's group also has the highest sum, which the trace cannot tell.
+    A top-k whose members fall in one group keeps the group once and fills the rest with the layer's other
+    principals, most used first."""
     def remap(table: Trace) -> Trace:
         ids = table.topk_ids.astype(np.int64)  # [N, L, k]
         out = np.empty_like(ids)
-        for j in range(ids.shape[1]):
-            counts = np.bincount(ids[:, j].ravel(), minlength=trace.num_experts)
-            order = np.argsort(-counts, kind="stable")
-            group = np.empty(trace.num_experts, np.int64)
-            group[order[:kept]] = np.arange(kept)
-            group[order[kept:]] = np.arange(trace.num_experts - kept) % kept
-            for t, row in enumerate(group[ids[:, j]]):
-                seen = list(dict.fromkeys(row.tolist()))
-                seen += [g for g in range(kept) if g not in seen][:table.top_k - len(seen)]
-                out[t, j] = seen
-        return dataclasses.replace(table, num_experts=kept, topk_ids=out.astype(np.int16), scores=None,
-                                   notes=[*table.notes, f"merged to {kept} experts a layer"], encoder=None)
+        for j, layer in enumerate(table.layers):
+            group = np.asarray(merged.groups[layer], np.int64)  # [E]
+            mapped = group[ids[:, j]]  # [N, k]
+            out[:, j] = mapped
+            if table.top_k == 1:
+                continue
+            counts = np.bincount(mapped.ravel(), minlength=table.num_experts)
+            order = [int(p) for p in np.argsort(-counts, kind="stable") if group[p] == p]
+            for t in np.flatnonzero([len(set(row)) < table.top_k for row in mapped.tolist()]):
+                seen = list(dict.fromkeys(mapped[t].tolist()))
+                out[t, j] = seen + [p for p in order if p not in seen][:table.top_k - len(seen)]
+        return dataclasses.replace(table, topk_ids=out.astype(np.int16), scores=None, gate_inputs=None,
+                                   notes=[*table.notes, "routed as the merged model routes it"], encoder=None)
 
     encoder = remap(trace.encoder) if trace.encoder is not None else None
     return dataclasses.replace(remap(trace), encoder=encoder)
@@ -121,20 +151,23 @@ def with_decoder_resident(trace: Trace) -> Trace:
 
 
 def request_latency(trace: Trace, shape: ModelShape, deployment: Deployment, fitted: Fit, profile: HardwareProfile,
-                    precision: str, policy: str = "lru") -> dict:
-    """`trace` (the original's routing; merged here if the deployment is) replayed on `profile`'s clock: every
-    expert resident, or the offloaded layers' through a cache of `fitted.cache_slots` under `policy`, filled
-    before the first request as Engine.preload() does. Per request: the whole of it (encoding, the first token,
-    the rest), its first step and its decode steps."""
+                    precision: str, policy: str = "lru", merged: MergedLayers | None = None) -> dict:
+    """`trace` (the original's routing; routed as `merged` routes it if the deployment is merged) replayed on
+    `profile`'s clock: every expert resident, or the offloaded layers' through a cache of `fitted.cache_slots` under
+    `policy`, filled before the first request as Engine.preload() does (with the experts the deployment holds).
+    Per request: the whole of it (encoding, the first token, the rest), its first step and its decode steps."""
     if deployment.merged:
-        trace = merge_trace(trace, shape.num_experts)
+        if merged is None:
+            raise ValueError("a merged deployment needs the merge (MergedLayers) it holds")
+        trace = merged_routing(trace, merged)
     if deployment.offloaded and deployment.scope == "encoder":
         trace = with_decoder_resident(trace)
     layers = tuple(trace.all_layers)
-    slots = fitted.cache_slots if deployment.offloaded else len(layers) * shape.num_experts
+    held = {layer: merged.principals(layer) if deployment.merged else range(shape.num_experts) for layer in layers}
+    slots = fitted.cache_slots if deployment.offloaded else sum(len(ids) for ids in held.values())
     ctx = PolicyContext(slots, layers, shape.num_experts, shape.top_k)
     result = simulate(trace, make_policy(policy, ctx), slots, CostModel.of(profile, shape, precision), precision,
-                      preload=True)
+                      preload=[ExpertKey(layer, e) for layer in layers for e in held[layer]])
     times, phase = np.asarray(result.step_time_s), np.asarray(result.step_phase)
     requests = int((phase == PREFILL).sum())
     return {"request_s": float(times.sum() / requests), "first_token_s": float(times[phase == PREFILL].mean()),

@@ -1,15 +1,17 @@
 """CoMoE's deployments (moetier/sim/deploy.py): fits by bytes on a hand-made shape, the merged routing, and what the
 simulator makes of each."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from moetier.sim.deploy import (
     DEPLOYMENTS,
     Deployment,
+    MergedLayers,
     fit,
-    merge_trace,
-    merged_shape,
+    merged_routing,
     request_latency,
     with_decoder_resident,
 )
@@ -40,12 +42,31 @@ def test_a_deployment_fits_by_what_the_device_and_the_host_must_hold():
     assert encoder.host_bytes == 8 * EXPERT
 
 
-def test_merged_shapes_keep_the_floor_of_r_times_e_and_at_least_top_k():
-    assert merged_shape(SHAPE, 0.5).num_experts == 4 and merged_shape(SHAPE, 0.3).num_experts == 2
-    assert merged_shape(SHAPE, 0.01).num_experts == 1
-    for bad in (0, 1.5, -0.1):
-        with pytest.raises(ValueError, match="merge ratio"):
-            merged_shape(SHAPE, bad)
+# a merge of SHAPE as moetier_merged.groups records it: layer 1 keeps 0, 2, 5 (3 experts), layer 3 keeps 0, 4
+HALVES = MergedLayers({1: (0, 0, 2, 2, 5, 5, 5, 2), 3: (0, 0, 0, 0, 4, 4, 4, 4)})
+
+
+def test_a_merged_deployment_holds_what_the_merge_kept_in_each_layer():
+    dense, room = SHAPE.dense_bytes("fp32"), 1000
+    assert (HALVES.kept(1), HALVES.kept(3), HALVES.principals(1)) == (3, 2, (0, 2, 5))
+    merged = fit(SHAPE, Deployment(True, False), dense + 5 * EXPERT + room, 0, room, "fp32", HALVES)
+    assert merged.fits and merged.device_bytes == dense + 5 * EXPERT + room
+    assert not fit(SHAPE, Deployment(True, False), dense + 5 * EXPERT + room - 1, 0, room, "fp32", HALVES).fits
+    both = fit(SHAPE, Deployment(True, True), dense + 9 * EXPERT + room, 5 * EXPERT, room, "fp32", HALVES)
+    assert both.fits and both.host_bytes == 5 * EXPERT and both.cache_slots == 5  # no more slots than experts held
+    encoder = fit(SHAPE, Deployment(True, True, "encoder"), dense + 2 * EXPERT + EXPERT + room, 3 * EXPERT, room,
+                  "fp32", HALVES)  # layer 3's 2 resident, layer 1's 3 behind a cache of one
+    assert encoder.fits and encoder.host_bytes == 3 * EXPERT and encoder.cache_slots == 1
+
+
+def test_a_merge_that_is_not_one_or_not_of_the_shape_is_refused():
+    with pytest.raises(ValueError, match="needs the merge"):
+        fit(SHAPE, Deployment(True, False), 10 ** 9, 0, 0, "fp32")
+    with pytest.raises(ValueError, match="covers layers"):
+        fit(SHAPE, Deployment(True, False), 10 ** 9, 0, 0, "fp32", MergedLayers({1: HALVES.groups[1]}))
+    for bad in ((1, 0, 2, 2), (0, 2, 2, 9), ()):  # 0's principal 1 is not its own; an id beyond E; no experts
+        with pytest.raises(ValueError, match="maps to itself"):
+            MergedLayers({1: bad})
     with pytest.raises(ValueError, match="offload scope"):
         Deployment(False, True, "decoder")
     assert [d.name for d in DEPLOYMENTS][-1] == "merged+offloaded (encoder)"
@@ -58,7 +79,8 @@ def test_switch_fits_as_the_checkpoints_bytes_say():
     s8, s32 = SHAPES["switch-base-8"], SHAPES["switch-base-32"]
     assert fit(s8, Deployment(False, False), 4 * gb, 32 * gb, gb // 2, "fp32").fits
     assert not fit(s32, Deployment(False, False), 8 * gb, 32 * gb, gb // 2, "fp32").fits
-    assert fit(merged_shape(s32, 0.5), Deployment(True, False), 8 * gb, 32 * gb, gb // 2, "fp32").fits
+    halves = MergedLayers({layer: tuple(e // 2 * 2 for e in range(32)) for layer in s32.moe_layers})
+    assert fit(s32, Deployment(True, False), 8 * gb, 32 * gb, gb // 2, "fp32", halves).fits
 
 
 def test_a_synthetic_encoder_decoder_trace_has_prompts_and_generations():
@@ -68,14 +90,23 @@ def test_a_synthetic_encoder_decoder_trace_has_prompts_and_generations():
     assert trace.encoder.seq.tolist() == [0] * 5 + [1] * 5 + [2] * 5 and (trace.encoder.phase == 0).all()
 
 
-def test_merged_routing_renumbers_into_the_principals():
+def test_merged_routing_sends_each_token_to_its_experts_principal():
     trace = generate_seq2seq(LOCALITY, 4, 8, 1, 2, [1, 3], sequences=4, prompt_tokens=30, new_tokens=10)
-    merged = merge_trace(trace, 4)
-    assert merged.num_experts == 4 and merged.encoder.num_experts == 4
-    for original, table in ((trace, merged), (trace.encoder, merged.encoder)):
-        assert table.topk_ids.max() < 4
-        top = np.bincount(original.topk_ids[:, 0, 0]).argmax()  # the most used expert is principal 0
-        assert (table.topk_ids[original.topk_ids[:, 0, 0] == top, 0, 0] == 0).all()
+    merged = merged_routing(trace, HALVES)
+    assert merged.num_experts == 8 and merged.encoder.layers == [1] and merged.layers == [3]
+    for original, table, layer in ((trace.encoder, merged.encoder, 1), (trace, merged, 3)):
+        expected = np.asarray(HALVES.groups[layer])[original.topk_ids[:, 0, 0]]
+        assert (table.topk_ids[:, 0, 0] == expected).all() and set(expected.tolist()) <= set(HALVES.principals(layer))
+
+
+def test_merged_top_k_keeps_a_group_once_and_fills_with_the_most_used_principal():
+    shape_trace = generate_seq2seq(LOCALITY, 4, 8, 2, 2, [1, 3], sequences=2, prompt_tokens=6, new_tokens=3)
+    ids = np.zeros_like(shape_trace.topk_ids)
+    ids[:, 0] = [[0, 1], [4, 5], [4, 2], [4, 6], [0, 4], [1, 6]]  # layer 3: 0, 1 share principal 0; 4, 5, 6 theirs 4
+    trace = dataclasses.replace(shape_trace, topk_ids=ids.astype(np.int16))
+    merged = merged_routing(trace, MergedLayers({1: HALVES.groups[1], 3: (0, 0, 2, 2, 4, 4, 4, 4)}))
+    rows = merged.topk_ids[:, 0].tolist()
+    assert rows == [[0, 4], [4, 0], [4, 2], [4, 0], [0, 4], [0, 4]]  # filled with 4, then 0: the most used principals
 
 
 def test_the_simulator_times_each_deployment():
@@ -95,3 +126,22 @@ def test_the_simulator_times_each_deployment():
     enc = request_latency(trace, SHAPE, encoder_only, fit(SHAPE, encoder_only, big, big, 0, "fp32"), profile, "fp32")
     assert enc["tpot_s"] == pytest.approx(resident["tpot_s"])
     assert with_decoder_resident(trace).all_layers == [1]
+
+
+def test_a_merged_deployment_replays_its_principals_alone():
+    """Resident, the merged model reads nothing (the cache filled with the principals, the tokens routed to them); behind
+    the same small cache it reads less than the original, its tokens spread over 5 experts, not 16."""
+    profile = HardwareProfile.load("nuc-a500")
+    trace = generate_seq2seq(LOCALITY, 4, 8, 1, 2, [1, 3], sequences=3, prompt_tokens=20, new_tokens=6)
+    big, merged, both = 10 ** 12, Deployment(True, False), Deployment(True, True)
+    resident = request_latency(trace, SHAPE, merged, fit(SHAPE, merged, big, big, 0, "fp32", HALVES), profile, "fp32",
+                               merged=HALVES)
+    assert resident["hit_rate"] == 1.0 and resident["expert_bytes_per_request"] == 0
+    room = SHAPE.dense_bytes("fp32") + 3 * EXPERT
+    small = request_latency(trace, SHAPE, both, fit(SHAPE, both, room, big, 0, "fp32", HALVES), profile, "fp32",
+                            merged=HALVES)
+    original = request_latency(trace, SHAPE, Deployment(False, True), fit(SHAPE, Deployment(False, True), room, big, 0,
+                               "fp32"), profile, "fp32")
+    assert 0 < small["expert_bytes_per_request"] < original["expert_bytes_per_request"]
+    with pytest.raises(ValueError, match="needs the merge"):
+        request_latency(trace, SHAPE, merged, fit(SHAPE, merged, big, big, 0, "fp32", HALVES), profile, "fp32")
