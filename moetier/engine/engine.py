@@ -312,6 +312,8 @@ class Engine:
                               f"layers; the budget gives {slots}", hint="give more --expert-memory")
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
         policy = self._policy(store, self.budget)
+        if isinstance(config.substitution, SimilarSubstitution):  # likewise its similarities (read again by _parts,
+            load_similarity(store.trained_dir(), self.spec.moe_layers, self.spec.num_experts)  # as a variant's are)
         convert = released(quantizing(config.dense_precision, self.spec.num_layers))  # (native: None: as they are)
         dense = {name: t.to(self.device) if convert is None else t
                  for name, t in store.load_dense(convert).items()}

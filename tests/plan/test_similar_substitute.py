@@ -81,3 +81,15 @@ def test_the_similarity_file_is_read_checked_and_refused_by_name(tmp_path):
     policy_file(tmp_path, "similarity").write_text("{not json")
     with pytest.raises(MoetierError, match="damaged"):
         load_similarity(tmp_path, (0, 2), E)
+
+
+def test_an_engine_refuses_similar_substitution_without_its_file_before_the_dense_weights_load(tiny_store,
+                                                                                                monkeypatch):
+    from moetier.config import MemoryBudget
+    from moetier.engine.engine import Engine, EngineConfig
+    from moetier.store.store import Store
+
+    _, path = tiny_store("mixtral")
+    monkeypatch.setattr(Store, "load_dense", lambda *a, **k: pytest.fail("the dense weights were loaded"))
+    with pytest.raises(MoetierError, match="moetier train similarity"):
+        Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse("50%"), substitution=SimilarSubstitution()))
