@@ -78,6 +78,7 @@ def _sim(args: argparse.Namespace) -> None:
     from moetier.trace.format import Trace
 
     batches = [None] if args.batch is None else [_batch(b) for b in _items(args.batch, "--batch")]
+    pressure = _pressure(args)
     if args.ray is not None:
         import importlib.util
 
@@ -111,6 +112,9 @@ def _sim(args: argparse.Namespace) -> None:
         out_folder(args.out or "sim-sweep")
     if args.timeline and len(configs) > 1:
         raise MoetierError("--timeline draws one configuration", hint="give one policy, budget and prefetch stage")
+    for n in batches:  # a step the (batched) trace never reaches, a budget the profile cannot hold: refused now
+        if pressure is not None:
+            pressure.resizes(interleave(trace, n) if n is not None else trace, cost, budget_slots)
     substitution = substitution_config(args)
     timeline_steps = (args.timeline_step,) if args.timeline else ()
     learned = sorted({base_name(p) for p, *_ in configs} & set(LEARNED))
@@ -123,7 +127,7 @@ def _sim(args: argparse.Namespace) -> None:
     def cell(config):  # one configuration; a closure the runner forks or ships with the trace and cost model
         policy, budget, prefetch, batch = config
         return run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
-                   model_dir, prefetch, predictor, args.placement, substitution, batch)
+                   model_dir, prefetch, predictor, args.placement, substitution, batch, pressure)
 
     runner = make_runner(args.ray, args.workers if len(configs) > 1 else 1)
     with _progress(configs, runner.name) as bar:
@@ -184,6 +188,16 @@ def _doctor(args: argparse.Namespace) -> None:
         print(format_plan(plan), flush=True)
     if args.plot and write_plot(lambda path: plot_plan(plan, path), Path(args.plot)) and not args.json:
         print(f"plot: {args.plot}")
+
+
+def _pressure(args: argparse.Namespace):
+    from moetier.sim.pressure import Pressure
+
+    if args.pressure is None:
+        if args.shrink is not None:
+            raise MoetierError("--shrink chooses who leaves a cache that --pressure shrinks", hint="add --pressure")
+        return None
+    return Pressure.parse(args.pressure, args.shrink or "offload-priority")
 
 
 def _batch(text: str) -> int:
@@ -270,6 +284,12 @@ def add_parser(sub) -> None:
                     help="per missing expert, load it or compute it on the profile's host CPU: smoe-two-pointer (SMoE "
                          "Alg. 2), prescope (PreSched, cross-layer), greedy (layer by layer), hobbit-coop")
     add_substitution_options(sm)
+    sm.add_argument("--pressure", metavar="STEP:BUDGET,...", help="memory pressure: before each STEP (forward steps "
+                    "from 0) the expert budget becomes BUDGET (as --expert-memory), as --adapt resizes the engine's "
+                    "cache when free memory changes; e.g. 100:10%%,300:40%%")
+    sm.add_argument("--shrink", choices=["offload-priority", "policy"], help="who leaves a cache --pressure "
+                    "shrinks: the experts of lowest CoMoE offload priority (Eq. 18; the default, as --adapt) or those "
+                    "the eviction policy picks")
     sm.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step (single configuration)")
     sm.add_argument("--timeline-step", type=int, default=-1, help="which step (-1: the last)")

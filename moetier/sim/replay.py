@@ -29,8 +29,8 @@ from moetier.sim.cost import CostModel, FreeCost
 from moetier.sim.executor import LayerTimeline, SimExecutor
 from moetier.trace.format import Trace
 
-NATIVE = "native"
-SHRINKS = ("offload-priority", "policy")  # who leaves a shrinking cache  # the precision a trace's experts are replayed at when the model's own is not known
+NATIVE = "native"  # the precision a trace's experts are replayed at when the model's own is not known
+SHRINKS = ("offload-priority", "policy")  # who leaves a shrinking cache
 
 
 def steps(trace: Trace) -> Iterator[tuple[int, np.ndarray]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetier.cache.capacity import cache_capacity
@@ -13,6 +13,7 @@ from moetier.errors import MoetierError
 from moetier.plan.substitute import Substitution
 from moetier.predict import Predictor
 from moetier.sim.cost import CostModel
+from moetier.sim.pressure import Pressure
 from moetier.sim.replay import SimResult, simulate, trace_policy
 from moetier.sim.shapes import ModelShape
 from moetier.trace.batch import interleave
@@ -78,32 +79,38 @@ class SimRun:
     placement: str = "none"
     alpha: float | None = None  # the substitution's, if any
     batch: int | None = None  # sequences interleaved into a batch (None: the trace's own steps)
+    pressure: dict = field(default_factory=dict)  # the budget's changes, as Pressure.row gives them (none: empty)
 
     def row(self) -> dict:
         return {"policy": self.policy, "expert_memory": self.budget, "prefetch": self.prefetch, "slots": self.slots,
                 "placement": self.placement, "substitution_alpha": self.alpha, "interleaved": self.batch,
-                **self.result.summary()}
+                **self.pressure, **self.result.summary()}
 
 
 def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool = False,
         timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None,
         prefetch: str = "none", predictor: Callable[[], Predictor] | None = None, placement: str = "none",
-        substitution: Substitution | None = None, batch: int | None = None) -> SimRun:
+        substitution: Substitution | None = None, batch: int | None = None,
+        pressure: Pressure | None = None) -> SimRun:
     """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor (of the
     trace it is given), which the `prefetch` stage and the policy hear. `placement`, `substitution`: as
-    `simulate`'s. `batch`: the trace's sequences interleaved into batches of this many (moetier/trace/batch.py)."""
+    `simulate`'s. `batch`: the trace's sequences interleaved into batches of this many (moetier/trace/batch.py).
+    `pressure`: the budget's changes during the replay (moetier/sim/pressure.py)."""
     if batch is not None:
         trace = interleave(trace, batch)
     slots = budget_slots(budget, trace, cost)
+    resizes = pressure.resizes(trace, cost, budget_slots) if pressure is not None else {}
     ctx = PolicyContext(slots, tuple(trace.all_layers), trace.num_experts, trace.top_k)
     if substitution is not None:
         substitution = substitution.resolved(cost.shape.total_expert_params)
     result = simulate(trace, trace_policy(policy, ctx, trace, model_dir), slots, cost, cost.precision, preload,
                       per_layer, timeline_steps, prefetch=prefetch,
                       predictor=predictor(trace) if predictor is not None else None, substitution=substitution,
-                      placement=placement)
+                      placement=placement, resizes=resizes,
+                      shrink=pressure.shrink if pressure is not None else "offload-priority")
     return SimRun(policy, budget, slots, result, prefetch, placement,
-                  substitution.alpha if substitution is not None else None, batch)
+                  substitution.alpha if substitution is not None else None, batch,
+                  pressure.row(resizes) if pressure is not None else {})
 
 
 def format_table(runs: list[SimRun]) -> str:

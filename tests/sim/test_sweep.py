@@ -109,3 +109,29 @@ def test_rates_print_in_the_unit_that_shows_them():
 
     assert flop_rate(2.61e12) == "2.61 TFLOP/s" and flop_rate(7.7e10) == "77.0 GFLOP/s"
     assert flop_rate(1.1e9) == "1.1 GFLOP/s"
+
+
+def test_pressure_resizes_the_replay_as_simulate_is_told_and_the_cli_reports_it(mixtral_trace, capsys):
+    """--pressure 20:10%,40:50%: the cache shrinks before step 20 and grows back before 40, exactly the resizes
+    simulate is given; the shrink costs hits against a run that keeps its budget; each order is the one named."""
+    from moetier.cache.policies import PolicyContext
+    from moetier.sim.pressure import Pressure
+    from moetier.sim.replay import simulate, trace_policy
+
+    trace, path = mixtral_trace
+    cost = CostModel.of(HardwareProfile.load("a100-epyc"), SHAPES["mixtral-8x7b"])
+    pressure = Pressure.parse("20:10%,40:50%")
+    small, big = budget_slots("10%", trace, cost), budget_slots("50%", trace, cost)
+    pressed, steady = run(trace, cost, "lru", "50%", True, pressure=pressure), run(trace, cost, "lru", "50%", True)
+    for shrink in ("offload-priority", "policy"):
+        told = simulate(trace, trace_policy("lru", PolicyContext(big, tuple(trace.layers), 8, 2), trace, None), big,
+                        cost, cost.precision, True, resizes={20: small, 40: big}, shrink=shrink)
+        got = run(trace, cost, "lru", "50%", True, pressure=Pressure.parse("20:10%,40:50%", shrink)).result
+        assert (got.hits, got.step_time_s) == (told.hits, told.step_time_s)
+    assert pressed.result.hits < steady.result.hits
+    assert pressed.row()["pressure"] == [{"step": 20, "expert_memory": "10%", "slots": small},
+                                         {"step": 40, "expert_memory": "50%", "slots": big}]
+    assert main(["sim", "--trace", str(path), "--profile", "a100-epyc", "--expert-memory", "50%", "--preload",
+                 "--pressure", "20:10%,40:50%", "--shrink", "policy"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["shrink"] == "policy" and [p["slots"] for p in row["pressure"]] == [small, big]
