@@ -9,6 +9,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from moetier.errors import MoetierError
@@ -39,12 +40,18 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        self.template, self.error = None, None
+        self.template, self.error, self.source, self.variables = None, None, source, frozenset()
         try:
             self.template = env.from_string(source)
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.exceptions.TemplateError as e:  # said when a chat needs it, not to every command
             self.error = f"the model's chat template does not compile: {e}"
         self.special_tokens = dict(special_tokens or {})
+
+    @property
+    def takes_tools(self) -> bool:
+        """The template renders a `tools` list (transformers' convention for tool definitions)."""
+        return "tools" in self.variables
 
     @classmethod
     def from_settings(cls, settings: dict, jinja_file: str | None = None) -> ChatTemplate | None:

@@ -18,6 +18,7 @@ from moetier.engine.budget import RUNTIME_BYTES, BudgetChoice, check_host_tier, 
 from moetier.engine.cpu_share import CpuShare
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
+from moetier.engine.grammar import Grammar
 from moetier.engine.host_tier import HostTier
 from moetier.engine.huge_pages import in_huge_pages
 from moetier.engine.sampling import SamplingParams
@@ -449,11 +450,13 @@ class Engine:
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]], max_new_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0, ignore_eos: bool = False,
-                 on_text=None, on_token: OnToken | None = None, **sampling) -> GenerationOutput:
+                 on_text=None, on_token: OnToken | None = None, grammar: Grammar | None = None,
+                 **sampling) -> GenerationOutput:
         """Generate for one prompt or a batch. `on_text(i, delta)` streams text as it is produced. Greedy by default
         (exact mode's tokens); `temperature` > 0 samples, with `top_p` and any other SamplingParams field in
         `sampling` (top_k, min_p, repetition_penalty, repetition_window, presence_penalty, frequency_penalty,
-        logit_bias as {token id: bias}); prompt i draws from `seed` + i (None: fresh randomness)."""
+        logit_bias as {token id: bias}); prompt i draws from `seed` + i (None: fresh randomness). `grammar`: every
+        output held to it (moetier/engine/grammar.py: `Grammar.json_schema(schema)`, `Grammar.json_object()`)."""
         self._check_open()
         if self.adapt_variant is not None:  # a switch of variant asked for while the last call ran
             self.adapt_variant.apply()
@@ -474,7 +477,8 @@ class Engine:
         eos = () if ignore_eos else self.spec.eos_token_ids
         tier = self.host_tier.counts if self.host_tier is not None else None
         before = dataclasses.replace(tier) if tier is not None else None
-        outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.step_hooks)
+        outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.step_hooks, grammar,
+                                  self.tokenizer)
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer else [""] * len(outputs)
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moetier.engine.grammar import Grammar, Matcher
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.text_output import TextOutput
 from moetier.errors import MoetierError
@@ -22,6 +23,7 @@ class RequestParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # each new token's log-probability and this many alternatives (None: none)
     echo_logprobs: bool = False  # every prompt token's log-probability too (its prefill runs alone, all logits)
+    grammar: Grammar | None = None  # the output held to it (moetier/engine/grammar.py); needs a tokenizer
 
     def __post_init__(self) -> None:
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -55,6 +57,7 @@ class Request:
     text: TextOutput | None = None  # the output as text, where stop strings are looked for
     finish_reason: str | None = None
     stopped_at_context: bool = False  # the KV rows' length (the context window) ended it
+    matcher: Matcher | None = None  # its place in params.grammar, if it has one
 
     @property
     def finished(self) -> bool:

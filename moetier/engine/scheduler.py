@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from moetier.engine.expert_executor import ExpertExecutor
+from moetier.engine.grammar import GrammarTokenizer, Matcher
 from moetier.engine.kv_pool import KVPool
 from moetier.engine.request import (
     ABORT,
@@ -81,6 +82,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # waiting or running
         self._next_id = 0
         self._aborted: list[Request] = []  # since the last step: reported by it
+        self._grammar_tokenizer: GrammarTokenizer | None = None  # made at the first request with a grammar
 
     @property
     def has_work(self) -> bool:
@@ -102,12 +104,23 @@ class Scheduler:
         check_vocab(params.sampling, spec.vocab_size)
         generator = generator or params.sampling.generator()
         request = Request(self._next_id, list(prompt), params, generator)
+        if params.grammar is not None:
+            request.matcher = Matcher(params.grammar, self._vocabulary())
         if self.tokenizer is not None:
             request.text = TextOutput(self.tokenizer, params.stop)
         self._next_id += 1
         self.requests[request.id] = request
         self.waiting.append(request)
         return request.id
+
+    def _vocabulary(self) -> GrammarTokenizer:
+        """The model's vocabulary as a grammar reads it (made once)."""
+        if self.tokenizer is None:
+            raise MoetierError("holding output to a grammar needs the model's tokenizer; this model has none")
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer.to_json(), self.model.spec.vocab_size,
+                                                       sorted(self.eos))
+        return self._grammar_tokenizer
 
     def abort(self, request_id: int) -> bool:
         """End a waiting or running request now (its KV row freed); False if it is not here (finished already)."""
@@ -202,6 +215,8 @@ class Scheduler:
                 logprob = token_logprob(logits[i], token, r.params.logprobs)
                 r.logprobs.append(logprob)
             r.output.append(token)
+            if r.matcher is not None:
+                r.matcher.accept(token)
             r.position = len(r.prompt) + len(r.output) - 1
             self._check_finished(r, token)
             outputs.append(StepOutput(r, token, r.finished, logprob))
@@ -213,6 +228,11 @@ class Scheduler:
         """Each request's token from its row, by its own parameters and generator (one call for the batch)."""
         params = [r.params.sampling for r in requests]
         shaped = any(p.shaped for p in params)  # (the penalties' context lists only where one looks at them)
+        held = [(i, r.matcher) for i, r in enumerate(requests) if r.matcher is not None]
+        if held:  # a copy: log-probabilities stay the model's own (as OpenAI's and vLLM's are)
+            logits = logits.clone()
+            for i, matcher in held:
+                matcher.mask_(logits[i])
         return sample(logits, params, [r.generator for r in requests],
                       [r.prompt + r.output for r in requests] if shaped else None,
                       [r.output for r in requests] if shaped else None)
@@ -224,6 +244,8 @@ class Scheduler:
         if token in self.eos and not r.params.ignore_eos:
             reason = STOP
         elif r.text is not None and r.text.update(r.output):  # (True only at a stop string)
+            reason = STOP
+        elif r.matcher is not None and r.matcher.done:  # the grammar is complete
             reason = STOP
         elif len(r.output) >= r.params.sampling.max_new_tokens:
             reason = LENGTH

@@ -55,6 +55,10 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def to_json(self) -> str:
+        """tokenizer.json's text, as the tokenizers library writes it back."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 

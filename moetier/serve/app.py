@@ -20,12 +20,22 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from moetier.engine.chat_template import ChatTemplateError
+from moetier.engine.grammar import Grammar
 from moetier.engine.request import RequestParams, TokenLogprob
 from moetier.engine.sampling import SamplingParams, check_vocab
 from moetier.engine.scheduler import check_prompt
 from moetier.errors import MoetierError, PromptTooLongError
 from moetier.serve.engine_loop import EngineLoop, Event, Sink
-from moetier.serve.protocol import MAX_SEED, ChatRequest, CompletionRequest, Sampling, error_body, usage
+from moetier.serve.guided import call_reader, output_grammar
+from moetier.serve.protocol import (
+    MAX_SEED,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    error_body,
+    usage,
+)
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming handler checks that its client is still there
 CLIENT_GONE = 499  # (nginx's "client closed request": the status of an answer nobody receives)
@@ -49,17 +59,6 @@ class ServeSettings:
         if self.max_queue < 0 or self.max_running < 1 or self.max_body_bytes < 1 or self.max_model_len < 2:
             raise MoetierError("serve settings out of range: max queue >= 0, max running >= 1, body limit >= 1, "
                                "max model length >= 2")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(str(self), self.kind, self.code, self.param), self.status,
-                            headers=self.headers)
 
 
 class Guard:
@@ -149,15 +148,21 @@ def make_app(loop: EngineLoop, settings: ServeSettings) -> FastAPI:
             raise ApiError(400, f"{settings.model_name} has no chat template (tokenizer_config.json's "
                                 f"chat_template or chat_template.jinja)", code="no_chat_template",
                            param="messages")
+        template = tokenizer.chat_template
+        reader = call_reader(body, template, settings.model_name)
+        grammar = output_grammar(body, reader)
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} \
+            if body.tools is not None and template.takes_tools else {}
         try:
-            text = tokenizer.chat_template.render([m.plain() for m in body.messages])
+            text = template.render([m.plain() for m in body.messages], **tools)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         if body.limit() == 0:  # (completions take it, with echo, for the prompt's logprobs; chat has no echo)
             raise ApiError(400, "max_tokens 0 generates nothing", param="max_completion_tokens"
                            if body.max_completion_tokens is not None else "max_tokens")
         prompt = tokenizer.encode(text, add_bos=False)
-        return await api.answer(request, body, [prompt], ChatFormat(tokenizer, body, settings.model_name))
+        return await api.answer(request, body, [prompt], ChatFormat(tokenizer, body, settings.model_name, reader),
+                                grammar)
 
     return app
 
@@ -198,7 +203,7 @@ class Api:
         return list(prompt)
 
     def params(self, body: Sampling, prompt: list[int], limit: int | None, logprobs: int | None,
-               echo: bool, index: int) -> RequestParams:
+               echo: bool, index: int, grammar: Grammar | None = None) -> RequestParams:
         room = self.settings.max_model_len - len(prompt)
         try:
             check_prompt(prompt, min(self.settings.max_model_len, self.spec.max_position_embeddings),
@@ -223,16 +228,16 @@ class Api:
         except (MoetierError, ValueError) as e:
             raise ApiError(400, str(e).split("\n")[0], param="logit_bias" if "logit_bias" in str(e) else None) \
                 from None
-        return RequestParams(sampling, body.stops(), body.ignore_eos, logprobs, echo)
+        return RequestParams(sampling, body.stops(), body.ignore_eos, logprobs, echo, grammar)
 
-    async def answer(self, request: Request, body, prompts: list[list[int]], fmt):
+    async def answer(self, request: Request, body, prompts: list[list[int]], fmt, grammar: Grammar | None = None):
         if not prompts:
             raise ApiError(400, "no prompt given", param="prompt")
         chat = isinstance(body, ChatRequest)
         limit = body.limit() if chat else body.max_tokens
         logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
         echo = (not chat) and body.echo and logprobs is not None
-        jobs = [(prompt, self.params(body, prompt, limit, logprobs, echo, i))
+        jobs = [(prompt, self.params(body, prompt, limit, logprobs, echo, i, grammar))
                 for prompt in prompts for i in range(body.n)]
         room = self.settings.max_running + self.settings.max_queue - self.loop.in_flight
         if len(jobs) > room:
@@ -414,11 +419,16 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """/v1/chat/completions' answers: an assistant message (or its deltas), chat logprobs, usage."""
+    """/v1/chat/completions' answers: an assistant message (or its deltas), chat logprobs, usage. With tools, the
+    calls are read from the text (`reader`, moetier/serve/tool_calls.py): a streamed answer sends its content as it
+    comes up to where a call may begin, and its calls, whole, when the answer ends."""
 
-    def __init__(self, tokenizer, body: ChatRequest, model: str) -> None:
-        self.tokenizer, self.body, self.model = tokenizer, body, model
+    def __init__(self, tokenizer, body: ChatRequest, model: str, reader=None) -> None:
+        self.tokenizer, self.body, self.model, self.reader = tokenizer, body, model, reader
         self.id, self.created = _id("chatcmpl"), int(time.time())
+        self.texts: dict[int, str] = {}  # streamed, with a reader: each choice's text so far
+        self.sent: dict[int, int] = {}  # how much of it went out as content
+        self.reasons: dict[int, str] = {}  # a streamed choice's finish reason where its calls changed it
 
     def _logprob(self, e: TokenLogprob) -> dict:
         def entry(token: int, lp: float) -> dict:
@@ -430,13 +440,21 @@ class ChatFormat:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
 
+    def _message(self, text: str, reason: str) -> tuple[dict, str]:
+        """The assistant's message for `text` and its finish reason (tool_calls where it called and stopped)."""
+        parsed = self.reader.parse(text) if self.reader is not None else None
+        if parsed is None or not parsed.calls:
+            return {"role": "assistant", "content": text}, reason
+        return ({"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]},
+                "tool_calls" if reason == "stop" else reason)
+
     def whole(self, per_job: list[list[Event]], prompts: list[list[int]]) -> dict:
         choices = []
         for index, events in enumerate(per_job):
             r = events[-1].request
             logprobs = {"content": [self._logprob(e) for e in r.logprobs]} if self.body.logprobs else None
-            choices.append({"index": index, "message": {"role": "assistant", "content": "".join(e.text for e in events)},
-                            "logprobs": logprobs, "finish_reason": r.finish_reason})
+            message, reason = self._message("".join(e.text for e in events), r.finish_reason)
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         completion = sum(len(events[-1].request.output) for events in per_job)
         return {**self._head("chat.completion", choices), "usage": usage(len(prompts[0]), completion)}
 
@@ -450,13 +468,33 @@ class ChatFormat:
             return None
         logprobs = ({"content": [self._logprob(event.logprob)]}
                     if self.body.logprobs and event.logprob is not None else None)
-        return self._head("chat.completion.chunk", [{"index": index, "delta": {"content": event.text},
-                                                     "logprobs": logprobs,
-                                                     "finish_reason": event.finish_reason if event.finished else None}])
+        delta = {"content": event.text} if self.reader is None else self._held_delta(index, event)
+        reason = self.reasons.get(index, event.finish_reason) if event.finished else None
+        if not delta and logprobs is None and reason is None:
+            return None
+        return self._head("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                     "finish_reason": reason}])
+
+    def _held_delta(self, index: int, event: Event) -> dict:
+        """The content that can go out now: up to where a call may begin; at the end, the rest and the calls."""
+        text = self.texts.get(index, "") + event.text
+        self.texts[index], sent = text, self.sent.get(index, 0)
+        if not event.finished:
+            upto = max(sent, self.reader.held_from(text))
+            self.sent[index] = upto
+            return {"content": text[sent:upto]} if upto > sent else {}
+        calls = self.reader.parse(text).calls
+        if not calls:
+            return {"content": text[sent:]} if len(text) > sent else {}
+        if event.finish_reason == "stop":
+            self.reasons[index] = "tool_calls"
+        rest = self.reader.parse(text[sent:]).content
+        return {**({"content": rest} if rest else {}), "tool_calls": [c.openai(i) for i, c in enumerate(calls)]}
 
     def final(self, last: dict[int, Event]) -> dict:
         prompt_tokens = len(next(iter(last.values())).request.prompt)
         completion = sum(len(e.request.output) for e in last.values())
         out = self._head("chat.completion.chunk", [{"index": i, "delta": {}, "logprobs": None,
-                                                    "finish_reason": e.finish_reason} for i, e in sorted(last.items())])
+                                                    "finish_reason": self.reasons.get(i, e.finish_reason)}
+                                                   for i, e in sorted(last.items())])
         return {**out, "usage": usage(prompt_tokens, completion)} if self.body.stream_usage else out

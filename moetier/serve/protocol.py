@@ -1,17 +1,20 @@
 """OpenAI's request bodies — the fields moetier honours, and no others: a field it does not honour
-(`response_format`, `tools`, `best_of`, `suffix`, ...) is refused with a 400 naming it, never accepted and ignored —
-and the pieces of its answers. Sampling fields beyond OpenAI's are vLLM's names (`top_k`, `min_p`,
+(`best_of`, `suffix`, `functions`, ...) is refused with a 400 naming it, never accepted and ignored — and the pieces
+of its answers. Sampling fields beyond OpenAI's are vLLM's names (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 Stop = str | list[str] | None
 MAX_SEED = 2**63 - 1
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # a function's or schema's name, as OpenAI's
 
 
 class StreamOptions(BaseModel):
@@ -96,19 +99,108 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # (handed to the chat template, which may use it)
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def plain(self) -> dict:
-        """As a chat template reads it: text content (the text parts of a list joined)."""
+        """As a chat template reads it: text content (the text parts of a list joined); a call's arguments as an
+        object where they are JSON (as transformers hands them to templates)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {**self.model_dump(exclude_none=True), "content": content or ""}
+        out = {**self.model_dump(exclude_none=True), "content": content or ""}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [{**c.model_dump(), "function": {"name": c.function.name,
+                                                                 "arguments": _json_or_text(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (none: an object of anything)
+    strict: bool | None = None  # (the arguments are always held to `parameters` when a call is forced)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Name
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")  # (empty: any JSON value)
+    strict: bool | None = None  # (the output is always held to the schema)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
 
 
 class ChatRequest(Sampling):
@@ -116,9 +208,51 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=0)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tools(self):
+        if self.tools is None and (self.tool_choice not in (None, "none") or self.parallel_tool_calls is not None):
+            raise ValueError("tool_choice and parallel_tool_calls need tools")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("two tools have one name")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        return self
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools given and calls possible: the output is read for calls."""
+        return self.tools is not None and self.tool_choice != "none"
+
+    @property
+    def forced_tools(self) -> list[Tool] | None:
+        """The tools a call must be made to (tool_choice required: any; named: that one), else None."""
+        if self.tool_choice == "required":
+            return list(self.tools)
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return None
+
+
+class ApiError(Exception):
+    """A refusal (or a failure) as OpenAI's error body with its status."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.kind, self.code, self.param), self.status,
+                            headers=self.headers)
 
 
 def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:

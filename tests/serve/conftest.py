@@ -42,7 +42,7 @@ class Served:
     """A server running in this process: its URL, its engine loop, and a way to stop it."""
 
     def __init__(self, store: Path, api_key: str | None = None, max_running: int = 3, max_queue: int = 8,
-                 max_body_bytes: int = 1 << 20) -> None:
+                 max_body_bytes: int = 1 << 20, max_model_len: int = MAX_MODEL_LEN) -> None:
         import uvicorn
 
         from moetier.serve.app import ServeSettings, make_app
@@ -50,9 +50,9 @@ class Served:
         from moetier.serve.metrics import Metrics
 
         self.engine = Engine.from_pretrained(store, expert_memory="50%", progress=False)
-        self.loop = EngineLoop(self.engine, max_running, MAX_MODEL_LEN, 64, Metrics())
+        self.loop = EngineLoop(self.engine, max_running, max_model_len, 64, Metrics())
         self.loop.start()
-        settings = ServeSettings("tiny", MAX_MODEL_LEN, api_key, max_queue, max_running, max_body_bytes)
+        settings = ServeSettings("tiny", max_model_len, api_key, max_queue, max_running, max_body_bytes)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.loop, settings), host="127.0.0.1", port=self.port,
                                                     log_level="error"))

@@ -226,8 +226,12 @@ def test_no_generated_body_gets_a_5xx(served, body, chat):
     ("logit_bias", {"x": 1}), ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ])
 def test_a_field_the_server_does_not_honour_is_refused_by_name(served, field, value, chat):
+    """Chat honours response_format (tests/serve/test_guided.py); tools, tool_choice and parallel_tool_calls are
+    refused here for their own reasons (a template without tools; no tools given), each naming the field."""
     if field == "suffix" and chat:
         field = "modalities"
+    if field == "response_format" and chat:
+        field, value = "prediction", {"type": "content", "content": "x"}
     body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     r = httpx.post(served.url + path, json={**body, field: value, "max_tokens": 2}, timeout=60)
