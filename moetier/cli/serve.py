@@ -84,6 +84,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     from moetier.config import format_bytes
     from moetier.serve.app import ServeSettings, make_app
+    from moetier.serve.draining import DrainingServer
     from moetier.serve.engine_loop import EngineLoop
     from moetier.serve.metrics import Metrics
 
@@ -114,9 +115,10 @@ def _serve(args: argparse.Namespace) -> None:
         # uvicorn drains on SIGTERM, then raises the signal again under the handler found at start: this one makes
         # that a clean exit (status 0) instead of death by the signal, once the requests in flight are answered
         signal.signal(signal.SIGTERM, lambda *_: None)
+        config = uvicorn.Config(make_app(loop, settings), host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.drain_timeout)
         try:
-            uvicorn.run(make_app(loop, settings), host=args.host, port=args.port, log_level=args.log_level,
-                        timeout_graceful_shutdown=args.drain_timeout)
+            DrainingServer(config, loop).run()
         finally:
             loop.stop()
 

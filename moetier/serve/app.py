@@ -7,6 +7,7 @@ validation, whose 422 and body shape OpenAI clients do not expect) before anythi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import time
@@ -27,6 +28,7 @@ from moetier.engine.scheduler import check_prompt
 from moetier.errors import MoetierError, PromptTooLongError
 from moetier.serve.engine_loop import EngineLoop, Event, Sink
 from moetier.serve.guided import call_reader, output_grammar
+from moetier.serve.idempotency import Abandoned, Idempotency
 from moetier.serve.protocol import (
     MAX_SEED,
     ApiError,
@@ -67,8 +69,8 @@ class Guard:
     client go away (`request.is_disconnected()` stayed False, and a whole answer whose client had left decoded on to
     its end)."""
 
-    def __init__(self, app, settings: ServeSettings) -> None:
-        self.app, self.settings = app, settings
+    def __init__(self, app, settings: ServeSettings, loop: EngineLoop) -> None:
+        self.app, self.settings, self.loop = app, settings, loop
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -87,12 +89,16 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > self.settings.max_body_bytes):
             return ApiError(413, f"the request body is larger than {self.settings.max_body_bytes} bytes",
                             code="body_too_large")
+        if self.loop.draining and scope["path"].startswith("/v1/") and scope["method"] == "POST":
+            return ApiError(503, "the server is stopping: it finishes the requests it has and takes no more",
+                            "service_unavailable", "draining",
+                            headers={"Retry-After": str(self.settings.retry_after_s)})
         return None
 
 
 def make_app(loop: EngineLoop, settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="moetier", version="1", docs_url=None, redoc_url=None)
-    app.add_middleware(Guard, settings=settings)
+    app.add_middleware(Guard, settings=settings, loop=loop)
     tokenizer = loop.engine.tokenizer
     api = Api(loop, settings)
 
@@ -174,6 +180,7 @@ class Api:
         self.loop, self.settings = loop, settings
         self.tokenizer = loop.engine.tokenizer
         self.spec = loop.engine.spec
+        self.idempotency = Idempotency()
 
     async def parse(self, request: Request, kind: type[BaseModel]):
         raw = await request.body()
@@ -244,6 +251,28 @@ class Api:
             self.loop.metrics.requests.labels(outcome="rejected").inc()
             raise ApiError(429, "the server is busy: too many requests queued", "rate_limit_error",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
+        key = request.headers.get("idempotency-key")
+        if key is None:
+            return await self._run(request, body, jobs, fmt)
+        fingerprint = hashlib.sha256(await request.body()).hexdigest()
+        while (first := self.idempotency.claim(key, fingerprint, body.stream)) is not None:
+            try:  # a retry: the first one's answer (or its refusal), once it has one
+                return await asyncio.shield(first)
+            except Abandoned:  # (its client went before it was whole: this one runs it)
+                continue
+        try:
+            answer = await self._run(request, body, jobs, fmt)
+        except BaseException as e:
+            self.idempotency.fail(key, e)
+            raise
+        if isinstance(answer, dict):
+            self.idempotency.settle(key, answer)
+        elif not body.stream:  # (a client gone: nothing to give a retry, which runs it)
+            self.idempotency.fail(key, ClientGone())
+        return answer
+
+    async def _run(self, request: Request, body, jobs: list, fmt):
+        """Submit the jobs and answer: whole (a dict; a bare 499 if the client went), or a stream."""
         sinks = [Sink(asyncio.get_running_loop()) for _ in jobs]
         for (prompt, params), sink in zip(jobs, sinks):
             self.loop.submit(prompt, params, sink)
@@ -298,7 +327,8 @@ class Api:
 
         pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sinks)]
         try:
-            yield sse(fmt.first())
+            for payload in fmt.first():
+                yield sse(payload)
             done, last = 0, {}
             while done < len(sinks):
                 index, item = await merged.get()
@@ -310,7 +340,8 @@ class Api:
                 if chunk is not None:
                     yield sse(chunk)
                 done += item.finished
-            yield sse(fmt.final(last))
+            for payload in fmt.final(last):
+                yield sse(payload)
             yield "data: [DONE]\n\n"
         finally:
             for task in pumps:
@@ -337,7 +368,8 @@ def check_event(item: Event | BaseException) -> Event:
     if isinstance(item, MoetierError):
         raise ApiError(400, str(item).split("\n")[0])
     if isinstance(item, BaseException):
-        raise ApiError(500, f"the engine failed: {item}", "server_error")
+        raise ApiError(500, f"the engine failed: {item}", "server_error",  # (its part may have run: a client
+                       headers={"x-should-retry": "false"})  # that retries 5xx, as openai's does, would run it again)
     return item
 
 
@@ -358,6 +390,7 @@ class CompletionFormat:
         self.n = body.n
         self.prompts = prompts
         self.skip_generated = body.max_tokens == 0  # echo only: the token generated to get the logits is dropped
+        self.closed: set[int] = set()  # streamed choices whose finish reason went out with their last token
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode_token(token) if self.tokenizer is not None else str(token)
@@ -366,6 +399,12 @@ class CompletionFormat:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices}
 
+    def _top(self, e: TokenLogprob) -> dict:
+        """The `logprobs` most likely tokens and the chosen one (OpenAI's "up to logprobs + 1 elements")."""
+        top = {self._decode_one(t): lp for t, lp in e.top}
+        top.setdefault(self._decode_one(e.token), e.logprob)
+        return top
+
     def _logprobs(self, entries: list[TokenLogprob | None], offset: int) -> dict:
         tokens = [self._decode_one(e.token) if e is not None else None for e in entries]
         offsets, at = [], offset
@@ -373,8 +412,7 @@ class CompletionFormat:
             offsets.append(at)
             at += len(t or "")
         return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
-                "top_logprobs": [None if e is None else {self._decode_one(t): lp for t, lp in e.top}
-                                 for e in entries],
+                "top_logprobs": [None if e is None else self._top(e) for e in entries],
                 "text_offset": offsets}
 
     def whole(self, per_job: list[list[Event]], prompts: list[list[int]]) -> dict:
@@ -397,25 +435,33 @@ class CompletionFormat:
         prompt_tokens = sum(len(p) for p in self.prompts)  # (each prompt once, however many choices)
         return {**self._head(choices), "usage": usage(prompt_tokens, completion_tokens)}
 
-    def first(self) -> dict:
-        echo = [{"index": i, "text": self.tokenizer.decode(p) if self.body.echo and self.tokenizer else "",
-                 "logprobs": None, "finish_reason": None}
+    def first(self) -> list[dict]:
+        """With echo, each choice's prompt text (a chunk a choice, as every other); else nothing before the tokens."""
+        if not (self.body.echo and self.tokenizer):
+            return []
+        return [self._head([{"index": i, "text": self.tokenizer.decode(p), "logprobs": None, "finish_reason": None}])
                 for i, p in enumerate(p for p in self.prompts for _ in range(self.n))]
-        return self._head(echo)
 
     def chunk(self, index: int, event: Event) -> dict | None:
         if event.token is None or self.skip_generated:
             return None
         logprobs = self._logprobs([event.logprob], 0) if event.logprob is not None else None
+        if event.finished:
+            self.closed.add(index)
         return self._head([{"index": index, "text": event.text, "logprobs": logprobs,
                             "finish_reason": event.finish_reason if event.finished else None}])
 
-    def final(self, last: dict[int, Event]) -> dict:
-        prompt_tokens = sum(len(p) for p in self.prompts)
-        completion_tokens = 0 if self.skip_generated else sum(len(e.request.output) for e in last.values())
-        out = self._head([{"index": i, "text": "", "logprobs": None, "finish_reason": e.finish_reason}
-                          for i, e in sorted(last.items())])
-        return {**out, "usage": usage(prompt_tokens, completion_tokens)} if self.body.stream_usage else out
+    def final(self, last: dict[int, Event]) -> list[dict]:
+        """After the last token's chunks: the finish reason of each choice whose last chunk did not carry it (echo
+        alone; an aborted one), and the usage, with no choices, where stream_options asks (as OpenAI's)."""
+        open_ = [{"index": i, "text": "", "logprobs": None, "finish_reason": e.finish_reason}
+                 for i, e in sorted(last.items()) if i not in self.closed]
+        out = [self._head(open_)] if open_ else []
+        if self.body.stream_usage:
+            prompt_tokens = sum(len(p) for p in self.prompts)
+            completion_tokens = 0 if self.skip_generated else sum(len(e.request.output) for e in last.values())
+            out.append({**self._head([]), "usage": usage(prompt_tokens, completion_tokens)})
+        return out
 
 
 class ChatFormat:
@@ -429,6 +475,7 @@ class ChatFormat:
         self.texts: dict[int, str] = {}  # streamed, with a reader: each choice's text so far
         self.sent: dict[int, int] = {}  # how much of it went out as content
         self.reasons: dict[int, str] = {}  # a streamed choice's finish reason where its calls changed it
+        self.closed: set[int] = set()  # streamed choices whose finish reason went out with their last token
 
     def _logprob(self, e: TokenLogprob) -> dict:
         def entry(token: int, lp: float) -> dict:
@@ -458,10 +505,11 @@ class ChatFormat:
         completion = sum(len(events[-1].request.output) for events in per_job)
         return {**self._head("chat.completion", choices), "usage": usage(len(prompts[0]), completion)}
 
-    def first(self) -> dict:
-        return self._head("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}
-                                                    for i in range(self.body.n)])
+    def first(self) -> list[dict]:
+        """Each choice's role, in a chunk of its own (the role is said here alone)."""
+        return [self._head("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}])
+                for i in range(self.body.n)]
 
     def chunk(self, index: int, event: Event) -> dict | None:
         if event.token is None:
@@ -472,6 +520,8 @@ class ChatFormat:
         reason = self.reasons.get(index, event.finish_reason) if event.finished else None
         if not delta and logprobs is None and reason is None:
             return None
+        if reason is not None:
+            self.closed.add(index)
         return self._head("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
                                                      "finish_reason": reason}])
 
@@ -491,10 +541,13 @@ class ChatFormat:
         rest = self.reader.parse(text[sent:]).content
         return {**({"content": rest} if rest else {}), "tool_calls": [c.openai(i) for i, c in enumerate(calls)]}
 
-    def final(self, last: dict[int, Event]) -> dict:
-        prompt_tokens = len(next(iter(last.values())).request.prompt)
-        completion = sum(len(e.request.output) for e in last.values())
-        out = self._head("chat.completion.chunk", [{"index": i, "delta": {}, "logprobs": None,
-                                                    "finish_reason": self.reasons.get(i, e.finish_reason)}
-                                                   for i, e in sorted(last.items())])
-        return {**out, "usage": usage(prompt_tokens, completion)} if self.body.stream_usage else out
+    def final(self, last: dict[int, Event]) -> list[dict]:
+        """As CompletionFormat.final: finish reasons not yet sent, then the usage chunk where asked."""
+        open_ = [{"index": i, "delta": {}, "logprobs": None, "finish_reason": self.reasons.get(i, e.finish_reason)}
+                 for i, e in sorted(last.items()) if i not in self.closed]
+        out = [self._head("chat.completion.chunk", open_)] if open_ else []
+        if self.body.stream_usage:
+            prompt_tokens = len(next(iter(last.values())).request.prompt)
+            completion = sum(len(e.request.output) for e in last.values())
+            out.append({**self._head("chat.completion.chunk", []), "usage": usage(prompt_tokens, completion)})
+        return out

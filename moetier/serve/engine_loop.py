@@ -65,6 +65,7 @@ class EngineLoop:
         self._sinks: dict[int, Sink] = {}  # request id -> its sink (the engine thread's own)
         self._ids: dict[int, int] = {}  # id(sink) -> request id, for aborts
         self.in_flight = 0  # requests submitted and not finished (the event loop's count)
+        self.draining = False  # the server is stopping: the requests in flight finish, new ones get a 503
         self._thread = threading.Thread(target=self._run, name="moetier-engine", daemon=True)
         self._counted = (0, 0, 0)  # (needed, hits, bytes read) reported to the metrics so far
 

@@ -44,6 +44,12 @@ class Sampling(BaseModel):
     user: str | None = None  # (who is asking, as OpenAI has it: it changes no answer)
     ignore_eos: bool = False  # (vLLM's extension: keep generating past end-of-sequence, for benchmarks)
 
+    @model_validator(mode="after")
+    def _stream_options_with_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is for a streamed answer: give stream true (or drop stream_options)")
+        return self
+
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return tuple(s for s in stop if s)

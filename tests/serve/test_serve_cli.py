@@ -57,7 +57,7 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(text_store):
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
-        assert '"finish_reason": "length"' in rest[-3] or '"finish_reason": "stop"' in rest[-3]
+        assert '"finish_reason": "length"' in rest[-2] or '"finish_reason": "stop"' in rest[-2]
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
