@@ -92,11 +92,13 @@ def _generate(args: argparse.Namespace) -> None:
     sampling = sampling_args(args)
     sampling_params(args.max_tokens, **sampling)  # refuses bad values, before anything loads
     check_engine_args(args)
+    speculation_config(args)
     prompts = read_prompts(args.prompt, args.prompt_file)
     engine = open_engine(args, progress=not args.json, prompts=prompts, policy=args.policy,
                          cache_partition=args.cache_partition, prefetch=args.prefetch, predictor=args.predictor,
                          predict_distance=args.predict_distance, precision=precision_config(args),
                          substitution=substitution_config(args), placement=args.placement,
+                         speculation=speculation_config(args),
                          dense_precision=args.dense_precision)
     stream = len(prompts) == 1 and not args.json
 
@@ -219,6 +221,23 @@ def precision_config(args: argparse.Namespace):
     return MixedPrecision(**precision_fields(args))
 
 
+def add_speculation_options(p: argparse.ArgumentParser) -> None:
+    """Options of every command that decodes: speculative decoding by prompt lookup (docs/serving.md)."""
+    p.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="draft up to K tokens a step by prompt lookup (the context's own n-grams) and verify them in "
+                        "one step: an accepted draft pays one step's expert reads; gated off where it does not pay "
+                        "(0: off, the default)")
+
+
+def speculation_config(args: argparse.Namespace):
+    from moetier.engine.speculative import Speculation
+
+    if args.speculate < 0:
+        raise MoetierError(f"--speculate takes a number of draft tokens >= 0, got {args.speculate}",
+                           hint="e.g. --speculate 4 (0: off)")
+    return Speculation(tokens=args.speculate) if args.speculate else None
+
+
 def add_substitution_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that runs the engine with SMoE's substitution (docs/substitution.md)."""
     from moetier.plan.substitute import WEIGHTS
@@ -312,6 +331,7 @@ def add_parser(sub) -> None:
     add_engine_options(g, "30%")
     add_precision_options(g)
     add_substitution_options(g)
+    add_speculation_options(g)
     add_budget_option(g)
     g.add_argument("--prompt", action="append", help="prompt text; repeat for a batch; `-` reads stdin")
     g.add_argument("--prompt-file", action="append", help="a file whose text is one prompt; repeatable")

@@ -15,10 +15,12 @@ from moetier.cli.generate import (
     add_engine_options,
     add_precision_options,
     add_prefetch_options,
+    add_speculation_options,
     add_substitution_options,
     check_engine_args,
     open_engine,
     precision_config,
+    speculation_config,
     substitution_config,
 )
 from moetier.errors import MoetierError
@@ -51,7 +53,8 @@ def check_port_free(host: str, port: int) -> None:
 def engine_config(args: argparse.Namespace) -> dict:
     return dict(policy=args.policy, prefetch=args.prefetch, predictor=args.predictor,
                 predict_distance=args.predict_distance, precision=precision_config(args),
-                substitution=substitution_config(args), dense_precision=args.dense_precision)
+                substitution=substitution_config(args), dense_precision=args.dense_precision,
+                speculation=speculation_config(args))
 
 
 def max_model_len(args: argparse.Namespace) -> int:
@@ -137,6 +140,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     add_engine_options(p, "30%")
     add_precision_options(p)
     add_substitution_options(p)
+    add_speculation_options(p)
     p.add_argument("--policy", default="lru", help=f"expert eviction policy: {', '.join(LIVE_POLICIES)}")
     add_prefetch_options(p)
 

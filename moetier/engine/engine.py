@@ -22,6 +22,7 @@ from moetier.engine.grammar import Grammar
 from moetier.engine.host_tier import HostTier
 from moetier.engine.huge_pages import in_huge_pages
 from moetier.engine.sampling import SamplingParams
+from moetier.engine.speculative import Speculation
 from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import TextStream, Tokenizer
 from moetier.errors import BudgetError, MoetierError
@@ -109,6 +110,8 @@ class EngineConfig:
     # alone, the decoder's kept resident (CoMoE's encoder-focused offloading: Residency.keep)
     adapt: bool = False  # the expert cache follows the memory free beside it while running (engine/adapt_cache.py)
     variants: str | None = None  # with adapt: a merge library's folder; its variants switched between by the memory
+    speculation: Speculation | None = None  # drafts by prompt lookup verified in one step (engine/speculative.py);
+    # None: one token a request a step
 
     def __post_init__(self) -> None:
         check_reader_threads(self.reader_threads, "reader_threads")
@@ -299,6 +302,9 @@ class Engine:
         self.store, self.config, self.spec = store, config, store.spec
         self.device = check_device(config.device)
         check_dense_precision(self.spec, config.dense_precision)
+        if config.speculation is not None and self.spec.encoder_decoder is not None:
+            raise MoetierError("speculative decoding verifies drafts in a decoder-only model's steps; this model is "
+                               "an encoder-decoder", hint="drop --speculate")
         tensors = store.dense_tensors()
         in_blocks = config.dense_precision == "native" and self.device.type == "cpu"  # (a GGUF's: below)
         blocks = {name: b.nbytes for name, b in store.manifest.dense_blocks.items()} if in_blocks else {}
@@ -478,7 +484,7 @@ class Engine:
         tier = self.host_tier.counts if self.host_tier is not None else None
         before = dataclasses.replace(tier) if tier is not None else None
         outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.step_hooks, grammar,
-                                  self.tokenizer)
+                                  self.tokenizer, self.config.speculation)
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer else [""] * len(outputs)
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes

@@ -11,6 +11,7 @@ from moetier.engine.kv_pool import KVPool
 from moetier.engine.request import RequestParams
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.scheduler import OnStep, Scheduler, check_prompt
+from moetier.engine.speculative import Speculation
 from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import Tokenizer
 from moetier.errors import MoetierError
@@ -30,11 +31,11 @@ def check_prompts(prompts: list[list[int]], context: int, vocab_size: int) -> No
 def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[int]], params: SamplingParams,
              eos_ids: tuple[int, ...] = (), on_token: OnToken | None = None,
              stats: GenerationStats | None = None, step_hooks: list[OnStep] = (),
-             grammar: Grammar | None = None, tokenizer: Tokenizer | None = None) -> tuple[list[list[int]],
-                                                                                    GenerationStats]:
+             grammar: Grammar | None = None, tokenizer: Tokenizer | None = None,
+             speculation: Speculation | None = None) -> tuple[list[list[int]], GenerationStats]:
     """Every prompt to its end (EOS, `params.max_new_tokens`, the context window, or `grammar` complete); one KV
     row each, prompt i sampled from its own generator seeded by `params.seed` + i (so it samples as it would alone
-    with that seed). A grammar needs the model's `tokenizer`."""
+    with that seed). A grammar needs the model's `tokenizer`; `speculation`: decode steps that verify drafts."""
     spec = model.spec
     check_prompts(prompts, spec.max_position_embeddings, spec.vocab_size)
     num = len(prompts)
@@ -42,7 +43,8 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
     stats = stats or GenerationStats()
     stats.prompt_tokens = sum(map(len, prompts))
     scheduler = Scheduler(model, executor, KVPool(spec, num, max_len, model.dtype, model.device), eos_ids,
-                          tokenizer if grammar is not None else None, stats=stats, step_hooks=step_hooks)
+                          tokenizer if grammar is not None else None, stats=stats, step_hooks=step_hooks,
+                          speculation=speculation)
     ids = [scheduler.add_request(p, RequestParams(params, grammar=grammar), params.generator(i))  # (ids 0, 1, ...
            for i, p in enumerate(prompts)]
     outputs: list[list[int]] = [[] for _ in prompts]

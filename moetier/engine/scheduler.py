@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from moetier.engine.decoding import PlainDecode, SpeculativeDecode
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.grammar import GrammarTokenizer, Matcher
 from moetier.engine.kv_pool import KVPool
@@ -37,13 +38,14 @@ from moetier.engine.request import (
     TokenLogprob,
 )
 from moetier.engine.sampling import check_vocab, sample
+from moetier.engine.speculative import Speculation
 from moetier.engine.stats import GenerationStats
 from moetier.engine.text_output import TextOutput
 from moetier.engine.tokenizer import Tokenizer
 from moetier.errors import MoetierError, PromptTooLongError
 from moetier.model.batch import StepBatch
 from moetier.model.transformer import Transformer
-from moetier.plan.route import DECODE, PREFILL
+from moetier.plan.route import PREFILL
 
 OnStep = Callable[[StepBatch, int], None]  # (the step's tokens, PREFILL or DECODE), before the forward pass
 
@@ -64,10 +66,11 @@ class Scheduler:
     def __init__(self, model: Transformer, executor: ExpertExecutor, kv: KVPool, eos_ids: Iterable[int] = (),
                  tokenizer: Tokenizer | None = None, max_running: int | None = None,
                  max_prefill_tokens: int | None = None, stats: GenerationStats | None = None,
-                 step_hooks: Iterable[OnStep] = ()) -> None:
+                 step_hooks: Iterable[OnStep] = (), speculation: Speculation | None = None) -> None:
         """`max_running`: requests decoded together (default: the KV rows); `max_prefill_tokens`: prompt tokens one
         prefill step packs (a longer prompt still runs, alone; None: no bound); `stats`: where steps are counted
-        (DESIGN.md's measures; `ttft_s` is the first prefill's)."""
+        (DESIGN.md's measures; `ttft_s` is the first prefill's); `speculation`: decode steps that verify drafted
+        tokens (moetier/engine/speculative.py), else one token a request a step."""
         self.model, self.executor, self.kv = model, executor, kv
         self.eos = frozenset(eos_ids)
         self.tokenizer = tokenizer
@@ -83,6 +86,7 @@ class Scheduler:
         self._next_id = 0
         self._aborted: list[Request] = []  # since the last step: reported by it
         self._grammar_tokenizer: GrammarTokenizer | None = None  # made at the first request with a grammar
+        self.decoder = SpeculativeDecode(self, speculation) if speculation is not None else PlainDecode(self)
 
     @property
     def has_work(self) -> bool:
@@ -169,7 +173,7 @@ class Scheduler:
             tokens += len(head.prompt)
         return chosen
 
-    def _begin(self, phase: int, batch: StepBatch) -> None:
+    def begin(self, phase: int, batch: StepBatch) -> None:
         if not self.running and phase == PREFILL:  # the engine starts from idle: policy and predictor reset
             self.executor.layer_step.on_sequence_start()
         self.executor.begin_step(phase, self.stats.phases)
@@ -181,7 +185,7 @@ class Scheduler:
         for r in requests:
             r.row, r.status = self.kv.take(), RUNNING
         batch = StepBatch.prefill([r.prompt for r in requests], [r.row for r in requests], device=self.model.device)
-        self._begin(PREFILL, batch)
+        self.begin(PREFILL, batch)
         self.running += requests
         echo = requests[0].params.echo_logprobs  # (then it is alone)
         logits = self.model.forward(batch, self.kv.cache, all_logits=echo)  # [B, V] or [N, V]
@@ -194,35 +198,33 @@ class Scheduler:
         return outputs
 
     def _decode(self) -> list[StepOutput]:
-        start = time.perf_counter()
-        running = self.running
-        batch = StepBatch.decode_step([r.output[-1] for r in running], [r.row for r in running],
-                                      [r.position for r in running], self.kv.rows, device=self.model.device)
-        self._begin(DECODE, batch)
-        outputs = self._sampled(list(running), self.model.forward(batch, self.kv.cache))
-        self.stats.decode_step_s.append(time.perf_counter() - start)
-        self.stats.decode_tokens += len(running)
-        return outputs
+        return self.decoder.step()
 
     def _sampled(self, requests: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         """Each request's next token from its row of `logits` [B, V], appended, and the requests that end here
         leave (their rows free)."""
         tokens = self._sample(requests, logits)
-        outputs = []
-        for i, (r, token) in enumerate(zip(requests, tokens)):
-            logprob = None
-            if r.params.logprobs is not None:
-                logprob = token_logprob(logits[i], token, r.params.logprobs)
-                r.logprobs.append(logprob)
-            r.output.append(token)
-            if r.matcher is not None:
-                r.matcher.accept(token)
-            r.position = len(r.prompt) + len(r.output) - 1
-            self._check_finished(r, token)
-            outputs.append(StepOutput(r, token, r.finished, logprob))
-        if any(r.finished for r in requests):
-            self.running = [r for r in self.running if not r.finished]
+        outputs = [self.append(r, token, logits[i]) for i, (r, token) in enumerate(zip(requests, tokens))]
+        self.leave_finished()
         return outputs
+
+    def append(self, r: Request, token: int, logits: torch.Tensor) -> StepOutput:
+        """`token` (drawn from `logits` [V], its position's) appended to `r`'s output, and whether it ends `r`."""
+        logprob = None
+        if r.params.logprobs is not None:
+            logprob = token_logprob(logits, token, r.params.logprobs)
+            r.logprobs.append(logprob)
+        r.output.append(token)
+        if r.matcher is not None:
+            r.matcher.accept(token)
+        r.position = len(r.prompt) + len(r.output) - 1
+        self._check_finished(r, token)
+        return StepOutput(r, token, r.finished, logprob)
+
+    def leave_finished(self) -> None:
+        """The requests that ended leave the running set (their rows were given back as they ended)."""
+        if any(r.finished for r in self.running):
+            self.running = [r for r in self.running if not r.finished]
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
         """Each request's token from its row, by its own parameters and generator (one call for the batch)."""

@@ -23,6 +23,9 @@ class GenerationStats:
     expert_slots: int = 0
     total_expert_bytes: int = 0
     stopped_at_context: list[int] = field(default_factory=list)  # sequences the context window cut short
+    drafted: int = 0  # speculation: tokens drafted, kept, and the steps that verified them
+    accepted: int = 0
+    verify_steps: int = 0
 
     def summary(self) -> dict:
         pre, dec = self.phases
@@ -50,6 +53,8 @@ class GenerationStats:
             "total_expert_bytes": self.total_expert_bytes,
             "peak_rss_bytes": peak_rss_bytes(),
             "stopped_at_context": sorted(self.stopped_at_context),
+            "speculation": {"drafted": self.drafted, "accepted": self.accepted, "verify_steps": self.verify_steps,
+                            "acceptance": self.accepted / self.drafted if self.drafted else None},
             "prefill": asdict(pre),
             "decode": asdict(dec),
         }

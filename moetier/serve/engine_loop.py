@@ -58,7 +58,7 @@ class EngineLoop:
         self.kv = KVPool(spec, max_running, max_model_len, model.dtype, model.device)
         self.stats = GenerationStats()
         self.scheduler = Scheduler(model, engine.executor, self.kv, spec.eos_token_ids, engine.tokenizer, max_running,
-                                   max_prefill_tokens, self.stats, engine.step_hooks)
+                                   max_prefill_tokens, self.stats, engine.step_hooks, engine.config.speculation)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False

@@ -1,0 +1,110 @@
+"""Speculative decoding (moetier/engine/speculative.py, decoding.py): prompt lookup on hand-made contexts, the gate
+on hand-made costs, the rejection rule's distribution on hand-made logits, and greedy output token for token the
+same as plain decoding's on every decoder family's tiny checkpoint."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moetier import Engine
+from moetier.engine.decoding import SpeculativeDecode
+from moetier.engine.sampling import SamplingParams
+from moetier.engine.speculative import Gate, NgramIndex, Speculation, StepCosts, expected_tokens
+from moetier.errors import MoetierError
+
+
+def test_prompt_lookup_drafts_what_followed_the_longest_earlier_match():
+    spec = Speculation(tokens=3, max_ngram=3)
+    index = NgramIndex(spec, [5, 6, 7, 8, 9, 1, 2, 6, 7])
+    assert index.draft() == [8, 9, 1]  # "6 7" came before, followed by 8 9 1
+    index.extend([8, 4])
+    assert index.draft() == []  # "4" never came before (nor "8 4", "7 8 4")
+    index.extend([5, 6])
+    assert index.draft() == [7, 8, 9]  # "5 6" came at the start (the longer match before "6" alone: 7 8 4)
+    assert NgramIndex(spec, [1, 2, 3]).draft() == [] and NgramIndex(spec, []).draft() == []
+    longest = NgramIndex(spec, [1, 2, 9, 3, 2, 8, 1, 2])  # "1 2" -> 9 beats "2" -> 8 (the latest "2")
+    assert longest.draft()[0] == 9
+    with pytest.raises(MoetierError):
+        Speculation(tokens=0)
+    with pytest.raises(MoetierError):
+        Speculation(min_ngram=3, max_ngram=2)
+
+
+def test_the_gate_verifies_the_draft_length_that_pays_and_probes_when_none_does():
+    spec = Speculation(tokens=4, probe_every=3, margin=1.05)
+    costs, gate = StepCosts(), Gate(spec)
+    assert gate.length(4, costs) == 0  # no plain step measured yet: one first
+    costs.heard_plain(0.010)
+    assert gate.length(4, costs) == 3  # the priors (a draft kept 80%, a token 0.3 steps): 3 pay best (2.95 / 1.9)
+    assert expected_tokens(0.5, 2) == 1.75
+    costs.heard_verify(0.050, 4)  # 4 drafts cost 4 more plain steps: c moves from 0.3 toward 1
+    for _ in range(8):
+        costs.heard_verify(0.050, 4)
+    assert costs.c == pytest.approx(1.0, abs=0.03)
+    gate.heard(4, 4)
+    assert gate.length(4, costs) == 0  # at c ~ 1 even a kept draft costs what it gives: plain steps
+    assert [gate.length(4, costs) for _ in range(3)] == [0, 0, 1]  # ... and one draft token after 3 plain steps
+    gate.heard(1, 0)
+    assert gate.length(4, costs) == 0
+    cheap = StepCosts()
+    cheap.heard_plain(0.010)
+    for _ in range(12):
+        cheap.heard_verify(0.0112, 4)  # the step's fixed work dominates: a token costs ~0.03 steps
+    half = Gate(spec)
+    half.accept = 0.5
+    assert half.length(4, cheap) == 4 and half.length(1, cheap) == 1
+
+
+def sampled(p: SamplingParams, draft: list[int], logits: torch.Tensor, trials: int) -> list[list[int]]:
+    decode = SpeculativeDecode.__new__(SpeculativeDecode)
+    g = torch.Generator().manual_seed(0)
+    r = SimpleNamespace(params=SimpleNamespace(sampling=p), generator=g)
+    return [[t for t, _ in decode._accepted(r, draft, logits)] for _ in range(trials)]
+
+
+def test_the_rejection_rule_samples_each_token_as_plain_sampling_would():
+    """A draft token kept with probability p(d); otherwise a token from p without d: the first token is distributed
+    as p, whatever the draft; with the draft kept, the next is drawn from its own position."""
+    probs0 = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    probs1 = torch.tensor([0.7, 0.1, 0.1, 0.1])
+    logits = torch.stack([probs0.log(), probs1.log()])  # [2, V]: position 0 judges the draft, 1 the next
+    runs = sampled(SamplingParams(4, temperature=1.0), [2], logits, 6000)
+    first = torch.bincount(torch.tensor([r[0] for r in runs]), minlength=4).float() / len(runs)
+    assert torch.allclose(first, probs0, atol=0.02)
+    kept = [r for r in runs if r[0] == 2]
+    assert all(len(r) == 2 for r in kept) and all(len(r) == 1 for r in runs if r[0] != 2)
+    second = torch.bincount(torch.tensor([r[1] for r in kept]), minlength=4).float() / len(kept)
+    assert torch.allclose(second, probs1, atol=0.04)
+    top2 = sampled(SamplingParams(4, temperature=1.0, top_k=2), [0], logits, 2000)  # 0 is outside the top 2
+    assert {r[0] for r in top2} == {2, 3}  # a draft the request's own sampling would never draw is never kept
+
+
+def test_greedy_keeps_the_drafts_the_model_agrees_with_then_takes_its_own_token():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 1.0, 5.0], [5.0, 0.0, 1.0]])  # argmax 1, 2, 0
+    greedy = SamplingParams(4)
+    assert sampled(greedy, [1, 2], logits, 1) == [[1, 2, 0]]  # both kept, then the third position's
+    assert sampled(greedy, [1, 0], logits, 1) == [[1, 2]]  # the second rejected: the model's own instead
+    assert sampled(greedy, [2, 2], logits, 1) == [[1]]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                                    "glm4_moe", "phimoe", "gpt_oss"])
+def test_greedy_speculation_writes_what_plain_decoding_writes(tiny_store, family):
+    _, path = tiny_store(family)
+    g = torch.Generator().manual_seed(3)
+    half = torch.randint(3, 128, (12,), generator=g).tolist()
+    prompts = [half + half + half[:4], torch.randint(3, 128, (9,), generator=g).tolist()]  # a repeating one
+    outputs = {}
+    for spec in (None, Speculation(tokens=3)):
+        with Engine.from_pretrained(path, expert_memory="50%", progress=False, speculation=spec) as engine:
+            out = engine.generate(prompts, max_new_tokens=24, ignore_eos=True)
+            outputs[spec is not None] = (out.token_ids, out.stats["speculation"])
+    assert outputs[True][0] == outputs[False][0]
+    assert outputs[True][1]["verify_steps"] > 0  # (drafts were verified: the path ran)
+
+
+def test_speculation_is_refused_for_an_encoder_decoder(tiny_store):
+    _, path = tiny_store("switch_transformers")
+    with pytest.raises(MoetierError, match="encoder-decoder"):
+        Engine.from_pretrained(path, expert_memory="50%", progress=False, speculation=Speculation())
