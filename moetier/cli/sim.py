@@ -79,6 +79,7 @@ def _sim(args: argparse.Namespace) -> None:
 
     batches = [None] if args.batch is None else [_batch(b) for b in _items(args.batch, "--batch")]
     pressure = _pressure(args)
+    speculation = _speculation(args, batches)
     if args.ray is not None:
         import importlib.util
 
@@ -127,7 +128,7 @@ def _sim(args: argparse.Namespace) -> None:
     def cell(config):  # one configuration; a closure the runner forks or ships with the trace and cost model
         policy, budget, prefetch, batch = config
         return run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
-                   model_dir, prefetch, predictor, args.placement, substitution, batch, pressure)
+                   model_dir, prefetch, predictor, args.placement, substitution, batch, pressure, speculation)
 
     runner = make_runner(args.ray, args.workers if len(configs) > 1 else 1)
     with _progress(configs, runner.name) as bar:
@@ -188,6 +189,22 @@ def _doctor(args: argparse.Namespace) -> None:
         print(format_plan(plan), flush=True)
     if args.plot and write_plot(lambda path: plot_plan(plan, path), Path(args.plot)) and not args.json:
         print(f"plot: {args.plot}")
+
+
+def _speculation(args: argparse.Namespace, batches: list) -> tuple[int, float] | None:
+    if args.speculate is None:
+        if args.accept is not None:
+            raise MoetierError("--accept is the drafts' acceptance under --speculate", hint="add --speculate K")
+        return None
+    if args.accept is None:
+        raise MoetierError("--speculate replays verify steps whose drafts are kept with a probability the trace does "
+                           "not hold", hint="give --accept (e.g. 0.6: a draft token kept 60% of the time)")
+    if batches != [None]:
+        raise MoetierError("--speculate replays one request at a time", hint="drop --batch")
+    if not 1 <= args.speculate <= 16 or not 0 <= args.accept <= 1:
+        raise MoetierError(f"--speculate takes 1..16 draft tokens and --accept a probability in [0, 1], got "
+                           f"{args.speculate} and {args.accept}")
+    return args.speculate, args.accept
 
 
 def _pressure(args: argparse.Namespace):
@@ -290,6 +307,10 @@ def add_parser(sub) -> None:
     sm.add_argument("--shrink", choices=["offload-priority", "policy"], help="who leaves a cache --pressure "
                     "shrinks: the experts of lowest CoMoE offload priority (Eq. 18; the default, as --adapt) or those "
                     "the eviction policy picks")
+    sm.add_argument("--speculate", type=int, metavar="K", help="replay decode steps as --speculate K verifies them: "
+                    "the last token and K drafts computed together, the step yielding the drafts kept and one more")
+    sm.add_argument("--accept", type=float, metavar="P", help="with --speculate: each draft token kept with "
+                    "probability P (the first rejection ends the step)")
     sm.add_argument("--cache-dir", help="where Hugging Face folders are converted")
     sm.add_argument("--timeline", help="PNG path: per-layer reads and compute of one step (single configuration)")
     sm.add_argument("--timeline-step", type=int, default=-1, help="which step (-1: the last)")

@@ -28,7 +28,7 @@ class Speculation:
     tokens: int = 4  # drafted a step, at most (k)
     max_ngram: int = 3  # the longest context suffix looked up
     min_ngram: int = 1
-    probe_every: int = 16  # plain steps between tries, once drafting stopped paying
+    probe_every: int = 32  # plain steps between tries, once drafting stopped paying
     margin: float = 1.05  # drafting goes on while tokens a verify step / its cost ratio exceed this
 
     def __post_init__(self) -> None:
@@ -74,7 +74,7 @@ class StepCosts:
     ones: c near 0 where the step's fixed work dominates, near 1 where each token's expert reads do) — exponential
     averages. c starts at PRIOR_C, so that drafting is tried; the first decode step is a plain one, to measure."""
 
-    PRIOR_C = 0.3
+    PRIOR_C = 0.6
 
     def __init__(self, weight: float = 0.3) -> None:
         self.weight, self.plain_s, self.c = weight, None, self.PRIOR_C

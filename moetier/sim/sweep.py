@@ -10,12 +10,14 @@ from moetier.cache.capacity import cache_capacity
 from moetier.cache.policies import PolicyContext
 from moetier.config import MemoryBudget, format_bytes
 from moetier.errors import MoetierError
+from moetier.plan.route import DECODE
 from moetier.plan.substitute import Substitution
 from moetier.predict import Predictor
 from moetier.sim.cost import CostModel
 from moetier.sim.pressure import Pressure
 from moetier.sim.replay import SimResult, simulate, trace_policy
 from moetier.sim.shapes import ModelShape
+from moetier.sim.speculation import verify_steps
 from moetier.trace.batch import interleave
 from moetier.trace.format import Trace
 
@@ -91,13 +93,17 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
         timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None,
         prefetch: str = "none", predictor: Callable[[], Predictor] | None = None, placement: str = "none",
         substitution: Substitution | None = None, batch: int | None = None,
-        pressure: Pressure | None = None) -> SimRun:
+        pressure: Pressure | None = None, speculation: tuple[int, float] | None = None) -> SimRun:
     """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor (of the
     trace it is given), which the `prefetch` stage and the policy hear. `placement`, `substitution`: as
     `simulate`'s. `batch`: the trace's sequences interleaved into batches of this many (moetier/trace/batch.py).
-    `pressure`: the budget's changes during the replay (moetier/sim/pressure.py)."""
+    `pressure`: the budget's changes during the replay (moetier/sim/pressure.py). `speculation`: (k, acceptance):
+    decode steps regrouped as `--speculate k` verifies them (moetier/sim/speculation.py)."""
     if batch is not None:
         trace = interleave(trace, batch)
+    produced = None
+    if speculation is not None:
+        trace, produced = verify_steps(trace, *speculation)
     slots = budget_slots(budget, trace, cost)
     resizes = pressure.resizes(trace, cost, budget_slots) if pressure is not None else {}
     ctx = PolicyContext(slots, tuple(trace.all_layers), trace.num_experts, trace.top_k)
@@ -108,9 +114,15 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
                       predictor=predictor(trace) if predictor is not None else None, substitution=substitution,
                       placement=placement, resizes=resizes,
                       shrink=pressure.shrink if pressure is not None else "offload-priority")
+    extra = pressure.row(resizes) if pressure is not None else {}
+    if produced is not None:  # a step's tokens are those it produced, not those it computed
+        computed, result.step_tokens = result.step_tokens, produced
+        decode = [i for i, phase in enumerate(result.step_phase) if phase == DECODE]
+        extra["speculation"] = {"draft_tokens": speculation[0], "acceptance": speculation[1],
+                                "tokens_computed_per_token": sum(computed[i] for i in decode) /
+                                max(1, sum(produced[i] for i in decode))}
     return SimRun(policy, budget, slots, result, prefetch, placement,
-                  substitution.alpha if substitution is not None else None, batch,
-                  pressure.row(resizes) if pressure is not None else {})
+                  substitution.alpha if substitution is not None else None, batch, extra)
 
 
 def format_table(runs: list[SimRun]) -> str:

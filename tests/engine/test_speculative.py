@@ -36,7 +36,7 @@ def test_the_gate_verifies_the_draft_length_that_pays_and_probes_when_none_does(
     costs, gate = StepCosts(), Gate(spec)
     assert gate.length(4, costs) == 0  # no plain step measured yet: one first
     costs.heard_plain(0.010)
-    assert gate.length(4, costs) == 3  # the priors (a draft kept 80%, a token 0.3 steps): 3 pay best (2.95 / 1.9)
+    assert gate.length(4, costs) == 1  # the priors (a draft kept 80%, a token 0.6 steps): 1 pays best (1.8 / 1.6)
     assert expected_tokens(0.5, 2) == 1.75
     costs.heard_verify(0.050, 4)  # 4 drafts cost 4 more plain steps: c moves from 0.3 toward 1
     for _ in range(8):
@@ -51,8 +51,8 @@ def test_the_gate_verifies_the_draft_length_that_pays_and_probes_when_none_does(
     cheap.heard_plain(0.010)
     for _ in range(12):
         cheap.heard_verify(0.0112, 4)  # the step's fixed work dominates: a token costs ~0.03 steps
-    half = Gate(spec)
-    half.accept = 0.5
+    half = Gate(spec)  # (a draft kept 70%: four pay best)
+    half.accept = 0.7
     assert half.length(4, cheap) == 4 and half.length(1, cheap) == 1
 
 
