@@ -88,11 +88,11 @@ class SpeculativeDecode:
         logits = s.model.forward(batch, s.kv.cache)  # [N, V]
         outputs, first = [], 0
         for r, d in zip(running, drafts):
-            rows = logits[first:first + len(d) + 1]  # [k + 1, V]: position j predicts the token after it
+            own = logits[first:first + len(d) + 1]  # [k + 1, V]: position j predicts the token after it
             first += len(d) + 1
             kept = 0
-            for token, j in self._accepted(r, d, rows):
-                outputs.append(s.append(r, token, rows[j]))
+            for token, j in self._accepted(r, d, own):
+                outputs.append(s.append(r, token, own[j]))
                 kept += 1
                 if r.finished:
                     break
