@@ -104,6 +104,10 @@ def _serve(args: argparse.Namespace) -> None:
                              args.max_running, args.max_body_bytes)
     check_port_free(args.host, args.port)
     reserve = kv_reserve(args, args.max_running, length)
+    if args.ray is not None:
+        return _serve_on_ray(args, settings, dict(config, reserve_bytes=reserve))
+    if args.replicas is not None:
+        raise MoetierError("--replicas is the number of engine replicas under --ray", hint="add --ray")
     engine = open_engine(args, progress=True, reserve_bytes=reserve, **config)
     metrics = Metrics()
     metrics.cache_bytes.set(engine.executor.reserved_bytes)
@@ -124,6 +128,48 @@ def _serve(args: argparse.Namespace) -> None:
             DrainingServer(config, loop).run()
         finally:
             loop.stop()
+
+
+def _serve_on_ray(args: argparse.Namespace, settings, config: dict) -> None:
+    """The same endpoints over --replicas engine replicas behind Ray Serve's prefix-aware router
+    (moetier/serve/ray_serve.py), on a local Ray or the cluster at --ray ADDRESS; Ctrl-C or SIGTERM stops it."""
+    import dataclasses
+    import importlib.util
+    import threading
+
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("grpc") is None:
+        raise MoetierError("--ray needs Ray Serve, an optional extra", hint="pip install 'moetier[ray]'")
+    replicas = args.replicas if args.replicas is not None else 2
+    if replicas < 1:
+        raise MoetierError(f"--replicas must be at least 1, got {replicas}")
+    import ray
+    from ray import serve
+
+    from moetier.serve.ray_serve import build
+
+    ray.init(address=None if args.ray == "local" else args.ray, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    engine = dict(config, expert_memory=args.expert_memory, cache_dir=args.cache_dir,  # (as open_engine gives them)
+                  reader_threads=args.reader_threads, device=args.device, kernels=args.kernels,
+                  reconvert=getattr(args, "reconvert", False), adapt=getattr(args, "adapt", False),
+                  offload=getattr(args, "offload", "all"), variants=getattr(args, "variants", None))
+    if getattr(args, "host_memory", None) is not None:
+        from moetier.config import HostMemory
+
+        engine["host_memory"] = HostMemory.parse(args.host_memory)
+    serve.run(build(args.model, replicas, engine, dataclasses.asdict(settings), args.max_prefill_tokens),
+              name="moetier", route_prefix="/")
+    print(f"moetier: serving {settings.model_name} at http://{args.host}:{args.port}/v1 on {replicas} Ray Serve "
+          f"replicas (Ctrl-C or SIGTERM stops them)", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -163,6 +209,10 @@ def add_parser(sub) -> None:
     s.add_argument("--max-body-bytes", type=count(1, 1 << 30), default=4 << 20, help="largest request body")
     s.add_argument("--drain-timeout", type=count(0, 86_400), default=60,
                    help="seconds SIGTERM waits for requests in flight before it stops")
+    s.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="serve on Ray Serve (the moetier[ray] extra): --replicas engine replicas, each with its own "
+                        "expert cache, behind Ray's prefix-aware router; on a local Ray, or the cluster at ADDRESS")
+    s.add_argument("--replicas", type=int, help="engine replicas under --ray (default 2)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     s.set_defaults(func=_serve)

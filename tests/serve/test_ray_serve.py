@@ -1,0 +1,98 @@
+"""`moetier serve --ray` (moetier/serve/ray_serve.py) on a local Ray cluster of 2 engine replicas: 16 concurrent
+requests answered as a single server answers them; a replica killed mid-run fails its requests cleanly and the
+other keeps serving. Skipped where Ray (the `moetier[ray]` extra, with Ray Serve) is not installed."""
+
+import concurrent.futures
+import importlib.util
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import free_port, prompts
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("grpc") is None,
+                                reason="Ray Serve is not installed (pip install 'moetier[ray]')")
+
+
+@pytest.fixture(scope="module")
+def cluster(text_store):
+    import ray
+    from ray import serve
+
+    from moetier.serve.ray_serve import build
+
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(str(text_store), 2, {"expert_memory": "50%"},
+                    {"model_name": "tiny", "max_model_len": 256, "max_running": 4}, cpus_per_replica=0.5),
+              name="moetier", route_prefix="/")
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the Ray Serve application did not come up"
+        time.sleep(0.5)
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_two_replicas_answer_sixteen_concurrent_requests_as_one_server(cluster, reference):
+    c = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=120)
+    asked = prompts(16, seed=11)
+
+    def one(p):
+        return c.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, asked))
+    tok = reference.engine.tokenizer
+    assert answers == [tok.decode(reference(p, 8)) for p in asked]
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": asked[0]}], max_tokens=4,
+                                     temperature=0, stream=True)
+    assert "".join(x.choices[0].delta.content or "" for x in chat if x.choices)
+    r = httpx.post(cluster + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=60)
+    assert r.status_code == 400 and "error" in r.json()  # (the replica's own refusal, passed through)
+
+
+def test_a_replica_killed_mid_run_fails_its_requests_cleanly_and_the_other_serves(cluster):
+    import threading
+
+    import ray
+    from ray import serve
+
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#engine#" in a["name"]]
+    assert len(replicas) == 2, replicas
+    asked = [{"prompt": p, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+             for p in prompts(4, seed=12)]  # (new prompts: the router spreads them over both replicas)
+    started, lines = threading.Barrier(len(asked) + 1), [[] for _ in asked]
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", cluster + "/v1/completions", json=asked[i], timeout=120) as r:
+            it = r.iter_lines()
+            lines[i].append(next(it))
+            started.wait(60)  # every stream is decoding: now one replica goes
+            lines[i].extend(it)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(asked))]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    victim = replicas[0]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
+    for t in threads:
+        t.join(120)
+    cut = [x for x in lines if any("replica_gone" in line for line in x)]
+    whole = [x for x in lines if any('"finish_reason": "length"' in line for line in x)]
+    assert cut and whole and len(cut) + len(whole) == len(asked)  # the victim's streams end with an error event
+    assert all(x[-1] == "data: [DONE]" for x in lines if x[-1])
+    after = httpx.post(cluster + "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0},
+                       timeout=120)
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] is not None
+    assert serve.status().applications["moetier"].status in ("RUNNING", "DEPLOYING")
