@@ -20,11 +20,22 @@ from tests.serve.conftest import free_port
     (["--port", "0"], "--port"),
     (["--max-model-len", "100000"], "context window"),
     (["--max-running", "0"], "--max-running"),
+    (["--replicas", "2"], "add --ray"),
+    (["--speculate", "-1"], "--speculate takes"),
 ])
 def test_serve_refuses_before_loading(text_store, capsys, args, says):
     assert main(["serve", "--model", str(text_store), *args]) == 1
     err = capsys.readouterr().err
     assert err.startswith("moetier: error:") and says in err and "expert cache" not in err
+
+
+def test_serve_on_ray_refuses_without_ray_serve_or_replicas(text_store, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("ray", "grpc") else real(name, *a))
+    assert main(["serve", "--model", str(text_store), "--ray", "--port", str(free_port())]) == 1
+    assert "pip install 'moetier[ray]'" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_port_in_use(text_store, capsys):
