@@ -25,7 +25,6 @@ from moetier.serve.protocol import error_body
 # Ray Serve's prefix-aware router (exported as ray.serve.llm.request_router.PrefixCacheAffinityRouter, whose package
 # also loads Ray's LLM stack and pyarrow; the class itself needs neither)
 ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
-PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass
@@ -49,20 +48,32 @@ class ForwardedCompletion(Forwarded):
     prompt: object = ""  # (what the prefix router reads)
 
 
+def _has_text(value) -> bool:
+    """Whether the router finds text in `value`: a string, strings, or messages whose content (or text parts) say
+    something. Token ids it reads as no text — and it divides by the text's length."""
+    if isinstance(value, str):
+        return bool(value)
+    if isinstance(value, list):
+        return any(_has_text(v) for v in value)
+    if isinstance(value, dict):
+        return _has_text(value.get("text")) or _has_text(value.get("content"))
+    return False
+
+
 def forwarded(method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> Forwarded:
-    """The request with the text the prefix router matches on: a chat's messages, a completion's prompt."""
+    """The request with the text the prefix router matches on: a chat's messages, a completion's prompt (a request
+    without text — token ids, a GET — is routed on its path)."""
     try:
         data = json.loads(body) if body else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
         data = {}  # (the replica's app answers it: a 400)
     data = data if isinstance(data, dict) else {}
     stream = data.get("stream") is True
-    if path == "/v1/chat/completions" and isinstance(data.get("messages"), list) and any(
-            isinstance(m, dict) and m.get("content") for m in data["messages"]):
+    if path == "/v1/chat/completions" and isinstance(data.get("messages"), list) and _has_text(data["messages"]):
         return ForwardedChat(method, path, headers, body, stream, data["messages"])
-    if path == "/v1/completions" and isinstance(data.get("prompt"), (str, list)) and data["prompt"]:
+    if path == "/v1/completions" and _has_text(data.get("prompt")):
         return ForwardedCompletion(method, path, headers, body, stream, data["prompt"])
-    return ForwardedCompletion(method, path, headers, body, stream, path)  # (the router divides by the text's length)
+    return ForwardedCompletion(method, path, headers, body, stream, path)
 
 
 class EngineReplica:

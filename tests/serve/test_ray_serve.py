@@ -96,3 +96,15 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly_and_the_other_serve
                        timeout=120)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] is not None
     assert serve.status().applications["moetier"].status in ("RUNNING", "DEPLOYING")
+
+
+def test_the_router_gets_text_to_match_or_the_path():
+    from moetier.serve.ray_serve import ForwardedChat, forwarded
+
+    chat = forwarded("POST", "/v1/chat/completions", [], b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert isinstance(chat, ForwardedChat) and chat.messages[0]["content"] == "hi" and not chat.stream
+    assert forwarded("POST", "/v1/completions", [], b'{"prompt": "abc", "stream": true}').prompt == "abc"
+    for body in (b'{"prompt": [1, 2, 3]}', b'{"prompt": ""}', b"not json", b"",
+                 b'{"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}'):
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        assert forwarded("POST", path, [], body).prompt == path  # (no text: the router would divide by zero)
