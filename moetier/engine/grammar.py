@@ -100,7 +100,10 @@ class Matcher:
 
     def mask_(self, logits: torch.Tensor) -> None:
         """logits [V], in place: every token the grammar does not allow next at -inf."""
-        logits.masked_fill_(torch.from_numpy(~self.allowed()).to(logits.device), float("-inf"))
+        allowed = self.allowed()
+        if not allowed.any():  # (a matcher in error: no token could be drawn)
+            raise GrammarError(f"{self.grammar.name}: no token may come next ({self.m.get_error() or 'stopped'})")
+        logits.masked_fill_(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
 
     def accept(self, token: int) -> None:
         """The token drawn (one the mask allowed: anything else is a fault of the caller)."""
