@@ -30,7 +30,7 @@ class PlainDecode:
         batch = StepBatch.decode_step([r.output[-1] for r in running], [r.row for r in running],
                                       [r.position for r in running], s.kv.rows, device=s.model.device)
         s.begin(DECODE, batch)
-        outputs = s._sampled(running, s.model.forward(batch, s.kv.cache))
+        outputs = s.sampled(running, s.model.forward(batch, s.kv.cache))
         s.stats.decode_step_s.append(time.perf_counter() - start)
         s.stats.decode_tokens += len(running)
         return outputs

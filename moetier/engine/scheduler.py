@@ -192,7 +192,7 @@ class Scheduler:
         if echo:
             requests[0].prompt_logprobs = prompt_logprobs(logits, requests[0].prompt, requests[0].params.logprobs)
             logits = logits[batch.last]
-        outputs = self._sampled(requests, logits)
+        outputs = self.sampled(requests, logits)
         if not self.stats.ttft_s:
             self.stats.ttft_s = time.perf_counter() - start
         return outputs
@@ -200,7 +200,7 @@ class Scheduler:
     def _decode(self) -> list[StepOutput]:
         return self.decoder.step()
 
-    def _sampled(self, requests: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+    def sampled(self, requests: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         """Each request's next token from its row of `logits` [B, V], appended, and the requests that end here
         leave (their rows free)."""
         tokens = self._sample(requests, logits)
