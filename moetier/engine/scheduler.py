@@ -23,7 +23,7 @@ import torch
 
 from moetier.engine.decoding import PlainDecode, SpeculativeDecode
 from moetier.engine.expert_executor import ExpertExecutor
-from moetier.engine.grammar import GrammarTokenizer, Matcher
+from moetier.engine.grammar import Matcher
 from moetier.engine.kv_pool import KVPool
 from moetier.engine.request import (
     ABORT,
@@ -85,7 +85,6 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # waiting or running
         self._next_id = 0
         self._aborted: list[Request] = []  # since the last step: reported by it
-        self._grammar_tokenizer: GrammarTokenizer | None = None  # made at the first request with a grammar
         self.decoder = SpeculativeDecode(self, speculation) if speculation is not None else PlainDecode(self)
 
     @property
@@ -109,22 +108,15 @@ class Scheduler:
         generator = generator or params.sampling.generator()
         request = Request(self._next_id, list(prompt), params, generator)
         if params.grammar is not None:
-            request.matcher = Matcher(params.grammar, self._vocabulary())
+            if self.tokenizer is None:
+                raise MoetierError("holding output to a grammar needs the model's tokenizer; this model has none")
+            request.matcher = Matcher(params.grammar, self.tokenizer.grammar_vocabulary(spec.vocab_size, self.eos))
         if self.tokenizer is not None:
             request.text = TextOutput(self.tokenizer, params.stop)
         self._next_id += 1
         self.requests[request.id] = request
         self.waiting.append(request)
         return request.id
-
-    def _vocabulary(self) -> GrammarTokenizer:
-        """The model's vocabulary as a grammar reads it (made once)."""
-        if self.tokenizer is None:
-            raise MoetierError("holding output to a grammar needs the model's tokenizer; this model has none")
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer.to_json(), self.model.spec.vocab_size,
-                                                       sorted(self.eos))
-        return self._grammar_tokenizer
 
     def abort(self, request_id: int) -> bool:
         """End a waiting or running request now (its KV row freed); False if it is not here (finished already)."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from moetier.engine.chat_template import ChatTemplate
+from moetier.engine.grammar import GrammarTokenizer
 from moetier.errors import ModelNotFoundError, StoreError, parsing
 from moetier.store.format import DAMAGED
 
@@ -25,6 +27,7 @@ class Tokenizer:
         self.add_bos = bool(settings.get("add_bos_token", False)) and bos_token_id is not None
         self.bos_token_id = bos_token_id
         self.chat_template = ChatTemplate.from_settings(settings, chat_template)  # None: the model has none
+        self._grammar_vocabularies: dict[tuple, GrammarTokenizer] = {}
 
     @classmethod
     def from_file(cls, path: Path, bos_token_id: int | None = None) -> Tokenizer:
@@ -58,6 +61,14 @@ class Tokenizer:
     def to_json(self) -> str:
         """tokenizer.json's text, as the tokenizers library writes it back."""
         return self._tok.to_str()
+
+    def grammar_vocabulary(self, vocab_size: int, eos: Iterable[int]) -> GrammarTokenizer:
+        """The vocabulary as a grammar reads it over `vocab_size` logits: made once (its cost grows with the
+        vocabulary) and kept, for every scheduler of this tokenizer's engine — each `generate` call makes one."""
+        key = (vocab_size, tuple(sorted(eos)))
+        if key not in self._grammar_vocabularies:
+            self._grammar_vocabularies[key] = GrammarTokenizer(self.to_json(), vocab_size, list(key[1]))
+        return self._grammar_vocabularies[key]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
