@@ -4,6 +4,7 @@ request's, a constrained request beside a free one in one batch, the model's own
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from moetier.engine.request import STOP, RequestParams
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.scheduler import Scheduler
 from moetier.engine.tokenizer import Tokenizer
+from moetier.errors import MoetierError
 from moetier.serve.protocol import Tool
 from moetier.serve.tool_calls import HermesCalls
 
@@ -116,3 +118,18 @@ def test_a_held_request_beside_a_free_one_leaves_it_as_it_runs_alone_and_keeps_t
     # greedy under the mask: were log-probabilities taken after it, each token would be its own top-1; they are the
     # model's own, so where the grammar overruled the model the top-1 is another token
     assert any(e.top[0][0] != e.token for e in h.logprobs) and all(e.logprob <= 0 for e in h.logprobs)
+
+
+def test_a_mask_with_nothing_allowed_is_refused_and_a_grammar_needs_a_tokenizer(tokenizer, vocabulary, engine,
+                                                                                 monkeypatch):
+    m = Matcher(Grammar.json_object(), vocabulary)
+    with pytest.raises(GrammarError, match="breaks"):
+        m.accept(tokenizer.encode("x", add_bos=False)[0])
+    assert m.allowed().nonzero()[0].tolist() == [0]  # (a matcher in error allows end-of-sequence alone)
+    monkeypatch.setattr(Matcher, "allowed", lambda self: np.zeros(8192, bool))
+    with pytest.raises(GrammarError, match="no token may come next"):  # (never drawn from an all -inf row)
+        m.mask_(torch.zeros(8192))
+    spec, model = engine.spec, engine.model
+    bare = Scheduler(model, engine.executor, KVPool(spec, 1, 64, model.dtype), spec.eos_token_ids)  # no tokenizer
+    with pytest.raises(MoetierError, match="needs the model's tokenizer"):
+        bare.add_request([5, 6, 7], RequestParams(SamplingParams(4), grammar=Grammar.json_object()))

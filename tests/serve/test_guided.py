@@ -187,3 +187,17 @@ def test_calls_are_read_back_from_hermes_blocks_and_a_stream_holds_back_a_tag():
     assert reason == "tool_calls" and message["content"] == "Let me look."
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     assert ChatFormat(None, body, "m", h)._message(text, "length")[1] == "length"
+
+
+def test_a_template_that_renders_tools_in_a_form_moetier_does_not_read_is_refused():
+    from moetier.engine.chat_template import ChatTemplate
+    from moetier.serve.guided import call_reader
+    from moetier.serve.protocol import ApiError
+
+    other = ChatTemplate("{% for t in tools %}{{ t | tojson }}{% endfor %}[TOOL_CALLS]{{ messages[0].content }}")
+    body = ChatRequest.model_validate({"messages": ASK, "tools": [WEATHER]})
+    with pytest.raises(ApiError, match="does not know how this model writes a call") as e:
+        call_reader(body, other, "m")
+    assert e.value.status == 400 and e.value.code == "tools_not_supported"
+    assert call_reader(ChatRequest.model_validate({"messages": ASK, "tools": [WEATHER], "tool_choice": "none"}),
+                       other, "m") is None  # (no call wanted: nothing to read)
