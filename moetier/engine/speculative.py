@@ -59,12 +59,15 @@ class NgramIndex:
             self.tokens.append(t)
 
     def draft(self) -> list[int]:
-        """What followed the longest suffix of the context that occurred before (up to `tokens` of it), or []."""
+        """What followed the longest suffix of the context that occurred before (`tokens` of it), or []. Where that
+        runs into the context's end the draft goes on copying itself: text that came back after `end - at` tokens
+        (a loop, a list that goes on) is guessed to come back again after as many (as LZ77 copies overlap)."""
         end = len(self.tokens)
         for n in range(min(self.spec.max_ngram, end), self.spec.min_ngram - 1, -1):
             at = self.after[n].get(tuple(self.tokens[end - n:]))
             if at is not None:
-                return self.tokens[at:at + self.spec.tokens]
+                period = end - at
+                return [self.tokens[at + j % period] for j in range(self.spec.tokens)]
         return []
 
 
@@ -98,19 +101,34 @@ def expected_tokens(accept: float, k: int) -> float:
 class Gate:
     """One request's: how many of its drafted tokens to verify this step — the k that maximises tokens yielded per
     cost, E(k) / (1 + c·k), if that beats a plain step by `margin`; else none, and every `probe_every` plain steps
-    one draft token anyway, to measure again (a budget that grew, text that began to repeat)."""
+    one draft token anyway, to measure again (a budget that grew, text that began to repeat).
+
+    A draft token's chance of being kept is counted as a geometric rate: a verify step that kept m of its k drafts
+    saw m tokens kept and, where m < k, one refused (the drafts after the first refusal say nothing). (Kept over
+    drafted would read a 4-token draft kept 80% a token as 59%.) The counts start from a prior of PRIOR_ACCEPT
+    worth PRIOR_WEIGHT drafts, so one early refusal does not shut the gate, and fade by `FADE` a verify step, so
+    the rate follows text that stops or starts repeating."""
 
     PRIOR_ACCEPT = 0.8  # (prompt lookup's drafts on repeating text are mostly right: try them)
+    PRIOR_WEIGHT = 4.0
+    FADE = 0.9
 
-    def __init__(self, spec: Speculation, weight: float = 0.3) -> None:
-        self.spec, self.weight = spec, weight
-        self.accept = self.PRIOR_ACCEPT  # a draft token's chance of being kept, averaged
+    def __init__(self, spec: Speculation) -> None:
+        self.spec = spec
+        self.kept = self.PRIOR_ACCEPT * self.PRIOR_WEIGHT  # drafts kept, faded
+        self.refused = (1 - self.PRIOR_ACCEPT) * self.PRIOR_WEIGHT  # first refusals, faded
         self.plain_steps = 0  # since its last verify
+
+    @property
+    def accept(self) -> float:
+        """A draft token's chance of being kept, where the drafts before it were."""
+        return self.kept / (self.kept + self.refused)
 
     def length(self, available: int, costs: StepCosts) -> int:
         if costs.plain_s is None or available == 0:
             return 0
-        best, k = max((expected_tokens(self.accept, k) / (1 + costs.c * k), k) for k in range(1, available + 1))
+        accept = self.accept
+        best, k = max((expected_tokens(accept, k) / (1 + costs.c * k), k) for k in range(1, available + 1))
         if best >= self.spec.margin:
             return k
         if self.plain_steps >= self.spec.probe_every:
@@ -121,4 +139,5 @@ class Gate:
     def heard(self, drafted: int, kept: int) -> None:
         """A verify step kept `kept` of its `drafted` draft tokens."""
         self.plain_steps = 0
-        self.accept = (1 - self.weight) * self.accept + self.weight * kept / drafted
+        self.kept = self.FADE * self.kept + kept
+        self.refused = self.FADE * self.refused + (kept < drafted)

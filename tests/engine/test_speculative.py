@@ -25,6 +25,9 @@ def test_prompt_lookup_drafts_what_followed_the_longest_earlier_match():
     assert NgramIndex(spec, [1, 2, 3]).draft() == [] and NgramIndex(spec, []).draft() == []
     longest = NgramIndex(spec, [1, 2, 9, 3, 2, 8, 1, 2])  # "1 2" -> 9 beats "2" -> 8 (the latest "2")
     assert longest.draft()[0] == 9
+    loop = NgramIndex(spec, [7, 1, 2, 1, 2])  # "1 2" came 2 tokens back, followed by "1 2" and the end:
+    assert loop.draft() == [1, 2, 1]  # it goes on with period 2 (not a 2-token draft)
+    assert NgramIndex(spec, [3, 3]).draft() == [3, 3, 3]
     with pytest.raises(MoetierError):
         Speculation(tokens=0)
     with pytest.raises(MoetierError):
@@ -52,8 +55,29 @@ def test_the_gate_verifies_the_draft_length_that_pays_and_probes_when_none_does(
     for _ in range(12):
         cheap.heard_verify(0.0112, 4)  # the step's fixed work dominates: a token costs ~0.03 steps
     half = Gate(spec)  # (a draft kept 70%: four pay best)
-    half.accept = 0.7
+    half.kept, half.refused = 7.0, 3.0
+    assert half.accept == pytest.approx(0.7)
     assert half.length(4, cheap) == 4 and half.length(1, cheap) == 1
+
+
+def test_the_gate_counts_a_draft_tokens_chance_from_kept_tokens_and_first_refusals():
+    spec = Speculation(tokens=4)
+    costs = StepCosts()
+    costs.heard_plain(0.010)
+    costs.c = 0.3
+    gate = Gate(spec)
+    gate.heard(1, 0)  # one refusal, first thing: the prior's weight keeps it drafting
+    assert 0.6 < gate.accept < 0.65 and gate.length(4, costs) > 0
+    steady = Gate(spec)
+    for _ in range(60):  # each step: 4 drafted, 3 kept, the 4th refused — a token kept 3 times in 4
+        steady.heard(4, 3)
+    assert steady.accept == pytest.approx(0.75, abs=0.01)  # (kept over drafted would say the same here ...)
+    for _ in range(60):
+        steady.heard(4, 0)  # ... but not here: refused at once, 4 drafts say one thing
+    assert steady.accept < 0.02
+    for _ in range(60):
+        steady.heard(2, 2)  # every draft kept: nothing refused
+    assert steady.accept > 0.98
 
 
 def sampled(p: SamplingParams, draft: list[int], logits: torch.Tensor, trials: int) -> list[list[int]]:
