@@ -12,7 +12,7 @@ import torch
 
 from moetier.engine.request import Request, StepOutput
 from moetier.engine.sampling import draw, filtered
-from moetier.engine.speculative import Gate, NgramIndex, Speculation, StepCosts
+from moetier.engine.speculative import Draft, Gate, NgramIndex, Speculation, StepCosts
 from moetier.model.batch import StepBatch
 from moetier.plan.route import DECODE
 
@@ -50,7 +50,7 @@ class SpeculativeDecode:
         self._forget(running)
         drafts = [self._draft(r) for r in running]
         start = time.perf_counter()
-        if not any(drafts):
+        if not any(d.tokens for d in drafts):
             outputs = self.plain.step()
             self.costs.heard_plain(time.perf_counter() - start)
         else:
@@ -61,25 +61,27 @@ class SpeculativeDecode:
                 index.extend([out.token])
         return outputs
 
-    def _draft(self, r: Request) -> list[int]:
-        """`r`'s draft this step: [] where it decodes plainly (penalties or a grammar; its gate shut; no match)."""
+    def _draft(self, r: Request) -> Draft:
+        """`r`'s draft this step: none where it decodes plainly (penalties or a grammar; its gate shut; no match)."""
         p = r.params
         if p.grammar is not None or p.sampling.shaped:
-            return []
+            return Draft([], 0)
         index = self.indices.get(r.id)
         if index is None:
             index = self.indices[r.id] = NgramIndex(self.spec, r.prompt + r.output)
         room = min(p.sampling.max_new_tokens - len(r.output), self.s.kv.max_len - r.position) - 1
-        draft = index.draft()[:max(0, room)]
-        return draft[:self.gates.setdefault(r.id, Gate(self.spec)).length(len(draft), self.costs)]
+        found = index.draft()
+        found = Draft(found.tokens[:max(0, room)], found.ngram)
+        return Draft(found.tokens[:self.gates.setdefault(r.id, Gate(self.spec)).length(found, self.costs)],
+                     found.ngram)
 
-    def _verify(self, running: list[Request], drafts: list[list[int]], start: float) -> list[StepOutput]:
+    def _verify(self, running: list[Request], drafts: list[Draft], start: float) -> list[StepOutput]:
         s = self.s
         # a decode step whose rows repeat: request r's tokens at positions p .. p + k of its KV row, each query seeing
         # the keys up to its own position (the drafts before it too: a step writes every token's keys first) — so
         # each token is computed as a decode step computes it, and greedy tokens are plain decoding's, bit for bit
         tokens, rows, positions = [], [], []
-        for r, d in zip(running, drafts):
+        for r, (d, _) in zip(running, drafts):
             tokens += [r.output[-1], *d]
             rows += [r.row] * (len(d) + 1)
             positions += range(r.position, r.position + len(d) + 1)
@@ -87,7 +89,7 @@ class SpeculativeDecode:
         s.begin(DECODE, batch)  # (a decode step of several tokens a request: the planner sees them all)
         logits = s.model.forward(batch, s.kv.cache)  # [N, V]
         outputs, first = [], 0
-        for r, d in zip(running, drafts):
+        for r, (d, ngram) in zip(running, drafts):
             own = logits[first:first + len(d) + 1]  # [k + 1, V]: position j predicts the token after it
             first += len(d) + 1
             kept = 0
@@ -97,11 +99,11 @@ class SpeculativeDecode:
                 if r.finished:
                     break
             if d:
-                self.gates[r.id].heard(len(d), kept - 1)
+                self.gates[r.id].heard(ngram, len(d), kept - 1)
                 s.stats.drafted, s.stats.accepted = s.stats.drafted + len(d), s.stats.accepted + kept - 1
         s.leave_finished()
         elapsed = time.perf_counter() - start
-        self.costs.heard_verify(elapsed, sum(map(len, drafts)) / len(running))
+        self.costs.heard_verify(elapsed, sum(len(d.tokens) for d in drafts) / len(running))
         s.stats.verify_steps += 1
         per_request = max(1, round(len(outputs) / len(running)))  # a token's share of the step, per request
         s.stats.decode_step_s.extend([elapsed / per_request] * per_request)

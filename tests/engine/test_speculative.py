@@ -10,24 +10,24 @@ import torch
 from moetier import Engine
 from moetier.engine.decoding import SpeculativeDecode
 from moetier.engine.sampling import SamplingParams
-from moetier.engine.speculative import Gate, NgramIndex, Speculation, StepCosts, expected_tokens
+from moetier.engine.speculative import Draft, Gate, NgramIndex, Rate, Speculation, StepCosts, expected_tokens
 from moetier.errors import MoetierError
 
 
 def test_prompt_lookup_drafts_what_followed_the_longest_earlier_match():
     spec = Speculation(tokens=3, max_ngram=3)
     index = NgramIndex(spec, [5, 6, 7, 8, 9, 1, 2, 6, 7])
-    assert index.draft() == [8, 9, 1]  # "6 7" came before, followed by 8 9 1
+    assert index.draft() == Draft([8, 9, 1], 2)  # "6 7" came before, followed by 8 9 1
     index.extend([8, 4])
-    assert index.draft() == []  # "4" never came before (nor "8 4", "7 8 4")
+    assert index.draft() == Draft([], 0)  # "4" never came before (nor "8 4", "7 8 4")
     index.extend([5, 6])
-    assert index.draft() == [7, 8, 9]  # "5 6" came at the start (the longer match before "6" alone: 7 8 4)
-    assert NgramIndex(spec, [1, 2, 3]).draft() == [] and NgramIndex(spec, []).draft() == []
+    assert index.draft().tokens == [7, 8, 9]  # "5 6" came at the start (the longer match before "6" alone: 7 8 4)
+    assert NgramIndex(spec, [1, 2, 3]).draft().tokens == [] and NgramIndex(spec, []).draft().tokens == []
     longest = NgramIndex(spec, [1, 2, 9, 3, 2, 8, 1, 2])  # "1 2" -> 9 beats "2" -> 8 (the latest "2")
-    assert longest.draft()[0] == 9
+    assert longest.draft() == Draft([9, 3, 2], 2)
     loop = NgramIndex(spec, [7, 1, 2, 1, 2])  # "1 2" came 2 tokens back, followed by "1 2" and the end:
-    assert loop.draft() == [1, 2, 1]  # it goes on with period 2 (not a 2-token draft)
-    assert NgramIndex(spec, [3, 3]).draft() == [3, 3, 3]
+    assert loop.draft().tokens == [1, 2, 1]  # it goes on with period 2 (not a 2-token draft)
+    assert NgramIndex(spec, [3, 3]).draft() == Draft([3, 3, 3], 1)
     with pytest.raises(MoetierError):
         Speculation(tokens=0)
     with pytest.raises(MoetierError):
@@ -37,38 +37,38 @@ def test_prompt_lookup_drafts_what_followed_the_longest_earlier_match():
 def test_the_gate_verifies_the_draft_length_that_pays_and_probes_when_none_does():
     spec = Speculation(tokens=4, probe_every=3, margin=1.05)
     costs, gate = StepCosts(), Gate(spec)
-    assert gate.length(4, costs) == 0  # no plain step measured yet: one first
+    four = Draft([5, 6, 7, 8], 3)
+    assert gate.length(four, costs) == 0  # no plain step measured yet: one first
     costs.heard_plain(0.010)
-    assert gate.length(4, costs) == 1  # the priors (a draft kept 80%, a token 0.6 steps): 1 pays best (1.8 / 1.6)
+    assert gate.length(four, costs) == 1  # no verify step measured yet: one draft token, to measure
+    assert gate.length(Draft([], 0), costs) == 0
+    costs.heard_verify(0.016, 1)  # a draft token cost 0.6 plain steps
+    assert costs.c == pytest.approx(0.6)
+    assert gate.length(four, costs) == 1  # the prior (a draft kept 80%): 1 pays best (1.8 / 1.6)
+    assert Gate(Speculation(tokens=4, margin=1.15)).length(four, costs) == 0  # (1.125 is not 15% better)
     assert expected_tokens(0.5, 2) == 1.75
-    costs.heard_verify(0.050, 4)  # 4 drafts cost 4 more plain steps: c moves from 0.3 toward 1
-    for _ in range(8):
-        costs.heard_verify(0.050, 4)
+    for _ in range(12):
+        costs.heard_verify(0.050, 4)  # 4 drafts cost 4 more plain steps: c moves from 0.6 toward 1
     assert costs.c == pytest.approx(1.0, abs=0.03)
-    gate.heard(4, 4)
-    assert gate.length(4, costs) == 0  # at c ~ 1 even a kept draft costs what it gives: plain steps
-    assert [gate.length(4, costs) for _ in range(3)] == [0, 0, 1]  # ... and one draft token after 3 plain steps
-    gate.heard(1, 0)
-    assert gate.length(4, costs) == 0
+    gate.heard(3, 4, 4)
+    assert gate.length(four, costs) == 0  # at c ~ 1 even a kept draft costs what it gives: plain steps
+    assert [gate.length(four, costs) for _ in range(3)] == [0, 0, 1]  # ... and one draft token after 3 plain steps
+    gate.heard(3, 1, 0)
+    assert gate.length(four, costs) == 0
     cheap = StepCosts()
     cheap.heard_plain(0.010)
-    for _ in range(12):
-        cheap.heard_verify(0.0112, 4)  # the step's fixed work dominates: a token costs ~0.03 steps
+    cheap.heard_verify(0.0112, 4)  # the step's fixed work dominates: a token costs 0.03 steps
     half = Gate(spec)  # (a draft kept 70%: four pay best)
-    half.kept, half.refused = 7.0, 3.0
-    assert half.accept == pytest.approx(0.7)
-    assert half.length(4, cheap) == 4 and half.length(1, cheap) == 1
+    half.rates[3].kept, half.rates[3].refused = 7.0, 3.0
+    assert half.rates[3].accept == pytest.approx(0.7)
+    assert half.length(four, cheap) == 4 and half.length(Draft([5], 3), cheap) == 1
 
 
-def test_the_gate_counts_a_draft_tokens_chance_from_kept_tokens_and_first_refusals():
-    spec = Speculation(tokens=4)
-    costs = StepCosts()
-    costs.heard_plain(0.010)
-    costs.c = 0.3
-    gate = Gate(spec)
-    gate.heard(1, 0)  # one refusal, first thing: the prior's weight keeps it drafting
-    assert 0.6 < gate.accept < 0.65 and gate.length(4, costs) > 0
-    steady = Gate(spec)
+def test_a_draft_tokens_chance_is_counted_from_kept_tokens_and_first_refusals_for_each_match_length():
+    rate = Rate()
+    rate.heard(1, 0)  # one refusal, first thing: the prior's weight keeps the rate up
+    assert 0.6 < rate.accept < 0.65
+    steady = Rate()
     for _ in range(60):  # each step: 4 drafted, 3 kept, the 4th refused — a token kept 3 times in 4
         steady.heard(4, 3)
     assert steady.accept == pytest.approx(0.75, abs=0.01)  # (kept over drafted would say the same here ...)
@@ -78,6 +78,14 @@ def test_the_gate_counts_a_draft_tokens_chance_from_kept_tokens_and_first_refusa
     for _ in range(60):
         steady.heard(2, 2)  # every draft kept: nothing refused
     assert steady.accept > 0.98
+    costs = StepCosts()
+    costs.heard_plain(0.010)
+    costs.c = 0.3
+    gate = Gate(Speculation(tokens=4))
+    for _ in range(10):
+        gate.heard(1, 2, 0)  # drafts found by the last token alone: refused
+        gate.heard(3, 4, 4)  # drafts found by the last three: kept
+    assert gate.length(Draft([1, 2, 3, 4], 1), costs) == 0 and gate.length(Draft([1, 2, 3, 4], 3), costs) == 4
 
 
 def sampled(p: SamplingParams, draft: list[int], logits: torch.Tensor, trials: int) -> list[list[int]]:
