@@ -121,7 +121,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for i, r in zip(x, rows):
         ax.annotate(f"{r['speedup']:.2f}×", (i + 0.2, r["speculative_tokens_per_s"]), ha="center", va="bottom",
                     fontsize=8)
-    ax.set(xticks=list(x), xticklabels=labels, ylabel="decode tokens/s (median)", title=title)
+    ax.set(xticks=list(x), ylabel="decode tokens/s (median)", title=title)
+    ax.set_xticklabels(labels, fontsize=7)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -221,6 +221,12 @@ def precision_config(args: argparse.Namespace):
     return MixedPrecision(**precision_fields(args))
 
 
+def add_partition_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
+                   help="one expert cache for all layers, or the slots split evenly among them (with --speculate "
+                        "under a budget: per-layer, docs/serving.md)")
+
+
 def add_speculation_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that decodes: speculative decoding by prompt lookup (docs/serving.md)."""
     p.add_argument("--speculate", type=int, default=0, metavar="K",
@@ -340,8 +346,7 @@ def add_parser(sub) -> None:
     g.add_argument("--policy", default="lru",
                    help=f"expert eviction policy: {', '.join(LIVE_POLICIES)}; NAME+predicted spares what --predictor "
                         "names for the coming layers (`moetier list policies`, docs/cache-policies.md)")
-    g.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
-                   help="one expert cache for all layers, or the slots split evenly among them")
+    add_partition_option(g)
     add_prefetch_options(g)
     g.add_argument("--placement", default="none", choices=["none", *PLACEMENTS],
                    help="with --device cuda: per missing expert, read it into the GPU or compute it on the CPU from "

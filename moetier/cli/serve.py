@@ -13,6 +13,7 @@ from moetier.cache.policies import LIVE_POLICIES
 from moetier.cli.defaults import add_sampling_options, command, count, sampling_args
 from moetier.cli.generate import (
     add_engine_options,
+    add_partition_option,
     add_precision_options,
     add_prefetch_options,
     add_speculation_options,
@@ -51,7 +52,8 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> dict:
-    return dict(policy=args.policy, prefetch=args.prefetch, predictor=args.predictor,
+    return dict(policy=args.policy, cache_partition=args.cache_partition, prefetch=args.prefetch,
+                predictor=args.predictor,
                 predict_distance=args.predict_distance, precision=precision_config(args),
                 substitution=substitution_config(args), dense_precision=args.dense_precision,
                 speculation=speculation_config(args))
@@ -188,6 +190,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     add_substitution_options(p)
     add_speculation_options(p)
     p.add_argument("--policy", default="lru", help=f"expert eviction policy: {', '.join(LIVE_POLICIES)}")
+    add_partition_option(p)
     add_prefetch_options(p)
 
 

@@ -80,7 +80,14 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly_and_the_other_serve
             started.wait(60)  # every stream is decoding: now one replica goes
             lines[i].extend(it)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(asked))]
+    answers = [None, None]  # whole answers asked beside the streams: in flight when the replica goes
+
+    def whole(i: int) -> None:
+        body = {"prompt": prompts(2, seed=13)[i], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        answers[i] = httpx.post(cluster + "/v1/completions", json=body, timeout=120)
+
+    threads = [threading.Thread(target=whole, args=(i,)) for i in range(len(answers))]
+    threads += [threading.Thread(target=stream, args=(i,)) for i in range(len(asked))]
     for t in threads:
         t.start()
     started.wait(60)
@@ -92,6 +99,9 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly_and_the_other_serve
     whole = [x for x in lines if any('"finish_reason": "length"' in line for line in x)]
     assert cut and whole and len(cut) + len(whole) == len(asked)  # the victim's streams end with an error event
     assert all(x[-1] == "data: [DONE]" for x in lines if x[-1])
+    for r in answers:  # each whole answer: served by the other replica, or the victim's clean 503
+        assert (r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length") or (
+            r.status_code == 503 and r.json()["error"]["code"] == "replica_gone"), (r.status_code, r.text[:200])
     after = httpx.post(cluster + "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0},
                        timeout=120)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] is not None

@@ -29,6 +29,17 @@ def test_serve_refuses_before_loading(text_store, capsys, args, says):
     assert err.startswith("moetier: error:") and says in err and "expert cache" not in err
 
 
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_the_engine_options_of_serve_and_chat_reach_the_engine(command):
+    from moetier.cli import build_parser
+    from moetier.cli.serve import engine_config
+
+    args = build_parser().parse_args([command, "--cache-partition", "per-layer", "--speculate", "3", "--policy", "lfu"])
+    config = engine_config(args)
+    assert config["cache_partition"] == "per-layer" and config["policy"] == "lfu"
+    assert config["speculation"].tokens == 3
+
+
 def test_serve_on_ray_refuses_without_ray_serve_or_replicas(text_store, capsys, monkeypatch):
     import importlib.util
 
