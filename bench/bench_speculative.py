@@ -10,7 +10,7 @@ empty expert cache), greedy, on two workloads —
 (speculation must not change them), and each workload's `repeats` says what share of its plain continuation's tokens
 prompt lookup guesses (the first draft token right): what makes it a repeating workload or not on this model.
 
-    python bench/bench_speculative.py                      # ~20 min on 2 cores; JSON and plot in bench/out/speculative/
+    python bench/bench_speculative.py                      # ~25 min on 2 cores; JSON and plot in bench/out/speculative/
     python bench/bench_speculative.py --configs 25%:per-layer --rounds 2
 """
 

@@ -54,7 +54,7 @@ def test_one_option_name_for_the_cache_partition():
         options = {o for a in parser._actions for o in a.option_strings}
         assert "--partition" not in options, path
     commands = {p[1] for p, parser in parsers() if len(p) == 2 and "--cache-partition" in parser.format_help()}
-    assert {"generate", "sim", "cache-bench"} <= commands
+    assert {"generate", "serve", "chat", "sim", "cache-bench"} <= commands
 
 
 def run_json(args, **kw):

@@ -222,17 +222,18 @@ def precision_config(args: argparse.Namespace):
 
 
 def add_partition_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
-                   help="one expert cache for all layers, or the slots split evenly among them (with --speculate "
-                        "under a budget: per-layer, docs/serving.md)")
+    p.add_argument("--cache-partition", default="auto", choices=["auto", "global", "per-layer"],
+                   help="one expert cache for all layers, or the slots split evenly among them; auto: per-layer "
+                        "where --speculate verifies drafts under a budget (a global LRU cache thrashes on verify "
+                        "steps: docs/serving.md), else global")
 
 
 def add_speculation_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that decodes: speculative decoding by prompt lookup (docs/serving.md)."""
     p.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="draft up to K tokens a step by prompt lookup (the context's own n-grams) and verify them in "
-                        "one step: an accepted draft pays one step's expert reads; gated off where it does not pay "
-                        "(0: off, the default)")
+                        "one step, which reads the union of their experts once; gated off where it does not pay (0: off, "
+                        "the default)")
 
 
 def speculation_config(args: argparse.Namespace):

@@ -58,7 +58,7 @@ from moetier.store.reader import ExpertReader, check_reader_threads
 from moetier.store.store import Store
 from moetier.store.variants import add_precisions, expert_layouts
 
-PARTITIONS = ("global", "per-layer")
+PARTITIONS = ("auto", "global", "per-layer")
 OFFLOADS = ("all", "encoder")
 LOW_TIER_SHARE = 0.75  # low-tier's default: the resident low copies take at most this share of the expert budget
 # (int2 of a 12 MiB expert is 16% of its bf16 bytes: at a 25% budget, 62% of it)
@@ -84,7 +84,8 @@ def released(convert):
 class EngineConfig:
     expert_memory: MemoryBudget = MemoryBudget("share", 0.3)
     policy: str = "lru"
-    cache_partition: str = "global"  # or "per-layer": the slots split evenly among the MoE layers
+    cache_partition: str = "auto"  # "global", "per-layer" (the slots split evenly among the MoE layers), or "auto"
+    # (per_layer says which)
     reader_threads: int = 4
     chunk_bytes: int = 2 << 20
     verify_checksums: bool = True
@@ -113,6 +114,15 @@ class EngineConfig:
     speculation: Speculation | None = None  # drafts by prompt lookup verified in one step (engine/speculative.py);
     # None: one token a request a step
 
+    def per_layer(self, slots: int, layers: int, experts: int) -> bool:
+        """Whether the expert cache's `slots` are split among the `layers` MoE layers: as asked, or with "auto"
+        where speculation verifies drafts and the cache cannot hold all `experts` (a verify step's experts — the
+        union of its tokens', over every layer — can outnumber a global LRU cache's slots, which then evicts the
+        next layer's experts to load this one's: docs/serving.md measures it), else one cache for all."""
+        if self.cache_partition == "auto":
+            return self.speculation is not None and layers <= slots < experts and self.offload == "all"
+        return self.cache_partition == "per-layer"
+
     def __post_init__(self) -> None:
         check_reader_threads(self.reader_threads, "reader_threads")
         if self.reserve_bytes < 0:
@@ -123,7 +133,7 @@ class EngineConfig:
         check_device(self.device)
         if self.offload not in OFFLOADS:
             raise MoetierError(f"unknown offload scope {self.offload!r}", hint=f"one of {', '.join(OFFLOADS)}")
-        if self.offload == "encoder" and self.cache_partition != "global":
+        if self.offload == "encoder" and self.cache_partition == "per-layer":
             raise MoetierError("--offload encoder keeps the decoder's experts in one shared cache beside the "
                                "encoder's", hint="drop --cache-partition per-layer")
         if self.kernels not in KERNELS:
@@ -313,7 +323,7 @@ class Engine:
                                   quantized_dense_bytes(tensors, config.dense_precision, blocks) + config.reserve_bytes,
                                   load_bytes=dense_load_bytes(tensors, config.dense_precision))
         slots = self.budget.slots
-        per_layer = config.cache_partition == "per-layer"
+        per_layer = config.per_layer(slots, len(self.spec.moe_layers), len(self.spec.expert_keys()))
         if per_layer and slots < len(self.spec.moe_layers):
             raise BudgetError(f"a per-layer cache needs a slot for each of the {len(self.spec.moe_layers)} MoE "
                               f"layers; the budget gives {slots}", hint="give more --expert-memory")
@@ -415,7 +425,8 @@ class Engine:
                 host_tier.fill(reader, progress)
             dtype = dense["embed_tokens"].dtype
             executor = ExpertExecutor(spec, store.manifest, budget.cache_bytes, policy, reader,
-                                      config.cache_partition == "per-layer", self.device, self.kernels,
+                                      config.per_layer(budget.slots, len(spec.moe_layers), len(spec.expert_keys())),
+                                      self.device, self.kernels,
                                       config.prefetch, predictor, mixed=precision, dtype=dtype,
                                       substitution=substitution, placement=config.placement,
                                       host_kernels=make_kernels(config.kernels, dtype, "cpu")

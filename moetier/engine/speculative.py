@@ -1,8 +1,10 @@
 """Speculative decoding by prompt lookup, for offloaded experts: a running request's next tokens are guessed from its
 own context (the longest recent n-gram that occurred before: what follows it then is the draft), and the request's
 last token and its draft run through the model in one step. Under a small expert budget a decode step's cost is its
-expert reads, and a step of k + 1 tokens reads the union of their experts once — so an accepted draft of k tokens
-pays about one step's reads instead of k + 1.
+expert reads, and a step of k + 1 tokens reads the union of their experts once — so where those tokens share experts
+or find them cached (text that repeats within what the cache holds), an accepted draft of k tokens pays about one
+step's reads instead of k + 1; where each token needs experts of its own, a draft token costs what a plain step
+does and the gate turns drafting off (docs/serving.md measures both).
 
 Exact: greedy requests keep a draft token where it is the model's own argmax at its position, and then take the
 model's token at the first miss (or after the last draft) — the tokens plain decoding writes. Sampled requests take

@@ -136,6 +136,19 @@ def test_greedy_speculation_writes_what_plain_decoding_writes(tiny_store, family
     assert outputs[True][1]["verify_steps"] > 0  # (drafts were verified: the path ran)
 
 
+def test_the_cache_is_split_by_layer_where_speculation_verifies_drafts_under_a_budget():
+    from moetier.engine.engine import EngineConfig
+
+    spec = Speculation(tokens=4)
+    auto = EngineConfig(speculation=spec)  # (cache_partition "auto", the default)
+    assert auto.per_layer(slots=16, layers=4, experts=64)
+    assert not auto.per_layer(slots=64, layers=4, experts=64)  # every expert held: nothing to thrash
+    assert not auto.per_layer(slots=3, layers=4, experts=64)  # fewer slots than layers: one cache
+    assert not EngineConfig().per_layer(slots=16, layers=4, experts=64)  # no speculation: one cache
+    assert not EngineConfig(speculation=spec, cache_partition="global").per_layer(16, 4, 64)  # as asked
+    assert EngineConfig(cache_partition="per-layer").per_layer(16, 4, 64)
+
+
 def test_speculation_is_refused_for_an_encoder_decoder(tiny_store):
     _, path = tiny_store("switch_transformers")
     with pytest.raises(MoetierError, match="encoder-decoder"):

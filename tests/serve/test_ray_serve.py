@@ -86,11 +86,14 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly_and_the_other_serve
         body = {"prompt": prompts(2, seed=13)[i], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         answers[i] = httpx.post(cluster + "/v1/completions", json=body, timeout=120)
 
-    threads = [threading.Thread(target=whole, args=(i,)) for i in range(len(answers))]
-    threads += [threading.Thread(target=stream, args=(i,)) for i in range(len(asked))]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(asked))]
     for t in threads:
         t.start()
     started.wait(60)
+    threads += [threading.Thread(target=whole, args=(i,)) for i in range(len(answers))]  # (after the streams are
+    for t in threads[len(asked):]:  # placed, so that the router spreads them as it would alone)
+        t.start()
+    time.sleep(0.5)
     victim = replicas[0]
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
     for t in threads:
