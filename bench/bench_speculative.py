@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.common import OUT, cpu_description  # noqa: E402
 
-# demo-deep-xl (a 10M-parameter model widened) does not copy the code it is shown as a code model would (after two
-# `def add(a, b): return a + b` it writes a function of its own): these are code prompts whose continuation on it
-# does repeat what came before (`repeats` in the output measures it)
+# demo-deep-xl (demo-deep, a small trained model, its experts inflated) does not copy the code it is shown as a code
+# model would (after two `def add(a, b): return a + b` it writes a function of its own): these are code prompts whose
+# continuation on it does repeat what came before (`repeats` in the output measures it)
 WORKLOADS = {
     "code-editing": [
         "x = x + 1\nx = x + 1\nx = x + 1\n",

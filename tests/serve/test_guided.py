@@ -160,8 +160,8 @@ def test_a_json_schema_holds_a_random_models_answer(tools_served, seed):
 
 def test_json_mode_answers_parse_for_twenty_sampled_requests(demo_served):
     """Twenty sampled answers in JSON mode, each a JSON object. The room is the model's whole context: at 1.0 a
-    10M-parameter model can write a long string before it closes it (on a Sapphire Rapids the longest of these took
-    428 tokens; with 240 two of the twenty ran out, finish_reason "length", as OpenAI's can)."""
+    small model can write a long string before it closes it (on a Sapphire Rapids the longest of these took 428
+    tokens; with 240 two of the twenty ran out, finish_reason "length", as OpenAI's can)."""
     c = client(demo_served)
     ask = [{"role": "user", "content": "Give me a JSON object."}]
     answers = [c.chat.completions.create(model="tiny", messages=ask, seed=seed, temperature=1.0, max_tokens=1000,

@@ -82,7 +82,7 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly_and_the_other_serve
 
     answers = [None, None]  # whole answers asked beside the streams: in flight when the replica goes
 
-    def whole(i: int) -> None:
+    def ask_whole(i: int) -> None:
         body = {"prompt": prompts(2, seed=13)[i], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         answers[i] = httpx.post(cluster + "/v1/completions", json=body, timeout=120)
 
@@ -90,9 +90,11 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly_and_the_other_serve
     for t in threads:
         t.start()
     started.wait(60)
-    threads += [threading.Thread(target=whole, args=(i,)) for i in range(len(answers))]  # (after the streams are
-    for t in threads[len(asked):]:  # placed, so that the router spreads them as it would alone)
+    # the whole answers join once the streams are placed (so that the router spreads those as it would alone)
+    wholes = [threading.Thread(target=ask_whole, args=(i,)) for i in range(len(answers))]
+    for t in wholes:
         t.start()
+    threads += wholes
     time.sleep(0.5)
     victim = replicas[0]
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
