@@ -32,3 +32,14 @@ def cache_capacity(budget: MemoryBudget, total_bytes: int, entry_bytes: int, min
         raise BudgetError(f"expert memory {format_bytes(capacity)} does not fit: {room}",
                           hint=f"give --expert-memory {fits // 2**20}MiB or less, or auto")
     return capacity
+
+
+def split_by_layer(partition: str, speculating: bool, slots: int, layers: int, experts: int) -> bool:
+    """Whether a cache of `slots` is split evenly among its `layers` MoE layers: as `partition` asks ("global",
+    "per-layer"), or with "auto" where speculation verifies drafts (`speculating`) and the cache cannot hold all
+    `experts`. A verify step's experts — the union of its tokens', over every layer — can outnumber a global LRU
+    cache's slots, which then evicts the next layer's experts to load this one's, and the plain steps after miss
+    what it threw out (docs/serving.md measures it); split by layer, a layer's load evicts only its own."""
+    if partition == "auto":
+        return speculating and layers <= slots < experts
+    return partition == "per-layer"

@@ -127,7 +127,7 @@ def _sim(args: argparse.Namespace) -> None:
 
     def cell(config):  # one configuration; a closure the runner forks or ships with the trace and cost model
         policy, budget, prefetch, batch = config
-        return run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition == "per-layer",
+        return run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition,
                    model_dir, prefetch, predictor, args.placement, substitution, batch, pressure, speculation)
 
     runner = make_runner(args.ray, args.workers if len(configs) > 1 else 1)
@@ -284,8 +284,9 @@ def add_parser(sub) -> None:
     sm.add_argument("--batch", help="one or more batch sizes, comma-separated: the trace's sequences interleaved into "
                                     "batches of N, a step routing the union of its tokens' experts (default: the "
                                     "trace's own steps, batch 1 unless it was recorded batched)")
-    sm.add_argument("--cache-partition", default="global", choices=["global", "per-layer"],
-                    help="one expert cache for all layers, or the slots split evenly among them")
+    sm.add_argument("--cache-partition", default="auto", choices=["auto", "global", "per-layer"],
+                    help="one expert cache for all layers, or the slots split evenly among them; auto: per-layer "
+                         "where --speculate verifies drafts under a budget, else global (as the engine's)")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
     sm.add_argument("--prefetch", default="none",
                     help="one or more prefetch stages, comma-separated: none, hobbit, smoe, comoe, comoe-37, presched, ahead")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from moetier.cache.capacity import split_by_layer
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
 from moetier.config import KERNELS, HostMemory, MemoryBudget, format_bytes
@@ -115,13 +116,10 @@ class EngineConfig:
     # None: one token a request a step
 
     def per_layer(self, slots: int, layers: int, experts: int) -> bool:
-        """Whether the expert cache's `slots` are split among the `layers` MoE layers: as asked, or with "auto"
-        where speculation verifies drafts and the cache cannot hold all `experts` (a verify step's experts — the
-        union of its tokens', over every layer — can outnumber a global LRU cache's slots, which then evicts the
-        next layer's experts to load this one's: docs/serving.md measures it), else one cache for all."""
-        if self.cache_partition == "auto":
-            return self.speculation is not None and layers <= slots < experts and self.offload == "all"
-        return self.cache_partition == "per-layer"
+        """Whether the expert cache's `slots` are split among the `layers` MoE layers (moetier/cache/capacity.py:
+        "auto" splits them where speculation runs under a budget)."""
+        return split_by_layer(self.cache_partition, self.speculation is not None and self.offload == "all", slots,
+                              layers, experts)
 
     def __post_init__(self) -> None:
         check_reader_threads(self.reader_threads, "reader_threads")

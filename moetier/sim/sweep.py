@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moetier.cache.capacity import cache_capacity
+from moetier.cache.capacity import cache_capacity, split_by_layer
 from moetier.cache.policies import PolicyContext
 from moetier.config import MemoryBudget, format_bytes
 from moetier.errors import MoetierError
@@ -90,7 +90,7 @@ class SimRun:
 
 
 def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool = False,
-        timeline_steps: tuple[int, ...] = (), per_layer: bool = False, model_dir: Path | None = None,
+        timeline_steps: tuple[int, ...] = (), partition: str = "global", model_dir: Path | None = None,
         prefetch: str = "none", predictor: Callable[[], Predictor] | None = None, placement: str = "none",
         substitution: Substitution | None = None, batch: int | None = None,
         pressure: Pressure | None = None, speculation: tuple[int, float] | None = None) -> SimRun:
@@ -98,13 +98,17 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
     trace it is given), which the `prefetch` stage and the policy hear. `placement`, `substitution`: as
     `simulate`'s. `batch`: the trace's sequences interleaved into batches of this many (moetier/trace/batch.py).
     `pressure`: the budget's changes during the replay (moetier/sim/pressure.py). `speculation`: (k, acceptance):
-    decode steps regrouped as `--speculate k` verifies them (moetier/sim/speculation.py)."""
+    decode steps regrouped as `--speculate k` verifies them (moetier/sim/speculation.py). `partition`: the cache's,
+    as the engine's `--cache-partition` (global, per-layer, or auto: per-layer where speculation runs under a
+    budget)."""
     if batch is not None:
         trace = interleave(trace, batch)
     produced = None
     if speculation is not None:
         trace, produced = verify_steps(trace, *speculation)
     slots = budget_slots(budget, trace, cost)
+    layers = len(trace.all_layers)
+    per_layer = split_by_layer(partition, speculation is not None, slots, layers, layers * trace.num_experts)
     resizes = pressure.resizes(trace, cost, budget_slots) if pressure is not None else {}
     ctx = PolicyContext(slots, tuple(trace.all_layers), trace.num_experts, trace.top_k)
     if substitution is not None:

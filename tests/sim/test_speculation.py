@@ -69,3 +69,25 @@ def test_speculation_refuses_what_it_cannot_replay(tmp_path, capsys):
         assert says in capsys.readouterr().err
     assert main(base + ["--speculate", "2", "--accept", "1", "--expert-memory", "50%"]) == 0
     assert json.loads(capsys.readouterr().out)["speculation"]["draft_tokens"] == 2
+
+
+def test_the_replay_splits_the_cache_by_layer_where_speculation_runs_under_a_budget():
+    """--cache-partition auto (the engine's default): per-layer with --speculate under a budget, else global."""
+    rng = np.random.default_rng(0)
+    n = 3 + 24
+    ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(2 * n)]).reshape(n, 2, 2).astype(np.int16)
+    ids[:, 1] = ids[:, 1] % 3  # layer 1 routes to 3 experts, layer 0 to all 8: a global cache shares unevenly
+    ids[:, 1, 1] = (ids[:, 1, 0] + 1) % 3
+    trace = Trace("mistralai/Mixtral-8x7B-v0.1", 32, 8, 2, [0, 1], np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                  np.array([PREFILL] * 3 + [DECODE] * (n - 3), np.uint8), ids, np.full((n, 2, 2), 0.5, np.float16))
+    cost = CostModel.of(HardwareProfile.load("rtx4090"), SHAPES["mixtral-8x7b"])
+
+    def replay(partition, speculation=None):
+        return run(trace, cost, "lru", "50%", True, partition=partition, speculation=speculation).result.summary()
+
+    spec = (3, 0.8)
+    assert replay("per-layer", spec) != replay("global", spec)  # (the two differ on this trace)
+    assert replay("auto", spec) == replay("per-layer", spec)
+    assert replay("auto") == replay("global") != replay("per-layer")
+    assert run(trace, cost, "lru", "100%", True, partition="auto", speculation=spec).result.summary() == \
+        run(trace, cost, "lru", "100%", True, partition="global", speculation=spec).result.summary()  # all held
