@@ -76,6 +76,10 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
                                     progress=progress, reader_threads=args.reader_threads, device=args.device,
                                     kernels=args.kernels, reconvert=getattr(args, "reconvert", False), **config)
     print(f"moetier: {engine.budget.note}", file=sys.stderr)
+    split = engine.executor.residency.layers
+    if engine.config.cache_partition == "auto" and split:
+        print(f"moetier: the expert cache is split among the {len(split)} MoE layers, as --speculate under a budget "
+              f"needs (--cache-partition global shares it: docs/serving.md)", file=sys.stderr)
     if engine.host_note:
         print(f"moetier: {engine.host_note}", file=sys.stderr)
     if getattr(args, "preload", False):

@@ -132,6 +132,7 @@ def test_greedy_speculation_writes_what_plain_decoding_writes(tiny_store, family
         with Engine.from_pretrained(path, expert_memory="50%", progress=False, speculation=spec) as engine:
             out = engine.generate(prompts, max_new_tokens=24, ignore_eos=True)
             outputs[spec is not None] = (out.token_ids, out.stats["speculation"])
+            assert (engine.executor.residency.layers is not None) == (spec is not None)  # (auto: split under it)
     assert outputs[True][0] == outputs[False][0]
     assert outputs[True][1]["verify_steps"] > 0  # (drafts were verified: the path ran)
 
@@ -147,6 +148,21 @@ def test_the_cache_is_split_by_layer_where_speculation_verifies_drafts_under_a_b
     assert not EngineConfig().per_layer(slots=16, layers=4, experts=64)  # no speculation: one cache
     assert not EngineConfig(speculation=spec, cache_partition="global").per_layer(16, 4, 64)  # as asked
     assert EngineConfig(cache_partition="per-layer").per_layer(16, 4, 64)
+
+
+def test_generate_says_when_speculation_splits_the_cache(capsys):
+    from pathlib import Path
+
+    from moetier.cli import main
+
+    model = Path(__file__).resolve().parents[2] / "models/demo-fine"  # (a model with a tokenizer: text prompts)
+    base = ["generate", "--model", str(model), "--prompt", "a b a b a b", "--max-tokens", "4", "--speculate", "2"]
+    assert main(base + ["--expert-memory", "50%"]) == 0
+    assert "split among the" in capsys.readouterr().err
+    assert main(base + ["--expert-memory", "50%", "--cache-partition", "global"]) == 0
+    assert "split among the" not in capsys.readouterr().err
+    assert main(base + ["--expert-memory", "100%"]) == 0  # every expert held: one cache
+    assert "split among the" not in capsys.readouterr().err
 
 
 def test_speculation_is_refused_for_an_encoder_decoder(tiny_store):
