@@ -118,8 +118,9 @@ class EngineConfig:
     def per_layer(self, slots: int, layers: int, experts: int) -> bool:
         """Whether the expert cache's `slots` are split among the `layers` MoE layers (moetier/cache/capacity.py:
         "auto" splits them where speculation runs under a budget)."""
-        return split_by_layer(self.cache_partition, self.speculation is not None and self.offload == "all", slots,
-                              layers, experts)
+        # (HOBBIT's cache is split by precision, an encoder-focused one keeps the decoder's apart: neither by layer)
+        free = self.offload == "all" and self.precision.mode != "hobbit"
+        return split_by_layer(self.cache_partition, self.speculation is not None and free, slots, layers, experts)
 
     def __post_init__(self) -> None:
         check_reader_threads(self.reader_threads, "reader_threads")
@@ -131,6 +132,9 @@ class EngineConfig:
         check_device(self.device)
         if self.offload not in OFFLOADS:
             raise MoetierError(f"unknown offload scope {self.offload!r}", hint=f"one of {', '.join(OFFLOADS)}")
+        if self.precision.mode == "hobbit" and self.cache_partition == "per-layer":
+            raise MoetierError("HOBBIT's mixed precision splits the expert cache by precision; it cannot also be "
+                               "split by layer", hint="drop --cache-partition per-layer")
         if self.offload == "encoder" and self.cache_partition == "per-layer":
             raise MoetierError("--offload encoder keeps the decoder's experts in one shared cache beside the "
                                "encoder's", hint="drop --cache-partition per-layer")

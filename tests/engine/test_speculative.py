@@ -139,6 +139,7 @@ def test_greedy_speculation_writes_what_plain_decoding_writes(tiny_store, family
 
 def test_the_cache_is_split_by_layer_where_speculation_verifies_drafts_under_a_budget():
     from moetier.engine.engine import EngineConfig
+    from moetier.plan.precision import MixedPrecision
 
     spec = Speculation(tokens=4)
     auto = EngineConfig(speculation=spec)  # (cache_partition "auto", the default)
@@ -148,6 +149,10 @@ def test_the_cache_is_split_by_layer_where_speculation_verifies_drafts_under_a_b
     assert not EngineConfig().per_layer(slots=16, layers=4, experts=64)  # no speculation: one cache
     assert not EngineConfig(speculation=spec, cache_partition="global").per_layer(16, 4, 64)  # as asked
     assert EngineConfig(cache_partition="per-layer").per_layer(16, 4, 64)
+    hobbit = MixedPrecision(mode="hobbit")  # (its cache is split by precision)
+    assert not EngineConfig(speculation=spec, precision=hobbit).per_layer(16, 4, 64)
+    with pytest.raises(MoetierError, match="split by layer"):
+        EngineConfig(precision=hobbit, cache_partition="per-layer")
 
 
 def test_generate_says_when_speculation_splits_the_cache(capsys):
