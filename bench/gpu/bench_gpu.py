@@ -53,6 +53,7 @@ def modes() -> dict[str, dict]:
         "prefetch-oracle": {"prefetch": "hobbit", "predictor": "oracle"},  # handed in: the lru run's routing
         "substitute": {"substitution": Substitution(alpha=0.35)},
         "cpu-assist": {"placement": "greedy"},
+        "torch-kernels": {"kernels": "torch"},  # the experts through torch's ops, not Triton's (--kernel-budgets)
     }
 
 
@@ -220,6 +221,8 @@ def main() -> None:
     ap.add_argument("--mode-budget", default="25%", help="the budget the modes other than lru run at")
     ap.add_argument("--disk-budgets", default="25%", help="lru budgets run again with no host tier (every miss read "
                                                          "from disk)")
+    ap.add_argument("--kernel-budgets", default="", help="lru budgets run again with --kernels torch (the experts "
+                                                         "through torch's ops, against Triton's in the lru rows)")
     ap.add_argument("--rounds", type=int, default=1, help="every configuration this many times, rotated")
     ap.add_argument("--process-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="run the first configuration once, unrecorded, before the measured ones")
@@ -259,6 +262,7 @@ def main() -> None:
         plan = [(b, "lru", batches[0], "host") for b in args.budgets.split(",")]
         plan += [(args.mode_budget, m, batches[0], "host") for m in mode_names]
         plan += [(b, "lru", batches[0], "disk") for b in args.disk_budgets.split(",") if b]
+        plan += [(b, "torch-kernels", batches[0], "host") for b in args.kernel_budgets.split(",") if b]
         plan += [(b, "lru", n, "host") for n in batches[1:] for b in args.batch_budgets.split(",")]
         tier = None
         if args.device.startswith("cuda"):

@@ -4,7 +4,9 @@ it is calibrated from (moetier/sim/profiles/) and what the benchmark's rows are 
 - the PCIe link: host-to-device copies of one expert (OLMoE-1B-7B's 12 MiB, a small one's 1.5 MiB) and of 1 GiB,
   from pinned and from pageable memory, one at a time and several in flight on one side stream;
 - the GPU: one SwiGLU expert of OLMoE's shape (hidden 2048, intermediate 1024) at 1 and 8 tokens, in bf16 and
-  from int4/int8 codes (torch's ops: dequantize then matmul), with CUDA events; a tiny kernel's launch cost;
+  from int8/int4/int2 codes, through Triton's kernels (moetier/model/triton_experts.py) and torch's ops
+  (`_torch`: dequantize then matmul), with CUDA events; a layer's 8 experts at a token each, both ways and from
+  the router's ids on the device (`_routed`); a tiny kernel's launch cost;
 - the host CPU beside it: the same expert at one token with moetier's native kernels (CPU-assisted compute), and
   with torch's, at the machine's threads;
 - the disk: O_DIRECT reads of 12 MiB into pinned memory (the store's reads).
@@ -21,6 +23,7 @@ import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -91,13 +94,14 @@ def gpu_compute(dev: torch.device) -> dict:
         tensors = w if precision == "bf16" else quantize_expert(w, precision)
         tensors = {k: t.to(dev) for k, t in tensors.items()}
         kernel = make_expert_kernel(precision, kernels, torch.bfloat16)
-        paths = {"": kernel, "_dequant": getattr(kernel, "fallback", None)}  # (Triton's, and torch's beneath it)
+        paths = {"": kernel, "_torch": getattr(kernel, "fallback", None)}  # (Triton's, and torch's ops beneath it)
         for suffix, path in paths.items():
             for n in (1, 8) if path is not None else ():
                 x = torch.randn(n, 2048, dtype=torch.bfloat16, device=dev)
                 y, weights = torch.empty_like(x), torch.ones(n, dtype=torch.bfloat16, device=dev)
                 out[f"gpu_expert_{precision}{suffix}_T{n}_s"] = cuda_time(
                     lambda path=path, y=y, x=x, tensors=tensors, weights=weights: path(y, x, tensors, weights))
+    out.update(gpu_layer(dev, kernels))
     x = torch.zeros(1, device=dev)
     out["gpu_tiny_kernel_s"] = cuda_time(lambda: x.add_(1), reps=200)
     start = time.perf_counter()
@@ -105,6 +109,39 @@ def gpu_compute(dev: torch.device) -> dict:
         x.add_(1)
     torch.cuda.synchronize()
     out["gpu_launch_host_s"] = (time.perf_counter() - start) / 1000
+    return out
+
+
+def gpu_layer(dev: torch.device, kernels, k: int = 8) -> dict:
+    """A decode token's k experts of one layer (OLMoE's: 8 distinct 12 MiB experts, more than the L2 holds): as the
+    planned path computes them (`layer`: Triton's one launch pair, or torch's ops an expert at a time) and as the
+    resident path does (`token_routed`: from the router's ids on the device)."""
+    out = {}
+    for precision in ("bf16", "int4"):
+        out.update(layer_paths(dev, kernels, precision, k))
+    return out
+
+
+def layer_paths(dev: torch.device, kernels, precision: str, k: int) -> dict:
+    from moetier.model.expert_kernels import make_expert_kernel
+    from moetier.quant.codes import quantize_expert
+
+    out = {}
+    kernel = make_expert_kernel(precision, kernels, torch.bfloat16)
+    base = expert_shapes()
+    ws = [{n: t.to(dev) for n, t in (base if precision == "bf16" else quantize_expert(base, precision)).items()}
+          for _ in range(k)]
+    xs = torch.randn(k, 2048, dtype=torch.bfloat16, device=dev)
+    ys, weights = torch.empty_like(xs), torch.full((k,), 0.125, dtype=torch.bfloat16, device=dev)
+    items = [(w, e, e + 1) for e, w in enumerate(ws)]
+    for suffix, path in {"": kernel, "_torch": getattr(kernel, "fallback", None)}.items():
+        if path is not None:
+            out[f"gpu_layer{k}_{precision}{suffix}_T1_s"] = cuda_time(partial(path.layer, ys, xs, weights, items))
+    table = kernel.token_table(ws) if hasattr(kernel, "token_routed") else None
+    if table is not None and table.device is not None:
+        ids, y = torch.arange(k, device=dev)[None], torch.empty(1, 2048, dtype=torch.bfloat16, device=dev)
+        out[f"gpu_layer{k}_{precision}_routed_T1_s"] = cuda_time(
+            partial(kernel.token_routed, y, xs[:1], ids, weights[None], table))
     return out
 
 

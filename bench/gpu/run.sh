@@ -114,7 +114,7 @@ stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --mo
     --tokens 24 --warmup 8 --rounds ${GPU_ROUNDS:-2}
 stage bench-olmoe 170 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" --models olmoe-synth \
     --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25%,100% --modes "$MODES" --disk-budgets 25% \
-    --tokens 12 --warmup 6 --rounds ${GPU_ROUNDS:-2} --accelerate olmoe-synth:25%
+    --kernel-budgets 25%,100% --tokens 12 --warmup 6 --rounds ${GPU_ROUNDS:-2} --accelerate olmoe-synth:25%
 stage profile-olmoe 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
     --expert-memory 25% --out "$WORK" --name profile-olmoe
 log "done, $(left)s before the deadline"

@@ -246,6 +246,7 @@ class ExpertExecutor:
         groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, counts, weight_dtype, self.kernels.combine)
         # resident runs by precision, computed a precision a call before the next run that waits for a read
         together: dict[str, list[Run]] = {}
+        landed: dict[str, list[Run]] = {}  # loaded runs a device computes after its copies, a precision a call
         try:
             shared_out = shared() if shared is not None else None  # resident work first, while reads land
             for run in plan.runs:
@@ -263,6 +264,9 @@ class ExpertExecutor:
                 if run.source != RESIDENT:
                     pool.completions[run.slot].wait()
                     self.in_flight.pop(ExpertKey(layer, run.expert), None)  # a prefetch this layer waited for
+                    if pool.waits_on_device and run.expert not in deferred:  # (its copy: ordered on the device)
+                        landed.setdefault(run.precision, []).append(run)
+                        continue
                 w = pool.weights(run.slot)
                 start = time.perf_counter()
                 groups.compute(run.expert, self.expert_kernels[run.precision], w)
@@ -271,6 +275,7 @@ class ExpertExecutor:
                 if follower is not None:  # its slot is free now
                     self._submit(ExpertKey(layer, follower.expert), follower.precision, follower.slot, ON_DEMAND)
             self._compute_together(groups, together)
+            self._compute_together(groups, landed)
         except BaseException:
             self._abandon(plan)
             raise
@@ -278,8 +283,10 @@ class ExpertExecutor:
         return out + shared_out if shared_out is not None else out
 
     def _compute_together(self, groups: ExpertGroups, together: dict[str, list[Run]]) -> None:
-        """Resident experts whose slots no load waits for: each precision's in one kernel call (one parallel region
-        for the layer's experts at batch 1, not one an expert); `together` is emptied."""
+        """Resident experts whose slots no load waits for, or a device's loaded ones (the device orders each after
+        its copy; a GPU's host never waits for one, so one launch for them all costs no overlap): each precision's in
+        one kernel call (one parallel region for the layer's experts at batch 1, one launch pair on a GPU — not
+        one an expert); `together` is emptied."""
         for precision, runs in together.items():
             pool = self.pools[precision]
             start = time.perf_counter()

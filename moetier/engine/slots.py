@@ -28,6 +28,8 @@ from moetier.store.reader import Completion
 
 
 class HostSlots:
+    waits_on_device = False  # a load's slot is ready once its read completes (the executor waits on the host)
+
     def __init__(self, layout: PrecisionLayout, num_slots: int, slack: int = 0) -> None:
         """`slack`: bytes each slot has beyond a blob, so a linked blob can start as far into the slot's first page
         as it starts into its file's (ALIGN for a linked store, 0 for a store's own aligned blobs)."""
@@ -114,6 +116,8 @@ class HostSlots:
 class DeviceSlots:
     """Slots in device memory, fed through `staging` pinned host buffers (reads in flight at once beyond that
     wait for the oldest pending copy)."""
+
+    waits_on_device = True  # compute on a loaded slot waits for its copy on the device (`weights`), not the host
 
     def __init__(self, layout: PrecisionLayout, num_slots: int, device: torch.device, staging: int = 8) -> None:
         self.layout, self.device = layout, device

@@ -20,6 +20,8 @@ from moetier.store.reader import Completion
 
 
 class TieredDeviceSlots:
+    waits_on_device = True  # compute on a loaded slot waits for its copy on the device (`weights`), not the host
+
     def __init__(self, layout: PrecisionLayout, num_slots: int, device: torch.device, tier: HostTier,
                  precision: str, stream: torch.cuda.Stream | None = None) -> None:
         """`stream`: the copy stream (one per executor, shared by its precisions' pools; default a new one)."""

@@ -7,8 +7,8 @@ path: one native call, the row quantized once).
 
 - `DenseExpert`: bf16/fp16/fp32 SwiGLU slots, through the engine's kernels (native rows or torch).
 - `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
-- `TritonQuantizedExpert` (moetier/model/triton_experts.py): int8/int4/int2 SwiGLU slots on a GPU, from their
-  codes in two Triton kernels (where triton is installed; else `QuantizedExpert`'s torch path).
+- `TritonExperts` (moetier/model/triton_experts.py): bf16 and int8/int4/int2 SwiGLU slots on a GPU, a layer's
+  experts in two Triton launches from a table of their addresses (where triton is installed; else the torch path).
 - `QuantizedExpert`: int8/int4/int2 slots (moetier/quant/codes.py's codes). With the native library and bf16
   activations: up to 4 tokens straight from the codes — by integer dot products against the activations quantized
   to int8 per block of 128 or 32 (`csrc/q_int.c`, llama.cpp's way: VNNI or AVX2) where the shapes tile its
@@ -48,6 +48,8 @@ class TokenTable:
     shape: tuple[int, ...]  # (H, I) in bf16; (H, I, gate_up group, down group) quantized
     bits: int = 16  # the experts' precision: 16 (bf16 rows, P = 2), a quantized one's bits (P = 6), or -1: GGML
     # blocks and their types (P = 4: gate_up_proj's address and type, down_proj's; ggml_experts.py)
+    device: torch.Tensor | None = None  # a GPU's table: `ptrs` there, P = 6 at every precision (triton_experts.py)
+    like: dict[str, torch.Tensor] | None = None  # with `device`: one expert's tensors (the layout's strides)
 
     def __post_init__(self) -> None:
         if self.ptrs.ndim != 2 or self.ptrs.dtype != np.int64:
@@ -310,13 +312,20 @@ def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype
             raise MoetierError(f"{precision} copies are computed for SwiGLU experts; this model's are "
                                f"{spec.activation}", hint="use --precision int8, int4 or int2")
         return GgmlExpert(precision, dtype, getattr(kernels, "lib", None) if kernels.name != "cuda" else None)
+    swiglu = spec is None or spec.activation == "swiglu"
     if precision not in BITS:
-        return dense_expert(kernels, spec)
-    other = None if spec is None or spec.activation == "swiglu" else dense_expert(kernels, spec)
-    kernel = QuantizedExpert(precision, kernels, dtype, getattr(kernels, "lib", None), other)
-    if getattr(kernels, "name", "") == "cuda" and other is None and dtype == torch.bfloat16:
-        from moetier.model import triton_experts
+        kernel = dense_expert(kernels, spec)
+        return _on_triton(16, kernel, kernels, dtype) if swiglu and precision == "bf16" else kernel
+    kernel = QuantizedExpert(precision, kernels, dtype, getattr(kernels, "lib", None),
+                             None if swiglu else dense_expert(kernels, spec))
+    return _on_triton(BITS[precision], kernel, kernels, dtype) if swiglu else kernel
 
-        if triton_experts.available():  # from the codes in two kernels, the dequantizing path beneath it
-            return triton_experts.TritonQuantizedExpert(BITS[precision], kernel)
-    return kernel
+
+def _on_triton(bits: int, kernel, kernels: TorchKernels, dtype: torch.dtype):
+    """On a GPU whose kernels take Triton (CudaKernels, `--kernels auto`), bf16 activations: a layer's experts in two Triton launches (triton_experts.py), with
+    `kernel` (torch's ops) beneath for what they do not take; elsewhere `kernel` itself."""
+    if not getattr(kernels, "triton", False) or dtype != torch.bfloat16:
+        return kernel
+    from moetier.model import triton_experts
+
+    return triton_experts.TritonExperts(bits, kernel) if triton_experts.available() else kernel

@@ -3,7 +3,8 @@ SwiGLU expert on its tokens, scaled by their routing weights, written into `out`
 `decode_attention` (one new token per sequence against its KV cache); `expert_layer`: several experts of a layer at
 once.
 
-`TorchKernels` is torch's own ops; `CudaKernels` the same on a GPU, decode attention kept off cuDNN. `NativeKernels` takes bf16 on the CPU to `csrc/bf16_rows.c`: a batch-1 decode
+`TorchKernels` is torch's own ops; `CudaKernels` the same on a GPU, decode attention kept off cuDNN, and (`auto`)
+a layer's SwiGLU experts in Triton. `NativeKernels` takes bf16 on the CPU to `csrc/bf16_rows.c`: a batch-1 decode
 step's products at the memory's speed, and a batch's or a prefill's rows with each weight row read once for all of
 them (each row bit for bit what it computes alone); prefill attention, rope of a batch, and fp32 stay on torch.
 Chosen once per engine by `make_kernels`, never per call by a flag."""
@@ -111,13 +112,16 @@ class CudaKernels(TorchKernels):
     bf16 decode on Hopper, and cuDNN builds an execution plan per shape — with the KV length growing every step, a
     new one each call: 11.6 ms a call under the profiler on the H200 (96 such calls made more than half of a 7-step
     OLMoE-1B-7B decode; bench/gpu/results/2026-11-27-h200/profile-olmoe.json). The memory-efficient kernel takes
-    any mask and has no plan to build; flash and math stay as fallbacks (fp32, shapes it cannot take)."""
+    any mask and has no plan to build; flash and math stay as fallbacks (fp32, shapes it cannot take).
+    `triton`: a layer's bf16 and quantized SwiGLU experts in two Triton launches where triton is installed
+    (moetier/model/triton_experts.py; `--kernels auto`), or torch's ops for them too (`--kernels torch`)."""
 
     name = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, triton: bool = True) -> None:
         from torch.nn.attention import SDPBackend
 
+        self.triton = triton
         self.decode_backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
@@ -367,8 +371,8 @@ def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKe
     if name not in KERNELS:
         raise MoetierError(f"unknown kernels {name!r}", hint=f"one of {', '.join(KERNELS)}")
     applies = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
-    if name == "auto" and torch.device(device).type == "cuda":
-        return CudaKernels()
+    if name in ("auto", "torch") and torch.device(device).type == "cuda":
+        return CudaKernels(triton=name == "auto")
     if name == "torch" or (name == "auto" and not applies):
         return TorchKernels()
     if not applies:

@@ -1,20 +1,36 @@
-"""Quantized SwiGLU experts on a GPU, computed from their codes by two Triton kernels — gate and up together with
-the SiLU and the product, then down with the routing weight — instead of torch's ops dequantizing each matrix
-(unpack, subtract, scale, shift, cast: ~20 launches an expert, 656 us for an int4 OLMoE expert on the H200 against
-86 us in bf16; bench/gpu/micro.py). Each program dequantizes a block of rows in registers, bf16 as the reference
-rounds them (moetier/quant/codes.py `dequantize`), and multiplies them into fp32 sums with `tl.dot`, the tokens
-padded to 16 rows; more tokens than `MAX_TOKENS` (a prefill) go to the dequantizing path.
+"""A layer's SwiGLU experts on a GPU in two Triton launches — gate and up together with the SiLU and the product,
+then down with the routing weight — for bf16 slots and for int8/int4/int2 ones computed from their codes.
+
+Why: through torch's ops a bf16 expert is six launches (two products, the SiLU, the product of halves, the
+weighting, the copy out) and a quantized one ~20 (unpack, subtract, scale, shift, cast before each product); on the
+H200 a launch costs 10–24 us, one OLMoE-shaped expert 86 us in bf16 and 656 us from int4 codes (bench/gpu/micro.py),
+and a decode step on OLMoE-1B-7B made ~1,700 launches (bench/gpu/results/2026-11-27-h200/profile-olmoe.json). Here
+the experts of a layer are one table of their slots' addresses (the slots are wherever the cache put them) and two
+launches compute them all (moetier/model/triton_kernels.py). Each program rounds to bf16 where the reference's ops
+round (moetier/quant/codes.py `dequantize` for codes) and sums its products in fp32 with `tl.dot` — the same
+values as torch's ops up to the order of the sums. The tokens of an expert are padded to a tile of MAX_TOKENS rows;
+an expert with more (a prefill's) goes to `fallback`, torch's ops.
+
+With every expert resident (ResidentLayers) a decode token is computed from the router's outputs on the device —
+`token_routed` with the layer's table on the GPU — so nothing waits for the host: no read of the routing back to
+it, and the token's outputs summed on the device in fp32 (rounded once, where ExpertGroups adds them in bf16 one by
+one; on a GPU that index_add_ adds in no fixed order anyway).
 
 Codes as the store holds them: int8 symmetric per row (w = q·s); int4 and int2 grouped, asymmetric around the
 middle code (w = (q − mid)·s + z per group of 128 or 64 inputs), two or four codes a byte, the lowest bits first."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-MAX_TOKENS = 16  # rows of the tl.dot tile; a longer prompt's experts are dequantized once instead
+from moetier.model.expert_kernels import OneByOne, TokenTable
+
+MAX_TOKENS = 16  # rows of the tl.dot tile: an expert's tokens in one program (more: `fallback`)
 BLOCK_N = 16  # output rows a program computes (16: tl.dot's least; more programs for a GPU's 132 SMs)
 BLOCK_K = 64  # inputs a step reads (a divisor of every group: 64 and 128)
+NAMES = ("gate_up_proj", "gate_up_proj.scales", "gate_up_proj.zeros", "down_proj", "down_proj.scales",
+         "down_proj.zeros")  # a table row's six addresses, in order (a bf16 expert's: its two matrices')
 
 
 def available() -> bool:
@@ -32,55 +48,127 @@ def _kernels():
     return gate_up, down
 
 
-class TritonQuantizedExpert:
-    """`kernel(out, x, w, weights)` for an int8/int4/int2 SwiGLU expert on a GPU (moetier.model.expert_kernels'
-    interface); `fallback` (the dequantizing kernel) takes what this one does not: more than MAX_TOKENS tokens,
-    shapes its blocks do not tile."""
+def addresses(w: dict[str, torch.Tensor]) -> list[int]:
+    """A slot's six table addresses (NAMES; a tensor it lacks — bf16's scales, int8's zeros — stands in as the
+    matrix's own address, never read)."""
+    gu, dn = w["gate_up_proj"], w["down_proj"]
+    return [t.data_ptr() for t in (gu, w.get("gate_up_proj.scales", gu), w.get("gate_up_proj.zeros", gu), dn,
+                                   w.get("down_proj.scales", dn), w.get("down_proj.zeros", dn))]
+
+
+class TritonExperts(OneByOne):
+    """`kernel(out, x, w, weights)`, `layer`, `token_table`/`token_routed` for SwiGLU experts on a GPU
+    (moetier.model.expert_kernels' interface), `bits` 16 for bf16 slots, else the codes' bits. `fallback` (torch's
+    ops) takes what these kernels do not: more than MAX_TOKENS tokens an expert, shapes the blocks do not tile,
+    activations not in bf16. A pool's slots share one layout, so the first expert's shape stands for a call's."""
 
     def __init__(self, bits: int, fallback) -> None:
         self.bits, self.fallback = bits, fallback
         self._made = None
-        self._h = torch.empty(0)  # [T, I] bf16 between the two kernels, grown to the largest seen
+        self._h = torch.empty(0)  # [P, I] bf16 between the two kernels, grown to the largest seen
+        self._ys = torch.empty(0)  # [k, H] a routed token's expert outputs, before they are summed
+        self._routed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # (k, device) -> rows, spans
 
     def _fits(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
-        h, i = x.shape[1], w["gate_up_proj"].shape[0] // 2
-        return (x.shape[0] <= MAX_TOKENS and h % BLOCK_K == 0 and i % BLOCK_K == 0 and h % BLOCK_N == 0
-                and i % BLOCK_N == 0 and x.dtype == torch.bfloat16)
+        return x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and _tiles(w)
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
-        if not self._fits(x, w):
+        if x.shape[0] > MAX_TOKENS or not self._fits(x, w):
             return self.fallback(out, x, w, weights)
+        self._launch(out, x, weights, [w], [(0, x.shape[0])])
+
+    def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items) -> None:
+        """Rows a:b of ys [P, H] for each (w, a, b): the experts of at most MAX_TOKENS rows in one launch pair, the
+        others through `fallback` one by one."""
+        if not items or not self._fits(xs, items[0][0]):
+            return self.fallback.layer(ys, xs, weights, items)
+        fused = [(w, a, b) for w, a, b in items if b - a <= MAX_TOKENS]
+        for w, a, b in items:
+            if b - a > MAX_TOKENS:
+                self.fallback(ys[a:b], xs[a:b], w, weights[a:b])
+        if fused:
+            self._launch(ys, xs, weights, [w for w, _, _ in fused], [(a, b) for _, a, b in fused])
+
+    def _launch(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, ws: list[dict[str, torch.Tensor]],
+                spans: list[tuple[int, int]]) -> None:
+        """ys rows of each span = its expert (ws) on the same rows of xs, weighted: one host-to-device copy of the
+        addresses, the spans and the rows (pinned, so it is queued, not waited for), then the two kernels."""
+        g, p = len(ws), xs.shape[0]
+        host = np.empty(g * 6 + g * 2 + p + g, dtype=np.int64)  # table [G, 6], spans [G, 2], x rows [P], experts [G]
+        host[:g * 6] = [a for w in ws for a in addresses(w)]
+        host[g * 6:g * 8] = np.asarray(spans, dtype=np.int64).ravel()
+        host[g * 8:g * 8 + p] = np.arange(p)
+        host[g * 8 + p:] = np.arange(g)
+        dev = torch.from_numpy(host)
+        if xs.is_cuda:
+            dev = dev.pin_memory().to(xs.device, non_blocking=True)
+        table, spans_d, rows, experts = dev[:g * 6], dev[g * 6:g * 8], dev[g * 8:g * 8 + p], dev[g * 8 + p:]
+        self._run(ys, xs, weights, ws[0], table, experts, spans_d, rows, g)
+
+    def _run(self, ys: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, w0: dict[str, torch.Tensor],
+             table: torch.Tensor, experts: torch.Tensor, spans: torch.Tensor, rows: torch.Tensor, g: int) -> None:
+        """The two kernels over `g` groups: pair row r reads x row rows[r], writes ys row r; `w0` any of the
+        experts (their shared layout's strides and groups)."""
         if self._made is None:
             self._made = _kernels()
         gate_up, down = self._made
-        t, h = x.shape
-        gu, dn = w["gate_up_proj"], w["down_proj"]
-        i = gu.shape[0] // 2
-        gu_s, dn_s = w["gate_up_proj.scales"], w["down_proj.scales"]
-        gu_z, dn_z = w.get("gate_up_proj.zeros", gu_s), w.get("down_proj.zeros", dn_s)  # (int8: no zeros, unread)
-        if self._h.numel() < t * i or self._h.device != x.device:
-            self._h = torch.empty(MAX_TOKENS * i, dtype=torch.bfloat16, device=x.device)
-        hid = self._h[:t * i].view(t, i)
-        x = x.contiguous()
-        stride_s = lambda s: s.stride(0)  # noqa: E731 (int8's one scale a row: stride 1)
-        gate_up[(i // BLOCK_N,)](x, gu, gu_s, gu_z, hid, t, h, i, x.stride(0), gu.stride(0), stride_s(gu_s),
-                                 hid.stride(0), BITS=self.bits, GROUP=_group(h, gu_s), BT=MAX_TOKENS, BN=BLOCK_N,
-                                 BK=BLOCK_K)
-        down[(h // BLOCK_N,)](hid, dn, dn_s, dn_z, weights, out, t, i, hid.stride(0), dn.stride(0), stride_s(dn_s),
-                              out.stride(0), BITS=self.bits, GROUP=_group(i, dn_s), BT=MAX_TOKENS, BN=BLOCK_N,
-                              BK=BLOCK_K)
+        gu, dn = w0["gate_up_proj"], w0["down_proj"]
+        hidden, i = x.shape[1], _intermediate(w0)
+        p = ys.shape[0]
+        if self._h.numel() < p * i or self._h.device != x.device:
+            self._h = torch.empty(max(p, MAX_TOKENS) * i, dtype=torch.bfloat16, device=x.device)
+        h = self._h[:p * i].view(p, i)
+        gu_s, dn_s = w0.get("gate_up_proj.scales", gu), w0.get("down_proj.scales", dn)
+        gate_up[(g, i // BLOCK_N)](x, rows, table, experts, spans, h, hidden, i, x.stride(0), gu.stride(0),
+                                   _stride(gu_s), h.stride(0), BITS=self.bits, GROUP=_group(hidden, gu_s, self.bits),
+                                   BT=MAX_TOKENS, BN=BLOCK_N, BK=BLOCK_K)
+        down[(g, hidden // BLOCK_N)](h, table, experts, spans, weights, ys, i, h.stride(0), dn.stride(0),
+                                     _stride(dn_s), ys.stride(0), BITS=self.bits, GROUP=_group(i, dn_s, self.bits),
+                                     BT=MAX_TOKENS, BN=BLOCK_N, BK=BLOCK_K)
 
-    def layer(self, ys, xs, weights, items) -> None:
-        for w, a, b in items:
-            self(ys[a:b], xs[a:b], w, weights[a:b])
+    def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
+        """A layer's experts (by id) as a table of their addresses on their device, for `token_routed` (None where
+        the blocks do not tile them)."""
+        w = ws[0]
+        if not _tiles(w):
+            return None
+        ptrs = np.array([addresses(e) for e in ws], dtype=np.int64)  # [E, 6]
+        return TokenTable(ptrs, tuple(w["down_proj"].shape), self.bits, torch.from_numpy(ptrs).to(
+            w["down_proj"].device), w)
 
-    def token(self, out, x, weights, ws, combine) -> None:
-        self.fallback.token(out, x, weights, ws, combine)
+    def token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     table: TokenTable) -> None:
+        """One token x [1, H] through its experts straight from the router's topk_ids/topk_weights [1, k] on the
+        device (no read back to the host): the k outputs [k, H], then their sum in fp32, rounded once, into out."""
+        k = topk_ids.shape[1]
+        key = (k, str(x.device))
+        if key not in self._routed:  # the pairs of a token's k experts: row 0 of x each, spans [j, j + 1)
+            spans = torch.stack([torch.arange(k), torch.arange(1, k + 1)], 1).reshape(-1)
+            self._routed[key] = (torch.zeros(k, dtype=torch.int64, device=x.device), spans.to(x.device))
+        rows, spans = self._routed[key]
+        if self._ys.shape[0] < k or self._ys.shape[1] != x.shape[1] or self._ys.device != x.device:
+            self._ys = torch.empty(k, x.shape[1], dtype=torch.bfloat16, device=x.device)
+        ys = self._ys[:k]
+        self._run(ys, x, topk_weights[0], table.like, table.device, topk_ids[0], spans, rows, k)
+        torch.sum(ys, 0, keepdim=True, out=out)
 
-    def token_table(self, ws):
-        return None
+
+def _intermediate(w: dict[str, torch.Tensor]) -> int:
+    """An expert's intermediate size, from its gate_up_proj's rows (packed codes keep rows whole)."""
+    return w["gate_up_proj"].shape[0] // 2
 
 
-def _group(k: int, scales: torch.Tensor) -> int:
-    """Inputs per scale (a whole row for int8's one scale a row)."""
-    return k if scales.dim() == 1 else k // scales.shape[1]
+def _tiles(w: dict[str, torch.Tensor]) -> bool:
+    """Whether the kernels' blocks tile the expert: hidden and intermediate sizes multiples of both blocks."""
+    h, i = w["down_proj"].shape[0], _intermediate(w)
+    return h % BLOCK_K == 0 and i % BLOCK_K == 0 and h % BLOCK_N == 0 and i % BLOCK_N == 0
+
+
+def _stride(scales: torch.Tensor) -> int:
+    """A scales tensor's row stride (int8's one scale a row: 1; a bf16 expert's stand-in: unread)."""
+    return scales.stride(0)
+
+
+def _group(k: int, scales: torch.Tensor, bits: int) -> int:
+    """Inputs per scale (a whole row for int8's one scale a row; bf16: unused)."""
+    return k if bits in (8, 16) or scales.dim() == 1 else k // scales.shape[1]

@@ -1,13 +1,35 @@
 """The Triton kernels of moetier/model/triton_experts.py (imported only where it runs them: triton is on the GPU
-machine, not a dependency of moetier)."""
+machine, not a dependency of moetier).
+
+Both kernels compute a whole layer's experts in one launch: program (g, n) takes group g's pair rows —
+spans[g, 0]..spans[g, 1], at most BT of them — through block n of the expert's output rows. The
+expert of group g is row experts[g] of `table`, six addresses an expert (gate_up_proj's codes, scales and zeros,
+then down_proj's; a bf16 expert's scales and zeros are never read): the slots are wherever the cache put them, and
+one table of their addresses replaces a launch an expert. Pair row r reads activation row x_rows[r]."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
+def expert_address(table, e, col: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr = False):
+    """Column `col` of expert e's row of addresses, as a pointer to what it holds: codes (bf16 weights at BITS 16,
+    int8 codes, or bytes of packed int4/int2 codes), or with SCALES a bf16 scale or zero."""
+    address = tl.load(table + e * 6 + col)
+    if SCALES or BITS == 16:
+        return address.to(tl.pointer_type(tl.bfloat16))
+    elif BITS == 8:
+        return address.to(tl.pointer_type(tl.int8))
+    else:
+        return address.to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
 def weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr):
-    """[BLOCK rows, BLOCK_K] of a matrix's weights, rounded to bf16 as `dequantize` rounds them."""
+    """[BLOCK rows, BLOCK_K] of a matrix's weights as fp32: bf16 ones as they are, codes rounded to bf16 as
+    `dequantize` rounds them."""
+    if BITS == 16:
+        return tl.load(codes + rows[:, None] * stride_c + k[None, :]).to(tl.float32)
     if BITS == 8:
         q = tl.load(codes + rows[:, None] * stride_c + k[None, :]).to(tl.float32)
         s = tl.load(scales + rows).to(tl.float32)
@@ -25,16 +47,24 @@ def weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS: tl.co
 
 
 @triton.jit
-def gate_up(x, codes, scales, zeros, h, T, K, I, stride_x, stride_c, stride_s, stride_h,
+def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, stride_s, stride_h,
             BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """h [T, I] = silu(x @ gate.T) * (x @ up.T), gate the first I rows of gate_up_proj, up the next I."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    t = tl.arange(0, BT)
+    """h [P, I] = silu(x @ gate.T) * (x @ up.T) for each pair row, gate the first I rows of its expert's
+    gate_up_proj, up the next I."""
+    g, n = tl.program_id(0), tl.program_id(1)
+    r = tl.load(spans + 2 * g) + tl.arange(0, BT)  # [BT] pair rows
+    live = r < tl.load(spans + 2 * g + 1)
+    e = tl.load(experts + g)
+    codes = expert_address(table, e, 0, BITS)
+    scales = expert_address(table, e, 1, BITS, True)
+    zeros = expert_address(table, e, 2, BITS, True)
+    xr = tl.load(x_rows + r, mask=live, other=0)
+    rows = n * BN + tl.arange(0, BN)
     acc_g = tl.zeros((BT, BN), dtype=tl.float32)
     acc_u = tl.zeros((BT, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        xb = tl.load(x + t[:, None] * stride_x + k[None, :], mask=t[:, None] < T, other=0.0).to(tl.float32)
+        xb = tl.load(x + xr[:, None] * stride_x + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         wg = weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS, GROUP)
         wu = weights_block(codes, scales, zeros, rows + I, k, stride_c, stride_s, BITS, GROUP)
         acc_g += tl.dot(xb, tl.trans(wg))
@@ -42,22 +72,27 @@ def gate_up(x, codes, scales, zeros, h, T, K, I, stride_x, stride_c, stride_s, s
     gate = acc_g.to(tl.bfloat16).to(tl.float32)  # (rounded where the reference's bf16 linear rounds)
     up = acc_u.to(tl.bfloat16).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(tl.bfloat16).to(tl.float32)
-    out = (silu * up).to(tl.bfloat16)
-    tl.store(h + t[:, None] * stride_h + rows[None, :], out, mask=t[:, None] < T)
+    tl.store(h + r[:, None] * stride_h + rows[None, :], (silu * up).to(tl.bfloat16), mask=live[:, None])
 
 
 @triton.jit
-def down(h, codes, scales, zeros, weights, out, T, I, stride_h, stride_c, stride_s, stride_o,
+def down(h, table, experts, spans, weights, out, I, stride_h, stride_c, stride_s, stride_o,
          BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out [T, H] = (h @ down.T) * weights[:, None]."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    t = tl.arange(0, BT)
+    """out [P, H] = (h @ down.T) * weights[:, None] for each pair row, with its expert's down_proj."""
+    g, n = tl.program_id(0), tl.program_id(1)
+    r = tl.load(spans + 2 * g) + tl.arange(0, BT)  # [BT] pair rows
+    live = r < tl.load(spans + 2 * g + 1)
+    e = tl.load(experts + g)
+    codes = expert_address(table, e, 3, BITS)
+    scales = expert_address(table, e, 4, BITS, True)
+    zeros = expert_address(table, e, 5, BITS, True)
+    rows = n * BN + tl.arange(0, BN)
     acc = tl.zeros((BT, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         k = k0 + tl.arange(0, BK)
-        hb = tl.load(h + t[:, None] * stride_h + k[None, :], mask=t[:, None] < T, other=0.0).to(tl.float32)
+        hb = tl.load(h + r[:, None] * stride_h + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         wd = weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS, GROUP)
         acc += tl.dot(hb, tl.trans(wd))
-    w = tl.load(weights + t, mask=t < T, other=0.0).to(tl.float32)
+    w = tl.load(weights + r, mask=live, other=0.0).to(tl.float32)
     y = acc.to(tl.bfloat16).to(tl.float32) * w[:, None]
-    tl.store(out + t[:, None] * stride_o + rows[None, :], y.to(tl.bfloat16), mask=t[:, None] < T)
+    tl.store(out + r[:, None] * stride_o + rows[None, :], y.to(tl.bfloat16), mask=live[:, None])

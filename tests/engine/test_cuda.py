@@ -164,3 +164,25 @@ def test_the_host_tier_is_page_locked(tiny_store):
         tier = engine.host_tier
         native = engine.store.manifest.native_precision
         assert tier.holds(native) and tier.pools[native].region(0).is_pinned()
+
+
+def test_a_bf16_models_experts_through_triton_write_what_torchs_ops_write(tiny_store):
+    """`--kernels auto` on a GPU computes a bf16 model's experts in Triton's two launches a layer — at 100% from the
+    router's ids on the device, the routing never read back to the host; `--kernels torch` through torch's ops: the
+    same greedy tokens but where bf16's rounding tips one."""
+    from moetier.model.triton_experts import TritonExperts
+
+    _, path = tiny_store("olmoe", torch.bfloat16, num_hidden_layers=4, intermediate_size=64)
+    for memory in ("30%", "100%"):
+        got = []
+        for kernels in ("auto", "torch"):
+            config = EngineConfig(expert_memory=MemoryBudget.parse(memory), device="cuda", kernels=kernels)
+            with Engine(Store(path), config, progress=False) as engine:
+                engine.preload()
+                got.append(engine.generate(prompts(), max_new_tokens=12, ignore_eos=True).token_ids)
+                triton = isinstance(engine.executor.expert_kernels["bf16"], TritonExperts)
+                assert triton == (kernels == "auto")
+                if memory == "100%":
+                    assert (engine.executor.resident_layers.tables is not None) == triton
+        a, b = sum(got[0], []), sum(got[1], [])
+        assert sum(x == y for x, y in zip(a, b)) >= 0.8 * len(b), memory

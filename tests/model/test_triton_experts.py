@@ -1,4 +1,4 @@
-"""The Triton kernels of quantized experts (moetier/model/triton_experts.py): on a GPU where there is one; else,
+"""The Triton kernels of a layer's experts, bf16 and quantized (moetier/model/triton_experts.py): on a GPU where there is one; else,
 where triton is installed, in its interpreter on the CPU (which rounds to bf16 by truncation, not to nearest: the
 checks say which they hold to). Skipped where triton is not installed (CI: it is the GPU machine's, not a
 dependency)."""
@@ -15,7 +15,7 @@ if not CUDA:
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the GPU machine's)")
 DEVICE = "cuda" if CUDA else "cpu"
 
-from moetier.model.expert_kernels import QuantizedExpert, make_expert_kernel  # noqa: E402
+from moetier.model.expert_kernels import DenseExpert, QuantizedExpert, make_expert_kernel  # noqa: E402
 from moetier.model.kernels import CudaKernels, TorchKernels  # noqa: E402
 from moetier.quant.codes import BITS, Quantized, dequantize, quantize_expert  # noqa: E402
 
@@ -66,34 +66,110 @@ def test_the_kernels_weights_are_the_codes_dequantized(precision):
     assert torch.equal(out.cpu(), want)
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
-@pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_an_expert_from_its_codes_computes_what_the_dequantizing_path_does(precision, tokens):
-    from moetier.model.triton_experts import TritonQuantizedExpert
+PRECISIONS = ["bf16", "int8", "int4", "int2"]
 
-    q = on(quantize_expert(expert(), precision))
-    reference = QuantizedExpert(precision, TorchKernels(), torch.bfloat16)
-    kernel = TritonQuantizedExpert(BITS[precision], reference)
+
+def slots(precision: str, seed: int = 0, h: int = 256, i: int = 128) -> dict[str, torch.Tensor]:
+    """An expert's slot tensors at `precision` on the test's device."""
+    w = {k: t.bfloat16() for k, t in expert(h, i, seed).items()}
+    return on(w if precision == "bf16" else quantize_expert(w, precision))
+
+
+def reference(precision: str):
+    """torch's ops on the same slots: the path beneath the kernels, and what they are held to."""
+    if precision == "bf16":
+        return DenseExpert(TorchKernels())
+    return QuantizedExpert(precision, TorchKernels(), torch.bfloat16)
+
+
+def triton_kernel(precision: str):
+    from moetier.model.triton_experts import TritonExperts
+
+    return TritonExperts(16 if precision == "bf16" else BITS[precision], reference(precision))
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+TOLERANCE = 1e-2 if CUDA else 5e-2  # (the interpreter truncates at every bf16 rounding)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_an_expert_computes_what_torchs_ops_do(precision, tokens):
+    w = slots(precision)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 256, generator=g).bfloat16().to(DEVICE)
     weights = torch.rand(tokens, generator=g).bfloat16().to(DEVICE)
     want, got = torch.empty_like(x), torch.full_like(x, float("nan"))
-    reference(want, x, q, weights)
-    kernel(got, x, q, weights)
-    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    assert err < (1e-2 if CUDA else 5e-2), err  # (the interpreter truncates at every bf16 rounding)
+    reference(precision)(want, x, w, weights)
+    triton_kernel(precision)(got, x, w, weights)
+    assert relative(got, want) < TOLERANCE
 
 
-def test_a_gpu_computes_quantized_experts_with_it_and_a_prefill_through_the_dequantizing_path():
-    from moetier.model.triton_experts import MAX_TOKENS, TritonQuantizedExpert
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_a_layers_experts_in_one_launch_each_on_its_own_rows(precision):
+    """Experts of 1, 3 and 16 rows fused, one of 19 (more than a tile) through torch's ops; rows of no expert in
+    `items` stay as they were."""
+    from moetier.model.triton_experts import MAX_TOKENS
 
-    kernel = make_expert_kernel("int4", CudaKernels(), torch.bfloat16)
-    assert isinstance(kernel, TritonQuantizedExpert)
-    assert isinstance(make_expert_kernel("int4", TorchKernels(), torch.bfloat16), QuantizedExpert)
-    q = on(quantize_expert(expert(), "int4"))
-    x = torch.randn(MAX_TOKENS + 3, 256).bfloat16().to(DEVICE)
-    weights = torch.ones(MAX_TOKENS + 3, dtype=torch.bfloat16, device=DEVICE)
-    got, want = torch.empty_like(x), torch.empty_like(x)
-    kernel(got, x, q, weights)
-    kernel.fallback(want, x, q, weights)
-    assert torch.equal(got, want)  # (more tokens than the kernel's tile: the dequantizing path itself)
+    ws = [slots(precision, seed) for seed in range(4)]
+    spans = [(0, 1), (1, 4), (5, 5 + MAX_TOKENS), (5 + MAX_TOKENS, 8 + 2 * MAX_TOKENS)]  # row 4 belongs to none
+    p = spans[-1][1]
+    g = torch.Generator().manual_seed(7)
+    xs = torch.randn(p, 256, generator=g).bfloat16().to(DEVICE)
+    weights = torch.rand(p, generator=g).bfloat16().to(DEVICE)
+    ys = torch.full_like(xs, -3.0)
+    triton_kernel(precision).layer(ys, xs, weights, [(w, a, b) for w, (a, b) in zip(ws, spans)])
+    base = reference(precision)
+    for w, (a, b) in zip(ws, spans):
+        want = torch.empty_like(xs[a:b])
+        base(want, xs[a:b], w, weights[a:b])
+        if b - a > MAX_TOKENS:
+            assert torch.equal(ys[a:b], want)  # (the path beneath itself)
+        else:
+            assert relative(ys[a:b], want) < TOLERANCE
+    assert torch.equal(ys[4], torch.full_like(ys[4], -3.0))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("router_dtype", [torch.float32, torch.bfloat16])
+def test_a_routed_token_is_computed_from_the_routers_outputs_on_the_device(precision, router_dtype):
+    """`token_routed`: the experts the router's ids name (in its order, not ascending), weighted and summed — what
+    torch's ops give for the same experts."""
+    kernel = triton_kernel(precision)
+    ws = [slots(precision, seed) for seed in range(6)]
+    table = kernel.token_table(ws)
+    assert table.device.shape == (6, 6) and table.bits == (16 if precision == "bf16" else 8)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 256, generator=g).bfloat16().to(DEVICE)
+    topk_ids = torch.tensor([[4, 1, 5]], device=DEVICE)
+    topk_weights = torch.rand(1, 3, generator=g).to(router_dtype).to(DEVICE)
+    assert table.takes(x, topk_ids, topk_weights)
+    got = torch.full_like(x, float("nan"))
+    kernel.token_routed(got, x, topk_ids, topk_weights, table)
+    want = torch.zeros(1, 256, device=DEVICE)
+    for e, weight in zip(topk_ids[0].tolist(), topk_weights[0]):
+        y = torch.empty_like(x)
+        reference(precision)(y, x, ws[e], weight.reshape(1))
+        want += y.float()
+    assert relative(got, want) < TOLERANCE
+
+
+def test_a_gpu_computes_bf16_and_quantized_experts_with_them_and_a_prefill_through_torchs_ops():
+    from moetier.model.triton_experts import MAX_TOKENS, TritonExperts
+
+    for precision in ("bf16", "int4"):
+        kernel = make_expert_kernel(precision, CudaKernels(), torch.bfloat16)
+        assert isinstance(kernel, TritonExperts)
+        assert not isinstance(make_expert_kernel(precision, TorchKernels(), torch.bfloat16), TritonExperts)
+        assert not isinstance(make_expert_kernel(precision, CudaKernels(triton=False), torch.bfloat16), TritonExperts)
+        assert not isinstance(make_expert_kernel(precision, CudaKernels(), torch.float32), TritonExperts)
+        w = slots(precision)
+        x = torch.randn(MAX_TOKENS + 3, 256).bfloat16().to(DEVICE)
+        weights = torch.ones(MAX_TOKENS + 3, dtype=torch.bfloat16, device=DEVICE)
+        got, want = torch.empty_like(x), torch.empty_like(x)
+        kernel(got, x, w, weights)
+        kernel.fallback(want, x, w, weights)
+        assert torch.equal(got, want)  # (more tokens than the kernel's tile: torch's ops themselves)
