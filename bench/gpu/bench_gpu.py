@@ -13,7 +13,9 @@ and its GPU memory freed before the next): a warm-up generation (the cache fills
 bytes read per token, prefetch counts, the GPU's peak memory. Modes: `lru` (on-demand, exact), `hobbit` (HOBBIT's
 mixed precision), `prefetch-hobbit`/`prefetch-presched` (stacked-gates predictor), `prefetch-oracle` (the true
 routing of the lru run: the bound), `substitute` (SMoE, α 0.35), `cpu-assist` (placement: the host CPU computes a
-missing expert from host memory where that beats copying it).
+missing expert from host memory where that beats copying it), `cpu-offload` (llama.cpp's `--n-cpu-moe`: the cache
+preloaded layer by layer, every other expert computed by the host CPU), `torch-kernels` (`--kernel-budgets`: lru
+with the experts through torch's ops rather than Triton's).
 
     python bench/gpu/bench_gpu.py --out DIR [--models demo-fine-xl] [--budgets 10%,25%,50%,100%] [--batch 1,8]
         [--modes hobbit,prefetch-hobbit,...] [--disk-budgets 25%]
@@ -53,6 +55,7 @@ def modes() -> dict[str, dict]:
         "prefetch-oracle": {"prefetch": "hobbit", "predictor": "oracle"},  # handed in: the lru run's routing
         "substitute": {"substitution": Substitution(alpha=0.35)},
         "cpu-assist": {"placement": "greedy"},
+        "cpu-offload": {"placement": "cpu-offload"},  # llama.cpp's --n-cpu-moe: every miss computed on the host
         "torch-kernels": {"kernels": "torch"},  # the experts through torch's ops, not Triton's (--kernel-budgets)
     }
 
@@ -156,8 +159,9 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
     if mode == "lru":
         engine.executor.layer_step.hooks.append(log)
     with engine:
-        if budget == "100%":
-            engine.preload()  # everything fits: start with the whole model resident
+        if budget == "100%" or mode == "cpu-offload":  # everything fits: start with the whole model resident;
+            engine.preload()  # or llama.cpp's way, a fixed set of experts on the GPU (layer by layer), the rest on
+            # the host (cpu-offload never loads)
         warm, measured = prompt_ids(engine, model, batch, prompt_len)
         engine.generate(warm, max_new_tokens=warmup, ignore_eos=True)
         stats = engine.generate(measured, max_new_tokens=tokens, ignore_eos=True).stats
