@@ -3,7 +3,7 @@
 # accelerate and triton, and no network. Installs moetier there from this checkout (and the wheels in .whl/ that
 # its python lacks), records the machine, measures the link, the GPU and the disk (micro.py), runs the CUDA tests,
 # then the benchmark (bench_gpu.py) and a profile of decode steps (profile_step.py). Every stage has its own time
-# limit and the whole run a deadline (GPU_DEADLINE seconds, default 470), so what finished comes back.
+# limit and the whole run a deadline (GPU_DEADLINE seconds, default 540), so what finished comes back.
 #
 #     OUT=/some/folder bash bench/gpu/run.sh      # results in $OUT: gpu.tar.gz and the small files beside it
 #
@@ -18,7 +18,7 @@ set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/bench/out/gpu}
 WORK=/tmp/gpu-out
-DEADLINE=$(( $(date +%s) + ${GPU_DEADLINE:-470} ))
+DEADLINE=$(( $(date +%s) + ${GPU_DEADLINE:-540} ))
 mkdir -p "$OUT" "$WORK"
 export WORK  # (the stages run as bash -c: the junit file goes there)
 export PYTHONUNBUFFERED=1 MOETIER_CACHE=$PWD/.gpu-cache TOKENIZERS_PARALLELISM=false
@@ -78,7 +78,7 @@ log "device check: $(hostname), deadline in $(left)s"
 stage env 30 env_info
 grep -q -w amx_tile "$WORK/env.log" && log "this CPU has AMX" || log "this CPU has no AMX"
 stage install 60 install_moetier
-stage micro 45 python3 bench/gpu/micro.py --out "$WORK/micro.json" --disk-dir "$PWD"
+stage micro 60 python3 bench/gpu/micro.py --out "$WORK/micro.json" --disk-dir "$PWD"
 # the synthetic OLMoE and its Hugging Face copy are written while the tests run (neither is timed; the benchmarks
 # wait for it, so nothing else runs while they time)
 PREPARE=
@@ -102,17 +102,18 @@ tests() {
     [ -d /tmp/tf ] && export PYTHONPATH=/tmp/tf:$PYTHONPATH
     python3 -c 'import transformers; print("reference: transformers", transformers.__version__)'
     python3 -m pytest tests/model/test_parity_cuda.py tests/engine/test_cuda.py tests/engine/test_host_tier.py \
+        tests/engine/test_route_arrays.py \
         tests/model/test_triton_experts.py tests/model/test_kernels.py -v -rs \
         -p no:cacheprovider --junitxml="$WORK/tests.xml"
 }
 export -f tests
-stage tests 120 tests
+stage tests 150 tests
 if [ -n "$PREPARE" ]; then log "waiting for the synthetic OLMoE"; wait $PREPARE; tail -n 3 "$WORK/prepare.log" | sed 's/^/    /'; fi
 MODES=${GPU_MODES:-hobbit,prefetch-hobbit,prefetch-presched,prefetch-oracle,substitute,cpu-assist,cpu-offload}
 stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --models demo-fine-xl \
     --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25% --modes "$MODES" --disk-budgets 25% \
     --tokens 24 --warmup 8 --rounds ${GPU_ROUNDS:-2}
-stage bench-olmoe 170 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" --models olmoe-synth \
+stage bench-olmoe 200 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" --models olmoe-synth \
     --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25%,100% --modes "$MODES" --disk-budgets 25% \
     --kernel-budgets 25%,100% --tokens 12 --warmup 6 --rounds ${GPU_ROUNDS:-2} --accelerate olmoe-synth:25%
 stage profile-olmoe 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \

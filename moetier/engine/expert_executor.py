@@ -16,6 +16,7 @@ from moetier.config import ModelSpec
 from moetier.engine.grouping import ExpertGroups
 from moetier.engine.host_tier import HostTier
 from moetier.engine.resident_layers import ResidentLayers
+from moetier.engine.route_arrays import route_arrays
 from moetier.engine.slots import make_slots
 from moetier.engine.tiered_slots import TieredDeviceSlots
 from moetier.errors import MoetierError
@@ -208,8 +209,8 @@ class ExpertExecutor:
             return self.resident_layers(layer, x, scores, topk_ids, topk_weights, shared, self.layer_step.step,
                                         self.layer_step.phase)
         # The one host sync of the layer: which experts to read is decided on the host from the routing.
-        route = RouteResult(layer, self.layer_step.step, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy(),
-                            scores.cpu().numpy(), self.layer_step.phase)
+        route = RouteResult(layer, self.layer_step.step, *route_arrays(topk_ids, topk_weights, scores),
+                            self.layer_step.phase)
         if layer != self.spec.moe_layers[0]:  # (the first one's gap holds the previous step's head too)
             self.costs.observe_dense(time.perf_counter() - self._clock)
         self._poll_landed()

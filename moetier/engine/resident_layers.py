@@ -19,6 +19,7 @@ import torch
 
 from moetier.cache.keys import ExpertKey
 from moetier.engine.grouping import ExpertGroups
+from moetier.engine.route_arrays import route_arrays
 from moetier.plan.route import RouteResult
 
 
@@ -57,10 +58,10 @@ class ResidentLayers:
             out = torch.empty_like(x)
             self.one_token(index, out, x, topk_ids, topk_weights)
         else:
-            ids = topk_ids.cpu().numpy()  # [T, k] (a host sync, as the planned path's)
+            ids, weights, _ = route_arrays(topk_ids, topk_weights, scores)  # [T, k] (a host sync, as planning's)
             counts = np.bincount(ids.ravel(), minlength=self.num_experts)  # [E]
             experts = np.flatnonzero(counts)  # ascending
-            groups = ExpertGroups(x, ids, topk_weights.float().cpu().numpy(), counts, topk_weights.dtype, self.combine)
+            groups = ExpertGroups(x, ids, weights, counts, topk_weights.dtype, self.combine)
             table = self.weights[index]
             groups.compute_layer(experts.tolist(), self.kernel, [table[e] for e in experts])
             out = groups.combine()
@@ -83,9 +84,8 @@ class ResidentLayers:
         policy, precision = self.policy, self.precision
         for layer, step, phase, scores, topk_ids, topk_weights in self.routes:
             # copies: the one-call step's buffers are written again next step
-            ids = topk_ids.cpu().numpy().copy()  # [T, k]
-            route = RouteResult(layer, step, ids, topk_weights.float().cpu().numpy().copy(),
-                                scores.cpu().numpy().copy(), phase)
+            ids, weights, probs = (a.copy() for a in route_arrays(topk_ids, topk_weights, scores))  # [T, k], [T, E]
+            route = RouteResult(layer, step, ids, weights, probs, phase)
             policy.on_route(route)
             for hook in self.hooks:  # route listeners (no hook that needs plans is there: the executor checks)
                 if hook is not self.counts:
