@@ -31,7 +31,7 @@ def table(rows: list[dict]) -> str:
            "| prefetches used / issued | CPU runs |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pf, hit, mb = r.get("prefetches") or {}, r.get("decode_hit_rate"), r.get("expert_bytes_per_token")
-        tier = r.get("tier", "-") if r["engine"] == "moetier" else "host (accelerate's)"
+        tier = r.get("tier", "-") if r["engine"] == "moetier" else f"host ({r['engine'].split()[0]}'s)"
         cells = [r["model"], label(r), tier, r["budget"], str(r["batch"]), f"{r['tpot_s'] * 1e3:.1f}",
                  f"{r['decode_tokens_per_s']:.2f}", "-" if hit is None else f"{hit:.0%}",
                  "-" if mb is None else f"{mb / 1e6:.0f}",

@@ -248,19 +248,19 @@ class ExpertExecutor:
         # resident runs by precision, computed a precision a call before the next run that waits for a read
         together: dict[str, list[Run]] = {}
         landed: dict[str, list[Run]] = {}  # loaded runs a device computes after its copies, a precision a call
+        hosted: dict[str, list[Run]] = {}  # runs on the host CPU from the host tier, a precision a call
+        if plan.hosts:
+            groups.send(self.host_device)  # (their tokens on their way to the host before the device's work)
         try:
             shared_out = shared() if shared is not None else None  # resident work first, while reads land
             for run in plan.runs:
-                if run.source == RESIDENT and run.place != HOST and run.expert not in deferred:
+                if run.place == HOST:  # where its weights live: the host tier, on the host CPU
+                    hosted.setdefault(run.precision, []).append(run)
+                    continue
+                if run.source == RESIDENT and run.expert not in deferred:
                     together.setdefault(run.precision, []).append(run)
                     continue
                 self._compute_together(groups, together)
-                if run.place == HOST:  # where its weights live: the host tier, on the host CPU
-                    start = time.perf_counter()
-                    groups.compute_on(run.expert, self.host_kernels[run.precision], self.host_pools[
-                        run.precision].weights(self.host_slot(layer, run.expert)), self.host_device)
-                    self.costs.observe_host(int(counts[run.expert]), time.perf_counter() - start)
-                    continue
                 pool = self.pools[run.precision]
                 if run.source != RESIDENT:
                     pool.completions[run.slot].wait()
@@ -276,6 +276,7 @@ class ExpertExecutor:
                 if follower is not None:  # its slot is free now
                     self._submit(ExpertKey(layer, follower.expert), follower.precision, follower.slot, ON_DEMAND)
             self._compute_together(groups, together)
+            self._compute_hosted(groups, hosted, counts, layer)  # (the device computes the above meanwhile)
             self._compute_together(groups, landed)
         except BaseException:
             self._abandon(plan)
@@ -297,6 +298,20 @@ class ExpertExecutor:
             for _ in runs:
                 self.costs.observe_expert(each)
         together.clear()
+
+    def _compute_hosted(self, groups: ExpertGroups, hosted: dict[str, list[Run]], counts, layer: int) -> None:
+        """The runs placed on the host: each precision's in one call of the host's kernel on the host tier's
+        weights (one parallel region), their outputs copied back to the device; `hosted` is emptied."""
+        for precision, runs in hosted.items():
+            pool = self.host_pools[precision]
+            start = time.perf_counter()
+            groups.compute_layer_on([run.expert for run in runs], self.host_kernels[precision],
+                                    [pool.weights(self.host_slot(layer, run.expert)) for run in runs],
+                                    self.host_device)
+            each = (time.perf_counter() - start) / len(runs)
+            for run in runs:
+                self.costs.observe_host(int(counts[run.expert]), each)
+        hosted.clear()
 
     def _submit(self, key: ExpertKey, precision: str, slot: int, priority: int) -> None:
         self.pools[precision].submit(self.reader, key, self.manifest.blob(key.layer, key.expert, precision), slot,

@@ -39,15 +39,31 @@ class ExpertGroups:
         offsets = self.offsets
         kernel.layer(self.ys, self.xs, self.ws, [(w, offsets[e], offsets[e + 1]) for e, w in zip(experts, ws)])
 
-    def compute_on(self, expert: int, kernel, w: dict[str, torch.Tensor], device: torch.device) -> None:
-        """`compute` on `device`, where `w` lives (the host CPU beside a GPU): the expert's tokens go there and its
-        output comes back (HOBBIT's ④–⑥). On the device the activations are on already, just `compute`."""
+    def send(self, device: torch.device) -> None:
+        """Start copying the pairs' activations and weights to `device` (the host CPU beside a GPU), where
+        `compute_layer_on` will compute some experts: queued before the layer's device work, so the host waits for
+        these copies alone, not for the experts the device computes meanwhile (HOBBIT's ④). Nothing to do on the
+        device the activations are on."""
         if device == self.xs.device:
-            return self.compute(expert, kernel, w)
-        a, b = self.offsets[expert], self.offsets[expert + 1]
-        out = torch.empty((b - a, self.xs.shape[1]), dtype=self.xs.dtype, device=device)
-        kernel(out, self.xs[a:b].to(device), w, self.ws[a:b].to(device))
-        self.ys[a:b].copy_(out)
+            return
+        self._sent = (self.xs.to(device, non_blocking=True), self.ws.to(device, non_blocking=True))
+        self._sent_done = torch.cuda.Event()
+        self._sent_done.record()
+
+    def compute_layer_on(self, experts: list[int], kernel, ws: list[dict[str, torch.Tensor]],
+                         device: torch.device) -> None:
+        """`compute_layer` on `device`, where `ws` live (the host tier), from what `send` copied there: one call for
+        the experts (one parallel region), their outputs copied back (⑥). On the device the activations are on
+        already, just `compute_layer`."""
+        if device == self.xs.device:
+            return self.compute_layer(experts, kernel, ws)
+        self._sent_done.synchronize()
+        xs, weights = self._sent
+        ys = torch.empty(xs.shape, dtype=xs.dtype, pin_memory=True)  # (page-locked: the copies back are queued)
+        spans = [(self.offsets[e], self.offsets[e + 1]) for e in experts]
+        kernel.layer(ys, xs, weights, [(w, a, b) for w, (a, b) in zip(ws, spans)])
+        for a, b in spans:
+            self.ys[a:b].copy_(ys[a:b], non_blocking=True)
 
     def combine(self) -> torch.Tensor:
         """Sum each token's expert outputs: [T, H]."""

@@ -104,6 +104,11 @@ class LayerPlan:
         return np.bincount(ids, minlength=self.route.scores.shape[-1])
 
     @property
+    def hosts(self) -> bool:
+        """Whether some run is placed on the host CPU."""
+        return HOST in self.place.values()
+
+    @property
     def hits(self) -> list[Run]:
         """Runs whose weights were resident when the layer needed them."""
         return [r for r in self.runs if r.source == RESIDENT]

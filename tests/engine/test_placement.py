@@ -10,6 +10,7 @@ from moetier.config import MemoryBudget
 from moetier.engine.engine import EngineConfig
 from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView
+from moetier.model.expert_kernels import OneByOne
 from moetier.plan.layer_plan import HOST, IN_PLACE
 from moetier.sim.replay import PlanLog
 from moetier.store.store import Store
@@ -18,6 +19,16 @@ from moetier.store.store import Store
 def prompts(vocab: int = 128) -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 12)]
+
+
+class Counting(OneByOne):
+    """A host kernel seen expert by expert (`layer`: one call an expert, as a kernel's `layer` computes them)."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    def __call__(self, out, x, w, weights) -> None:
+        self.call(out, x, w, weights)
 
 
 def run(path, placement="none", memory="25%", precision=None):
@@ -34,7 +45,7 @@ def run(path, placement="none", memory="25%", precision=None):
                                      if pool.weights(i)["down_proj"].data_ptr() == w["down_proj"].data_ptr())))
             kernel(out, x, w, weights)
 
-        ex.host_kernels[p] = counting
+        ex.host_kernels[p] = Counting(counting)
     with engine:
         outs = [engine.generate([p], max_new_tokens=8, ignore_eos=True) for p in prompts()]
     return [o.token_ids[0] for o in outs], [o.stats for o in outs], log.plans, computed, engine
@@ -104,7 +115,7 @@ def test_hobbit_coop_computes_low_precision_misses_from_the_hosts_low_copies(tin
             computed.append(p)
             kernel(out, x, w, weights)
 
-        ex.host_kernels[p] = counting
+        ex.host_kernels[p] = Counting(counting)
     with engine, TraceRecorder(engine) as recorder:
         for p in prompts():
             engine.generate([p], max_new_tokens=8, ignore_eos=True)

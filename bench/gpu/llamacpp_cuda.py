@@ -1,0 +1,172 @@
+"""llama.cpp built with CUDA on the GPU machine — issue 52's peer for a GPU holding a share of the experts (item 7b):
+its `--n-cpu-moe N` keeps the experts of the first N layers in host memory and computes them on the host's CPU,
+the rest of the model on the GPU. Built there from a source tree carried with the check (the machine has nvcc,
+CMake and ninja, and no network); the benchmark's synthetic OLMoE converted to a bf16 GGUF by llama.cpp's own
+converter from the Hugging Face copy bench_gpu.py's accelerate rows read (the same weights as moetier's rows);
+decoding timed by llama-bench at GPU expert budgets given as layers: a budget b keeps round(b·L) layers' experts on
+the GPU (`--n-cpu-moe` L − round(b·L); 0%: every expert on the CPU, llama.cpp's `-ot exps=CPU`).
+
+    python bench/gpu/llamacpp_cuda.py pack              # here: .whl/llama/llama.cpp-src.tar.xz (~3 MB)
+    python bench/gpu/llamacpp_cuda.py build --src .whl/llama/llama.cpp-src.tar.xz --tree /tmp/llama.cpp-cuda
+    python bench/gpu/llamacpp_cuda.py bench --tree /tmp/llama.cpp-cuda --hf DIR --out bench-llamacpp.json
+
+`pack` trims bench/peers' llama.cpp tree (llama-cpp-python 0.3.36's, fetched from PyPI on first use) to what
+llama-bench and the converter need, its tools list cut to llama-bench. `build --cpu-only` builds the same tree
+without CUDA (to try the packed tree out on a machine with no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "peers"))
+from llamacpp import CMAKE_FLAGS, CONVERT, VERSION, fetch_source, home, parse_bench  # noqa: E402
+
+PARTS = ("CMakeLists.txt", "cmake", "common", "src", "include", "vendor", "tools/llama-bench", "ggml/CMakeLists.txt",
+         "ggml/cmake", "ggml/include", "ggml/src/CMakeLists.txt", "ggml/src/ggml-cpu", "ggml/src/ggml-cuda",
+         "convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
+TOOLS = "add_subdirectory(llama-bench)\n"  # tools/CMakeLists.txt: llama-bench alone
+SRC = ROOT / ".whl" / "llama" / "llama.cpp-src.tar.xz"
+
+
+def pack(out: Path) -> Path:
+    tree = home(Path(os.environ.get("MOETIER_CACHE", Path.home() / ".cache" / "moetier"))) / "llama.cpp"
+    if not tree.exists():
+        fetch_source(tree.parents[1])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tarfile.open(tmp, "w:xz") as tar:
+        for part in PARTS:
+            tar.add(tree / part, arcname=f"llama.cpp/{part}", filter=_source_only)
+        for path in (tree / "ggml" / "src").glob("*.*"):  # ggml's own sources beside the backends' folders
+            tar.add(path, arcname=f"llama.cpp/ggml/src/{path.name}")
+        info = tarfile.TarInfo("llama.cpp/tools/CMakeLists.txt")
+        info.size = len(TOOLS)
+        tar.addfile(info, io.BytesIO(TOOLS.encode()))
+        info = tarfile.TarInfo("llama.cpp/VERSION")
+        info.size = len(VERSION)
+        tar.addfile(info, io.BytesIO(VERSION.encode()))
+    tmp.rename(out)
+    return out
+
+
+def _source_only(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """Leave out build folders (build, build-avx2, ...) and caches."""
+    parts = info.name.split("/")
+    build = info.isdir() and (parts[-1] == "build" or parts[-1].startswith("build-"))
+    return None if build or "__pycache__" in parts else info
+
+
+def build(src: Path, tree: Path, cpu_only: bool, jobs: int) -> Path:
+    """The tree under `tree` (its llama.cpp/), llama-bench built in build-cuda (or build-cpu); returns the binary."""
+    tree.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(src) as tar:
+        tar.extractall(tree, filter="data")
+    source = tree / "llama.cpp"
+    out = source / ("build-cpu" if cpu_only else "build-cuda")
+    flags = [*CMAKE_FLAGS, "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+             "-DLLAMA_BUILD_APP=OFF"]
+    if not cpu_only:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(0)
+        flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={major}{minor}"]
+    generator = ["-G", "Ninja"] if _has("ninja") else []
+    start = time.perf_counter()
+    subprocess.run(["cmake", "-S", str(source), "-B", str(out), *generator, *flags], check=True)
+    subprocess.run(["cmake", "--build", str(out), "-j", str(jobs), "--target", "llama-bench"], check=True)
+    print(f"built llama-bench in {time.perf_counter() - start:.0f} s ({'CPU' if cpu_only else 'CUDA'})", flush=True)
+    return out / "bin" / "llama-bench"
+
+
+def _has(program: str) -> bool:
+    return subprocess.run(["which", program], capture_output=True).returncode == 0
+
+
+def layers_on_cpu(budget: str, layers: int) -> int:
+    """`--n-cpu-moe` for a GPU expert budget: the layers whose experts stay on the host."""
+    share = float(budget.rstrip("%")) / 100
+    if not 0 <= share <= 1:
+        raise ValueError(f"a budget is a share from 0% to 100%, got {budget}")
+    return layers - round(share * layers)
+
+
+def bench(tree: Path, hf: Path, budgets: list[str], tokens: int, repetitions: int, threads: int,
+          model: str, cpu_only: bool = False) -> dict:
+    """`cpu_only`: the build-cpu binary, no layer on a GPU (to try the pipeline out where there is none)."""
+    source = tree / "llama.cpp"
+    binary = source / ("build-cpu" if cpu_only else "build-cuda") / "bin" / "llama-bench"
+    gguf = hf.with_suffix(".bf16.gguf")
+    if not gguf.exists():
+        tmp = gguf.with_name(gguf.name + ".tmp")
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", CONVERT, str(source), str(hf), str(tmp)], check=True)
+        tmp.rename(gguf)
+        print(f"converted {hf} to {gguf} in {time.perf_counter() - start:.0f} s", flush=True)
+    layers = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
+    rows = []
+    for budget in budgets:
+        n = layers_on_cpu(budget, layers)
+        argv = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-r", str(repetitions), "-t",
+                str(threads), "-ngl", "0" if cpu_only else "99", "-ncmoe", str(n), "-o", "json"]
+        base = {"model": model, "engine": "llama.cpp " + ("CPU" if cpu_only else "CUDA"), "mode": f"--n-cpu-moe {n}",
+                "budget": budget,
+                "batch": 1, "argv": argv[1:]}
+        try:
+            done = subprocess.run(argv, check=True, capture_output=True, text=True)
+            result = parse_bench(done.stdout)
+            rows.append({**base, **result, "decode_tokens_per_s": result["tok_s"], "tpot_s": 1 / result["tok_s"]})
+        except (subprocess.CalledProcessError, ValueError, KeyError, IndexError) as e:
+            stderr = getattr(e, "stderr", "") or ""
+            rows.append({**base, "error": f"{type(e).__name__}: {e}", "stderr": stderr[-2000:]})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"device": _device(), "llama_cpp": f"llama-cpp-python {VERSION}'s", "rows": rows}
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="the trimmed source tree, to carry to the GPU machine")
+    p.add_argument("--out", type=Path, default=SRC)
+    b = sub.add_parser("build", help="llama-bench from the packed tree")
+    b.add_argument("--src", type=Path, default=SRC)
+    b.add_argument("--tree", type=Path, default=Path("/tmp/llama.cpp-cuda"))
+    b.add_argument("--cpu-only", action="store_true", help="without CUDA (to try the packed tree out)")
+    b.add_argument("--jobs", type=int, default=os.cpu_count())
+    r = sub.add_parser("bench", help="llama-bench at GPU expert budgets, rows as bench_gpu.py writes them")
+    r.add_argument("--tree", type=Path, default=Path("/tmp/llama.cpp-cuda"))
+    r.add_argument("--hf", type=Path, required=True, help="the Hugging Face copy of the benchmark's model")
+    r.add_argument("--model", default="olmoe-synth")
+    r.add_argument("--budgets", default="0%,25%,50%,100%")
+    r.add_argument("--tokens", type=int, default=32)
+    r.add_argument("--repetitions", type=int, default=3)
+    r.add_argument("--threads", type=int, default=os.cpu_count())
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--cpu-only", action="store_true", help="the build-cpu binary (to try the pipeline out)")
+    args = ap.parse_args()
+    if args.command == "pack":
+        print(pack(args.out))
+    elif args.command == "build":
+        print(build(args.src, args.tree, args.cpu_only, args.jobs))
+    else:
+        result = bench(args.tree, args.hf, args.budgets.split(","), args.tokens, args.repetitions, args.threads,
+                       args.model, args.cpu_only)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
