@@ -25,22 +25,24 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from common import add_run_options, model_panels, run_child, save_panels  # noqa: E402
 
+from moetier.plan.step import LayerHook  # noqa: E402
+
 MODELS = ("demo-deep-xl", "demo-fine-xl")
 CONFIGS = ("none", "hobbit", "smoe", "comoe", "presched")
 PROMPTS = ROOT / "prompts" / "mixed.txt"
 
 
-class RouteLog:
-    """A layer hook keeping every (step, layer)'s topk_ids: the truth an oracle run is handed."""
+class RouteLog(LayerHook):
+    """A layer hook keeping every (step, layer)'s topk_ids: the truth an oracle run is handed. It hears routes
+    alone, so a step whose every expert is resident still skips planning beside it (it is told the routes)."""
+
+    needs_plans = False
 
     def __init__(self) -> None:
         self.routes: dict[tuple[int, int], object] = {}
 
     def on_route(self, route, gate_input) -> None:
         self.routes[(route.step, route.layer)] = route.topk_ids.copy()
-
-    def on_plan(self, plan, phase) -> None:
-        pass
 
 
 def child(cfg: dict) -> dict:

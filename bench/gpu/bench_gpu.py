@@ -3,8 +3,9 @@ Hugging Face transformers with accelerate's offload on the same weights, written
 run cut short keeps what it measured).
 
 Models: `demo-fine-xl` (the trained demo-fine, real routing, every expert inflated to 12 MiB; built on first use),
-and `olmoe-synth` (OLMoE-1B-7B's shape, random bf16 weights: `moetier synth`, then written out as a Hugging Face
-checkpoint for accelerate — the same numbers in both; `small-synth`, a small shape, tries the script out).
+`olmoe-synth` (OLMoE-1B-7B's shape, random bf16 weights: `moetier synth`, then written out as a Hugging Face
+checkpoint for accelerate — the same numbers in both; `small-synth`, a small shape, tries the script out) and
+`dsv2-lite-synth` (DeepSeek-V2-Lite's shape, random bf16 weights, a Hugging Face checkpoint first: hf_synth.py).
 
 Tiers: `host` rows load through a host tier holding every expert at the precisions the modes read (page-locked,
 filled once per model and handed to each engine); `disk` rows have none (`--host-memory 0`: every miss is read
@@ -39,6 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench_prefetch import RouteLog  # noqa: E402 (every (step, layer)'s routing: the oracle's truth)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_synth  # noqa: E402
+from hf_synth import HF_SYNTHS  # noqa: E402
+
 PROMPTS = ROOT / "prompts" / "mixed.txt"
 SYNTHS = {"olmoe-synth": "olmoe-1b-7b", "small-synth": "small"}  # random weights of a preset's shape (synth.py)
 
@@ -61,9 +66,12 @@ def modes() -> dict[str, dict]:
 
 
 def store_of(model: str, cache: Path) -> Path:
-    """The store for a model name: a built-in (made on first use) or the synthetic OLMoE (made here)."""
+    """The store for a model name: a built-in (made on first use), the synthetic OLMoE (made here) or a shape of
+    another family with random weights (hf_synth.py)."""
     from moetier.resolve import resolve_model
 
+    if model in HF_SYNTHS:
+        return hf_synth.store(model, cache)[0]
     if model in SYNTHS:
         path = cache / "bench-gpu" / model
         if not (path / "manifest.json").exists():
@@ -75,7 +83,7 @@ def store_of(model: str, cache: Path) -> Path:
 
 def prompt_ids(engine, model: str, batch: int, length: int) -> tuple[list[list[int]], list[list[int]]]:
     """(warm-up, measured) prompts, `batch` of each: random ids for random weights, real text otherwise."""
-    if model in SYNTHS:
+    if model in SYNTHS or model in HF_SYNTHS:
         rng = random.Random(0)
         draw = lambda: [rng.randrange(engine.spec.vocab_size) for _ in range(length)]  # noqa: E731
         return [draw() for _ in range(batch)], [draw() for _ in range(batch)]
@@ -319,7 +327,8 @@ def main() -> None:
             s = Store(store)
             share = MemoryBudget.parse(budget)
             gpu_bytes = int(s.dense_bytes + share.value * s.total_expert_bytes())
-            hf = export_hf_checkpoint(store, cache / "bench-gpu" / f"{model}-hf")
+            hf = hf_synth.store(model, cache)[1] if model in HF_SYNTHS else export_hf_checkpoint(
+                store, cache / "bench-gpu" / f"{model}-hf")
             record({**base, **run_accelerate(hf, gpu_bytes, 1, 8, 32, s.spec.vocab_size, args.device)})
             freed(args.device)  # (the model went with the call)
         except Exception as e:

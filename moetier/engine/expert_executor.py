@@ -261,6 +261,7 @@ class ExpertExecutor:
                     together.setdefault(run.precision, []).append(run)
                     continue
                 self._compute_together(groups, together)
+                self._compute_hosted(groups, hosted, counts, layer)  # (the device computes the above meanwhile)
                 pool = self.pools[run.precision]
                 if run.source != RESIDENT:
                     pool.completions[run.slot].wait()
@@ -276,7 +277,7 @@ class ExpertExecutor:
                 if follower is not None:  # its slot is free now
                     self._submit(ExpertKey(layer, follower.expert), follower.precision, follower.slot, ON_DEMAND)
             self._compute_together(groups, together)
-            self._compute_hosted(groups, hosted, counts, layer)  # (the device computes the above meanwhile)
+            self._compute_hosted(groups, hosted, counts, layer)
             self._compute_together(groups, landed)
         except BaseException:
             self._abandon(plan)

@@ -27,6 +27,8 @@ class ExpertGroups:
         self.ws = _to(assign_weights.reshape(-1)[order], x.device).to(weight_dtype)  # [P]
         self.ys = torch.empty_like(self.xs)
         self.offsets = [0, *np.cumsum(counts).tolist()]
+        self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # xs, ws on the host (`send`)
+        self._sent_done = None  # the event after those copies
 
     def compute(self, expert: int, kernel, w: dict[str, torch.Tensor]) -> None:
         """`kernel(out, x, w, weights)` (moetier.model.expert_kernels) on the expert's tokens, `w` its slot's

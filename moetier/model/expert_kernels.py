@@ -322,8 +322,9 @@ def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype
 
 
 def _on_triton(bits: int, kernel, kernels: TorchKernels, dtype: torch.dtype):
-    """On a GPU whose kernels take Triton (CudaKernels, `--kernels auto`), bf16 activations: a layer's experts in two Triton launches (triton_experts.py), with
-    `kernel` (torch's ops) beneath for what they do not take; elsewhere `kernel` itself."""
+    """On a GPU whose kernels take Triton (CudaKernels, `--kernels auto`) with bf16 activations: a layer's experts
+    in two Triton launches (triton_experts.py), `kernel` (torch's ops) beneath for what they do not take;
+    elsewhere `kernel` itself."""
     if not getattr(kernels, "triton", False) or dtype != torch.bfloat16:
         return kernel
     from moetier.model import triton_experts

@@ -1,7 +1,7 @@
-"""The Triton kernels of a layer's experts, bf16 and quantized (moetier/model/triton_experts.py): on a GPU where there is one; else,
-where triton is installed, in its interpreter on the CPU (which rounds to bf16 by truncation, not to nearest: the
-checks say which they hold to). Skipped where triton is not installed (CI: it is the GPU machine's, not a
-dependency)."""
+"""The Triton kernels of a layer's experts, bf16 and quantized (moetier/model/triton_experts.py): on a GPU where
+there is one; else, where triton is installed, in its interpreter on the CPU (which rounds to bf16 by truncation, not
+to nearest: the checks say which they hold to). Skipped where triton is not installed (CI: it is the GPU machine's,
+not a dependency)."""
 
 import importlib.util
 import os
