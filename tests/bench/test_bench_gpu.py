@@ -1,0 +1,26 @@
+"""bench/gpu/bench_gpu.py stays runnable where it matters, on the GPU machine: here on the CPU (`--device cpu`), a
+small synthetic shape through every kind of row a GPU run makes — lru at a share and at 100%, the modes (the
+oracle handed the lru run's routing), `--kernels torch` — each a measured row, none an error. (Every 100% row of
+the next GPU run would have failed on a route log the engine no longer took: found here first.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "bench_gpu.py"
+
+
+def test_every_row_kind_measures_on_the_cpu(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), "--models", "small-synth",
+                        "--device", "cpu", "--cache", str(tmp_path / "cache"), "--budgets", "50%,100%",
+                        "--batch", "1", "--modes", "prefetch-oracle,cpu-offload", "--mode-budget", "50%",
+                        "--kernel-budgets", "100%", "--disk-budgets=", "--tokens", "3", "--warmup", "2",
+                        "--no-process-warmup"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
+    assert not [row for row in rows if "error" in row], rows
+    got = {(row["mode"], row["budget"]) for row in rows}
+    assert got == {("lru", "50%"), ("lru", "100%"), ("prefetch-oracle", "50%"), ("cpu-offload", "50%"),
+                   ("torch-kernels", "100%")}
+    assert all(row["tpot_s"] > 0 for row in rows)
