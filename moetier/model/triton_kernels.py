@@ -12,7 +12,7 @@ import triton.language as tl
 
 
 @triton.jit
-def expert_address(table, e, col: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr = False):
+def expert_address(table, e, col: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr):
     """Column `col` of expert e's row of addresses, as a pointer to what it holds: codes (bf16 weights at BITS 16,
     int8 codes, or bytes of packed int4/int2 codes), or with SCALES a bf16 scale or zero."""
     address = tl.load(table + e * 6 + col)
@@ -55,7 +55,7 @@ def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, strid
     r = tl.load(spans + 2 * g) + tl.arange(0, BT)  # [BT] pair rows
     live = r < tl.load(spans + 2 * g + 1)
     e = tl.load(experts + g)
-    codes = expert_address(table, e, 0, BITS)
+    codes = expert_address(table, e, 0, BITS, False)
     scales = expert_address(table, e, 1, BITS, True)
     zeros = expert_address(table, e, 2, BITS, True)
     xr = tl.load(x_rows + r, mask=live, other=0)
@@ -83,7 +83,7 @@ def down(h, table, experts, spans, weights, out, I, stride_h, stride_c, stride_s
     r = tl.load(spans + 2 * g) + tl.arange(0, BT)  # [BT] pair rows
     live = r < tl.load(spans + 2 * g + 1)
     e = tl.load(experts + g)
-    codes = expert_address(table, e, 3, BITS)
+    codes = expert_address(table, e, 3, BITS, False)
     scales = expert_address(table, e, 4, BITS, True)
     zeros = expert_address(table, e, 5, BITS, True)
     rows = n * BN + tl.arange(0, BN)
