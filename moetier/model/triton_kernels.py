@@ -25,6 +25,22 @@ def expert_address(table, e, col: tl.constexpr, BITS: tl.constexpr, SCALES: tl.c
 
 
 @triton.jit
+def group_matrix(table, experts, g, first: tl.constexpr, BITS: tl.constexpr):
+    """(codes, scales, zeros) of group g's expert's matrix whose addresses start at column `first` (0: gate_up_proj,
+    3: down_proj)."""
+    e = tl.load(experts + g)
+    return (expert_address(table, e, first, BITS, False), expert_address(table, e, first + 1, BITS, True),
+            expert_address(table, e, first + 2, BITS, True))
+
+
+@triton.jit
+def group_rows(spans, g, BT: tl.constexpr):
+    """Group g's pair rows, a tile of BT from its first ([BT]), and which of them are its (spans[g, 1] ends them)."""
+    r = tl.load(spans + 2 * g) + tl.arange(0, BT)
+    return r, r < tl.load(spans + 2 * g + 1)
+
+
+@triton.jit
 def weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr):
     """[BLOCK rows, BLOCK_K] of a matrix's weights as fp32: bf16 ones as they are, codes rounded to bf16 as
     `dequantize` rounds them."""
@@ -52,12 +68,8 @@ def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, strid
     """h [P, I] = silu(x @ gate.T) * (x @ up.T) for each pair row, gate the first I rows of its expert's
     gate_up_proj, up the next I."""
     g, n = tl.program_id(0), tl.program_id(1)
-    r = tl.load(spans + 2 * g) + tl.arange(0, BT)  # [BT] pair rows
-    live = r < tl.load(spans + 2 * g + 1)
-    e = tl.load(experts + g)
-    codes = expert_address(table, e, 0, BITS, False)
-    scales = expert_address(table, e, 1, BITS, True)
-    zeros = expert_address(table, e, 2, BITS, True)
+    r, live = group_rows(spans, g, BT)  # [BT] pair rows
+    codes, scales, zeros = group_matrix(table, experts, g, 0, BITS)
     xr = tl.load(x_rows + r, mask=live, other=0)
     rows = n * BN + tl.arange(0, BN)
     acc_g = tl.zeros((BT, BN), dtype=tl.float32)
@@ -80,12 +92,8 @@ def down(h, table, experts, spans, weights, out, I, stride_h, stride_c, stride_s
          BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out [P, H] = (h @ down.T) * weights[:, None] for each pair row, with its expert's down_proj."""
     g, n = tl.program_id(0), tl.program_id(1)
-    r = tl.load(spans + 2 * g) + tl.arange(0, BT)  # [BT] pair rows
-    live = r < tl.load(spans + 2 * g + 1)
-    e = tl.load(experts + g)
-    codes = expert_address(table, e, 3, BITS, False)
-    scales = expert_address(table, e, 4, BITS, True)
-    zeros = expert_address(table, e, 5, BITS, True)
+    r, live = group_rows(spans, g, BT)  # [BT] pair rows
+    codes, scales, zeros = group_matrix(table, experts, g, 3, BITS)
     rows = n * BN + tl.arange(0, BN)
     acc = tl.zeros((BT, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
