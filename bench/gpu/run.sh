@@ -30,7 +30,7 @@ DEADLINE=$(( $(date +%s) + ${GPU_DEADLINE:-540} ))
 mkdir -p "$OUT" "$WORK"
 export WORK  # (the stages run as bash -c: the junit file goes there)
 export PYTHONUNBUFFERED=1 MOETIER_CACHE=$PWD/.gpu-cache TOKENIZERS_PARALLELISM=false
-STAGES=${GPU_STAGES:-env install micro tests bench-demo bench-olmoe profile-olmoe}
+STAGES=${GPU_STAGES:-env install micro tests bench-demo bench-olmoe profile-olmoe profile-prefetch}
 
 log() { echo "[$(date +%T)] $*" | tee -a "$WORK/steps.log"; }
 left() { echo $(( DEADLINE - $(date +%s) )); }
@@ -127,6 +127,10 @@ stage bench-olmoe 200 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" -
     --modes "$MODES" --tokens 12 --warmup 6 --rounds ${GPU_ROUNDS:-2} $OLMOE
 stage profile-olmoe 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
     --expert-memory 25% --out "$WORK" --name profile-olmoe
+# the same step with the next layer's experts prefetched (copies started a layer ahead: the overlap issue 52 asks)
+stage profile-prefetch 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
+    --expert-memory 25% --out "$WORK" --name profile-prefetch \
+    --config '{"prefetch": "hobbit", "predictor": "stacked-gates"}'
 # DeepSeek-V2-Lite's shape (item 7's second shape; not in the default stages: 31 GB written and converted first,
 # and with olmoe-synth's files beside it the 64 GB disk is full): random weights, hf_synth.py
 stage bench-dsv2 420 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-dsv2" --models dsv2-lite-synth \
