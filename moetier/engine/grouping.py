@@ -50,7 +50,7 @@ class ExpertGroups:
             return
         self._sent = (self.xs.to(device, non_blocking=True), self.ws.to(device, non_blocking=True))
         self._sent_done = torch.cuda.Event()
-        self._sent_done.record()
+        self._sent_done.record(torch.cuda.current_stream(self.xs.device))
 
     def compute_layer_on(self, experts: list[int], kernel, ws: list[dict[str, torch.Tensor]],
                          device: torch.device) -> None:
