@@ -45,7 +45,8 @@ SYNTH = default_cache_dir() / "bench" / "olmoe-1b-7b-synth"
 
 
 def mechanisms(config: str) -> dict:
-    """A configuration's engine options: prefetch stage and predictor, precision mode, substitution."""
+    """A configuration's engine options: prefetch stage and predictor, precision mode, substitution, and (where
+    the configuration names one) a placement."""
     from moetier.plan.precision import MixedPrecision
     from moetier.plan.substitute import Substitution
 
@@ -55,6 +56,9 @@ def mechanisms(config: str) -> dict:
     if kind == "substitute":
         return dict(prefetch="none", predictor="none", precision=MixedPrecision(),
                     substitution=Substitution(alpha=float(value)))
+    if kind == "placement":  # the CPU lane beside a GPU (moetier.plan.placement)
+        return dict(prefetch="none", predictor="none", precision=MixedPrecision(), substitution=None,
+                    placement=value)
     return dict(prefetch=kind, predictor=value or "none", precision=MixedPrecision(), substitution=None)
 
 
@@ -175,7 +179,7 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     call = [(i, phase) for i, (phase, rows) in enumerate(steps(trace)) if trace.seq[rows[0]] == 1]  # measured call
     sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True,
                    prefetch=stage, predictor=made, mixed=m["precision"], substitution=m["substitution"],
-                   timeline_steps=tuple(i for i, _ in call))
+                   placement=m.get("placement", "none"), timeline_steps=tuple(i for i, _ in call))
     measured = [i for i, phase in call if phase == 1]  # its decode steps
     layers = len(trace.layers)
     plans = [p for i in measured for p in sim.plans[i * layers:(i + 1) * layers]]

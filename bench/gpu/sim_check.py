@@ -4,9 +4,9 @@ layer step, and the simulated TPOT held against the measured one.
 
 The routing is recorded here, on the CPU, with bench_gpu.py's own prompts (its warm-up call, then its measured
 call; exact mode routes alike on any device, but for bf16 rounding), and replayed as bench_sim_validation.py
-replays the CPU engine's. Rows the simulator does not model are left out, and said: CPU-assisted compute (the
-replay's placement prices another machine's CPU lane) and batches above 1 (bench_gpu.py's batch rows draw their
-prompts round-robin).
+replays the CPU engine's — CPU-assisted compute too (`cpu-assist`, `cpu-offload`: the profile's host CPU is the
+second lane). Rows the simulator does not model are left out, and said: the disk rows, `--kernels torch`, and
+batches above 1 (bench_gpu.py's batch rows draw their prompts round-robin).
 
     python bench/gpu/sim_check.py bench/gpu/results/2026-11-27-h200 --model demo-fine-xl
     python bench/gpu/sim_check.py bench/gpu/results/2026-11-27-h200 --model olmoe-synth --tokens 12 --warmup 6
@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT / "gpu"))
 
 MODES = {"lru": "none", "hobbit": "precision:hobbit", "prefetch-hobbit": "hobbit:stacked-gates",
          "prefetch-presched": "presched:stacked-gates", "prefetch-oracle": "hobbit:oracle",
-         "substitute": "substitute:0.35"}
+         "substitute": "substitute:0.35", "cpu-assist": "placement:greedy", "cpu-offload": "placement:cpu-offload"}
+PRELOADED = {"cpu-offload"}  # modes bench_gpu.py starts with the cache preloaded (as at 100%)
 
 
 def record(model: str, prompt_len: int, warmup: int, tokens: int, out: Path):
@@ -88,7 +89,8 @@ def main() -> None:
             skipped.append(f"{r['mode']} {r.get('tier')} {r['budget']} b{r['batch']}")
             continue
         cfg = {"model": str(store.path), "policy": "lru", "prefetch": MODES[r["mode"]]}
-        sim = replay(trace, profile, cfg, r["expert_slots"], store.native_layout.blob_bytes, 2, r["budget"] == "100%",
+        preload = r["budget"] == "100%" or r["mode"] in PRELOADED
+        sim = replay(trace, profile, cfg, r["expert_slots"], store.native_layout.blob_bytes, 2, preload,
                      entry_bytes, hobbit if r["mode"] == "hobbit" else None)
         out.append({"mode": r["mode"], "budget": r["budget"], "real_tpot_s": r["tpot_s"], **sim,
                     "ratio": sim["sim_tpot_s"] / r["tpot_s"], "real_hit_rate": r["decode_hit_rate"]})
