@@ -67,7 +67,8 @@ class TritonExperts(OneByOne):
         self._made = None
         self._h = torch.empty(0)  # [P, I] bf16 between the two kernels, grown to the largest seen
         self._ys = torch.empty(0)  # [k, H] a routed token's expert outputs, before they are summed
-        self._routed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # (k, device) -> rows, spans
+        self._routed: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # (k, device) -> rows,
+        # spans of a routed token's pairs
 
     def _fits(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
         return x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and _tiles(w)
@@ -141,7 +142,7 @@ class TritonExperts(OneByOne):
         """One token x [1, H] through its experts straight from the router's topk_ids/topk_weights [1, k] on the
         device (no read back to the host): the k outputs [k, H], then their sum in fp32, rounded once, into out."""
         k = topk_ids.shape[1]
-        key = (k, str(x.device))
+        key = (k, x.device)
         if key not in self._routed:  # the pairs of a token's k experts: row 0 of x each, spans [j, j + 1)
             spans = torch.stack([torch.arange(k), torch.arange(1, k + 1)], 1).reshape(-1)
             self._routed[key] = (torch.zeros(k, dtype=torch.int64, device=x.device), spans.to(x.device))
