@@ -17,11 +17,12 @@ def expert_address(table, e, col: tl.constexpr, BITS: tl.constexpr, SCALES: tl.c
     int8 codes, or bytes of packed int4/int2 codes), or with SCALES a bf16 scale or zero."""
     address = tl.load(table + e * 6 + col)
     if SCALES or BITS == 16:
-        return address.to(tl.pointer_type(tl.bfloat16))
+        pointer = address.to(tl.pointer_type(tl.bfloat16))
     elif BITS == 8:
-        return address.to(tl.pointer_type(tl.int8))
+        pointer = address.to(tl.pointer_type(tl.int8))
     else:
-        return address.to(tl.pointer_type(tl.uint8))
+        pointer = address.to(tl.pointer_type(tl.uint8))
+    return pointer  # (one return: past a return in a constexpr `if`, Triton still compiles what follows, dead)
 
 
 @triton.jit
@@ -45,11 +46,11 @@ def weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS: tl.co
     """[BLOCK rows, BLOCK_K] of a matrix's weights as fp32: bf16 ones as they are, codes rounded to bf16 as
     `dequantize` rounds them."""
     if BITS == 16:
-        return tl.load(codes + rows[:, None] * stride_c + k[None, :]).to(tl.float32)
-    if BITS == 8:
+        w = tl.load(codes + rows[:, None] * stride_c + k[None, :]).to(tl.float32)
+    elif BITS == 8:
         q = tl.load(codes + rows[:, None] * stride_c + k[None, :]).to(tl.float32)
         s = tl.load(scales + rows).to(tl.float32)
-        w = q * s[:, None]
+        w = (q * s[:, None]).to(tl.bfloat16).to(tl.float32)
     else:
         per: tl.constexpr = 8 // BITS
         byte = tl.load(codes + rows[:, None] * stride_c + (k // per)[None, :]).to(tl.int32)
@@ -57,9 +58,9 @@ def weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS: tl.co
         g = k // GROUP
         s = tl.load(scales + rows[:, None] * stride_s + g[None, :]).to(tl.float32)
         z = tl.load(zeros + rows[:, None] * stride_s + g[None, :]).to(tl.float32)
-        w = (q - (1 << (BITS - 1))) * s + z
-    return w.to(tl.bfloat16).to(tl.float32)  # (bf16 values, multiplied in fp32: exact in tf32 too, and the
-    # interpreter's bf16 tl.dot, which CPU tests run, is wrong)
+        w = ((q - (1 << (BITS - 1))) * s + z).to(tl.bfloat16).to(tl.float32)
+    return w  # (bf16 values, multiplied in fp32: exact in tf32 too, and the interpreter's bf16 tl.dot, which CPU
+    # tests run, is wrong; one return: past a return in a constexpr `if`, Triton still compiles what follows, dead)
 
 
 @triton.jit
