@@ -137,6 +137,13 @@ def layer_paths(dev: torch.device, kernels, precision: str, k: int) -> dict:
     for suffix, path in {"": kernel, "_torch": getattr(kernel, "fallback", None)}.items():
         if path is not None:
             out[f"gpu_layer{k}_{precision}{suffix}_T1_s"] = cuda_time(partial(path.layer, ys, xs, weights, items))
+    if hasattr(kernel, "tiles"):  # the Triton kernels' untuned tile against a few others
+        from moetier.model.triton_experts import Tiles, TritonExperts
+
+        for n, kk in ((32, 64), (32, 128), (64, 128), (16, 256)):
+            other = TritonExperts(kernel.bits, kernel.fallback, Tiles(n, kk))
+            out[f"gpu_layer{k}_{precision}_tiles{n}x{kk}_T1_s"] = cuda_time(partial(other.layer, ys, xs, weights,
+                                                                                   items))
     table = kernel.token_table(ws) if hasattr(kernel, "token_routed") else None
     if table is not None and table.device is not None:
         ids, y = torch.arange(k, device=dev)[None], torch.empty(1, 2048, dtype=torch.bfloat16, device=dev)

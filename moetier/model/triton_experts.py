@@ -21,14 +21,33 @@ middle code (w = (q − mid)·s + z per group of 128 or 64 inputs), two or four 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from moetier.model.expert_kernels import OneByOne, TokenTable
 
 MAX_TOKENS = 16  # rows of the tl.dot tile: an expert's tokens in one program (more: `fallback`)
-BLOCK_N = 16  # output rows a program computes (16: tl.dot's least; more programs for a GPU's 132 SMs)
-BLOCK_K = 64  # inputs a step reads (a divisor of every group: 64 and 128)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A program's block: `n` output rows (16: tl.dot's least; more programs for a GPU's 132 SMs), `k` inputs a step
+    reads. Untuned: bench/gpu/micro.py times a few on the GPU it runs on."""
+
+    n: int = 16
+    k: int = 64
+
+    def __post_init__(self) -> None:
+        for name, v in (("n", self.n), ("k", self.k)):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"a tile's {name} is a power of two of at least 16, not {v}")
+
+    def fit(self, w: dict[str, torch.Tensor]) -> bool:
+        """Whether they tile the expert: hidden and intermediate sizes multiples of both."""
+        h, i = w["down_proj"].shape[0], _intermediate(w)
+        return all(d % t == 0 for d in (h, i) for t in (self.n, self.k))
 NAMES = ("gate_up_proj", "gate_up_proj.scales", "gate_up_proj.zeros", "down_proj", "down_proj.scales",
          "down_proj.zeros")  # a table row's six addresses, in order (a bf16 expert's: its two matrices')
 
@@ -62,8 +81,8 @@ class TritonExperts(OneByOne):
     ops) takes what these kernels do not: more than MAX_TOKENS tokens an expert, shapes the blocks do not tile,
     activations not in bf16. A pool's slots share one layout, so the first expert's shape stands for a call's."""
 
-    def __init__(self, bits: int, fallback) -> None:
-        self.bits, self.fallback = bits, fallback
+    def __init__(self, bits: int, fallback, tiles: Tiles = Tiles()) -> None:
+        self.bits, self.fallback, self.tiles = bits, fallback, tiles
         self._made = None
         self._h = torch.empty(0)  # [P, I] bf16 between the two kernels, grown to the largest seen
         self._ys = torch.empty(0)  # [k, H] a routed token's expert outputs, before they are summed
@@ -71,7 +90,7 @@ class TritonExperts(OneByOne):
         # spans of a routed token's pairs
 
     def _fits(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
-        return x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and _tiles(w)
+        return x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and self.tiles.fit(w)
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         if x.shape[0] > MAX_TOKENS or not self._fits(x, w):
@@ -120,18 +139,19 @@ class TritonExperts(OneByOne):
             self._h = torch.empty(max(p, MAX_TOKENS) * i, dtype=torch.bfloat16, device=x.device)
         h = self._h[:p * i].view(p, i)
         gu_s, dn_s = w0.get("gate_up_proj.scales", gu), w0.get("down_proj.scales", dn)
-        gate_up[(g, i // BLOCK_N)](x, rows, table, experts, spans, h, hidden, i, x.stride(0), gu.stride(0),
-                                   _stride(gu_s), h.stride(0), BITS=self.bits, GROUP=_group(hidden, gu_s, self.bits),
-                                   BT=MAX_TOKENS, BN=BLOCK_N, BK=BLOCK_K)
-        down[(g, hidden // BLOCK_N)](h, table, experts, spans, weights, ys, i, h.stride(0), dn.stride(0),
-                                     _stride(dn_s), ys.stride(0), BITS=self.bits, GROUP=_group(i, dn_s, self.bits),
-                                     BT=MAX_TOKENS, BN=BLOCK_N, BK=BLOCK_K)
+        bn, bk = self.tiles.n, self.tiles.k
+        gate_up[(g, i // bn)](x, rows, table, experts, spans, h, hidden, i, x.stride(0), gu.stride(0), _stride(gu_s),
+                              h.stride(0), BITS=self.bits, GROUP=_group(hidden, gu_s, self.bits), BT=MAX_TOKENS,
+                              BN=bn, BK=bk)
+        down[(g, hidden // bn)](h, table, experts, spans, weights, ys, i, h.stride(0), dn.stride(0), _stride(dn_s),
+                                ys.stride(0), BITS=self.bits, GROUP=_group(i, dn_s, self.bits), BT=MAX_TOKENS, BN=bn,
+                                BK=bk)
 
     def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
         """A layer's experts (by id) as a table of their addresses on their device, for `token_routed` (None where
         the blocks do not tile them)."""
         w = ws[0]
-        if not _tiles(w):
+        if not self.tiles.fit(w):
             return None
         ptrs = np.array([addresses(e) for e in ws], dtype=np.int64)  # [E, 6]
         return TokenTable(ptrs, tuple(w["down_proj"].shape), self.bits, torch.from_numpy(ptrs).to(
@@ -157,12 +177,6 @@ class TritonExperts(OneByOne):
 def _intermediate(w: dict[str, torch.Tensor]) -> int:
     """An expert's intermediate size, from its gate_up_proj's rows (packed codes keep rows whole)."""
     return w["gate_up_proj"].shape[0] // 2
-
-
-def _tiles(w: dict[str, torch.Tensor]) -> bool:
-    """Whether the kernels' blocks tile the expert: hidden and intermediate sizes multiples of both blocks."""
-    h, i = w["down_proj"].shape[0], _intermediate(w)
-    return h % BLOCK_K == 0 and i % BLOCK_K == 0 and h % BLOCK_N == 0 and i % BLOCK_N == 0
 
 
 def _stride(scales: torch.Tensor) -> int:

@@ -157,6 +157,32 @@ def test_a_routed_token_is_computed_from_the_routers_outputs_on_the_device(preci
     assert relative(got, want) < TOLERANCE
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int2"])
+def test_another_tile_computes_the_same(precision):
+    """Wider and deeper blocks (int2's groups of 64 inputs inside one 128-input step) give what the default does."""
+    from moetier.model.triton_experts import Tiles, TritonExperts
+
+    w = slots(precision)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=g).bfloat16().to(DEVICE)
+    weights = torch.rand(3, generator=g).bfloat16().to(DEVICE)
+    got, want = torch.empty_like(x), torch.empty_like(x)
+    kernel = triton_kernel(precision)
+    kernel(want, x, w, weights)
+    TritonExperts(kernel.bits, kernel.fallback, Tiles(32, 128))(got, x, w, weights)
+    assert relative(got, want) < 1e-2
+
+
+def test_a_tile_is_a_power_of_two_of_at_least_sixteen():
+    from moetier.model.triton_experts import Tiles
+
+    for n, k in ((8, 64), (16, 96), (48, 64)):
+        with pytest.raises(ValueError, match="power of two"):
+            Tiles(n, k)
+    assert Tiles(32, 128).fit({"down_proj": torch.empty(256, 128), "gate_up_proj": torch.empty(256, 256)})
+    assert not Tiles(32, 256).fit({"down_proj": torch.empty(256, 128), "gate_up_proj": torch.empty(256, 256)})
+
+
 def test_a_gpu_computes_bf16_and_quantized_experts_with_them_and_a_prefill_through_torchs_ops():
     from moetier.model.triton_experts import MAX_TOKENS, TritonExperts
 
@@ -184,9 +210,9 @@ from moetier.model.triton_kernels import down, gate_up
 ints = dict(K="i32", I="i32", stride_x="i32", stride_c="i32", stride_s="i32", stride_h="i32", stride_o="i32")
 pointers = dict(x="*bf16", x_rows="*i64", table="*i64", experts="*i64", spans="*i64", h="*bf16", weights="*fp32",
                 out="*bf16")
-for bits in (16, 8, 4, 2):
+for bits, bn, bk in ((16, 16, 64), (8, 16, 64), (4, 16, 64), (2, 16, 64), (16, 32, 128), (2, 64, 128)):
     for fn in (gate_up, down):
-        consts = dict(BITS=bits, GROUP=128, BT=16, BN=16, BK=64)
+        consts = dict(BITS=bits, GROUP=128 if bits == 4 else 64, BT=16, BN=bn, BK=bk)
         sig = {name: {**ints, **pointers}.get(name, "constexpr") for name in fn.arg_names}
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         assert "cubin" in kernel.asm, (fn.__name__, bits)
