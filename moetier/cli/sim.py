@@ -70,6 +70,7 @@ def _sim(args: argparse.Namespace) -> None:
         check_holds,
         encoder_set_aside,
         format_table,
+        host_tier_slots,
         plot_sweep,
         run,
     )
@@ -100,6 +101,8 @@ def _sim(args: argparse.Namespace) -> None:
     for n in batches:
         if n is not None:
             interleave(trace, n)  # a trace that cannot be batched so is refused before any cell runs
+    if args.host_memory is not None:
+        host_tier_slots(args.host_memory, trace, cost)  # no disk tier, or no room for an expert: refused now
     for policy, budget, prefetch, _ in configs:
         check_policy(policy)
         if prefetch != "none" and prefetch not in PREFETCHERS:
@@ -128,7 +131,8 @@ def _sim(args: argparse.Namespace) -> None:
     def cell(config):  # one configuration; a closure the runner forks or ships with the trace and cost model
         policy, budget, prefetch, batch = config
         return run(trace, cost, policy, budget, args.preload, timeline_steps, args.cache_partition,
-                   model_dir, prefetch, predictor, args.placement, substitution, batch, pressure, speculation)
+                   model_dir, prefetch, predictor, args.placement, substitution, batch, pressure, speculation,
+                   args.host_memory)
 
     runner = make_runner(args.ray, args.workers if len(configs) > 1 else 1)
     with _progress(configs, runner.name) as bar:
@@ -288,6 +292,10 @@ def add_parser(sub) -> None:
                     help="one expert cache for all layers, or the slots split evenly among them; auto: per-layer "
                          "where --speculate verifies drafts under a budget, else global (as the engine's)")
     sm.add_argument("--preload", action="store_true", help="start with the cache filled, as Engine.preload")
+    sm.add_argument("--host-memory", help="a host tier behind the cache, as the GPU engine's --host-memory (bytes or "
+                    "%% of the experts; least recently read out): a load it holds is a copy over the profile's first "
+                    "tier, one it does not a read from its disk tier first (a profile with two tiers, e.g. "
+                    "h200-pcie5); default: each expert in its profile tier")
     sm.add_argument("--prefetch", default="none",
                     help="one or more prefetch stages, comma-separated: none, hobbit, smoe, comoe, comoe-37, presched, ahead")
     sm.add_argument("--predictor", default="none",

@@ -129,6 +129,24 @@ class CostModel:
         serves the next read meanwhile."""
         return sum(t.latency_s for t in self.profile.tiers[:self.tier_index(key) + 1])
 
+    def copy_busy_s(self) -> float:
+        """Behind a host tier (SimExecutor's `host`): how long a copy from host memory holds the link (the profile's
+        first tier)."""
+        first = self.profile.tiers[0]
+        return self.expert_bytes / first.effective_bandwidth + first.per_read_s
+
+    def copy_latency_s(self) -> float:
+        return self.profile.tiers[0].latency_s
+
+    def disk_busy_s(self) -> float:
+        """Behind a host tier: how long a read from the disk into host memory holds the disk (the profile's last
+        tier, which a host tier's misses come from)."""
+        last = self.profile.tiers[-1]
+        return self.expert_bytes / last.effective_bandwidth + last.per_read_s
+
+    def disk_latency_s(self) -> float:
+        return self.profile.tiers[-1].latency_s
+
     def read_s(self, key: ExpertKey) -> float:
         """A read on an idle link, request to usable data."""
         return self.read_latency_s(key) + self.read_busy_s(key)
@@ -188,6 +206,18 @@ class FreeCost:
         return 0.0
 
     def read_cpu_s(self, key: ExpertKey) -> float:
+        return 0.0
+
+    def copy_busy_s(self) -> float:
+        return 0.0
+
+    def copy_latency_s(self) -> float:
+        return 0.0
+
+    def disk_busy_s(self) -> float:
+        return 0.0
+
+    def disk_latency_s(self) -> float:
         return 0.0
 
     def rest_of_step_s(self, traced_layers, tokens: int) -> float:

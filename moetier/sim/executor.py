@@ -23,6 +23,7 @@ from moetier.plan.layer_plan import FAST, HOST, IN_FLIGHT, LOAD, LayerPlan, Load
 from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
 from moetier.sim.cost import CostModel
+from moetier.sim.host_cache import HostCache
 
 
 @dataclass
@@ -36,12 +37,19 @@ class LayerTimeline:
 
 
 class SimExecutor:
-    def __init__(self, layer_step: LayerStep, cost: CostModel, costs: RunningCosts | None = None) -> None:
-        """`costs`: where the stages that weigh time hear what layers cost (the cost model's numbers)."""
-        self.layer_step, self.cost, self.costs = layer_step, cost, costs
+    def __init__(self, layer_step: LayerStep, cost: CostModel, costs: RunningCosts | None = None,
+                 host: HostCache | None = None) -> None:
+        """`costs`: where the stages that weigh time hear what layers cost (the cost model's numbers). `host`: a
+        host tier behind the cache (a GPU's three tiers): a load it holds is a copy over the link (the profile's
+        first tier); one it does not is first read from the disk (its last tier) into it — the disk and the link
+        each busy on their own, as the engine's reader threads and copy stream are. None: each expert in its
+        profile tier, read over one link."""
+        self.layer_step, self.cost, self.costs, self.host = layer_step, cost, costs, host
         self.residency = layer_step.residency
         self.now = 0.0  # the compute device's clock: where the next piece of work starts
         self.link_free = 0.0  # the link is busy until then
+        self.disk_free = 0.0  # behind a host tier: the disk is busy until then
+        self._idle_s: dict[ExpertKey, float] = {}  # behind a host tier: each key's last load on idle resources
         self.host_free = 0.0  # the host CPU lane is busy until then
         self.landing: dict[ExpertKey, float] = {}  # reads in flight for coming layers: when each one's data is usable
         self.queued: dict[ExpertKey, float] = {}  # prefetches waiting for the link, in order: when each was issued
@@ -125,13 +133,19 @@ class SimExecutor:
         return self.landing.pop(key)
 
     def _advance(self, t: float) -> None:
-        """Queued prefetches that the link starts before `t`, in order."""
+        """Queued prefetches that the link (or, for one not in the host tier, the disk) starts before `t`, in
+        order."""
         while self.queued:
             key, ready = next(iter(self.queued.items()))
-            if max(self.link_free, ready) >= t:
+            precision = self.residency.entries[key].precision
+            if max(self._free_for(key, precision), ready) >= t:
                 return
             del self.queued[key]
-            self.landing[key] = self._start(key, ready, self.residency.entries[key].precision)  # (pinned: there)
+            self.landing[key] = self._start(key, ready, precision)  # (pinned: there)
+
+    def _free_for(self, key: ExpertKey, precision: str) -> float:
+        """When the resource a read of `key` starts on is free: the disk for one a host tier does not hold."""
+        return self.disk_free if self.host is not None and (key, precision) not in self.host else self.link_free
 
     def _cpu_taken(self, tl: LayerTimeline) -> float:
         """The CPU that reads running beside this layer's compute took from it, where the compute device is the
@@ -146,6 +160,13 @@ class SimExecutor:
         return sum(rate * max(0.0, min(b, end) - max(a, start)) for start, end, rate in self._reading
                    for a, b in busy)
 
+    def idle_read_s(self, key: ExpertKey, precision: str) -> float:
+        """What the last load of `key` takes on idle resources, request to usable data (HOBBIT's miss penalty): its
+        read over the profile's tiers, or behind a host tier its copy, after a disk read where it missed there."""
+        if self.host is None:
+            return self.cost_at(precision).read_s(key)
+        return self._idle_s[key]
+
     def cost_at(self, precision: str) -> CostModel:
         """The cost model for experts at `precision` (a mixed-precision plan reads and computes several)."""
         cost = self._by_precision.get(precision)
@@ -155,12 +176,32 @@ class SimExecutor:
 
     def _start(self, key: ExpertKey, ready: float, precision: str) -> float:
         cost = self.cost_at(precision)
+        if self.host is not None:
+            return self._start_tiered(key, ready, precision, cost)
         start = max(self.link_free, ready)
         self.link_free = start + cost.read_busy_s(key)
         cpu = cost.read_cpu_s(key)
         if cpu and self.link_free > start:
             self._reading.append((start, self.link_free, cpu / (self.link_free - start)))
         usable = self.link_free + cost.read_latency_s(key)
+        self._tl.reads.append((key, start, usable))
+        return usable
+
+    def _start_tiered(self, key: ExpertKey, ready: float, precision: str, cost: CostModel) -> float:
+        """A load behind a host tier: a copy from host memory, after a read from the disk into it where the tier
+        does not hold the expert (TieredDeviceSlots: the copy is queued once the read lands)."""
+        disk = None
+        if not self.host.lookup(key, precision):
+            self.host.admit(key, precision)
+            disk = max(self.disk_free, ready)
+            self.disk_free = disk + cost.disk_busy_s()
+            ready = self.disk_free + cost.disk_latency_s()
+        copy = max(self.link_free, ready)
+        start = copy if disk is None else disk  # (drawn from the disk read where there is one)
+        self.link_free = copy + cost.copy_busy_s()
+        usable = self.link_free + cost.copy_latency_s()
+        self._idle_s[key] = cost.copy_busy_s() + cost.copy_latency_s() + (
+            0.0 if disk is None else cost.disk_busy_s() + cost.disk_latency_s())
         self._tl.reads.append((key, start, usable))
         return usable
 

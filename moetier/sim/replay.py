@@ -27,6 +27,7 @@ from moetier.plan.substitute import Substitution
 from moetier.predict.base import Predictor
 from moetier.sim.cost import CostModel, FreeCost
 from moetier.sim.executor import LayerTimeline, SimExecutor
+from moetier.sim.host_cache import HostCache
 from moetier.trace.format import Trace
 
 NATIVE = "native"  # the precision a trace's experts are replayed at when the model's own is not known
@@ -115,6 +116,7 @@ class SimResult:
     timelines: dict[int, list[LayerTimeline]] = field(default_factory=dict)  # step index -> its layers
     counts: CountingHook | None = None
     plans: list[LayerPlan] = field(default_factory=list)  # when kept
+    host: HostCache | None = None  # the host tier behind the cache, with its hits and reads (`host_slots`)
 
     @property
     def needed(self) -> int:
@@ -149,7 +151,8 @@ class SimResult:
                 "prefetches": prefetch_summary(self.counts.phases),
                 "substituted": self.counts.phases[DECODE].substituted,
                 "host_share": self.counts.phases[DECODE].host_runs / max(1, self.counts.phases[DECODE].needed),
-                "predictor_recall": predictor_recall(self.counts.phases[DECODE])}
+                "predictor_recall": predictor_recall(self.counts.phases[DECODE]),
+                "host_tier": None if self.host is None else {"hits": self.host.hits, "reads": self.host.reads}}
 
 
 def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostModel | FreeCost,
@@ -158,7 +161,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
              predictor: Predictor | None = None, prefetch_params: dict | None = None,
              mixed: MixedPrecision | None = None, substitution: Substitution | SimilarSubstitution | None = None,
              placement: str = "none", resizes: Mapping[int, int] | None = None,
-             shrink: str = "offload-priority") -> SimResult:
+             shrink: str = "offload-priority", host_slots: Mapping[str, int] | None = None) -> SimResult:
     """Drive `trace` through a layer step with a cache of `num_slots` experts and carry its plans out on `cost`'s
     clock. A policy's start set (static-hot's hot table) is loaded first, as the engine loads it when made; `preload`
     then starts as Engine.preload() does (experts admitted layer by layer until the cache is full), or, given keys,
@@ -174,9 +177,15 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     stage of moetier.plan.placement choosing per missing expert between a read and the profile's host CPU.
     `resizes`: memory pressure, {step index: slots} — before that step the cache is resized to that many experts (at
     the model's precision, a low tier's share beside them) as `--adapt` resizes the engine's; shrinking, `shrink`
-    chooses who leaves: "offload-priority" (CoMoE Eq. 18, plan/offload_priority.py, as --adapt) or "policy"."""
+    chooses who leaves: "offload-priority" (CoMoE Eq. 18, plan/offload_priority.py, as --adapt) or "policy".
+    `host_slots`: a host tier behind the cache (a GPU's `--host-memory`), {precision: slots}, least recently used
+    out (moetier/sim/host_cache.py): its hits copied over the profile's first tier, its misses read from the
+    last into it first; None: each expert in its profile tier, as the tiers' sizes place them."""
     if shrink not in SHRINKS:
         raise ValueError(f"unknown shrink order {shrink!r}: one of {', '.join(SHRINKS)}")
+    if host_slots is not None and isinstance(cost, CostModel) and len(cost.profile.tiers) < 2:
+        raise ValueError("a host tier needs a profile with two tiers below the cache: the link to host memory "
+                         "first, the disk behind it")
     if predictor is not None and set(predictor.moe_layers) != set(trace.all_layers):
         raise ValueError("the predictor must cover the trace's MoE layers (an encoder's too: sim/predictors.py)")
     mixed = mixed or MixedPrecision()
@@ -196,7 +205,9 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     stages = plan_stages(made, substitution, prefetch, predictor, costs, trace.top_k, prefetch_params, placement)
     layer_step = LayerStep(residency, Planner(high, stages), hooks=[counts, log] if keep_plans else [counts],
                            predictor=predictor)
-    executor = SimExecutor(layer_step, cost, costs)
+    host = None if host_slots is None else HostCache(
+        host_slots, (ExpertKey(layer, e) for layer in trace.all_layers for e in range(trace.num_experts)))
+    executor = SimExecutor(layer_step, cost, costs, host)
     resizes = dict(resizes or {})
     order = None
     if resizes and shrink == "offload-priority":  # counts the activations from the first step, as --adapt's
@@ -233,7 +244,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
             gate_input = table.gate_inputs[table_rows, j] if table.gate_inputs is not None else None
             plan, timeline = executor.layer(trace_route(table, table_rows, j, layer, layer_step.step), len(table_rows),
                                             gate_input)
-            result.miss_penalty_s += sum(executor.cost_at(ld.precision).read_s(ExpertKey(layer, ld.expert))
+            result.miss_penalty_s += sum(executor.idle_read_s(ExpertKey(layer, ld.expert), ld.precision)
                                          for ld in plan.loads)
             if index in keep:
                 result.timelines.setdefault(index, []).append(timeline)
@@ -243,6 +254,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
         result.step_time_s.append(executor.now - start)
         result.bytes_read.append(counts.phases[phase].bytes_read - loads_before)
     result.plans = log.plans
+    result.host = host
     return result
 
 

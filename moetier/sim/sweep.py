@@ -71,6 +71,24 @@ def budget_slots(budget: str, trace: Trace, cost: CostModel) -> int:
         // cost.expert_bytes
 
 
+def host_tier_slots(host_memory: str, trace: Trace, cost: CostModel) -> int:
+    """Host slots for `--host-memory` (bytes, or a share of the experts of the layers the trace covers) behind the
+    cache: a host tier needs a profile with the link to host memory first and the disk behind it."""
+    if len(cost.profile.tiers) < 2:
+        raise MoetierError(f"--host-memory needs a profile with a disk tier behind host memory; {cost.profile.name} "
+                           f"has one tier ({cost.profile.tiers[0].name})", hint="use a profile with two tiers, e.g. "
+                                                                                 "h200-pcie5, or leave --host-memory out")
+    total = len(trace.all_layers) * trace.num_experts
+    budget = MemoryBudget.parse(host_memory)
+    slots = {"share": lambda: budget.value * total, "bytes": lambda: budget.value // cost.expert_bytes,
+             "entries": lambda: budget.value, "auto": lambda: total}[budget.kind]()
+    slots = min(total, int(slots))
+    if slots < 1:
+        raise MoetierError(f"--host-memory {host_memory} holds no {format_bytes(cost.expert_bytes)} expert",
+                           hint="give at least one expert's bytes, or leave --host-memory out")
+    return slots
+
+
 @dataclass
 class SimRun:
     policy: str
@@ -93,14 +111,16 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
         timeline_steps: tuple[int, ...] = (), partition: str = "global", model_dir: Path | None = None,
         prefetch: str = "none", predictor: Callable[[], Predictor] | None = None, placement: str = "none",
         substitution: Substitution | None = None, batch: int | None = None,
-        pressure: Pressure | None = None, speculation: tuple[int, float] | None = None) -> SimRun:
+        pressure: Pressure | None = None, speculation: tuple[int, float] | None = None,
+        host_memory: str | None = None) -> SimRun:
     """`model_dir`: where trained policy files for the model live. `predictor`: makes a fresh predictor (of the
     trace it is given), which the `prefetch` stage and the policy hear. `placement`, `substitution`: as
     `simulate`'s. `batch`: the trace's sequences interleaved into batches of this many (moetier/trace/batch.py).
     `pressure`: the budget's changes during the replay (moetier/sim/pressure.py). `speculation`: (k, acceptance):
     decode steps regrouped as `--speculate k` verifies them (moetier/sim/speculation.py). `partition`: the cache's,
     as the engine's `--cache-partition` (global, per-layer, or auto: per-layer where speculation runs under a
-    budget)."""
+    budget). `host_memory`: a bounded host tier behind the cache, as the GPU engine's `--host-memory` (None: each
+    expert in its profile tier)."""
     if batch is not None:
         trace = interleave(trace, batch)
     produced = None
@@ -117,7 +137,9 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
                       per_layer, timeline_steps, prefetch=prefetch,
                       predictor=predictor(trace) if predictor is not None else None, substitution=substitution,
                       placement=placement, resizes=resizes,
-                      shrink=pressure.shrink if pressure is not None else "offload-priority")
+                      shrink=pressure.shrink if pressure is not None else "offload-priority",
+                      host_slots=None if host_memory is None else {
+                          cost.precision: host_tier_slots(host_memory, trace, cost)})
     extra = pressure.row(resizes) if pressure is not None else {}
     if produced is not None:  # a step's tokens are those it produced, not those it computed
         computed, result.step_tokens = result.step_tokens, produced

@@ -250,3 +250,28 @@ def test_placement_weighs_the_tiers_copies_and_computes_in_host_memory_where_the
     out = run(placement, tier)
     assert out.token_ids == exact.token_ids
     assert out.stats["decode"]["host_runs"] > 0
+
+
+@pytest.mark.parametrize("slots", [12, 20])
+def test_the_simulator_keeps_the_host_tier_the_engine_keeps(store, cuda_stand_ins, slots):
+    """Engine and simulator on one trace, a host tier of `slots` experts behind a 25% cache: the same plans, and the
+    same loads found in host memory (a copy) and read from disk into it (a read, then a copy)."""
+    from moetier import Engine
+    from moetier.cache.policies import LRUPolicy
+    from moetier.sim.cost import FreeCost
+    from moetier.sim.replay import simulate
+    from moetier.trace.record import TraceRecorder
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (6, 11, 8)]
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: slots}, FakePinning())
+    with Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("25%")), progress=False,
+                host_tier=tier) as engine, TraceRecorder(engine) as recorder:
+        for p in prompts:
+            engine.generate([p], max_new_tokens=10, ignore_eos=True)
+        cache_slots = engine.executor.slots
+    trace = recorder.trace(["a", "b", "c"])
+    sim = simulate(trace, LRUPolicy(), cache_slots, FreeCost(None, native), native, host_slots={native: slots})
+    assert tier.counts.reads > 0 and tier.counts.hits > 0  # (both kinds of load happened)
+    assert (sim.host.hits, sim.host.reads) == (tier.counts.hits, tier.counts.reads)

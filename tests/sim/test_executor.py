@@ -17,6 +17,7 @@ from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
 from moetier.sim.cost import CostModel
 from moetier.sim.executor import SimExecutor
+from moetier.sim.host_cache import HostCache
 from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Tier
 from moetier.sim.shapes import ModelShape
 from tests.handmade_plan import PrefetchAfter, Substitute
@@ -54,6 +55,25 @@ def test_reads_are_serial_and_overlap_resident_compute():
     assert [c[:3] for c in tl.computes] == [(0, 2.0, 3.0), (1, 3.0, 4.0), (2, 5.0, 6.0), (3, 8.0, 9.0)]
     assert tl.end == ex.now == 9.0 and ex.link_free == 8.0
     assert [r.expert for r in plan.hits] == [0, 1]
+
+
+def test_behind_a_host_tier_a_miss_is_a_disk_read_then_a_copy_and_a_hit_a_copy():
+    # a link of 100 B/s to host memory and a disk of 50 B/s behind it; 100 B experts: a copy 1 s, a disk read 2 s;
+    # two cache slots, four host slots. Layer 0 (dense 0-2): both misses everywhere — disk 2-4 then copy 4-5,
+    # disk 4-6 (the disk free while the first copies) then copy 6-7. Layer 1 (dense 8-10) evicts both from the
+    # cache: disk 10-12, copy 12-13; disk 12-14, copy 14-15. Layer 0 again (dense 16-18): both in host memory,
+    # copies 18-19 and 19-20, no disk.
+    tiers = (Tier("pcie", bandwidth_bytes_per_s=100.0), Tier("disk", bandwidth_bytes_per_s=50.0))
+    ex, _, _ = machine(2, 100, profile=dataclasses.replace(PROFILE, tiers=tiers))
+    ex.host = HostCache({"bf16": 4}, [ExpertKey(layer, e) for layer in (0, 1) for e in range(4)])
+    _, tl = ex.layer(route(0, [[0, 1]]), tokens=1)
+    assert [(k.expert, s, e) for k, s, e in tl.reads] == [(0, 2.0, 5.0), (1, 4.0, 7.0)]
+    assert [c[1:3] for c in tl.computes] == [(5.0, 6.0), (7.0, 8.0)] and tl.end == 8.0
+    _, tl = ex.layer(route(1, [[0, 1]]), tokens=1)
+    assert [(s, e) for _, s, e in tl.reads] == [(10.0, 13.0), (12.0, 15.0)] and tl.end == 16.0
+    _, tl = ex.layer(route(0, [[0, 1]]), tokens=1)
+    assert [(s, e) for _, s, e in tl.reads] == [(18.0, 19.0), (19.0, 20.0)] and tl.end == 21.0
+    assert (ex.host.hits, ex.host.reads, ex.disk_free) == (2, 4, 14.0)
 
 
 def test_reads_beside_the_compute_take_their_cpu_from_it_where_the_cpu_reads():
