@@ -24,13 +24,19 @@ class HostCache:
             p: OrderedDict.fromkeys(keys) if n >= len(keys) else OrderedDict() for p, n in self.slots.items()}
         self.hits = self.reads = 0
 
+    def _pool(self, precision: str) -> OrderedDict[ExpertKey, None]:
+        pool = self._lru.get(precision)
+        if pool is None:
+            raise ValueError(f"the host tier has no {precision} slots (it has {', '.join(self.slots)})")
+        return pool
+
     def __contains__(self, item: tuple[ExpertKey, str]) -> bool:
         key, precision = item
-        return key in self._lru[precision]
+        return key in self._pool(precision)
 
     def lookup(self, key: ExpertKey, precision: str) -> bool:
         """Whether `key` at `precision` is in host memory (now the most recently used), counted as a hit."""
-        lru = self._lru[precision]
+        lru = self._pool(precision)
         if key not in lru:
             return False
         lru.move_to_end(key)
@@ -39,7 +45,7 @@ class HostCache:
 
     def admit(self, key: ExpertKey, precision: str) -> None:
         """`key` read from disk into a slot: a free one, or the least recently used one's."""
-        lru = self._lru[precision]
+        lru = self._pool(precision)
         if len(lru) >= self.slots[precision]:
             lru.popitem(last=False)
         lru[key] = None

@@ -28,6 +28,8 @@ def test_least_recently_used_out_and_a_whole_pool_filled_first():
     assert (host.hits, host.reads) == (7, 3)
     with pytest.raises(ValueError, match="at least one"):
         HostCache({"bf16": 0}, KEYS)
+    with pytest.raises(ValueError, match="no int8 slots"):
+        host.lookup(a, "int8")
 
 
 @pytest.fixture(scope="module")
