@@ -65,6 +65,10 @@ def modes() -> dict[str, dict]:
     }
 
 
+PRELOADED = {"cpu-offload"}  # modes started with the cache preloaded, as every 100% row: llama.cpp's way, a fixed
+# set of experts on the GPU (layer by layer), the rest on the host (cpu-offload never loads)
+
+
 def store_of(model: str, cache: Path) -> Path:
     """The store for a model name: a built-in (made on first use), the synthetic OLMoE (made here) or a shape of
     another family with random weights (hf_synth.py)."""
@@ -167,9 +171,8 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
     if mode == "lru":
         engine.executor.layer_step.hooks.append(log)
     with engine:
-        if budget == "100%" or mode == "cpu-offload":  # everything fits: start with the whole model resident;
-            engine.preload()  # or llama.cpp's way, a fixed set of experts on the GPU (layer by layer), the rest on
-            # the host (cpu-offload never loads)
+        if budget == "100%" or mode in PRELOADED:  # everything fits: start with the whole model resident
+            engine.preload()
         warm, measured = prompt_ids(engine, model, batch, prompt_len)
         engine.generate(warm, max_new_tokens=warmup, ignore_eos=True)
         stats = engine.generate(measured, max_new_tokens=tokens, ignore_eos=True).stats

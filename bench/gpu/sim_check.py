@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT / "gpu"))
 MODES = {"lru": "none", "hobbit": "precision:hobbit", "prefetch-hobbit": "hobbit:stacked-gates",
          "prefetch-presched": "presched:stacked-gates", "prefetch-oracle": "hobbit:oracle",
          "substitute": "substitute:0.35", "cpu-assist": "placement:greedy", "cpu-offload": "placement:cpu-offload"}
-PRELOADED = {"cpu-offload"}  # modes bench_gpu.py starts with the cache preloaded (as at 100%)
 
 
 def record(model: str, prompt_len: int, warmup: int, tokens: int, out: Path):
@@ -59,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     import dataclasses
 
-    from bench_gpu import store_of
+    from bench_gpu import PRELOADED, store_of
     from bench_sim_validation import replay
 
     from moetier.paths import default_cache_dir

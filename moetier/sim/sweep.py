@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moetier.cache.capacity import cache_capacity, split_by_layer
 from moetier.cache.policies import PolicyContext
-from moetier.config import MemoryBudget, format_bytes
+from moetier.config import HostMemory, MemoryBudget, format_bytes
 from moetier.errors import MoetierError
 from moetier.plan.route import DECODE
 from moetier.plan.substitute import Substitution
@@ -79,9 +79,12 @@ def host_tier_slots(host_memory: str, trace: Trace, cost: CostModel) -> int:
                            f"has one tier ({cost.profile.tiers[0].name})", hint="use a profile with two tiers, e.g. "
                                                                                  "h200-pcie5, or leave --host-memory out")
     total = len(trace.all_layers) * trace.num_experts
-    budget = MemoryBudget.parse(host_memory)
+    budget = HostMemory.parse(host_memory).budget  # (what the engine's --host-memory takes)
+    if budget is None:
+        raise MoetierError("--host-memory 0 (no host tier) is not simulated: every load a disk read and a copy",
+                           hint="give the host tier bytes or a share, or leave --host-memory out")
     slots = {"share": lambda: budget.value * total, "bytes": lambda: budget.value // cost.expert_bytes,
-             "entries": lambda: budget.value, "auto": lambda: total}[budget.kind]()
+             "auto": lambda: total}[budget.kind]()
     slots = min(total, int(slots))
     if slots < 1:
         raise MoetierError(f"--host-memory {host_memory} holds no {format_bytes(cost.expert_bytes)} expert",

@@ -59,3 +59,12 @@ def test_a_profile_with_no_disk_behind_host_memory_is_refused_in_one_line(trace,
                  "--expert-memory", "25%", "--host-memory", "50%"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("moetier: error: --host-memory needs a profile with a disk tier") and len(err) == 2
+
+
+@pytest.mark.parametrize("host, says", [("0", "--host-memory 0 (no host tier) is not simulated"),
+                                        ("lots", "host memory"), ("1KiB", "holds no")])
+def test_a_host_tier_it_cannot_simulate_is_refused_in_one_line(trace, capsys, host, says):
+    assert main(["sim", "--trace", str(trace), "--profile", "h200-pcie5", "--model-shape", "olmoe-1b-7b",
+                 "--expert-memory", "25%", "--host-memory", host]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("moetier: error:") and says in err[0] and len(err) == 2
