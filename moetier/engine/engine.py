@@ -306,11 +306,13 @@ class _Parts:
 
 class Engine:
     def __init__(self, store: Store, config: EngineConfig = EngineConfig(), memory: MemoryView | None = None,
-                 predictor: Predictor | None = None, progress: bool = True, host_tier: HostTier | None = None) -> None:
+                 predictor: Predictor | None = None, progress: bool = True, host_tier: HostTier | None = None,
+                 copy_order: str = "demand-first") -> None:
         """`memory`: what bounds this process's memory (default: measured now, host and cgroups). `predictor`: a
         predictor object instead of the one `config.predictor` names (e.g. an oracle built from a trace).
         `host_tier`: a GPU run's host tier made earlier for this store (a benchmark's, shared by its engines; the
-        engine then leaves it open), instead of the one `config.host_memory` asks for."""
+        engine then leaves it open), instead of the one `config.host_memory` asks for. `copy_order`: how copies from
+        the host tier are queued (engine/copy_queue.py; "fifo" keeps the first GPU runs' order for a benchmark)."""
         self.store, self.config, self.spec = store, config, store.spec
         self.device = check_device(config.device)
         check_dense_precision(self.spec, config.dense_precision)
@@ -349,6 +351,7 @@ class Engine:
         self.dense_bytes = dense_bytes(dense)
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         self._given_predictor, self._given_tier = predictor is not None, host_tier is not None
+        self._copy_order = copy_order
         parts = self._parts(store, self.budget, policy, predictor, dense,
                             with_dense_precision(self.kernels, config.dense_precision, dense), memory, progress,
                             host_tier)
@@ -432,7 +435,8 @@ class Engine:
                                       config.prefetch, predictor, mixed=precision, dtype=dtype,
                                       substitution=substitution, placement=config.placement,
                                       host_kernels=make_kernels(config.kernels, dtype, "cpu")
-                                      if self.device.type != "cpu" else None, host_tier=host_tier)
+                                      if self.device.type != "cpu" else None, host_tier=host_tier,
+                                      copy_order=self._copy_order)
             model = make_model(spec, dense, executor, kernels)
             executor.preload(kept)  # (--offload encoder: the decoder's experts, resident for good)
             executor.residency.keep(kept)

@@ -13,6 +13,7 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.base import EvictionPolicy
 from moetier.cache.residency import PREFETCHED
 from moetier.config import ModelSpec
+from moetier.engine.copy_queue import COPY_ORDERS
 from moetier.engine.grouping import ExpertGroups
 from moetier.engine.host_tier import HostTier
 from moetier.engine.resident_layers import ResidentLayers
@@ -47,7 +48,7 @@ class ExpertExecutor:
                  dtype: torch.dtype = torch.bfloat16,
                  substitution: Substitution | SimilarSubstitution | None = None,
                  placement: str = "none", host_kernels: TorchKernels | None = None,
-                 host_tier: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None, copy_order: str = "demand-first") -> None:
         """`prefetch`: a stage of moetier.plan.prefetchers (or "none"), choosing reads from `predictor`'s scores.
         `mixed`: the precision mode (default: every expert at the model's own). `dtype`: the activations'.
         `substitution`: SMoE's (α None: the paper's for the model's size), or None. `placement`: a stage of
@@ -55,7 +56,8 @@ class ExpertExecutor:
         host CPU from the host tier — every expert at the model's precision in host memory, read at start-up —
         with `host_kernels` (the CPU's; default `kernels`, right when the device is the CPU itself). `host_tier`: the
         host memory behind a GPU's cache (engine/host_tier.py): the device's slots load from it, and placement
-        computes from it where it holds every expert."""
+        computes from it where it holds every expert. `copy_order`: how the copies from it are queued on the
+        device's copy stream (engine/copy_queue.py: "demand-first", or "fifo" as first measured)."""
         self.spec, self.manifest, self.reader, self.policy = spec, manifest, reader, policy
         self.kernels = kernels or TorchKernels()
         self.device = torch.device(device)
@@ -71,7 +73,9 @@ class ExpertExecutor:
                      spec.top_k, per_layer, spec.expert_keys())
         self.precision, self.residency, tier = made.high, made.residency, made.tier
         self.tier_bytes = made.tier_bytes  # what the low tier takes of the budget (low-tier mode)
-        self.host_tier, self._copy_stream = host_tier, None
+        if copy_order not in COPY_ORDERS:
+            raise MoetierError(f"unknown copy order {copy_order!r}", hint=f"one of {', '.join(COPY_ORDERS)}")
+        self.host_tier, self._copy_order, self.copies = host_tier, COPY_ORDERS[copy_order], None
         self.pools = {p: self._slots(p, self.residency.slots(p)) for p in self.residency.entry_bytes}
         if tier is not None:
             self.pools[tier.low] = make_slots(manifest.precisions[tier.low], spec.num_expert_keys, self.device,
@@ -120,10 +124,10 @@ class ExpertExecutor:
         """The cache's slots of `precision`: fed from the host tier where there is one and it keeps that
         precision, else read straight into (through staging buffers on a GPU)."""
         if self.host_tier is not None and precision in self.host_tier.pools:
-            if self._copy_stream is None:  # one copy stream for all of them: copies in the order asked
-                self._copy_stream = torch.cuda.Stream(self.device)
+            if self.copies is None:  # one copy queue (and stream) for all of them
+                self.copies = self._copy_order(self.device)
             return TieredDeviceSlots(self.manifest.precisions[precision], num_slots, self.device, self.host_tier,
-                                     precision, self._copy_stream)
+                                     precision, self.copies)
         return make_slots(self.manifest.precisions[precision], num_slots, self.device, self.manifest.linked(precision))
 
     @property
@@ -209,7 +213,9 @@ class ExpertExecutor:
             return self.resident_layers(layer, x, scores, topk_ids, topk_weights, shared, self.layer_step.step,
                                         self.layer_step.phase)
         # The one host sync of the layer: which experts to read is decided on the host from the routing.
-        route = RouteResult(layer, self.layer_step.step, *route_arrays(topk_ids, topk_weights, scores),
+        # (behind a host tier the host lets held prefetch copies onto the link while it waits)
+        wait = None if self.copies is None else self.copies.wait_current
+        route = RouteResult(layer, self.layer_step.step, *route_arrays(topk_ids, topk_weights, scores, wait),
                             self.layer_step.phase)
         if layer != self.spec.moe_layers[0]:  # (the first one's gap holds the previous step's head too)
             self.costs.observe_dense(time.perf_counter() - self._clock)
@@ -228,13 +234,13 @@ class ExpertExecutor:
         layer = plan.layer
         for key in plan.cancels:  # prefetches this layer proved wrong: give the link back if they never started
             precision, slot = self.in_flight.get(key, (None, None))
-            if slot is not None and self.reader.cancel(self.pools[precision].completions[slot]):
+            if slot is not None and self.pools[precision].cancel(self.reader, slot):
                 del self.in_flight[key]
                 self.residency.drop(key)
                 plan.cancelled.append((key, precision))
         for run in plan.runs:  # prefetches this layer needs, still reading: on-demand now, ahead of its loads
             if run.source == IN_FLIGHT:
-                self.reader.promote(self.pools[run.precision].completions[run.slot])
+                self.pools[run.precision].promote(self.reader, run.slot)
         deferred: dict[int, Load] = {}
         for load in plan.loads:  # on-demand reads first, before any compute, so they overlap it
             if load.after is None:
@@ -357,6 +363,7 @@ class ExpertExecutor:
         evicts by the policy (or by `order`: Residency.resize's) and hands the freed slots' pages back to the system,
         growing adds slots that fill as experts are needed. Returns the evicted keys."""
         for precision, slot in list(self.in_flight.values()):
+            self.pools[precision].promote(self.reader, slot)  # (a copy held on the host is queued now)
             self.pools[precision].completions[slot].done.wait()
         self._poll_landed()
         self.residency.unpin_all(PREFETCHED)

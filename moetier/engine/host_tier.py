@@ -9,7 +9,8 @@ experts (the slot placement computes from); a smaller one is a cache filled on d
 
 The tier is a mechanism: which expert the device cache holds is the policies' business; this tier keeps what was
 read from disk last, and a GPU slot's load asks it first (TieredDeviceSlots). A slot a read is landing in is pinned
-until its copy to the device is queued; a slot's last copy out must finish before it is read into again."""
+until its copy to the device is queued, one whose copy out is held (a prefetch waiting for the link: copy_queue.py)
+is kept until the copy is queued; a slot's last copy out must finish before it is read into again."""
 
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class HostTier:
         self._owner: dict[str, list[Key | None]] = {}  # precision -> slot -> key it holds (or None)
         self._free: dict[str, list[int]] = {}
         self._pinned: dict[str, set[int]] = {}  # slots a read is landing in, not yet copied out
+        self._held: dict[str, set[int]] = {}  # slots a copy out of is asked for but held (copy_queue.py)
         self._busy: dict[str, list[torch.cuda.Event | None]] = {}  # the last copy out of each slot
         for precision, n in slots.items():
             if not 0 < n <= len(keys):
@@ -99,7 +101,7 @@ class HostTier:
             self._where[precision], self._lru[precision] = {}, OrderedDict()
             self._owner[precision] = [None] * n
             self._free[precision] = list(range(n - 1, -1, -1))
-            self._pinned[precision], self._busy[precision] = set(), [None] * n
+            self._pinned[precision], self._held[precision], self._busy[precision] = set(), set(), [None] * n
         self.counts = TierCounts()
 
     @property
@@ -160,11 +162,11 @@ class HostTier:
     def _evict(self, precision: str) -> int:
         for key in self._lru[precision]:  # least recent first; pinned slots are few (the reads in flight)
             slot = self._where[precision][key]
-            if slot not in self._pinned[precision]:
+            if slot not in self._pinned[precision] and slot not in self._held[precision]:
                 del self._lru[precision][key], self._where[precision][key]
                 self._owner[precision][slot] = None
                 return slot
-        raise MoetierError(f"every {precision} slot of the host tier has a read in flight",
+        raise MoetierError(f"every {precision} slot of the host tier has a read or a copy in flight",
                            hint="give more --host-memory")
 
     def _resident(self, precision: str, key: Key, slot: int) -> None:
@@ -180,6 +182,14 @@ class HostTier:
             del self._where[precision][key], self._lru[precision][key]
             self._owner[precision][slot] = None
             self._free[precision].append(slot)
+
+    def hold(self, precision: str, slot: int) -> None:
+        """A copy out of `slot` is asked for but not yet queued: the slot keeps its expert until `let_go`."""
+        self._held[precision].add(slot)
+
+    def let_go(self, precision: str, slot: int) -> None:
+        """The held copy out of `slot` was queued (`copied`) or dropped."""
+        self._held[precision].discard(slot)
 
     def copied(self, precision: str, slot: int, event: torch.cuda.Event) -> None:
         """A copy out of `slot` was queued; it must finish before the slot is read into again."""

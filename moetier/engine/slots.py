@@ -10,9 +10,10 @@ few pinned host staging buffers and is copied to its slot on a side stream, and 
 device, not on the host. With a host tier the slots are `TieredDeviceSlots` (tiered_slots.py). Run on an H200
 (tests/engine/test_cuda.py, bench/gpu/run.sh); CI has no GPU and exercises `HostSlots`.
 
-Each gives the executor `submit(reader, key, blob, slot, priority)` (load an expert into a slot), `landed(slot)`
-(its read has finished: a device pool starts its copy now rather than when it is used) and `weights(slot)` once the
-slot's load has completed; the low tier and the host tier fill slots through `read_target(slot)`."""
+Each gives the executor `submit(reader, key, blob, slot, priority)` (load an expert into a slot), `promote(reader,
+slot)` and `cancel(reader, slot)` (a prefetch needed now, or proved wrong), `landed(slot)` (its read has finished: a
+device pool starts its copy now rather than when it is used) and `weights(slot)` once the slot's load has completed;
+the low tier and the host tier fill slots through `read_target(slot)`."""
 
 from __future__ import annotations
 
@@ -92,6 +93,14 @@ class HostSlots:
         """Read `blob` (expert `key`) into `slot`; its completion fires when the bytes are there."""
         reader.submit(blob, self.read_target(slot, blob.phase, blob.layer), self.completions[slot], priority)
 
+    def promote(self, reader, slot: int) -> None:
+        """The load into `slot` is needed now: its chunks not yet read go on-demand."""
+        reader.promote(self.completions[slot])
+
+    def cancel(self, reader, slot: int) -> bool:
+        """Cancel the load into `slot` if none of its reads has started: whether it was."""
+        return reader.cancel(self.completions[slot])
+
     def landed(self, slot: int) -> None:
         """Nothing to do: a read lands where compute reads."""
 
@@ -170,6 +179,9 @@ class DeviceSlots:
 
     def submit(self, reader, key, blob, slot: int, priority: int) -> None:
         reader.submit(blob, self.read_target(slot, blob.phase, blob.layer), self.completions[slot], priority)
+
+    promote = HostSlots.promote
+    cancel = HostSlots.cancel
 
     def link_activity(self) -> tuple[int, float]:
         """The reader's activity prices a load (the copy out of staging is a small part of it)."""

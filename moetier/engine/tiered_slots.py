@@ -6,7 +6,12 @@ host slot by the reader's threads (which keeps it for the next time) and copied 
 Ordering, all on the device: the copy into a slot waits for the kernels queued before it on the compute stream
 (the slot's previous expert may still be read by them: an event recorded when the load is asked for), and compute
 on the slot waits for the copy (an event the compute stream waits on). The host never waits for a copy; it waits
-only for a disk read, and, before a host slot is read into again, for its last copy out."""
+only for a disk read, and, before a host slot is read into again, for its last copy out.
+
+When a copy is queued is the copy queue's business (copy_queue.py, one per executor, shared by its precisions'
+pools): an on-demand load's at once, a prefetch's held on the host until the link has room (DemandFirstCopies), so
+prefetches never queue ahead of a later on-demand copy. A prefetch's completion fires when its copy is queued: until
+then the executor sees it in flight, and can cancel it (`cancel`) or need it now (`promote`, `weights`)."""
 
 from __future__ import annotations
 
@@ -14,17 +19,19 @@ from collections import deque
 
 import torch
 
+from moetier.engine.copy_queue import FifoCopies
 from moetier.engine.host_tier import HostTier
 from moetier.store.format import PrecisionLayout
-from moetier.store.reader import Completion
+from moetier.store.reader import ON_DEMAND, Completion
 
 
 class TieredDeviceSlots:
     waits_on_device = True  # compute on a loaded slot waits for its copy on the device (`weights`), not the host
 
     def __init__(self, layout: PrecisionLayout, num_slots: int, device: torch.device, tier: HostTier,
-                 precision: str, stream: torch.cuda.Stream | None = None) -> None:
-        """`stream`: the copy stream (one per executor, shared by its precisions' pools; default a new one)."""
+                 precision: str, copies: FifoCopies | None = None) -> None:
+        """`copies`: the copy queue and its stream (one per executor, shared by its precisions' pools; default a
+        FifoCopies of its own)."""
         self.layout, self.device, self.tier, self.precision = layout, device, tier, precision
         self.slot_bytes = layout.blob_bytes
         self.num_slots = 0
@@ -39,8 +46,9 @@ class TieredDeviceSlots:
         self._done: list[torch.cuda.Event] = []
         self._copies: list[int] = []  # copies into each slot so far
         self._timed: deque[tuple[int, int]] = deque()  # (slot, its copy count) of copies not yet timed
-        self._stream = stream or torch.cuda.Stream(device)
+        self.copies = copies or FifoCopies(device)
         self._pending: dict[int, int] = {}  # slot -> host slot its read is landing in, not yet copied
+        self._held: dict[int, tuple[int, bool]] = {}  # slot -> (host slot, read from disk) of a copy not yet queued
         self.ensure(num_slots)
 
     def ensure(self, num_slots: int) -> None:
@@ -61,16 +69,18 @@ class TieredDeviceSlots:
 
     def submit(self, reader, key, blob, slot: int, priority: int) -> None:
         """Load expert `key` (`blob`, at this pool's precision) into `slot`: from host memory if the tier has it
-        (the copy queued now), else read from disk into a host slot and copied when it lands."""
+        (its copy asked of the copy queue now), else read from disk into a host slot and copied when it lands."""
         if slot in self._pending:  # an earlier load into this slot never used (a prefetch evicted unused)
             self._drop_pending(slot)
+        if slot in self._held:
+            self._drop_held(slot)
         self._free[slot].record(torch.cuda.current_stream(self.device))  # the previous expert: read by what is queued
         if self.layout.layers:  # the views of this blob's layer (a Q4_K_M GGUF's layers differ)
             self._tensors[slot] = self.layout.views(self._blocks[slot], blob.layer)
         host = self.tier.lookup(key, self.precision)
         if host is not None:
-            self._copy(host, slot)
-            self.completions[slot].complete()
+            self.tier.hold(self.precision, host)
+            self._ask(slot, host, False, priority == ON_DEMAND)
             return
         host = self.tier.admit(key, self.precision, blob.length)
         self._pending[slot] = host
@@ -82,33 +92,78 @@ class TieredDeviceSlots:
         completion.done.wait()
         self.tier.unpin(self.precision, host, failed=completion.error is not None or completion.cancelled)
 
-    def landed(self, slot: int) -> None:
-        """The disk read for `slot` has landed in host memory: queue its copy now."""
-        if slot in self._pending:
-            self._copy_pending(slot)
+    def _drop_held(self, slot: int) -> None:
+        """Forget a held copy into `slot` (an expert evicted before its prefetch's copy was queued)."""
+        self.copies.drop(self, slot)
+        self._forget_held(slot)
 
-    def _copy_pending(self, slot: int) -> None:
+    def _forget_held(self, slot: int) -> None:
+        host, from_disk = self._held.pop(slot)
+        self._let_go(host, from_disk)
+
+    def _let_go(self, host: int, from_disk: bool) -> None:
+        if from_disk:  # (a read landed there: its expert is the tier's now)
+            self.tier.unpin(self.precision, host)
+        else:
+            self.tier.let_go(self.precision, host)
+
+    def landed(self, slot: int) -> None:
+        """The disk read for `slot` has landed in host memory: its copy is asked for now (a prefetch's: held until
+        the link has room)."""
+        if slot in self._pending:
+            self._copy_pending(slot, demand=False)
+
+    def _copy_pending(self, slot: int, demand: bool) -> None:
         host = self._pending.pop(slot)
         try:
             self.completions[slot].wait()
         except BaseException:
             self.tier.unpin(self.precision, host, failed=True)
             raise
-        self._copy(host, slot)
-        self.tier.unpin(self.precision, host)
+        self._ask(slot, host, True, demand)
 
-    def _copy(self, host: int, slot: int) -> None:
-        """Host slot `host` to device slot `slot` on the copy stream, once the slot's previous expert is free."""
-        done = self._done[slot]
-        self._stream.wait_event(self._free[slot])
-        with torch.cuda.stream(self._stream):
-            self._start[slot].record(self._stream)  # (after the wait: the copy's own time)
+    def _ask(self, slot: int, host: int, from_disk: bool, demand: bool) -> None:
+        """The copy of host slot `host` into `slot`, to the copy queue: queued now (`demand`) or held."""
+        self._held[slot] = (host, from_disk)
+        if not from_disk:  # (done when queued; a read's completion fired when it landed)
+            self.completions[slot].held()
+        if demand:
+            self.copies.demand(self, slot)
+        else:
+            self.copies.hold(self, slot)
+
+    def issue(self, slot: int) -> None:
+        """Queue the copy asked for `slot` on the copy stream, once the slot's previous expert is free (the copy
+        queue's call); the load is complete from the host's side."""
+        host, from_disk = self._held.pop(slot)
+        done, stream = self._done[slot], self.copies.stream
+        stream.wait_event(self._free[slot])
+        with torch.cuda.stream(stream):
+            self._start[slot].record(stream)  # (after the wait: the copy's own time)
             self._blocks[slot].copy_(self.tier.pools[self.precision].region(host), non_blocking=True)
-            done.record(self._stream)
+            done.record(stream)
         self._copied[slot] = True
         self._copies[slot] += 1
         self._timed.append((slot, self._copies[slot]))
         self.tier.copied(self.precision, host, done)
+        self._let_go(host, from_disk)
+        if not from_disk:
+            self.completions[slot].complete()
+
+    def promote(self, reader, slot: int) -> None:
+        """A load in flight is needed now: its held copy queued at once, or its disk read moved up."""
+        if not self.copies.force(self, slot):
+            reader.promote(self.completions[slot])
+
+    def cancel(self, reader, slot: int) -> bool:
+        """Cancel a prefetch into `slot` if its copy (or its disk read) has not started: whether it was."""
+        if slot in self._held and self.copies.drop(self, slot):
+            self._forget_held(slot)
+            completion = self.completions[slot]
+            completion.cancelled = True
+            completion.done.set()
+            return True
+        return reader.cancel(self.completions[slot])
 
     def link_activity(self) -> tuple[int, float]:
         """(bytes, seconds) of the copies to the device finished since the last call: what a load through the
@@ -127,7 +182,10 @@ class TieredDeviceSlots:
 
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
         if slot in self._pending:
-            self._copy_pending(slot)
+            self._copy_pending(slot, demand=True)
+        elif slot in self._held:
+            self.copies.force(self, slot)
+        self.copies.feed()
         if self._copied[slot]:  # compute waits for the copy on the device, not on the host
             torch.cuda.current_stream(self.device).wait_event(self._done[slot])
             self._copied[slot] = False

@@ -111,6 +111,13 @@ class Completion:
         self.remaining, self.started, self.cancelled, self.error = 0, 0, False, None
         self.done.set()
 
+    def held(self) -> None:
+        """A load its owner completes itself, later (a copy held on the host until the link has room:
+        engine/copy_queue.py): not done until `complete`."""
+        self.generation += 1
+        self.remaining, self.started, self.cancelled, self.error = 0, 0, False, None
+        self.done.clear()
+
     def wait(self) -> None:
         self.done.wait()
         if self.error is not None:

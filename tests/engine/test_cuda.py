@@ -157,6 +157,20 @@ def test_the_gpu_cache_with_or_without_the_host_tier_behind_it_is_exact(tiny_sto
         assert sum(t["reads"] for t in tiers) > 0 and sum(t["hits"] for t in tiers) > 0
 
 
+@pytest.mark.parametrize("order, host", [("demand-first", "auto"), ("demand-first", "40%"), ("fifo", "auto")])
+def test_prefetch_copies_held_for_the_link_or_queued_when_asked_leave_the_output_exact(tiny_store, order, host):
+    """engine/copy_queue.py on a real copy stream: prefetch copies held on the host until the link has room (and
+    fed while the host waits for each layer's routing), or queued when asked (the first runs' order)."""
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    exact, _ = tokens(path, "cuda", "100%")
+    config = EngineConfig(expert_memory=MemoryBudget.parse("25%"), device="cuda", prefetch="hobbit",
+                          predictor="stacked-gates", host_memory=HostMemory.parse(host))
+    with Engine(Store(path), config, progress=False, copy_order=order) as engine:
+        outs = [engine.generate([p], max_new_tokens=12, ignore_eos=True) for p in prompts()]
+    assert [ids for o in outs for ids in o.token_ids] == exact
+    assert sum(o.stats["prefetches"]["issued"] for o in outs) > 0
+
+
 def test_the_host_tier_is_page_locked(tiny_store):
     _, path = tiny_store("olmoe", num_hidden_layers=4)
     with Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse("25%"), device="cuda"),

@@ -76,8 +76,26 @@ def test_every_slot_being_read_is_refused_not_overwritten(store):
     tier = HostTier(store.manifest, keys, {native: 2}, FakePinning())
     tier.admit(keys[0], native, 1)
     tier.admit(keys[1], native, 1)
-    with pytest.raises(MoetierError, match="read in flight"):
+    with pytest.raises(MoetierError, match="read or a copy in flight"):
         tier.admit(keys[2], native, 1)
+
+
+def test_a_slot_whose_copy_out_is_held_is_kept_until_let_go(store):
+    """A prefetch's copy held on the host (copy_queue.py) keeps its expert in host memory until it is queued."""
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: 2}, FakePinning())
+    a, b = (tier.admit(k, native, 1) for k in keys[:2])
+    tier.unpin(native, a), tier.unpin(native, b)
+    tier.hold(native, tier.lookup(keys[0], native))
+    tier.lookup(keys[1], native)  # keys[1] the most recent: keys[0], held, would go first
+    assert tier.admit(keys[2], native, 1) == b  # the held one is passed over
+    assert tier.lookup(keys[0], native) == a and tier.lookup(keys[1], native) is None
+    tier.unpin(native, b)
+    tier.hold(native, b)
+    with pytest.raises(MoetierError, match="read or a copy in flight"):
+        tier.admit(keys[3], native, 1)
+    tier.let_go(native, a)
+    assert tier.admit(keys[3], native, 1) == a
 
 
 def test_a_failed_read_leaves_its_slot_free(store):
@@ -275,3 +293,67 @@ def test_the_simulator_keeps_the_host_tier_the_engine_keeps(store, cuda_stand_in
     sim = simulate(trace, LRUPolicy(), cache_slots, FreeCost(None, native), native, host_slots={native: slots})
     assert tier.counts.reads > 0 and tier.counts.hits > 0  # (both kinds of load happened)
     assert (sim.host.hits, sim.host.reads) == (tier.counts.hits, tier.counts.reads)
+
+
+class SlowEvent(FakeEvent):
+    """A stood-in copy done only once the host has looked at it twice (or waited for it): copies stay unfinished
+    long enough for prefetches to be held (moetier/engine/copy_queue.py)."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.looks = 3
+
+    def record(self, stream=None) -> None:
+        self.looks = 0
+
+    def query(self) -> bool:
+        self.looks += 1
+        return self.looks > 2
+
+    def synchronize(self) -> None:
+        self.looks = 3
+
+
+@pytest.mark.parametrize("order, slots", [("fifo", None), ("demand-first", None), ("demand-first", 12)])
+def test_prefetch_copies_held_for_the_link_are_queued_before_their_slot_is_read(store, cuda_stand_ins, monkeypatch,
+                                                                               order, slots):
+    """Prefetching through the host tier, copies finishing only as the host looks: a held prefetch copy is queued
+    before anything computes from its slot (here a copy is made when queued: a slot read before would hold another
+    expert and the tokens would differ), and one its layer proved wrong is dropped unqueued; behind a smaller tier,
+    prefetches read from disk first."""
+    from moetier import Engine
+    from moetier.engine.copy_queue import DemandFirstCopies
+
+    monkeypatch.setattr(torch.cuda, "Event", SlowEvent)
+    seen = {"force": 0, "drop": 0}
+
+    def spy(name, real):
+        def counted(self, pool, slot):
+            done = real(self, pool, slot)
+            seen[name] += done
+            return done
+        return counted
+
+    for name in seen:
+        monkeypatch.setattr(DemandFirstCopies, name, spy(name, getattr(DemandFirstCopies, name)))
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (7, 12)]
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+
+    def run(tier, **config):
+        config = EngineConfig(expert_memory=MemoryBudget.parse("25%"), **config)
+        with Engine(store, config, progress=False, host_tier=tier, copy_order=order) as engine:
+            outs = [engine.generate([p], max_new_tokens=12, ignore_eos=True) for p in prompts]
+        return [o.token_ids for o in outs], [o.stats["prefetches"] for o in outs]
+
+    exact, _ = run(None)
+    tier = HostTier(store.manifest, keys, {native: slots or len(keys)}, FakePinning())
+    if slots is None:
+        with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+            tier.fill(reader, progress=False)
+    tokens, prefetches = run(tier, prefetch="hobbit", predictor="stacked-gates")
+    assert tokens == exact
+    assert sum(p["issued"] for p in prefetches) > 0
+    if order == "demand-first":
+        assert seen["force"] > 0  # held copies needed before the link had room: queued when needed
+    else:
+        assert seen == {"force": 0, "drop": 0}
