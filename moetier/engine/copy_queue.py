@@ -3,8 +3,8 @@
 A copy queued on a CUDA stream can be neither overtaken nor called back: an on-demand copy queued behind prefetches
 waits for all of them, the wrong ones too (HOBBIT §4.2: "we must wait for the loading of the incorrect expert to
 finish before we can begin loading the required experts"). `DemandFirstCopies` keeps prefetch copies on the host
-and lets one onto the stream only while fewer than `depth` copies there are unfinished, so an on-demand copy, queued
-at once, waits at most for those — HOBBIT's task queue (on-demand tasks before prediction ones) and PreScope's
+and lets one onto the stream only while it has room (as many unfinished copies as the link finishes within a
+layer's dense part, at least two), so an on-demand copy, queued at once, waits at most for those — HOBBIT's task queue (on-demand tasks before prediction ones) and PreScope's
 event-driven I/O (the next transfer issued as one finishes), and the order the simulator prices (sim/executor.py:
 queued prefetches start behind on-demand reads, a started one is never interrupted). A held prefetch can still be
 cancelled for free when its layer proves it wrong. The host lets held copies on wherever it passes (a load asked, a
@@ -25,7 +25,7 @@ import torch
 class FifoCopies:
     """Every copy queued on the stream the moment it is asked for."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, costs=None) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
@@ -53,15 +53,19 @@ class FifoCopies:
 
 
 class DemandFirstCopies(FifoCopies):
-    """On-demand copies queued at once; prefetch copies held on the host until fewer than `depth` copies on the stream
-    are unfinished (default 2: one running and one behind it, so the link does not idle between two of the host's
-    looks, and an on-demand copy waits for at most two — 0.5 ms of 12 MiB experts at the H200 machine's 52 GB/s)."""
+    """On-demand copies queued at once; prefetch copies held on the host until the stream has room: fewer unfinished
+    copies than the link finishes within a layer's dense part (`costs`: RunningCosts' dense_s over read_s, the
+    copy's own time), and never fewer than `depth` (default 2: one running and one behind it, so the link does not
+    idle between two of the host's looks). Why the dense part: a prefetch is asked at a layer's end, and the host's
+    next look is at the next layer's routing — between them it queues the dense part, and the link should not sit
+    idle meanwhile; the copies let on then are done by the time that routing asks its on-demand ones (the link
+    having kept pace with the host), so an on-demand copy waits for at most the remainder of a dense part's worth."""
 
-    def __init__(self, device: torch.device, depth: int = 2, marks: int = 256) -> None:
+    def __init__(self, device: torch.device, costs=None, depth: int = 2, marks: int = 256) -> None:
         if depth < 1 or marks <= depth:
             raise ValueError(f"depth {depth} must be at least 1 and below marks {marks}")
         super().__init__(device)
-        self.depth = depth
+        self.costs, self.depth = costs, depth
         self._held: OrderedDict[tuple[object, int], None] = OrderedDict()  # (pool, slot), oldest first
         # a ring of events, one recorded after each copy queued: the stream's unfinished copies, oldest first (one
         # stream: a copy is done once a later one is)
@@ -91,7 +95,8 @@ class DemandFirstCopies(FifoCopies):
         return True
 
     def feed(self) -> bool:
-        while self._held and self._busy() < self.depth:
+        room = self.room()
+        while self._held and self._busy() < room:
             (pool, slot), _ = self._held.popitem(last=False)
             self._issue(pool, slot)
         return bool(self._held)
@@ -105,6 +110,13 @@ class DemandFirstCopies(FifoCopies):
                 self._routed.synchronize()
                 return
             time.sleep(0)
+
+    def room(self) -> int:
+        """How many unfinished copies the stream may hold before a prefetch's is held back."""
+        c = self.costs
+        if c is None or not c.dense_s or not c.read_s:
+            return self.depth
+        return max(self.depth, min(int(c.dense_s / c.read_s), len(self._marks) - 1))
 
     def _issue(self, pool, slot: int) -> None:
         pool.issue(slot)

@@ -76,13 +76,13 @@ class ExpertExecutor:
         if copy_order not in COPY_ORDERS:
             raise MoetierError(f"unknown copy order {copy_order!r}", hint=f"one of {', '.join(COPY_ORDERS)}")
         self.host_tier, self._copy_order, self.copies = host_tier, COPY_ORDERS[copy_order], None
+        self.costs = RunningCosts(entry_bytes[self.precision])  # (before the pools: a copy queue reads it)
         self.pools = {p: self._slots(p, self.residency.slots(p)) for p in self.residency.entry_bytes}
         if tier is not None:
             self.pools[tier.low] = make_slots(manifest.precisions[tier.low], spec.num_expert_keys, self.device,
                                               manifest.linked(tier.low))
         self.expert_kernels = {p: make_expert_kernel(p, self.kernels, dtype, spec) for p in self.pools}
         self.counts = CountingHook(entry_bytes, self.precision if mixed.mixed else None)
-        self.costs = RunningCosts(entry_bytes[self.precision])
         if substitution is not None:
             substitution = substitution.resolved(spec.num_expert_keys * spec.expert_params)
         prefetch_params = {"memory": device_memory(str(self.device)), **(prefetch_params or {})}  # (CoMoE's m_avail)
@@ -125,7 +125,7 @@ class ExpertExecutor:
         precision, else read straight into (through staging buffers on a GPU)."""
         if self.host_tier is not None and precision in self.host_tier.pools:
             if self.copies is None:  # one copy queue (and stream) for all of them
-                self.copies = self._copy_order(self.device)
+                self.copies = self._copy_order(self.device, self.costs)
             return TieredDeviceSlots(self.manifest.precisions[precision], num_slots, self.device, self.host_tier,
                                      precision, self.copies)
         return make_slots(self.manifest.precisions[precision], num_slots, self.device, self.manifest.linked(precision))

@@ -134,3 +134,24 @@ def test_hundreds_of_unfinished_copies_wait_for_the_oldest_rather_than_lose_coun
 def test_a_queue_with_no_room_is_refused(device, depth, marks):
     with pytest.raises(ValueError, match="depth"):
         DemandFirstCopies(torch.device("cuda"), depth=depth, marks=marks)
+
+
+def test_the_link_may_hold_what_it_finishes_within_a_layers_dense_part(device):
+    """Prefetches are asked at a layer's end; the host next looks at the next layer's routing, after queueing its
+    dense part: as many copies as the link finishes meanwhile go on at once (at least `depth`)."""
+    from moetier.plan.costs import RunningCosts
+
+    costs = RunningCosts(expert_bytes=1000)
+    copies, pool = DemandFirstCopies(torch.device("cuda"), costs, depth=2), Pool("p", device)
+    assert copies.room() == 2  # nothing measured yet
+    costs.observe_read(1000, 0.25e-3)  # a copy takes 0.25 ms
+    costs.observe_dense(1.1e-3)
+    assert copies.room() == 4
+    for slot in range(6):
+        copies.hold(pool, slot)
+    assert len(device.issued) == 4
+    costs.observe_dense(1e-4)  # (smoothed: 0.9 ms) a shorter dense part: 3, no fewer than two
+    assert copies.room() == 3
+    for _ in range(20):  # a slow link: no copy within a dense part; still two
+        costs.observe_read(1000, 1.0)
+    assert costs.read_s > costs.dense_s and copies.room() == 2
