@@ -189,6 +189,7 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
         counted.add(plan, entry_bytes or {precision: expert_bytes})
     return {"sim_tpot_s": float(np.mean([sim.step_time_s[i] for i in measured])),
             "sim_hit_rate": sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans),
+            "sim_loads_per_token": sum(len(p.loads) for p in plans) / len(measured),
             "sim_prefetches": prefetch_summary([counted]),
             "sim_expert_s": sum(end - start for tls in sim.timelines.values() for tl in tls  # (the engine's clock
                                 for _, start, end, place in tl.computes if place == FAST)}  # is on these only)

@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "gpu-sim-check")
+    ap.add_argument("--fit", metavar="MODE:BUDGET", help="print the host's work a load costs (the profile's first tier's "
+                    "per_read_s) that makes this row's simulated TPOT its measured one (gpu_profile.py --per-read-ms)")
     args = ap.parse_args()
     import dataclasses
 
@@ -98,10 +100,25 @@ def main() -> None:
     for o in out:
         print(f"{o['mode']:>18} {o['budget']:>6} {o['real_tpot_s'] * 1e3:8.2f} {o['sim_tpot_s'] * 1e3:8.2f} "
               f"{o['ratio']:8.2f} {o['real_hit_rate']:8.1%} {o['sim_hit_rate']:8.1%}")
+    if args.fit:
+        print(fitted(args.fit, out, profile))
     within = sum(abs(o["ratio"] - 1) <= 0.15 for o in out)
     print(f"within 15%: {within} of {len(out)}; not modelled here: {', '.join(skipped) or 'none'}")
     (args.out / f"{args.model}.json").write_text(json.dumps({"profile": args.profile, "rows": out,
                                                              "skipped": skipped}, indent=1, default=str))
+
+
+def fitted(row: str, out: list[dict], profile) -> str:
+    """The per_read_s that brings row MODE:BUDGET's simulation to its measurement: each load pays it once, so the
+    gap over the simulated loads a token (first order: a load's time is on the step's path, as on-demand loads are)."""
+    mode, _, budget = row.partition(":")
+    match = [o for o in out if o["mode"] == mode and o["budget"] == budget]
+    if not match:
+        raise SystemExit(f"sim_check: no row {row} among the modelled ones")
+    o, now = match[0], profile.tiers[0].per_read_s
+    need = now + (o["real_tpot_s"] - o["sim_tpot_s"]) / o["sim_loads_per_token"]
+    return (f"fit {row}: per_read_s {now * 1e3:.4f} ms -> {need * 1e3:.4f} ms "
+            f"({o['sim_loads_per_token']:.1f} loads a token; gpu_profile.py --per-read-ms {need * 1e3:.4f})")
 
 
 if __name__ == "__main__":

@@ -3,14 +3,15 @@
 A copy queued on a CUDA stream can be neither overtaken nor called back: an on-demand copy queued behind prefetches
 waits for all of them, the wrong ones too (HOBBIT §4.2: "we must wait for the loading of the incorrect expert to
 finish before we can begin loading the required experts"). `DemandFirstCopies` keeps prefetch copies on the host
-and lets one onto the stream only while it has room (as many unfinished copies as the link finishes within a
-layer's dense part, at least two), so an on-demand copy, queued at once, waits at most for those — HOBBIT's task queue (on-demand tasks before prediction ones) and PreScope's
-event-driven I/O (the next transfer issued as one finishes), and the order the simulator prices (sim/executor.py:
-queued prefetches start behind on-demand reads, a started one is never interrupted). A held prefetch can still be
-cancelled for free when its layer proves it wrong. The host lets held copies on wherever it passes (a load asked, a
-slot's weights taken, a layer's end) and while it waits for a layer's routing (`wait_current`), which on a GPU is
-where the host waits anyway. `FifoCopies` queues every copy when it is asked for: the order the first GPU runs
-measured (bench/gpu/bench_gpu.py keeps a row of it).
+and lets one onto the stream only while it has room (as many unfinished copies as the link finishes while the host
+is away queueing a dense part, at least two), so an on-demand copy, queued at once, waits at most for those —
+HOBBIT's task queue (on-demand tasks before prediction ones) and PreScope's event-driven I/O (the next transfer
+issued as one finishes), and the order the simulator prices (sim/executor.py: queued prefetches start behind
+on-demand reads, a started one is never interrupted). A held prefetch can still be cancelled for free when its layer
+proves it wrong. The host lets held copies on wherever it passes (a load asked, a slot's weights taken, a layer's
+end) and while it waits for a layer's routing (`wait_current`), which on a GPU is where the host waits anyway.
+`FifoCopies` queues every copy when it is asked for: the order the first GPU runs measured (bench/gpu/bench_gpu.py
+keeps a row of it).
 
 A pool hands the queue `(pool, slot)` and queues the copy itself when told (`pool.issue(slot)`, on `self.stream`)."""
 
@@ -54,18 +55,19 @@ class FifoCopies:
 
 class DemandFirstCopies(FifoCopies):
     """On-demand copies queued at once; prefetch copies held on the host until the stream has room: fewer unfinished
-    copies than the link finishes within a layer's dense part (`costs`: RunningCosts' dense_s over read_s, the
-    copy's own time), and never fewer than `depth` (default 2: one running and one behind it, so the link does not
-    idle between two of the host's looks). Why the dense part: a prefetch is asked at a layer's end, and the host's
-    next look is at the next layer's routing — between them it queues the dense part, and the link should not sit
-    idle meanwhile; the copies let on then are done by the time that routing asks its on-demand ones (the link
-    having kept pace with the host), so an on-demand copy waits for at most the remainder of a dense part's worth."""
+    copies than the link finishes while the host is away — from its last look to the next layer's routing, queueing
+    the dense part, when it cannot let copies on — and never fewer than `depth` (default 2: one running and one
+    behind it). The link then stays busy through the host's absence, and what it was given is done about when the
+    routing asks its on-demand copies. The absence is the host's own time (smoothed), not the device's: measured
+    against the device's, a link kept busy would lengthen the wait it is sized by. A copy's time: `costs.read_s`
+    (RunningCosts, from the copies' own CUDA events)."""
 
-    def __init__(self, device: torch.device, costs=None, depth: int = 2, marks: int = 256) -> None:
+    def __init__(self, device: torch.device, costs=None, depth: int = 2, marks: int = 256,
+                 smoothing: float = 0.2) -> None:
         if depth < 1 or marks <= depth:
             raise ValueError(f"depth {depth} must be at least 1 and below marks {marks}")
         super().__init__(device)
-        self.costs, self.depth = costs, depth
+        self.costs, self.depth, self.smoothing = costs, depth, smoothing
         self._held: OrderedDict[tuple[object, int], None] = OrderedDict()  # (pool, slot), oldest first
         # a ring of events, one recorded after each copy queued: the stream's unfinished copies, oldest first (one
         # stream: a copy is done once a later one is)
@@ -73,6 +75,8 @@ class DemandFirstCopies(FifoCopies):
         self._next = 0
         self._unfinished: deque[torch.cuda.Event] = deque()
         self._routed = torch.cuda.Event()  # what wait_current waits for
+        self._looked: float | None = None  # when the host last let copies on
+        self.away_s: float | None = None  # how long the host is away before a routing's wait, smoothed
 
     def demand(self, pool, slot: int) -> None:
         self._issue(pool, slot)
@@ -95,6 +99,7 @@ class DemandFirstCopies(FifoCopies):
         return True
 
     def feed(self) -> bool:
+        self._looked = time.perf_counter()
         room = self.room()
         while self._held and self._busy() < room:
             (pool, slot), _ = self._held.popitem(last=False)
@@ -104,6 +109,9 @@ class DemandFirstCopies(FifoCopies):
     def wait_current(self) -> None:
         """Wait for the compute stream's work so far, letting held copies on as the link frees (spinning, as CUDA's
         own wait does by default, and yielding the interpreter to the reader's threads between looks)."""
+        if self._looked is not None:
+            away = time.perf_counter() - self._looked
+            self.away_s = away if self.away_s is None else self.smoothing * away + (1 - self.smoothing) * self.away_s
         self._routed.record(torch.cuda.current_stream(self.device))
         while not self._routed.query():
             if not self.feed():
@@ -113,10 +121,10 @@ class DemandFirstCopies(FifoCopies):
 
     def room(self) -> int:
         """How many unfinished copies the stream may hold before a prefetch's is held back."""
-        c = self.costs
-        if c is None or not c.dense_s or not c.read_s:
+        copy_s = None if self.costs is None else self.costs.read_s
+        if not self.away_s or not copy_s:
             return self.depth
-        return max(self.depth, min(int(c.dense_s / c.read_s), len(self._marks) - 1))
+        return max(self.depth, min(int(self.away_s / copy_s) + 1, len(self._marks) - 1))
 
     def _issue(self, pool, slot: int) -> None:
         pool.issue(slot)

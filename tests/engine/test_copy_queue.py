@@ -136,22 +136,33 @@ def test_a_queue_with_no_room_is_refused(device, depth, marks):
         DemandFirstCopies(torch.device("cuda"), depth=depth, marks=marks)
 
 
-def test_the_link_may_hold_what_it_finishes_within_a_layers_dense_part(device):
+def test_the_link_may_hold_what_it_finishes_while_the_host_is_away(device, monkeypatch):
     """Prefetches are asked at a layer's end; the host next looks at the next layer's routing, after queueing its
-    dense part: as many copies as the link finishes meanwhile go on at once (at least `depth`)."""
+    dense part: as many copies as the link finishes meanwhile go on at once (at least `depth`). The absence is the
+    host's own time, from its last look to the routing's wait, not the wait itself."""
+    from moetier.engine import copy_queue
     from moetier.plan.costs import RunningCosts
 
+    clock = [0.0]
+    monkeypatch.setattr(copy_queue.time, "perf_counter", lambda: clock[0])
     costs = RunningCosts(expert_bytes=1000)
     copies, pool = DemandFirstCopies(torch.device("cuda"), costs, depth=2), Pool("p", device)
-    assert copies.room() == 2  # nothing measured yet
     costs.observe_read(1000, 0.25e-3)  # a copy takes 0.25 ms
-    costs.observe_dense(1.1e-3)
-    assert copies.room() == 4
-    for slot in range(6):
-        copies.hold(pool, slot)
-    assert len(device.issued) == 4
-    costs.observe_dense(1e-4)  # (smoothed: 0.9 ms) a shorter dense part: 3, no fewer than two
-    assert copies.room() == 3
-    for _ in range(20):  # a slow link: no copy within a dense part; still two
-        costs.observe_read(1000, 1.0)
-    assert costs.read_s > costs.dense_s and copies.room() == 2
+    assert copies.room() == 2  # the host's absence not yet seen
+
+    def layer(away_s: float, prefetches) -> None:
+        for slot in prefetches:  # a layer's end: its prefetches asked (each a look)
+            copies.hold(pool, slot)
+        clock[0] += away_s  # the next dense part queued
+        copies.wait_current()
+        clock[0] += 5e-3  # (the wait and the layer's own work: spent looking, not away)
+
+    copies.feed()
+    layer(1.2e-3, ())
+    assert copies.away_s == pytest.approx(1.2e-3) and copies.room() == 5  # four copies' time, and one behind them
+    layer(1.2e-3, range(8))
+    assert device.issued[:5] == [("p", s) for s in range(5)]  # five let on at the layer's end, the rest in the wait
+    for _ in range(12):
+        copies.feed()
+        layer(0.05e-3, ())  # a host hardly away: the floor
+    assert copies.room() == 2

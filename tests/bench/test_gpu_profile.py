@@ -1,0 +1,54 @@
+"""bench/gpu/gpu_profile.py: the GPU machine as a simulator profile, made from one GPU run's results — the committed
+h200-pcie5 profile again from the run it was made by hand from, and Triton's fused layer taken where measured."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+import gpu_profile  # noqa: E402
+
+from moetier.sim.profile import HardwareProfile  # noqa: E402
+
+RUN = ROOT / "bench" / "gpu" / "results" / "2026-11-27-h200"
+
+
+def test_the_h200_profile_is_made_again_from_its_run(tmp_path):
+    made = gpu_profile.build(RUN, "h200-again", 0.1246e-3, 0.209e-3, 0.073e-3, 2e12)
+    made.save(tmp_path / "h200-again.json")
+    made = HardwareProfile.load(tmp_path / "h200-again.json")  # (what it wrote reads back)
+    kept = HardwareProfile.load("h200-pcie5")
+    assert made.fast_tier_bytes == kept.fast_tier_bytes and made.compute_device == "gpu"
+    for a, b in zip(made.tiers, kept.tiers, strict=True):
+        assert a.bandwidth_bytes_per_s == pytest.approx(b.bandwidth_bytes_per_s, rel=1e-3)
+        assert a.latency_s == pytest.approx(b.latency_s, abs=1e-6) and a.per_read_s == b.per_read_s
+    for name, dev in kept.devices.items():
+        assert made.devices[name].memory_bandwidth_bytes_per_s == pytest.approx(dev.memory_bandwidth_bytes_per_s,
+                                                                                 rel=2e-3)
+        assert made.devices[name].call_overhead_s == pytest.approx(dev.call_overhead_s, rel=1e-2)
+    assert len(made.measured) == len(kept.measured) == 8  # two shapes (demo-fine-xl's, OLMoE's), four precisions
+    for m in kept.measured:
+        again = made.measured_for(m.hidden_size, m.moe_intermediate_size, m.precision)
+        for tokens in (1, 8):
+            assert again.expert_s(tokens) == pytest.approx(m.expert_s(tokens), rel=1e-3)
+        assert again.dense_s_per_layer(1) == pytest.approx(m.dense_s_per_layer(1), rel=1e-3)
+    assert made.executor_s_per_layer(1) == kept.executor_s_per_layer(1)
+
+
+def test_a_layers_experts_in_one_launch_pair_price_an_expert_where_measured():
+    micro = json.loads((RUN / "micro.json").read_text())
+    micro["gpu_layer8_int4_T1_s"] = 80e-6  # Triton's two launches for 8 experts
+    points, why = gpu_profile.expert_points(micro, "int4")
+    assert points[0] == [1.0, 10e-6] and "launch pair" in why
+    assert points[1][1] == pytest.approx(10e-6 * micro["gpu_expert_int4_T8_s"] / micro["gpu_expert_int4_T1_s"],
+                                         rel=1e-3)
+    points, why = gpu_profile.expert_points(micro, "int8")  # no layer measured at int8: one expert
+    assert points[0][1] == pytest.approx(micro["gpu_expert_int8_T1_s"], rel=1e-3) and "one expert" in why
+
+
+def test_a_card_with_no_figures_is_refused():
+    with pytest.raises(SystemExit, match="no figures for a 'NVIDIA A100'"):
+        gpu_profile.card("NVIDIA A100")
