@@ -26,6 +26,7 @@ with the experts through torch's ops rather than Triton's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
@@ -185,6 +186,8 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
     row = {k: stats[k] for k in ("ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "decode_tokens_per_s",
                                  "decode_hit_rate", "expert_bytes_per_token", "expert_cache_bytes", "expert_slots",
                                  "prefetches")}
+    mixed = engine.executor.mixed  # (the precision mode as the engine resolved it: what sim_check.py replays)
+    row.update(precision=dataclasses.asdict(mixed) if mixed.mixed else None)
     row.update(setup_s=setup_s, gpu_peak_bytes=gpu_peak(device), host_tier=stats.get("host_tier"),
                host_runs=stats["decode"].get("host_runs"), substituted=stats["decode"].get("substituted"))
     del engine

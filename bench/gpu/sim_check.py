@@ -75,9 +75,11 @@ def main() -> None:
         add_precisions(store.path, "int4", progress=False)
         store = Store(store.path)
     entry_bytes = {p: layout.blob_bytes for p, layout in store.manifest.precisions.items()}
-    # HOBBIT as the engine resolved it there: the model's fitted thresholds, the int4 low copy
-    hobbit = dataclasses.asdict(MixedPrecision("hobbit", low="int4").with_thresholds(load_thresholds(
-        store.trained_dir())))
+    # HOBBIT as the engine resolved it there: as the row records it (bench_gpu.py since 2026-11-28); a row of an
+    # earlier run, the model's fitted thresholds, the int4 low copy and the rule of the engine then — a cached copy
+    # run at the precision it is held at (`as-held`; the paper's by-gate rule came after the first GPU runs)
+    hobbit = dataclasses.asdict(MixedPrecision("hobbit", low="int4", cached="as-held").with_thresholds(
+        load_thresholds(store.trained_dir())))
 
     rows = [r for path in sorted(args.results.glob("bench-*.json")) for r in json.loads(path.read_text())["rows"]
             if r.get("model") == args.model and r.get("engine") == "moetier" and "tpot_s" in r]
@@ -92,7 +94,7 @@ def main() -> None:
         cfg = {"model": str(store.path), "policy": "lru", "prefetch": MODES[r["mode"]]}
         preload = r["budget"] == "100%" or r["mode"] in PRELOADED
         sim = replay(trace, profile, cfg, r["expert_slots"], store.native_layout.blob_bytes, 2, preload,
-                     entry_bytes, hobbit if r["mode"] == "hobbit" else None)
+                     entry_bytes, (r.get("precision") or hobbit) if r["mode"] == "hobbit" else None)
         out.append({"mode": r["mode"], "budget": r["budget"], "real_tpot_s": r["tpot_s"], **sim,
                     "ratio": sim["sim_tpot_s"] / r["tpot_s"], "real_hit_rate": r["decode_hit_rate"]})
     print(f"{args.model} on {args.profile}: simulated against measured (one GPU round each)")
