@@ -182,17 +182,27 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
             engine.preload()
         warm, measured = prompt_ids(engine, model, batch, prompt_len)
         engine.generate(warm, max_new_tokens=warmup, ignore_eos=True)
+        copies = engine.executor.copies  # (a GPU's copy queue behind a host tier)
+        before = copies and dataclasses.asdict(copies.counts)
         stats = engine.generate(measured, max_new_tokens=tokens, ignore_eos=True).stats
     row = {k: stats[k] for k in ("ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "decode_tokens_per_s",
                                  "decode_hit_rate", "expert_bytes_per_token", "expert_cache_bytes", "expert_slots",
                                  "prefetches")}
     mixed = engine.executor.mixed  # (the precision mode as the engine resolved it: what sim_check.py replays)
-    row.update(precision=dataclasses.asdict(mixed) if mixed.mixed else None)
+    row.update(precision=dataclasses.asdict(mixed) if mixed.mixed else None, copies=copy_counts(copies, before, mode))
     row.update(setup_s=setup_s, gpu_peak_bytes=gpu_peak(device), host_tier=stats.get("host_tier"),
                host_runs=stats["decode"].get("host_runs"), substituted=stats["decode"].get("substituted"))
     del engine
     freed(device)
     return row, (log.routes if mode == "lru" else None)
+
+
+def copy_counts(copies, before: dict | None, mode: str) -> dict | None:
+    """What a GPU's copy queue did with the measured call's prefetch copies (engine/copy_queue.py), and its order."""
+    if copies is None:
+        return None
+    now = dataclasses.asdict(copies.counts)
+    return {"order": COPY_ORDERS.get(mode, "demand-first"), **{k: v - before[k] for k, v in now.items()}}
 
 
 def run_accelerate(hf: Path, gpu_bytes: int, batch: int, tokens: int, prompt_len: int, vocab: int,

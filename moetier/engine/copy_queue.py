@@ -19,8 +19,22 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class CopyCounts:
+    """What a copy queue did with prefetch copies (a benchmark's row reports it): asked for, held back for want of
+    room at the time, queued early because a layer needed them, dropped unqueued (proved wrong, or evicted), and
+    let on while the host waited for a routing."""
+
+    asked: int = 0
+    held: int = 0
+    forced: int = 0
+    dropped: int = 0
+    fed_waiting: int = 0
 
 
 class FifoCopies:
@@ -29,11 +43,13 @@ class FifoCopies:
     def __init__(self, device: torch.device, costs=None) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.counts = CopyCounts()
 
     def demand(self, pool, slot: int) -> None:
         pool.issue(slot)
 
     def hold(self, pool, slot: int) -> None:
+        self.counts.asked += 1
         pool.issue(slot)
 
     def force(self, pool, slot: int) -> bool:
@@ -82,20 +98,24 @@ class DemandFirstCopies(FifoCopies):
         self._issue(pool, slot)
 
     def hold(self, pool, slot: int) -> None:
+        self.counts.asked += 1
         self._held[(pool, slot)] = None
-        self.feed()
+        if self.feed():
+            self.counts.held += (pool, slot) in self._held
 
     def force(self, pool, slot: int) -> bool:
         if (pool, slot) not in self._held:
             return False
         del self._held[(pool, slot)]
         self._issue(pool, slot)
+        self.counts.forced += 1
         return True
 
     def drop(self, pool, slot: int) -> bool:
         if (pool, slot) not in self._held:
             return False
         del self._held[(pool, slot)]
+        self.counts.dropped += 1
         return True
 
     def feed(self) -> bool:
@@ -114,7 +134,10 @@ class DemandFirstCopies(FifoCopies):
             self.away_s = away if self.away_s is None else self.smoothing * away + (1 - self.smoothing) * self.away_s
         self._routed.record(torch.cuda.current_stream(self.device))
         while not self._routed.query():
-            if not self.feed():
+            before = len(self._held)
+            left = self.feed()
+            self.counts.fed_waiting += before - len(self._held)
+            if not left:
                 self._routed.synchronize()
                 return
             time.sleep(0)

@@ -89,6 +89,7 @@ def test_an_on_demand_copy_goes_ahead_of_every_held_prefetch(device):
     device.finished = 4
     assert not copies.feed()
     assert device.issued[-1] == ("p", 3)
+    assert (copies.counts.asked, copies.counts.held) == (4, 2)
 
 
 def test_a_held_copy_needed_now_is_queued_at_once_and_a_wrong_one_never(device):
@@ -101,6 +102,7 @@ def test_a_held_copy_needed_now_is_queued_at_once_and_a_wrong_one_never(device):
     device.finished = 2
     assert not copies.feed()
     assert device.issued == [("a", 0), ("b", 1), ("a", 1)]  # a's slot 2 never
+    assert (copies.counts.forced, copies.counts.dropped) == (1, 1)
 
 
 def test_the_host_feeds_the_link_while_it_waits_for_the_routing(device):
@@ -111,6 +113,7 @@ def test_the_host_feeds_the_link_while_it_waits_for_the_routing(device):
     copies.wait_current()  # each look at the routing, the device finishes a copy: the next goes on
     assert device.issued == [("p", s) for s in range(4)]
     assert device.synced_after == 3 and device.syncs == 1  # a look a held copy; none left: a plain wait
+    assert copies.counts.fed_waiting == 3
 
 
 def test_fifo_queues_every_copy_when_asked(device):
