@@ -117,27 +117,33 @@ def freed(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def host_tier_for(store: Path, mode_names: list[str], device: str):
-    """One host tier holding every expert at each precision the modes read, filled once and handed to each engine
-    of the model (a tier of its own per engine would read the whole model from disk again for each)."""
+def precisions_for(store: Path, mode_names: list[str]) -> list[str]:
+    """The precisions the modes read (HOBBIT's low copies beside the model's own), added to the store where it
+    lacks them (the engine refuses a mode whose copies are missing)."""
+    from moetier.store.store import Store
+    from moetier.store.variants import add_precisions
+
+    s = Store(store)
+    native = s.manifest.native_precision
+    precisions = list(dict.fromkeys(p for m in mode_names
+                                    for p in modes()[m].get("precision", _native()).host_precisions(native)))
+    missing = [p for p in precisions if p not in s.manifest.precisions]
+    if missing:
+        add_precisions(s.path, ",".join(missing), progress=False)
+    return precisions
+
+
+def host_tier_for(store: Path, precisions: list[str]):
+    """One host tier holding every expert at each of `precisions`, filled once and handed to each engine of the
+    model (a tier of its own per engine would read the whole model from disk again for each)."""
     from moetier.config import HostMemory
     from moetier.engine.budget import plan_host_tier
     from moetier.engine.host_tier import HostTier
     from moetier.memory import memory_available
     from moetier.store.reader import ExpertReader
     from moetier.store.store import Store
-    from moetier.store.variants import add_precisions
 
-    if not device.startswith("cuda"):
-        return None
     s = Store(store)
-    native = s.manifest.native_precision
-    precisions = list(dict.fromkeys(p for m in mode_names
-                                    for p in modes()[m].get("precision", _native()).host_precisions(native)))
-    missing = [p for p in precisions if p not in s.manifest.precisions]
-    if missing:  # (the engine would add them itself, after this tier was made without them)
-        add_precisions(s.path, ",".join(missing), progress=False)
-        s = Store(store)
     choice = plan_host_tier(s, HostMemory(), memory_available(), tuple(precisions))
     tier = HostTier(s.manifest, s.spec.expert_keys(), choice.slots)
     start = time.perf_counter()
@@ -298,10 +304,10 @@ def main() -> None:
         plan += [(b, "lru", batches[0], "disk") for b in args.disk_budgets.split(",") if b]
         plan += [(b, "torch-kernels", batches[0], "host") for b in args.kernel_budgets.split(",") if b]
         plan += [(b, "lru", n, "host") for n in batches[1:] for b in args.batch_budgets.split(",")]
-        tier = None
+        tier, precisions = None, precisions_for(store, ["lru", *mode_names])
         if args.device.startswith("cuda"):
             try:
-                tier, fill_s, note = host_tier_for(store, ["lru", *mode_names], args.device)
+                tier, fill_s, note = host_tier_for(store, precisions)
                 record({"model": model, "engine": "moetier", "mode": "host-tier-fill", "fill_s": fill_s,
                         "note": note, "host_bytes": tier.nbytes})
             except Exception as e:

@@ -14,7 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "bench_gpu.py"
 def test_every_row_kind_measures_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), "--models", "small-synth",
                         "--device", "cpu", "--cache", str(tmp_path / "cache"), "--budgets", "50%,100%",
-                        "--batch", "1", "--modes", "prefetch-oracle,cpu-offload", "--mode-budget", "50%",
+                        "--batch", "1", "--modes", "prefetch-oracle,cpu-offload,hobbit,prefetch-hobbit-fifo",
+                        "--mode-budget", "50%",
                         "--kernel-budgets", "100%", "--disk-budgets=", "--tokens", "3", "--warmup", "2",
                         "--no-process-warmup"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -22,5 +23,7 @@ def test_every_row_kind_measures_on_the_cpu(tmp_path):
     assert not [row for row in rows if "error" in row], rows
     got = {(row["mode"], row["budget"]) for row in rows}
     assert got == {("lru", "50%"), ("lru", "100%"), ("prefetch-oracle", "50%"), ("cpu-offload", "50%"),
-                   ("torch-kernels", "100%")}
+                   ("hobbit", "50%"), ("prefetch-hobbit-fifo", "50%"), ("torch-kernels", "100%")}
+    # (HOBBIT's low copies added to the store; the mode as the engine resolved it, for sim_check.py)
+    assert [row["precision"]["cached"] for row in rows if row["mode"] == "hobbit"] == ["by-gate"]
     assert all(row["tpot_s"] > 0 for row in rows)
