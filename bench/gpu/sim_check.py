@@ -5,8 +5,10 @@ layer step, and the simulated TPOT held against the measured one.
 The routing is recorded here, on the CPU, with bench_gpu.py's own prompts (its warm-up call, then its measured
 call; exact mode routes alike on any device, but for bf16 rounding), and replayed as bench_sim_validation.py
 replays the CPU engine's — CPU-assisted compute too (`cpu-assist`, `cpu-offload`: the profile's host CPU is the
-second lane). Rows the simulator does not model are left out, and said: the disk rows, `--kernels torch`, and
-batches above 1 (bench_gpu.py's batch rows draw their prompts round-robin).
+second lane). Rows the simulator does not model are left out, and said: the disk rows, `--kernels torch`, the
+`fifo` copy order (`prefetch-hobbit-fifo`: the simulator queues prefetches behind on-demand loads, as the engine's
+default does), and batches above 1 (bench_gpu.py's batch rows draw their prompts round-robin). `--fit MODE:BUDGET`
+prints the per-load host figure that makes that row exact (gpu_profile.py's `--per-read-ms`).
 
     python bench/gpu/sim_check.py bench/gpu/results/2026-11-27-h200 --model demo-fine-xl
     python bench/gpu/sim_check.py bench/gpu/results/2026-11-27-h200 --model olmoe-synth --tokens 12 --warmup 6
@@ -75,7 +77,7 @@ def main() -> None:
         add_precisions(store.path, "int4", progress=False)
         store = Store(store.path)
     entry_bytes = {p: layout.blob_bytes for p, layout in store.manifest.precisions.items()}
-    # HOBBIT as the engine resolved it there: as the row records it (bench_gpu.py since 2026-11-28); a row of an
+    # HOBBIT as the engine resolved it there: as the row records it (bench_gpu.py's rows do now); for a row of an
     # earlier run, the model's fitted thresholds, the int4 low copy and the rule of the engine then — a cached copy
     # run at the precision it is held at (`as-held`; the paper's by-gate rule came after the first GPU runs)
     hobbit = dataclasses.asdict(MixedPrecision("hobbit", low="int4", cached="as-held").with_thresholds(
