@@ -23,6 +23,12 @@
 #     GPU_STAGES="env install llama-build bench-olmoe llama-bench" GPU_MODES=cpu-offload,cpu-assist \
 #         GPU_OLMOE="--budgets 25%,100% --batch 1 --disk-budgets=" GPU_DEADLINE=560 bash bench/gpu/run.sh
 # DeepSeek-V2-Lite's shape, in a call of its own too: GPU_STAGES="env install bench-dsv2" bash bench/gpu/run.sh
+# Both calls in one session's 15 minutes: on the machine the main call leaves warm (the device tool gives it back
+# after idle_release_s — call again at once), the llama.cpp rows need only its build and bench, the synthetic OLMoE,
+# its Hugging Face copy (.gpu-cache) and the install (/tmp/site) being there still: GPU_STAGES="llama-build
+# llama-bench" with .whl/llama carried, ~5 min (ggml-cuda for sm_90 is 36.5 CPU-minutes of nvcc 13.0, measured on a
+# 2-core Xeon: ~2.5 min on 16 cores); the main call then with GPU_DEADLINE=450 or so. Its rows sit beside the main
+# call's moetier rows on the same warm machine.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/bench/out/gpu}
