@@ -355,5 +355,6 @@ def test_prefetch_copies_held_for_the_link_are_queued_before_their_slot_is_read(
     assert sum(p["issued"] for p in prefetches) > 0
     if order == "demand-first":
         assert seen["force"] > 0  # held copies needed before the link had room: queued when needed
+        assert seen["drop"] > 0 and sum(p["cancelled"] for p in prefetches) > 0  # wrong ones never queued
     else:
         assert seen == {"force": 0, "drop": 0}
