@@ -57,7 +57,7 @@ def modes() -> dict[str, dict]:
         "lru": {},
         "hobbit": {"precision": MixedPrecision("hobbit")},
         "prefetch-hobbit": {"prefetch": "hobbit", "predictor": "stacked-gates"},
-        "prefetch-hobbit-fifo": {"prefetch": "hobbit", "predictor": "stacked-gates"},  # (COPY_ORDERS)
+        "prefetch-hobbit-fifo": {"prefetch": "hobbit", "predictor": "stacked-gates"},  # (MODE_COPY_ORDERS)
         "prefetch-presched": {"prefetch": "presched", "predictor": "stacked-gates"},
         "prefetch-oracle": {"prefetch": "hobbit", "predictor": "oracle"},  # handed in: the lru run's routing
         "substitute": {"substitution": Substitution(alpha=0.35)},
@@ -67,9 +67,9 @@ def modes() -> dict[str, dict]:
     }
 
 
-COPY_ORDERS = {"prefetch-hobbit-fifo": "fifo"}  # modes that queue the host tier's copies otherwise than demand-first:
-# every prefetch copy on the stream when asked for, ahead of later on-demand ones (engine/copy_queue.py; the first
-# GPU runs' order, for a side-by-side of what holding prefetches back gains)
+MODE_COPY_ORDERS = {"prefetch-hobbit-fifo": "fifo"}  # modes that queue the host tier's copies otherwise than
+# demand-first: every prefetch copy on the stream when asked for, ahead of later on-demand ones
+# (engine/copy_queue.py; the first GPU runs' order, for a side-by-side of what holding prefetches back gains)
 
 PRELOADED = {"cpu-offload"}  # modes started with the cache preloaded, as every 100% row: llama.cpp's way, a fixed
 # set of experts on the GPU (layer by layer), the rest on the host (cpu-offload never loads)
@@ -178,7 +178,7 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
         config = {**config, "host_memory": HostMemory(None)}
     engine = Engine(s, EngineConfig(expert_memory=MemoryBudget.parse(budget), device=device, **config),
                     predictor=oracle, progress=False, host_tier=tier,
-                    copy_order=COPY_ORDERS.get(mode, "demand-first"))
+                    copy_order=MODE_COPY_ORDERS.get(mode, "demand-first"))
     setup_s = time.perf_counter() - start
     log = RouteLog()
     if mode == "lru":
@@ -208,7 +208,7 @@ def copy_counts(copies, before: dict | None, mode: str) -> dict | None:
     if copies is None:
         return None
     now = dataclasses.asdict(copies.counts)
-    return {"order": COPY_ORDERS.get(mode, "demand-first"), **{k: v - before[k] for k, v in now.items()}}
+    return {"order": MODE_COPY_ORDERS.get(mode, "demand-first"), **{k: v - before[k] for k, v in now.items()}}
 
 
 def run_accelerate(hf: Path, gpu_bytes: int, batch: int, tokens: int, prompt_len: int, vocab: int,

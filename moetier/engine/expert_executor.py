@@ -78,6 +78,8 @@ class ExpertExecutor:
         self.host_tier, self._copy_order, self.copies = host_tier, COPY_ORDERS[copy_order], None
         self.costs = RunningCosts(entry_bytes[self.precision])  # (before the pools: a copy queue reads it)
         self.pools = {p: self._slots(p, self.residency.slots(p)) for p in self.residency.entry_bytes}
+        # how the host waits for a layer's routing: behind a host tier, letting held prefetch copies onto the link
+        self._route_wait = None if self.copies is None else self.copies.wait_current
         if tier is not None:
             self.pools[tier.low] = make_slots(manifest.precisions[tier.low], spec.num_expert_keys, self.device,
                                               manifest.linked(tier.low))
@@ -213,10 +215,8 @@ class ExpertExecutor:
             return self.resident_layers(layer, x, scores, topk_ids, topk_weights, shared, self.layer_step.step,
                                         self.layer_step.phase)
         # The one host sync of the layer: which experts to read is decided on the host from the routing.
-        # (behind a host tier the host lets held prefetch copies onto the link while it waits)
-        wait = None if self.copies is None else self.copies.wait_current
-        route = RouteResult(layer, self.layer_step.step, *route_arrays(topk_ids, topk_weights, scores, wait),
-                            self.layer_step.phase)
+        route = RouteResult(layer, self.layer_step.step,
+                            *route_arrays(topk_ids, topk_weights, scores, self._route_wait), self.layer_step.phase)
         if layer != self.spec.moe_layers[0]:  # (the first one's gap holds the previous step's head too)
             self.costs.observe_dense(time.perf_counter() - self._clock)
         self._poll_landed()

@@ -52,3 +52,20 @@ def test_a_layers_experts_in_one_launch_pair_price_an_expert_where_measured():
 def test_a_card_with_no_figures_is_refused():
     with pytest.raises(SystemExit, match="no figures for a 'NVIDIA A100'"):
         gpu_profile.card("NVIDIA A100")
+
+
+def test_a_precision_micro_did_not_time_is_refused():
+    micro = json.loads((RUN / "micro.json").read_text())
+    del micro["gpu_expert_int2_T1_s"]
+    with pytest.raises(SystemExit, match="no int2 expert"):
+        gpu_profile.expert_points(micro, "int2")
+
+
+def test_the_fit_is_the_gap_over_the_loads_and_a_row_not_there_is_refused():
+    import sim_check
+
+    out = [{"mode": "lru", "budget": "25%", "real_tpot_s": 0.073, "sim_tpot_s": 0.060, "sim_loads_per_token": 100.0}]
+    kept = HardwareProfile.load("h200-pcie5")  # (its per_read_s: 0.1246 ms)
+    assert "-> 0.2546 ms" in sim_check.fitted("lru:25%", out, kept)  # 0.1246 + 13 ms / 100 loads
+    with pytest.raises(SystemExit, match="no row lru:50%"):
+        sim_check.fitted("lru:50%", out, kept)

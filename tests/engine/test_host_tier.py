@@ -358,3 +358,11 @@ def test_prefetch_copies_held_for_the_link_are_queued_before_their_slot_is_read(
         assert seen["drop"] > 0 and sum(p["cancelled"] for p in prefetches) > 0  # wrong ones never queued
     else:
         assert seen == {"force": 0, "drop": 0}
+
+
+def test_an_unknown_copy_order_is_refused_in_one_line(store):
+    from moetier import Engine
+
+    with pytest.raises(MoetierError, match="unknown copy order 'lifo'") as e:
+        Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("25%")), progress=False, copy_order="lifo")
+    assert "demand-first" in e.value.hint
