@@ -22,6 +22,8 @@ from ray.serve.config import RequestRouterConfig
 
 from moetier.serve.protocol import error_body
 
+REPLICA_HEADER = "x-moetier-replica"  # on every answer: the Ray actor of the replica that gave it
+
 # Ray Serve's prefix-aware router (exported as ray.serve.llm.request_router.PrefixCacheAffinityRouter, whose package
 # also loads Ray's LLM stack and pyarrow; the class itself needs neither)
 ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
@@ -82,6 +84,7 @@ class EngineReplica:
     def __init__(self, model: str, engine_options: dict, serve_options: dict, max_prefill_tokens: int | None = None
                  ) -> None:
         import httpx
+        import ray
 
         from moetier.engine.engine import Engine
         from moetier.serve.app import ServeSettings, make_app
@@ -96,10 +99,12 @@ class EngineReplica:
         self.app = make_app(self.loop, settings)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://replica",
                                         timeout=None)
+        # (Ray's name for this replica's actor, as `ray list actors` shows it: for a user's logs when one misbehaves)
+        self.named = (REPLICA_HEADER, ray.get_runtime_context().get_actor_name() or "")
 
     async def whole(self, request: Forwarded) -> tuple[int, list[tuple[str, str]], bytes]:
         r = await self.client.request(request.method, request.path, headers=request.headers, content=request.body)
-        return r.status_code, list(r.headers.items()), r.content
+        return r.status_code, [*r.headers.items(), self.named], r.content
 
     async def stream(self, request: Forwarded):
         """(status, headers) first, then the body's chunks as the app sends them (httpx's ASGI transport would hold
@@ -125,7 +130,7 @@ class EngineReplica:
             while True:
                 message = await sent.get()
                 if message["type"] == "http.response.start":
-                    yield message["status"], [(k.decode(), v.decode()) for k, v in message["headers"]]
+                    yield message["status"], [*((k.decode(), v.decode()) for k, v in message["headers"]), self.named]
                 elif message["type"] == "http.response.body":
                     if message.get("body"):
                         yield message["body"]
