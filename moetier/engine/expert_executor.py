@@ -184,6 +184,9 @@ class ExpertExecutor:
         self.layer_step.begin_step(phase)
         self.counts.phases = phases
         self.resident_layers = self._resident_step()
+        if self.resident_layers is not None:  # (its tables read every slot: a later copy into one waits for this step)
+            for pool in self.pools.values():
+                pool.read_all()
 
     def _resident_step(self) -> ResidentLayers | None:
         """ResidentLayers for this step when planning would change nothing: every expert resident (so no read, no
@@ -278,6 +281,7 @@ class ExpertExecutor:
                 w = pool.weights(run.slot)
                 start = time.perf_counter()
                 groups.compute(run.expert, self.expert_kernels[run.precision], w)
+                pool.queued()  # (a copy into the slot waits for this compute, not for the layer's later ones)
                 self.costs.observe_expert(time.perf_counter() - start)
                 follower = deferred.pop(run.expert, None)
                 if follower is not None:  # its slot is free now
@@ -301,6 +305,7 @@ class ExpertExecutor:
             start = time.perf_counter()
             groups.compute_layer([run.expert for run in runs], self.expert_kernels[precision],
                                  [pool.weights(run.slot) for run in runs])
+            pool.queued()
             each = (time.perf_counter() - start) / len(runs)
             for _ in runs:
                 self.costs.observe_expert(each)

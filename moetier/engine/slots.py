@@ -6,9 +6,10 @@ have a page of slack: a blob that starts mid-page in its checkpoint file lands a
 so its whole pages still go straight in (the views move with it, once per load).
 
 `DeviceSlots` (a GPU with no host tier, `--host-memory 0`): the slots are device memory; a read lands in one of a
-few pinned host staging buffers and is copied to its slot on a side stream, and compute waits for that copy on the
-device, not on the host. With a host tier the slots are `TieredDeviceSlots` (tiered_slots.py). Run on an H200
-(tests/engine/test_cuda.py, bench/gpu/run.sh); CI has no GPU and exercises `HostSlots`.
+few pinned host staging buffers and is copied to its slot on a side stream once the compute that last read the slot
+is done (slot_reads.py), and compute waits for that copy on the device, not on the host. With a host tier the slots
+are `TieredDeviceSlots` (tiered_slots.py). Run on an H200 (tests/engine/test_cuda.py, bench/gpu/run.sh); CI has no
+GPU and exercises `HostSlots`.
 
 Each gives the executor `submit(reader, key, blob, slot, priority)` (load an expert into a slot), `promote(reader,
 slot)` and `cancel(reader, slot)` (a prefetch needed now, or proved wrong), `landed(slot)` (its read has finished: a
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 import torch
 
 from moetier.engine.huge_pages import private_mapping
+from moetier.engine.slot_reads import SlotReads
 from moetier.store.format import ALIGN, PrecisionLayout
 from moetier.store.reader import Completion
 
@@ -111,6 +113,12 @@ class HostSlots:
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
         return self._tensors[slot]
 
+    def queued(self) -> None:
+        """Nothing to mark: the host's compute is done when its call returns."""
+
+    def read_all(self) -> None:
+        """Nothing to mark (as `queued`)."""
+
     def region(self, slot: int) -> torch.Tensor:
         """The slot's blob as bytes (uint8, where its last read put it): what a copy to a device reads."""
         flat, _ = self._regions[slot]
@@ -136,6 +144,8 @@ class DeviceSlots:
         self._blocks: list[torch.Tensor] = []  # each slot's bytes on the device
         self._tensors: list[dict[str, torch.Tensor]] = []
         self._copied: list[torch.cuda.Event | None] = []
+        self._reads = SlotReads(device)
+        self._after: list[torch.cuda.Event | None] = []  # per slot: what the copy into it waits for (None: nothing)
         self._stream = torch.cuda.Stream(device)
         self._staging = [self._pinned() for _ in range(staging)]
         self._staging_done: list[torch.cuda.Event | None] = [None] * staging  # the copy out of each buffer
@@ -156,7 +166,9 @@ class DeviceSlots:
             self._tensors.append(self.layout.views(block))
             self.completions.append(Completion())
             self._copied.append(None)
+            self._after.append(None)
         self.num_slots = max(self.num_slots, num_slots)
+        self._reads.ensure(self.num_slots)
 
     def release(self, slots: Iterable[int]) -> None:
         """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
@@ -166,6 +178,7 @@ class DeviceSlots:
         `layer`: the blob's, where the layout differs by layer (the slot's views follow it)."""
         if self.layout.layers:
             self._tensors[slot] = self.layout.views(self._blocks[slot], layer)
+        self._after[slot] = self._reads.before_copy(slot)  # the previous expert's last reader
         if slot in self._pending:  # an earlier read into this slot was never used (a prefetch evicted unused)
             self.completions[slot].done.wait()
             self._free.append(self._pending.pop(slot))
@@ -197,8 +210,8 @@ class DeviceSlots:
         self.completions[slot].wait()
         i = self._pending.pop(slot)
         event = torch.cuda.Event()
-        # kernels launched on the compute stream may still read this slot's previous expert: copy after them
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._after[slot] is not None:  # kernels may still read this slot's previous expert: copy after them
+            self._stream.wait_event(self._after[slot])
         with torch.cuda.stream(self._stream):
             self._blocks[slot].copy_(self._staging[i][0], non_blocking=True)
             event.record(self._stream)
@@ -212,7 +225,16 @@ class DeviceSlots:
         if event is not None:  # compute waits for the copy on the device, not on the host
             torch.cuda.current_stream(self.device).wait_event(event)
             self._copied[slot] = None
+        self._reads.read(slot)
         return self._tensors[slot]
+
+    def queued(self) -> None:
+        """The compute reading the slots whose weights were taken since the last call is queued."""
+        self._reads.queued()
+
+    def read_all(self) -> None:
+        """A step reads every slot without taking their weights one by one (ResidentLayers)."""
+        self._reads.read_all()
 
     @property
     def nbytes(self) -> int:

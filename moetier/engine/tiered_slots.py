@@ -3,10 +3,11 @@ queued on a side stream the moment the plan asks for it, so it runs while the la
 (PreScope's and HOBBIT's overlap of transfers with computation); a load not found there is read from disk into a
 host slot by the reader's threads (which keeps it for the next time) and copied once it lands.
 
-Ordering, all on the device: the copy into a slot waits for the kernels queued before it on the compute stream
-(the slot's previous expert may still be read by them: an event recorded when the load is asked for), and compute
-on the slot waits for the copy (an event the compute stream waits on). The host never waits for a copy; it waits
-only for a disk read, and, before a host slot is read into again, for its last copy out.
+Ordering, all on the device: the copy into a slot waits for the kernels that read its previous expert (an event
+after the last compute call that read it, slot_reads.py — not the compute stream's tail: a prefetch would wait for
+the layer it overlaps), and compute on the slot waits for the copy (an event the compute stream waits on). The host
+never waits for a copy; it waits only for a disk read, and, before a host slot is read into again, for its last copy
+out.
 
 When a copy is queued is the copy queue's business (copy_queue.py, one per executor, shared by its precisions'
 pools): an on-demand load's at once, a prefetch's held on the host until the link has room (DemandFirstCopies), so
@@ -21,6 +22,7 @@ import torch
 
 from moetier.engine.copy_queue import FifoCopies
 from moetier.engine.host_tier import HostTier
+from moetier.engine.slot_reads import SlotReads
 from moetier.store.format import PrecisionLayout
 from moetier.store.reader import ON_DEMAND, Completion
 
@@ -39,9 +41,10 @@ class TieredDeviceSlots:
         self._blocks: list[torch.Tensor] = []
         self._tensors: list[dict[str, torch.Tensor]] = []
         self._copied: list[bool] = []  # a copy into the slot that compute has not yet been made to wait for
+        self._reads = SlotReads(device)
+        self._free: list[torch.cuda.Event | None] = []  # per slot: what its asked-for copy waits for (None: nothing)
         # per slot, made once and recorded again for each load (a stream waits on an event's last record as of the
-        # wait): when the slot's previous expert is no longer read, and when the copy into it is done
-        self._free: list[torch.cuda.Event] = []
+        # wait): when the copy into it started and is done
         self._start: list[torch.cuda.Event] = []  # (timed: what a copy took, for the planner's link cost)
         self._done: list[torch.cuda.Event] = []
         self._copies: list[int] = []  # copies into each slot so far
@@ -58,11 +61,12 @@ class TieredDeviceSlots:
             self._tensors.append(self.layout.views(block))
             self.completions.append(Completion())
             self._copied.append(False)
-            self._free.append(torch.cuda.Event())
+            self._free.append(None)
             self._start.append(torch.cuda.Event(enable_timing=True))
             self._done.append(torch.cuda.Event(enable_timing=True))
             self._copies.append(0)
         self.num_slots = max(self.num_slots, num_slots)
+        self._reads.ensure(self.num_slots)
 
     def release(self, slots) -> None:
         """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
@@ -74,7 +78,7 @@ class TieredDeviceSlots:
             self._drop_pending(slot)
         if slot in self._held:
             self._drop_held(slot)
-        self._free[slot].record(torch.cuda.current_stream(self.device))  # the previous expert: read by what is queued
+        self._free[slot] = self._reads.before_copy(slot)  # the previous expert's last reader
         if self.layout.layers:  # the views of this blob's layer (a Q4_K_M GGUF's layers differ)
             self._tensors[slot] = self.layout.views(self._blocks[slot], blob.layer)
         host = self.tier.lookup(key, self.precision)
@@ -136,8 +140,9 @@ class TieredDeviceSlots:
         """Queue the copy asked for `slot` on the copy stream, once the slot's previous expert is free (the copy
         queue's call); the load is complete from the host's side."""
         host, from_disk = self._held.pop(slot)
-        done, stream = self._done[slot], self.copies.stream
-        stream.wait_event(self._free[slot])
+        done, stream, free = self._done[slot], self.copies.stream, self._free[slot]
+        if free is not None:
+            stream.wait_event(free)
         with torch.cuda.stream(stream):
             self._start[slot].record(stream)  # (after the wait: the copy's own time)
             self._blocks[slot].copy_(self.tier.pools[self.precision].region(host), non_blocking=True)
@@ -189,7 +194,16 @@ class TieredDeviceSlots:
         if self._copied[slot]:  # compute waits for the copy on the device, not on the host
             torch.cuda.current_stream(self.device).wait_event(self._done[slot])
             self._copied[slot] = False
+        self._reads.read(slot)
         return self._tensors[slot]
+
+    def queued(self) -> None:
+        """The compute reading the slots whose weights were taken since the last call is queued."""
+        self._reads.queued()
+
+    def read_all(self) -> None:
+        """A step reads every slot without taking their weights one by one (ResidentLayers)."""
+        self._reads.read_all()
 
     @property
     def nbytes(self) -> int:
