@@ -85,6 +85,7 @@ class Residency:
         self.entries: dict[ExpertKey, Entry] = {}
         self.used_bytes = 0
         self._held_bytes = 0  # of entries loading or pinned
+        self._held_count = 0  # (the entries themselves)
         self._part_used = dict.fromkeys(self.parts, 0)
         self._part_held = dict.fromkeys(self.parts, 0)
         self._free_slots: dict[Precision, list[int]] = {p: [] for p in self.entry_bytes}
@@ -101,6 +102,11 @@ class Residency:
         """Resident: its weights are in the fast tier and can be computed from."""
         entry = self.entries.get(key)
         return entry is not None and not entry.loading
+
+    @property
+    def evictable(self) -> int:
+        """How many entries are evictable (neither read nor pinned nor kept)."""
+        return len(self.entries) - self._held_count
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -343,10 +349,12 @@ class Residency:
 
     def _hold(self, key: ExpertKey, entry: Entry) -> None:
         self._held_bytes += entry.nbytes
+        self._held_count += 1
         if self.parts:
             self._part_held[self.part_of(key, entry.precision)] += entry.nbytes
 
     def _unhold(self, key: ExpertKey, entry: Entry) -> None:
         self._held_bytes -= entry.nbytes
+        self._held_count -= 1
         if self.parts:
             self._part_held[self.part_of(key, entry.precision)] -= entry.nbytes

@@ -119,6 +119,9 @@ class PrefetchStage:
         reserve = min(plan.route.scores.shape[1], plan.route.topk_ids.size)  # entries, at the precision in question
         spare = _WorkingSetAhead(plan.layer, self.recent)
         among = None  # the keys a prefetch may evict: listed once, on the first admission that needs them
+        # (only where they may be few enough for admit to pick among them: at batch 1 they are most of the cache,
+        # and listing them took more of a layer's host time than the rest of the stage)
+        ahead = sum(len(experts) for layer, experts in self.recent.items() if layer > plan.layer)  # spared at most
         for key in keys:
             if key in self.pinned or key.layer == plan.layer:
                 continue
@@ -134,7 +137,8 @@ class PrefetchStage:
             nbytes = r.entry_bytes[precision]
             if not self._room(key, nbytes, reserve, precision):
                 break
-            if among is None and not r.has_room(key.layer, nbytes, precision):
+            if among is None and 4 * (r.evictable - ahead) < len(r.entries) and not r.has_room(key.layer, nbytes,
+                                                                                                precision):
                 among = {k for k, e in r.entries.items() if not e.held and not spare(k)}
             got = r.admit(key, precision, PREFETCHED, spare=spare, among=among)
             if got is None:
