@@ -87,6 +87,15 @@ def summarize(trace: dict, wall_s: float, steps: int) -> dict:
     }
 
 
+def engine_fields(config: dict) -> dict:
+    """EngineConfig's fields from JSON: the two that are objects (substitution, precision) made from their fields."""
+    from moetier.plan.precision import MixedPrecision
+    from moetier.plan.substitute import Substitution
+
+    made = {"substitution": Substitution, "precision": MixedPrecision}
+    return {k: made[k](**v) if k in made and isinstance(v, dict) else v for k, v in config.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo-fine-xl")
@@ -95,7 +104,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--name", default="profile", help="file names in --out: NAME.json (summary), NAME-trace.json")
-    ap.add_argument("--config", default="{}", help="EngineConfig fields as JSON (e.g. '{\"placement\": \"greedy\"}')")
+    ap.add_argument("--config", default="{}", help="EngineConfig fields as JSON (e.g. '{\"placement\": \"greedy\"}'; "
+                    "substitution and precision as their classes' fields: '{\"substitution\": {\"alpha\": 0.35}}')")
     ap.add_argument("--host-memory", default=None, help="the host tier (a GPU run; default auto)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -106,7 +116,7 @@ def main() -> None:
     lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
     from moetier.config import HostMemory
 
-    config = json.loads(args.config)
+    config = engine_fields(json.loads(args.config))
     if args.host_memory is not None:
         config["host_memory"] = HostMemory.parse(args.host_memory)
     with Engine.from_pretrained(args.model, expert_memory=args.expert_memory, device=args.device, progress=False,

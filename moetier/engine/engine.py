@@ -130,6 +130,12 @@ class EngineConfig:
             raise MoetierError("--variants switches between a model's merged variants as the memory changes: it "
                                "needs --adapt", hint="add --adapt")
         check_device(self.device)
+        if not isinstance(self.precision, MixedPrecision):
+            raise MoetierError(f"precision must be a MixedPrecision, not {self.precision!r}",
+                               hint="e.g. MixedPrecision('hobbit') (moetier.plan.precision)")
+        if self.substitution is not None and not isinstance(self.substitution, (Substitution, SimilarSubstitution)):
+            raise MoetierError(f"substitution must be a Substitution or SimilarSubstitution, not {self.substitution!r}",
+                               hint="e.g. Substitution(alpha=0.35) (moetier.plan.substitute)")
         if self.offload not in OFFLOADS:
             raise MoetierError(f"unknown offload scope {self.offload!r}", hint=f"one of {', '.join(OFFLOADS)}")
         if self.precision.mode == "hobbit" and self.cache_partition == "per-layer":

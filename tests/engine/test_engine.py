@@ -146,3 +146,17 @@ def test_the_python_apis_bad_arguments_are_moetier_errors_naming_them(tiny_store
                 engine.set_expert_memory(bad)
         with pytest.raises(MoetierError, match="token ids"):
             engine.generate([[5, "x"]])
+
+
+def test_a_config_field_given_as_plain_data_where_an_object_is_due_is_refused_in_one_line():
+    """EngineConfig's substitution and precision are objects: a dict (what JSON gives) is refused with the class to
+    use, before anything loads (it failed later, as an AttributeError deep in the executor)."""
+    from moetier.engine.engine import EngineConfig
+    from moetier.plan.substitute import Substitution
+
+    with pytest.raises(MoetierError, match="substitution must be a Substitution") as e:
+        EngineConfig(substitution={"alpha": 0.35})
+    assert "Substitution(alpha=0.35)" in e.value.hint
+    with pytest.raises(MoetierError, match="precision must be a MixedPrecision"):
+        EngineConfig(precision="hobbit")
+    assert EngineConfig(substitution=Substitution(alpha=0.35)).substitution.alpha == 0.35
