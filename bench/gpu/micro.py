@@ -85,12 +85,12 @@ def expert_shapes(h: int = 2048, i: int = 1024) -> dict[str, torch.Tensor]:
 def gpu_compute(dev: torch.device) -> dict:
     from moetier.model.expert_kernels import make_expert_kernel
     from moetier.model.kernels import make_kernels
-    from moetier.quant.codes import quantize_expert
+    from moetier.quant.precisions import quantize_expert
 
     out = {}
     w = expert_shapes()
     kernels = make_kernels("auto", torch.bfloat16, dev)
-    for precision in ("bf16", "int8", "int4", "int2"):
+    for precision in ("bf16", "int8", "int4", "int2", "q4_k"):  # (q4_k: a GGUF's, TritonGgmlExperts)
         tensors = w if precision == "bf16" else quantize_expert(w, precision)
         tensors = {k: t.to(dev) for k, t in tensors.items()}
         kernel = make_expert_kernel(precision, kernels, torch.bfloat16)
@@ -117,20 +117,20 @@ def gpu_layer(dev: torch.device, kernels, k: int = 8) -> dict:
     planned path computes them (`layer`: Triton's one launch pair, or torch's ops an expert at a time) and as the
     resident path does (`token_routed`: from the router's ids on the device)."""
     out = {}
-    for precision in ("bf16", "int4"):
+    for precision in ("bf16", "int4", "q4_k"):
         out.update(layer_paths(dev, kernels, precision, k))
     return out
 
 
 def layer_paths(dev: torch.device, kernels, precision: str, k: int) -> dict:
     from moetier.model.expert_kernels import make_expert_kernel
-    from moetier.quant.codes import quantize_expert
+    from moetier.quant.precisions import quantize_expert
 
     out = {}
     kernel = make_expert_kernel(precision, kernels, torch.bfloat16)
     base = expert_shapes()
-    ws = [{n: t.to(dev) for n, t in (base if precision == "bf16" else quantize_expert(base, precision)).items()}
-          for _ in range(k)]
+    one = base if precision == "bf16" else quantize_expert(base, precision)  # (once: q4_k's fit is seconds)
+    ws = [{n: t.to(dev).clone() for n, t in one.items()} for _ in range(k)]  # k experts apart in memory
     xs = torch.randn(k, 2048, dtype=torch.bfloat16, device=dev)
     ys, weights = torch.empty_like(xs), torch.full((k,), 0.125, dtype=torch.bfloat16, device=dev)
     items = [(w, e, e + 1) for e, w in enumerate(ws)]
@@ -138,10 +138,10 @@ def layer_paths(dev: torch.device, kernels, precision: str, k: int) -> dict:
         if path is not None:
             out[f"gpu_layer{k}_{precision}{suffix}_T1_s"] = cuda_time(partial(path.layer, ys, xs, weights, items))
     if hasattr(kernel, "tiles"):  # the Triton kernels' untuned tile against a few others
-        from moetier.model.triton_experts import Tiles, TritonExperts
+        from moetier.model.triton_experts import Tiles
 
         for n, kk in ((32, 64), (32, 128), (64, 128), (16, 256)):
-            other = TritonExperts(kernel.bits, kernel.fallback, Tiles(n, kk))
+            other = kernel.with_tiles(Tiles(n, kk))
             out[f"gpu_layer{k}_{precision}_tiles{n}x{kk}_T1_s"] = cuda_time(partial(other.layer, ys, xs, weights,
                                                                                    items))
     table = kernel.token_table(ws) if hasattr(kernel, "token_routed") else None

@@ -311,7 +311,8 @@ def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype
         if spec is not None and spec.activation != "swiglu":
             raise MoetierError(f"{precision} copies are computed for SwiGLU experts; this model's are "
                                f"{spec.activation}", hint="use --precision int8, int4 or int2")
-        return GgmlExpert(precision, dtype, getattr(kernels, "lib", None) if kernels.name != "cuda" else None)
+        kernel = GgmlExpert(precision, dtype, getattr(kernels, "lib", None) if kernels.name != "cuda" else None)
+        return _on_triton(0, kernel, kernels, dtype)
     swiglu = spec is None or spec.activation == "swiglu"
     if precision not in BITS:
         kernel = dense_expert(kernels, spec)
@@ -323,10 +324,12 @@ def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype
 
 def _on_triton(bits: int, kernel, kernels: TorchKernels, dtype: torch.dtype):
     """On a GPU whose kernels take Triton (CudaKernels, `--kernels auto`) with bf16 activations: a layer's experts
-    in two Triton launches (triton_experts.py), `kernel` (torch's ops) beneath for what they do not take;
-    elsewhere `kernel` itself."""
+    in two Triton launches (triton_experts.py; `bits` 0: GGML's block formats), `kernel` (torch's ops) beneath for
+    what they do not take; elsewhere `kernel` itself."""
     if not getattr(kernels, "triton", False) or dtype != torch.bfloat16:
         return kernel
     from moetier.model import triton_experts
 
-    return triton_experts.TritonExperts(bits, kernel) if triton_experts.available() else kernel
+    if not triton_experts.available():
+        return kernel
+    return triton_experts.TritonGgmlExperts(kernel) if bits == 0 else triton_experts.TritonExperts(bits, kernel)

@@ -89,8 +89,17 @@ class TritonExperts(OneByOne):
         self._routed: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # (k, device) -> rows,
         # spans of a routed token's pairs
 
+    def with_tiles(self, tiles: Tiles) -> TritonExperts:
+        """The same kernels at another tile (bench/gpu/micro.py times a few)."""
+        return TritonExperts(self.bits, self.fallback, tiles)
+
     def _fits(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
-        return x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and self.tiles.fit(w)
+        return (x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and self.tiles.fit(w)
+                and self._formats(w) is not None)
+
+    def _formats(self, w: dict[str, torch.Tensor]) -> tuple[int, int] | None:
+        """The kernels' FMT for gate_up_proj and down_proj: 0, codes of `bits` (None: one these kernels lack)."""
+        return 0, 0
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         if x.shape[0] > MAX_TOKENS or not self._fits(x, w):
@@ -140,18 +149,19 @@ class TritonExperts(OneByOne):
         h = self._h[:p * i].view(p, i)
         gu_s, dn_s = w0.get("gate_up_proj.scales", gu), w0.get("down_proj.scales", dn)
         bn, bk = self.tiles.n, self.tiles.k
+        fmt_gu, fmt_d = self._formats(w0)
         gate_up[(g, i // bn)](x, rows, table, experts, spans, h, hidden, i, x.stride(0), gu.stride(0), _stride(gu_s),
                               h.stride(0), BITS=self.bits, GROUP=_group(hidden, gu_s, self.bits), BT=MAX_TOKENS,
-                              BN=bn, BK=bk)
+                              BN=bn, BK=bk, FMT=fmt_gu)
         down[(g, hidden // bn)](h, table, experts, spans, weights, ys, i, h.stride(0), dn.stride(0), _stride(dn_s),
                                 ys.stride(0), BITS=self.bits, GROUP=_group(i, dn_s, self.bits), BT=MAX_TOKENS, BN=bn,
-                                BK=bk)
+                                BK=bk, FMT=fmt_d)
 
     def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
         """A layer's experts (by id) as a table of their addresses on their device, for `token_routed` (None where
         the blocks do not tile them)."""
         w = ws[0]
-        if not self.tiles.fit(w):
+        if not self.tiles.fit(w) or self._formats(w) is None:
             return None
         ptrs = np.array([addresses(e) for e in ws], dtype=np.int64)  # [E, 6]
         return TokenTable(ptrs, tuple(w["down_proj"].shape), self.bits, torch.from_numpy(ptrs).to(
@@ -172,6 +182,40 @@ class TritonExperts(OneByOne):
         ys = self._ys[:k]
         self._run(ys, x, topk_weights[0], table.like, table.device, topk_ids[0], spans, rows, k)
         torch.sum(ys, 0, keepdim=True, out=out)
+
+
+# GGML's block formats the kernels compute (triton_kernels.py ggml_block's FMT); a GGUF's others (the legacy q4_0,
+# q5_0 ..., mxfp4) go through `fallback`
+GGML_FORMATS = {"q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
+
+
+class TritonGgmlExperts(TritonExperts):
+    """TritonExperts for experts in GGML's block formats (a GGUF's read in place, or a store's q4_k/q6_k/q5_k/q8_0
+    copies: ggml_experts.py), each matrix's format from its shape as GgmlExpert finds it — gate_up_proj and
+    down_proj may differ, and down_proj by layer (a Q4_K_M file). The weights are ggml_blocks.py's `dequantize`'s,
+    exactly, multiplied by the activations in fp32 (IEEE, not tf32), as `fallback` (GgmlExpert on torch's ops)
+    computes them: the same values up to the order of the sums."""
+
+    def __init__(self, fallback, tiles: Tiles = Tiles()) -> None:
+        super().__init__(0, fallback, tiles)  # (BITS 0: the slots' bytes read as uint8)
+        self._formats_of: dict[tuple, tuple[int, int] | None] = {}  # (the matrices' shapes) -> FMTs
+
+    def with_tiles(self, tiles: Tiles) -> TritonGgmlExperts:
+        return TritonGgmlExperts(self.fallback, tiles)
+
+    def _formats(self, w: dict[str, torch.Tensor]) -> tuple[int, int] | None:
+        from moetier.quant.precisions import format_of
+
+        gu, dn = w["gate_up_proj"], w["down_proj"]
+        key = (tuple(gu.shape), tuple(dn.shape))
+        if key not in self._formats_of:  # (once per layout: not a lookup an expert)
+            try:
+                names = format_of(dn.shape[0], tuple(gu.shape[1:])), format_of(gu.shape[0] // 2, tuple(dn.shape[1:]))
+            except ValueError:
+                names = ()
+            ids = tuple(GGML_FORMATS.get(name) for name in names)
+            self._formats_of[key] = ids if len(ids) == 2 and None not in ids else None
+        return self._formats_of[key]
 
 
 def _intermediate(w: dict[str, torch.Tensor]) -> int:

@@ -42,10 +42,66 @@ def group_rows(spans, g, BT: tl.constexpr):
 
 
 @triton.jit
-def weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr):
+def f16_at(codes, offset):
+    """The little-endian fp16 at byte `offset` of `codes` (uint8), as fp32."""
+    bits = tl.load(codes + offset).to(tl.int32) | (tl.load(codes + offset + 1).to(tl.int32) << 8)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def k_scale_min(codes, base, sub):
+    """A q4_k/q5_k block's six-bit scale and min of sub-block `sub` (0..7) from its 12 bytes at base + 4 (ggml's
+    get_scale_min_k4; moetier/quant/ggml_blocks.py scale_min_k4)."""
+    a = tl.load(codes + base + 4 + sub).to(tl.int32)  # q[j]
+    b = tl.load(codes + base + 8 + sub).to(tl.int32)  # q[j + 4]
+    c = tl.load(codes + base + 4 + tl.maximum(sub - 4, 0)).to(tl.int32)  # q[j − 4] (j ≥ 4)
+    first = sub < 4
+    sc = tl.where(first, a & 63, (b & 0xF) | ((c >> 6) << 4))
+    mn = tl.where(first, b & 63, (b >> 4) | ((a >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def ggml_block(codes, rows, k, stride_c, FMT: tl.constexpr):
+    """[BLOCK rows, BLOCK_K] of a matrix in a GGML block format (rows of blocks, one row after another: uint8
+    [N, row bytes]) as fp32, as moetier/quant/ggml_blocks.py's `dequantize` computes them (the same products in the
+    same order). FMT 1 q8_0, 2 q4_k, 3 q5_k, 4 q6_k (GGML_FORMATS in triton_experts.py)."""
+    row = rows[:, None] * stride_c  # [BN, 1] each row's first byte
+    if FMT == 1:  # 32 weights a block of 34 bytes: fp16 d, int8 q[32]; w = d·q
+        base = row + (k // 32 * 34)[None, :]
+        q = tl.load(codes + base + 2 + (k % 32)[None, :]).to(tl.int8).to(tl.float32)
+        w = f16_at(codes, base) * q
+    elif FMT == 2 or FMT == 3:  # 256 a block: fp16 d, dmin; 12 bytes of scales and mins; (q5_k: fifth bits
+        # qh[32]); nibbles [128], each 32 bytes' low nibbles a sub-block of 32, their high ones the next
+        size: tl.constexpr = 144 if FMT == 2 else 176
+        nibbles: tl.constexpr = 16 if FMT == 2 else 48
+        base = row + (k // 256 * size)[None, :]
+        t = (k % 256)[None, :]
+        sub, lane = t // 32, t % 32  # sub-block 0..7: chunk sub // 2 of 32 bytes, its high nibbles if odd
+        q = (tl.load(codes + base + nibbles + (sub // 2) * 32 + lane).to(tl.int32) >> ((sub % 2) * 4)) & 0xF
+        if FMT == 3:  # sub-block j's fifth bit is bit j of qh[lane]
+            q = q | (((tl.load(codes + base + 16 + lane).to(tl.int32) >> sub) & 1) << 4)
+        sc, mn = k_scale_min(codes, base, sub)
+        w = (f16_at(codes, base) * sc) * q.to(tl.float32) - f16_at(codes, base + 2) * mn
+    else:  # q6_k: 256 a block of 210 bytes: ql[128], qh[64], int8 scales[16] (one per 16 weights), fp16 d
+        base = row + (k // 256 * 210)[None, :]
+        t = (k % 256)[None, :]
+        half, quad, lane = t // 128, (t % 128) // 32, t % 32
+        lo = (tl.load(codes + base + half * 64 + (quad % 2) * 32 + lane).to(tl.int32) >> ((quad // 2) * 4)) & 0xF
+        hi = (tl.load(codes + base + 128 + half * 32 + lane).to(tl.int32) >> (quad * 2)) & 3
+        scale = tl.load(codes + base + 192 + t // 16).to(tl.int8).to(tl.float32)
+        w = (f16_at(codes, base + 208) * scale) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    return w  # (one return, as weights_block)
+
+
+@triton.jit
+def weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
+                  FMT: tl.constexpr = 0):
     """[BLOCK rows, BLOCK_K] of a matrix's weights as fp32: bf16 ones as they are, codes rounded to bf16 as
-    `dequantize` rounds them."""
-    if BITS == 16:
+    `dequantize` rounds them; with FMT a GGML block format's (ggml_block: fp32, not rounded)."""
+    if FMT != 0:
+        w = ggml_block(codes, rows, k, stride_c, FMT)
+    elif BITS == 16:
         w = tl.load(codes + rows[:, None] * stride_c + k[None, :]).to(tl.float32)
     elif BITS == 8:
         q = tl.load(codes + rows[:, None] * stride_c + k[None, :]).to(tl.float32)
@@ -64,8 +120,20 @@ def weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS: tl.co
 
 
 @triton.jit
+def product(a, b, FMT: tl.constexpr):
+    """a @ b.T in fp32: tf32's tensor cores for bf16 values (exact there); IEEE products for a GGML format's fp32
+    weights, which tf32's ten-bit mantissa would round."""
+    if FMT == 0:
+        y = tl.dot(a, tl.trans(b))
+    else:
+        y = tl.dot(a, tl.trans(b), input_precision="ieee")
+    return y
+
+
+@triton.jit
 def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, stride_s, stride_h,
-            BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+            BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            FMT: tl.constexpr = 0):
     """h [P, I] = silu(x @ gate.T) * (x @ up.T) for each pair row, gate the first I rows of its expert's
     gate_up_proj, up the next I."""
     g, n = tl.program_id(0), tl.program_id(1)
@@ -78,10 +146,10 @@ def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, strid
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         xb = tl.load(x + xr[:, None] * stride_x + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        wg = weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS, GROUP)
-        wu = weights_block(codes, scales, zeros, rows + I, k, stride_c, stride_s, BITS, GROUP)
-        acc_g += tl.dot(xb, tl.trans(wg))
-        acc_u += tl.dot(xb, tl.trans(wu))
+        wg = weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS, GROUP, FMT)
+        wu = weights_block(codes, scales, zeros, rows + I, k, stride_c, stride_s, BITS, GROUP, FMT)
+        acc_g += product(xb, wg, FMT)
+        acc_u += product(xb, wu, FMT)
     gate = acc_g.to(tl.bfloat16).to(tl.float32)  # (rounded where the reference's bf16 linear rounds)
     up = acc_u.to(tl.bfloat16).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(tl.bfloat16).to(tl.float32)
@@ -90,7 +158,8 @@ def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, strid
 
 @triton.jit
 def down(h, table, experts, spans, weights, out, I, stride_h, stride_c, stride_s, stride_o,
-         BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+         BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+         FMT: tl.constexpr = 0):
     """out [P, H] = (h @ down.T) * weights[:, None] for each pair row, with its expert's down_proj."""
     g, n = tl.program_id(0), tl.program_id(1)
     r, live = group_rows(spans, g, BT)  # [BT] pair rows
@@ -100,8 +169,8 @@ def down(h, table, experts, spans, weights, out, I, stride_h, stride_c, stride_s
     for k0 in range(0, I, BK):
         k = k0 + tl.arange(0, BK)
         hb = tl.load(h + r[:, None] * stride_h + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        wd = weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS, GROUP)
-        acc += tl.dot(hb, tl.trans(wd))
+        wd = weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS, GROUP, FMT)
+        acc += product(hb, wd, FMT)
     w = tl.load(weights + r, mask=live, other=0.0).to(tl.float32)
     y = acc.to(tl.bfloat16).to(tl.float32) * w[:, None]
     tl.store(out + r[:, None] * stride_o + rows[None, :], y.to(tl.bfloat16), mask=live[:, None])

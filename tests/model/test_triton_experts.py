@@ -23,7 +23,7 @@ if importlib.util.find_spec("triton") is not None:
     import triton
     import triton.language as tl
 
-    from moetier.model.triton_kernels import weights_block
+    from moetier.model.triton_kernels import ggml_block, weights_block
 
     @triton.jit
     def dump(codes, scales, zeros, out, stride_c, stride_s, K, BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -34,6 +34,15 @@ if importlib.util.find_spec("triton") is not None:
             k = k0 + tl.arange(0, BK)
             tl.store(out + rows[:, None] * K + k[None, :],
                      weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS, GROUP))
+
+
+    @triton.jit
+    def dump_ggml(codes, out, stride_c, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Every weight `ggml_block` hands the products, written out."""
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            tl.store(out + rows[:, None] * K + k[None, :], ggml_block(codes, rows, k, stride_c, FMT))
 
 
 def expert(h: int = 256, i: int = 128, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -169,8 +178,15 @@ def test_another_tile_computes_the_same(precision):
     got, want = torch.empty_like(x), torch.empty_like(x)
     kernel = triton_kernel(precision)
     kernel(want, x, w, weights)
-    TritonExperts(kernel.bits, kernel.fallback, Tiles(32, 128))(got, x, w, weights)
+    other = kernel.with_tiles(Tiles(32, 128))
+    assert isinstance(other, TritonExperts) and other.tiles == Tiles(32, 128)
+    other(got, x, w, weights)
     assert relative(got, want) < 1e-2
+    ggml = ggml_kernel().with_tiles(Tiles(32, 128))  # (a GGUF's kernels keep their kind)
+    w, want = ggml_slots(("q4_k", "q6_k")), torch.empty_like(x)
+    ggml.fallback(want, x, w, weights)
+    ggml(got, x, w, weights)
+    assert ggml._formats(w) is not None and relative(got, want) < TOLERANCE
 
 
 def test_a_tile_is_a_power_of_two_of_at_least_sixteen():
@@ -210,9 +226,10 @@ from moetier.model.triton_kernels import down, gate_up
 ints = dict(K="i32", I="i32", stride_x="i32", stride_c="i32", stride_s="i32", stride_h="i32", stride_o="i32")
 pointers = dict(x="*bf16", x_rows="*i64", table="*i64", experts="*i64", spans="*i64", h="*bf16", weights="*fp32",
                 out="*bf16")
-for bits, bn, bk in ((16, 16, 64), (8, 16, 64), (4, 16, 64), (2, 16, 64), (16, 32, 128), (2, 64, 128)):
+for bits, bn, bk, fmt in ((16, 16, 64, 0), (8, 16, 64, 0), (4, 16, 64, 0), (2, 16, 64, 0), (16, 32, 128, 0),
+                          (2, 64, 128, 0), (0, 16, 64, 1), (0, 16, 64, 2), (0, 16, 64, 3), (0, 16, 64, 4)):
     for fn in (gate_up, down):
-        consts = dict(BITS=bits, GROUP=128 if bits == 4 else 64, BT=16, BN=bn, BK=bk)
+        consts = dict(BITS=bits, GROUP=128 if bits == 4 else 64, BT=16, BN=bn, BK=bk, FMT=fmt)
         sig = {name: {**ints, **pointers}.get(name, "constexpr") for name in fn.arg_names}
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         assert "cubin" in kernel.asm, (fn.__name__, bits)
@@ -229,3 +246,157 @@ def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+GGML = ["q8_0", "q4_k", "q5_k", "q6_k"]
+
+
+@pytest.mark.parametrize("fmt", GGML)
+def test_the_kernels_ggml_weights_are_the_blocks_dequantized(fmt):
+    """Every weight the kernel multiplies from a GGML block format: ggml_blocks.py's `dequantize`'s (the reference
+    checked bit for bit against the gguf package's), in fp32 — a fused multiply-add on a GPU may differ in the last
+    bit."""
+    from moetier.model.triton_experts import GGML_FORMATS
+    from moetier.quant.ggml_blocks import dequantize as dequantize_blocks
+    from moetier.quant.kquants import quantize as quantize_blocks
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 512, generator=g) * 0.05
+    w[3] *= 40  # (a row of larger weights: the scales' high bits in use)
+    blocks = quantize_blocks(w, fmt)
+    out = torch.empty(64, 512, device=DEVICE)
+    dump_ggml[(64 // 16,)](blocks.to(DEVICE), out, blocks.stride(0), 512, FMT=GGML_FORMATS[fmt], BN=16, BK=64)
+    want = dequantize_blocks(blocks, fmt)
+    if CUDA:
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=1e-9)
+    else:
+        assert torch.equal(out, want)
+
+
+def ggml_slots(formats: tuple[str, str], seed: int = 0, h: int = 256, i: int = 256) -> dict[str, torch.Tensor]:
+    """An expert's slot tensors with gate_up_proj in formats[0] and down_proj in formats[1] (a Q4_K_M file's
+    q4_k/q6_k), on the test's device."""
+    from moetier.quant.precisions import quantize_expert as quantize_blocks
+
+    w = expert(h, i, seed)
+    names = {"gate_up_proj": formats[0], "down_proj": formats[1]}
+    return on(quantize_blocks(w, "q4_k_m", names))
+
+
+def ggml_kernel():
+    from moetier.model.ggml_experts import GgmlExpert
+    from moetier.model.triton_experts import TritonGgmlExperts
+
+    return TritonGgmlExperts(GgmlExpert("q4_k_m", torch.bfloat16))
+
+
+@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k")])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_a_ggml_expert_computes_what_torchs_ops_do(formats, tokens):
+    """gate_up_proj and down_proj each in its own format, as a GGUF's experts come: what GgmlExpert computes on
+    torch's ops (the blocks dequantized, fp32 products)."""
+    w = ggml_slots(formats)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=g).bfloat16().to(DEVICE)
+    weights = torch.rand(tokens, generator=g).bfloat16().to(DEVICE)
+    kernel = ggml_kernel()
+    want, got = torch.empty_like(x), torch.full_like(x, float("nan"))
+    kernel.fallback(want, x, w, weights)
+    kernel(got, x, w, weights)
+    assert kernel._formats(w) is not None  # (the kernels took it, not the fallback)
+    assert relative(got, want) < TOLERANCE
+
+
+def test_a_layer_of_ggml_experts_and_a_routed_token_in_the_kernels_launches():
+    from moetier.model.triton_experts import MAX_TOKENS
+
+    kernel = ggml_kernel()
+    ws = [ggml_slots(("q4_k", "q6_k"), seed) for seed in range(4)]
+    spans = [(0, 1), (1, 4), (4, 4 + MAX_TOKENS), (4 + MAX_TOKENS, 7 + 2 * MAX_TOKENS)]
+    p = spans[-1][1]
+    g = torch.Generator().manual_seed(9)
+    xs = torch.randn(p, 256, generator=g).bfloat16().to(DEVICE)
+    weights = torch.rand(p, generator=g).bfloat16().to(DEVICE)
+    ys = torch.full_like(xs, float("nan"))
+    kernel.layer(ys, xs, weights, [(w, a, b) for w, (a, b) in zip(ws, spans)])
+    for w, (a, b) in zip(ws, spans):
+        want = torch.empty_like(xs[a:b])
+        kernel.fallback(want, xs[a:b], w, weights[a:b])
+        assert relative(ys[a:b], want) < TOLERANCE
+    table = kernel.token_table(ws)
+    topk_ids, topk_weights = torch.tensor([[2, 0, 3]], device=DEVICE), torch.rand(1, 3, generator=g).to(DEVICE)
+    got = torch.full_like(xs[:1], float("nan"))
+    kernel.token_routed(got, xs[:1], topk_ids, topk_weights, table)
+    want = torch.zeros(1, 256, device=DEVICE)
+    for e, weight in zip(topk_ids[0].tolist(), topk_weights[0]):
+        y = torch.empty_like(xs[:1])
+        kernel.fallback(y, xs[:1], ws[e], weight.reshape(1))
+        want += y.float()
+    assert relative(got, want) < TOLERANCE
+
+
+def test_a_format_the_kernels_lack_goes_through_torchs_ops():
+    """A legacy block (a GGUF's q4_0 down_proj) or a width no tile divides: the fallback itself, bit for bit."""
+    from moetier.quant.precisions import matrix_shape
+
+    kernel = ggml_kernel()
+    w = ggml_slots(("q4_k", "q8_0"))
+    w["down_proj"] = torch.zeros(matrix_shape("q4_0", 256, 256), dtype=torch.uint8, device=DEVICE)
+    assert kernel._formats(w) is None and kernel.token_table([w]) is None
+    x = torch.randn(2, 256).bfloat16().to(DEVICE)
+    weights = torch.ones(2, dtype=torch.bfloat16, device=DEVICE)
+    got, want = torch.empty_like(x), torch.empty_like(x)
+    kernel(got, x, w, weights)
+    kernel.fallback(want, x, w, weights)
+    assert torch.equal(got, want)
+
+
+def test_a_gpu_computes_ggml_experts_with_the_kernels():
+    from moetier.model.triton_experts import TritonGgmlExperts
+
+    for precision in ("q4_k_m", "q4_k", "q6_k", "q8_0"):
+        assert isinstance(make_expert_kernel(precision, CudaKernels(), torch.bfloat16), TritonGgmlExperts)
+        assert not isinstance(make_expert_kernel(precision, CudaKernels(triton=False), torch.bfloat16),
+                              TritonGgmlExperts)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's run on the CPU; on a GPU tests/engine/test_cuda.py's")
+def test_the_engine_computes_a_q4_k_m_gguf_s_experts_through_the_kernels(tmp_path, monkeypatch):
+    """A GGUF's experts as a Q4_K_M file keeps them (gate and up Q4_K; down Q6_K in layer 0, Q4_K in layer 1) run
+    by the engine through TritonGgmlExperts (here in the interpreter, on the CPU; on a GPU tests/engine/test_cuda.py)
+    beside torch's ops on the same blocks: the same greedy tokens but where bf16's rounding tips one."""
+    from moetier import Engine
+    from moetier.config import MemoryBudget
+    from moetier.engine import expert_executor
+    from moetier.engine.engine import EngineConfig
+    from moetier.model.triton_experts import TritonGgmlExperts
+    from moetier.store.gguf_store import index_gguf
+    from moetier.store.store import Store
+    from tests.store import gguf_export
+    from tests.tiny_models import build_tiny
+
+    build_tiny("olmoe", tmp_path / "hf", hidden_size=256, intermediate_size=256, num_attention_heads=4,
+               num_key_value_heads=4, num_layers=2)
+    path = gguf_export.export(tmp_path / "hf", tmp_path / "q4_k_m.gguf", {0: ("q4_k", "q6_k"), 1: ("q4_k", "q4_k")},
+                              dense_type="bf16")
+    store = index_gguf(path, tmp_path / "store", progress=False)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (7, 12)]
+    real = expert_executor.make_expert_kernel
+    made = []
+
+    def through_triton(precision, kernels, dtype, spec=None):
+        kernel = TritonGgmlExperts(real(precision, kernels, dtype, spec))
+        made.append(kernel)
+        return kernel
+
+    def run():
+        config = EngineConfig(expert_memory=MemoryBudget.parse("30%"), kernels="torch")
+        with Engine(Store(store), config, progress=False) as engine:
+            return sum(engine.generate(prompts, max_new_tokens=8, ignore_eos=True).token_ids, [])
+
+    want = run()
+    monkeypatch.setattr(expert_executor, "make_expert_kernel", through_triton)
+    got = run()
+    assert made and all(k._formats_of and None not in k._formats_of.values() for k in made)  # the kernels took them
+    assert sum(x == y for x, y in zip(got, want)) >= 0.8 * len(want)
