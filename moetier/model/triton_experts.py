@@ -1,5 +1,6 @@
 """A layer's SwiGLU experts on a GPU in two Triton launches — gate and up together with the SiLU and the product,
-then down with the routing weight — for bf16 slots and for int8/int4/int2 ones computed from their codes.
+then down with the routing weight — for bf16 slots, for int8/int4/int2 ones computed from their codes, and for
+GGML's Q8_0/Q4_K/Q5_K/Q6_K blocks (a GGUF's experts: `TritonGgmlExperts`).
 
 Why: through torch's ops a bf16 expert is six launches (two products, the SiLU, the product of halves, the
 weighting, the copy out) and a quantized one ~20 (unpack, subtract, scale, shift, cast before each product); on the
