@@ -4,14 +4,16 @@ the rest of the model on the GPU. Built there from a source tree carried with th
 CMake and ninja, and no network); the benchmark's synthetic OLMoE converted to a bf16 GGUF by llama.cpp's own
 converter from the Hugging Face copy bench_gpu.py's accelerate rows read (the same weights as moetier's rows);
 decoding timed by llama-bench at GPU expert budgets given as layers: a budget b keeps round(b·L) layers' experts on
-the GPU (`--n-cpu-moe` L − round(b·L); 0%: every expert on the CPU, llama.cpp's `-ot exps=CPU`).
+the GPU (`--n-cpu-moe` L − round(b·L); 0%: every expert on the CPU, llama.cpp's `-ot exps=CPU`). `--type q4_k_m`
+quantizes that bf16 file with llama.cpp's own llama-quantize first (the file a user downloads) and times it; its
+path is printed, so moetier's rows run the same file (run.sh's `bench-q4km` stage).
 
     python bench/gpu/llamacpp_cuda.py pack              # here: .whl/llama/llama.cpp-src.tar.xz (~3 MB)
     python bench/gpu/llamacpp_cuda.py build --src .whl/llama/llama.cpp-src.tar.xz --tree /tmp/llama.cpp-cuda
     python bench/gpu/llamacpp_cuda.py bench --tree /tmp/llama.cpp-cuda --hf DIR --out bench-llamacpp.json
 
 `pack` trims bench/peers' llama.cpp tree (llama-cpp-python 0.3.36's, fetched from PyPI on first use) to what
-llama-bench and the converter need, its tools list cut to llama-bench. `build --cpu-only` builds the same tree
+llama-bench, llama-quantize and the converter need, its tools list cut to those two. `build --cpu-only` builds the same tree
 without CUDA (to try the packed tree out on a machine with no GPU)."""
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
-from llamacpp import CMAKE_FLAGS, CONVERT, VERSION, fetch_source, home, parse_bench  # noqa: E402
+from llamacpp import CMAKE_FLAGS, CONVERT, GGUF_TYPES, VERSION, fetch_source, home, parse_bench  # noqa: E402
 
-PARTS = ("CMakeLists.txt", "cmake", "common", "src", "include", "vendor", "tools/llama-bench", "ggml/CMakeLists.txt",
+PARTS = ("CMakeLists.txt", "cmake", "common", "src", "include", "vendor", "tools/llama-bench", "tools/quantize",
+         "ggml/CMakeLists.txt",
          "ggml/cmake", "ggml/include", "ggml/src/CMakeLists.txt", "ggml/src/ggml-cpu", "ggml/src/ggml-cuda",
          "convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
-TOOLS = "add_subdirectory(llama-bench)\n"  # tools/CMakeLists.txt: llama-bench alone
+TOOLS = "add_subdirectory(llama-bench)\nadd_subdirectory(quantize)\n"  # tools/CMakeLists.txt: those two alone
+TARGETS = ("llama-bench", "llama-quantize")
 SRC = ROOT / ".whl" / "llama" / "llama.cpp-src.tar.xz"
 
 
@@ -82,8 +86,9 @@ def build(src: Path, tree: Path, cpu_only: bool, jobs: int) -> Path:
     generator = ["-G", "Ninja"] if _has("ninja") else []
     start = time.perf_counter()
     subprocess.run(["cmake", "-S", str(source), "-B", str(out), *generator, *flags], check=True)
-    subprocess.run(["cmake", "--build", str(out), "-j", str(jobs), "--target", "llama-bench"], check=True)
-    print(f"built llama-bench in {time.perf_counter() - start:.0f} s ({'CPU' if cpu_only else 'CUDA'})", flush=True)
+    subprocess.run(["cmake", "--build", str(out), "-j", str(jobs), "--target", *TARGETS], check=True)
+    print(f"built {' and '.join(TARGETS)} in {time.perf_counter() - start:.0f} s ({'CPU' if cpu_only else 'CUDA'})",
+          flush=True)
     return out / "bin" / "llama-bench"
 
 
@@ -99,11 +104,10 @@ def layers_on_cpu(budget: str, layers: int) -> int:
     return layers - round(share * layers)
 
 
-def bench(tree: Path, hf: Path, budgets: list[str], tokens: int, repetitions: int, threads: int,
-          model: str, cpu_only: bool = False) -> dict:
-    """`cpu_only`: the build-cpu binary, no layer on a GPU (to try the pipeline out where there is none)."""
+def gguf_of(tree: Path, hf: Path, kind: str, threads: int, cpu_only: bool = False) -> Path:
+    """The GGUF file llama.cpp's tools make of the Hugging Face folder `hf`: bf16 by its converter, then `kind`
+    (q8_0, q4_k_m) by llama-quantize; beside `hf`, made once."""
     source = tree / "llama.cpp"
-    binary = source / ("build-cpu" if cpu_only else "build-cuda") / "bin" / "llama-bench"
     gguf = hf.with_suffix(".bf16.gguf")
     if not gguf.exists():
         tmp = gguf.with_name(gguf.name + ".tmp")
@@ -111,6 +115,27 @@ def bench(tree: Path, hf: Path, budgets: list[str], tokens: int, repetitions: in
         subprocess.run([sys.executable, "-c", CONVERT, str(source), str(hf), str(tmp)], check=True)
         tmp.rename(gguf)
         print(f"converted {hf} to {gguf} in {time.perf_counter() - start:.0f} s", flush=True)
+    if kind == "bf16":
+        return gguf
+    out = hf.with_suffix(f".{kind}.gguf")
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        start = time.perf_counter()
+        binary = source / ("build-cpu" if cpu_only else "build-cuda") / "bin" / "llama-quantize"
+        subprocess.run([str(binary), str(gguf), str(tmp), GGUF_TYPES[kind], str(threads)], check=True,
+                       capture_output=True)
+        tmp.rename(out)
+        print(f"quantized {gguf} to {out} ({GGUF_TYPES[kind]}) in {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
+def bench(tree: Path, hf: Path, budgets: list[str], tokens: int, repetitions: int, threads: int,
+          model: str, cpu_only: bool = False, kind: str = "bf16") -> dict:
+    """`cpu_only`: the build-cpu binary, no layer on a GPU (to try the pipeline out where there is none); `kind`:
+    the file's type (bf16 as converted, or quantized by llama-quantize)."""
+    binary = tree / "llama.cpp" / ("build-cpu" if cpu_only else "build-cuda") / "bin" / "llama-bench"
+    gguf = gguf_of(tree, hf, kind, threads, cpu_only)
+    print(f"file: {gguf}", flush=True)
     layers = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
     rows = []
     for budget in budgets:
@@ -118,8 +143,7 @@ def bench(tree: Path, hf: Path, budgets: list[str], tokens: int, repetitions: in
         argv = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-r", str(repetitions), "-t",
                 str(threads), "-ngl", "0" if cpu_only else "99", "-ncmoe", str(n), "-o", "json"]
         base = {"model": model, "engine": "llama.cpp " + ("CPU" if cpu_only else "CUDA"), "mode": f"--n-cpu-moe {n}",
-                "budget": budget,
-                "batch": 1, "argv": argv[1:]}
+                "budget": budget, "file": GGUF_TYPES[kind], "batch": 1, "argv": argv[1:]}
         try:
             done = subprocess.run(argv, check=True, capture_output=True, text=True)
             result = parse_bench(done.stdout)
@@ -128,7 +152,7 @@ def bench(tree: Path, hf: Path, budgets: list[str], tokens: int, repetitions: in
             stderr = getattr(e, "stderr", "") or ""
             rows.append({**base, "error": f"{type(e).__name__}: {e}", "stderr": stderr[-2000:]})
         print(json.dumps(rows[-1]), flush=True)
-    return {"device": _device(), "llama_cpp": f"llama-cpp-python {VERSION}'s", "rows": rows}
+    return {"device": _device(), "llama_cpp": f"llama-cpp-python {VERSION}'s", "file": str(gguf), "rows": rows}
 
 
 def _device() -> str:
@@ -142,7 +166,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="the trimmed source tree, to carry to the GPU machine")
     p.add_argument("--out", type=Path, default=SRC)
-    b = sub.add_parser("build", help="llama-bench from the packed tree")
+    b = sub.add_parser("build", help="llama-bench and llama-quantize from the packed tree")
     b.add_argument("--src", type=Path, default=SRC)
     b.add_argument("--tree", type=Path, default=Path("/tmp/llama.cpp-cuda"))
     b.add_argument("--cpu-only", action="store_true", help="without CUDA (to try the packed tree out)")
@@ -157,6 +181,8 @@ def main() -> None:
     r.add_argument("--threads", type=int, default=os.cpu_count())
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--cpu-only", action="store_true", help="the build-cpu binary (to try the pipeline out)")
+    r.add_argument("--type", default="bf16", choices=sorted(GGUF_TYPES), help="the file timed: bf16 as converted, or "
+                   "quantized by llama-quantize (q4_k_m: what users download)")
     args = ap.parse_args()
     if args.command == "pack":
         print(pack(args.out))
@@ -164,7 +190,7 @@ def main() -> None:
         print(build(args.src, args.tree, args.cpu_only, args.jobs))
     else:
         result = bench(args.tree, args.hf, args.budgets.split(","), args.tokens, args.repetitions, args.threads,
-                       args.model, args.cpu_only)
+                       args.model, args.cpu_only, args.type)
         args.out.write_text(json.dumps(result, indent=1))
 
 

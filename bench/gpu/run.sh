@@ -28,7 +28,8 @@
 # its Hugging Face copy (.gpu-cache) and the install (/tmp/site) being there still: GPU_STAGES="llama-build
 # llama-bench" with .whl/llama carried, ~5 min (ggml-cuda for sm_90 is 36.5 CPU-minutes of nvcc 13.0, measured on a
 # 2-core Xeon: ~2.5 min on 16 cores); the main call then with GPU_DEADLINE=450 or so. Its rows sit beside the main
-# call's moetier rows on the same warm machine.
+# call's moetier rows on the same warm machine. With time left, GPU_STAGES="llama-q4km bench-q4km" (~3 min, untimed
+# there yet) times the Q4_K_M file llama-quantize makes of it, llama.cpp's and moetier's rows on the same file.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/bench/out/gpu}
@@ -97,7 +98,7 @@ stage micro 60 python3 bench/gpu/micro.py --out "$WORK/micro.json" --disk-dir "$
 # the synthetic OLMoE and its Hugging Face copy are written while the tests run (neither is timed; the benchmarks
 # wait for it, so nothing else runs while they time)
 PREPARE=
-case " $STAGES " in *" bench-olmoe "*|*" bench-demo "*|*" llama-bench "*) ( timeout $(( $(left) - 20 )) python3 -c '
+case " $STAGES " in *" bench-olmoe "*|*" bench-demo "*|*" llama-bench "*|*" llama-q4km "*) ( timeout $(( $(left) - 20 )) python3 -c '
 import sys; sys.path.insert(0, "bench/gpu"); sys.path.insert(0, "bench/peers")
 from pathlib import Path
 from bench_gpu import store_of
@@ -152,4 +153,12 @@ stage bench-dsv2 420 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-dsv2" --m
 stage llama-build 330 python3 bench/gpu/llamacpp_cuda.py build --tree /tmp/llama.cpp-cuda
 stage llama-bench 200 python3 bench/gpu/llamacpp_cuda.py bench --tree /tmp/llama.cpp-cuda \
     --hf "$MOETIER_CACHE/bench-gpu/olmoe-synth-hf" --budgets 0%,25%,100% --out "$WORK/bench-llamacpp.json"
+# the file users download: that bf16 GGUF quantized to Q4_K_M by llama.cpp's llama-quantize and timed by llama-bench,
+# then moetier's rows on the same file (its experts from their blocks: TritonGgmlExperts); not in the default
+# stages: after llama-build, on the same warm machine, GPU_STAGES="llama-q4km bench-q4km"
+Q4KM="$MOETIER_CACHE/bench-gpu/olmoe-synth-hf.q4_k_m.gguf"
+stage llama-q4km 200 python3 bench/gpu/llamacpp_cuda.py bench --tree /tmp/llama.cpp-cuda --type q4_k_m \
+    --hf "$MOETIER_CACHE/bench-gpu/olmoe-synth-hf" --budgets 0%,25%,100% --out "$WORK/bench-llamacpp-q4km.json"
+stage bench-q4km 150 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-q4km" --models "$Q4KM" --budgets 25%,100% \
+    --batch 1 --modes cpu-offload,prefetch-hobbit --disk-budgets= --tokens 12 --warmup 6 --rounds 1
 log "done, $(left)s before the deadline"
