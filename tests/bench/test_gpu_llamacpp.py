@@ -33,3 +33,16 @@ def test_the_packed_tree_leaves_build_folders_and_keeps_build_info():
     assert _source_only(entry("llama.cpp/gguf-py/gguf/__pycache__", True)) is None
     for kept in ("llama.cpp/cmake/build-info.cmake", "llama.cpp/common/build-info.cpp.in"):
         assert _source_only(entry(kept, False)) is not None
+
+
+def test_every_tool_the_packed_tree_builds_is_packed_and_a_build_target():
+    """tools/CMakeLists.txt in the archive adds llama-bench and quantize: both folders go in it, and the build
+    asks for both binaries (bench --type q4_k_m needs llama-quantize)."""
+    import re
+
+    from llamacpp_cuda import PARTS, TARGETS, TOOLS
+
+    folders = re.findall(r"add_subdirectory\((.+?)\)", TOOLS)
+    assert folders == ["llama-bench", "quantize"]
+    assert all(f"tools/{folder}" in PARTS for folder in folders)
+    assert TARGETS == ("llama-bench", "llama-quantize")
