@@ -180,13 +180,10 @@ def test_the_host_tier_is_page_locked(tiny_store):
         assert tier.holds(native) and tier.pools[native].region(0).is_pinned()
 
 
-def test_a_bf16_models_experts_through_triton_write_what_torchs_ops_write(tiny_store):
-    """`--kernels auto` on a GPU computes a bf16 model's experts in Triton's two launches a layer — at 100% from the
-    router's ids on the device, the routing never read back to the host; `--kernels torch` through torch's ops: the
-    same greedy tokens but where bf16's rounding tips one."""
-    from moetier.model.triton_experts import TritonExperts
-
-    _, path = tiny_store("olmoe", torch.bfloat16, num_hidden_layers=4, intermediate_size=64)
+def triton_against_torch(path, precision: str, kind) -> None:
+    """`--kernels auto` (Triton's two launches a layer, `kind`'s; at 100% from the router's ids on the device, the
+    routing never read back to the host) against `--kernels torch` on the same model: the same greedy tokens but
+    where bf16's rounding tips one."""
     for memory in ("30%", "100%"):
         got = []
         for kernels in ("auto", "torch"):
@@ -194,7 +191,7 @@ def test_a_bf16_models_experts_through_triton_write_what_torchs_ops_write(tiny_s
             with Engine(Store(path), config, progress=False) as engine:
                 engine.preload()
                 got.append(engine.generate(prompts(), max_new_tokens=12, ignore_eos=True).token_ids)
-                triton = isinstance(engine.executor.expert_kernels["bf16"], TritonExperts)
+                triton = isinstance(engine.executor.expert_kernels[precision], kind)
                 assert triton == (kernels == "auto")
                 if memory == "100%":
                     assert (engine.executor.resident_layers.tables is not None) == triton
@@ -202,11 +199,16 @@ def test_a_bf16_models_experts_through_triton_write_what_torchs_ops_write(tiny_s
         assert sum(x == y for x, y in zip(a, b)) >= 0.8 * len(b), memory
 
 
+def test_a_bf16_models_experts_through_triton_write_what_torchs_ops_write(tiny_store):
+    from moetier.model.triton_experts import TritonExperts
+
+    _, path = tiny_store("olmoe", torch.bfloat16, num_hidden_layers=4, intermediate_size=64)
+    triton_against_torch(path, "bf16", TritonExperts)
+
+
 def test_a_q4_k_m_gguf_s_experts_through_triton_write_what_torchs_ops_write(tmp_path):
-    """A GGUF's experts as a Q4_K_M file keeps them (gate and up Q4_K; down Q6_K in layer 0, Q4_K in layer 1) on the
-    GPU: `--kernels auto` computes them from their blocks in Triton's two launches a layer (at 100% from the router's
-    ids on the device), `--kernels torch` dequantizes them for torch's matmul: the same greedy tokens but where
-    bf16's rounding tips one."""
+    """A GGUF's experts as a Q4_K_M file keeps them (gate and up Q4_K; down Q6_K in layer 0, Q4_K in layer 1),
+    computed from their blocks by Triton against torch's ops on the blocks dequantized."""
     from moetier.model.triton_experts import TritonGgmlExperts
     from moetier.store.gguf_store import index_gguf
     from tests.store import gguf_export
@@ -216,17 +218,4 @@ def test_a_q4_k_m_gguf_s_experts_through_triton_write_what_torchs_ops_write(tmp_
                num_key_value_heads=4, num_layers=2)
     path = gguf_export.export(tmp_path / "hf", tmp_path / "q4_k_m.gguf", {0: ("q4_k", "q6_k"), 1: ("q4_k", "q4_k")},
                               dense_type="bf16")
-    store = index_gguf(path, tmp_path / "store", progress=False)
-    for memory in ("30%", "100%"):
-        got = []
-        for kernels in ("auto", "torch"):
-            config = EngineConfig(expert_memory=MemoryBudget.parse(memory), device="cuda", kernels=kernels)
-            with Engine(Store(store), config, progress=False) as engine:
-                engine.preload()
-                got.append(engine.generate(prompts(), max_new_tokens=12, ignore_eos=True).token_ids)
-                triton = isinstance(engine.executor.expert_kernels["q4_k"], TritonGgmlExperts)
-                assert triton == (kernels == "auto")
-                if memory == "100%":
-                    assert (engine.executor.resident_layers.tables is not None) == triton
-        a, b = sum(got[0], []), sum(got[1], [])
-        assert sum(x == y for x, y in zip(a, b)) >= 0.8 * len(b), memory
+    triton_against_torch(index_gguf(path, tmp_path / "store", progress=False), "q4_k", TritonGgmlExperts)
