@@ -1,6 +1,6 @@
 """A layer's SwiGLU experts on a GPU in two Triton launches — gate and up together with the SiLU and the product,
 then down with the routing weight — for bf16 slots, for int8/int4/int2 ones computed from their codes, and for
-GGML's Q8_0/Q4_K/Q5_K/Q6_K blocks (a GGUF's experts: `TritonGgmlExperts`).
+GGML's Q8_0/Q4_K/Q5_K/Q6_K blocks and the legacy Q4_0/Q4_1/Q5_0/Q5_1 (a GGUF's experts: `TritonGgmlExperts`).
 
 Why: through torch's ops a bf16 expert is six launches (two products, the SiLU, the product of halves, the
 weighting, the copy out) and a quantized one ~20 (unpack, subtract, scale, shift, cast before each product); on the
@@ -185,9 +185,10 @@ class TritonExperts(OneByOne):
         torch.sum(ys, 0, keepdim=True, out=out)
 
 
-# GGML's block formats the kernels compute (triton_kernels.py ggml_block's FMT); a GGUF's others (the legacy q4_0,
-# q5_0 ..., mxfp4) go through `fallback`
-GGML_FORMATS = {"q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
+# GGML's block formats the kernels compute (triton_kernels.py ggml_block's FMT): the k-quants and q8_0, and the
+# legacy ones a k-quant file falls back to where a row is not whole 256-blocks (DeepSeek-V2-Lite's and Qwen-MoE's
+# 1,408-wide down_proj); a GGUF's others (mxfp4) go through `fallback`
+GGML_FORMATS = {"q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "q4_0": 5, "q4_1": 6, "q5_0": 7, "q5_1": 8}
 
 
 class TritonGgmlExperts(TritonExperts):

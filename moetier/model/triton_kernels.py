@@ -65,7 +65,7 @@ def k_scale_min(codes, base, sub):
 def ggml_block(codes, rows, k, stride_c, FMT: tl.constexpr):
     """[BLOCK rows, BLOCK_K] of a matrix in a GGML block format (rows of blocks, one row after another: uint8
     [N, row bytes]) as fp32, as moetier/quant/ggml_blocks.py's `dequantize` computes them (the same products in the
-    same order). FMT 1 q8_0, 2 q4_k, 3 q5_k, 4 q6_k (GGML_FORMATS in triton_experts.py)."""
+    same order). FMT 1 q8_0, 2 q4_k, 3 q5_k, 4 q6_k, 5-8 q4_0, q4_1, q5_0, q5_1 (GGML_FORMATS in triton_experts.py)."""
     row = rows[:, None] * stride_c  # [BN, 1] each row's first byte
     if FMT == 1:  # 32 weights a block of 34 bytes: fp16 d, int8 q[32]; w = d·q
         base = row + (k // 32 * 34)[None, :]
@@ -83,7 +83,7 @@ def ggml_block(codes, rows, k, stride_c, FMT: tl.constexpr):
             q = q | (((tl.load(codes + base + 16 + lane).to(tl.int32) >> sub) & 1) << 4)
         sc, mn = k_scale_min(codes, base, sub)
         w = (f16_at(codes, base) * sc) * q.to(tl.float32) - f16_at(codes, base + 2) * mn
-    else:  # q6_k: 256 a block of 210 bytes: ql[128], qh[64], int8 scales[16] (one per 16 weights), fp16 d
+    elif FMT == 4:  # q6_k: 256 a block of 210 bytes: ql[128], qh[64], int8 scales[16] (one per 16 weights), fp16 d
         base = row + (k // 256 * 210)[None, :]
         t = (k % 256)[None, :]
         half, quad, lane = t // 128, (t % 128) // 32, t % 32
@@ -91,6 +91,20 @@ def ggml_block(codes, rows, k, stride_c, FMT: tl.constexpr):
         hi = (tl.load(codes + base + 128 + half * 32 + lane).to(tl.int32) >> (quad * 2)) & 3
         scale = tl.load(codes + base + 192 + t // 16).to(tl.int8).to(tl.float32)
         w = (f16_at(codes, base + 208) * scale) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    else:  # the legacy formats llama-quantize falls back to where a row is not whole 256-blocks (5 q4_0, 6 q4_1,
+        # 7 q5_0, 8 q5_1): 32 weights a block; fp16 d (and m: w = d·q + m, else w = d·(q − 8 or 16)); q5's fifth bits
+        # qh (4 bytes, weight j's the j-th bit); nibbles [16], their low ones weights 0-15, the high ones 16-31
+        size: tl.constexpr = 18 if FMT == 5 else (20 if FMT == 6 else (22 if FMT == 7 else 24))
+        nibbles: tl.constexpr = size - 16
+        base = row + (k // 32 * size)[None, :]
+        j = (k % 32)[None, :]
+        q = (tl.load(codes + base + nibbles + j % 16).to(tl.int32) >> ((j // 16) * 4)) & 0xF
+        if FMT == 7 or FMT == 8:
+            q = q | (((tl.load(codes + base + nibbles - 4 + j // 8).to(tl.int32) >> (j % 8)) & 1) << 4)
+        if FMT == 5 or FMT == 7:
+            w = f16_at(codes, base) * (q - (8 if FMT == 5 else 16)).to(tl.float32)
+        else:
+            w = f16_at(codes, base) * q.to(tl.float32) + f16_at(codes, base + 2)
     return w  # (one return, as weights_block)
 
 

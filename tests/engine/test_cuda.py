@@ -207,8 +207,9 @@ def test_a_bf16_models_experts_through_triton_write_what_torchs_ops_write(tiny_s
 
 
 def test_a_q4_k_m_gguf_s_experts_through_triton_write_what_torchs_ops_write(tmp_path):
-    """A GGUF's experts as a Q4_K_M file keeps them (gate and up Q4_K; down Q6_K in layer 0, Q4_K in layer 1),
-    computed from their blocks by Triton against torch's ops on the blocks dequantized."""
+    """A GGUF's experts as a Q4_K_M file keeps them (gate and up Q4_K; down Q6_K in layer 0, Q5_0 in layer 1, as
+    where a row is not whole 256-blocks), computed from their blocks by Triton against torch's ops on the blocks
+    dequantized."""
     from moetier.model.triton_experts import TritonGgmlExperts
     from moetier.store.gguf_store import index_gguf
     from tests.store import gguf_export
@@ -216,6 +217,6 @@ def test_a_q4_k_m_gguf_s_experts_through_triton_write_what_torchs_ops_write(tmp_
 
     build_tiny("olmoe", tmp_path / "hf", hidden_size=256, intermediate_size=256, num_attention_heads=4,
                num_key_value_heads=4, num_layers=2)
-    path = gguf_export.export(tmp_path / "hf", tmp_path / "q4_k_m.gguf", {0: ("q4_k", "q6_k"), 1: ("q4_k", "q4_k")},
+    path = gguf_export.export(tmp_path / "hf", tmp_path / "q4_k_m.gguf", {0: ("q4_k", "q6_k"), 1: ("q4_k", "q5_0")},
                               dense_type="bf16")
     triton_against_torch(index_gguf(path, tmp_path / "store", progress=False), "q4_k", TritonGgmlExperts)

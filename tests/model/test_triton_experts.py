@@ -227,7 +227,7 @@ ints = dict(K="i32", I="i32", stride_x="i32", stride_c="i32", stride_s="i32", st
 pointers = dict(x="*bf16", x_rows="*i64", table="*i64", experts="*i64", spans="*i64", h="*bf16", weights="*fp32",
                 out="*bf16")
 for bits, bn, bk, fmt in ((16, 16, 64, 0), (8, 16, 64, 0), (4, 16, 64, 0), (2, 16, 64, 0), (16, 32, 128, 0),
-                          (2, 64, 128, 0), (0, 16, 64, 1), (0, 16, 64, 2), (0, 16, 64, 3), (0, 16, 64, 4)):
+                          (2, 64, 128, 0), *((0, 16, 64, fmt) for fmt in range(1, 9))):
     for fn in (gate_up, down):
         consts = dict(BITS=bits, GROUP=128 if bits == 4 else 64, BT=16, BN=bn, BK=bk, FMT=fmt)
         sig = {name: {**ints, **pointers}.get(name, "constexpr") for name in fn.arg_names}
@@ -248,7 +248,19 @@ def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
-GGML = ["q8_0", "q4_k", "q5_k", "q6_k"]
+GGML = ["q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1"]
+
+
+def blocks_of(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """[N, K] float -> uint8 [N, row bytes] in `fmt`: ours for the formats moetier makes, the gguf package's for the
+    legacy ones a GGUF brings (moetier never makes those)."""
+    from moetier.quant.kquants import FIT, quantize
+
+    if fmt in FIT:
+        return quantize(w, fmt)
+    import gguf
+
+    return torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[fmt.upper()]))
 
 
 @pytest.mark.parametrize("fmt", GGML)
@@ -258,12 +270,11 @@ def test_the_kernels_ggml_weights_are_the_blocks_dequantized(fmt):
     bit."""
     from moetier.model.triton_experts import GGML_FORMATS
     from moetier.quant.ggml_blocks import dequantize as dequantize_blocks
-    from moetier.quant.kquants import quantize as quantize_blocks
 
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 512, generator=g) * 0.05
     w[3] *= 40  # (a row of larger weights: the scales' high bits in use)
-    blocks = quantize_blocks(w, fmt)
+    blocks = blocks_of(w, fmt)
     out = torch.empty(64, 512, device=DEVICE)
     dump_ggml[(64 // 16,)](blocks.to(DEVICE), out, blocks.stride(0), 512, FMT=GGML_FORMATS[fmt], BN=16, BK=64)
     want = dequantize_blocks(blocks, fmt)
@@ -275,12 +286,13 @@ def test_the_kernels_ggml_weights_are_the_blocks_dequantized(fmt):
 
 def ggml_slots(formats: tuple[str, str], seed: int = 0, h: int = 256, i: int = 256) -> dict[str, torch.Tensor]:
     """An expert's slot tensors with gate_up_proj in formats[0] and down_proj in formats[1] (a Q4_K_M file's
-    q4_k/q6_k), on the test's device."""
-    from moetier.quant.precisions import quantize_expert as quantize_blocks
+    q4_k/q6_k, or q4_k/q5_0 where down_proj's rows are not whole 256-blocks), viewed as a store's slot views them,
+    on the test's device."""
+    from moetier.quant.precisions import matrix_shape
 
     w = expert(h, i, seed)
-    names = {"gate_up_proj": formats[0], "down_proj": formats[1]}
-    return on(quantize_blocks(w, "q4_k_m", names))
+    return on({name: blocks_of(t, fmt).reshape(matrix_shape(fmt, *t.shape))
+               for (name, t), fmt in zip(w.items(), formats)})
 
 
 def ggml_kernel():
@@ -290,7 +302,8 @@ def ggml_kernel():
     return TritonGgmlExperts(GgmlExpert("q4_k_m", torch.bfloat16))
 
 
-@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k")])
+@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k"),
+                                     ("q4_k", "q5_0"), ("q5_k", "q5_1"), ("q4_0", "q4_1")])
 @pytest.mark.parametrize("tokens", [1, 5, 16])
 def test_a_ggml_expert_computes_what_torchs_ops_do(formats, tokens):
     """gate_up_proj and down_proj each in its own format, as a GGUF's experts come: what GgmlExpert computes on
@@ -335,14 +348,12 @@ def test_a_layer_of_ggml_experts_and_a_routed_token_in_the_kernels_launches():
     assert relative(got, want) < TOLERANCE
 
 
-def test_a_format_the_kernels_lack_goes_through_torchs_ops():
-    """A legacy block (a GGUF's q4_0 down_proj) or a width no tile divides: the fallback itself, bit for bit."""
-    from moetier.quant.precisions import matrix_shape
-
+def test_a_width_the_tiles_do_not_divide_goes_through_torchs_ops():
+    """An intermediate size of 96 (whole q8_0 blocks; no 64-input step divides it): the fallback itself, bit for
+    bit, and no table for a routed token."""
     kernel = ggml_kernel()
-    w = ggml_slots(("q4_k", "q8_0"))
-    w["down_proj"] = torch.zeros(matrix_shape("q4_0", 256, 256), dtype=torch.uint8, device=DEVICE)
-    assert kernel._formats(w) is None and kernel.token_table([w]) is None
+    w = ggml_slots(("q8_0", "q8_0"), i=96)
+    assert kernel._formats(w) is not None and kernel.token_table([w]) is None
     x = torch.randn(2, 256).bfloat16().to(DEVICE)
     weights = torch.ones(2, dtype=torch.bfloat16, device=DEVICE)
     got, want = torch.empty_like(x), torch.empty_like(x)
@@ -362,7 +373,8 @@ def test_a_gpu_computes_ggml_experts_with_the_kernels():
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's run on the CPU; on a GPU tests/engine/test_cuda.py's")
 def test_the_engine_computes_a_q4_k_m_gguf_s_experts_through_the_kernels(tmp_path, monkeypatch):
-    """A GGUF's experts as a Q4_K_M file keeps them (gate and up Q4_K; down Q6_K in layer 0, Q4_K in layer 1) run
+    """A GGUF's experts as a Q4_K_M file keeps them (gate and up Q4_K; down Q6_K in layer 0, Q5_0 in layer 1, as
+    where a row is not whole 256-blocks) run
     by the engine through TritonGgmlExperts (here in the interpreter, on the CPU; on a GPU tests/engine/test_cuda.py)
     beside torch's ops on the same blocks: the same greedy tokens but where bf16's rounding tips one."""
     from moetier import Engine
@@ -377,7 +389,7 @@ def test_the_engine_computes_a_q4_k_m_gguf_s_experts_through_the_kernels(tmp_pat
 
     build_tiny("olmoe", tmp_path / "hf", hidden_size=256, intermediate_size=256, num_attention_heads=4,
                num_key_value_heads=4, num_layers=2)
-    path = gguf_export.export(tmp_path / "hf", tmp_path / "q4_k_m.gguf", {0: ("q4_k", "q6_k"), 1: ("q4_k", "q4_k")},
+    path = gguf_export.export(tmp_path / "hf", tmp_path / "q4_k_m.gguf", {0: ("q4_k", "q6_k"), 1: ("q4_k", "q5_0")},
                               dense_type="bf16")
     store = index_gguf(path, tmp_path / "store", progress=False)
     g = torch.Generator().manual_seed(9)
