@@ -75,6 +75,13 @@ PRELOADED = {"cpu-offload"}  # modes started with the cache preloaded, as every 
 # set of experts on the GPU (layer by layer), the rest on the host (cpu-offload never loads)
 
 
+def label_and_source(entry: str) -> tuple[str, str]:
+    """A --models entry: NAME (a built-in, a synthetic shape, a path) or LABEL=NAME (the rows' model named LABEL: a
+    GGUF file's rows beside llama.cpp's on the same file, `olmoe-synth Q4_K_M=PATH.gguf`)."""
+    label, _, source = entry.rpartition("=")
+    return (label or source), source
+
+
 def store_of(model: str, cache: Path) -> Path:
     """The store for a model name: a built-in (made on first use), the synthetic OLMoE (made here) or a shape of
     another family with random weights (hf_synth.py)."""
@@ -253,7 +260,8 @@ def export_hf_checkpoint(store: Path, out: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for rows.json")
-    ap.add_argument("--models", default="demo-fine-xl")
+    ap.add_argument("--models", default="demo-fine-xl", help="comma-separated: a built-in model, a synthetic shape "
+                    "(olmoe-synth, dsv2-lite-synth), a path (a GGUF file), each as LABEL=... to name its rows")
     ap.add_argument("--budgets", default="10%,25%,50%,100%")
     ap.add_argument("--batch", default="1,8", help="the first for every row; the others at --batch-budgets")
     ap.add_argument("--batch-budgets", default="25%,100%", help="the lru budgets the larger batches run at")
@@ -290,9 +298,10 @@ def main() -> None:
         print(" ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row.get(k)}"
                        for k in keys if k in row), flush=True)
 
-    for model in [m for m in args.models.split(",") if m]:
+    for entry in [m for m in args.models.split(",") if m]:
+        model, source = label_and_source(entry)
         try:
-            store = store_of(model, cache)
+            store = store_of(source, cache)
         except Exception as e:
             record({"model": model, "error": f"{type(e).__name__}: {e}"})
             continue

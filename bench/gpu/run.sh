@@ -158,7 +158,8 @@ stage llama-bench 200 python3 bench/gpu/llamacpp_cuda.py bench --tree /tmp/llama
 # stages: after llama-build, on the same warm machine, GPU_STAGES="llama-q4km bench-q4km"
 Q4KM="$MOETIER_CACHE/bench-gpu/olmoe-synth-hf.q4_k_m.gguf"
 stage llama-q4km 200 python3 bench/gpu/llamacpp_cuda.py bench --tree /tmp/llama.cpp-cuda --type q4_k_m \
-    --hf "$MOETIER_CACHE/bench-gpu/olmoe-synth-hf" --budgets 0%,25%,100% --out "$WORK/bench-llamacpp-q4km.json"
-stage bench-q4km 150 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-q4km" --models "$Q4KM" --budgets 25%,100% \
-    --batch 1 --modes cpu-offload,prefetch-hobbit --disk-budgets= --tokens 12 --warmup 6 --rounds 1
+    --hf "$MOETIER_CACHE/bench-gpu/olmoe-synth-hf" --model "olmoe-synth Q4_K_M" --budgets 0%,25%,100% \
+    --out "$WORK/bench-llamacpp-q4km.json"
+stage bench-q4km 150 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-q4km" --models "olmoe-synth Q4_K_M=$Q4KM" \
+    --budgets 25%,100% --batch 1 --modes cpu-offload,prefetch-hobbit --disk-budgets= --tokens 12 --warmup 6 --rounds 1
 log "done, $(left)s before the deadline"

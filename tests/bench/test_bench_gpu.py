@@ -27,3 +27,13 @@ def test_every_row_kind_measures_on_the_cpu(tmp_path):
     # (HOBBIT's low copies added to the store; the mode as the engine resolved it, for sim_check.py)
     assert [row["precision"]["cached"] for row in rows if row["mode"] == "hobbit"] == ["by-gate"]
     assert all(row["tpot_s"] > 0 for row in rows)
+
+
+def test_a_models_entry_names_its_rows_or_is_its_own_name():
+    """LABEL=SOURCE (a GGUF file's rows named as llama.cpp's on the same file); a bare entry is both."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_gpu import label_and_source
+
+    assert label_and_source("olmoe-synth") == ("olmoe-synth", "olmoe-synth")
+    assert label_and_source("olmoe-synth Q4_K_M=/c/olmoe-synth-hf.q4_k_m.gguf") == (
+        "olmoe-synth Q4_K_M", "/c/olmoe-synth-hf.q4_k_m.gguf")
