@@ -13,8 +13,8 @@ path is printed, so moetier's rows run the same file (run.sh's `bench-q4km` stag
     python bench/gpu/llamacpp_cuda.py bench --tree /tmp/llama.cpp-cuda --hf DIR --out bench-llamacpp.json
 
 `pack` trims bench/peers' llama.cpp tree (llama-cpp-python 0.3.36's, fetched from PyPI on first use) to what
-llama-bench, llama-quantize and the converter need, its tools list cut to those two. `build --cpu-only` builds the same tree
-without CUDA (to try the packed tree out on a machine with no GPU)."""
+llama-bench, llama-quantize and the converter need, its tools list cut to those two. `build --cpu-only` builds the
+same tree without CUDA (to try the packed tree out on a machine with no GPU)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,8 @@ sys.path.insert(0, str(ROOT / "bench" / "peers"))
 from llamacpp import CMAKE_FLAGS, CONVERT, GGUF_TYPES, VERSION, fetch_source, home, parse_bench  # noqa: E402
 
 PARTS = ("CMakeLists.txt", "cmake", "common", "src", "include", "vendor", "tools/llama-bench", "tools/quantize",
-         "ggml/CMakeLists.txt",
-         "ggml/cmake", "ggml/include", "ggml/src/CMakeLists.txt", "ggml/src/ggml-cpu", "ggml/src/ggml-cuda",
-         "convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
+         "ggml/CMakeLists.txt", "ggml/cmake", "ggml/include", "ggml/src/CMakeLists.txt", "ggml/src/ggml-cpu",
+         "ggml/src/ggml-cuda", "convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
 TOOLS = "add_subdirectory(llama-bench)\nadd_subdirectory(quantize)\n"  # tools/CMakeLists.txt: those two alone
 TARGETS = ("llama-bench", "llama-quantize")
 SRC = ROOT / ".whl" / "llama" / "llama.cpp-src.tar.xz"
@@ -122,9 +121,14 @@ def gguf_of(tree: Path, hf: Path, kind: str, threads: int, cpu_only: bool = Fals
         tmp = out.with_name(out.name + ".tmp")
         start = time.perf_counter()
         binary = source / ("build-cpu" if cpu_only else "build-cuda") / "bin" / "llama-quantize"
-        subprocess.run([str(binary), str(gguf), str(tmp), GGUF_TYPES[kind], str(threads)], check=True,
-                       capture_output=True)
-        tmp.rename(out)
+        try:
+            subprocess.run([str(binary), str(gguf), str(tmp), GGUF_TYPES[kind], str(threads)], check=True,
+                           capture_output=True, text=True)
+            tmp.rename(out)
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"llama-quantize {GGUF_TYPES[kind]} failed:\n{e.stderr[-3000:]}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
         print(f"quantized {gguf} to {out} ({GGUF_TYPES[kind]}) in {time.perf_counter() - start:.0f} s", flush=True)
     return out
 
