@@ -26,11 +26,12 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
-from llamacpp import CMAKE_FLAGS, CONVERT, GGUF_TYPES, VERSION, fetch_source, home, parse_bench  # noqa: E402
+from llamacpp import CMAKE_FLAGS, GGUF_TYPES, VERSION, LlamaCpp, fetch_source, home, parse_bench  # noqa: E402
 
 PARTS = ("CMakeLists.txt", "cmake", "common", "src", "include", "vendor", "tools/llama-bench", "tools/quantize",
          "ggml/CMakeLists.txt", "ggml/cmake", "ggml/include", "ggml/src/CMakeLists.txt", "ggml/src/ggml-cpu",
@@ -103,34 +104,28 @@ def layers_on_cpu(budget: str, layers: int) -> int:
     return layers - round(share * layers)
 
 
+@dataclass(frozen=True)
+class Built(LlamaCpp):
+    """bench/peers' LlamaCpp (its converter and llama-quantize calls) on this script's build: build-cuda, or
+    build-cpu."""
+
+    cpu_only: bool = False
+
+    @property
+    def bin(self) -> Path:
+        return self.tree / ("build-cpu" if self.cpu_only else "build-cuda") / "bin"
+
+
 def gguf_of(tree: Path, hf: Path, kind: str, threads: int, cpu_only: bool = False) -> Path:
     """The GGUF file llama.cpp's tools make of the Hugging Face folder `hf`: bf16 by its converter, then `kind`
     (q8_0, q4_k_m) by llama-quantize; beside `hf`, made once."""
-    source = tree / "llama.cpp"
-    gguf = hf.with_suffix(".bf16.gguf")
-    if not gguf.exists():
-        tmp = gguf.with_name(gguf.name + ".tmp")
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", CONVERT, str(source), str(hf), str(tmp)], check=True)
-        tmp.rename(gguf)
-        print(f"converted {hf} to {gguf} in {time.perf_counter() - start:.0f} s", flush=True)
-    if kind == "bf16":
-        return gguf
-    out = hf.with_suffix(f".{kind}.gguf")
-    if not out.exists():
-        tmp = out.with_name(out.name + ".tmp")
-        start = time.perf_counter()
-        binary = source / ("build-cpu" if cpu_only else "build-cuda") / "bin" / "llama-quantize"
-        try:
-            subprocess.run([str(binary), str(gguf), str(tmp), GGUF_TYPES[kind], str(threads)], check=True,
-                           capture_output=True, text=True)
-            tmp.rename(out)
-        except subprocess.CalledProcessError as e:
-            raise SystemExit(f"llama-quantize {GGUF_TYPES[kind]} failed:\n{e.stderr[-3000:]}") from None
-        finally:
-            tmp.unlink(missing_ok=True)
-        print(f"quantized {gguf} to {out} ({GGUF_TYPES[kind]}) in {time.perf_counter() - start:.0f} s", flush=True)
-    return out
+    tools = Built(tree / "llama.cpp", cpu_only=cpu_only)
+    start = time.perf_counter()
+    gguf = tools.convert(hf, hf.with_suffix(".bf16.gguf"))
+    if kind != "bf16":
+        gguf = tools.quantize(gguf, hf.with_suffix(f".{kind}.gguf"), kind, threads)
+    print(f"{gguf} ready in {time.perf_counter() - start:.0f} s", flush=True)
+    return gguf
 
 
 def bench(tree: Path, hf: Path, budgets: list[str], tokens: int, repetitions: int, threads: int,
