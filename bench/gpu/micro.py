@@ -6,7 +6,8 @@ it is calibrated from (moetier/sim/profiles/) and what the benchmark's rows are 
 - the GPU: one SwiGLU expert of OLMoE's shape (hidden 2048, intermediate 1024) at 1 and 8 tokens, in bf16 and
   from int8/int4/int2 codes, through Triton's kernels (moetier/model/triton_experts.py) and torch's ops
   (`_torch`: dequantize then matmul), with CUDA events; a layer's 8 experts at a token each, both ways and from
-  the router's ids on the device (`_routed`); a tiny kernel's launch cost;
+  the router's ids on the device (`_routed`); a token's RMSNorm and rotation through Triton and torch's ops, the
+  GPU's time and the host's (`_host_s`); a tiny kernel's launch cost;
 - the host CPU beside it: the same expert at one token with moetier's native kernels (CPU-assisted compute), and
   with torch's, at the machine's threads;
 - the disk: O_DIRECT reads of 12 MiB into pinned memory (the store's reads).
@@ -102,13 +103,45 @@ def gpu_compute(dev: torch.device) -> dict:
                 out[f"gpu_expert_{precision}{suffix}_T{n}_s"] = cuda_time(
                     lambda path=path, y=y, x=x, tensors=tensors, weights=weights: path(y, x, tensors, weights))
     out.update(gpu_layer(dev, kernels))
+    out.update(gpu_dense(dev, kernels))
     x = torch.zeros(1, device=dev)
     out["gpu_tiny_kernel_s"] = cuda_time(lambda: x.add_(1), reps=200)
-    start = time.perf_counter()
-    for _ in range(1000):
-        x.add_(1)
+    out["gpu_launch_host_s"] = host_time(lambda: x.add_(1))
+    return out
+
+
+def host_time(fn, calls: int = 1000) -> float:
+    """The host's seconds a call of `fn` (launches queued back to back, the GPU's work waited for once at the end):
+    what a step whose host is the slower side pays for it."""
+    for _ in range(10):
+        fn()
     torch.cuda.synchronize()
-    out["gpu_launch_host_s"] = (time.perf_counter() - start) / 1000
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def gpu_dense(dev: torch.device, kernels) -> dict:
+    """A decode token's RMSNorm (OLMoE's hidden 2048) and rotation (its 16 query heads of 128) through `kernels`
+    (TritonKernels where triton is installed: one launch each, moetier/model/triton_dense.py) and torch's ops (eight
+    and seven launches): the GPU's time by CUDA events, and the host's a call."""
+    from moetier.config import RopeSpec
+    from moetier.model.batch import StepBatch
+    from moetier.model.kernels import TorchKernels
+    from moetier.model.rope import Rope
+
+    x = torch.randn(1, 2048, dtype=torch.bfloat16, device=dev)
+    w = torch.ones(2048, dtype=torch.bfloat16, device=dev)
+    q = torch.randn(1, 16, 128, dtype=torch.bfloat16, device=dev)
+    tables = Rope(RopeSpec(), 128, 4096, torch.bfloat16, dev).short
+    batch = StepBatch.decode_step([1], [0], [100], 1, device=dev)
+    out = {}
+    for suffix, k in (("", kernels), ("_torch", TorchKernels())):
+        for name, call in (("rms_norm", partial(k.rms_norm, x, w, 1e-5)), ("rope", partial(k.rope, tables, q, batch))):
+            out[f"gpu_{name}{suffix}_T1_s"] = cuda_time(call)
+            out[f"gpu_{name}{suffix}_T1_host_s"] = host_time(call)
     return out
 
 

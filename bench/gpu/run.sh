@@ -119,7 +119,7 @@ tests() {
     python3 -c 'import transformers; print("reference: transformers", transformers.__version__)'
     python3 -m pytest tests/model/test_parity_cuda.py tests/engine/test_cuda.py tests/engine/test_host_tier.py \
         tests/engine/test_route_arrays.py \
-        tests/model/test_triton_experts.py tests/model/test_kernels.py -v -rs \
+        tests/model/test_triton_experts.py tests/model/test_triton_dense.py tests/model/test_kernels.py -v -rs \
         -p no:cacheprovider --junitxml="$WORK/tests.xml"
 }
 export -f tests

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from moetier.config import ModelSpec
 from moetier.errors import MoetierError
-from moetier.model.kernels import Fp32Buffer, TorchKernels
+from moetier.model.kernels import Fp32Buffer, TorchKernels, triton_installed
 from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
 from moetier.quant.precisions import GGUF_BLOCKS, MIXES
 
@@ -330,6 +330,6 @@ def _on_triton(bits: int, kernel, kernels: TorchKernels, dtype: torch.dtype):
         return kernel
     from moetier.model import triton_experts
 
-    if not triton_experts.available():
+    if not triton_installed():
         return kernel
     return triton_experts.TritonGgmlExperts(kernel) if bits == 0 else triton_experts.TritonExperts(bits, kernel)

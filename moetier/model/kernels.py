@@ -3,8 +3,8 @@ SwiGLU expert on its tokens, scaled by their routing weights, written into `out`
 `decode_attention` (one new token per sequence against its KV cache); `expert_layer`: several experts of a layer at
 once.
 
-`TorchKernels` is torch's own ops; `CudaKernels` the same on a GPU, decode attention kept off cuDNN, and (`auto`)
-a layer's SwiGLU experts in Triton. `NativeKernels` takes bf16 on the CPU to `csrc/bf16_rows.c`: a batch-1 decode
+`TorchKernels` is torch's own ops; `CudaKernels` the same on a GPU, decode attention kept off cuDNN; `TritonKernels`
+(`auto` where triton is installed) besides a layer's SwiGLU experts, a bf16 model's norms and rotations in Triton. `NativeKernels` takes bf16 on the CPU to `csrc/bf16_rows.c`: a batch-1 decode
 step's products at the memory's speed, and a batch's or a prefill's rows with each weight row read once for all of
 them (each row bit for bit what it computes alone); prefill attention, rope of a batch, and fp32 stay on torch.
 Chosen once per engine by `make_kernels`, never per call by a flag."""
@@ -113,15 +113,15 @@ class CudaKernels(TorchKernels):
     new one each call: 11.6 ms a call under the profiler on the H200 (96 such calls made more than half of a 7-step
     OLMoE-1B-7B decode; bench/gpu/results/2026-11-27-h200/profile-olmoe.json). The memory-efficient kernel takes
     any mask and has no plan to build; flash and math stay as fallbacks (fp32, shapes it cannot take).
-    `triton`: a layer's bf16 and quantized SwiGLU experts in two Triton launches where triton is installed
-    (moetier/model/triton_experts.py; `--kernels auto`), or torch's ops for them too (`--kernels torch`)."""
+    The experts through torch's ops too (`--kernels torch`, or triton not installed); `triton` says whether a
+    layer's SwiGLU experts go to Triton (TritonKernels; moetier/model/expert_kernels.py `_on_triton`)."""
 
     name = "cuda"
+    triton = False
 
-    def __init__(self, triton: bool = True) -> None:
+    def __init__(self) -> None:
         from torch.nn.attention import SDPBackend
 
-        self.triton = triton
         self.decode_backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
@@ -130,6 +130,33 @@ class CudaKernels(TorchKernels):
 
         with sdpa_kernel(self.decode_backends):
             return super().decode_attention(q, keys, values, batch, window, scale)
+
+
+class TritonKernels(CudaKernels):
+    """CudaKernels where triton is installed (`--kernels auto`): a layer's bf16 and quantized SwiGLU experts in two
+    Triton launches (moetier/model/triton_experts.py), and a bf16 model's RMSNorms and rotations one launch each
+    instead of eight and seven (moetier/model/triton_dense.py; the same values as torch's ops: a rotation bit for
+    bit, a norm but for the order of its sum of squares). What those kernels do not take — another dtype, a view
+    that is not contiguous, interleaved rotary pairs — goes to torch's ops."""
+
+    name = "triton"
+    triton = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        from moetier.model import triton_dense
+
+        self.dense = triton_dense
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_contiguous():
+            return super().rms_norm(x, weight, eps)
+        return self.dense.rms_norm(x, weight, eps)
+
+    def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or rope.interleaved or rope.cos.dtype != torch.bfloat16 or not x.is_contiguous():
+            return super().rope(rope, x, batch)
+        return self.dense.rope(rope, x, batch.positions)
 
 
 class NativeKernels(TorchKernels):
@@ -357,6 +384,15 @@ class NativeWithGemm(NativeKernels):
             super().expert_layer(ys, xs, weights, few)
 
 
+def triton_installed() -> bool:
+    """Whether triton imports here (the GPU machine's python has it; moetier does not depend on it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 GEMM_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's: bf16 dot products torch's CPU GEMM uses
 
 
@@ -372,7 +408,9 @@ def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKe
         raise MoetierError(f"unknown kernels {name!r}", hint=f"one of {', '.join(KERNELS)}")
     applies = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
     if name in ("auto", "torch") and torch.device(device).type == "cuda":
-        return CudaKernels(triton=name == "auto")
+        if name == "auto" and triton_installed():
+            return TritonKernels()
+        return CudaKernels()
     if name == "torch" or (name == "auto" and not applies):
         return TorchKernels()
     if not applies:

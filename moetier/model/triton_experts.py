@@ -53,14 +53,6 @@ NAMES = ("gate_up_proj", "gate_up_proj.scales", "gate_up_proj.zeros", "down_proj
          "down_proj.zeros")  # a table row's six addresses, in order (a bf16 expert's: its two matrices')
 
 
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _kernels():
     """The two kernels (moetier/model/triton_kernels.py, which imports triton: only where a GPU run asks for them)."""
     from moetier.model.triton_kernels import down, gate_up

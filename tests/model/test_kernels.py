@@ -378,13 +378,16 @@ def test_a_decode_tokens_kv_write_is_the_index_put_bit_for_bit(kernels):
 
 def test_a_gpu_gets_torchs_kernels_with_decode_attention_kept_off_cudnn_and_triton_experts_unless_told_torch():
     """(cuDNN's SDPA built a plan per KV length on the H200: more than half of an OLMoE decode step.) The choice of
-    backend changes no number here: the same attention as torch's."""
+    backend changes no number here: the same attention as torch's. `auto` takes Triton where it is installed
+    (TritonKernels: experts, norms and rotations), torch's ops where not."""
     from moetier.model.batch import StepBatch
-    from moetier.model.kernels import CudaKernels, TorchKernels, make_kernels
+    from moetier.model.kernels import CudaKernels, TorchKernels, TritonKernels, make_kernels, triton_installed
 
     kernels = make_kernels("auto", torch.bfloat16, torch.device("cuda"))
     plain = make_kernels("torch", torch.bfloat16, torch.device("cuda"))  # (torch's ops for the experts too)
-    assert isinstance(kernels, CudaKernels) and kernels.triton and isinstance(plain, CudaKernels) and not plain.triton
+    assert isinstance(kernels, CudaKernels) and isinstance(plain, CudaKernels) and not plain.triton
+    assert kernels.triton == isinstance(kernels, TritonKernels) == triton_installed()
+    assert type(plain) is CudaKernels
     from torch.nn.attention import SDPBackend
     assert SDPBackend.CUDNN_ATTENTION not in kernels.decode_backends
     g = torch.Generator().manual_seed(0)

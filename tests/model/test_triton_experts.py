@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 DEVICE = "cuda" if CUDA else "cpu"
 
 from moetier.model.expert_kernels import DenseExpert, QuantizedExpert, make_expert_kernel  # noqa: E402
-from moetier.model.kernels import CudaKernels, TorchKernels  # noqa: E402
+from moetier.model.kernels import CudaKernels, TorchKernels, TritonKernels  # noqa: E402
 from moetier.quant.codes import BITS, Quantized, dequantize, quantize_expert  # noqa: E402
 
 if importlib.util.find_spec("triton") is not None:
@@ -203,11 +203,11 @@ def test_a_gpu_computes_bf16_and_quantized_experts_with_them_and_a_prefill_throu
     from moetier.model.triton_experts import MAX_TOKENS, TritonExperts
 
     for precision in ("bf16", "int4"):
-        kernel = make_expert_kernel(precision, CudaKernels(), torch.bfloat16)
+        kernel = make_expert_kernel(precision, TritonKernels(), torch.bfloat16)
         assert isinstance(kernel, TritonExperts)
         assert not isinstance(make_expert_kernel(precision, TorchKernels(), torch.bfloat16), TritonExperts)
-        assert not isinstance(make_expert_kernel(precision, CudaKernels(triton=False), torch.bfloat16), TritonExperts)
-        assert not isinstance(make_expert_kernel(precision, CudaKernels(), torch.float32), TritonExperts)
+        assert not isinstance(make_expert_kernel(precision, CudaKernels(), torch.bfloat16), TritonExperts)
+        assert not isinstance(make_expert_kernel(precision, TritonKernels(), torch.float32), TritonExperts)
         w = slots(precision)
         x = torch.randn(MAX_TOKENS + 3, 256).bfloat16().to(DEVICE)
         weights = torch.ones(MAX_TOKENS + 3, dtype=torch.bfloat16, device=DEVICE)
@@ -366,8 +366,8 @@ def test_a_gpu_computes_ggml_experts_with_the_kernels():
     from moetier.model.triton_experts import TritonGgmlExperts
 
     for precision in ("q4_k_m", "q4_k", "q6_k", "q8_0"):
-        assert isinstance(make_expert_kernel(precision, CudaKernels(), torch.bfloat16), TritonGgmlExperts)
-        assert not isinstance(make_expert_kernel(precision, CudaKernels(triton=False), torch.bfloat16),
+        assert isinstance(make_expert_kernel(precision, TritonKernels(), torch.bfloat16), TritonGgmlExperts)
+        assert not isinstance(make_expert_kernel(precision, CudaKernels(), torch.bfloat16),
                               TritonGgmlExperts)
 
 

@@ -1,0 +1,101 @@
+"""A step's RMSNorms and rotary embeddings on a GPU, one Triton launch each, for bf16 models (`TritonKernels` in
+moetier/model/kernels.py; imported only where triton is installed: it is the GPU machine's, not a dependency).
+
+Why: through torch's ops an RMSNorm is eight launches (the cast up, the square, the mean, + eps, rsqrt, the product,
+the cast down, the weight) and a rotation seven (two gathers of the tables, two products, the negation, the cat, the
+sum); an OLMoE layer has four norms (its q and k norms besides the two of every layer) and two rotations: 46 of the
+~110 launches a decode layer made on the H200 (a step ~1,700; bench/gpu/results/2026-11-27-h200/profile-olmoe.json),
+each 10–24 us of the host's time there.
+
+The same values as torch's ops (the reference's, transformers'): each kernel rounds to bf16 where those ops round —
+round to nearest even, written out on the bits (`round_bf16`) so that the interpreter, which truncates in its casts,
+rounds as the GPU does. A rotation is bit for bit torch's (the products of two bf16 values are exact in fp32, so
+rounding each once is what torch's bf16 multiply does; so the sum). A norm's mean of squares is summed in another
+order than torch's reduction: its fp32 sum may differ in the last bits, and a result by one bf16 step where that
+tips a rounding (rarely; the tests bound how often)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moetier.model.rope import RopeTables
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), as fp32: what a cast to bf16 gives on a GPU."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def rms_norm_kernel(x, weight, out, H, eps, BH: tl.constexpr):
+    """Row `program_id` of x [R, H] -> out: transformers' RMSNorm (fp32 over the row, rounded to bf16, times the bf16
+    weight, rounded again)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BH)
+    inside = cols < H
+    h = tl.load(x + row * H + cols, mask=inside, other=0.0).to(tl.float32)  # [BH]
+    variance = tl.sum(h * h, axis=0) / H
+    normed = round_bf16(h * tl.math.rsqrt(variance + eps))
+    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + row * H + cols, round_bf16(w * normed).to(tl.bfloat16), mask=inside)
+
+
+@triton.jit
+def rope_kernel(x, positions, cos, sin, out, heads, D, dim, BHALF: tl.constexpr, BTAIL: tl.constexpr):
+    """Head `program_id` of x [N, heads, D] rotated to its token's position: the first `dim` dimensions in halves
+    (out = x·cos + rotate_half(x)·sin, each product and the sum rounded to bf16 as torch's ops round), the rest
+    copied. cos, sin: [S, dim] bf16 tables."""
+    pid = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions + pid // heads).to(tl.int64)
+    half = dim // 2
+    j = tl.arange(0, BHALF)
+    inside = j < half
+    src, dst = x + pid * D, out + pid * D
+    x1 = tl.load(src + j, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + j, mask=inside, other=0.0).to(tl.float32)
+    table = position * dim
+    c1 = tl.load(cos + table + j, mask=inside, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + table + half + j, mask=inside, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + table + j, mask=inside, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + table + half + j, mask=inside, other=0.0).to(tl.float32)
+    first = round_bf16(round_bf16(x1 * c1) + round_bf16(-x2 * s1))
+    second = round_bf16(round_bf16(x2 * c2) + round_bf16(x1 * s2))
+    tl.store(dst + j, first.to(tl.bfloat16), mask=inside)
+    tl.store(dst + half + j, second.to(tl.bfloat16), mask=inside)
+    if BTAIL > 0:  # (a partial rotation: the dimensions past `dim` as they are)
+        t = dim + tl.arange(0, BTAIL)
+        rest = t < D
+        tl.store(dst + t, tl.load(src + t, mask=rest, other=0.0), mask=rest)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Over the last dimension of a contiguous bf16 x (any leading shape), weight [H] bf16."""
+    h = x.shape[-1]
+    rows = x.reshape(-1, h)  # (a view: x is contiguous)
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        rms_norm_kernel[(rows.shape[0],)](rows, weight, out, h, eps, BH=triton.next_power_of_2(h),
+                                          num_warps=_warps(h))
+    return out.view(x.shape)
+
+
+def rope(tables: RopeTables, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] contiguous bf16 rotated in halves (tables not interleaved) to positions [N]."""
+    n, heads, d = x.shape
+    dim = tables.dim
+    out = torch.empty_like(x)
+    if n:
+        rope_kernel[(n * heads,)](x, positions, tables.cos, tables.sin, out, heads, d, dim,
+                                  BHALF=triton.next_power_of_2(dim // 2),
+                                  BTAIL=0 if dim == d else triton.next_power_of_2(d - dim))
+    return out
+
+
+def _warps(h: int) -> int:
+    """Warps for a row of h values: enough that each thread holds a few (a 7,168-wide DeepSeek-V3 row: 8)."""
+    return max(1, min(8, triton.next_power_of_2(h) // 512))

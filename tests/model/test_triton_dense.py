@@ -1,0 +1,154 @@
+"""A step's RMSNorms and rotations in Triton (moetier/model/triton_dense.py, TritonKernels): on a GPU where there is
+one; else, where triton is installed, in its interpreter on the CPU (the kernels round on the bits, so the
+interpreter rounds as the GPU does and the checks are the same). Skipped where triton is not installed (CI)."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is first imported)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the GPU machine's)")
+DEVICE = "cuda" if CUDA else "cpu"
+
+from moetier.config import RopeSpec  # noqa: E402
+from moetier.model.batch import StepBatch  # noqa: E402
+from moetier.model.kernels import TorchKernels  # noqa: E402
+from moetier.model.layers import rms_norm  # noqa: E402
+from moetier.model.rope import Rope  # noqa: E402
+
+
+def kernels():
+    from moetier.model.kernels import TritonKernels
+
+    return TritonKernels()
+
+
+def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values lie between a and b, elementwise (same-signed values)."""
+    return (a.float().view(torch.int32) - b.float().view(torch.int32)).abs() >> 16
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 64), (3, 4, 128), (2, 7168), (1, 100)])
+def test_a_norm_is_transformers_rounded_as_it_rounds_but_for_the_order_of_its_sum(shape):
+    """Rows of any width (a power of two or not, DeepSeek-V3's 7,168) and leading shape (per-head q/k norms): each
+    value torch's ops' or, where the sum of squares in another order tips a rounding, one bf16 step from it."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16().to(DEVICE)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).bfloat16().to(DEVICE)
+    got, want = kernels().rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    apart = bf16_steps_apart(got, want)
+    assert apart.max() <= 1 and (apart == 0).float().mean() >= 0.99
+
+
+def test_a_norm_of_rows_that_round_alike_is_bit_for_bit():
+    """Rows whose sum of squares is exact in any order (small integers): nothing left to tip, every value torch's."""
+    x = torch.tensor([[1.0, -2.0, 3.0, 0.0] * 16, [4.0] * 64]).bfloat16().to(DEVICE)
+    w = torch.linspace(0.5, 1.5, 64).bfloat16().to(DEVICE)
+    assert torch.equal(kernels().rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+
+
+def rope_of(dim: int | None, head_dim: int, interleaved: bool = False):
+    spec = RopeSpec(theta=10000.0, dim=dim or 0, interleaved=interleaved)
+    return Rope(spec, head_dim, 64, torch.bfloat16, DEVICE).short
+
+
+@pytest.mark.parametrize("dim,head_dim,heads", [(None, 128, 4), (None, 64, 3), (32, 80, 2), (None, 96, 1)])
+def test_a_rotation_is_torchs_bit_for_bit(dim, head_dim, heads):
+    """Whole heads and partial ones (the dimensions past `dim` copied), at each token's own position; a head width
+    that is not a power of two."""
+    tables = rope_of(dim, head_dim)
+    g = torch.Generator().manual_seed(head_dim)
+    x = (torch.randn(5, heads, head_dim, generator=g) * 4).bfloat16().to(DEVICE)
+    batch = StepBatch.decode_step([1] * 5, list(range(5)), [0, 3, 17, 40, 63], 5, device=DEVICE)
+    got = kernels().rope(tables, x, batch)
+    assert torch.equal(got, TorchKernels().rope(tables, x, batch))
+    assert not torch.equal(got, x)
+
+
+def test_what_the_kernels_do_not_take_goes_to_torchs_ops():
+    """fp32 (the parity tests' models), interleaved pairs (DeepSeek-V3's), a view that is not contiguous."""
+    triton_kernels, torch_kernels = kernels(), TorchKernels()
+    g = torch.Generator().manual_seed(1)
+    x32 = torch.randn(3, 64, generator=g).to(DEVICE)
+    w32 = torch.ones(64, device=DEVICE)
+    assert torch.equal(triton_kernels.rms_norm(x32, w32, 1e-6), rms_norm(x32, w32, 1e-6))
+    wide = torch.randn(3, 128, generator=g).bfloat16().to(DEVICE)
+    view = wide[:, ::2]
+    w = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
+    assert torch.equal(triton_kernels.rms_norm(view, w, 1e-6), rms_norm(view, w, 1e-6))
+    batch = StepBatch.decode_step([1, 1], [0, 1], [2, 9], 2, device=DEVICE)
+    x = torch.randn(2, 2, 64, generator=g).bfloat16().to(DEVICE)
+    tables = rope_of(None, 64, interleaved=True)
+    assert torch.equal(triton_kernels.rope(tables, x, batch), torch_kernels.rope(tables, x, batch))
+
+
+def test_the_engine_runs_a_bf16_model_with_them(tiny_store, monkeypatch):
+    """OLMoE (its q and k norms over all heads too) decoding with TritonKernels' norms and rotations on the CPU,
+    beside torch's ops: the same greedy tokens but where a norm's sum of squares tips a rounding."""
+    from moetier import Engine
+    from moetier.config import MemoryBudget
+    from moetier.engine import engine as engine_module
+    from moetier.engine.engine import EngineConfig
+    from moetier.model import triton_dense
+    from moetier.model.kernels import TritonKernels
+    from moetier.store.store import Store
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (6, 9)]
+
+    def run():
+        config = EngineConfig(expert_memory=MemoryBudget.parse("50%"), kernels="torch")
+        with Engine(Store(path), config, progress=False) as engine:
+            return sum(engine.generate(prompts, max_new_tokens=8, ignore_eos=True).token_ids, [])
+
+    want = run()
+    calls = {"rms_norm": 0, "rope": 0}
+    for name in calls:
+        real = getattr(triton_dense, name)
+
+        def counted(*args, real=real, name=name):
+            calls[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(triton_dense, name, counted)
+
+    class OnTheCpu(TritonKernels):
+        def decode_attention(self, *args):  # (the GPU's backends list is for CUDA's SDPA)
+            return TorchKernels.decode_attention(self, *args)
+
+    monkeypatch.setattr(engine_module, "make_kernels", lambda *args: OnTheCpu())
+    got = run()
+    assert calls["rms_norm"] > 0 and calls["rope"] > 0
+    assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moetier.model.triton_dense import rms_norm_kernel, rope_kernel
+signature = dict(x="*bf16", weight="*bf16", out="*bf16", H="i32", eps="fp32", positions="*i64", cos="*bf16",
+                 sin="*bf16", heads="i32", D="i32", dim="i32")
+for fn, consts in ((rms_norm_kernel, dict(BH=2048)), (rms_norm_kernel, dict(BH=8192)),
+                   (rope_kernel, dict(BHALF=64, BTAIL=0)), (rope_kernel, dict(BHALF=16, BTAIL=64))):
+    sig = {name: signature.get(name, "constexpr") for name in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in kernel.asm, fn.__name__
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
+    """Triton's own compiler down to sm_90 machine code (what the interpreter does not check: the bit casts)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
