@@ -1,0 +1,130 @@
+"""What a GPU decode step asks of the host, counted without a GPU: the kernels it launches. On the H200 a launch
+cost the host 10–24 us and an OLMoE decode step made ~1,700 of them (bench/gpu/results/2026-11-27-h200/); here the
+same step's path runs on the CPU (CUDA's streams and events stood in for, triton in its interpreter) and every aten
+op that would launch a kernel on a GPU is counted with the Triton launches. Skipped where triton is not installed."""
+
+import collections
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is first imported)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                                reason="needs triton's interpreter (counts the CPU's stand-in for a GPU step)")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from tests.engine.test_host_tier import FakePinning, cuda_stand_ins  # noqa: E402, F401
+
+# aten ops that launch nothing on a GPU: views, aliases, casts to the dtype a tensor has, allocations
+NO_LAUNCH = {"view", "slice", "unsqueeze", "squeeze", "select", "alias", "detach", "reshape", "expand", "transpose",
+             "t", "split", "chunk", "split_with_sizes", "_unsafe_view", "as_strided", "permute", "lift_fresh",
+             "resolve_conj", "resolve_neg", "to", "contiguous", "empty", "empty_like", "new_empty"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts, by name, the aten ops that launch a kernel and the Triton launches (`triton`, by the wrapper below);
+    the ops inside a Triton launch (the interpreter's own) are not the GPU's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+        self.inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.inside and name not in NO_LAUNCH:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """A fresh `Launches` each `with`, Triton's interpreted launches counted into the one in use."""
+    import triton.runtime.interpreter as interpreter
+
+    active: list[Launches] = []
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        if active:
+            active[-1].counts["triton:" + self.fn.__name__] += 1
+            active[-1].inside += 1
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            if active:
+                active[-1].inside -= 1
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
+
+    class Counting(Launches):
+        def __enter__(self):
+            active.append(self)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            active.pop()
+            return super().__exit__(*exc)
+
+    return Counting
+
+
+MOST = {"100%": 24, "25%": 32}  # launches a MoE layer (at 25%: the copies of its misses among them)
+
+
+@pytest.mark.usefixtures("cuda_stand_ins")  # (test_host_tier's: the CUDA calls of the device slots made no-ops)
+@pytest.mark.parametrize("budget", list(MOST))
+def test_a_bf16_decode_step_on_triton_launches_under_a_third_of_what_torchs_ops_do(tiny_store, monkeypatch, launches,
+                                                                               budget):
+    """OLMoE's shape of layer (q and k norms, eight of 64 experts, tiles that fit) behind a whole host tier: a
+    decode step through TritonKernels (experts in two launches a layer, each norm and rotation one) against
+    CudaKernels (torch's ops for all): with every expert resident (the step computed from the router's ids on the
+    device; counted here 23 a MoE layer against 107) and at a quarter of them (the planned path, its misses' copies
+    among the launches: 30 against 109), the step's own launches (embedding, final norm, head) shared by 3 layers."""
+    from moetier import Engine
+    from moetier.config import MemoryBudget
+    from moetier.engine import engine as engine_module
+    from moetier.engine.engine import EngineConfig
+    from moetier.engine.host_tier import HostTier
+    from moetier.model.kernels import CudaKernels, TorchKernels, TritonKernels
+    from moetier.store.reader import ExpertReader
+    from moetier.store.store import Store
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64, num_experts=64,
+                         num_experts_per_tok=8, num_hidden_layers=3)
+    store = Store(path)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 128, (12,), generator=g).tolist()
+    steps = 3
+
+    def per_layer(kernels_class) -> tuple[float, list[int]]:
+        class OnTheCpu(kernels_class):
+            def decode_attention(self, *args):  # (the GPU's SDPA backends list is CUDA's)
+                return TorchKernels.decode_attention(self, *args)
+
+        monkeypatch.setattr(engine_module, "make_kernels", lambda *args: OnTheCpu())
+        keys, native = store.spec.expert_keys(), store.manifest.native_precision
+        tier = HostTier(store.manifest, keys, {native: len(keys)}, FakePinning())
+        with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+            tier.fill(reader, progress=False)
+        config = EngineConfig(expert_memory=MemoryBudget.parse(budget), kernels="torch")
+        with Engine(store, config, progress=False, host_tier=tier) as engine:
+            if budget == "100%":
+                engine.preload()
+            engine.generate([prompt], max_new_tokens=2, ignore_eos=True)  # (warm: the cache and the rope tables)
+            with launches() as prefill:
+                engine.generate([prompt], max_new_tokens=1, ignore_eos=True)
+            with launches() as whole:
+                tokens = engine.generate([prompt], max_new_tokens=steps + 1, ignore_eos=True).token_ids[0]
+        decode = whole.counts - prefill.counts
+        return sum(decode.values()) / steps / len(store.spec.moe_layers), tokens, decode
+
+    ours, tokens, decode = per_layer(TritonKernels)
+    theirs, want, _ = per_layer(CudaKernels)
+    assert decode["triton:rms_norm_kernel"] and decode["triton:rope_kernel"] and decode["triton:gate_up"]
+    assert ours <= MOST[budget] and theirs >= 3.5 * ours, (ours, theirs, decode)
+    assert sum(a == b for a, b in zip(tokens, want)) >= len(want) - 1
