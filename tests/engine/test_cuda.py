@@ -182,7 +182,7 @@ def test_the_host_tier_is_page_locked(tiny_store):
 
 def triton_against_torch(path, precision: str, kind) -> None:
     """`--kernels auto` (Triton's two launches a layer, `kind`'s; at 100% from the router's ids on the device, the
-    routing never read back to the host) against `--kernels torch` on the same model: the same greedy tokens but
+    routing never read back to the host; each norm and rotation one launch) against `--kernels torch` on the same model: the same greedy tokens but
     where bf16's rounding tips one."""
     for memory in ("30%", "100%"):
         got = []
@@ -192,7 +192,7 @@ def triton_against_torch(path, precision: str, kind) -> None:
                 engine.preload()
                 got.append(engine.generate(prompts(), max_new_tokens=12, ignore_eos=True).token_ids)
                 triton = isinstance(engine.executor.expert_kernels[precision], kind)
-                assert triton == (kernels == "auto")
+                assert triton == (kernels == "auto") == (engine.kernels.name == "triton")  # (norms, rotations too)
                 if memory == "100%":
                     assert (engine.executor.resident_layers.tables is not None) == triton
         a, b = sum(got[0], []), sum(got[1], [])
