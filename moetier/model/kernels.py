@@ -137,7 +137,7 @@ class TritonKernels(CudaKernels):
     Triton launches (moetier/model/triton_experts.py), and a bf16 model's RMSNorms and rotations one launch each
     instead of eight and seven (moetier/model/triton_dense.py; the same values as torch's ops: a rotation bit for
     bit, a norm but for the order of its sum of squares). What those kernels do not take — another dtype, a view
-    that is not contiguous, interleaved rotary pairs — goes to torch's ops."""
+    whose rows are not contiguous — goes to torch's ops."""
 
     name = "triton"
     triton = True
@@ -149,12 +149,12 @@ class TritonKernels(CudaKernels):
         self.dense = triton_dense
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_contiguous():
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not self.dense.takes_norm_of(x):
             return super().rms_norm(x, weight, eps)
         return self.dense.rms_norm(x, weight, eps)
 
     def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or rope.interleaved or rope.cos.dtype != torch.bfloat16 or not x.is_contiguous():
+        if x.dtype != torch.bfloat16 or rope.cos.dtype != torch.bfloat16 or not x.is_contiguous():
             return super().rope(rope, x, batch)
         return self.dense.rope(rope, x, batch.positions)
 

@@ -32,13 +32,13 @@ def round_bf16(x):
 
 
 @triton.jit
-def rms_norm_kernel(x, weight, out, H, eps, BH: tl.constexpr):
-    """Row `program_id` of x [R, H] -> out: transformers' RMSNorm (fp32 over the row, rounded to bf16, times the bf16
-    weight, rounded again)."""
+def rms_norm_kernel(x, weight, out, stride_x, H, eps, BH: tl.constexpr):
+    """Row `program_id` of x [R, H] (rows stride_x apart) -> out [R, H]: transformers' RMSNorm (fp32 over the row,
+    rounded to bf16, times the bf16 weight, rounded again)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BH)
     inside = cols < H
-    h = tl.load(x + row * H + cols, mask=inside, other=0.0).to(tl.float32)  # [BH]
+    h = tl.load(x + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)  # [BH]
     variance = tl.sum(h * h, axis=0) / H
     normed = round_bf16(h * tl.math.rsqrt(variance + eps))
     w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
@@ -46,23 +46,30 @@ def rms_norm_kernel(x, weight, out, H, eps, BH: tl.constexpr):
 
 
 @triton.jit
-def rope_kernel(x, positions, cos, sin, out, heads, D, dim, BHALF: tl.constexpr, BTAIL: tl.constexpr):
+def rope_kernel(x, positions, cos, sin, out, heads, D, dim, BHALF: tl.constexpr, BTAIL: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
     """Head `program_id` of x [N, heads, D] rotated to its token's position: the first `dim` dimensions in halves
-    (out = x·cos + rotate_half(x)·sin, each product and the sum rounded to bf16 as torch's ops round), the rest
-    copied. cos, sin: [S, dim] bf16 tables."""
+    (out = x·cos + rotate_half(x)·sin, each product and the sum rounded to bf16 as torch's ops round), or with
+    INTERLEAVED in pairs (x0, x1), (x2, x3)... written out in halves (DeepSeek's, as transformers lays it out); the
+    rest copied. cos, sin: [S, dim] bf16 tables."""
     pid = tl.program_id(0).to(tl.int64)
     position = tl.load(positions + pid // heads).to(tl.int64)
     half = dim // 2
     j = tl.arange(0, BHALF)
     inside = j < half
     src, dst = x + pid * D, out + pid * D
-    x1 = tl.load(src + j, mask=inside, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + j, mask=inside, other=0.0).to(tl.float32)
     table = position * dim
     c1 = tl.load(cos + table + j, mask=inside, other=0.0).to(tl.float32)
-    c2 = tl.load(cos + table + half + j, mask=inside, other=0.0).to(tl.float32)
     s1 = tl.load(sin + table + j, mask=inside, other=0.0).to(tl.float32)
-    s2 = tl.load(sin + table + half + j, mask=inside, other=0.0).to(tl.float32)
+    if INTERLEAVED:  # (pairs, each with its frequency's cos and sin from the first half of the tables)
+        x1 = tl.load(src + 2 * j, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(src + 2 * j + 1, mask=inside, other=0.0).to(tl.float32)
+        c2, s2 = c1, s1
+    else:
+        x1 = tl.load(src + j, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + j, mask=inside, other=0.0).to(tl.float32)
+        c2 = tl.load(cos + table + half + j, mask=inside, other=0.0).to(tl.float32)
+        s2 = tl.load(sin + table + half + j, mask=inside, other=0.0).to(tl.float32)
     first = round_bf16(round_bf16(x1 * c1) + round_bf16(-x2 * s1))
     second = round_bf16(round_bf16(x2 * c2) + round_bf16(x1 * s2))
     tl.store(dst + j, first.to(tl.bfloat16), mask=inside)
@@ -73,26 +80,33 @@ def rope_kernel(x, positions, cos, sin, out, heads, D, dim, BHALF: tl.constexpr,
         tl.store(dst + t, tl.load(src + t, mask=rest, other=0.0), mask=rest)
 
 
+def takes_norm_of(x: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes x as it lies: contiguous, or rows of contiguous values (MLA's latent, a slice of a
+    wider product's columns)."""
+    return x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Over the last dimension of a contiguous bf16 x (any leading shape), weight [H] bf16."""
+    """Over the last dimension of bf16 x (any leading shape; `takes_norm_of`), weight [H] bf16."""
     h = x.shape[-1]
-    rows = x.reshape(-1, h)  # (a view: x is contiguous)
-    out = torch.empty_like(rows)
+    rows = x.view(-1, h) if x.is_contiguous() else x  # [R, H]
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        rms_norm_kernel[(rows.shape[0],)](rows, weight, out, h, eps, BH=triton.next_power_of_2(h),
+        rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), h, eps, BH=triton.next_power_of_2(h),
                                           num_warps=_warps(h))
     return out.view(x.shape)
 
 
 def rope(tables: RopeTables, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D] contiguous bf16 rotated in halves (tables not interleaved) to positions [N]."""
+    """x [N, heads, D] contiguous bf16 rotated to positions [N] (in halves, or in pairs where the tables say)."""
     n, heads, d = x.shape
     dim = tables.dim
     out = torch.empty_like(x)
     if n:
         rope_kernel[(n * heads,)](x, positions, tables.cos, tables.sin, out, heads, d, dim,
                                   BHALF=triton.next_power_of_2(dim // 2),
-                                  BTAIL=0 if dim == d else triton.next_power_of_2(d - dim))
+                                  BTAIL=0 if dim == d else triton.next_power_of_2(d - dim),
+                                  INTERLEAVED=tables.interleaved)
     return out
 
 

@@ -57,11 +57,15 @@ def rope_of(dim: int | None, head_dim: int, interleaved: bool = False):
     return Rope(spec, head_dim, 64, torch.bfloat16, DEVICE).short
 
 
-@pytest.mark.parametrize("dim,head_dim,heads", [(None, 128, 4), (None, 64, 3), (32, 80, 2), (None, 96, 1)])
-def test_a_rotation_is_torchs_bit_for_bit(dim, head_dim, heads):
+@pytest.mark.parametrize("dim,head_dim,heads,interleaved", [(None, 128, 4, False), (None, 64, 3, False),
+                                                             (32, 80, 2, False), (None, 96, 1, False),
+                                                             (None, 64, 16, True), (None, 8, 1, True),
+                                                             (32, 48, 2, True)])
+def test_a_rotation_is_torchs_bit_for_bit(dim, head_dim, heads, interleaved):
     """Whole heads and partial ones (the dimensions past `dim` copied), at each token's own position; a head width
-    that is not a power of two."""
-    tables = rope_of(dim, head_dim)
+    that is not a power of two; pairs interleaved (DeepSeek's: MLA's 64 rotated dimensions of 16 heads, its one
+    shared key head)."""
+    tables = rope_of(dim, head_dim, interleaved)
     g = torch.Generator().manual_seed(head_dim)
     x = (torch.randn(5, heads, head_dim, generator=g) * 4).bfloat16().to(DEVICE)
     batch = StepBatch.decode_step([1] * 5, list(range(5)), [0, 3, 17, 40, 63], 5, device=DEVICE)
@@ -70,9 +74,32 @@ def test_a_rotation_is_torchs_bit_for_bit(dim, head_dim, heads):
     assert not torch.equal(got, x)
 
 
-def test_what_the_kernels_do_not_take_goes_to_torchs_ops():
-    """fp32 (the parity tests' models), interleaved pairs (DeepSeek-V3's), a view that is not contiguous."""
+def test_a_norm_takes_rows_of_a_wider_tensor_as_they_lie():
+    """MLA's latent: the first columns of a wider product, each row contiguous, normed without a copy — as torch's
+    ops norm the same values copied out."""
+    from moetier.model import triton_dense
+
+    g = torch.Generator().manual_seed(3)
+    compressed = torch.randn(4, 96, generator=g).bfloat16().to(DEVICE)
+    latent = compressed[:, :64]
+    w = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
+    assert triton_dense.takes_norm_of(latent) and not latent.is_contiguous()
+    got = kernels().rms_norm(latent, w, 1e-6)
+    assert got.is_contiguous() and bf16_steps_apart(got, rms_norm(latent.contiguous(), w, 1e-6)).max() <= 1
+    assert torch.equal(got, kernels().rms_norm(latent.contiguous(), w, 1e-6))
+
+
+def test_what_the_kernels_do_not_take_goes_to_torchs_ops(monkeypatch):
+    """fp32 (the parity tests' models), rows that are not contiguous, a rotation of a strided view: torch's ops
+    (the kernels made to fail, so that a call reaching them shows)."""
+    from moetier.model import triton_dense
+
+    def never(*args):
+        raise AssertionError("a Triton kernel was asked")
+
     triton_kernels, torch_kernels = kernels(), TorchKernels()
+    monkeypatch.setattr(triton_dense, "rms_norm", never)
+    monkeypatch.setattr(triton_dense, "rope", never)
     g = torch.Generator().manual_seed(1)
     x32 = torch.randn(3, 64, generator=g).to(DEVICE)
     w32 = torch.ones(64, device=DEVICE)
@@ -82,14 +109,16 @@ def test_what_the_kernels_do_not_take_goes_to_torchs_ops():
     w = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
     assert torch.equal(triton_kernels.rms_norm(view, w, 1e-6), rms_norm(view, w, 1e-6))
     batch = StepBatch.decode_step([1, 1], [0, 1], [2, 9], 2, device=DEVICE)
-    x = torch.randn(2, 2, 64, generator=g).bfloat16().to(DEVICE)
-    tables = rope_of(None, 64, interleaved=True)
+    x = torch.randn(2, 2, 128, generator=g).bfloat16().to(DEVICE)[..., ::2]
+    tables = rope_of(None, 64)
     assert torch.equal(triton_kernels.rope(tables, x, batch), torch_kernels.rope(tables, x, batch))
 
 
-def test_the_engine_runs_a_bf16_model_with_them(tiny_store, monkeypatch):
-    """OLMoE (its q and k norms over all heads too) decoding with TritonKernels' norms and rotations on the CPU,
-    beside torch's ops: the same greedy tokens but where a norm's sum of squares tips a rounding."""
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_the_engine_runs_a_bf16_model_with_them(tiny_store, monkeypatch, family):
+    """OLMoE (its q and k norms over all heads too) and DeepSeek-V3 (MLA: the latent's norm on a slice, pairs
+    rotated interleaved) decoding with TritonKernels' norms and rotations on the CPU, beside torch's ops: the same
+    greedy tokens but where a norm's sum of squares tips a rounding."""
     from moetier import Engine
     from moetier.config import MemoryBudget
     from moetier.engine import engine as engine_module
@@ -98,7 +127,7 @@ def test_the_engine_runs_a_bf16_model_with_them(tiny_store, monkeypatch):
     from moetier.model.kernels import TritonKernels
     from moetier.store.store import Store
 
-    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    _, path = tiny_store(family, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (6, 9)]
 
@@ -133,10 +162,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moetier.model.triton_dense import rms_norm_kernel, rope_kernel
-signature = dict(x="*bf16", weight="*bf16", out="*bf16", H="i32", eps="fp32", positions="*i64", cos="*bf16",
-                 sin="*bf16", heads="i32", D="i32", dim="i32")
+signature = dict(x="*bf16", weight="*bf16", out="*bf16", stride_x="i32", H="i32", eps="fp32", positions="*i64",
+                 cos="*bf16", sin="*bf16", heads="i32", D="i32", dim="i32")
 for fn, consts in ((rms_norm_kernel, dict(BH=2048)), (rms_norm_kernel, dict(BH=8192)),
-                   (rope_kernel, dict(BHALF=64, BTAIL=0)), (rope_kernel, dict(BHALF=16, BTAIL=64))):
+                   (rope_kernel, dict(BHALF=64, BTAIL=0, INTERLEAVED=False)),
+                   (rope_kernel, dict(BHALF=16, BTAIL=64, INTERLEAVED=False)),
+                   (rope_kernel, dict(BHALF=32, BTAIL=0, INTERLEAVED=True))):
     sig = {name: signature.get(name, "constexpr") for name in fn.arg_names}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
     assert "cubin" in kernel.asm, fn.__name__
