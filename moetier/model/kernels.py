@@ -4,9 +4,10 @@ SwiGLU expert on its tokens, scaled by their routing weights, written into `out`
 once.
 
 `TorchKernels` is torch's own ops; `CudaKernels` the same on a GPU, decode attention kept off cuDNN; `TritonKernels`
-(`auto` where triton is installed) besides a layer's SwiGLU experts, a bf16 model's norms and rotations in Triton. `NativeKernels` takes bf16 on the CPU to `csrc/bf16_rows.c`: a batch-1 decode
-step's products at the memory's speed, and a batch's or a prefill's rows with each weight row read once for all of
-them (each row bit for bit what it computes alone); prefill attention, rope of a batch, and fp32 stay on torch.
+(`auto` where triton is installed) a layer's SwiGLU experts and a bf16 model's norms and rotations in Triton besides.
+`NativeKernels` takes bf16 on the CPU to `csrc/bf16_rows.c`: a batch-1 decode step's products at the memory's speed,
+and a batch's or a prefill's rows with each weight row read once for all of them (each row bit for bit what it
+computes alone); prefill attention, rope of a batch, and fp32 stay on torch.
 Chosen once per engine by `make_kernels`, never per call by a flag."""
 
 from __future__ import annotations

@@ -182,8 +182,8 @@ def test_the_host_tier_is_page_locked(tiny_store):
 
 def triton_against_torch(path, precision: str, kind) -> None:
     """`--kernels auto` (Triton's two launches a layer, `kind`'s; at 100% from the router's ids on the device, the
-    routing never read back to the host; each norm and rotation one launch) against `--kernels torch` on the same model: the same greedy tokens but
-    where bf16's rounding tips one."""
+    routing never read back to the host; each norm and rotation one launch) against `--kernels torch` on the same
+    model: the same greedy tokens but where bf16's rounding tips one."""
     for memory in ("30%", "100%"):
         got = []
         for kernels in ("auto", "torch"):
