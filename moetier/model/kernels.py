@@ -135,10 +135,11 @@ class CudaKernels(TorchKernels):
 
 class TritonKernels(CudaKernels):
     """CudaKernels where triton is installed (`--kernels auto`): a layer's bf16 and quantized SwiGLU experts in two
-    Triton launches (moetier/model/triton_experts.py), and a bf16 model's RMSNorms and rotations one launch each
-    instead of eight and seven (moetier/model/triton_dense.py; the same values as torch's ops: a rotation bit for
-    bit, a norm but for the order of its sum of squares). What those kernels do not take — another dtype, a view
-    whose rows are not contiguous — goes to torch's ops."""
+    Triton launches (moetier/model/triton_experts.py); a bf16 model's RMSNorms and rotations one launch each instead
+    of eight and seven, and its keys and values into the cache in one instead of two (moetier/model/triton_dense.py:
+    the same values as torch's ops — a rotation and the writes bit for bit, a norm but for the order of its sum of
+    squares). What those kernels do not take — another dtype, a view whose rows are not contiguous — goes to torch's
+    ops."""
 
     name = "triton"
     triton = True
@@ -158,6 +159,12 @@ class TritonKernels(CudaKernels):
         if x.dtype != torch.bfloat16 or rope.cos.dtype != torch.bfloat16 or not x.is_contiguous():
             return super().rope(rope, x, batch)
         return self.dense.rope(rope, x, batch.positions)
+
+    def kv_write(self, kv: KVCache, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        keys, values = kv.k[layer], kv.v[layer]
+        if k.dtype != torch.bfloat16 or not self.dense.takes_kv_write(keys, values, k, v):
+            return super().kv_write(kv, layer, batch, k, v)
+        self.dense.kv_write(keys, values, batch.rows, batch.positions, k, v)
 
 
 class NativeKernels(TorchKernels):

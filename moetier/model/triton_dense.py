@@ -1,11 +1,12 @@
-"""A step's RMSNorms and rotary embeddings on a GPU, one Triton launch each, for bf16 models (`TritonKernels` in
-moetier/model/kernels.py; imported only where triton is installed: it is the GPU machine's, not a dependency).
+"""A step's RMSNorms and rotary embeddings on a GPU, one Triton launch each, for bf16 models, and its keys and
+values written into the cache in one (`TritonKernels` in moetier/model/kernels.py; imported only where triton is
+installed: it is the GPU machine's, not a dependency).
 
 Why: through torch's ops an RMSNorm is eight launches (the cast up, the square, the mean, + eps, rsqrt, the product,
 the cast down, the weight) and a rotation seven (two gathers of the tables, two products, the negation, the cat, the
 sum); an OLMoE layer has four norms (its q and k norms besides the two of every layer) and two rotations: 46 of the
 ~110 launches a decode layer made on the H200 (a step ~1,700; bench/gpu/results/2026-11-27-h200/profile-olmoe.json),
-each 10–24 us of the host's time there.
+each 10–24 us of the host's time there. Its two KV writes (an index_put_ each) become one too.
 
 The same values as torch's ops (the reference's, transformers'): each kernel rounds to bf16 where those ops round —
 round to nearest even, written out on the bits (`round_bf16`) so that the interpreter, which truncates in its casts,
@@ -80,6 +81,20 @@ def rope_kernel(x, positions, cos, sin, out, heads, D, dim, BHALF: tl.constexpr,
         tl.store(dst + t, tl.load(src + t, mask=rest, other=0.0), mask=rest)
 
 
+@triton.jit
+def kv_write_kernel(k, v, keys, values, rows, positions, heads, max_len, D, BD: tl.constexpr):
+    """Head `program_id` of a step's keys and values k, v [N, heads, D] into the layer's caches [R, heads, max_len,
+    D] at its token's row and position: both in one launch (torch's index_put_ is one each)."""
+    pid = tl.program_id(0).to(tl.int64)
+    n, h = pid // heads, pid % heads
+    row, position = tl.load(rows + n).to(tl.int64), tl.load(positions + n).to(tl.int64)
+    d = tl.arange(0, BD)
+    inside = d < D
+    place = ((row * heads + h) * max_len + position) * D
+    tl.store(keys + place + d, tl.load(k + pid * D + d, mask=inside), mask=inside)
+    tl.store(values + place + d, tl.load(v + pid * D + d, mask=inside), mask=inside)
+
+
 def takes_norm_of(x: torch.Tensor) -> bool:
     """Whether `rms_norm` takes x as it lies: contiguous, or rows of contiguous values (MLA's latent, a slice of a
     wider product's columns)."""
@@ -108,6 +123,23 @@ def rope(tables: RopeTables, x: torch.Tensor, positions: torch.Tensor) -> torch.
                                   BTAIL=0 if dim == d else triton.next_power_of_2(d - dim),
                                   INTERLEAVED=tables.interleaved)
     return out
+
+
+def takes_kv_write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `kv_write` takes them: each a contiguous tensor, the step's k and v [N, heads, D] shaped alike and
+    typed as the caches [R, heads, max_len, D] (a latent cache's writes are MLA's own)."""
+    return (k.shape == v.shape and keys.shape == values.shape and k.shape[1:] == keys.shape[1:2] + keys.shape[3:]
+            and k.dtype == v.dtype == keys.dtype == values.dtype
+            and all(t.is_contiguous() for t in (k, v, keys, values)))
+
+
+def kv_write(keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k, v [N, heads, D] into keys, values [R, heads, max_len, D] at (rows[i], positions[i]) (`takes_kv_write`)."""
+    n, heads, d = k.shape
+    if n:
+        kv_write_kernel[(n * heads,)](k, v, keys, values, rows, positions, heads, keys.shape[2], d,
+                                      BD=triton.next_power_of_2(d))
 
 
 def _warps(h: int) -> int:

@@ -89,9 +89,32 @@ def test_a_norm_takes_rows_of_a_wider_tensor_as_they_lie():
     assert torch.equal(got, kernels().rms_norm(latent.contiguous(), w, 1e-6))
 
 
+def test_keys_and_values_land_where_index_put_puts_them_and_nowhere_else():
+    """A prefill's tokens of two rows and a decode step's rows out of order: both caches byte for byte what torch's
+    index_put_ leaves, in one launch."""
+    from moetier.model.kv_cache import KVCache
+
+    spec = type("Spec", (), dict(latent_attention=None, encoder_decoder=None, num_kv_heads=3, head_dim=40,
+                                 num_layers=2))
+    g = torch.Generator().manual_seed(4)
+    caches = [KVCache(spec, 3, 16, torch.bfloat16, DEVICE) for _ in range(2)]
+    for c in caches:  # (something there already: a write must leave the rest alone)
+        for t in (*c.k, *c.v):
+            t.copy_(torch.randn(t.shape, generator=g).bfloat16())
+    caches[1].k[1].copy_(caches[0].k[1]), caches[1].v[1].copy_(caches[0].v[1])
+    prefill = StepBatch.decode_step([1] * 5, [0, 0, 0, 2, 2], [0, 1, 2, 7, 8], 3, device=DEVICE)
+    decode = StepBatch.decode_step([1, 1], [2, 0], [9, 3], 3, device=DEVICE)
+    for batch in (prefill, decode):
+        n = len(batch.rows_host)
+        k, v = (torch.randn(n, 3, 40, generator=g).bfloat16().to(DEVICE) for _ in range(2))
+        kernels().kv_write(caches[0], 1, batch, k, v)
+        TorchKernels().kv_write(caches[1], 1, batch, k, v)
+    assert torch.equal(caches[0].k[1], caches[1].k[1]) and torch.equal(caches[0].v[1], caches[1].v[1])
+
+
 def test_what_the_kernels_do_not_take_goes_to_torchs_ops(monkeypatch):
-    """fp32 (the parity tests' models), rows that are not contiguous, a rotation of a strided view: torch's ops
-    (the kernels made to fail, so that a call reaching them shows)."""
+    """fp32 (the parity tests' models), rows that are not contiguous, a rotation or a cache write of a strided view:
+    torch's ops (the kernels made to fail, so that a call reaching them shows)."""
     from moetier.model import triton_dense
 
     def never(*args):
@@ -100,6 +123,7 @@ def test_what_the_kernels_do_not_take_goes_to_torchs_ops(monkeypatch):
     triton_kernels, torch_kernels = kernels(), TorchKernels()
     monkeypatch.setattr(triton_dense, "rms_norm", never)
     monkeypatch.setattr(triton_dense, "rope", never)
+    monkeypatch.setattr(triton_dense, "kv_write", never)
     g = torch.Generator().manual_seed(1)
     x32 = torch.randn(3, 64, generator=g).to(DEVICE)
     w32 = torch.ones(64, device=DEVICE)
@@ -112,6 +136,17 @@ def test_what_the_kernels_do_not_take_goes_to_torchs_ops(monkeypatch):
     x = torch.randn(2, 2, 128, generator=g).bfloat16().to(DEVICE)[..., ::2]
     tables = rope_of(None, 64)
     assert torch.equal(triton_kernels.rope(tables, x, batch), torch_kernels.rope(tables, x, batch))
+    from moetier.model.kv_cache import KVCache
+
+    spec = type("Spec", (), dict(latent_attention=None, encoder_decoder=None, num_kv_heads=2, head_dim=64,
+                                 num_layers=1))
+    for dtype in (torch.float32, torch.bfloat16):  # fp32; and bf16 keys from a strided view
+        kv, want = KVCache(spec, 2, 16, dtype, DEVICE), KVCache(spec, 2, 16, dtype, DEVICE)
+        k = x.to(dtype) if dtype == torch.float32 else x
+        v = torch.randn(2, 2, 64, generator=g).to(dtype).to(DEVICE)
+        triton_kernels.kv_write(kv, 0, batch, k, v)
+        torch_kernels.kv_write(want, 0, batch, k, v)
+        assert torch.equal(kv.k[0], want.k[0]) and torch.equal(kv.v[0], want.v[0])
 
 
 @pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
@@ -161,13 +196,14 @@ COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moetier.model.triton_dense import rms_norm_kernel, rope_kernel
+from moetier.model.triton_dense import kv_write_kernel, rms_norm_kernel, rope_kernel
 signature = dict(x="*bf16", weight="*bf16", out="*bf16", stride_x="i32", H="i32", eps="fp32", positions="*i64",
-                 cos="*bf16", sin="*bf16", heads="i32", D="i32", dim="i32")
+                 cos="*bf16", sin="*bf16", heads="i32", D="i32", dim="i32", k="*bf16", v="*bf16", keys="*bf16",
+                 values="*bf16", rows="*i64", max_len="i32")
 for fn, consts in ((rms_norm_kernel, dict(BH=2048)), (rms_norm_kernel, dict(BH=8192)),
                    (rope_kernel, dict(BHALF=64, BTAIL=0, INTERLEAVED=False)),
                    (rope_kernel, dict(BHALF=16, BTAIL=64, INTERLEAVED=False)),
-                   (rope_kernel, dict(BHALF=32, BTAIL=0, INTERLEAVED=True))):
+                   (rope_kernel, dict(BHALF=32, BTAIL=0, INTERLEAVED=True)), (kv_write_kernel, dict(BD=128))):
     sig = {name: signature.get(name, "constexpr") for name in fn.arg_names}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
     assert "cubin" in kernel.asm, fn.__name__
