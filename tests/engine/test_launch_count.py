@@ -82,10 +82,10 @@ def test_a_bf16_decode_step_on_triton_launches_under_a_third_of_what_torchs_ops_
                                                                                budget):
     """OLMoE's shape of layer (q and k norms, eight of 64 experts, tiles that fit) behind a whole host tier: a
     decode step through TritonKernels (experts in two launches a layer, each norm and rotation one, the KV writes
-    one) against
-    CudaKernels (torch's ops for all): with every expert resident (the step computed from the router's ids on the
-    device; counted here 22 a MoE layer against 107) and at a quarter of them (the planned path, its misses' copies
-    among the launches: 29 against 109), the step's own launches (embedding, final norm, head) shared by 3 layers."""
+    one) against CudaKernels (torch's ops for all): with every expert resident (the step computed from the router's
+    ids on the device; counted here 22 a MoE layer against 107) and at a quarter of them (the planned path, its
+    misses' copies among the launches: 29 against 109), the step's own launches (embedding, final norm, head)
+    shared by 3 layers."""
     from moetier import Engine
     from moetier.config import MemoryBudget
     from moetier.engine import engine as engine_module
