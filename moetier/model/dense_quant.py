@@ -189,7 +189,7 @@ class QuantizedDenseKernels:
         # the rest of the interface is the base's, bound once (no lookup through a fallback per call)
         self.swiglu, self.expert, self.expert_layer = base.swiglu, base.expert, base.expert_layer
         self.expert_token, self.combine = base.expert_token, base.combine
-        self.rms_norm = base.rms_norm
+        self.rms_norm, self.add_rms_norm = base.rms_norm, base.add_rms_norm
         self.rope, self.decode_attention, self.kv_write = base.rope, base.decode_attention, base.kv_write
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.dense = torch.empty(0, dtype=torch.bfloat16)  # a prefill's dequantized matrix, reused across calls

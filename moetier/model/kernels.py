@@ -83,6 +83,12 @@ class TorchKernels:
         """Over the last dimension."""
         return rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream h + delta [T, H] and its RMSNorm (the reference's two ops, one after the other)."""
+        h = h + delta
+        return h, self.rms_norm(h, weight, eps)
+
     def combine(self, x: torch.Tensor, token_of: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         """Each token's expert outputs summed: [T, H] from ys [P, H], row p belonging to token token_of[p] (the
         reference's index_add_ into zeros, in the order the rows come)."""
@@ -135,11 +141,11 @@ class CudaKernels(TorchKernels):
 
 class TritonKernels(CudaKernels):
     """CudaKernels where triton is installed (`--kernels auto`): a layer's bf16 and quantized SwiGLU experts in two
-    Triton launches (moetier/model/triton_experts.py); a bf16 model's RMSNorms and rotations one launch each instead
-    of eight and seven, and its keys and values into the cache in one instead of two (moetier/model/triton_dense.py:
-    the same values as torch's ops — a rotation and the writes bit for bit, a norm but for the order of its sum of
-    squares). What those kernels do not take — another dtype, a view whose rows are not contiguous — goes to torch's
-    ops."""
+    Triton launches (moetier/model/triton_experts.py); a bf16 model's RMSNorms (with the residual add before each)
+    and rotations one launch each instead of eight (nine) and seven, and its keys and values into the cache in one
+    instead of two (moetier/model/triton_dense.py: the same values as torch's ops — a rotation, an add and the
+    writes bit for bit, a norm but for the order of its sum of squares). What those kernels do not take — another
+    dtype, a view whose rows are not contiguous — goes to torch's ops."""
 
     name = "triton"
     triton = True
@@ -154,6 +160,13 @@ class TritonKernels(CudaKernels):
         if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not self.dense.takes_norm_of(x):
             return super().rms_norm(x, weight, eps)
         return self.dense.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if (h.dtype != torch.bfloat16 or delta.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+                or h.dim() != 2 or h.shape != delta.shape or not (h.is_contiguous() and delta.is_contiguous())):
+            return super().add_rms_norm(h, delta, weight, eps)
+        return self.dense.add_rms_norm(h, delta, weight, eps)
 
     def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or rope.cos.dtype != torch.bfloat16 or not x.is_contiguous():

@@ -46,6 +46,23 @@ def make_norm(kind: str, eps: float, kernels: TorchKernels) -> Callable[[torch.T
     return lambda x, w, name: F.layer_norm(x, x.shape[-1:], w[name], w[name + ".bias"], eps)
 
 
+def make_add_norm(kind: str, eps: float, kernels: TorchKernels) -> Callable:
+    """The residual stream with a sublayer's output added, and the family's norm of it, chosen once:
+    `add_norm(h, delta, w, name)` -> (h + delta, norm(h + delta)), or (h, norm(h)) where delta is None (the first
+    layer's). An RMSNorm's is the kernels' `add_rms_norm`: one launch on a GPU (TritonKernels), two ops elsewhere."""
+    norm = make_norm(kind, eps, kernels)
+
+    def add_norm(h: torch.Tensor, delta: torch.Tensor | None, w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is None:
+            return h, norm(h, w, name)
+        if kind == "rms":
+            return kernels.add_rms_norm(h, delta, w[name], eps)
+        h = h + delta
+        return h, norm(h, w, name)
+
+    return add_norm
+
+
 class Transformer:
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: Experts,
                  kernels: TorchKernels | None = None) -> None:
@@ -57,6 +74,7 @@ class Transformer:
         attention = attention_class(spec)
         self.attn = [attention(spec, i, dense, self.kernels) for i in range(spec.num_layers)]
         self.norm = make_norm(spec.norm, spec.rms_norm_eps, self.kernels)
+        self.add_norm = make_add_norm(spec.norm, spec.rms_norm_eps, self.kernels)
         self.router = make_router(spec.router, spec.top_k, self.kernels.linear, getattr(self.kernels, "lib", None),
                                   merged=bool(spec.expert_groups))
         self.is_moe = spec.is_moe_layer
@@ -112,11 +130,13 @@ class Transformer:
             return self._forward_blocks(batch, kv, rope)
         h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         segments = None if batch.decode else [(first, length) for _, first, _, length in batch.segments]
+        add_norm, delta = self.add_norm, None  # (each residual add with the norm after it: one launch on a GPU)
         for i, w in enumerate(self.layers):
-            h = h + self.attn[i](norm(h, w, "input_norm"), batch, kv, rope)
-            x = norm(h, w, "post_attn_norm")
+            h, x = add_norm(h, delta, w, "input_norm")
+            h, x = add_norm(h, self.attn[i](x, batch, kv, rope), w, "post_attn_norm")
             self._h = h  # (a reference, no copy: what `lookahead` starts from)
-            h = h + (self._moe(i, x, segments) if self.is_moe[i] else self._mlp(i, x))
+            delta = self._moe(i, x, segments) if self.is_moe[i] else self._mlp(i, x)
+        h = h + delta
         if not all_logits:
             h = h[batch.last]
         return self.kernels.linear(norm(h, self.w, "norm"), self.lm_head, self.lm_head_bias)

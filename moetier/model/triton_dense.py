@@ -1,17 +1,18 @@
-"""A step's RMSNorms and rotary embeddings on a GPU, one Triton launch each, for bf16 models, and its keys and
-values written into the cache in one (`TritonKernels` in moetier/model/kernels.py; imported only where triton is
-installed: it is the GPU machine's, not a dependency).
+"""A step's RMSNorms (each with the residual add before it) and rotary embeddings on a GPU, one Triton launch
+each, for bf16 models, and its keys and values written into the cache in one (`TritonKernels` in
+moetier/model/kernels.py; imported only where triton is installed: it is the GPU machine's, not a dependency).
 
 Why: through torch's ops an RMSNorm is eight launches (the cast up, the square, the mean, + eps, rsqrt, the product,
 the cast down, the weight) and a rotation seven (two gathers of the tables, two products, the negation, the cat, the
 sum); an OLMoE layer has four norms (its q and k norms besides the two of every layer) and two rotations: 46 of the
 ~110 launches a decode layer made on the H200 (a step ~1,700; bench/gpu/results/2026-11-27-h200/profile-olmoe.json),
-each 10–24 us of the host's time there. Its two KV writes (an index_put_ each) become one too.
+each 10–24 us of the host's time there. Each residual add goes into the norm after it, and a layer's two KV writes
+(an index_put_ each) into one launch.
 
 The same values as torch's ops (the reference's, transformers'): each kernel rounds to bf16 where those ops round —
 round to nearest even, written out on the bits (`round_bf16`) so that the interpreter, which truncates in its casts,
 rounds as the GPU does. A rotation is bit for bit torch's (the products of two bf16 values are exact in fp32, so
-rounding each once is what torch's bf16 multiply does; so the sum). A norm's mean of squares is summed in another
+rounding each once is what torch's bf16 multiply does; so the sum, and a residual add). A norm's mean of squares is summed in another
 order than torch's reduction: its fp32 sum may differ in the last bits, and a result by one bf16 step where that
 tips a rounding (rarely; the tests bound how often)."""
 
@@ -44,6 +45,23 @@ def rms_norm_kernel(x, weight, out, stride_x, H, eps, BH: tl.constexpr):
     normed = round_bf16(h * tl.math.rsqrt(variance + eps))
     w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out + row * H + cols, round_bf16(w * normed).to(tl.bfloat16), mask=inside)
+
+
+@triton.jit
+def add_rms_norm_kernel(h, delta, weight, summed, out, H, eps, BH: tl.constexpr):
+    """Row `program_id` of the residual stream h [R, H] plus delta [R, H] -> summed (rounded to bf16, as torch's add)
+    and its RMSNorm -> out, as `rms_norm_kernel` computes it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BH)
+    inside = cols < H
+    at = row * H + cols
+    s = round_bf16(tl.load(h + at, mask=inside, other=0.0).to(tl.float32)
+                   + tl.load(delta + at, mask=inside, other=0.0).to(tl.float32))  # [BH]
+    tl.store(summed + at, s.to(tl.bfloat16), mask=inside)
+    variance = tl.sum(s * s, axis=0) / H
+    normed = round_bf16(s * tl.math.rsqrt(variance + eps))
+    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + at, round_bf16(w * normed).to(tl.bfloat16), mask=inside)
 
 
 @triton.jit
@@ -110,6 +128,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), h, eps, BH=triton.next_power_of_2(h),
                                           num_warps=_warps(h))
     return out.view(x.shape)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, its RMSNorm) for contiguous bf16 h, delta [R, H] alike; new tensors (h is left as it was: what
+    a look-ahead holds of it)."""
+    rows, width = h.shape
+    summed, out = torch.empty_like(h), torch.empty_like(h)
+    if rows:
+        add_rms_norm_kernel[(rows,)](h, delta, weight, summed, out, width, eps, BH=triton.next_power_of_2(width),
+                                     num_warps=_warps(width))
+    return summed, out
 
 
 def rope(tables: RopeTables, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
