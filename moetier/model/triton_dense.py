@@ -12,9 +12,9 @@ each 10–24 us of the host's time there. Each residual add goes into the norm a
 The same values as torch's ops (the reference's, transformers'): each kernel rounds to bf16 where those ops round —
 round to nearest even, written out on the bits (`round_bf16`) so that the interpreter, which truncates in its casts,
 rounds as the GPU does. A rotation is bit for bit torch's (the products of two bf16 values are exact in fp32, so
-rounding each once is what torch's bf16 multiply does; so the sum, and a residual add). A norm's mean of squares is summed in another
-order than torch's reduction: its fp32 sum may differ in the last bits, and a result by one bf16 step where that
-tips a rounding (rarely; the tests bound how often)."""
+rounding each once is what torch's bf16 multiply does; so the sum, and a residual add). A norm's mean of squares is
+summed in another order than torch's reduction: its fp32 sum may differ in the last bits, and a result by one bf16
+step where that tips a rounding (rarely; the tests bound how often)."""
 
 from __future__ import annotations
 
