@@ -51,14 +51,16 @@ def make_add_norm(kind: str, eps: float, kernels: TorchKernels) -> Callable:
     `add_norm(h, delta, w, name)` -> (h + delta, norm(h + delta)), or (h, norm(h)) where delta is None (the first
     layer's). An RMSNorm's is the kernels' `add_rms_norm`: one launch on a GPU (TritonKernels), two ops elsewhere."""
     norm = make_norm(kind, eps, kernels)
+    if kind == "rms":
+        def add(h: torch.Tensor, delta: torch.Tensor, w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            return kernels.add_rms_norm(h, delta, w[name], eps)
+    else:
+        def add(h: torch.Tensor, delta: torch.Tensor, w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            h = h + delta
+            return h, norm(h, w, name)
 
     def add_norm(h: torch.Tensor, delta: torch.Tensor | None, w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if delta is None:
-            return h, norm(h, w, name)
-        if kind == "rms":
-            return kernels.add_rms_norm(h, delta, w[name], eps)
-        h = h + delta
-        return h, norm(h, w, name)
+        return (h, norm(h, w, name)) if delta is None else add(h, delta, w, name)
 
     return add_norm
 
