@@ -19,15 +19,17 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tests.engine.test_host_tier import FakePinning, cuda_stand_ins  # noqa: E402, F401
 
-# aten ops that launch nothing on a GPU: views, aliases, casts to the dtype a tensor has, allocations
+# aten ops that launch nothing on a GPU: views, aliases, allocations
 NO_LAUNCH = {"view", "slice", "unsqueeze", "squeeze", "select", "alias", "detach", "reshape", "expand", "transpose",
              "t", "split", "chunk", "split_with_sizes", "_unsafe_view", "as_strided", "permute", "lift_fresh",
-             "resolve_conj", "resolve_neg", "to", "contiguous", "empty", "empty_like", "new_empty"}
+             "resolve_conj", "resolve_neg", "empty", "empty_like", "new_empty"}
+MAYBE = {"to", "contiguous"}  # a copy (one launch) where it makes a new tensor; the tensor itself where not
 
 
 class Launches(TorchDispatchMode):
-    """Counts, by name, the aten ops that launch a kernel and the Triton launches (`triton`, by the wrapper below);
-    the ops inside a Triton launch (the interpreter's own) are not the GPU's."""
+    """Counts, by name, the aten ops that launch a kernel (a cast or `contiguous` only where it copies) and the
+    Triton launches (`triton`, by the wrapper below); the ops inside a Triton launch (the interpreter's own) are not
+    the GPU's."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,9 +38,10 @@ class Launches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self.inside and name not in NO_LAUNCH:
+        out = func(*args, **(kwargs or {}))
+        if not self.inside and name not in NO_LAUNCH and (name not in MAYBE or out is not args[0]):
             self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 @pytest.fixture
@@ -73,7 +76,7 @@ def launches(monkeypatch):
     return Counting
 
 
-MOST = {"100%": 22, "25%": 30}  # launches a MoE layer (at 25%: the copies of its misses among them)
+MOST = {"100%": 25, "25%": 33}  # launches a MoE layer (at 25%: the copies of its misses among them)
 
 
 @pytest.mark.usefixtures("cuda_stand_ins")  # (test_host_tier's: the CUDA calls of the device slots made no-ops)
@@ -83,8 +86,8 @@ def test_a_bf16_decode_step_on_triton_launches_under_a_third_of_what_torchs_ops_
     """OLMoE's shape of layer (q and k norms, eight of 64 experts, tiles that fit) behind a whole host tier: a
     decode step through TritonKernels (experts in two launches a layer, each norm with the residual add before it
     and each rotation one, the KV writes one) against CudaKernels (torch's ops for all): with every expert resident
-    (the step computed from the router's ids on the device; counted here 20.3 a MoE layer against 107) and at a
-    quarter of them (the planned path, its misses' copies among the launches: 27.3 against 109), the step's own
+    (the step computed from the router's ids on the device; counted here 23 a MoE layer against 119) and at a
+    quarter of them (the planned path, its misses' copies among the launches: 31 against 121), the step's own
     launches (embedding, final norm, head) shared by 3 layers."""
     from moetier import Engine
     from moetier.config import MemoryBudget
