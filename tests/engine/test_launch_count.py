@@ -105,7 +105,7 @@ def test_a_bf16_decode_step_on_triton_launches_under_a_third_of_what_torchs_ops_
     prompt = torch.randint(3, 128, (12,), generator=g).tolist()
     steps = 3
 
-    def per_layer(kernels_class) -> tuple[float, list[int]]:
+    def per_layer(kernels_class) -> tuple[float, list[int], collections.Counter]:
         class OnTheCpu(kernels_class):
             def decode_attention(self, *args):  # (the GPU's SDPA backends list is CUDA's)
                 return TorchKernels.decode_attention(self, *args)
