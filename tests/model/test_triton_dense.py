@@ -19,17 +19,14 @@ from moetier.model.batch import StepBatch  # noqa: E402
 from moetier.model.kernels import TorchKernels  # noqa: E402
 from moetier.model.layers import rms_norm  # noqa: E402
 from moetier.model.rope import Rope  # noqa: E402
+from tests.model.test_kernels import ulps_apart  # noqa: E402
+from tests.model.test_triton_experts import assert_compiles_for_hopper  # noqa: E402
 
 
 def kernels():
     from moetier.model.kernels import TritonKernels
 
     return TritonKernels()
-
-
-def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many bf16 values lie between a and b, elementwise (same-signed values)."""
-    return (a.float().view(torch.int32) - b.float().view(torch.int32)).abs() >> 16
 
 
 @pytest.mark.parametrize("shape", [(1, 2048), (5, 64), (3, 4, 128), (2, 7168), (1, 100)])
@@ -41,7 +38,7 @@ def test_a_norm_is_transformers_rounded_as_it_rounds_but_for_the_order_of_its_su
     w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).bfloat16().to(DEVICE)
     got, want = kernels().rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
-    apart = bf16_steps_apart(got, want)
+    apart = ulps_apart(got, want)
     assert apart.max() <= 1 and (apart == 0).float().mean() >= 0.99
 
 
@@ -62,7 +59,7 @@ def test_a_residual_add_and_the_norm_after_it_are_torchs_in_one_launch(shape):
     summed, normed = kernels().add_rms_norm(h, delta, w, 1e-6)
     assert torch.equal(summed, h + delta) and torch.equal(h, before)
     assert torch.equal(normed, kernels().rms_norm(summed, w, 1e-6))
-    assert bf16_steps_apart(normed, rms_norm(h + delta, w, 1e-6)).max() <= 1
+    assert ulps_apart(normed, rms_norm(h + delta, w, 1e-6)).max() <= 1
 
 
 def rope_of(dim: int | None, head_dim: int, interleaved: bool = False):
@@ -98,7 +95,7 @@ def test_a_norm_takes_rows_of_a_wider_tensor_as_they_lie():
     w = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
     assert triton_dense.takes_norm_of(latent) and not latent.is_contiguous()
     got = kernels().rms_norm(latent, w, 1e-6)
-    assert got.is_contiguous() and bf16_steps_apart(got, rms_norm(latent.contiguous(), w, 1e-6)).max() <= 1
+    assert got.is_contiguous() and ulps_apart(got, rms_norm(latent.contiguous(), w, 1e-6)).max() <= 1
     assert torch.equal(got, kernels().rms_norm(latent.contiguous(), w, 1e-6))
 
 
@@ -230,9 +227,4 @@ print("compiled")
 
 def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
     """Triton's own compiler down to sm_90 machine code (what the interpreter does not check: the bit casts)."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    assert_compiles_for_hopper(COMPILE)

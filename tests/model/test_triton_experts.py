@@ -237,15 +237,21 @@ print("compiled")
 """
 
 
-def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
-    """Triton's own compiler (and the ptxas its wheel carries), not its interpreter, down to sm_90 machine code: what
-    the interpreter does not check (a typed pointer from an address, constexpr branches, tuples from a jit helper)."""
+def assert_compiles_for_hopper(script: str) -> None:
+    """`script` (compiling kernels with triton.compile, then printing "compiled") run in a python of its own, out of
+    the interpreter this module set."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
+    """Triton's own compiler (and the ptxas its wheel carries), not its interpreter, down to sm_90 machine code: what
+    the interpreter does not check (a typed pointer from an address, constexpr branches, tuples from a jit helper)."""
+    assert_compiles_for_hopper(COMPILE)
 
 
 GGML = ["q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1"]
