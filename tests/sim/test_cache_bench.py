@@ -13,7 +13,7 @@ from moetier.trace.synthetic import LocalityFit, generate
 
 @pytest.fixture(scope="module")
 def trace():
-    return generate(LocalityFit(zipf_s=1.0, p_keep=0.5, reuse_next=0.0, source="hand-made"), 4, 16, 2, 300,
+    return generate(LocalityFit(zipf_s=1.0, p_keep=0.5, reuse_next=0.0, source="hand-made"), 4, 16, 2, 150,
                     seed=2, model="hand-made")
 
 
