@@ -19,7 +19,7 @@ import torch
 
 from moetier.cache.keys import ExpertKey
 from moetier.engine.grouping import ExpertGroups
-from moetier.engine.route_arrays import route_arrays
+from moetier.engine.route_arrays import route_arrays, routes_arrays
 from moetier.plan.route import RouteResult
 
 
@@ -80,11 +80,12 @@ class ResidentLayers:
         would have — at the step's last MoE layer, for all of its layers in their order. Why not layer by layer:
         nothing is decided between (no read, no eviction: every expert stays), and the same few hundred bytecodes
         run sixteen times in a row warm instead of once a layer with the caches cold from the experts just streamed
-        (~40 us a layer on OLMoE-1B-7B, Zen 4)."""
+        (~40 us a layer on OLMoE-1B-7B, Zen 4); on a GPU, the step's routes come back in one copy."""
         policy, precision = self.policy, self.precision
-        for layer, step, phase, scores, topk_ids, topk_weights in self.routes:
+        arrays = routes_arrays([(topk_ids, topk_weights, scores) for *_, scores, topk_ids, topk_weights in self.routes])
+        for (layer, step, phase, *_), host in zip(self.routes, arrays):
             # copies: the one-call step's buffers are written again next step
-            ids, weights, probs = (a.copy() for a in route_arrays(topk_ids, topk_weights, scores))  # [T, k], [T, E]
+            ids, weights, probs = (a.copy() for a in host)  # [T, k], [T, k], [T, E]
             route = RouteResult(layer, step, ids, weights, probs, phase)
             policy.on_route(route)
             for hook in self.hooks:  # route listeners (no hook that needs plans is there: the executor checks)

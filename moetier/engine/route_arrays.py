@@ -4,7 +4,8 @@
 On the CPU they are the tensors' own memory (no copy). On a GPU each `.cpu()` is a copy that waits for the device:
 three a layer, forty-eight a step on OLMoE-1B-7B, each a round trip of ~10-20 us on the H200 machine even when the
 device has nothing left to do. Here the three go back as one: packed into float32 columns on the device (the ids
-exact: below 2^24), one copy, one wait."""
+exact: below 2^24), one copy, one wait — and a resident step's layers, read after its last one, all in one
+(`routes_arrays`)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,48 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+Route = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (topk_ids [T, k], topk_weights [T, k], scores [T, E])
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # the same on the host: int64, float32, float32
+
 
 def route_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, scores: torch.Tensor,
-                 wait: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 wait: Callable[[], None] | None = None) -> Arrays:
     """(ids [T, k] int64, weights [T, k] float32, scores [T, E] float32) on the host; on the CPU views of the
     tensors (a caller that keeps them past the router's next write copies them). `wait`: on a GPU, how the host
     waits for the copy back (queued behind the router on the current stream; a copy queue's `wait_current` lets
     held copies onto the link meanwhile); default a plain wait."""
     if not topk_ids.is_cuda:
         return topk_ids.numpy(), topk_weights.float().numpy(), scores.float().numpy()
-    k = topk_ids.shape[1]
-    packed = torch.cat([topk_ids.float(), topk_weights.float(), scores.float()], dim=1)  # [T, 2k + E]
+    packed = pack([(topk_ids, topk_weights, scores)])
     if wait is None:
         packed = packed.cpu().numpy()
     else:
         packed = packed.to("cpu", non_blocking=True)  # (into page-locked memory: the copy runs while `wait` does)
         wait()
         packed = packed.numpy()
-    return (np.ascontiguousarray(packed[:, :k], dtype=np.int64), np.ascontiguousarray(packed[:, k:2 * k]),
-            np.ascontiguousarray(packed[:, 2 * k:]))
+    return unpack(packed, topk_ids.shape[1])[0]
+
+
+def routes_arrays(routes: list[Route]) -> list[Arrays]:
+    """Several layers' (topk_ids, topk_weights, scores), each as `route_arrays` gives it: a resident step's, read
+    once its last layer is queued. On a GPU one copy back and one wait for them all, where each layer's own was a
+    wait and four or five launches (sixteen of each a step on OLMoE-1B-7B); on the CPU each one's views."""
+    if not routes or not routes[0][0].is_cuda or len({tuple(t.shape for t in r) for r in routes}) > 1:
+        return [route_arrays(*r) for r in routes]
+    return unpack(pack(routes).cpu().numpy(), routes[0][0].shape[1])
+
+
+def pack(routes: list[Route]) -> torch.Tensor:
+    """[L, T, 2k + E] float32 on the routes' device: each one's ids (exact: below 2^24), weights and scores side by
+    side, in three launches and one more a dtype to convert (one route: no stacking copy)."""
+    if len(routes) == 1:
+        ids, weights, scores = (t[None] for t in routes[0])  # [1, T, k], [1, T, k], [1, T, E]
+    else:
+        ids, weights, scores = (torch.stack(parts) for parts in zip(*routes))  # [L, T, k], [L, T, k], [L, T, E]
+    return torch.cat([ids.float(), weights.float(), scores.float()], dim=2)
+
+
+def unpack(packed: np.ndarray, k: int) -> list[Arrays]:
+    """`pack`'s [L, T, 2k + E] on the host -> L (ids int64, weights, scores), each contiguous."""
+    return [(np.ascontiguousarray(p[:, :k], dtype=np.int64), np.ascontiguousarray(p[:, k:2 * k]),
+             np.ascontiguousarray(p[:, 2 * k:])) for p in packed]

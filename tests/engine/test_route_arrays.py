@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from moetier.engine.route_arrays import route_arrays
+from moetier.engine.route_arrays import pack, route_arrays, routes_arrays, unpack
 
 
-def routing(device: str, weight_dtype: torch.dtype):
-    g = torch.Generator().manual_seed(0)
+def routing(device: str, weight_dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     scores = torch.softmax(torch.randn(3, 64, generator=g), -1)  # [T, E]
     topk_weights, topk_ids = scores.topk(4, dim=-1)
     return topk_ids.to(device), topk_weights.to(weight_dtype).to(device), scores.to(device)
@@ -19,6 +19,38 @@ def test_on_the_cpu_the_arrays_are_the_tensors_own_memory():
     a, b, c = route_arrays(ids, weights, scores)
     assert np.shares_memory(a, ids.numpy()) and np.shares_memory(b, weights.numpy())
     assert np.shares_memory(c, scores.numpy())
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_packed_into_one_array_each_route_reads_back_as_itself(weight_dtype, layers):
+    """What goes back from a GPU in one copy (here packed and unpacked on the CPU): each layer's ids, weights and
+    scores exactly, each contiguous."""
+    routes = [routing("cpu", weight_dtype, seed) for seed in range(layers)]
+    packed = pack(routes)
+    assert packed.shape == (layers, 3, 2 * 4 + 64) and packed.dtype == torch.float32
+    for (ids, weights, scores), (a, b, c) in zip(routes, unpack(packed.numpy(), 4), strict=True):
+        assert a.dtype == np.int64 and np.array_equal(a, ids.numpy())
+        assert np.array_equal(b, weights.float().numpy()) and np.array_equal(c, scores.numpy())
+        assert all(x.flags.c_contiguous for x in (a, b, c))
+
+
+def test_on_the_cpu_several_routes_are_each_ones_own_memory():
+    routes = [routing("cpu", torch.float32, seed) for seed in range(3)]
+    for (ids, weights, scores), (a, b, c) in zip(routes, routes_arrays(routes), strict=True):
+        assert np.shares_memory(a, ids.numpy()) and np.shares_memory(b, weights.numpy())
+        assert np.shares_memory(c, scores.numpy())
+    assert routes_arrays([]) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu/run.sh)")
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_from_a_gpu_a_steps_routes_in_one_copy_are_what_each_layers_gives(weight_dtype):
+    routes = [routing("cuda", weight_dtype, seed) for seed in range(4)]
+    for one, (a, b, c) in zip(routes, routes_arrays(routes), strict=True):
+        want = route_arrays(*one)
+        assert np.array_equal(a, want[0]) and np.array_equal(b, want[1]) and np.array_equal(c, want[2])
 
 
 @pytest.mark.cuda
