@@ -48,8 +48,8 @@ PARTS = (
     ("  grouping", "moetier.engine.grouping", "ExpertGroups", "__init__"),
     ("  expert matmuls (one by one)", "moetier.engine.grouping", "ExpertGroups", "compute"),
     ("  expert matmuls (a layer's)", "moetier.engine.grouping", "ExpertGroups", "compute_layer"),
-    ("  expert matmuls (one token's)", "moetier.model.expert_kernels", "{expert}", "token"),
-    ("  expert matmuls (one token's, table)", "moetier.model.expert_kernels", "{expert}", "token_routed"),
+    ("  expert matmuls (one token's)", "{expert_module}", "{expert}", "token"),
+    ("  expert matmuls (one token's, table)", "{expert_module}", "{expert}", "token_routed"),
     ("  combine", "moetier.engine.grouping", "ExpertGroups", "combine"),
     ("  layer step: end (accesses)", "moetier.plan.step", "LayerStep", "end"),
     ("sampling", "moetier.engine.scheduler", None, "sample"),
@@ -77,7 +77,7 @@ def child(cfg: dict) -> dict:
     names = {"kernels": type(engine.kernels).__name__, "router": router.__name__,
              # (a softmax router's `route` is what both the layers and the decode blocks call)
              "router_call": "route" if router.__call__ is SoftmaxRouter.__call__ else "__call__",
-             "expert": expert.__name__,
+             "expert": expert.__name__, "expert_module": expert.__module__,  # (a GGUF's: ggml_experts)
              "linear_module": linear.__module__, "linear_owner": linear.__name__}
 
     def timed(label, fn):
