@@ -47,7 +47,7 @@ def routes_arrays(routes: list[Route]) -> list[Arrays]:
 
 def pack(routes: list[Route]) -> torch.Tensor:
     """[L, T, 2k + E] float32 on the routes' device: each one's ids (exact: below 2^24), weights and scores side by
-    side, in three launches and one more a dtype to convert (one route: no stacking copy)."""
+    side: three stacks (none for one route), a cast for each part not float32 yet, one cat."""
     if len(routes) == 1:
         ids, weights, scores = (t[None] for t in routes[0])  # [1, T, k], [1, T, k], [1, T, E]
     else:

@@ -102,7 +102,8 @@ def _build(compiler: str, isa: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
-        compiles = [[compiler, *_flags(isa), "-c", str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
+        compiles = [[compiler, *_flags(isa), "-c", str(source), "-o", str(obj)]
+                    for source, obj in zip(SOURCES, objects)]
         with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
             list(pool.map(_compile, compiles))  # (the first failure raises here)
         linked = Path(tmp) / path.name

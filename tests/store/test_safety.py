@@ -25,13 +25,9 @@ from tests.tiny_models import build_tiny
 CHILD = """
 import sys
 from moetier.resolve import resolve_model
-from moetier.store.convert import convert
 print("ready", flush=True)
-if sys.argv[1] == "resolve":
-    sys.stdin.readline()  # go
-    print(resolve_model(sys.argv[2], sys.argv[3], progress=True), flush=True)
-else:
-    convert(sys.argv[2], sys.argv[3], overwrite=True, progress=False)
+sys.stdin.readline()  # go
+print(resolve_model(sys.argv[2], sys.argv[3], progress=True), flush=True)
 print("done", flush=True)
 """
 
@@ -191,7 +187,7 @@ def test_twenty_conversions_killed_at_random_moments(big_hf, tmp_path):
     outcomes = {"absent": 0, "whole": 0}
     for i in range(20):
         if i % 2 and dest.exists():
-            shutil.rmtree(dest)  # into nothing half of the time, over a whole store the other: replacement is killed too
+            shutil.rmtree(dest)  # into nothing half of the time, over a whole store the other (its replacement killed)
         pid = conversions.start(dest)
         time.sleep(rng.uniform(0, duration * 1.2))
         with contextlib.suppress(ProcessLookupError):  # (it finished first, and was waited for)
