@@ -158,19 +158,19 @@ def test_a_json_schema_holds_a_random_models_answer(tools_served, seed):
     assert set(obj["tags"]) <= {"a", "b"} and len(obj["tags"]) <= 3
 
 
-def test_json_mode_answers_parse_for_twenty_sampled_requests(demo_served):
-    """Twenty sampled answers in JSON mode, each a JSON object. The room is the model's whole context, yet at 1.0 a
-    small model can write a string that outlasts it (on a Sapphire Rapids the longest of these took 428 tokens; on a
-    Zen 3, whose kernels sum in another order, one of the twenty ran out): such an answer ends "length", as OpenAI's
-    can, and is still the start of an object; at most two of the twenty may."""
+def test_json_mode_answers_parse_for_ten_sampled_requests(demo_served):
+    """Ten sampled answers in JSON mode, each a JSON object. The room is the model's whole context, yet at 1.0 a
+    small model can write a string that outlasts it (on a Sapphire Rapids the longest of twenty took 428 tokens; on a
+    Zen 3, whose kernels sum in another order, one of twenty ran out): such an answer ends "length", as OpenAI's
+    can, and is still the start of an object; at most one of the ten may. (Ten: twenty took 31-41 s of a Zen 3.)"""
     c = client(demo_served)
     ask = [{"role": "user", "content": "Give me a JSON object."}]
     answers = [c.chat.completions.create(model="tiny", messages=ask, seed=seed, temperature=1.0, max_tokens=1000,
                                          response_format={"type": "json_object"}).choices[0]
-               for seed in range(20)]
+               for seed in range(10)]
     assert {a.finish_reason for a in answers} <= {"stop", "length"}
     finished = [a for a in answers if a.finish_reason == "stop"]
-    assert len(finished) >= 18, [a.finish_reason for a in answers]
+    assert len(finished) >= 9, [a.finish_reason for a in answers]
     assert all(isinstance(json.loads(a.message.content), dict) for a in finished)
     assert all(a.message.content.startswith('{"') or a.message.content == "{}" for a in answers)
 
