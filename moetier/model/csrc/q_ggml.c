@@ -144,78 +144,82 @@ static inline __m256i scales_mins_k4(const uint8_t *q) {
 }
 
 /* A q4_k or q5_k super-block against T tokens' q8k blocks a[t]: each token's scaled sum into acc[t], its mins'
-   into accm[t]. The weights' codes are unpacked once for all T tokens. */
-static inline void blk_q45k(const uint8_t *blk, const q8k *const *a, int T, __m256 *acc, __m128 *accm,
-                            const int five) {
+   into accm[t]. A run of 64 weights (two sub-blocks) at a time is unpacked and met by every token before the next:
+   with the codes of the whole block unpacked first (eight registers) and the scales shuffled for each token, T > 1
+   ran out of AVX2's sixteen registers. The integer sums are the same in any order. */
+static inline __attribute__((always_inline)) void blk_q45k(const uint8_t *blk, const q8k *const *a, const int T,
+                                                          __m256 *acc, __m128 *accm, const int five) {
     const __m256i sm = scales_mins_k4(blk + 4);
     const __m128i mins = _mm256_extracti128_si256(sm, 1);
     const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);  /* the 8 scales in both halves */
     const uint8_t *qs = blk + (five ? 48 : 16), *qh = blk + 16;
     const __m256i low = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-    __m256i q[8];
+    __m256i sumi[GQ_MAX_TOKENS];
+    for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) { /* 64 weights: sub-block 2c in the low nibbles, 2c + 1 in the high */
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        q[2 * c] = _mm256_and_si256(v, low);
-        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         if (five) {
-            q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4));
-            q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1],
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4));
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4));
             hbits = _mm256_srli_epi16(hbits, 2);
+        }
+        const __m256i sc_lo = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)BROADCAST16[2 * c]));
+        const __m256i sc_hi = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)BROADCAST16[2 * c + 1]));
+        for (int t = 0; t < T; t++) {
+            const int8_t *x = a[t]->qs + 64 * c;
+            const __m256i pl = _mm256_madd_epi16(sc_lo, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)));
+            const __m256i ph = _mm256_madd_epi16(sc_hi,
+                                                 _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))));
+            sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
         }
     }
     const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
     for (int t = 0; t < T; t++) {
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(a[t]->qs + 32 * j)));
-            const __m256i sc = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)BROADCAST16[j]));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(sc, p));
-        }
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(sumi), acc[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         const __m256i bsums = _mm256_loadu_si256((const __m256i *)a[t]->bsums);  /* per 16 inputs */
         const __m128i sums32 = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
         accm[t] = _mm_fmadd_ps(_mm_set1_ps(dmin * a[t]->d), _mm_cvtepi32_ps(_mm_madd_epi16(mins, sums32)), accm[t]);
     }
 }
 
-/* A q6_k super-block against T tokens' q8k blocks: codes stored + 32, taken off through the bsums. */
-static inline void blk_q6k(const uint8_t *blk, const q8k *const *a, int T, __m256 *acc) {
+/* A q6_k super-block against T tokens' q8k blocks: codes stored + 32, taken off through the bsums. As blk_q45k, a
+   run of 32 weights (two sub-blocks of 16) is unpacked and met by every token before the next. */
+static inline __attribute__((always_inline)) void blk_q6k(const uint8_t *blk, const q8k *const *a, const int T,
+                                                         __m256 *acc) {
     const uint8_t *ql = blk, *qh = blk + 128;
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  /* the 16 scales, for the bias */
     const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
-    __m256i q[8], scale[8];
+    __m256i sumi[GQ_MAX_TOKENS];
+    for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) { /* 128 weights: four runs of 32, each two sub-blocks of 16 */
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
         const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
         const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-        q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
-        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
-        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
-        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+        for (int s = 0; s < 4; s++) { /* run s: l0's or l1's low or high nibbles, hb's bits 2s and 2s + 1 */
+            const __m256i l = s & 1 ? l1 : l0, nib = s < 2 ? l : _mm256_srli_epi16(l, 4);
+            const __m256i q = _mm256_or_si256(_mm256_and_si256(nib, low),
+                                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), three), 4));
+            const int v = 4 * h + s;
+            const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)PAIR8[v])));
+            for (int t = 0; t < T; t++) {
+                const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a[t]->qs + 32 * v)));
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(scale, p));
+            }
+        }
     }
-    for (int v = 0; v < 8; v++)
-        scale[v] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)PAIR8[v])));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  /* the 16 scales, for the bias */
     const float d = f16_to_f32(blk + 208);
     for (int t = 0; t < T; t++) {
-        __m256i sumi = _mm256_setzero_si256();
-        for (int v = 0; v < 8; v++) {
-            const __m256i p = _mm256_maddubs_epi16(q[v], _mm256_loadu_si256((const __m256i *)(a[t]->qs + 32 * v)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scale[v], p));
-        }
         const __m256i bias = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a[t]->bsums));
-        sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(bias, 5));
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(sumi), acc[t]);
+        const __m256i s = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(bias, 5));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(s), acc[t]);
     }
 }
 
 /* A q8_0 block against T tokens' blocks: |xq| times q with xq's sign (pairs of at most 127 * 127 * 2). */
-static inline void blk_q8_0(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc) {
+static inline __attribute__((always_inline)) void blk_q8_0(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), aq = _mm256_sign_epi8(q, q);
     const float d = f16_to_f32(blk);
     for (int t = 0; t < T; t++) {
@@ -238,7 +242,7 @@ static inline __m256i bytes_from_bits(const uint8_t *p) {
 /* A legacy block (Q4_0, Q4_1, Q5_0, Q5_1) against T tokens' q8b blocks: its 32 codes unsigned (the nibbles, the
    fifth bits), the offset (- 8, - 16) taken off through the activation's sum in integers, a minimum (+ m) as a
    float term: d dx (sum q x - off sum x) + m dx sum x. */
-static inline void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc, __m128 *accm,
+static inline __attribute__((always_inline)) void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc, __m128 *accm,
                               const int type) {
     const int has_m = type == GQ_Q4_1 || type == GQ_Q5_1, five = type == GQ_Q5_0 || type == GQ_Q5_1;
     const uint8_t *qh = blk + (has_m ? 4 : 2), *qs = qh + (five ? 4 : 0);
@@ -256,13 +260,17 @@ static inline void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __
     }
 }
 
-/* One row's blocks against T tokens' activations (a function per type: nothing decided per block). */
-#define ROW_DOT(name, act_t, BLOCK)                                                                           \
-    static void name(const uint8_t *w, long blocks, long ts, const char *act, long act_bytes, int T,          \
-                     float *out) {                                                                             \
-        __m256 acc[GQ_MAX_TOKENS];                                                                             \
-        __m128 accm[GQ_MAX_TOKENS];                                                                            \
-        const act_t *a[GQ_MAX_TOKENS];                                                                         \
+/* One row's blocks against T tokens' activations. Made a function per type and per T (1 to GQ_MAX_TOKENS), the
+   block kernel inlined: with T a constant the accumulators and the unpacked codes stay in registers — with T read
+   at run time gcc kept acc[t] and accm[t] on the stack, a store and a load every block on one chain, and spilled
+   the codes (a 2048 x 2048 matrix at one token on a Zen 4's two cores, hot: Q4_K 159 -> 122 us, Q6_K 79 -> 51,
+   Q8_0 280 -> 166; the same sums, bit for bit). */
+#define ROW_DOT(name, act_t, BLOCK, NT)                                                                       \
+    static void name(const uint8_t *w, long blocks, long ts, const char *act, long act_bytes, float *out) {    \
+        enum { T = NT };                                                                                       \
+        __m256 acc[T];                                                                                         \
+        __m128 accm[T];                                                                                        \
+        const act_t *a[T];                                                                                     \
         for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), accm[t] = _mm_setzero_ps();                  \
         for (long b = 0; b < blocks; b++) {                                                                    \
             for (long off = 0; off < ts; off += 64) /* ahead of the hardware prefetcher, as q_int.c */          \
@@ -272,15 +280,29 @@ static inline void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __
         }                                                                                                      \
         for (int t = 0; t < T; t++) out[t] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);                            \
     }
-ROW_DOT(row_q4k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 0))
-ROW_DOT(row_q5k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 1))
-ROW_DOT(row_q6k, q8k, blk_q6k(w + b * ts, a, T, acc))
-ROW_DOT(row_q8_0, q8b, blk_q8_0(w + b * ts, a, T, acc))
-ROW_DOT(row_q4_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_0))
-ROW_DOT(row_q4_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_1))
-ROW_DOT(row_q5_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_0))
-ROW_DOT(row_q5_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_1))
+#define ROW_DOTS(name, act_t, BLOCK)                                                                          \
+    ROW_DOT(name##_1, act_t, BLOCK, 1)                                                                         \
+    ROW_DOT(name##_2, act_t, BLOCK, 2)                                                                         \
+    ROW_DOT(name##_3, act_t, BLOCK, 3)                                                                         \
+    ROW_DOT(name##_4, act_t, BLOCK, 4)
+ROW_DOTS(row_q8_0, q8b, blk_q8_0(w + b * ts, a, T, acc))
+ROW_DOTS(row_q4k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 0))
+ROW_DOTS(row_q5k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 1))
+ROW_DOTS(row_q6k, q8k, blk_q6k(w + b * ts, a, T, acc))
+ROW_DOTS(row_q4_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_0))
+ROW_DOTS(row_q4_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_1))
+ROW_DOTS(row_q5_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_0))
+ROW_DOTS(row_q5_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_1))
+#undef ROW_DOTS
 #undef ROW_DOT
+
+typedef void (*row_fn)(const uint8_t *, long, long, const char *, long, float *);
+#define BY_T(name) {name##_1, name##_2, name##_3, name##_4}
+static const row_fn ROWS[8][GQ_MAX_TOKENS] = {  /* [type][T - 1], types in GQ_* order */
+    BY_T(row_q8_0), BY_T(row_q4k), BY_T(row_q5k), BY_T(row_q6k),
+    BY_T(row_q4_0), BY_T(row_q4_1), BY_T(row_q5_0), BY_T(row_q5_1),
+};
+#undef BY_T
 
 int moetier_gq_fits(int type, long K) {
     return type >= GQ_Q8_0 && type <= GQ_Q5_1 && K > 0 && K % BLOCK_SIZE[type] == 0;
@@ -291,20 +313,11 @@ int moetier_gq_fits(int type, long K) {
 void moetier_gq_linear(int type, const uint8_t *w, long N, long K, const void *act, int T, float *y) {
     const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], row_bytes = blocks * ts;
     const long act_bytes = moetier_gq_act_bytes(type, K);
+    const row_fn row = ROWS[type][T - 1];
 #pragma omp parallel for schedule(static) if (N * row_bytes >= GQ_PARALLEL_MIN_BYTES)
     for (long r = 0; r < N; r++) {
         float out[GQ_MAX_TOKENS];
-        const uint8_t *row = w + r * row_bytes;
-        switch (type) {
-            case GQ_Q8_0: row_q8_0(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
-            case GQ_Q4_K: row_q4k(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
-            case GQ_Q5_K: row_q5k(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
-            case GQ_Q6_K: row_q6k(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
-            case GQ_Q4_0: row_q4_0(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
-            case GQ_Q4_1: row_q4_1(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
-            case GQ_Q5_0: row_q5_0(row, blocks, ts, (const char *)act, act_bytes, T, out); break;
-            default: row_q5_1(row, blocks, ts, (const char *)act, act_bytes, T, out);
-        }
+        row(w + r * row_bytes, blocks, ts, (const char *)act, act_bytes, out);
         for (int t = 0; t < T; t++) y[t * N + r] = out[t];
     }
 }
