@@ -3,7 +3,10 @@ bf16 through the engine's kernels (native where they build) and through torch; i
 `_weight_int8pack_mm`; int4 through torch's `_weight_int4pack_mm_for_cpu` (plus the cost of packing our codes
 into its layout, which a load would pay); int2, which has no kernel, as dequantize-then-bf16. Each path's output is
 checked against the dequantized weights in fp32 before it is timed. And ours: int8/int4/int2 computed from the
-store's codes by `moetier.model.expert_kernels` (csrc/q_rows.c up to 4 tokens, dequantize-to-bf16 beyond).
+store's codes by `moetier.model.expert_kernels` (csrc/q_rows.c up to 4 tokens, dequantize-to-bf16 beyond). And
+GGML's block formats as a GGUF holds them (q8_0, q6_k, q4_k: llama.cpp's Q8_0, Q6_K and Q4_K blocks, fitted as
+llama-quantize fits them), computed by `GgmlExpert` — csrc/q_ggml.c's integer dot products up to 4 tokens — the
+kernels a `--model FILE.gguf` decode spends its time in.
 One expert called repeatedly stays in the CPU's caches: these are compute costs, not memory-bound ones. With
 `--cold N` each call takes the next of N copies of the expert (N x its bytes past the last-level cache), as a
 decode step meets its experts: from memory. Only the engine's own paths (bf16 through its kernels, ours from the
@@ -12,6 +15,7 @@ codes) run cold; torch's reference paths are left out.
     python bench/quant_kernels.py                          # three expert shapes, batch 1-32; table, JSON, PNG
     python bench/quant_kernels.py --shapes 2048x1408 --tokens 1,4
     python bench/quant_kernels.py --shapes 2048x1024 --tokens 1 --cold 64   # a decode's experts, from memory
+    python bench/quant_kernels.py --shapes 2048x1024 --tokens 1,2,4 --only ggml  # a GGUF's block formats alone
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def paths(hidden: int, inter: int, cold: int = 0):
             out[f"{precision} moetier"] = (precision, rotating(lambda i, k=kernel, ws=ws: lambda x: _run(k, x, ws[i]),
                                                                cold),
                                            (dequantize(q["gate_up_proj"]), dequantize(q["down_proj"])))
-        return out, {}
+        return out | ggml_paths(gate_up, down, cold), {}
     out = {f"bf16 {kernels.name}": ("bf16", lambda x: kernels.swiglu(x, gate_up, down), (gate_up, down))}
     if kernels.name != "torch":
         out["bf16 torch"] = ("bf16", lambda x: swiglu_out(F.linear(x, gate_up), lambda h: F.linear(h, down)),
@@ -99,7 +103,32 @@ def paths(hidden: int, inter: int, cold: int = 0):
         out[f"{precision} moetier"] = (precision, lambda x, kernel=kernel, w=w: _run(kernel, x, w),
                                        (dequantize(q["gate_up_proj"]), dequantize(q["down_proj"])))
     load_costs = {"int4 torch": lambda: [pack4(q) for q in q4]}
-    return out, load_costs
+    return out | ggml_paths(gate_up, down, cold), load_costs
+
+
+GGML = ("q8_0", "q6_k", "q4_k")  # a Q8_0 file's experts; a Q4_K_M file's (gate_up Q4_K, down Q4_K or Q6_K)
+
+
+def ggml_paths(gate_up: torch.Tensor, down: torch.Tensor, cold: int) -> dict:
+    """The block formats through GgmlExpert with the native kernels (none where they do not build), each against
+    its own blocks dequantized; with `cold` copies, each call on the next."""
+    from moetier.model import native
+    from moetier.model.ggml_experts import GgmlExpert
+    from moetier.quant.ggml_blocks import dequantize
+    from moetier.quant.precisions import matrix_format, quantize_expert
+
+    lib = native.load().lib
+    if lib is None:
+        return {}
+    out = {}
+    for fmt in GGML:
+        expert = GgmlExpert(fmt, torch.bfloat16, lib)
+        w = quantize_expert({"gate_up_proj": gate_up, "down_proj": down}, fmt)
+        ref = tuple(dequantize(w[name], matrix_format(fmt, m.shape[1])).to(torch.bfloat16)
+                    for name, m in (("gate_up_proj", gate_up), ("down_proj", down)))
+        ws = [{k: v.clone() for k, v in w.items()} for _ in range(cold)] if cold else [w]
+        out[f"{fmt} moetier"] = (fmt, rotating(lambda i, e=expert, ws=ws: lambda x: _run(e, x, ws[i]), len(ws)), ref)
+    return out
 
 
 def _run(kernel, x: torch.Tensor, w: dict) -> torch.Tensor:
@@ -114,6 +143,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--cold", type=int, default=0, help="copies of the expert to cycle through (0: one, warm)")
+    ap.add_argument("--only", default="", help="only the paths whose name contains this (e.g. ggml's: q4_k, or "
+                    "`ggml` for all three)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     from moetier.progress import tqdm
@@ -124,6 +155,8 @@ def main() -> None:
     for hidden, inter in tqdm(shapes, desc="shapes"):
         found, load_costs = paths(hidden, inter, args.cold)
         for name, (precision, fn, (gate_up, down)) in found.items():
+            if args.only and not (args.only in name or (args.only == "ggml" and precision in GGML)):
+                continue
             x = torch.randn(max(tokens), hidden).to(torch.bfloat16)
             ref = swiglu_out(x.float() @ gate_up.float().t(), lambda h, down=down: h @ down.float().t())
             error = ((fn(x[:1]).float() - ref[:1]).norm() / ref[:1].norm()).item()
