@@ -59,9 +59,10 @@ static void product_ggml(const moetier_matrix *m, const uint16_t *x, uint16_t *y
     const void *parts[3] = {m->weight, m->scales, m->zeros};
     const long rows[3] = {n0, n1, N - n0 - n1};
     for (long i = 0; i < K; i++) xf[i] = bf16_to_f32(x[i]);
-    for (int p = 0, first = 0; p < 3 && rows[p] > 0; first += (int)rows[p], p++) {
+    for (int p = 0, first = 0, quantized = -1; p < 3 && rows[p] > 0; first += (int)rows[p], p++) {
         const int type = (int)(m->group >> (4 * p)) & 0xF;
-        moetier_gq_quantize_act(type, xf, K, 1, act);
+        if (type != quantized) /* q, k and v mostly share a type: x quantized once for them */
+            moetier_gq_quantize_act(type, xf, K, 1, act), quantized = type;
         moetier_gq_linear(type, parts[p], rows[p], K, act, 1, yf + first);
     }
     for (long i = 0; i < N; i++) y[i] = f32_to_bf16(yf[i]);
