@@ -27,6 +27,7 @@
 #define GQ_PREFETCH_AHEAD 2048 /* bytes: a row or two of a k-quant expert matrix, ahead of the hardware prefetcher
                                   (as q_int.c): a Q4_K gate_up from memory 307 -> 140 us (docs/gguf.md) */
 #define QK 256
+#define INLINE static inline __attribute__((always_inline)) /* into each row function: T a constant */
 
 enum { GQ_Q8_0 = 0, GQ_Q4_K = 1, GQ_Q5_K = 2, GQ_Q6_K = 3, GQ_Q4_0 = 4, GQ_Q4_1 = 5, GQ_Q5_0 = 6, GQ_Q5_1 = 7 };
 
@@ -147,8 +148,8 @@ static inline __m256i scales_mins_k4(const uint8_t *q) {
    into accm[t]. A run of 64 weights (two sub-blocks) at a time is unpacked and met by every token before the next:
    with the codes of the whole block unpacked first (eight registers) and the scales shuffled for each token, T > 1
    ran out of AVX2's sixteen registers. The integer sums are the same in any order. */
-static inline __attribute__((always_inline)) void blk_q45k(const uint8_t *blk, const q8k *const *a, const int T,
-                                                          __m256 *acc, __m128 *accm, const int five) {
+INLINE void blk_q45k(const uint8_t *blk, const q8k *const *a, const int T, __m256 *acc, __m128 *accm,
+                     const int five) {
     const __m256i sm = scales_mins_k4(blk + 4);
     const __m128i mins = _mm256_extracti128_si256(sm, 1);
     const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);  /* the 8 scales in both halves */
@@ -166,12 +167,12 @@ static inline __attribute__((always_inline)) void blk_q45k(const uint8_t *blk, c
             hbits = _mm256_srli_epi16(hbits, 2);
         }
         const __m256i sc_lo = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)BROADCAST16[2 * c]));
-        const __m256i sc_hi = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)BROADCAST16[2 * c + 1]));
+        const __m256i sc_hi =
+            _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)BROADCAST16[2 * c + 1]));
         for (int t = 0; t < T; t++) {
-            const int8_t *x = a[t]->qs + 64 * c;
-            const __m256i pl = _mm256_madd_epi16(sc_lo, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)));
-            const __m256i ph = _mm256_madd_epi16(sc_hi,
-                                                 _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))));
+            const __m256i *x = (const __m256i *)(a[t]->qs + 64 * c);
+            const __m256i pl = _mm256_madd_epi16(sc_lo, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(x)));
+            const __m256i ph = _mm256_madd_epi16(sc_hi, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(x + 1)));
             sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
         }
     }
@@ -186,8 +187,7 @@ static inline __attribute__((always_inline)) void blk_q45k(const uint8_t *blk, c
 
 /* A q6_k super-block against T tokens' q8k blocks: codes stored + 32, taken off through the bsums. As blk_q45k, a
    run of 32 weights (two sub-blocks of 16) is unpacked and met by every token before the next. */
-static inline __attribute__((always_inline)) void blk_q6k(const uint8_t *blk, const q8k *const *a, const int T,
-                                                         __m256 *acc) {
+INLINE void blk_q6k(const uint8_t *blk, const q8k *const *a, const int T, __m256 *acc) {
     const uint8_t *ql = blk, *qh = blk + 128;
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
     const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
@@ -199,10 +199,11 @@ static inline __attribute__((always_inline)) void blk_q6k(const uint8_t *blk, co
         const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
         for (int s = 0; s < 4; s++) { /* run s: l0's or l1's low or high nibbles, hb's bits 2s and 2s + 1 */
             const __m256i l = s & 1 ? l1 : l0, nib = s < 2 ? l : _mm256_srli_epi16(l, 4);
-            const __m256i q = _mm256_or_si256(_mm256_and_si256(nib, low),
-                                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), three), 4));
+            const __m256i top = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), three);
+            const __m256i q = _mm256_or_si256(_mm256_and_si256(nib, low), _mm256_slli_epi16(top, 4));
             const int v = 4 * h + s;
-            const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)PAIR8[v])));
+            const __m256i scale =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)PAIR8[v])));
             for (int t = 0; t < T; t++) {
                 const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a[t]->qs + 32 * v)));
                 sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(scale, p));
@@ -219,7 +220,7 @@ static inline __attribute__((always_inline)) void blk_q6k(const uint8_t *blk, co
 }
 
 /* A q8_0 block against T tokens' blocks: |xq| times q with xq's sign (pairs of at most 127 * 127 * 2). */
-static inline __attribute__((always_inline)) void blk_q8_0(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc) {
+INLINE void blk_q8_0(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), aq = _mm256_sign_epi8(q, q);
     const float d = f16_to_f32(blk);
     for (int t = 0; t < T; t++) {
@@ -242,8 +243,7 @@ static inline __m256i bytes_from_bits(const uint8_t *p) {
 /* A legacy block (Q4_0, Q4_1, Q5_0, Q5_1) against T tokens' q8b blocks: its 32 codes unsigned (the nibbles, the
    fifth bits), the offset (- 8, - 16) taken off through the activation's sum in integers, a minimum (+ m) as a
    float term: d dx (sum q x - off sum x) + m dx sum x. */
-static inline __attribute__((always_inline)) void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc, __m128 *accm,
-                              const int type) {
+INLINE void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc, __m128 *accm, const int type) {
     const int has_m = type == GQ_Q4_1 || type == GQ_Q5_1, five = type == GQ_Q5_0 || type == GQ_Q5_1;
     const uint8_t *qh = blk + (has_m ? 4 : 2), *qs = qh + (five ? 4 : 0);
     const __m128i v = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0xF);
