@@ -115,15 +115,19 @@ def test_native_dequantization_is_ggml_blocks_bit_for_bit(linear, fmt):
 
 
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
-def test_a_tokens_experts_in_one_call_are_token_bit_for_bit(linear, weights_dtype):
-    """moetier_gq_swiglu_token_routed (a layer's resident experts from the router's ids and weights, unordered)
-    against `token`: each expert one call, in ascending ids, summed by the kernels' combine."""
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_tokens_experts_in_one_call_are_token_bit_for_bit(linear, weights_dtype, mixed):
+    """moetier_gq_swiglu_token_routed (a layer's resident experts from the router's ids and weights, unordered; all
+    in one parallel region, x quantized once per gate_up type) against `token`: each expert one call, in ascending
+    ids, summed by the kernels' combine. `mixed`: two of the chosen experts in other types than the rest (x then
+    quantized for each type)."""
     from moetier.model.ggml_experts import GgmlExpert
 
     torch.manual_seed(5)
     h, i = 512, 256
-    ws = [{"gate_up_proj": quantize(torch.randn(2 * i, h) * 0.05, "q4_k"),
-           "down_proj": quantize(torch.randn(h, i) * 0.05, "q6_k")} for _ in range(6)]
+    types = {1: ("q8_0", "q4_k"), 3: ("q5_k", "q8_0")} if mixed else {}
+    ws = [{"gate_up_proj": quantize(torch.randn(2 * i, h) * 0.05, types.get(e, ("q4_k", "q6_k"))[0]),
+           "down_proj": quantize(torch.randn(h, i) * 0.05, types.get(e, ("q4_k", "q6_k"))[1])} for e in range(6)]
     expert = GgmlExpert("q4_k", torch.bfloat16, linear.lib)
     table = expert.token_table(ws)
     x = torch.randn(1, h).bfloat16()

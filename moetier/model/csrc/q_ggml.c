@@ -352,6 +352,80 @@ void moetier_gq_swiglu(int gu_type, const uint8_t *w_gu, int d_type, const uint8
     }
 }
 
+/* Bytes of one activation over K inputs for the type that needs the most (the legacy formats' and Q8_0's q8b). */
+static long act_most(long K) {
+    long most = 0;
+    for (int type = 0; type < 8; type++)
+        if (K % BLOCK_SIZE[type] == 0 && moetier_gq_act_bytes(type, K) > most) most = moetier_gq_act_bytes(type, K);
+    return most;
+}
+
+static long round64(long bytes) { return (bytes + 63) & ~63L; }
+
+/* Bytes of scratch moetier_gq_swiglu_token needs for n experts. */
+long moetier_gq_swiglu_token_scratch(long n, long H, long I) {
+    return 64 + round64(4 * H) + n * round64(act_most(H)) + n * round64(act_most(I)) + round64(4 * n * I)
+           + round64(4 * n * H);
+}
+
+/* One token through n experts in block formats (expert e: gate_up_proj gu[e] of type gu_type[e], down_proj d[e] of
+   d_type[e]), their outputs summed: out [H] = sum over e in order, in fp32, of bf16(bf16(down_e . h_e) * weight[e])
+   with h_e = bf16(bf16(silu(g)) * u), g and u = bf16(gate_up_e . x) — bit for bit moetier_gq_swiglu on each expert
+   (weight[e] a bf16 value) followed by moetier_sum_rows_bf16. Why one call: that was two parallel regions an expert
+   with the SwiGLU, the activation's quantization and the conversions between them on one core while the others
+   waited; here one region, x quantized once per type, each expert's h quantized in parallel.
+   scratch: moetier_gq_swiglu_token_scratch bytes. */
+void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                             const uint8_t *const *d, const uint16_t *x, const float *weight, uint16_t *out, long H,
+                             long I, char *scratch) {
+    char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *xf = (float *)p;
+    p += round64(4 * H);
+    const char *xa[n]; /* x quantized for expert e's gate_up (once per type) */
+    char *ha[n];       /* h_e quantized for its down_proj */
+    for (long e = 0; e < n; e++, p += round64(act_most(I))) ha[e] = p;
+    for (long i = 0; i < H; i++) xf[i] = bf16_to_f32(x[i]);
+    for (long e = 0; e < n; e++) {
+        long same = 0;
+        while (same < e && gu_type[same] != gu_type[e]) same++;
+        if (same < e) {
+            xa[e] = xa[same];
+        } else {
+            moetier_gq_quantize_act(gu_type[e], xf, H, 1, p);
+            xa[e] = p, p += round64(act_most(H));
+        }
+    }
+    float *h = (float *)p, *ys = h + n * I; /* [n, I], [n, H]: ys as moetier_gq_swiglu rounds each output */
+    long bytes = 0;
+    for (long e = 0; e < n; e++)
+        bytes += 2 * I * (H / BLOCK_SIZE[gu_type[e]]) * TYPE_SIZE[gu_type[e]]
+                 + H * (I / BLOCK_SIZE[d_type[e]]) * TYPE_SIZE[d_type[e]];
+#pragma omp parallel if (bytes >= GQ_PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * I; item++) { /* gate row r and up row I + r together: h's value at once */
+            const long e = item / I, r = item - e * I, ts = TYPE_SIZE[gu_type[e]], blocks = H / BLOCK_SIZE[gu_type[e]];
+            const row_fn row = ROWS[gu_type[e]][0];
+            float g, u;
+            row(gu[e] + r * blocks * ts, blocks, ts, xa[e], 0, &g);
+            row(gu[e] + (I + r) * blocks * ts, blocks, ts, xa[e], 0, &u);
+            g = round_bf16(g), u = round_bf16(u);
+            h[e * I + r] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+        } /* barrier: every h is written before it is quantized */
+#pragma omp for schedule(static)
+        for (long e = 0; e < n; e++) moetier_gq_quantize_act(d_type[e], h + e * I, I, 1, ha[e]);
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * H; item++) {
+            const long e = item / H, k = item - e * H, ts = TYPE_SIZE[d_type[e]], blocks = I / BLOCK_SIZE[d_type[e]];
+            float o;
+            ROWS[d_type[e]][0](d[e] + k * blocks * ts, blocks, ts, ha[e], 0, &o);
+            ys[e * H + k] = round_bf16(round_bf16(o) * weight[e]);
+        } /* barrier: every expert's output is made before they are summed */
+#pragma omp for schedule(static)
+        for (long k = 0; k < H; k++) out[k] = f32_to_bf16(sum_column(ys, n, H, k));
+    }
+}
+
 /* Dequantization, as ggml's dequantize_row_* (and moetier/quant/ggml_blocks.py, bit for bit: no fused
    multiply-adds, the products in ggml's order), for a prefill's products through a float GEMM: W [N, K] in `type`
    -> out [N, K] fp32, rows in parallel. */

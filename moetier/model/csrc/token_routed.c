@@ -57,37 +57,29 @@ void moetier_swiglu_qi_token_routed(int bits, const int64_t *table, const int64_
                             scratch);
 }
 
-long moetier_gq_swiglu_scratch(int gu_type, int d_type, long H, long I, int T);
-void moetier_gq_swiglu(int gu_type, const uint8_t *w_gu, int d_type, const uint8_t *w_d, long H, long I,
-                       const uint16_t *x, int T, const uint16_t *weights, uint16_t *out, void *scratch);
-void moetier_sum_rows_bf16(const uint16_t *ys, long P, long H, uint16_t *y);
+long moetier_gq_swiglu_token_scratch(long n, long H, long I);
+void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                             const uint8_t *const *d, const uint16_t *x, const float *weight, uint16_t *out, long H,
+                             long I, char *scratch);
 
 /* Bytes of scratch moetier_gq_swiglu_token_routed needs for k experts (any GGML types). */
-long moetier_gq_token_scratch(long k, long H, long I) {
-    long most = 0;
-    for (int type = 0; type < 8; type++) { /* (the legacy formats' and q8_0's activations are the larger) */
-        const long s = moetier_gq_swiglu_scratch(type, type, H, I, 1);
-        if (s > most) most = s;
-    }
-    return 2 * k * H + 64 + most;
-}
+long moetier_gq_token_scratch(long k, long H, long I) { return moetier_gq_swiglu_token_scratch(k, H, I); }
 
 /* table [E, 4]: each expert's gate_up_proj blocks and their GGML type (q_ggml.c's GQ_*), its down_proj's and theirs:
    a GGUF's (or a GGML copy's) experts as GgmlExpert computes them one by one — each its bf16 output scaled by its
    weight rounded to bf16 (moetier_gq_swiglu) — in ascending ids, then summed as the kernels' combine sums them
-   (moetier_sum_rows_bf16): what `token` gives, in one call. */
+   (moetier_sum_rows_bf16): what `token` gives, in one call (moetier_gq_swiglu_token). */
 void moetier_gq_swiglu_token_routed(const int64_t *table, const int64_t *ids, const void *weights, long wbits,
                                     long k, long H, long I, const uint16_t *x, uint16_t *out, char *scratch) {
     int64_t id[k];
     float w[k];
+    int gu_type[k], d_type[k];
+    const uint8_t *gu[k], *d[k];
     ascending(ids, weights, wbits, k, id, w);
-    uint16_t *ys = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    char *rest = (char *)(ys + k * H);
     for (long j = 0; j < k; j++) {
         const int64_t *e = table + id[j] * 4;
-        const uint16_t wb = f32_to_bf16(w[j]);
-        moetier_gq_swiglu((int)e[1], (const uint8_t *)e[0], (int)e[3], (const uint8_t *)e[2], H, I, x, 1, &wb,
-                          ys + j * H, rest);
+        gu[j] = (const uint8_t *)e[0], gu_type[j] = (int)e[1], d[j] = (const uint8_t *)e[2], d_type[j] = (int)e[3];
+        w[j] = round_bf16(w[j]); /* the weight as a bf16 value, as GgmlExpert passes it */
     }
-    moetier_sum_rows_bf16(ys, k, H, out);
+    moetier_gq_swiglu_token(k, gu_type, gu, d_type, d, x, w, out, H, I, scratch);
 }
