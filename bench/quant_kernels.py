@@ -171,6 +171,9 @@ def main() -> None:
                              "cold_copies": args.cold,
                              "ms": median_time(lambda xt=xt, fn=fn: fn(xt), args.repeats) * 1e3, "load_ms": load * 1e3,
                              "error": error})
+    if not rows:
+        raise SystemExit(f"quant_kernels: error: --only {args.only!r} names no path on this machine (the paths: "
+                         f"{', '.join(found)})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_kernels.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                              "torch": torch.__version__, "rows": rows}, indent=1))
