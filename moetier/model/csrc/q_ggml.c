@@ -362,8 +362,8 @@ static long act_most(long K) {
 
 static long round64(long bytes) { return (bytes + 63) & ~63L; }
 
-/* Bytes of scratch moetier_gq_swiglu_token needs for n experts. */
-long moetier_gq_swiglu_token_scratch(long n, long H, long I) {
+/* Bytes of scratch moetier_gq_swiglu_token (and so moetier_gq_swiglu_token_routed) needs for n experts. */
+long moetier_gq_token_scratch(long n, long H, long I) {
     return 64 + round64(4 * H) + n * round64(act_most(H)) + n * round64(act_most(I)) + round64(4 * n * I)
            + round64(4 * n * H);
 }
@@ -374,16 +374,17 @@ long moetier_gq_swiglu_token_scratch(long n, long H, long I) {
    (weight[e] a bf16 value) followed by moetier_sum_rows_bf16. Why one call: that was two parallel regions an expert
    with the SwiGLU, the activation's quantization and the conversions between them on one core while the others
    waited; here one region, x quantized once per type, each expert's h quantized in parallel.
-   scratch: moetier_gq_swiglu_token_scratch bytes. */
+   scratch: moetier_gq_token_scratch bytes. */
 void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
                              const uint8_t *const *d, const uint16_t *x, const float *weight, uint16_t *out, long H,
                              long I, char *scratch) {
+    const long x_bytes = round64(act_most(H)), h_bytes = round64(act_most(I)); /* (as the scratch was sized) */
     char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *xf = (float *)p;
     p += round64(4 * H);
     const char *xa[n]; /* x quantized for expert e's gate_up (once per type) */
     char *ha[n];       /* h_e quantized for its down_proj */
-    for (long e = 0; e < n; e++, p += round64(act_most(I))) ha[e] = p;
+    for (long e = 0; e < n; e++, p += h_bytes) ha[e] = p;
     for (long i = 0; i < H; i++) xf[i] = bf16_to_f32(x[i]);
     for (long e = 0; e < n; e++) {
         long same = 0;
@@ -392,7 +393,7 @@ void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *g
             xa[e] = xa[same];
         } else {
             moetier_gq_quantize_act(gu_type[e], xf, H, 1, p);
-            xa[e] = p, p += round64(act_most(H));
+            xa[e] = p, p += x_bytes;
         }
     }
     float *h = (float *)p, *ys = h + n * I; /* [n, I], [n, H]: ys as moetier_gq_swiglu rounds each output */

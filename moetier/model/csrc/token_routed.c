@@ -57,18 +57,15 @@ void moetier_swiglu_qi_token_routed(int bits, const int64_t *table, const int64_
                             scratch);
 }
 
-long moetier_gq_swiglu_token_scratch(long n, long H, long I);
 void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
                              const uint8_t *const *d, const uint16_t *x, const float *weight, uint16_t *out, long H,
                              long I, char *scratch);
 
-/* Bytes of scratch moetier_gq_swiglu_token_routed needs for k experts (any GGML types). */
-long moetier_gq_token_scratch(long k, long H, long I) { return moetier_gq_swiglu_token_scratch(k, H, I); }
-
 /* table [E, 4]: each expert's gate_up_proj blocks and their GGML type (q_ggml.c's GQ_*), its down_proj's and theirs:
    a GGUF's (or a GGML copy's) experts as GgmlExpert computes them one by one — each its bf16 output scaled by its
    weight rounded to bf16 (moetier_gq_swiglu) — in ascending ids, then summed as the kernels' combine sums them
-   (moetier_sum_rows_bf16): what `token` gives, in one call (moetier_gq_swiglu_token). */
+   (moetier_sum_rows_bf16): what `token` gives, in one call (moetier_gq_swiglu_token; scratch:
+   moetier_gq_token_scratch(k, H, I) bytes, q_ggml.c). */
 void moetier_gq_swiglu_token_routed(const int64_t *table, const int64_t *ids, const void *weights, long wbits,
                                     long k, long H, long I, const uint16_t *x, uint16_t *out, char *scratch) {
     int64_t id[k];
