@@ -33,3 +33,13 @@ def test_every_block_format_computes_its_own_dequantized_expert(cold):
             error = ((out - ref).norm() / ref.norm()).item()
             assert error < 0.03, (name, error)  # the activations' int8 rounding and bf16's, no more
         assert all(torch.equal(outs[0], o) for o in outs), name  # the copies hold the same blocks
+
+
+def test_an_only_that_names_no_path_is_refused_in_one_line(tmp_path):
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(Path(quant_kernels.__file__)), "--shapes", "256x512", "--tokens", "1",
+                        "--only", "nothing", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("quant_kernels: error: --only 'nothing' names no path")
+    assert not (tmp_path / "quant_kernels.json").exists()  # nothing written
