@@ -28,6 +28,11 @@ most) and, if kept, marked in the table.
 
     python bench/peers/compare.py [--formats bf16,q8_0,q4_k_m] [--caps resident,100,60,35,20] [--rounds 2]
 
+Prompt processing too (`--caps prefill`, `--prompt-tokens 512`): everything resident, llama-bench's pp test (`-p
+512 -n 0`: a prompt of random ids in one batch, prompt tokens/s) beside moetier's prefill of 512 random ids (the
+first token sampled: its TTFT), each after a warm-up prefill, `--repetitions` of each kept; its `(generate)` rows
+are `moetier generate --prompt-file` on 512 tokens of Emma, the process's first prefill (what a user waits).
+
 Each run is preceded by a memory probe in a fresh process (probe.py: the read rate the host gives now), and
 moetier's process probes itself after its tokens where no cap holds it (its memory is still held then):
 compare.json keeps both beside the speed, so a round's pair can be read at the rates the engines met.
@@ -73,6 +78,7 @@ MODE_PRECISIONS = {"native": (), "int8": ("int8",), "int4": ("int4",), "hobbit":
                    "low-tier": ("int4", "int2"), SAME_FILE: ()}  # the store's copies a mode reads (low-tier: whichever
 # fits)
 USER = " (generate)"  # a moetier mode run as a user runs it, `moetier generate`, beside the harness's own run
+PREFILL = "prefill"  # the setting whose rows are prompt processing (llama-bench's pp test), not decoding
 
 
 def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dict[str, Path]:
@@ -128,10 +134,12 @@ def probe_rate() -> float:
 
 
 def llama_run(llama: LlamaCpp, gguf: Path, cap: int | None, tokens: int, threads: int, timeout: float,
-              repetitions: int = 3) -> dict:
+              repetitions: int = 3, prompt: int = 0) -> dict:
     """llama-bench's every repetition kept (`samples_tok_s`); the run's speed is their median after the first,
-    which warms a mapped file (one Q8_0 round moved from 1.29x to 1.72x on taking the last one alone)."""
-    argv = llama.bench_argv(gguf, tokens, threads, repetitions=repetitions, load="none" if cap is None else "mmap")
+    which warms a mapped file (one Q8_0 round moved from 1.29x to 1.72x on taking the last one alone). With
+    `prompt`: its pp test, a `prompt`-token prompt in one batch (prompt tokens/s), no token decoded."""
+    argv = llama.bench_argv(gguf, 0 if prompt else tokens, threads, repetitions=repetitions,
+                            load="none" if cap is None else "mmap", prompt=prompt)
     proc, peak = run_caged(argv, cap, "moetier-peer", timeout)
     if proc.returncode != 0:
         return dict(error=f"llama-bench exit {proc.returncode}: {proc.stderr.strip()[-300:]}", peak=peak)
@@ -142,10 +150,13 @@ def llama_run(llama: LlamaCpp, gguf: Path, cap: int | None, tokens: int, threads
 
 
 def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens: int, timeout: float,
-                kernels: str = "auto") -> dict:
+                kernels: str = "auto", prompt: int = 0, repetitions: int = 3) -> dict:
+    """moetier_run.py in its own process (and cgroup, under a cap): decode tok/s, or with `prompt` prompt tokens/s
+    of `repetitions` prefills of that length after a warm-up one."""
     _, precision, dense = mode
     cfg = dict(store=str(store), budget="100%" if cap is None else "auto", preload=cap is None, precision=precision,
-               dense_precision=dense, tokens=tokens, warmup_tokens=tokens, prompt_len=16, kernels=kernels)
+               dense_precision=dense, tokens=tokens, warmup_tokens=tokens, prompt_len=16, kernels=kernels,
+               prompt_tokens=prompt, repetitions=repetitions)
     env = dict(os.environ, OMP_NUM_THREADS=str(2))
     proc, peak = run_caged([sys.executable, str(HERE / "moetier_run.py"), json.dumps(cfg)], cap, "moetier-peer",
                            timeout, env)
@@ -155,27 +166,64 @@ def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]), peak=peak)
 
 
-def user_run(store: Path, mode: tuple[str, str, str], tokens: int, timeout: float, kernels: str = "auto") -> dict:
+def user_run(store: Path, mode: tuple[str, str, str], tokens: int, timeout: float, kernels: str = "auto",
+             prompt_file: Path | None = None) -> dict:
     """The mode as a user runs it resident: `moetier generate --expert-memory 100% --preload` (without --preload a
     resident run reads every expert from disk during its first tokens: 0.87x of the harness's figure, seen on a
-    Zen 5), greedy, the decode speed from its statistics."""
+    Zen 5), greedy, the decode speed from its statistics; with `prompt_file`, that prompt and one token: its prompt
+    tokens over its TTFT (the process's first prefill, nothing warmed: what a user's first answer waits)."""
     _, precision, dense = mode
+    prompt = ["--prompt-file", str(prompt_file), "--max-tokens", "1"] if prompt_file else [
+        "--prompt", "The", "--max-tokens", str(tokens + 1)]
     argv = ["moetier", "generate", "--model", str(store), "--expert-memory", "100%", "--preload", "--precision",
-            precision, "--dense-precision", dense, "--prompt", "The", "--max-tokens", str(tokens + 1),
-            "--ignore-eos", "--temperature", "0", "--kernels", kernels, "--json"]
+            precision, "--dense-precision", dense, *prompt, "--ignore-eos", "--temperature", "0", "--kernels",
+            kernels, "--json"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS=str(2)))
     if proc.returncode != 0:
         return dict(error=f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][-300:]}")
     stats = json.loads(proc.stdout)["stats"]
+    if prompt_file:
+        return dict(tok_s=stats["prompt_tokens"] / stats["ttft_s"], ttft_s=stats["ttft_s"],
+                    prompt_tokens=stats["prompt_tokens"], command=" ".join(argv))
     return dict(tok_s=stats["decode_tokens_per_s"], tpot_s=stats["tpot_s"], command=" ".join(argv))
 
 
-def rows_of(formats: list[str], caps: list[str], ggufs: dict[str, Path]) -> list[dict]:
+def prompt_text(tokenizer: Path, tokens: int, path: Path) -> Path:
+    """`tokens` tokens of Jane Austen's Emma (data/gutenberg, shipped) as text, written to `path`: the user rows'
+    prompt for the prefill setting (the harness and llama-bench take random ids)."""
+    import gzip
+
+    from tokenizers import Tokenizer
+
+    text = gzip.open(HERE.parents[1] / "data" / "gutenberg" / "austen-emma.txt.gz", "rt").read()
+    ids = Tokenizer.from_file(str(tokenizer)).encode(text[20_000:20_000 + 12 * tokens]).ids
+    if len(ids) < tokens:
+        raise SystemExit(f"--prompt-tokens {tokens} is more than this text gives ({len(ids)})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(Tokenizer.from_file(str(tokenizer)).decode(ids[:tokens]))
+    return path
+
+
+def is_share(c: str) -> bool:
+    """A cap: a share of the file in %, over 0 and at most 100."""
+    try:
+        return 0 < float(c) <= 100
+    except ValueError:
+        return False
+
+
+def rows_of(formats: list[str], caps: list[str], ggufs: dict[str, Path], prompt_tokens: int = 512) -> list[dict]:
+    """A row per format and setting: resident, prefill (resident, prompt tokens/s of a `prompt_tokens` prompt), or
+    a cap in % of the format's file."""
     rows = []
     for f in formats:
         size = ggufs[f].stat().st_size
         for c in caps:
+            if c == PREFILL:
+                rows.append(dict(format=f, setting=f"prefill {prompt_tokens}", cap_bytes=None, gguf_bytes=size,
+                                 prompt_tokens=prompt_tokens))
+                continue
             cap = None if c == "resident" else int(size * float(c) / 100)
             rows.append(dict(format=f, setting=c if c == "resident" else f"{c}% cap", cap_bytes=cap, gguf_bytes=size))
     return rows
@@ -270,7 +318,8 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
         ax.set_xticks(range(len(settings)), settings, fontsize=8)
         ax.set_yscale("log")
         ax.set_title(f"{f} (GGUF {mine[0]['gguf_bytes'] / 2**30:.1f} GiB)")
-        ax.set_ylabel("decode tokens/s (log)")
+        ax.set_ylabel("tokens/s (log): decode; prompt on a prefill row" if any(
+            s.get("prompt_tokens") for s in mine) else "decode tokens/s (log)")
         ax.legend(fontsize=7)
     save_figure(fig, title, path, title_size=9)
 
@@ -352,7 +401,10 @@ def plot_speeds(speed: dict[str, dict], keys: list[tuple[str, str, str]], ax) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="bf16,q8_0,q4_k_m")
-    ap.add_argument("--caps", default="resident,100,60,35,20", help="resident, and caps in %% of the format's file")
+    ap.add_argument("--caps", default="resident,100,60,35,20",
+                    help="resident; prefill (resident, prompt tokens/s of a --prompt-tokens prompt: llama-bench's pp "
+                         "test); and caps in %% of the format's file")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="the prefill rows' prompt (llama-bench -p)")
     ap.add_argument("--modes", default="", help="only these moetier modes (e.g. native,int4)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="measured tokens (resident); caps measure --cap-tokens")
@@ -404,11 +456,16 @@ def main() -> None:
     if unknown := [f for f in formats if f not in MODES]:
         raise SystemExit(f"unknown format(s) {unknown}; known: {', '.join(MODES)}")
     caps = [c for c in args.caps.split(",") if c]
-    if any(c != "resident" for c in caps):
+    if bad := [c for c in caps if c not in ("resident", PREFILL) and not is_share(c)]:
+        raise SystemExit(f"compare.py: error: unknown setting(s) {bad} in --caps; known: resident, {PREFILL}, and "
+                         f"shares of the file in %, over 0 and at most 100 (e.g. 60)")
+    if args.prompt_tokens < 1:
+        raise SystemExit("compare.py: error: --prompt-tokens must be at least 1")
+    if any(c not in ("resident", PREFILL) for c in caps):
         cage = make_cage(1 << 30, "moetier-peer-probe")
         if isinstance(cage, str):
             print(f"skipping the caps: {cage}", file=sys.stderr)
-            caps = [c for c in caps if c == "resident"]
+            caps = [c for c in caps if c in ("resident", PREFILL)]
         else:
             cage.remove()
     if args.modes:
@@ -423,7 +480,9 @@ def main() -> None:
     llama = build(default_cache_dir(), isa="avx2" if args.kernels == "avx2" else "native")
     ggufs = prepare(formats, llama, default_cache_dir() / "peers" / "models", store)
     index = indexed(ggufs)
-    rows = rows_of(formats, caps, ggufs)
+    rows = rows_of(formats, caps, ggufs, args.prompt_tokens)
+    prompt_file = (prompt_text(store / "tokenizer.json", args.prompt_tokens, args.out / "prompt.txt")
+                   if PREFILL in caps and args.user_command else None)
     runs = []
     def engines_of(row: dict) -> list[str]:
         modes = [m[0] for m in MODES[row["format"]]]
@@ -443,20 +502,24 @@ def main() -> None:
                 t0 = time.perf_counter()
                 mode = next((m for m in MODES[row["format"]] if m[0] == engine.removesuffix(USER)), None)
                 model = ggufs[row["format"]] if mode and mode[0] == SAME_FILE else store
+                prompt = row.get("prompt_tokens", 0)
                 if engine == "llama.cpp":
                     run = partial(llama_run, llama, ggufs[row["format"]], row["cap_bytes"], tokens, args.threads,
-                                  args.timeout, args.repetitions)
+                                  args.timeout, args.repetitions, prompt)
                 elif engine.endswith(USER):
-                    run = partial(user_run, model, mode, tokens, args.timeout, args.kernels)
+                    run = partial(user_run, model, mode, tokens, args.timeout, args.kernels,
+                                  prompt_file if prompt else None)
                 else:
-                    run = partial(moetier_run, model, mode, row["cap_bytes"], tokens, args.timeout, args.kernels)
+                    run = partial(moetier_run, model, mode, row["cap_bytes"], tokens, args.timeout, args.kernels,
+                                  prompt, args.repetitions)
                 if capped:  # each attempt from a cold page cache (a rerun found the first attempt's pages)
                     run = partial(cold, run, [ggufs[row["format"]], store, *index.values()])
                 # waited for an idle machine, measured beside the other processes' CPU, run again under it
                 r = measured(run)
                 runs.append(dict(row, engine=engine, round=rnd, wall_s=time.perf_counter() - t0,
                                  probe_before_gb_s=probe, **r))
-                shown = f"{r['tok_s']:.2f} tok/s" if "tok_s" in r else r["error"][:120]
+                shown = (f"{r['tok_s']:.2f} {'prompt ' if prompt else ''}tok/s" if "tok_s" in r else
+                         r["error"][:120])
                 shown += f"  (memory {probe:.1f} GB/s before" + (
                     f", {r['probe_in_gb_s']:.1f} in moetier's process)" if r.get("probe_in_gb_s") else ")")
                 if r.get("huge_page_share") is not None:
@@ -473,7 +536,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compare.md").write_text(markdown(summary) + "\n")
     meta = dict(cpu=cpu_description(), llama_cpp=llama.version(), threads=args.threads, tokens=args.tokens,
-                cap_tokens=args.cap_tokens, rounds=args.rounds, repetitions=args.repetitions,
+                cap_tokens=args.cap_tokens, prompt_tokens=args.prompt_tokens, rounds=args.rounds, repetitions=args.repetitions,
                 load_threshold_cores=THRESHOLD_CORES, kernels=args.kernels, llama_cpp_build=llama.isa,
                 date=time.strftime("%Y-%m-%d"))
     (args.out / "compare.json").write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1))

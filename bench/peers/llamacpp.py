@@ -98,13 +98,15 @@ class LlamaCpp:
             tmp.unlink(missing_ok=True)
         return gguf
 
-    def bench_argv(self, gguf: Path, tokens: int, threads: int, repetitions: int, load: str) -> list[str]:
-        """llama-bench decoding `tokens` from an empty context, `repetitions` times after its warm-up token;
-        `load`: "none" (read into memory up front, weights repacked for its fastest kernels) or "mmap" (what a
-        user with too little memory runs: mapped, and not repacked — repacking copies every weight into memory,
-        and under a cap below the model's size that is an out-of-memory kill)."""
-        argv = [str(self.bin / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
-                "-r", str(repetitions), "-lm", load, "-o", "json"]
+    def bench_argv(self, gguf: Path, tokens: int, threads: int, repetitions: int, load: str,
+                   prompt: int = 0) -> list[str]:
+        """llama-bench decoding `tokens` from an empty context, `repetitions` times after its warm-up token — or,
+        with `prompt` (and `tokens` 0), processing a `prompt`-token prompt in one batch (its pp test: prompt
+        tokens/s); `load`: "none" (read into memory up front, weights repacked for its fastest kernels) or "mmap"
+        (what a user with too little memory runs: mapped, and not repacked — repacking copies every weight into
+        memory, and under a cap below the model's size that is an out-of-memory kill)."""
+        argv = [str(self.bin / "llama-bench"), "-m", str(gguf), "-p", str(prompt), "-n", str(tokens), "-t",
+                str(threads), "-r", str(repetitions), "-lm", load, "-o", "json"]
         return argv + (["--repack", "0"] if load == "mmap" else [])
 
     def perplexity_argv(self, gguf: Path, text: Path, ctx: int, chunks: int, threads: int,

@@ -2,6 +2,10 @@
 a budget and precision, a random prompt, warm-up tokens, then the measured ones; the share of its memory in huge
 pages, and then the process's memory read rate (probe.py). Prints one JSON line.
 
+With "prompt_tokens": N in the configuration it measures prompt processing instead, as llama-bench's pp test
+does: a warm-up prefill of N random ids, then "repetitions" prefills of N other random ids (the first token
+sampled from each: its TTFT), each one's prompt tokens/s kept.
+
     python bench/peers/moetier_run.py '{"store": ..., "budget": "auto", "precision": "int4", ...}'
 """
 
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +46,8 @@ def run(cfg: dict) -> dict:
         engine.preload()
     rng = random.Random(cfg.get("seed", 0))
     vocab = engine.spec.vocab_size
+    if cfg.get("prompt_tokens"):
+        return prefill(engine, cfg, rng, load_s)
     warm, prompt = ([rng.randrange(vocab) for _ in range(cfg.get("prompt_len", 16))] for _ in range(2))
     if cfg.get("warmup_tokens", 16):
         engine.generate([warm], max_new_tokens=cfg.get("warmup_tokens", 16), ignore_eos=True)
@@ -53,6 +60,21 @@ def run(cfg: dict) -> dict:
                 hit_rate=stats.get("decode_hit_rate", stats.get("hit_rate")),
                 expert_bytes_per_token=stats.get("expert_bytes_per_token"), peak_rss=stats.get("peak_rss_bytes"),
                 load_s=load_s, budget_note=note, huge_page_share=huge, probe_in_gb_s=read_rate() if cfg.get("preload") else None)
+
+
+def prefill(engine, cfg: dict, rng: random.Random, load_s: float) -> dict:
+    """Prompt tokens/s of `repetitions` prefills after one to warm (each prompt new: nothing reused), median kept
+    as `tok_s` — the number llama-bench's -p reports."""
+    n, vocab = cfg["prompt_tokens"], engine.spec.vocab_size
+    samples = []
+    for i in range(1 + cfg.get("repetitions", 3)):
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        stats = engine.generate([prompt], max_new_tokens=1, ignore_eos=True).stats
+        if i:  # (the first warms: scratch sized, pages touched)
+            samples.append(n / stats["ttft_s"])
+    engine.close()
+    return dict(tok_s=statistics.median(samples), samples_tok_s=samples, prompt_tokens=n,
+                peak_rss=stats.get("peak_rss_bytes"), load_s=load_s)
 
 
 if __name__ == "__main__":

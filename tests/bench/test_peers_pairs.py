@@ -42,7 +42,7 @@ def test_every_repetition_is_kept_and_a_row_says_its_spread_and_its_load(tmp_pat
     compare = load_compare()
 
     class FakeLlama:
-        def bench_argv(self, gguf, tokens, threads, repetitions, load):
+        def bench_argv(self, gguf, tokens, threads, repetitions, load, prompt=0):
             rows = [{"avg_ts": 9.0, "samples_ts": [5.0, 10.0, 12.0][:repetitions], "build_commit": "x"}]
             return [sys.executable, "-c", f"print({json.dumps(json.dumps(rows))})"]
 
