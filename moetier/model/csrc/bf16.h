@@ -4,6 +4,7 @@
 #define MOETIER_BF16_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -23,6 +24,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept
 }
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* One hidden unit of a SwiGLU expert as the reference's bf16 ops round it: bf16(bf16(silu(g)) * u), g and u already
+   rounded to bf16 (every kernel that makes h: one expression, so they cannot drift apart). */
+static inline float swiglu_bf16(float g, float u) { return round_bf16(round_bf16(g / (1.0f + expf(-g))) * u); }
 
 static inline void add_bf16(uint16_t *h, const uint16_t *d, long n) { /* torch's bf16 h + d: in fp32, rounded once */
     for (long i = 0; i < n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));

@@ -152,7 +152,7 @@ void moetier_swiglu_bf16(const uint16_t *gate_up, const uint16_t *down, const ui
 #pragma omp for schedule(static)
         for (long r = 0; r < I; r++) {
             float g = round_bf16(dot(gate_up + r * H, xf, H)), u = round_bf16(dot(gate_up + (I + r) * H, xf, H));
-            hp[r < ifull ? permuted(r) : r] = XVAL_OF_F32(round_bf16(round_bf16(g / (1.0f + expf(-g))) * u));
+            hp[r < ifull ? permuted(r) : r] = XVAL_OF_F32(swiglu_bf16(g, u));
         } /* its implicit barrier: every h is written before any down row reads them */
 #pragma omp for schedule(static)
         for (long k = 0; k < H; k++) y[k] = f32_to_bf16(round_bf16(dot(down + k * I, hp, I)) * weight);
@@ -322,7 +322,7 @@ void moetier_swiglu_bf16_layer(long n, const uint16_t *const *gate_up, const uin
             const uint16_t *g_row = gate_up[e] + r * H, *u_row = gate_up[e] + (I + r) * H;
             for (long p = spans[2 * e]; p < spans[2 * e + 1]; p++) {
                 float g = round_bf16(dot(g_row, xf + p * H, H)), u = round_bf16(dot(u_row, xf + p * H, H));
-                float h = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+                float h = swiglu_bf16(g, u);
                 hp[p * I + (r < ifull ? permuted(r) : r)] = XVAL_OF_F32(h);
             }
         } /* its implicit barrier: every h is written before any down row reads them */
@@ -353,7 +353,7 @@ void moetier_swiglu_bf16_token(long n, const uint16_t *const *gate_up, const uin
         for (long item = 0; item < n * I; item++) {
             const long e = item / I, r = item - e * I;
             float g = round_bf16(dot(gate_up[e] + r * H, xf, H)), u = round_bf16(dot(gate_up[e] + (I + r) * H, xf, H));
-            hp[e * I + (r < ifull ? permuted(r) : r)] = XVAL_OF_F32(round_bf16(round_bf16(g / (1.0f + expf(-g))) * u));
+            hp[e * I + (r < ifull ? permuted(r) : r)] = XVAL_OF_F32(swiglu_bf16(g, u));
         } /* its implicit barrier: every h is written before any down row reads them */
 #pragma omp for schedule(static)
         for (long item = 0; item < n * H; item++) {

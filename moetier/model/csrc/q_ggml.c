@@ -342,7 +342,7 @@ void moetier_gq_swiglu(int gu_type, const uint8_t *w_gu, int d_type, const uint8
     for (int t = 0; t < T; t++)
         for (long i = 0; i < I; i++) {
             const float g = round_bf16(gu[t * 2 * I + i]), u = round_bf16(gu[t * 2 * I + I + i]);
-            hf[t * I + i] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+            hf[t * I + i] = swiglu_bf16(g, u);
         }
     moetier_gq_quantize_act(d_type, hf, I, T, act_d);
     moetier_gq_linear(d_type, w_d, H, I, act_d, T, y);
@@ -411,7 +411,7 @@ void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *g
             row(gu[e] + r * blocks * ts, blocks, ts, xa[e], 0, &g);
             row(gu[e] + (I + r) * blocks * ts, blocks, ts, xa[e], 0, &u);
             g = round_bf16(g), u = round_bf16(u);
-            h[e * I + r] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+            h[e * I + r] = swiglu_bf16(g, u);
         } /* barrier: every h is written before it is quantized */
 #pragma omp for schedule(static)
         for (long e = 0; e < n; e++) moetier_gq_quantize_act(d_type[e], h + e * I, I, 1, ha[e]);

@@ -438,7 +438,7 @@ void moetier_swiglu_qi(int bits, const uint8_t *gu_codes, const uint16_t *gu_sca
             qi_row(&gu, I + r, xa, T, u);
             for (int t = 0; t < T; t++) {
                 float gr = round_bf16(g[t]);
-                h[t * I + r] = round_bf16(round_bf16(gr / (1.0f + expf(-gr))) * round_bf16(u[t]));
+                h[t * I + r] = swiglu_bf16(gr, round_bf16(u[t]));
             }
         } /* barrier: every h is written before it is quantized */
 #pragma omp single
@@ -525,7 +525,7 @@ void moetier_swiglu_qi_layer(int bits, long n, const uint8_t *const *gu_codes, c
             qi_row(&gu[e], I + r, xa + a, T, u);
             for (int t = 0; t < T; t++) {
                 float gr = round_bf16(g[t]);
-                h[(a + t) * I + r] = round_bf16(round_bf16(gr / (1.0f + expf(-gr))) * round_bf16(u[t]));
+                h[(a + t) * I + r] = swiglu_bf16(gr, round_bf16(u[t]));
             }
         } /* barrier: every h is written before it is quantized */
 #pragma omp for schedule(static)
@@ -584,7 +584,7 @@ void moetier_swiglu_qi_token(int bits, long n, const uint8_t *const *gu_codes, c
             qi_row(&gu[e], r, &xa, 1, &g);
             qi_row(&gu[e], I + r, &xa, 1, &u);
             float gr = round_bf16(g);
-            h[e * I + r] = round_bf16(round_bf16(gr / (1.0f + expf(-gr))) * round_bf16(u));
+            h[e * I + r] = swiglu_bf16(gr, round_bf16(u));
         } /* barrier: every h is written before it is quantized */
 #pragma omp for schedule(static)
         for (long e = 0; e < n; e++) quantize_act(&dn[0], h + e * I, &ha[e]);

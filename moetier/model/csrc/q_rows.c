@@ -158,7 +158,7 @@ void moetier_swiglu_q(int bits, const uint8_t *gu_codes, const uint16_t *gu_scal
             row(&gu, I + r, xs, xsum, T, u);
             for (int t = 0; t < T; t++) {
                 float gr = round_bf16(g[t]);
-                h[t * I + r] = round_bf16(round_bf16(gr / (1.0f + expf(-gr))) * round_bf16(u[t]));
+                h[t * I + r] = swiglu_bf16(gr, round_bf16(u[t]));
             }
         } /* barrier: every h is written before the down rows read it */
 #pragma omp single
