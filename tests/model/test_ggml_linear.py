@@ -114,6 +114,23 @@ def test_native_dequantization_is_ggml_blocks_bit_for_bit(linear, fmt):
     assert torch.equal(linear.dequantize(w, fmt, 512, torch.bfloat16), dequantize(w, fmt).bfloat16())
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q5_k", "q6_k"])
+def test_a_block_whose_scale_is_not_finite_dequantizes_as_the_torch_dequantizer(linear, fmt):
+    """The bf16 dequantizers run eight values at a time (their own rounding to bf16): a damaged file's block whose
+    fp16 scale is infinite or NaN gives what the reference gives — the same infinities, NaN where it has NaN (a NaN's
+    bits are not compared: ours is the quiet 0x7fc0 c10::BFloat16 writes, torch's vectorised cast keeps others)."""
+    torch.manual_seed(1)
+    w = quantize(torch.randn(4, 256) * 0.1, fmt).clone()
+    at = 208 if fmt == "q6_k" else 0  # where a row's first block keeps its (first) fp16 scale
+    for row, value in enumerate((0x7C00, 0xFC00, 0x7FFF)):  # +inf, -inf, a NaN whose payload rounds up and over; the
+        # fourth row as quantized
+        w[row, at:at + 2] = torch.tensor([value & 0xFF, value >> 8], dtype=torch.uint8)
+    got = linear.dequantize(w, fmt, 256, torch.bfloat16).float()
+    want = dequantize(w, fmt).bfloat16().float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got[2].isnan().any() and got[0].isinf().any() and got[3].isfinite().all()
+
+
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mixed", [False, True])
 def test_a_tokens_experts_in_one_call_are_token_bit_for_bit(linear, weights_dtype, mixed):

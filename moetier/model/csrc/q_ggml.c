@@ -430,8 +430,6 @@ void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *g
 /* Dequantization, as ggml's dequantize_row_* (and moetier/quant/ggml_blocks.py, bit for bit: no fused
    multiply-adds, the products in ggml's order), for a prefill's products through a float GEMM: W [N, K] in `type`
    -> out [N, K] fp32, rows in parallel. */
-#define NO_FMA __attribute__((optimize("fp-contract=off")))
-
 static NO_FMA void deq_q8_0(const uint8_t *b, float *y) {
     const float d = f16_to_f32(b);
     for (int l = 0; l < 32; l++) y[l] = d * (float)(int8_t)b[2 + l];
@@ -517,17 +515,114 @@ void moetier_gq_dequantize(int type, const uint8_t *w, long N, long K, float *ou
         for (long b = 0; b < blocks; b++) deq_block(type, w + (r * blocks + b) * ts, out + r * K + b * bs);
 }
 
+/* The same values eight at a time, straight to bf16, for the types of k-quant files (a prefill dequantizes every
+   expert it runs with more tokens than a pass takes: written one value at a time, a Q6_K matrix took 3x its GEMM at
+   16 tokens). Bit for bit the blocks above rounded by f32_to_bf16: each value the same product (and difference) of
+   the same fp32 factors, in ggml's order, rounded alike (tests/model/test_ggml_linear.py). */
+static inline __m256 int8x8_ps(const uint8_t *q) { /* eight int8 -> fp32 */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+static inline __m256i uint8x8_epi32(const uint8_t *q) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+}
+
+static inline NO_FMA void store_bf16x16(uint16_t *o, __m256 a, __m256 b) {
+    _mm256_storeu_si256((__m256i *)o, bf16x16_of(a, b));
+}
+
+static NO_FMA void deqbf_q8_0(const uint8_t *b, uint16_t *o) {
+    const __m256 d = _mm256_set1_ps(f16_to_f32(b));
+    for (int l = 0; l < 32; l += 16)
+        store_bf16x16(o + l, _mm256_mul_ps(d, int8x8_ps(b + 2 + l)), _mm256_mul_ps(d, int8x8_ps(b + 10 + l)));
+}
+
+static NO_FMA void deqbf_q45k(const uint8_t *b, uint16_t *o, const int five) {
+    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + (five ? 48 : 16);
+    const __m256i low = _mm256_set1_epi32(0xF), one = _mm256_set1_epi32(1);
+    for (int j = 0; j < 4; j++, ql += 32, o += 64) {
+        uint8_t sc, m;
+        scale_min(2 * j, scales, &sc, &m);
+        const __m256 d1 = _mm256_set1_ps(d * sc), m1 = _mm256_set1_ps(dmin * m);
+        scale_min(2 * j + 1, scales, &sc, &m);
+        const __m256 d2 = _mm256_set1_ps(d * sc), m2 = _mm256_set1_ps(dmin * m);
+        const __m128i s1 = _mm_cvtsi32_si128(2 * j), s2 = _mm_cvtsi32_si128(2 * j + 1); /* qh's bits u1, u2 */
+        for (int l = 0; l < 32; l += 16) {
+            __m256 y1[2], y2[2];
+            for (int s = 0; s < 2; s++) {
+                const __m256i q = uint8x8_epi32(ql + l + 8 * s);
+                __m256i q1 = _mm256_and_si256(q, low), q2 = _mm256_srli_epi32(q, 4);
+                if (five) {
+                    const __m256i h = uint8x8_epi32(qh + l + 8 * s);
+                    q1 = _mm256_add_epi32(q1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, s1), one), 4));
+                    q2 = _mm256_add_epi32(q2, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, s2), one), 4));
+                }
+                y1[s] = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(q1)), m1);
+                y2[s] = _mm256_sub_ps(_mm256_mul_ps(d2, _mm256_cvtepi32_ps(q2)), m2);
+            }
+            store_bf16x16(o + l, y1[0], y1[1]);
+            store_bf16x16(o + 32 + l, y2[0], y2[1]);
+        }
+    }
+}
+
+static NO_FMA void deqbf_q6k(const uint8_t *b, uint16_t *o) {
+    const float d = f16_to_f32(b + 208);
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const __m256i low = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3), mid = _mm256_set1_epi32(32);
+    for (int n = 0; n < QK; n += 128, o += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; l += 16) {
+            const int is = l / 16;
+            /* (d * sc) * q, as ggml's d * sc[is] * q1 associates */
+            const __m256 d1 = _mm256_set1_ps(d * (float)sc[is]), d2 = _mm256_set1_ps(d * (float)sc[is + 2]),
+                         d3 = _mm256_set1_ps(d * (float)sc[is + 4]), d4 = _mm256_set1_ps(d * (float)sc[is + 6]);
+            __m256 y[4][2];
+            for (int s = 0; s < 2; s++) {
+                const long j = l + 8 * s;
+                const __m256i a = uint8x8_epi32(ql + j), c = uint8x8_epi32(ql + j + 32), h = uint8x8_epi32(qh + j);
+                const __m256i q1 = _mm256_or_si256(_mm256_and_si256(a, low),
+                                                   _mm256_slli_epi32(_mm256_and_si256(h, three), 4));
+                const __m256i q2 = _mm256_or_si256(
+                    _mm256_and_si256(c, low), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), three), 4));
+                const __m256i q3 = _mm256_or_si256(
+                    _mm256_srli_epi32(a, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), three), 4));
+                const __m256i q4 = _mm256_or_si256(_mm256_srli_epi32(c, 4),
+                                                   _mm256_slli_epi32(_mm256_srli_epi32(h, 6), 4));
+                y[0][s] = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, mid)));
+                y[1][s] = _mm256_mul_ps(d2, _mm256_cvtepi32_ps(_mm256_sub_epi32(q2, mid)));
+                y[2][s] = _mm256_mul_ps(d3, _mm256_cvtepi32_ps(_mm256_sub_epi32(q3, mid)));
+                y[3][s] = _mm256_mul_ps(d4, _mm256_cvtepi32_ps(_mm256_sub_epi32(q4, mid)));
+            }
+            for (int k = 0; k < 4; k++) store_bf16x16(o + l + 32 * k, y[k][0], y[k][1]);
+        }
+    }
+}
+
+/* One row of `blocks` blocks of `type` -> bf16; the legacy types (a Q4_K_M file's rows that are not whole 256-blocks)
+   through the fp32 block and f32_to_bf16. */
+static NO_FMA void deqbf_row(int type, const uint8_t *w, long blocks, uint16_t *o) {
+    const long ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
+    for (long b = 0; b < blocks; b++, w += ts, o += bs) {
+        switch (type) {
+            case GQ_Q8_0: deqbf_q8_0(w, o); break;
+            case GQ_Q4_K: deqbf_q45k(w, o, 0); break;
+            case GQ_Q5_K: deqbf_q45k(w, o, 1); break;
+            case GQ_Q6_K: deqbf_q6k(w, o); break;
+            default: {
+                float y[32];
+                deq_legacy(w, y, type);
+                for (long j = 0; j < bs; j++) o[j] = f32_to_bf16(y[j]);
+            }
+        }
+    }
+}
+
 /* As moetier_gq_dequantize, each value rounded to bf16 (out [N, K] bf16): a prefill's matrix for torch's bf16 GEMM,
    written at half the bytes and never converted again. */
 void moetier_gq_dequantize_bf16(int type, const uint8_t *w, long N, long K, uint16_t *out) {
-    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
+    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type];
 #pragma omp parallel for schedule(static) if (N * blocks * ts >= GQ_PARALLEL_MIN_BYTES)
-    for (long r = 0; r < N; r++) {
-        float y[QK];
-        for (long b = 0; b < blocks; b++) {
-            deq_block(type, w + (r * blocks + b) * ts, y);
-            uint16_t *o = out + r * K + b * bs;
-            for (long j = 0; j < bs; j++) o[j] = f32_to_bf16(y[j]);
-        }
-    }
+    for (long r = 0; r < N; r++) deqbf_row(type, w + r * blocks * ts, blocks, out + r * K);
 }
