@@ -316,11 +316,14 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
             ax.bar([j + (i - (len(engines) - 1) / 2) * width for j in range(len(settings))], ys, width, label=e,
                    yerr=[lo, hi], capsize=2, error_kw={"linewidth": 0.8})  # (the spread: min–max of every run)
         ax.set_xticks(range(len(settings)), settings, fontsize=8)
-        ax.set_yscale("log")
         ax.set_title(f"{f} (GGUF {mine[0]['gguf_bytes'] / 2**30:.1f} GiB)")
+        ax.legend(fontsize=7)
+        if all(s.get("prompt_tokens") for s in mine):  # prefill alone: speeds within 2x of each other, from 0
+            ax.set_ylabel("prompt tokens/s")
+            continue
+        ax.set_yscale("log")  # caps: speeds 10-100x apart
         ax.set_ylabel("tokens/s (log): decode; prompt on a prefill row" if any(
             s.get("prompt_tokens") for s in mine) else "decode tokens/s (log)")
-        ax.legend(fontsize=7)
     save_figure(fig, title, path, title_size=9)
 
 
