@@ -219,12 +219,12 @@ class QuantizedDenseKernels:
     def _blocks(self, x: torch.Tensor, weight: BlockMatrix, bias: torch.Tensor | None) -> torch.Tensor:
         """A GGUF's matrix: the integer kernels for a few rows (fp32 out, rounded to x's dtype as a product in it
         is), its blocks dequantized for more."""
-        if self.ggml is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+        if self.ggml is None:
+            return F.linear(x, ggml_dequantize(weight.data, weight.fmt).to(x.dtype), bias)
+        if x.dim() == 2 and self.ggml.passes(x):  # a few rows (a prompt too, where the CPU has no bf16 dot products)
             y = self.ggml(x, weight.data, weight.fmt).to(x.dtype)
             return y if bias is None else y + bias
-        values = ggml_dequantize(weight.data, weight.fmt).to(x.dtype) if self.ggml is None else \
-            self.ggml.dequantize(weight.data, weight.fmt, weight.shape[1], x.dtype)
-        return F.linear(x, values, bias)
+        return F.linear(x, self.ggml.dequantize(weight.data, weight.fmt, weight.shape[1], x.dtype), bias)
 
     def _fits(self, weight: QuantizedMatrix) -> bool:
         key = (weight.bits, weight.shape[1], weight.group)

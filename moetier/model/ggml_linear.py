@@ -1,6 +1,9 @@
 """A matrix in one of GGML's block formats times a few tokens, through the native library's integer kernels
 (`csrc/q_ggml.c`: the activation quantized to Q8_K or Q8_0 blocks, llama.cpp's arithmetic), or, for more tokens
-than a pass takes, the matrix dequantized once (moetier/quant/ggml_blocks.py) for torch's matmul.
+than a pass takes, the matrix dequantized once (moetier/quant/ggml_blocks.py) for torch's bf16 GEMM where the CPU
+has bf16 dot products — and where it has not (moetier/model/gemm_precision.py: there torch's bf16 GEMM runs at a
+quarter of these kernels' speed), a bf16 model's tokens through the integer kernels too, a pass at a time, each row
+read once for all of them (llama.cpp's arithmetic then for a prompt as for a token).
 
 `GgmlLinear(lib)(x, w, fmt)`: x [T, K] (any float dtype), w uint8 [N, K/block·type_size] -> fp32 [T, N]."""
 
@@ -10,6 +13,7 @@ import ctypes
 
 import torch
 
+from moetier.model.gemm_precision import bf16_gemm_is_fast
 from moetier.quant.ggml_blocks import FORMATS, dequantize
 
 TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7}  # GQ_*
@@ -19,8 +23,9 @@ GGML_BITS = -1  # how the C side marks GGML blocks: moetier_matrix.bits (decode_
 
 
 class GgmlLinear:
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, bf16_gemm: bool | None = None) -> None:
         self.lib = lib
+        self.bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm  # a prefill's GEMM in bf16 or fp32
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the quantized activations, grown once to the largest
         self.dense = torch.empty(0, dtype=torch.float32)  # a prefill's dequantized matrix, grown once likewise
         self.fits: dict[tuple[str, int], bool] = {}
@@ -32,6 +37,11 @@ class GgmlLinear:
             self.fits[key] = fmt in TYPE_IDS and bool(self.lib.moetier_gq_fits(TYPE_IDS[fmt], k))
         return self.fits[key]
 
+    def passes(self, x: torch.Tensor) -> bool:
+        """Whether x's tokens go through the integer kernels (a pass's worth, or any number where torch's bf16 GEMM
+        is slow), not a dequantized matrix's GEMM."""
+        return x.shape[0] <= MAX_TOKENS or (x.dtype == torch.bfloat16 and not self.bf16_gemm)
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
         t, k = x.shape
         n = w.shape[0]
@@ -39,7 +49,7 @@ class GgmlLinear:
         if w.dtype != torch.uint8 or w.shape[1] != FORMATS[fmt].row_bytes(k):
             raise ValueError(f"{fmt} weights for {k} inputs are uint8 [N, {FORMATS[fmt].row_bytes(k)}], got "
                              f"{w.dtype} {tuple(w.shape)}")
-        if t > MAX_TOKENS or not self.takes(fmt, k):  # (a prefill: a bf16 model's through torch's bf16 GEMM)
+        if not self.passes(x) or not self.takes(fmt, k):  # (a prefill: a bf16 model's through torch's bf16 GEMM)
             if x.dtype == torch.bfloat16 and fmt in TYPE_IDS:
                 return (x @ self.dequantize(w, fmt, k, torch.bfloat16).T).float()
             return x.float() @ self.dequantize(w, fmt, k).T
@@ -50,8 +60,12 @@ class GgmlLinear:
             self.scratch = torch.empty(need, dtype=torch.uint8)
         act = self.scratch
         self.lib.moetier_gq_quantize_act(kind, xf.data_ptr(), k, t, act.data_ptr())
-        y = torch.empty(t, n, dtype=torch.float32)
         w = w.contiguous()
+        if t > MAX_TOKENS:  # every row once for all the passes: its outputs together, [N, T]
+            yt = torch.empty(n, t, dtype=torch.float32)
+            self.lib.moetier_gq_linear_tokens(kind, w.data_ptr(), n, k, act.data_ptr(), t, yt.data_ptr())
+            return yt.T
+        y = torch.empty(t, n, dtype=torch.float32)
         self.lib.moetier_gq_linear(kind, w.data_ptr(), n, k, act.data_ptr(), t, y.data_ptr())
         return y
 

@@ -182,6 +182,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_gq_fits.restype = i
     lib.moetier_gq_linear.argtypes = [i, p, n, n, p, i, p]
     lib.moetier_gq_linear.restype = None
+    lib.moetier_gq_linear_tokens.argtypes = [i, p, n, n, p, n, p]
+    lib.moetier_gq_linear_tokens.restype = None
     lib.moetier_gq_dequantize.argtypes = [i, p, n, n, p]
     lib.moetier_gq_dequantize.restype = None
     lib.moetier_gq_dequantize_bf16.argtypes = [i, p, n, n, p]

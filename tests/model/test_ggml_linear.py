@@ -71,8 +71,10 @@ def test_a_big_matrix_in_parallel_and_a_long_batch_by_dequantizing(linear, fmt):
     whole = linear(x, w, fmt)  # more tokens than a pass: dequantized, torch's product
     torch.testing.assert_close(whole, x @ dequantize(w, fmt).T)
     assert ((rows - whole).norm() / whole.norm()).item() < 0.02
-    xb = x.bfloat16()  # a bf16 model's prefill: torch's bf16 GEMM on the values rounded to bf16
-    torch.testing.assert_close(linear(xb, w, fmt), (xb @ dequantize(w, fmt).bfloat16().T).float(), rtol=0, atol=0)
+    xb = x.bfloat16()  # a bf16 model's prefill where the CPU has bf16 dot products: torch's bf16 GEMM on the values
+    # rounded to bf16 (without them: the kernels' passes, test_a_prompt_without_bf16_dot_products_...)
+    bf16_gemm = GgmlLinear(linear.lib, bf16_gemm=True)
+    torch.testing.assert_close(bf16_gemm(xb, w, fmt), (xb @ dequantize(w, fmt).bfloat16().T).float(), rtol=0, atol=0)
 
 
 def test_weights_of_the_wrong_size_are_refused(linear):
@@ -114,6 +116,25 @@ def test_native_dequantization_is_ggml_blocks_bit_for_bit(linear, fmt):
     assert torch.equal(linear.dequantize(w, fmt, 512, torch.bfloat16), dequantize(w, fmt).bfloat16())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_prompt_without_bf16_dot_products_is_the_kernels_passes_bit_for_bit(linear, fmt):
+    """Where torch's bf16 GEMM is slow (no bf16 dot products: gemm_precision), a bf16 prompt's tokens go through the
+    integer kernels, each row once for all of them (moetier_gq_linear_tokens): what the passes of 4 compute one by
+    one, bit for bit, at every remainder; with bf16 dot products the dequantized matrix's GEMM, as before."""
+    torch.manual_seed(3)
+    w = quantize_any(torch.randn(40, 512) * 0.05, fmt)
+    slow = GgmlLinear(linear.lib, bf16_gemm=False)
+    for t in (5, 8, 11, 19):
+        x = torch.randn(t, 512).bfloat16()
+        passes = torch.cat([slow(x[i:i + MAX_TOKENS], w, fmt) for i in range(0, t, MAX_TOKENS)])
+        assert slow.passes(x) and torch.equal(slow(x, w, fmt), passes)
+        fast = GgmlLinear(linear.lib, bf16_gemm=True)
+        assert not fast.passes(x)
+        assert torch.equal(fast(x, w, fmt), (x @ dequantize(w, fmt).bfloat16().T).float())
+    x32 = torch.randn(9, 512)  # (an fp32 model's prompt keeps the fp32 GEMM: the parity tests' arithmetic)
+    assert not slow.passes(x32) and torch.allclose(slow(x32, w, fmt), x32 @ dequantize(w, fmt).T)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q5_k", "q6_k"])
 def test_a_block_whose_scale_is_not_finite_dequantizes_as_the_torch_dequantizer(linear, fmt):
     """The bf16 dequantizers run eight values at a time (their own rounding to bf16): a damaged file's block whose
@@ -128,6 +149,7 @@ def test_a_block_whose_scale_is_not_finite_dequantizes_as_the_torch_dequantizer(
     got = linear.dequantize(w, fmt, 256, torch.bfloat16).float()
     want = dequantize(w, fmt).bfloat16().float()
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(linear.dequantize(w, fmt, 256), dequantize(w, fmt), rtol=0, atol=0, equal_nan=True)
     assert got[2].isnan().any() and got[0].isinf().any() and got[3].isfinite().all()
 
 

@@ -322,6 +322,24 @@ void moetier_gq_linear(int type, const uint8_t *w, long N, long K, const void *a
     }
 }
 
+/* yt [N, T] fp32 (y transposed: each row's outputs together) = W [N, K] x any number T of tokens' activations: each
+   row against the tokens a pass (GQ_MAX_TOKENS) at a time, so the row is read from memory once for all of them (it
+   stays in L1 between passes; the activations, T x act_bytes, in L2) — llama.cpp's way with a prompt, for a CPU
+   without bf16 dot products, where torch's bf16 GEMM runs at a quarter of these kernels' speed and its fp32 one
+   packs the dequantized matrix for every call (moetier/model/gemm_precision.py). */
+void moetier_gq_linear_tokens(int type, const uint8_t *w, long N, long K, const void *act, long T, float *yt) {
+    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], row_bytes = blocks * ts;
+    const long act_bytes = moetier_gq_act_bytes(type, K);
+#pragma omp parallel for schedule(static) if (N * row_bytes >= GQ_PARALLEL_MIN_BYTES)
+    for (long r = 0; r < N; r++) {
+        for (long p = 0; p < T; p += GQ_MAX_TOKENS) {
+            const int n = T - p < GQ_MAX_TOKENS ? (int)(T - p) : GQ_MAX_TOKENS;
+            ROWS[type][n - 1](w + r * row_bytes, blocks, ts, (const char *)act + p * act_bytes, act_bytes,
+                              yt + r * T + p);
+        }
+    }
+}
+
 /* Bytes of scratch moetier_gq_swiglu needs: both matrices' activations, gate_up's and down's outputs, h. */
 long moetier_gq_swiglu_scratch(int gu_type, int d_type, long H, long I, int T) {
     return T * (moetier_gq_act_bytes(gu_type, H) + moetier_gq_act_bytes(d_type, I)) + 4L * T * (2 * I + H + I + H)
@@ -429,11 +447,9 @@ void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *g
 
 /* Dequantization, as ggml's dequantize_row_* (and moetier/quant/ggml_blocks.py, bit for bit: no fused
    multiply-adds, the products in ggml's order), for a prefill's products through a float GEMM: W [N, K] in `type`
-   -> out [N, K] fp32, rows in parallel. */
-static NO_FMA void deq_q8_0(const uint8_t *b, float *y) {
-    const float d = f16_to_f32(b);
-    for (int l = 0; l < 32; l++) y[l] = d * (float)(int8_t)b[2 + l];
-}
+   -> out [N, K] fp32 or bf16 (each value rounded by f32_to_bf16's rule), rows in parallel. The k-quant files' types
+   eight values at a time (written one value at a time, a Q6_K matrix took 3x a 16-token GEMM of it): each value the
+   same product (and difference) of the same fp32 factors, rounded alike (tests/model/test_ggml_linear.py). */
 
 static void scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) { /* ggml's get_scale_min_k4 */
     if (j < 4) {
@@ -444,81 +460,6 @@ static void scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) { /* ggm
     }
 }
 
-static NO_FMA void deq_q45k(const uint8_t *b, float *y, const int five) {
-    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + (five ? 48 : 16);
-    for (int j = 0, is = 0, u1 = 1, u2 = 2; j < QK; j += 64, is += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
-        uint8_t sc, m;
-        scale_min(is, scales, &sc, &m);
-        const float d1 = d * sc, m1 = dmin * m;
-        scale_min(is + 1, scales, &sc, &m);
-        const float d2 = d * sc, m2 = dmin * m;
-        for (int l = 0; l < 32; l++) {
-            const int hi1 = five && (qh[l] & u1) ? 16 : 0, hi2 = five && (qh[l] & u2) ? 16 : 0;
-            y[j + l] = d1 * (float)((ql[l] & 0xF) + hi1) - m1;
-            y[j + 32 + l] = d2 * (float)((ql[l] >> 4) + hi2) - m2;
-        }
-    }
-}
-
-static NO_FMA void deq_q6k(const uint8_t *b, float *y) {
-    const float d = f16_to_f32(b + 208);
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    for (int n = 0; n < QK; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
-        for (int l = 0; l < 32; l++) {
-            const int is = l / 16;
-            const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            y[l] = d * (float)sc[is + 0] * (float)q1;
-            y[l + 32] = d * (float)sc[is + 2] * (float)q2;
-            y[l + 64] = d * (float)sc[is + 4] * (float)q3;
-            y[l + 96] = d * (float)sc[is + 6] * (float)q4;
-        }
-    }
-}
-
-static NO_FMA void deq_legacy(const uint8_t *b, float *y, const int type) {
-    const int has_m = type == GQ_Q4_1 || type == GQ_Q5_1, five = type == GQ_Q5_0 || type == GQ_Q5_1;
-    const uint8_t *qh = b + (has_m ? 4 : 2), *qs = qh + (five ? 4 : 0);
-    uint32_t h = 0;
-    if (five) memcpy(&h, qh, 4);
-    const int off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
-    const float d = f16_to_f32(b), m = has_m ? f16_to_f32(b + 2) : 0.0f;
-    for (int j = 0; j < 16; j++) {
-        const int q0 = (qs[j] & 0xF) | (int)(((h >> j) & 1) << 4), q1 = (qs[j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
-        if (has_m) {
-            y[j] = d * (float)q0 + m, y[j + 16] = d * (float)q1 + m;
-        } else {
-            y[j] = d * (float)(q0 - off), y[j + 16] = d * (float)(q1 - off);
-        }
-    }
-}
-
-/* One block of `type` -> its BLOCK_SIZE[type] values. */
-static inline void deq_block(int type, const uint8_t *blk, float *y) {
-    switch (type) {
-        case GQ_Q8_0: deq_q8_0(blk, y); break;
-        case GQ_Q4_K: deq_q45k(blk, y, 0); break;
-        case GQ_Q5_K: deq_q45k(blk, y, 1); break;
-        case GQ_Q6_K: deq_q6k(blk, y); break;
-        default: deq_legacy(blk, y, type);
-    }
-}
-
-void moetier_gq_dequantize(int type, const uint8_t *w, long N, long K, float *out) {
-    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
-#pragma omp parallel for schedule(static) if (N * blocks * ts >= GQ_PARALLEL_MIN_BYTES)
-    for (long r = 0; r < N; r++)
-        for (long b = 0; b < blocks; b++) deq_block(type, w + (r * blocks + b) * ts, out + r * K + b * bs);
-}
-
-/* The same values eight at a time, straight to bf16, for the types of k-quant files (a prefill dequantizes every
-   expert it runs with more tokens than a pass takes: written one value at a time, a Q6_K matrix took 3x its GEMM at
-   16 tokens). Bit for bit the blocks above rounded by f32_to_bf16: each value the same product (and difference) of
-   the same fp32 factors, in ggml's order, rounded alike (tests/model/test_ggml_linear.py). */
 static inline __m256 int8x8_ps(const uint8_t *q) { /* eight int8 -> fp32 */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 }
@@ -527,21 +468,28 @@ static inline __m256i uint8x8_epi32(const uint8_t *q) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
 }
 
-static inline NO_FMA void store_bf16x16(uint16_t *o, __m256 a, __m256 b) {
-    _mm256_storeu_si256((__m256i *)o, bf16x16_of(a, b));
+/* Sixteen values, a's eight then b's, at element `at` of o: fp32 [..] or bf16 [..] (`fp32` is a constant where the
+   functions below are inlined, so each output keeps one loop). */
+static inline NO_FMA void store16(void *o, long at, __m256 a, __m256 b, const int fp32) {
+    if (fp32) {
+        _mm256_storeu_ps((float *)o + at, a);
+        _mm256_storeu_ps((float *)o + at + 8, b);
+    } else {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)o + at), bf16x16_of(a, b));
+    }
 }
 
-static NO_FMA void deqbf_q8_0(const uint8_t *b, uint16_t *o) {
+static inline NO_FMA void deq_q8_0(const uint8_t *b, void *o, const int fp32) {
     const __m256 d = _mm256_set1_ps(f16_to_f32(b));
     for (int l = 0; l < 32; l += 16)
-        store_bf16x16(o + l, _mm256_mul_ps(d, int8x8_ps(b + 2 + l)), _mm256_mul_ps(d, int8x8_ps(b + 10 + l)));
+        store16(o, l, _mm256_mul_ps(d, int8x8_ps(b + 2 + l)), _mm256_mul_ps(d, int8x8_ps(b + 10 + l)), fp32);
 }
 
-static NO_FMA void deqbf_q45k(const uint8_t *b, uint16_t *o, const int five) {
+static inline NO_FMA void deq_q45k(const uint8_t *b, void *o, const int five, const int fp32) {
     const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + (five ? 48 : 16);
     const __m256i low = _mm256_set1_epi32(0xF), one = _mm256_set1_epi32(1);
-    for (int j = 0; j < 4; j++, ql += 32, o += 64) {
+    for (int j = 0; j < 4; j++, ql += 32) {
         uint8_t sc, m;
         scale_min(2 * j, scales, &sc, &m);
         const __m256 d1 = _mm256_set1_ps(d * sc), m1 = _mm256_set1_ps(dmin * m);
@@ -561,18 +509,18 @@ static NO_FMA void deqbf_q45k(const uint8_t *b, uint16_t *o, const int five) {
                 y1[s] = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(q1)), m1);
                 y2[s] = _mm256_sub_ps(_mm256_mul_ps(d2, _mm256_cvtepi32_ps(q2)), m2);
             }
-            store_bf16x16(o + l, y1[0], y1[1]);
-            store_bf16x16(o + 32 + l, y2[0], y2[1]);
+            store16(o, 64 * j + l, y1[0], y1[1], fp32);
+            store16(o, 64 * j + 32 + l, y2[0], y2[1], fp32);
         }
     }
 }
 
-static NO_FMA void deqbf_q6k(const uint8_t *b, uint16_t *o) {
+static inline NO_FMA void deq_q6k(const uint8_t *b, void *o, const int fp32) {
     const float d = f16_to_f32(b + 208);
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const __m256i low = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3), mid = _mm256_set1_epi32(32);
-    for (int n = 0; n < QK; n += 128, o += 128, ql += 64, qh += 32, sc += 8) {
+    for (int n = 0; n < QK; n += 128, ql += 64, qh += 32, sc += 8) {
         for (int l = 0; l < 32; l += 16) {
             const int is = l / 16;
             /* (d * sc) * q, as ggml's d * sc[is] * q1 associates */
@@ -595,34 +543,61 @@ static NO_FMA void deqbf_q6k(const uint8_t *b, uint16_t *o) {
                 y[2][s] = _mm256_mul_ps(d3, _mm256_cvtepi32_ps(_mm256_sub_epi32(q3, mid)));
                 y[3][s] = _mm256_mul_ps(d4, _mm256_cvtepi32_ps(_mm256_sub_epi32(q4, mid)));
             }
-            for (int k = 0; k < 4; k++) store_bf16x16(o + l + 32 * k, y[k][0], y[k][1]);
+            for (int k = 0; k < 4; k++) store16(o, n + l + 32 * k, y[k][0], y[k][1], fp32);
         }
     }
 }
 
-/* One row of `blocks` blocks of `type` -> bf16; the legacy types (a Q4_K_M file's rows that are not whole 256-blocks)
-   through the fp32 block and f32_to_bf16. */
-static NO_FMA void deqbf_row(int type, const uint8_t *w, long blocks, uint16_t *o) {
+static NO_FMA void deq_legacy(const uint8_t *b, float *y, const int type) { /* a legacy block, one value at a time */
+    const int has_m = type == GQ_Q4_1 || type == GQ_Q5_1, five = type == GQ_Q5_0 || type == GQ_Q5_1;
+    const uint8_t *qh = b + (has_m ? 4 : 2), *qs = qh + (five ? 4 : 0);
+    uint32_t h = 0;
+    if (five) memcpy(&h, qh, 4);
+    const int off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
+    const float d = f16_to_f32(b), m = has_m ? f16_to_f32(b + 2) : 0.0f;
+    for (int j = 0; j < 16; j++) {
+        const int q0 = (qs[j] & 0xF) | (int)(((h >> j) & 1) << 4), q1 = (qs[j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
+        if (has_m) {
+            y[j] = d * (float)q0 + m, y[j + 16] = d * (float)q1 + m;
+        } else {
+            y[j] = d * (float)(q0 - off), y[j + 16] = d * (float)(q1 - off);
+        }
+    }
+}
+
+/* One row of `blocks` blocks of `type` -> fp32 or bf16 values; the legacy types (a Q4_K_M file's rows that are not
+   whole 256-blocks) through a block of fp32. */
+static inline NO_FMA void deq_row(int type, const uint8_t *w, long blocks, void *o, const int fp32) {
     const long ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
-    for (long b = 0; b < blocks; b++, w += ts, o += bs) {
+    for (long b = 0, at = 0; b < blocks; b++, w += ts, at += bs) {
+        void *ob = fp32 ? (void *)((float *)o + at) : (void *)((uint16_t *)o + at);
         switch (type) {
-            case GQ_Q8_0: deqbf_q8_0(w, o); break;
-            case GQ_Q4_K: deqbf_q45k(w, o, 0); break;
-            case GQ_Q5_K: deqbf_q45k(w, o, 1); break;
-            case GQ_Q6_K: deqbf_q6k(w, o); break;
+            case GQ_Q8_0: deq_q8_0(w, ob, fp32); break;
+            case GQ_Q4_K: deq_q45k(w, ob, 0, fp32); break;
+            case GQ_Q5_K: deq_q45k(w, ob, 1, fp32); break;
+            case GQ_Q6_K: deq_q6k(w, ob, fp32); break;
             default: {
                 float y[32];
                 deq_legacy(w, y, type);
-                for (long j = 0; j < bs; j++) o[j] = f32_to_bf16(y[j]);
+                for (long j = 0; j < bs; j++) {
+                    if (fp32) ((float *)ob)[j] = y[j];
+                    else ((uint16_t *)ob)[j] = f32_to_bf16(y[j]);
+                }
             }
         }
     }
 }
 
-/* As moetier_gq_dequantize, each value rounded to bf16 (out [N, K] bf16): a prefill's matrix for torch's bf16 GEMM,
-   written at half the bytes and never converted again. */
+void moetier_gq_dequantize(int type, const uint8_t *w, long N, long K, float *out) {
+    const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type];
+#pragma omp parallel for schedule(static) if (N * blocks * ts >= GQ_PARALLEL_MIN_BYTES)
+    for (long r = 0; r < N; r++) deq_row(type, w + r * blocks * ts, blocks, out + r * K, 1);
+}
+
+/* As moetier_gq_dequantize, each value rounded to bf16 (out [N, K] bf16): a prefill's matrix for torch's bf16 GEMM
+   (where the CPU has bf16 dot products: moetier/model/gemm_precision.py), written at half the bytes. */
 void moetier_gq_dequantize_bf16(int type, const uint8_t *w, long N, long K, uint16_t *out) {
     const long blocks = K / BLOCK_SIZE[type], ts = TYPE_SIZE[type];
 #pragma omp parallel for schedule(static) if (N * blocks * ts >= GQ_PARALLEL_MIN_BYTES)
-    for (long r = 0; r < N; r++) deqbf_row(type, w + r * blocks * ts, blocks, out + r * K);
+    for (long r = 0; r < N; r++) deq_row(type, w + r * blocks * ts, blocks, out + r * K, 0);
 }
