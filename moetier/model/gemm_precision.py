@@ -1,11 +1,12 @@
-"""Which float GEMM torch runs fast on this CPU, for a prefill's products of dequantized weights (GGML blocks and
-moetier's own int copies: their values are approximations already, so the GEMM's precision is free to choose).
+"""Whether torch's bf16 GEMM is fast on this CPU, for a prefill's products of quantized weights (their values are
+approximations already, so the arithmetic is free to choose).
 
-Where the CPU has bf16 dot products (AVX-512 BF16, AMX) oneDNN's bf16 GEMM is the fastest (Zen 4, 2 threads, a
-2048 × 2048 matrix at 64 tokens: 366 GFLOP/s against 104 for MKL's fp32); without them it converts as it goes and
-runs at 44–47 GFLOP/s, where fp32 runs at 77–192 (the same machine with oneDNN held to AVX2 — what a Zen 3 or an
-Intel laptop has). So: bf16 there, fp32 elsewhere. A cap the user put on oneDNN (ONEDNN_MAX_CPU_ISA, or its old
-name DNNL_MAX_CPU_ISA) below AVX512_CORE_BF16 counts as the CPU lacking them."""
+Where the CPU has bf16 dot products (AVX-512 BF16, AMX) oneDNN's bf16 GEMM of the dequantized matrix is the fastest
+(Zen 4, 2 threads, a 2048 × 2048 matrix at 64 tokens: 366 GFLOP/s); without them it converts as it goes and runs at
+44–47 GFLOP/s (the same machine with oneDNN held to AVX2 — what a Zen 3 or an Intel laptop has), where moetier's
+integer block kernels run at ~170 and MKL's fp32 GEMM packs the matrix for every call. GgmlLinear takes the integer
+kernels there, for any number of tokens. A cap the user put on oneDNN (ONEDNN_MAX_CPU_ISA, or its old name
+DNNL_MAX_CPU_ISA) below AVX512_CORE_BF16 counts as the CPU lacking them."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ ONEDNN_CAPS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2
 
 
 def bf16_gemm_is_fast(flags: frozenset[str] | None = None, env: dict[str, str] | None = None) -> bool:
-    """Whether torch's bf16 GEMM beats its fp32 one here: the CPU has bf16 dot products and oneDNN may use them."""
+    """Whether torch's bf16 GEMM is fast here: the CPU has bf16 dot products and oneDNN may use them."""
     flags = native.cpu_flags() if flags is None else flags
     env = os.environ if env is None else env
     cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").upper()
