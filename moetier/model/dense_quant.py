@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from moetier.config import ModelSpec
 from moetier.errors import MoetierError
+from moetier.model.gemm_precision import bf16_gemm_is_fast
 from moetier.model.ggml_linear import GgmlLinear
 from moetier.model.kernels import TorchKernels
 from moetier.quant import kquants
@@ -183,7 +184,7 @@ def dense_bytes(dense: dict) -> int:
 class QuantizedDenseKernels:
     """`base`'s kernels, with `linear` also taking a QuantizedMatrix weight."""
 
-    def __init__(self, base: TorchKernels) -> None:
+    def __init__(self, base: TorchKernels, bf16_gemm: bool | None = None) -> None:
         self.base, self.name = base, base.name
         self.lib = getattr(base, "lib", None)
         # the rest of the interface is the base's, bound once (no lookup through a fallback per call)
@@ -194,27 +195,33 @@ class QuantizedDenseKernels:
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.dense = torch.empty(0, dtype=torch.bfloat16)  # a prefill's dequantized matrix, reused across calls
         self.fits: dict[tuple[int, int, int], bool] = {}
-        self.ggml = GgmlLinear(self.lib) if self.lib is not None else None  # (its own fallback past 4 rows)
+        # else a bf16 prompt's rows go through the integer kernels, 4 at a time (None: as this CPU is)
+        self.bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm
+        self.ggml = GgmlLinear(self.lib, self.bf16_gemm) if self.lib is not None else None
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, BlockMatrix):
             return self._blocks(x, weight, bias)
         if not isinstance(weight, QuantizedMatrix):
             return self.base.linear(x, weight, bias)
-        n, k = weight.shape
         rows = x.shape[0]
-        if (self.lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and rows <= MAX_ROWS
-                and x.is_contiguous() and self._fits(weight)):
-            y = torch.empty(rows, n, dtype=x.dtype)
-            q = weight.q
-            need = self.lib.moetier_linear_qi_scratch(weight.bits, weight.group, n, k, rows)
-            if self.scratch.numel() < need:
-                self.scratch = torch.empty(need, dtype=torch.uint8)
-            self.lib.moetier_linear_qi(weight.bits, q.codes.data_ptr(), q.scales.data_ptr(),
-                                       None if q.zeros is None else q.zeros.data_ptr(), weight.group, x.data_ptr(),
-                                       y.data_ptr(), n, k, rows, self.scratch.data_ptr())
+        if (self.lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()
+                and (rows <= MAX_ROWS or not self.bf16_gemm) and self._fits(weight)):
+            y = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+            for a in range(0, rows, MAX_ROWS):  # (a prompt without bf16 dot products: a pass at a time)
+                self._integer_rows(x[a:a + MAX_ROWS], weight, y[a:a + MAX_ROWS])
             return y if bias is None else y + bias
         return F.linear(x, self._dequantized(weight, x.dtype), bias)
+
+    def _integer_rows(self, x: torch.Tensor, weight: QuantizedMatrix, y: torch.Tensor) -> None:
+        """y [rows, N] bf16 = x [rows <= MAX_ROWS, K] times the matrix, from its codes (csrc/q_int.c)."""
+        (n, k), rows, q = weight.shape, x.shape[0], weight.q
+        need = self.lib.moetier_linear_qi_scratch(weight.bits, weight.group, n, k, rows)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.uint8)
+        self.lib.moetier_linear_qi(weight.bits, q.codes.data_ptr(), q.scales.data_ptr(),
+                                   None if q.zeros is None else q.zeros.data_ptr(), weight.group, x.data_ptr(),
+                                   y.data_ptr(), n, k, rows, self.scratch.data_ptr())
 
     def _blocks(self, x: torch.Tensor, weight: BlockMatrix, bias: torch.Tensor | None) -> torch.Tensor:
         """A GGUF's matrix: the integer kernels for a few rows (fp32 out, rounded to x's dtype as a product in it

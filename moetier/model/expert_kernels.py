@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from moetier.config import ModelSpec
 from moetier.errors import MoetierError
+from moetier.model.gemm_precision import bf16_gemm_is_fast
 from moetier.model.kernels import Fp32Buffer, TorchKernels, triton_installed
 from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
 from moetier.quant.precisions import GGUF_BLOCKS, MIXES
@@ -156,12 +157,14 @@ class QuantizedExpert(OneByOne):
     from-the-codes path is SwiGLU's alone."""
 
     def __init__(self, precision: str, kernels: TorchKernels, dtype: torch.dtype, lib=None, dense=None,
-                 integer: bool = True) -> None:
+                 integer: bool = True, bf16_gemm: bool | None = None) -> None:
         if precision not in BITS:
             raise ValueError(f"not a quantized precision: {precision!r}")
         self.precision, self.bits, self.kernels, self.dtype = precision, BITS[precision], kernels, dtype
         self.lib = lib if dtype == torch.bfloat16 and dense is None else None
         self.integer = integer  # integer dot products where the shapes fit (False: always unpack to floats)
+        # else a prompt's tokens from the codes too, a pass at a time (None: as this CPU is)
+        self.bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm
         self.dense_kernel = dense
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.fits: dict[tuple[int, int, int, int], bool] = {}  # (h, i, group sizes) -> whether q_int.c covers them
@@ -170,8 +173,13 @@ class QuantizedExpert(OneByOne):
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         n = x.shape[0]
-        if self.lib is not None and n <= NATIVE_MAX_TOKENS and x.is_contiguous() and out.is_contiguous():
-            return self._rows(out, x, w, weights)
+        if self.lib is not None and (n <= NATIVE_MAX_TOKENS or not self.bf16_gemm) and x.is_contiguous() \
+                and out.is_contiguous():
+            for a in range(0, n, NATIVE_MAX_TOKENS):  # (a prompt without bf16 dot products: a pass at a time,
+                # where torch's bf16 GEMM of the dequantized matrices runs at a quarter of the kernels' speed)
+                b = a + NATIVE_MAX_TOKENS
+                self._rows(out[a:b], x[a:b], w, weights[a:b])
+            return
         if self.dense_kernel is not None:  # another activation: its float kernel on the dequantized matrices
             dense = {name: self._dequantized(name, w) for name in matrix_names(w)}
             biases = {name: t.to(self.dtype) for name, t in w.items() if name.endswith(".bias")}  # (kept in bf16)

@@ -42,7 +42,7 @@ def test_a_quantized_linear_computes_its_dequantized_matrix(isa, precision, rows
     w = (torch.randn(384, 512, generator=g) / 512 ** 0.5).bfloat16()
     m = quantize_matrix(w, precision)
     x = torch.randn(rows, 512, generator=g).bfloat16()
-    kernels = QuantizedDenseKernels(NativeKernels(native.load(isa).lib, isa))
+    kernels = QuantizedDenseKernels(NativeKernels(native.load(isa).lib, isa), bf16_gemm=True)
     out = kernels.linear(x, m)
     ref = F.linear(x, dequantize(m.q))
     if rows > 4:
@@ -55,6 +55,23 @@ def test_a_quantized_linear_computes_its_dequantized_matrix(isa, precision, rows
     assert torch.equal(kernels.linear(x, m, bias), with_bias)
     plain = torch.randn(5, 512).bfloat16()  # an unquantized weight goes to the base kernels
     assert torch.equal(kernels.linear(x, plain[:, :512]), NativeKernels(native.load(isa).lib).linear(x, plain))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_a_prompt_without_bf16_dot_products_is_the_kernels_passes_bit_for_bit(isa, precision):
+    """Where torch's bf16 GEMM is slow (moetier/model/gemm_precision.py) a prompt's rows go through the integer
+    kernels 4 at a time: what each pass computes alone, bit for bit, at every remainder."""
+    from moetier.model.kernels import NativeKernels
+
+    g = torch.Generator().manual_seed(11)
+    m = quantize_matrix((torch.randn(384, 512, generator=g) / 512 ** 0.5).bfloat16(), precision)
+    kernels = QuantizedDenseKernels(NativeKernels(native.load(isa).lib, isa), bf16_gemm=False)
+    for rows in (5, 8, 11):
+        x = torch.randn(rows, 512, generator=g).bfloat16()
+        passes = torch.cat([kernels.linear(x[a:a + 4], m) for a in range(0, rows, 4)])
+        assert torch.equal(kernels.linear(x, m), passes)
+        assert not torch.equal(passes, F.linear(x, dequantize(m.q)))  # (not the dequantized GEMM's)
 
 
 def test_without_the_native_library_a_quantized_linear_is_the_reference():

@@ -83,7 +83,8 @@ def test_native_expert_matches_the_dequantized_reference(isa, integer, precision
     g = torch.Generator().manual_seed(h + i + tokens)
     x = torch.randn(tokens, h, generator=g).bfloat16()
     weights = torch.rand(tokens, generator=g).bfloat16()
-    kernel = QuantizedExpert(precision, TorchKernels(), torch.bfloat16, native.load(isa).lib, integer=integer)
+    kernel = QuantizedExpert(precision, TorchKernels(), torch.bfloat16, native.load(isa).lib, integer=integer,
+                             bf16_gemm=True)  # (9 tokens: the dequantized GEMM, as where the CPU has bf16 dots)
     out = torch.full_like(x, float("nan"))
     kernel(out, x, w, weights)
     ref = reference(x, expert_matrices(w, precision), weights)
@@ -92,6 +93,25 @@ def test_native_expert_matches_the_dequantized_reference(isa, integer, precision
     torch.testing.assert_close(out.float(), ref.float(), atol=0.05 * ref.float().abs().max().item(), rtol=0.05)
     mean_error = 0.03 if integer and tokens <= 4 and (h, i) != (64, 48) else 0.01
     assert (out.float() - ref.float()).abs().mean() < mean_error * ref.float().abs().mean() + 1e-6
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+def test_a_prompt_without_bf16_dot_products_is_the_passes_bit_for_bit(isa, precision):
+    """Where torch's bf16 GEMM is slow (moetier/model/gemm_precision.py) an expert's prompt tokens are computed from
+    the codes 4 at a time: what each pass computes alone, bit for bit, at every remainder."""
+    h, i = SHAPES[0]
+    w = quantize_expert(expert(h, i, seed=7), precision)
+    kernel = QuantizedExpert(precision, TorchKernels(), torch.bfloat16, native.load(isa).lib, bf16_gemm=False)
+    g = torch.Generator().manual_seed(7)
+    for tokens in (5, 8, 11):
+        x = torch.randn(tokens, h, generator=g).bfloat16()
+        weights = torch.rand(tokens, generator=g).bfloat16()
+        whole, passes = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        kernel(whole, x, w, weights)
+        for a in range(0, tokens, 4):
+            kernel(passes[a:a + 4], x[a:a + 4].contiguous(), w, weights[a:a + 4])
+        assert torch.equal(whole, passes)
 
 
 @pytest.mark.parametrize("isa", ISAS)
