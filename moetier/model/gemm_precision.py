@@ -4,8 +4,8 @@ approximations already, so the arithmetic is free to choose).
 Where the CPU has bf16 dot products (AVX-512 BF16, AMX) oneDNN's bf16 GEMM of the dequantized matrix is the fastest
 (Zen 4, 2 threads, a 2048 × 2048 matrix at 64 tokens: 366 GFLOP/s); without them it converts as it goes and runs at
 44–47 GFLOP/s (the same machine with oneDNN held to AVX2 — what a Zen 3 or an Intel laptop has), where moetier's
-integer block kernels run at ~170 and MKL's fp32 GEMM packs the matrix for every call. GgmlLinear takes the integer
-kernels there, for any number of tokens. A cap the user put on oneDNN (ONEDNN_MAX_CPU_ISA, or its old name
+integer block kernels run at ~170 and MKL's fp32 GEMM packs the matrix for every call. There GgmlLinear, the dense
+layers' quantized linear and QuantizedExpert take the integer kernels for any number of tokens, a pass at a time. A cap the user put on oneDNN (ONEDNN_MAX_CPU_ISA, or its old name
 DNNL_MAX_CPU_ISA) below AVX512_CORE_BF16 counts as the CPU lacking them."""
 
 from __future__ import annotations
