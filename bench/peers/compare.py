@@ -197,11 +197,12 @@ def prompt_text(tokenizer: Path, tokens: int, path: Path) -> Path:
     from tokenizers import Tokenizer
 
     text = gzip.open(HERE.parents[1] / "data" / "gutenberg" / "austen-emma.txt.gz", "rt").read()
-    ids = Tokenizer.from_file(str(tokenizer)).encode(text[20_000:20_000 + 12 * tokens]).ids
+    tok = Tokenizer.from_file(str(tokenizer))
+    ids = tok.encode(text[20_000:20_000 + 12 * tokens]).ids
     if len(ids) < tokens:
         raise SystemExit(f"--prompt-tokens {tokens} is more than this text gives ({len(ids)})")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(Tokenizer.from_file(str(tokenizer)).decode(ids[:tokens]))
+    path.write_text(tok.decode(ids[:tokens]))
     return path
 
 
