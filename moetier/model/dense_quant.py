@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from moetier.config import ModelSpec
 from moetier.errors import MoetierError
-from moetier.model.gemm_precision import bf16_gemm_is_fast
+from moetier.model.expert_kernels import TOKENS_A_CALL
+from moetier.model.gemm_precision import bf16_gemm_is_fast, integer_tokens
 from moetier.model.ggml_linear import GgmlLinear
 from moetier.model.kernels import TorchKernels
 from moetier.quant import kquants
@@ -35,7 +36,6 @@ DENSE_PRECISIONS = ("native", "int8", "int4", "q8_0", "q4_k_m")
 # whole 256-blocks. Fitted by moetier/quant/kquants.py as the engine loads: ~0.3 us a weight (seconds for the demo
 # models, minutes for OLMoE-1B-7B's 0.5 B dense weights: a C quantizer is the lever)
 BLOCK_DENSE = ("q8_0", "q4_k_m")
-MAX_ROWS = 4  # csrc/q_int.c's QI_MAX_TOKENS
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -195,8 +195,10 @@ class QuantizedDenseKernels:
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.dense = torch.empty(0, dtype=torch.bfloat16)  # a prefill's dequantized matrix, reused across calls
         self.fits: dict[tuple[int, int, int], bool] = {}
-        # else a bf16 prompt's rows go through the integer kernels, 4 at a time (None: as this CPU is)
+        # the most rows a quantized matrix computes from its codes; more: dequantized for torch's bf16 GEMM
+        # (moetier/model/gemm_precision.py: unbounded where the CPU lacks bf16 dot products; None: as this CPU is)
         self.bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm
+        self.limits = {p: integer_tokens(p, self.bf16_gemm) for p in BITS}
         self.ggml = GgmlLinear(self.lib, self.bf16_gemm) if self.lib is not None else None
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,17 +206,17 @@ class QuantizedDenseKernels:
             return self._blocks(x, weight, bias)
         if not isinstance(weight, QuantizedMatrix):
             return self.base.linear(x, weight, bias)
-        rows = x.shape[0]
         if (self.lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()
-                and (rows <= MAX_ROWS or not self.bf16_gemm) and self._fits(weight)):
-            y = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-            for a in range(0, rows, MAX_ROWS):  # (a prompt without bf16 dot products: a pass at a time)
-                self._integer_rows(x[a:a + MAX_ROWS], weight, y[a:a + MAX_ROWS])
+                and x.shape[0] <= self.limits[weight.q.precision] and self._fits(weight)):
+            y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+            for a in range(0, x.shape[0], TOKENS_A_CALL):  # (a prompt's rows too, up to where the bf16 GEMM pays)
+                self._integer_rows(x[a:a + TOKENS_A_CALL], weight, y[a:a + TOKENS_A_CALL])
             return y if bias is None else y + bias
         return F.linear(x, self._dequantized(weight, x.dtype), bias)
 
     def _integer_rows(self, x: torch.Tensor, weight: QuantizedMatrix, y: torch.Tensor) -> None:
-        """y [rows, N] bf16 = x [rows <= MAX_ROWS, K] times the matrix, from its codes (csrc/q_int.c)."""
+        """y [rows, N] bf16 = x [rows, K] times the matrix, from its codes (csrc/q_int.c: each row of codes read
+        once for all of x's rows)."""
         (n, k), rows, q = weight.shape, x.shape[0], weight.q
         need = self.lib.moetier_linear_qi_scratch(weight.bits, weight.group, n, k, rows)
         if self.scratch.numel() < need:
@@ -228,7 +230,7 @@ class QuantizedDenseKernels:
         is), its blocks dequantized for more."""
         if self.ggml is None:
             return F.linear(x, ggml_dequantize(weight.data, weight.fmt).to(x.dtype), bias)
-        if x.dim() == 2 and self.ggml.passes(x):  # a few rows (a prompt too, where the CPU has no bf16 dot products)
+        if x.dim() == 2 and self.ggml.passes(x, weight.fmt):  # a few rows (a prompt too, where the CPU has no bf16 dot products)
             y = self.ggml(x, weight.data, weight.fmt).to(x.dtype)
             return y if bias is None else y + bias
         return F.linear(x, self.ggml.dequantize(weight.data, weight.fmt, weight.shape[1], x.dtype), bias)

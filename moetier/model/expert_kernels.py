@@ -29,12 +29,13 @@ import torch.nn.functional as F
 
 from moetier.config import ModelSpec
 from moetier.errors import MoetierError
-from moetier.model.gemm_precision import bf16_gemm_is_fast
+from moetier.model.gemm_precision import UNBOUNDED, bf16_gemm_is_fast, integer_tokens
 from moetier.model.kernels import Fp32Buffer, TorchKernels, triton_installed
 from moetier.quant.codes import BITS, Quantized, dequantize, matrix_names
 from moetier.quant.precisions import GGUF_BLOCKS, MIXES
 
 NATIVE_MAX_TOKENS = 4  # csrc/q_rows.c's MAX_TOKENS: tokens computed from the codes in one pass
+TOKENS_A_CALL = 256  # the most tokens one call of csrc/q_int.c takes (it keeps theirs on the stack)
 
 
 Items = list[tuple[dict[str, torch.Tensor], int, int]]  # (a slot's tensors, first row, end row) an expert
@@ -163,8 +164,12 @@ class QuantizedExpert(OneByOne):
         self.precision, self.bits, self.kernels, self.dtype = precision, BITS[precision], kernels, dtype
         self.lib = lib if dtype == torch.bfloat16 and dense is None else None
         self.integer = integer  # integer dot products where the shapes fit (False: always unpack to floats)
-        # else a prompt's tokens from the codes too, a pass at a time (None: as this CPU is)
-        self.bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm
+        # the most tokens computed from the codes; more: the dequantized matrices through torch's bf16 GEMM
+        # (moetier/model/gemm_precision.py: unbounded where the CPU lacks bf16 dot products; None: as this CPU is)
+        bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm
+        self.integer_tokens = integer_tokens(precision, bf16_gemm)
+        # ...and from codes unpacked to floats (csrc/q_rows.c, shapes q_int.c does not take): a pass's worth
+        self.unpacked_tokens = NATIVE_MAX_TOKENS if bf16_gemm else UNBOUNDED
         self.dense_kernel = dense
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.fits: dict[tuple[int, int, int, int], bool] = {}  # (h, i, group sizes) -> whether q_int.c covers them
@@ -173,18 +178,20 @@ class QuantizedExpert(OneByOne):
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         n = x.shape[0]
-        if self.lib is not None and (n <= NATIVE_MAX_TOKENS or not self.bf16_gemm) and x.is_contiguous() \
+        if self.lib is not None and n <= self._native_tokens(w, x.shape[1]) and x.is_contiguous() \
                 and out.is_contiguous():
-            for a in range(0, n, NATIVE_MAX_TOKENS):  # (a prompt without bf16 dot products: a pass at a time,
-                # where torch's bf16 GEMM of the dequantized matrices runs at a quarter of the kernels' speed)
-                b = a + NATIVE_MAX_TOKENS
-                self._rows(out[a:b], x[a:b], w, weights[a:b])
+            for a in range(0, n, TOKENS_A_CALL):  # (a prompt's too, each row read once for a call's tokens)
+                self._rows(out[a:a + TOKENS_A_CALL], x[a:a + TOKENS_A_CALL], w, weights[a:a + TOKENS_A_CALL])
             return
         if self.dense_kernel is not None:  # another activation: its float kernel on the dequantized matrices
             dense = {name: self._dequantized(name, w) for name in matrix_names(w)}
             biases = {name: t.to(self.dtype) for name, t in w.items() if name.endswith(".bias")}  # (kept in bf16)
             return self.dense_kernel(out, x, {**dense, **biases}, weights)
         self.kernels.expert(out, x, self._dequantized("gate_up_proj", w), self._dequantized("down_proj", w), weights)
+
+    def _native_tokens(self, w: dict[str, torch.Tensor], h: int) -> int:
+        """The most tokens this expert computes natively from its codes (more: its dequantized matrices' GEMM)."""
+        return self.integer_tokens if self._fits(h, *_shape(w, h)) else self.unpacked_tokens
 
     def _rows(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         n, h = x.shape
@@ -196,11 +203,15 @@ class QuantizedExpert(OneByOne):
             self.bits, w["gate_up_proj"].data_ptr(), gu.data_ptr(), _ptr(w.get("gate_up_proj.zeros")), gu_group,
             w["down_proj"].data_ptr(), dn.data_ptr(), _ptr(w.get("down_proj.zeros")), dn_group, x.data_ptr(),
             rw.data_ptr(), out.data_ptr(), h, i, n)
-        if self._fits(h, i, gu_group, dn_group):
+        if self._fits(h, i, gu_group, dn_group):  # (any number of tokens)
             lib.moetier_swiglu_qi(*args, self._scratch(lib.moetier_swiglu_qi_scratch(self.bits, gu_group, dn_group,
                                                                                      h, i, n)))
-        else:
-            lib.moetier_swiglu_q(*args, self._scratch(4 * (max(h, i) + n * (2 * h + 3 * i))))
+            return
+        scratch = self._scratch(4 * (max(h, i) + NATIVE_MAX_TOKENS * (2 * h + 3 * i)))
+        for a in range(0, n, NATIVE_MAX_TOKENS):  # (csrc/q_rows.c: a pass's tokens a call)
+            b = min(a + NATIVE_MAX_TOKENS, n)
+            lib.moetier_swiglu_q(*args[:9], x[a:b].data_ptr(), rw[a:b].data_ptr(), out[a:b].data_ptr(), h, i, b - a,
+                                 scratch)
 
     def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
         """The integer path's experts in one call (`moetier_swiglu_qi_layer`, bit for bit what one call an expert

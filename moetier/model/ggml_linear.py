@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from moetier.model.gemm_precision import bf16_gemm_is_fast
+from moetier.model.gemm_precision import bf16_gemm_is_fast, integer_tokens
 from moetier.quant.ggml_blocks import FORMATS, dequantize
 
 TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7}  # GQ_*
@@ -26,6 +26,7 @@ class GgmlLinear:
     def __init__(self, lib: ctypes.CDLL, bf16_gemm: bool | None = None) -> None:
         self.lib = lib
         self.bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm  # else a bf16 prompt: the kernels
+        self.limits = {fmt: max(MAX_TOKENS, integer_tokens(fmt, self.bf16_gemm)) for fmt in FORMATS}
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the quantized activations, grown once to the largest
         self.dense = torch.empty(0, dtype=torch.float32)  # a prefill's dequantized matrix, grown once likewise
         self.fits: dict[tuple[str, int], bool] = {}
@@ -37,10 +38,10 @@ class GgmlLinear:
             self.fits[key] = fmt in TYPE_IDS and bool(self.lib.moetier_gq_fits(TYPE_IDS[fmt], k))
         return self.fits[key]
 
-    def passes(self, x: torch.Tensor) -> bool:
-        """Whether x's tokens go through the integer kernels (a pass's worth, or any number where torch's bf16 GEMM
-        is slow), not a dequantized matrix's GEMM."""
-        return x.shape[0] <= MAX_TOKENS or (x.dtype == torch.bfloat16 and not self.bf16_gemm)
+    def passes(self, x: torch.Tensor, fmt: str) -> bool:
+        """Whether x's tokens go through the integer kernels, not a dequantized matrix's GEMM: a pass's worth, and a
+        bf16 model's up to where the GEMM pays (gemm_precision.integer_tokens: any number where it is slow)."""
+        return x.shape[0] <= (self.limits[fmt] if x.dtype == torch.bfloat16 else MAX_TOKENS)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
         t, k = x.shape
@@ -49,7 +50,7 @@ class GgmlLinear:
         if w.dtype != torch.uint8 or w.shape[1] != FORMATS[fmt].row_bytes(k):
             raise ValueError(f"{fmt} weights for {k} inputs are uint8 [N, {FORMATS[fmt].row_bytes(k)}], got "
                              f"{w.dtype} {tuple(w.shape)}")
-        if not self.passes(x) or not self.takes(fmt, k):  # (a prefill: a bf16 model's through torch's bf16 GEMM)
+        if not self.passes(x, fmt) or not self.takes(fmt, k):  # (a prefill: a bf16 model's through torch's bf16 GEMM)
             if x.dtype == torch.bfloat16 and fmt in TYPE_IDS:
                 return (x @ self.dequantize(w, fmt, k, torch.bfloat16).T).float()
             return x.float() @ self.dequantize(w, fmt, k).T
@@ -84,14 +85,16 @@ class GgmlLinear:
         return out
 
     def fuses(self, x: torch.Tensor, gu_fmt: str, d_fmt: str, i: int) -> bool:
-        """Whether `swiglu` computes this expert: bf16 rows, at most a pass of tokens, both formats in the kernels."""
-        return (x.dtype == torch.bfloat16 and x.shape[0] <= MAX_TOKENS and self.takes(gu_fmt, x.shape[1])
-                and self.takes(d_fmt, i))
+        """Whether `swiglu` computes this expert: bf16 rows, both matrices' tokens through the kernels (`passes`),
+        both formats in them."""
+        return (x.dtype == torch.bfloat16 and self.passes(x, gu_fmt) and self.passes(x, d_fmt)
+                and self.takes(gu_fmt, x.shape[1]) and self.takes(d_fmt, i))
 
     def swiglu(self, out: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, gu_fmt: str, down: torch.Tensor,
                d_fmt: str, weights: torch.Tensor) -> None:
         """out [T, H] bf16 = a SwiGLU expert on x [T, H] bf16 scaled by weights [T], in one native call
-        (csrc/q_ggml.c moetier_gq_swiglu: what GgmlExpert's torch ops compute, without their per-op costs)."""
+        (csrc/q_ggml.c moetier_gq_swiglu: what GgmlExpert's torch ops compute, without their per-op costs; more
+        tokens than a pass, each row read once for all of them)."""
         t, h = x.shape
         i = gate_up.shape[0] // 2
         gu, d = TYPE_IDS[gu_fmt], TYPE_IDS[d_fmt]

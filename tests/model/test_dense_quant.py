@@ -21,6 +21,8 @@ from moetier.model.dense_quant import (
     quantize_matrix,
     quantized_dense_bytes,
 )
+from moetier.model.expert_kernels import TOKENS_A_CALL
+from moetier.model.gemm_precision import integer_tokens
 from moetier.model.kernels import TorchKernels, make_kernels
 from moetier.quant.codes import dequantize
 from moetier.store.store import Store
@@ -32,10 +34,11 @@ ISAS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.r
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 40])
 def test_a_quantized_linear_computes_its_dequantized_matrix(isa, precision, rows):
-    """Up to 4 rows from the codes by integer dot products (the activations' int8 rounding: ~1% of the output),
-    more rows through the matrix dequantized once (exactly the reference)."""
+    """Up to gemm_precision.integer_tokens rows (beside a fast bf16 GEMM) from the codes by integer dot products (the
+    activations' int8 rounding: ~1% of the output), more rows through the matrix dequantized once (exactly the
+    reference)."""
     from moetier.model.kernels import NativeKernels
 
     g = torch.Generator().manual_seed(rows)
@@ -45,13 +48,14 @@ def test_a_quantized_linear_computes_its_dequantized_matrix(isa, precision, rows
     kernels = QuantizedDenseKernels(NativeKernels(native.load(isa).lib, isa), bf16_gemm=True)
     out = kernels.linear(x, m)
     ref = F.linear(x, dequantize(m.q))
-    if rows > 4:
+    gemm = rows > integer_tokens(precision, True)
+    if gemm:
         assert torch.equal(out, ref)
     else:
         err = (out.float() - ref.float()).abs()
         assert err.mean() < 0.02 * ref.float().abs().mean() and err.max() < 0.06 * ref.float().abs().max()
     bias = torch.randn(384, generator=g).bfloat16()
-    with_bias = F.linear(x, dequantize(m.q), bias) if rows > 4 else out + bias
+    with_bias = F.linear(x, dequantize(m.q), bias) if gemm else out + bias
     assert torch.equal(kernels.linear(x, m, bias), with_bias)
     plain = torch.randn(5, 512).bfloat16()  # an unquantized weight goes to the base kernels
     assert torch.equal(kernels.linear(x, plain[:, :512]), NativeKernels(native.load(isa).lib).linear(x, plain))
@@ -61,13 +65,14 @@ def test_a_quantized_linear_computes_its_dequantized_matrix(isa, precision, rows
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_a_prompt_without_bf16_dot_products_is_the_kernels_passes_bit_for_bit(isa, precision):
     """Where torch's bf16 GEMM is slow (moetier/model/gemm_precision.py) a prompt's rows go through the integer
-    kernels 4 at a time: what each pass computes alone, bit for bit, at every remainder."""
+    kernels, 4 a pass, each row read once for a call's rows (TOKENS_A_CALL: more make calls of that many): what each
+    pass computes alone, bit for bit, at every remainder."""
     from moetier.model.kernels import NativeKernels
 
     g = torch.Generator().manual_seed(11)
     m = quantize_matrix((torch.randn(384, 512, generator=g) / 512 ** 0.5).bfloat16(), precision)
     kernels = QuantizedDenseKernels(NativeKernels(native.load(isa).lib, isa), bf16_gemm=False)
-    for rows in (5, 8, 11):
+    for rows in (5, 8, 11, TOKENS_A_CALL + 5):
         x = torch.randn(rows, 512, generator=g).bfloat16()
         passes = torch.cat([kernels.linear(x[a:a + 4], m) for a in range(0, rows, 4)])
         assert torch.equal(kernels.linear(x, m), passes)

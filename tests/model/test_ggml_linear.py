@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moetier.model import native
+from moetier.model.gemm_precision import INTEGER_TOKENS, integer_tokens
 from moetier.model.ggml_linear import MAX_TOKENS, GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
 from moetier.quant.kquants import quantize
@@ -71,8 +72,9 @@ def test_a_big_matrix_in_parallel_and_a_long_batch_by_dequantizing(linear, fmt):
     whole = linear(x, w, fmt)  # more tokens than a pass: dequantized, torch's product
     torch.testing.assert_close(whole, x @ dequantize(w, fmt).T)
     assert ((rows - whole).norm() / whole.norm()).item() < 0.02
-    xb = x.bfloat16()  # a bf16 model's prefill where the CPU has bf16 dot products: torch's bf16 GEMM on the values
-    # rounded to bf16 (without them: the kernels' passes, test_a_prompt_without_bf16_dot_products_...)
+    # a bf16 model's long prefill where the CPU has bf16 dot products: torch's bf16 GEMM on the values rounded to
+    # bf16 (without them, or for fewer tokens: the kernels' passes, test_a_prompt_without_bf16_dot_products_...)
+    xb = torch.randn(2 * max(INTEGER_TOKENS.values()), 1024, generator=g).bfloat16()
     bf16_gemm = GgmlLinear(linear.lib, bf16_gemm=True)
     torch.testing.assert_close(bf16_gemm(xb, w, fmt), (xb @ dequantize(w, fmt).bfloat16().T).float(), rtol=0, atol=0)
 
@@ -82,12 +84,12 @@ def test_weights_of_the_wrong_size_are_refused(linear):
         linear(torch.zeros(1, 256), torch.zeros(4, 140, dtype=torch.uint8), "q4_k")
 
 
-@pytest.mark.parametrize("tokens", [1, 2, MAX_TOKENS])
+@pytest.mark.parametrize("tokens", [1, 2, MAX_TOKENS, 9, min(INTEGER_TOKENS.values())])
 @pytest.mark.parametrize("gu_fmt,d_fmt", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k"),
                                           ("q4_k", "q5_0"), ("q4_0", "q4_1"), ("q5_1", "q4_k")])
 def test_one_call_computes_an_expert_as_the_ops_one_by_one(linear, gu_fmt, d_fmt, tokens):
-    """moetier_gq_swiglu (one native call an expert) against GgmlExpert's torch ops around the same kernels: the
-    same bf16 roundings, so the same bits."""
+    """moetier_gq_swiglu (one native call an expert, a prompt's tokens too: each row read once for all of them)
+    against GgmlExpert's torch ops around the same kernels: the same bf16 roundings, so the same bits."""
     from moetier.model.ggml_experts import GgmlExpert
 
     torch.manual_seed(tokens)
@@ -120,19 +122,23 @@ def test_native_dequantization_is_ggml_blocks_bit_for_bit(linear, fmt):
 def test_a_prompt_without_bf16_dot_products_is_the_kernels_passes_bit_for_bit(linear, fmt):
     """Where torch's bf16 GEMM is slow (no bf16 dot products: gemm_precision), a bf16 prompt's tokens go through the
     integer kernels, each row once for all of them (moetier_gq_linear_tokens): what the passes of 4 compute one by
-    one, bit for bit, at every remainder; with bf16 dot products the dequantized matrix's GEMM, as before."""
+    one, bit for bit, at every remainder; with bf16 dot products too, up to gemm_precision.integer_tokens, and the
+    dequantized matrix's GEMM beyond."""
     torch.manual_seed(3)
     w = quantize_any(torch.randn(40, 512) * 0.05, fmt)
-    slow = GgmlLinear(linear.lib, bf16_gemm=False)
-    for t in (5, 8, 11, 19):
+    slow, fast = GgmlLinear(linear.lib, bf16_gemm=False), GgmlLinear(linear.lib, bf16_gemm=True)
+    limit = integer_tokens(fmt, True)
+    for t in (5, 8, 11, 19, limit, limit + 1, 64):
         x = torch.randn(t, 512).bfloat16()
         passes = torch.cat([slow(x[i:i + MAX_TOKENS], w, fmt) for i in range(0, t, MAX_TOKENS)])
-        assert slow.passes(x) and torch.equal(slow(x, w, fmt), passes)
-        fast = GgmlLinear(linear.lib, bf16_gemm=True)
-        assert not fast.passes(x)
-        assert torch.equal(fast(x, w, fmt), (x @ dequantize(w, fmt).bfloat16().T).float())
+        assert slow.passes(x, fmt) and torch.equal(slow(x, w, fmt), passes)
+        if t <= limit:
+            assert fast.passes(x, fmt) and torch.equal(fast(x, w, fmt), passes)
+        else:
+            assert not fast.passes(x, fmt)
+            assert torch.equal(fast(x, w, fmt), (x @ dequantize(w, fmt).bfloat16().T).float())
     x32 = torch.randn(9, 512)  # (an fp32 model's prompt keeps the fp32 GEMM: the parity tests' arithmetic)
-    assert not slow.passes(x32) and torch.allclose(slow(x32, w, fmt), x32 @ dequantize(w, fmt).T)
+    assert not slow.passes(x32, fmt) and torch.allclose(slow(x32, w, fmt), x32 @ dequantize(w, fmt).T)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q5_k", "q6_k"])

@@ -95,15 +95,20 @@ static void quantize_q8b(const float *x, long K, q8b *y) {
     }
 }
 
+static void quantize_act_row(int type, const float *x, long K, void *out) {
+    if (is_k(type)) quantize_q8k(x, K, (q8k *)out);
+    else quantize_q8b(x, K, (q8b *)out);
+}
+
 /* x [T, K] fp32 -> T activations for a matrix of `type`, back to back in `out` (moetier_gq_act_bytes each). */
 void moetier_gq_quantize_act(int type, const float *x, long K, int T, void *out) {
     const long bytes = moetier_gq_act_bytes(type, K);
-    for (int t = 0; t < T; t++) {
-        if (is_k(type))
-            quantize_q8k(x + t * K, K, (q8k *)((char *)out + t * bytes));
-        else
-            quantize_q8b(x + t * K, K, (q8b *)((char *)out + t * bytes));
+    if (T <= GQ_MAX_TOKENS) { /* (a decode step's: no parallel region, called inside one) */
+        for (int t = 0; t < T; t++) quantize_act_row(type, x + t * K, K, (char *)out + t * bytes);
+        return;
     }
+#pragma omp parallel for schedule(static) /* a prompt's rows: each token on its own */
+    for (int t = 0; t < T; t++) quantize_act_row(type, x + t * K, K, (char *)out + t * bytes);
 }
 
 static inline float hsum_ps(__m256 v) {
@@ -346,27 +351,35 @@ long moetier_gq_swiglu_scratch(int gu_type, int d_type, long H, long I, int T) {
            + 64;
 }
 
-/* One SwiGLU expert in block formats for T <= GQ_MAX_TOKENS bf16 rows x [T, H], as GgmlExpert computes it with
+/* One SwiGLU expert in block formats for any number T of bf16 rows x [T, H], as GgmlExpert computes it with
    torch's ops in bf16: g, u = bf16(gate_up . x); h = bf16(bf16(silu(g)) * u); out [T, H] = bf16(bf16(down . h) *
-   weight[t]) — in one call, so an expert costs its two matrices and not a dozen small torch ops. */
+   weight[t]) — in one call, so an expert costs its two matrices and not a dozen small torch ops. More tokens than a
+   pass: each row read once for all of them (moetier_gq_linear_tokens, its outputs [N, T]), bit for bit the same
+   values; the elementwise steps between then split across the threads. */
 void moetier_gq_swiglu(int gu_type, const uint8_t *w_gu, int d_type, const uint8_t *w_d, long H, long I,
                        const uint16_t *x, int T, const uint16_t *weights, uint16_t *out, void *scratch) {
     char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *xf = (float *)p, *gu = xf + T * H, *hf = gu + T * 2 * I, *y = hf + T * I;
     char *act_gu = (char *)(y + T * H), *act_d = act_gu + T * moetier_gq_act_bytes(gu_type, H);
+    const int passes = T > GQ_MAX_TOKENS; /* outputs [N, T] (moetier_gq_linear_tokens), else [T, N] */
+    const long gu_t = passes ? 1 : 2 * I, gu_r = passes ? T : 1, y_t = passes ? 1 : H, y_r = passes ? T : 1;
     for (long i = 0; i < T * H; i++) xf[i] = bf16_to_f32(x[i]);
     moetier_gq_quantize_act(gu_type, xf, H, T, act_gu);
-    moetier_gq_linear(gu_type, w_gu, 2 * I, H, act_gu, T, gu);
+    if (passes) moetier_gq_linear_tokens(gu_type, w_gu, 2 * I, H, act_gu, T, gu);
+    else moetier_gq_linear(gu_type, w_gu, 2 * I, H, act_gu, T, gu);
+#pragma omp parallel for schedule(static) if (passes)
     for (int t = 0; t < T; t++)
         for (long i = 0; i < I; i++) {
-            const float g = round_bf16(gu[t * 2 * I + i]), u = round_bf16(gu[t * 2 * I + I + i]);
+            const float g = round_bf16(gu[t * gu_t + i * gu_r]), u = round_bf16(gu[t * gu_t + (I + i) * gu_r]);
             hf[t * I + i] = swiglu_bf16(g, u);
         }
     moetier_gq_quantize_act(d_type, hf, I, T, act_d);
-    moetier_gq_linear(d_type, w_d, H, I, act_d, T, y);
+    if (passes) moetier_gq_linear_tokens(d_type, w_d, H, I, act_d, T, y);
+    else moetier_gq_linear(d_type, w_d, H, I, act_d, T, y);
+#pragma omp parallel for schedule(static) if (passes)
     for (int t = 0; t < T; t++) {
         const float w = bf16_to_f32(weights[t]);
-        for (long h = 0; h < H; h++) out[t * H + h] = f32_to_bf16(round_bf16(y[t * H + h]) * w);
+        for (long h = 0; h < H; h++) out[t * H + h] = f32_to_bf16(round_bf16(y[t * y_t + h * y_r]) * w);
     }
 }
 

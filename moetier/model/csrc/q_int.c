@@ -410,50 +410,63 @@ long moetier_swiglu_qi_scratch(int bits, long gu_group, long d_group, long H, lo
     return 64 + T * (act_bytes(&gu) + act_bytes(&dn)) + T * I * 4;
 }
 
-/* One SwiGLU expert for T <= QI_MAX_TOKENS tokens x [T, H] bf16, integer dot products (see above):
+/* Row r of m against any number T of tokens' activations, a pass of QI_MAX_TOKENS at a time: the row comes from
+   memory once for all of them (it stays in L1 between passes), and each pass computes what it computes alone (a
+   token's sums never depend on the others in its pass). */
+static inline void qi_row_tokens(const qim *m, long r, const qia *x, long T, float *y) {
+    for (long p = 0; p < T; p += QI_MAX_TOKENS)
+        qi_row(m, r, x + p, T - p < QI_MAX_TOKENS ? (int)(T - p) : QI_MAX_TOKENS, y + p);
+}
+
+/* One SwiGLU expert for any number T of tokens x [T, H] bf16, integer dot products (see above):
    y[t] = bf16(bf16(down . h) * weight[t]), h = bf16(bf16(silu(g)) * u), g, u = bf16(gate_up . x). Both matrices
-   must fit (moetier_qi_fits). scratch: moetier_swiglu_qi_scratch bytes. */
+   must fit (moetier_qi_fits). scratch: moetier_swiglu_qi_scratch bytes. More tokens than a pass: each row read
+   once for all of them (qi_row_tokens), bit for bit what one call a pass computes — a prompt's expert of 5-32
+   tokens in one call where it took one a pass, or the dequantized matrices' bf16 GEMM (QuantizedExpert decides). */
 void moetier_swiglu_qi(int bits, const uint8_t *gu_codes, const uint16_t *gu_scales, const uint16_t *gu_zeros,
                        long gu_group, const uint8_t *d_codes, const uint16_t *d_scales, const uint16_t *d_zeros,
                        long d_group, const uint16_t *x, const float *weight, uint16_t *y, long H, long I, int T,
                        char *scratch) {
     qim gu = make_qim(bits, gu_codes, gu_scales, gu_zeros, 2 * I, H, gu_group);
     qim dn = make_qim(bits, d_codes, d_scales, d_zeros, H, I, d_group);
-    qia xa[QI_MAX_TOKENS], ha[QI_MAX_TOKENS];
+    if (T < 1) return;
+    qia xa[T], ha[T];
     char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    float xf[H];
-    for (int t = 0; t < T; t++) {
-        p = take_act(&gu, p, &xa[t]);
-        for (long k = 0; k < H; k++) xf[k] = bf16_to_f32(x[t * H + k]);
-        quantize_act(&gu, xf, &xa[t]);
-    }
+    for (int t = 0; t < T; t++) p = take_act(&gu, p, &xa[t]);
     for (int t = 0; t < T; t++) p = take_act(&dn, p, &ha[t]);
     float *h = (float *)p; /* [T, I] */
 #pragma omp parallel if (3 * H * I * bits / 8 >= QI_PARALLEL_MIN_BYTES)
     {
 #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            float xf[H];
+            for (long k = 0; k < H; k++) xf[k] = bf16_to_f32(x[t * H + k]);
+            quantize_act(&gu, xf, &xa[t]);
+        } /* barrier: every token's activation is made before the rows meet it */
+#pragma omp for schedule(static)
         for (long r = 0; r < I; r++) {
-            float g[QI_MAX_TOKENS], u[QI_MAX_TOKENS];
-            qi_row(&gu, r, xa, T, g);
-            qi_row(&gu, I + r, xa, T, u);
+            float g[T], u[T];
+            qi_row_tokens(&gu, r, xa, T, g);
+            qi_row_tokens(&gu, I + r, xa, T, u);
             for (int t = 0; t < T; t++) {
                 float gr = round_bf16(g[t]);
                 h[t * I + r] = swiglu_bf16(gr, round_bf16(u[t]));
             }
         } /* barrier: every h is written before it is quantized */
-#pragma omp single
+#pragma omp for schedule(static)
         for (int t = 0; t < T; t++) quantize_act(&dn, h + t * I, &ha[t]);
 #pragma omp for schedule(static)
         for (long k = 0; k < H; k++) {
-            float o[QI_MAX_TOKENS];
-            qi_row(&dn, k, ha, T, o);
+            float o[T];
+            qi_row_tokens(&dn, k, ha, T, o);
             for (int t = 0; t < T; t++) y[t * H + k] = f32_to_bf16(round_bf16(o[t]) * weight[t]);
         }
     }
 }
 
-/* y [T, N] = bf16(x [T, K] . W^T) for a quantized matrix (F.linear without bias on T <= QI_MAX_TOKENS rows): the
-   dense weights of a quantized model (attention, the head). scratch: moetier_linear_qi_scratch bytes. */
+/* y [T, N] = bf16(x [T, K] . W^T) for a quantized matrix (F.linear without bias on any number T of rows, each
+   matrix row read once for all of them): the dense weights of a quantized model (attention, the head).
+   scratch: moetier_linear_qi_scratch bytes. */
 long moetier_linear_qi_scratch(int bits, long group, long N, long K, int T) {
     qim m = make_qim(bits, NULL, NULL, NULL, N, K, group);
     return 64 + T * act_bytes(&m);
@@ -462,19 +475,24 @@ long moetier_linear_qi_scratch(int bits, long group, long N, long K, int T) {
 void moetier_linear_qi(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, long group,
                        const uint16_t *x, uint16_t *y, long N, long K, int T, char *scratch) {
     qim m = make_qim(bits, codes, scales, zeros, N, K, group);
-    qia xa[QI_MAX_TOKENS];
+    if (T < 1) return;
+    qia xa[T];
     char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    float xf[K];
-    for (int t = 0; t < T; t++) {
-        p = take_act(&m, p, &xa[t]);
-        for (long k = 0; k < K; k++) xf[k] = bf16_to_f32(x[t * K + k]);
-        quantize_act(&m, xf, &xa[t]);
-    }
-#pragma omp parallel for schedule(static) if (N * K * bits / 8 >= QI_PARALLEL_MIN_BYTES)
-    for (long n = 0; n < N; n++) {
-        float o[QI_MAX_TOKENS];
-        qi_row(&m, n, xa, T, o);
-        for (int t = 0; t < T; t++) y[t * N + n] = f32_to_bf16(o[t]);
+    for (int t = 0; t < T; t++) p = take_act(&m, p, &xa[t]);
+#pragma omp parallel if (N * K * bits / 8 >= QI_PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            float xf[K];
+            for (long k = 0; k < K; k++) xf[k] = bf16_to_f32(x[t * K + k]);
+            quantize_act(&m, xf, &xa[t]);
+        }
+#pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) {
+            float o[T];
+            qi_row_tokens(&m, n, xa, T, o);
+            for (int t = 0; t < T; t++) y[t * N + n] = f32_to_bf16(o[t]);
+        }
     }
 }
 
