@@ -1,9 +1,10 @@
-"""A matrix in one of GGML's block formats times a few tokens, through the native library's integer kernels
-(`csrc/q_ggml.c`: the activation quantized to Q8_K or Q8_0 blocks, llama.cpp's arithmetic), or, for more tokens
-than a pass takes, the matrix dequantized once (moetier/quant/ggml_blocks.py) for torch's bf16 GEMM where the CPU
-has bf16 dot products — and where it has not (moetier/model/gemm_precision.py: there torch's bf16 GEMM runs at a
-quarter of these kernels' speed), a bf16 model's tokens through the integer kernels too, a pass at a time, each row
-read once for all of them (llama.cpp's arithmetic then for a prompt as for a token).
+"""A matrix in one of GGML's block formats times some tokens, through the native library's integer kernels
+(`csrc/q_ggml.c`: the activation quantized to Q8_K or Q8_0 blocks, llama.cpp's arithmetic; 4 tokens a pass, each row
+read once for all of them), or the matrix dequantized once (moetier/quant/ggml_blocks.py) for torch's GEMM: for a bf16
+model's tokens, the integer kernels up to gemm_precision.integer_tokens (a few dozen where the CPU has bf16 dot
+products, below which dequantizing the matrix costs more than the integer product; any number where it has not,
+torch's bf16 GEMM running there at a quarter of these kernels' speed), and an fp32 model's beyond a pass (the parity
+tests' arithmetic).
 
 `GgmlLinear(lib)(x, w, fmt)`: x [T, K] (any float dtype), w uint8 [N, K/block·type_size] -> fp32 [T, N]."""
 
