@@ -69,8 +69,8 @@ def test_a_prompt_without_bf16_dot_products_is_the_kernels_passes_bit_for_bit(is
     pass computes alone, bit for bit, at every remainder."""
     from moetier.model.kernels import NativeKernels
 
-    g = torch.Generator().manual_seed(11)
-    m = quantize_matrix((torch.randn(384, 512, generator=g) / 512 ** 0.5).bfloat16(), precision)
+    g = torch.Generator().manual_seed(11)  # (200 rows: ragged tiles of rows, csrc/q_int.c tile_rows)
+    m = quantize_matrix((torch.randn(200, 512, generator=g) / 512 ** 0.5).bfloat16(), precision)
     kernels = QuantizedDenseKernels(NativeKernels(native.load(isa).lib, isa), bf16_gemm=False)
     for rows in (5, 8, 11, TOKENS_A_CALL + 5):
         x = torch.randn(rows, 512, generator=g).bfloat16()

@@ -101,8 +101,9 @@ def test_native_expert_matches_the_dequantized_reference(isa, integer, precision
 def test_a_prompt_without_bf16_dot_products_is_the_passes_bit_for_bit(isa, precision):
     """Where torch's bf16 GEMM is slow (moetier/model/gemm_precision.py) an expert's prompt tokens are computed from
     the codes, 4 a pass, each row read once for a call's tokens (TOKENS_A_CALL: more make calls of that many): what
-    each pass computes alone, bit for bit, at every remainder."""
-    h, i = SHAPES[0]
+    each pass computes alone, bit for bit, at every remainder (down's 256 rows in ragged tiles: csrc/q_int.c
+    tile_rows)."""
+    h, i = 256, 384
     w = quantize_expert(expert(h, i, seed=7), precision)
     kernel = QuantizedExpert(precision, TorchKernels(), torch.bfloat16, native.load(isa).lib, bf16_gemm=False)
     g = torch.Generator().manual_seed(7)

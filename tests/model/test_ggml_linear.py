@@ -125,7 +125,7 @@ def test_a_prompt_without_bf16_dot_products_is_the_kernels_passes_bit_for_bit(li
     one, bit for bit, at every remainder; with bf16 dot products too, up to gemm_precision.integer_tokens, and the
     dequantized matrix's GEMM beyond."""
     torch.manual_seed(3)
-    w = quantize_any(torch.randn(40, 512) * 0.05, fmt)
+    w = quantize_any(torch.randn(200, 512) * 0.05, fmt)  # (200 rows: ragged tiles, GQ_TILE_BYTES)
     slow, fast = GgmlLinear(linear.lib, bf16_gemm=False), GgmlLinear(linear.lib, bf16_gemm=True)
     limit = integer_tokens(fmt, True)
     for t in (5, 8, 11, 19, limit, limit + 1, 64):
