@@ -230,7 +230,7 @@ class QuantizedDenseKernels:
         is), its blocks dequantized for more."""
         if self.ggml is None:
             return F.linear(x, ggml_dequantize(weight.data, weight.fmt).to(x.dtype), bias)
-        if x.dim() == 2 and self.ggml.passes(x, weight.fmt):  # a few rows (a prompt too, where the CPU has no bf16 dot products)
+        if x.dim() == 2 and self.ggml.passes(x, weight.fmt):  # a few rows (any, without bf16 dot products)
             y = self.ggml(x, weight.data, weight.fmt).to(x.dtype)
             return y if bias is None else y + bias
         return F.linear(x, self.ggml.dequantize(weight.data, weight.fmt, weight.shape[1], x.dtype), bias)

@@ -1,9 +1,9 @@
 """SwiGLU experts whose matrices are in GGML's block formats (a store's q8_0/q6_k/q5_k/q4_k copies, and a GGUF's
 experts read in place): gate and up, then down, each through `GgmlLinear` — the native integer kernels for up to
 a few dozen tokens (all of them in one call, `GgmlLinear.swiglu`), the matrix dequantized for torch's matmul beyond,
-or always without the native library. Which format
-each matrix is in follows from its shape (moetier/quant/precisions.py: format_of), so the layers of one precision
-may differ (a Q4_K_M file's down_proj is Q6_K in some)."""
+or always without the native library. Which format each matrix is in follows from its shape
+(moetier/quant/precisions.py: format_of), so the layers of one precision may differ (a Q4_K_M file's down_proj is
+Q6_K in some)."""
 
 from __future__ import annotations
 

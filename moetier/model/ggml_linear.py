@@ -26,7 +26,8 @@ GGML_BITS = -1  # how the C side marks GGML blocks: moetier_matrix.bits (decode_
 class GgmlLinear:
     def __init__(self, lib: ctypes.CDLL, bf16_gemm: bool | None = None) -> None:
         self.lib = lib
-        self.bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm  # else a bf16 prompt: the kernels
+        self.bf16_gemm = bf16_gemm_is_fast() if bf16_gemm is None else bf16_gemm
+        # the most of a bf16 model's tokens a matrix in each format computes through the kernels (gemm_precision)
         self.limits = {fmt: max(MAX_TOKENS, integer_tokens(fmt, self.bf16_gemm)) for fmt in FORMATS}
         self.scratch = torch.empty(0, dtype=torch.uint8)  # the quantized activations, grown once to the largest
         self.dense = torch.empty(0, dtype=torch.float32)  # a prefill's dequantized matrix, grown once likewise
