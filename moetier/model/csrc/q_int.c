@@ -421,6 +421,21 @@ static inline long tile_rows(long row_bytes) { return row_bytes >= QI_TILE_BYTES
 
 static inline int pass_tokens(long T, long p) { return T - p < QI_MAX_TOKENS ? (int)(T - p) : QI_MAX_TOKENS; }
 
+/* Rows [r0, r1) of m (a tile) against every pass of T tokens' activations x, into y [T, N] bf16: y = bf16(o), or with
+   `scale` (a SwiGLU's down rows and their routing weights) bf16(bf16(o) * scale[t]). */
+static inline void qi_tile_bf16(const qim *m, long r0, long r1, const qia *x, long T, const float *scale, uint16_t *y,
+                                long N) {
+    for (long p = 0; p < T; p += QI_MAX_TOKENS) {
+        const int n = pass_tokens(T, p);
+        for (long r = r0; r < r1; r++) {
+            float o[QI_MAX_TOKENS];
+            qi_row(m, r, x + p, n, o);
+            for (int t = 0; t < n; t++)
+                y[(p + t) * N + r] = f32_to_bf16(scale ? round_bf16(o[t]) * scale[p + t] : o[t]);
+        }
+    }
+}
+
 /* One SwiGLU expert for any number T of tokens x [T, H] bf16, integer dot products (see above):
    y[t] = bf16(bf16(down . h) * weight[t]), h = bf16(bf16(silu(g)) * u), g, u = bf16(gate_up . x). Both matrices
    must fit (moetier_qi_fits). scratch: moetier_swiglu_qi_scratch bytes. More tokens than a pass: each row read
@@ -466,14 +481,7 @@ void moetier_swiglu_qi(int bits, const uint8_t *gu_codes, const uint16_t *gu_sca
         for (int t = 0; t < T; t++) quantize_act(&dn, h + t * I, &ha[t]);
 #pragma omp for schedule(static)
         for (long k0 = 0; k0 < H; k0 += dn_tile)
-            for (long p = 0; p < T; p += QI_MAX_TOKENS) {
-                const int n = pass_tokens(T, p);
-                for (long k = k0; k < k0 + dn_tile && k < H; k++) {
-                    float o[QI_MAX_TOKENS];
-                    qi_row(&dn, k, ha + p, n, o);
-                    for (int t = 0; t < n; t++) y[(p + t) * H + k] = f32_to_bf16(round_bf16(o[t]) * weight[p + t]);
-                }
-            }
+            qi_tile_bf16(&dn, k0, k0 + dn_tile < H ? k0 + dn_tile : H, ha, T, weight, y, H);
     }
 }
 
@@ -502,15 +510,7 @@ void moetier_linear_qi(int bits, const uint8_t *codes, const uint16_t *scales, c
         }
         const long tile = tile_rows(m.RB);
 #pragma omp for schedule(static)
-        for (long n0 = 0; n0 < N; n0 += tile)
-            for (long p = 0; p < T; p += QI_MAX_TOKENS) {
-                const int c = pass_tokens(T, p);
-                for (long n = n0; n < n0 + tile && n < N; n++) {
-                    float o[QI_MAX_TOKENS];
-                    qi_row(&m, n, xa + p, c, o);
-                    for (int t = 0; t < c; t++) y[(p + t) * N + n] = f32_to_bf16(o[t]);
-                }
-            }
+        for (long n0 = 0; n0 < N; n0 += tile) qi_tile_bf16(&m, n0, n0 + tile < N ? n0 + tile : N, xa, T, NULL, y, N);
     }
 }
 
