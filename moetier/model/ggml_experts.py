@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moetier.model.expert_kernels import OneByOne, TokenTable
-from moetier.model.ggml_linear import GGML_BITS, TYPE_IDS, GgmlLinear
+from moetier.model.expert_kernels import Items, OneByOne, TokenTable
+from moetier.model.ggml_linear import GGML_BITS, MAX_TOKENS, TYPE_IDS, GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
 from moetier.quant.precisions import GGUF_BLOCKS, MIXES, format_of
 
@@ -55,6 +55,39 @@ class GgmlExpert(OneByOne):
         act = F.silu(gate) * up  # [n, I]
         y = self.linear(act, w["down_proj"], d_fmt)  # [n, H] fp32
         out.copy_(y.to(self.dtype) * weights[:, None].to(self.dtype))
+
+    def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
+        """The experts with a pass's worth of rows (a decode step of a batch, a short prompt) in one native call
+        (moetier_gq_swiglu_layer: one parallel region, bit for bit what `__call__` computes for each); the others,
+        and all of them where that call does not compute them, one by one."""
+        if not self.fused or xs.dtype != torch.bfloat16 or not (xs.is_contiguous() and ys.is_contiguous()):
+            return super().layer(ys, xs, weights, items)
+        h = xs.shape[1]
+        few, rest = [], []
+        for item in items:
+            w, a, b = item
+            i = w["gate_up_proj"].shape[0] // 2
+            gu_fmt, d_fmt = self._format(h, w["gate_up_proj"]), self._format(i, w["down_proj"])
+            takes = 0 < b - a <= MAX_TOKENS and self.linear.takes(gu_fmt, h) and self.linear.takes(d_fmt, i)
+            (few if takes else rest).append((item, gu_fmt, d_fmt))
+        if len(few) < 2 or len({w["gate_up_proj"].shape[0] for (w, _, _), *_ in few}) > 1:  # (one width I a call)
+            return super().layer(ys, xs, weights, items)
+        for (w, a, b), *_ in rest:
+            if b > a:
+                self(ys[a:b], xs[a:b], w, weights[a:b])
+        i = few[0][0][0]["gate_up_proj"].shape[0] // 2
+        ptrs = np.array([[w["gate_up_proj"].data_ptr(), w["down_proj"].data_ptr(), TYPE_IDS[gu], TYPE_IDS[d], a, b]
+                         for (w, a, b), gu, d in few], dtype=np.int64).T.copy()  # [6, n]
+        types = ptrs[2:4].astype(np.int32)  # [2, n]
+        lib, row, t32 = self.linear.lib, ptrs.strides[0], types.strides[0]
+        spans = np.ascontiguousarray(ptrs[4:6].T)  # [n, 2]
+        need = lib.moetier_gq_layer_scratch(xs.shape[0], h, i)
+        if self.linear.scratch.numel() < need:
+            self.linear.scratch = torch.empty(need, dtype=torch.uint8)
+        rw = weights.to(torch.bfloat16).contiguous()
+        lib.moetier_gq_swiglu_layer(len(few), types.ctypes.data, ptrs.ctypes.data, types.ctypes.data + t32,
+                                    ptrs.ctypes.data + row, spans.ctypes.data, xs.shape[0], xs.data_ptr(),
+                                    rw.data_ptr(), ys.data_ptr(), h, i, self.linear.scratch.data_ptr())
 
     def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
         """A layer's resident experts (by id) for `token_routed`: each one's blocks and their formats, as a layer's

@@ -196,6 +196,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_gq_swiglu_scratch.restype = n
     lib.moetier_gq_swiglu.argtypes = [i, p, i, p, n, n, p, i, p, p, p]
     lib.moetier_gq_swiglu.restype = None
+    lib.moetier_gq_layer_scratch.argtypes = [n, n, n]
+    lib.moetier_gq_layer_scratch.restype = n
+    lib.moetier_gq_swiglu_layer.argtypes = [n, p, p, p, p, p, n, p, p, p, n, n, p]
+    lib.moetier_gq_swiglu_layer.restype = None
     lib.moetier_threads.argtypes = []
     lib.moetier_threads.restype = n
     return lib

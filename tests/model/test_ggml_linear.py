@@ -190,3 +190,55 @@ def test_a_tokens_experts_in_one_call_are_token_bit_for_bit(linear, weights_dtyp
     assert table is not None and table.takes(x, ids, weights)
     expert.token_routed(got, x, ids, weights, table)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_layers_experts_in_one_call_are_one_call_an_expert_bit_for_bit(linear, mixed):
+    """GgmlExpert.layer (a batch's decode step: each expert a few of the pairs' rows) through moetier_gq_swiglu_layer
+    — one parallel region — against `__call__` on each expert's rows: the same bits. Experts of 1 to 4 rows in one
+    call, one of 6 rows one by one beside it (more than a pass), one with none; `mixed`: experts of other types
+    among them (each pair's row quantized for its expert's type). Rows no expert takes keep what was there."""
+    from moetier.model.ggml_experts import GgmlExpert
+
+    torch.manual_seed(7)
+    h, i = 512, 256
+    types = {1: ("q8_0", "q4_k"), 3: ("q5_k", "q8_0"), 4: ("q4_0", "q5_1")} if mixed else {}
+    ws = [{"gate_up_proj": quantize_any(torch.randn(2 * i, h) * 0.05, types.get(e, ("q4_k", "q6_k"))[0]),
+           "down_proj": quantize_any(torch.randn(h, i) * 0.05, types.get(e, ("q4_k", "q6_k"))[1])} for e in range(6)]
+    for w, e in zip(ws, range(6)):  # (as a slot views a legacy format's matrix: [N, blocks, block bytes])
+        gu, d = types.get(e, ("q4_k", "q6_k"))
+        w["gate_up_proj"] = w["gate_up_proj"].view(matrix_shape(gu, 2 * i, h))
+        w["down_proj"] = w["down_proj"].view(matrix_shape(d, h, i))
+    rows = [3, 1, 6, 4, 0, 2]  # expert e's rows, in order
+    edges = [0, *torch.tensor(rows).cumsum(0).tolist()]
+    p = edges[-1] + 2  # two rows no expert takes
+    xs = torch.randn(p, h).bfloat16()
+    weights = torch.rand(p)  # (the router's fp32: rounded to bf16 as one call an expert rounds them)
+    items = [(w, a, b) for w, a, b in zip(ws, edges, edges[1:])]
+    expert = GgmlExpert("q4_k", torch.bfloat16, linear.lib)
+    calls = []
+    expert.linear.lib = _Counting(linear.lib, calls)
+    want = torch.full((p, h), 7.0, dtype=torch.bfloat16)
+    got = want.clone()
+    for w, a, b in items:
+        expert(want[a:b], xs[a:b], w, weights[a:b])
+    calls.clear()
+    expert.layer(got, xs, weights, items)
+    assert calls.count("moetier_gq_swiglu_layer") == 1  # the experts of at most a pass's rows: one call
+    assert calls.count("moetier_gq_swiglu") == 1  # the 6-row one on its own
+    assert torch.equal(got, want)
+
+
+class _Counting:
+    """A native library whose calls are named in `calls` as they are made."""
+
+    def __init__(self, lib, calls: list[str]) -> None:
+        self._lib, self._calls = lib, calls
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._lib, name)
+
+        def call(*args):
+            self._calls.append(name)
+            return fn(*args)
+        return call

@@ -42,6 +42,7 @@ typedef struct { /* one token's activation for a k-quant matrix, per 256 inputs 
     float d;
     int8_t qs[QK];
     int16_t bsums[QK / 16];
+    int16_t sums32[QK / 32]; /* of each 32 (bsums in pairs): a Q4_K/Q5_K row's mins meet them, once per token */
 } q8k;
 
 typedef struct { /* ...for a Q8_0 or legacy (Q4_0, Q4_1, Q5_0, Q5_1) matrix, per 32 inputs */
@@ -81,6 +82,7 @@ static void quantize_q8k(const float *x, long K, q8k *y) {
             for (int i = 0; i < 16; i++) s += y[b].qs[j * 16 + i];
             y[b].bsums[j] = (int16_t)s;
         }
+        for (int j = 0; j < QK / 32; j++) y[b].sums32[j] = (int16_t)(y[b].bsums[2 * j] + y[b].bsums[2 * j + 1]);
         y[b].d = 1.0f / iscale;
     }
 }
@@ -123,6 +125,23 @@ static inline float hsum_ps128(__m128 s) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* acc + madd(a, b) (int16 pairs multiplied and summed into int32) and acc + the uint8 x int8 products of u and x
+   summed by fours: one instruction each with AVX-512 VNNI (vpdpwssd, vpdpbusd on 256-bit registers), two or three
+   without. The same integer sums either way — neither saturates here (see the top), and int32 adds associate — so
+   each library computes the same bits. (Measured on a Zen 4 at 2-4 tokens, where these kernels are compute-bound
+   on a batch's rows: docs/performance.md "A batch's decode step".) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_epi32(acc, u, x); }
+#else
+static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+#endif
+
 /* Byte masks for vpshufb: int16 lane i of a 128-bit half broadcast over the half (BROADCAST16[i]); and, from 16
    int8, byte 2i over 8 bytes then byte 2i + 1 over 8 (PAIR8[i]: two sub-blocks' scales, widened after). */
 static const uint8_t BROADCAST16[8][32] = {
@@ -162,8 +181,8 @@ INLINE void blk_q45k(const uint8_t *blk, const q8k *const *a, const int T, __m25
     const uint8_t *qs = blk + (five ? 48 : 16), *qh = blk + 16;
     const __m256i low = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-    __m256i sumi[GQ_MAX_TOKENS];
-    for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+    __m256i sumi[GQ_MAX_TOKENS], sumh[GQ_MAX_TOKENS]; /* the low and the high sub-blocks' sums: two chains */
+    for (int t = 0; t < T; t++) sumi[t] = sumh[t] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) { /* 64 weights: sub-block 2c in the low nibbles, 2c + 1 in the high */
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
         __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -177,16 +196,15 @@ INLINE void blk_q45k(const uint8_t *blk, const q8k *const *a, const int T, __m25
             _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)BROADCAST16[2 * c + 1]));
         for (int t = 0; t < T; t++) {
             const __m256i *x = (const __m256i *)(a[t]->qs + 64 * c);
-            const __m256i pl = _mm256_madd_epi16(sc_lo, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(x)));
-            const __m256i ph = _mm256_madd_epi16(sc_hi, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(x + 1)));
-            sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
+            sumi[t] = madd_acc(sumi[t], sc_lo, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(x)));
+            sumh[t] = madd_acc(sumh[t], sc_hi, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(x + 1)));
         }
     }
+    for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], sumh[t]);
     const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
     for (int t = 0; t < T; t++) {
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)a[t]->bsums);  /* per 16 inputs */
-        const __m128i sums32 = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+        const __m128i sums32 = _mm_loadu_si128((const __m128i *)a[t]->sums32);
         accm[t] = _mm_fmadd_ps(_mm_set1_ps(dmin * a[t]->d), _mm_cvtepi32_ps(_mm_madd_epi16(mins, sums32)), accm[t]);
     }
 }
@@ -197,8 +215,8 @@ INLINE void blk_q6k(const uint8_t *blk, const q8k *const *a, const int T, __m256
     const uint8_t *ql = blk, *qh = blk + 128;
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
     const __m256i low = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
-    __m256i sumi[GQ_MAX_TOKENS];
-    for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+    __m256i sumi[GQ_MAX_TOKENS], sumo[GQ_MAX_TOKENS]; /* the even and the odd runs' sums: two chains */
+    for (int t = 0; t < T; t++) sumi[t] = sumo[t] = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) { /* 128 weights: four runs of 32, each two sub-blocks of 16 */
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
         const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
@@ -212,10 +230,12 @@ INLINE void blk_q6k(const uint8_t *blk, const q8k *const *a, const int T, __m256
                 _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)PAIR8[v])));
             for (int t = 0; t < T; t++) {
                 const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a[t]->qs + 32 * v)));
-                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(scale, p));
+                if (s & 1) sumo[t] = madd_acc(sumo[t], scale, p);
+                else sumi[t] = madd_acc(sumi[t], scale, p);
             }
         }
     }
+    for (int t = 0; t < T; t++) sumi[t] = _mm256_add_epi32(sumi[t], sumo[t]);
     const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  /* the 16 scales, for the bias */
     const float d = f16_to_f32(blk + 208);
     for (int t = 0; t < T; t++) {
@@ -231,7 +251,7 @@ INLINE void blk_q8_0(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc
     const float d = f16_to_f32(blk);
     for (int t = 0; t < T; t++) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)a[t]->qs);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+        const __m256i p = dot4_acc(_mm256_setzero_si256(), aq, _mm256_sign_epi8(x, q));
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(p), acc[t]);
     }
 }
@@ -258,9 +278,8 @@ INLINE void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
     const int off = type == GQ_Q4_0 ? 8 : type == GQ_Q5_0 ? 16 : 0;
     const float d = f16_to_f32(blk), m = has_m ? f16_to_f32(blk + 2) : 0.0f;
     for (int t = 0; t < T; t++) {
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)a[t]->qs)),
-                                      _mm256_set1_epi16(1));
-        p = _mm256_add_epi32(p, _mm256_setr_epi32(-off * a[t]->sum, 0, 0, 0, 0, 0, 0, 0));
+        const __m256i p = dot4_acc(_mm256_setr_epi32(-off * a[t]->sum, 0, 0, 0, 0, 0, 0, 0), q,
+                                   _mm256_loadu_si256((const __m256i *)a[t]->qs));
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(p), acc[t]);
         if (has_m) accm[t] = _mm_sub_ss(accm[t], _mm_set_ss(m * a[t]->d * (float)a[t]->sum));
     }
@@ -459,6 +478,67 @@ void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *g
         } /* barrier: every expert's output is made before they are summed */
 #pragma omp for schedule(static)
         for (long k = 0; k < H; k++) out[k] = f32_to_bf16(sum_column(ys, n, H, k));
+    }
+}
+
+/* Bytes of scratch moetier_gq_swiglu_layer needs for P (token, expert) pairs. */
+long moetier_gq_layer_scratch(long P, long H, long I) {
+    return 64 + P * (round64(act_most(H)) + round64(act_most(I))) + round64(4 * P * I);
+}
+
+/* A layer's n experts in block formats in one call (expert e: gate_up_proj gu[e] of type gu_type[e], down_proj d[e]
+   of d_type[e]), each on its rows span[2e] <= p < span[2e + 1] of xs [P, H] bf16 — at most GQ_MAX_TOKENS of them —
+   writing those rows of ys [P, H]: bit for bit what moetier_gq_swiglu computes for each expert alone (weights [P]
+   bf16, each pair's routing weight); rows no expert takes are neither read nor written.
+   Why: a decode step of a batch (a server's sequences) or a short prompt gives each of a layer's experts a token or
+   a few, and one call an expert was a parallel region and a trip through Python each (a 2-sequence step of a Q4_K_M
+   OLMoE: ~16 a layer); here one region, as moetier_swiglu_qi_layer does for the int codes: every pair's row
+   quantized (split across the threads), all experts' gate and up rows as one list of work, one barrier, the h rows
+   quantized, all down rows. scratch: moetier_gq_layer_scratch bytes. */
+void moetier_gq_swiglu_layer(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                             const uint8_t *const *d, const long *span, long P, const uint16_t *xs,
+                             const uint16_t *weights, uint16_t *ys, long H, long I, char *scratch) {
+    const long x_bytes = round64(act_most(H)), h_bytes = round64(act_most(I)); /* a pair's activations' stride */
+    char *xa = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63), *ha = xa + P * x_bytes;
+    float *h = (float *)(ha + P * h_bytes); /* [P, I] */
+    long bytes = 0;
+    for (long e = 0; e < n; e++)
+        bytes += 2 * I * (H / BLOCK_SIZE[gu_type[e]]) * TYPE_SIZE[gu_type[e]]
+                 + H * (I / BLOCK_SIZE[d_type[e]]) * TYPE_SIZE[d_type[e]];
+#pragma omp parallel if (bytes >= GQ_PARALLEL_MIN_BYTES)
+    {
+#pragma omp for schedule(static)
+        for (long e = 0; e < n; e++)
+            for (long t = span[2 * e]; t < span[2 * e + 1]; t++) {
+                float xf[H];
+                for (long k = 0; k < H; k++) xf[k] = bf16_to_f32(xs[t * H + k]);
+                moetier_gq_quantize_act(gu_type[e], xf, H, 1, xa + t * x_bytes);
+            }
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * I; item++) { /* gate row r and up row I + r together: h's values at once */
+            const long e = item / I, r = item - e * I, a = span[2 * e], T = span[2 * e + 1] - a;
+            if (T <= 0) continue;
+            const long ts = TYPE_SIZE[gu_type[e]], blocks = H / BLOCK_SIZE[gu_type[e]];
+            const row_fn row = ROWS[gu_type[e]][T - 1];
+            float g[GQ_MAX_TOKENS], u[GQ_MAX_TOKENS];
+            row(gu[e] + r * blocks * ts, blocks, ts, xa + a * x_bytes, x_bytes, g);
+            row(gu[e] + (I + r) * blocks * ts, blocks, ts, xa + a * x_bytes, x_bytes, u);
+            for (long t = 0; t < T; t++) h[(a + t) * I + r] = swiglu_bf16(round_bf16(g[t]), round_bf16(u[t]));
+        } /* barrier: every h is written before it is quantized */
+#pragma omp for schedule(static)
+        for (long e = 0; e < n; e++)
+            for (long t = span[2 * e]; t < span[2 * e + 1]; t++)
+                moetier_gq_quantize_act(d_type[e], h + t * I, I, 1, ha + t * h_bytes);
+#pragma omp for schedule(static)
+        for (long item = 0; item < n * H; item++) {
+            const long e = item / H, k = item - e * H, a = span[2 * e], T = span[2 * e + 1] - a;
+            if (T <= 0) continue;
+            const long ts = TYPE_SIZE[d_type[e]], blocks = I / BLOCK_SIZE[d_type[e]];
+            float o[GQ_MAX_TOKENS];
+            ROWS[d_type[e]][T - 1](d[e] + k * blocks * ts, blocks, ts, ha + a * h_bytes, h_bytes, o);
+            for (long t = 0; t < T; t++)
+                ys[(a + t) * H + k] = f32_to_bf16(round_bf16(o[t]) * bf16_to_f32(weights[a + t]));
+        }
     }
 }
 
