@@ -33,6 +33,12 @@ Prompt processing too (`--caps prefill`, `--prompt-tokens 512`): everything resi
 first token sampled: its TTFT), each after a warm-up prefill, `--repetitions` of each kept; its `(generate)` rows
 are `moetier generate --prompt-file` on 512 tokens of Emma, the process's first prefill (what a user waits).
 
+A server's batch too (`--caps batch`, `--batch 2,4,8`): everything resident, llama-batched-bench (`-npl B -npp 16
+-ntg --tokens`: B sequences, each its own 16-token prompt, then a token of each a step; its S_TG, the steps' tokens/s
+over all the sequences) beside moetier decoding B prompts together (moetier_run.py's "batch"; tok/s B over a step's
+time), after as many warm-up tokens; no `(generate)` rows (`moetier generate` runs one sequence; a server's
+batches are `moetier serve`'s).
+
 Each run is preceded by a memory probe in a fresh process (probe.py: the read rate the host gives now), and
 moetier's process probes itself after its tokens where no cap holds it (its memory is still held then):
 compare.json keeps both beside the speed, so a round's pair can be read at the rates the engines met.
@@ -61,7 +67,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 
 from cage import drop_cache, make_cage, run_caged  # noqa: E402
 from common import cpu_description, save_figure  # noqa: E402
-from llamacpp import LlamaCpp, build, parse_bench  # noqa: E402
+from llamacpp import LlamaCpp, build, parse_batched, parse_bench  # noqa: E402
 from load import THRESHOLD_CORES, mark, measured  # noqa: E402
 
 from moetier.paths import default_cache_dir  # noqa: E402
@@ -79,6 +85,7 @@ MODE_PRECISIONS = {"native": (), "int8": ("int8",), "int4": ("int4",), "hobbit":
 # fits)
 USER = " (generate)"  # a moetier mode run as a user runs it, `moetier generate`, beside the harness's own run
 PREFILL = "prefill"  # the setting whose rows are prompt processing (llama-bench's pp test), not decoding
+BATCH = "batch"  # the setting whose rows decode several sequences together (llama-batched-bench), resident
 
 
 def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dict[str, Path]:
@@ -149,14 +156,23 @@ def llama_run(llama: LlamaCpp, gguf: Path, cap: int | None, tokens: int, threads
     return dict(tok_s=statistics.median(kept), samples_tok_s=samples, peak=peak, build=r["build"])
 
 
+def llama_batched_run(llama, gguf: Path, sequences: int, tokens: int, threads: int, timeout: float) -> dict:
+    """llama-batched-bench: `sequences` decoded together, resident; decode tokens/s over all of them."""
+    proc, peak = run_caged(llama.batched_argv(gguf, sequences, tokens, threads), None, "moetier-peer", timeout)
+    if proc.returncode != 0:
+        return dict(error=f"llama-batched-bench exit {proc.returncode}: {proc.stderr.strip()[-300:]}", peak=peak)
+    return dict(parse_batched(proc.stdout), peak=peak)
+
+
 def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens: int, timeout: float,
-                kernels: str = "auto", prompt: int = 0, repetitions: int = 3) -> dict:
-    """moetier_run.py in its own process (and cgroup, under a cap): decode tok/s, or with `prompt` prompt tokens/s
-    of `repetitions` prefills of that length after a warm-up one."""
+                kernels: str = "auto", prompt: int = 0, repetitions: int = 3, batch: int = 1) -> dict:
+    """moetier_run.py in its own process (and cgroup, under a cap): decode tok/s (of `batch` sequences decoded
+    together: over all of them), or with `prompt` prompt tokens/s of `repetitions` prefills of that length after a
+    warm-up one."""
     _, precision, dense = mode
     cfg = dict(store=str(store), budget="100%" if cap is None else "auto", preload=cap is None, precision=precision,
                dense_precision=dense, tokens=tokens, warmup_tokens=tokens, prompt_len=16, kernels=kernels,
-               prompt_tokens=prompt, repetitions=repetitions)
+               prompt_tokens=prompt, repetitions=repetitions, batch=batch)
     env = dict(os.environ, OMP_NUM_THREADS=str(2))
     proc, peak = run_caged([sys.executable, str(HERE / "moetier_run.py"), json.dumps(cfg)], cap, "moetier-peer",
                            timeout, env)
@@ -214,13 +230,19 @@ def is_share(c: str) -> bool:
         return False
 
 
-def rows_of(formats: list[str], caps: list[str], ggufs: dict[str, Path], prompt_tokens: int = 512) -> list[dict]:
-    """A row per format and setting: resident, prefill (resident, prompt tokens/s of a `prompt_tokens` prompt), or
-    a cap in % of the format's file."""
+def rows_of(formats: list[str], caps: list[str], ggufs: dict[str, Path], prompt_tokens: int = 512,
+            batches: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
+    """A row per format and setting: resident, prefill (resident, prompt tokens/s of a `prompt_tokens` prompt),
+    batch (resident, decode tokens/s of each of `batches` sequences decoded together), or a cap in % of the
+    format's file."""
     rows = []
     for f in formats:
         size = ggufs[f].stat().st_size
         for c in caps:
+            if c == BATCH:
+                rows += [dict(format=f, setting=f"batch {n}", cap_bytes=None, gguf_bytes=size, batch=n)
+                         for n in batches]
+                continue
             if c == PREFILL:
                 rows.append(dict(format=f, setting=f"prefill {prompt_tokens}", cap_bytes=None, gguf_bytes=size,
                                  prompt_tokens=prompt_tokens))
@@ -409,6 +431,8 @@ def main() -> None:
                     help="resident; prefill (resident, prompt tokens/s of a --prompt-tokens prompt: llama-bench's pp "
                          "test); and caps in %% of the format's file")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="the prefill rows' prompt (llama-bench -p)")
+    ap.add_argument("--batch", default="2,4,8", help="the batch rows' sequences decoded together (llama-batched-"
+                                                     "bench's -npl), each with a 16-token prompt")
     ap.add_argument("--modes", default="", help="only these moetier modes (e.g. native,int4)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="measured tokens (resident); caps measure --cap-tokens")
@@ -460,16 +484,23 @@ def main() -> None:
     if unknown := [f for f in formats if f not in MODES]:
         raise SystemExit(f"unknown format(s) {unknown}; known: {', '.join(MODES)}")
     caps = [c for c in args.caps.split(",") if c]
-    if bad := [c for c in caps if c not in ("resident", PREFILL) and not is_share(c)]:
-        raise SystemExit(f"compare.py: error: unknown setting(s) {bad} in --caps; known: resident, {PREFILL}, and "
-                         f"shares of the file in %, over 0 and at most 100 (e.g. 60)")
+    if bad := [c for c in caps if c not in ("resident", PREFILL, BATCH) and not is_share(c)]:
+        raise SystemExit(f"compare.py: error: unknown setting(s) {bad} in --caps; known: resident, {PREFILL}, "
+                         f"{BATCH}, and shares of the file in %, over 0 and at most 100 (e.g. 60)")
     if args.prompt_tokens < 1:
         raise SystemExit("compare.py: error: --prompt-tokens must be at least 1")
-    if any(c not in ("resident", PREFILL) for c in caps):
+    try:
+        batches = tuple(int(n) for n in args.batch.split(",") if n)
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"compare.py: error: --batch takes sequence counts of at least 1, e.g. 2,4,8 (got "
+                         f"{args.batch!r})")
+    if any(c not in ("resident", PREFILL, BATCH) for c in caps):
         cage = make_cage(1 << 30, "moetier-peer-probe")
         if isinstance(cage, str):
             print(f"skipping the caps: {cage}", file=sys.stderr)
-            caps = [c for c in caps if c in ("resident", PREFILL)]
+            caps = [c for c in caps if c in ("resident", PREFILL, BATCH)]
         else:
             cage.remove()
     if args.modes:
@@ -484,13 +515,14 @@ def main() -> None:
     llama = build(default_cache_dir(), isa="avx2" if args.kernels == "avx2" else "native")
     ggufs = prepare(formats, llama, default_cache_dir() / "peers" / "models", store)
     index = indexed(ggufs)
-    rows = rows_of(formats, caps, ggufs, args.prompt_tokens)
+    rows = rows_of(formats, caps, ggufs, args.prompt_tokens, batches)
     prompt_file = (prompt_text(store / "tokenizer.json", args.prompt_tokens, args.out / "prompt.txt")
                    if PREFILL in caps and args.user_command else None)
     runs = []
     def engines_of(row: dict) -> list[str]:
         modes = [m[0] for m in MODES[row["format"]]]
-        users = [m + USER for m in modes] if row["cap_bytes"] is None and args.user_command else []
+        users = [m + USER for m in modes] if (row["cap_bytes"] is None and args.user_command
+                                              and "batch" not in row) else []  # (`generate` runs one sequence)
         return ["llama.cpp", *modes, *users]
 
     jobs = [(row, e) for row in rows for e in engines_of(row)]
@@ -507,7 +539,10 @@ def main() -> None:
                 mode = next((m for m in MODES[row["format"]] if m[0] == engine.removesuffix(USER)), None)
                 model = ggufs[row["format"]] if mode and mode[0] == SAME_FILE else store
                 prompt = row.get("prompt_tokens", 0)
-                if engine == "llama.cpp":
+                if engine == "llama.cpp" and "batch" in row:
+                    run = partial(llama_batched_run, llama, ggufs[row["format"]], row["batch"], tokens, args.threads,
+                                  args.timeout)
+                elif engine == "llama.cpp":
                     run = partial(llama_run, llama, ggufs[row["format"]], row["cap_bytes"], tokens, args.threads,
                                   args.timeout, args.repetitions, prompt)
                 elif engine.endswith(USER):
@@ -515,7 +550,7 @@ def main() -> None:
                                   prompt_file if prompt else None)
                 else:
                     run = partial(moetier_run, model, mode, row["cap_bytes"], tokens, args.timeout, args.kernels,
-                                  prompt, args.repetitions)
+                                  prompt, args.repetitions, row.get("batch", 1))
                 if capped:  # each attempt from a cold page cache (a rerun found the first attempt's pages)
                     run = partial(cold, run, [ggufs[row["format"]], store, *index.values()])
                 # waited for an idle machine, measured beside the other processes' CPU, run again under it
@@ -540,7 +575,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compare.md").write_text(markdown(summary) + "\n")
     meta = dict(cpu=cpu_description(), llama_cpp=llama.version(), threads=args.threads, tokens=args.tokens,
-                cap_tokens=args.cap_tokens, prompt_tokens=args.prompt_tokens, rounds=args.rounds, repetitions=args.repetitions,
+                cap_tokens=args.cap_tokens, prompt_tokens=args.prompt_tokens, batches=list(batches), rounds=args.rounds, repetitions=args.repetitions,
                 load_threshold_cores=THRESHOLD_CORES, kernels=args.kernels, llama_cpp_build=llama.isa,
                 date=time.strftime("%Y-%m-%d"))
     (args.out / "compare.json").write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python's; its vendor/llama.cpp is the tree built
-TARGETS = ("llama-bench", "llama-perplexity", "llama-quantize")
+TARGETS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-batched-bench")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF")
 # The instruction sets a build may use: `native`, what this CPU has (its default); `avx2`, ggml's AVX2 kernels alone
@@ -109,6 +109,15 @@ class LlamaCpp:
                 str(threads), "-r", str(repetitions), "-lm", load, "-o", "json"]
         return argv + (["--repack", "0"] if load == "mmap" else [])
 
+    def batched_argv(self, gguf: Path, sequences: int, tokens: int, threads: int, prompt: int = 16) -> list[str]:
+        """llama-batched-bench decoding `sequences` sequences together (each its own `prompt` random tokens, then
+        `tokens` steps of one token each: what a server's parallel slots decode), everything loaded up front
+        (`-lm none`, weights repacked as llama-bench's resident runs have them); JSON lines out."""
+        ctx = sequences * (prompt + tokens) + 16
+        return [str(self.bin / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-b", "512", "-ub", "512",
+                "-npp", str(prompt), "-ntg", str(tokens), "-npl", str(sequences), "-t", str(threads), "-lm", "none",
+                "--output-format", "jsonl"]
+
     def perplexity_argv(self, gguf: Path, text: Path, ctx: int, chunks: int, threads: int,
                         kl_base: Path | None = None, kl: bool = False) -> list[str]:
         argv = [str(self.bin / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
@@ -125,6 +134,12 @@ def parse_bench(stdout: str) -> dict:
                 build=row.get("build_commit"), cpu=row.get("cpu_info"), model_bytes=row.get("model_size"))
 
 
+def parse_batched(stdout: str) -> dict:
+    """llama-batched-bench's JSON line: the decode steps' tokens/s over all the sequences (its S_TG)."""
+    row = next(json.loads(line) for line in stdout.splitlines() if line.startswith("{") and '"speed_tg"' in line)
+    return dict(tok_s=row["speed_tg"], sequences=row["pl"], tokens=row["tg"], t_tg_s=row["t_tg"])
+
+
 def home(cache: Path) -> Path:
     return cache / "peers" / f"llama.cpp-{VERSION}"
 
@@ -139,6 +154,9 @@ def build(cache: Path, log=print, isa: str = "native") -> LlamaCpp:
     llama = LlamaCpp(home(cache) / "llama.cpp", isa)
     done = home(cache) / ("built" if isa == "native" else f"built-{isa}")
     if done.exists() and all((llama.bin / t).exists() for t in TARGETS):
+        return llama
+    if done.exists():  # built before a target was added here: that target alone (seconds: the libraries are built)
+        compile_tree(llama.tree, isa, log)
         return llama
     if not (home(cache) / "built").exists():  # the source tree comes with the native build
         fetch_source(cache, log)

@@ -2,7 +2,8 @@
 a budget and precision, a random prompt, warm-up tokens, then the measured ones; the share of its memory in huge
 pages, and then the process's memory read rate (probe.py). Prints one JSON line.
 
-With "prompt_tokens": N in the configuration it measures prompt processing instead, as llama-bench's pp test
+With "batch": B it decodes B sequences together (each its own random prompt; a step makes a token of each,
+its tok/s B over the step's time: what llama-batched-bench's S_TG reports). With "prompt_tokens": N it measures prompt processing instead, as llama-bench's pp test
 does: a warm-up prefill of N random ids, then "repetitions" prefills of N other random ids (the first token
 sampled from each: its TTFT), each one's prompt tokens/s kept.
 
@@ -48,15 +49,17 @@ def run(cfg: dict) -> dict:
     vocab = engine.spec.vocab_size
     if cfg.get("prompt_tokens"):
         return prefill(engine, cfg, rng, load_s)
-    warm, prompt = ([rng.randrange(vocab) for _ in range(cfg.get("prompt_len", 16))] for _ in range(2))
+    n = cfg.get("batch", 1)  # sequences decoded together (a server's batch); tok/s over all of them
+    warm, prompts = ([[rng.randrange(vocab) for _ in range(cfg.get("prompt_len", 16))] for _ in range(n)]
+                     for _ in range(2))
     if cfg.get("warmup_tokens", 16):
-        engine.generate([warm], max_new_tokens=cfg.get("warmup_tokens", 16), ignore_eos=True)
-    stats = engine.generate([prompt], max_new_tokens=cfg["tokens"], ignore_eos=True).stats
+        engine.generate(warm, max_new_tokens=cfg.get("warmup_tokens", 16), ignore_eos=True)
+    stats = engine.generate(prompts, max_new_tokens=cfg["tokens"], ignore_eos=True).stats
     note = engine.budget.note
     huge = huge_page_share()
     engine.close()
     from probe import read_rate  # (this process's memory rate; not under a cap: the engine's memory is still held)
-    return dict(tok_s=1 / stats["tpot_s"], tpot_s=stats["tpot_s"], tpot_p50_s=stats.get("tpot_p50_s"),
+    return dict(tok_s=n / stats["tpot_s"], tpot_s=stats["tpot_s"], batch=n, tpot_p50_s=stats.get("tpot_p50_s"),
                 hit_rate=stats.get("decode_hit_rate", stats.get("hit_rate")),
                 expert_bytes_per_token=stats.get("expert_bytes_per_token"), peak_rss=stats.get("peak_rss_bytes"),
                 load_s=load_s, budget_note=note, huge_page_share=huge, probe_in_gb_s=read_rate() if cfg.get("preload") else None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from moetier.config import ModelSpec
@@ -30,6 +31,10 @@ from moetier.model.rope import RopeTables
 from moetier.model.router import SoftmaxRouter
 
 QK_NORM = {"none": 0, "full": 1, "head": 2}  # the C side's codes (moetier_decode_layer.qk_norm)
+# the most sequences a step's blocks take (a server's batch, moetier_decode_block_rows): within every precision's
+# integer_tokens (gemm_precision.py: Q8_0's 12 the least), so the layer-by-layer forward would compute the same
+# products from the codes, and within the native decode attention's rows (kernels.NATIVE_ROWS)
+BLOCK_ROWS = 8
 
 
 class Matrix(ctypes.Structure):
@@ -139,21 +144,28 @@ class DecodeBlocks:
         self.fused_router = [is_moe[i] and _router_fused(router, w) for i, w in enumerate(layers)]
         self.layers = [self._layer(a, w, fused) for a, w, fused in zip(attn, layers, self.fused_router)]
         self.addresses = [ctypes.addressof(layer) for layer in self.layers]
-        n = len(layers)
-        self.residual = torch.empty(1, h, dtype=torch.bfloat16)  # [1, H] updated in place, layer by layer
-        self.x = torch.empty(n, 1, h, dtype=torch.bfloat16)  # each layer's normed input to its MLP or experts
-        # [L, 1, E] the router's bf16 logits as floats: exactly what its softmax in fp32 would widen them to
-        self.logits = torch.empty(n, 1, spec.num_experts or 1, dtype=torch.float32)
-        self.work = torch.empty(2 * h + 4 * (spec.num_heads + spec.num_kv_heads) * d + (spec.num_experts or 1),
-                                dtype=torch.bfloat16)
+        n, e = len(layers), spec.num_experts or 1
+        # [B, H] updated in place, layer by layer (a step of one sequence: its first row, `residual`)
+        self.residuals = torch.empty(BLOCK_ROWS, h, dtype=torch.bfloat16)
+        self.residual = self.residuals[:1]
+        self.x = torch.empty(n, BLOCK_ROWS, h, dtype=torch.bfloat16)  # each layer's normed input to its experts
+        # [L, B, E] the router's bf16 logits as floats: exactly what its softmax in fp32 would widen them to
+        self.logits = torch.empty(n, BLOCK_ROWS, e, dtype=torch.float32)
+        row_work = 2 * h + 4 * (spec.num_heads + spec.num_kv_heads) * d + e  # bf16 values a sequence's block uses
+        self.work = torch.empty(BLOCK_ROWS * row_work, dtype=torch.bfloat16)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the products' and the attention's, grown to the context
+        self.rows = 1  # the step's sequences (`begin`)
         # each layer's views and addresses, made once: two views and four `data_ptr`s a call, run with the caches
         # cold from the weights just streamed, were ~1% of a resident bf16 step's samples (py-spy, OLMoE, Zen 4)
-        self.xs, self.logit_rows = list(self.x), list(self.logits)
+        self.xs, self.logit_rows = list(self.x[:, :1]), list(self.logits[:, :1])
+        self.views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # B -> each layer's x, logits
         self.x_ptrs, self.logit_ptrs = [x.data_ptr() for x in self.xs], [r.data_ptr() for r in self.logit_rows]
         self.residual_ptr, self.work_ptr = self.residual.data_ptr(), self.work.data_ptr()
         products = [self._scratch(_qkv(a)) for a in attn] + [self._scratch(a.o_proj) for a in attn]
-        self.products = max(*products, h + (spec.num_experts or 1))  # floats for the largest product (router's too)
+        self.products = max(*products, h + e)  # floats for the largest product (router's too)
+        # ...and of a batch's (moetier_decode_block_rows' product_rows)
+        self.products_rows = max(*(self._scratch(m, BLOCK_ROWS) for a in attn for m in (_qkv(a), a.o_proj)),
+                                 BLOCK_ROWS * h)
 
     @classmethod
     def make(cls, spec: ModelSpec, embed: torch.Tensor, attn: list, layers: list[dict[str, torch.Tensor]], router,
@@ -163,18 +175,19 @@ class DecodeBlocks:
             return None
         return cls(spec, attn, layers, router, is_moe, kernels)
 
-    def _scratch(self, weight) -> int:
-        """Floats a product of `weight` needs: K + N for bf16 rows, the integer kernel's bytes for a quantized one."""
+    def _scratch(self, weight, rows: int = 1) -> int:
+        """Floats a product of `weight` needs for `rows` rows: K + N a row for bf16 (K for more rows), the integer
+        kernel's bytes for a quantized one, K + N floats and an activation's bytes a row for GGUF blocks."""
         if isinstance(weight, BlockMatrix):
             weight = (weight,)
-        if isinstance(weight, tuple):  # K + N floats and the largest part's activation bytes (product_ggml)
+        if isinstance(weight, tuple):  # (product_ggml, product_rows)
             k = weight[0].shape[1]
             act = max(self.lib.moetier_gq_act_bytes(TYPE_IDS[p.fmt], k) for p in weight)
-            return k + sum(p.shape[0] for p in weight) + act // 4 + 1
+            return rows * (k + sum(p.shape[0] for p in weight) + act // 4 + 1)
         n, k = weight.shape
         if isinstance(weight, QuantizedMatrix):
-            return self.lib.moetier_linear_qi_scratch(weight.bits, weight.group, n, k, 1) // 4 + 1
-        return n + k
+            return self.lib.moetier_linear_qi_scratch(weight.bits, weight.group, n, k, rows) // 4 + 1
+        return n + k if rows == 1 else rows * k
 
     def _layer(self, a: Attention, w: dict[str, torch.Tensor], fused_router: bool) -> DecodeLayer:
         spec = self.spec
@@ -189,31 +202,61 @@ class DecodeBlocks:
             spec.rms_norm_eps, a.scale)
 
     def applies(self, kv: KVCache, rope: RopeTables, rows: int) -> bool:
-        """For this step: one sequence, whole-head RoPE, a cache the kernel writes (checked once a step)."""
+        """For this step: up to BLOCK_ROWS sequences, whole-head RoPE, a cache the kernel writes (checked once a
+        step)."""
         k = kv.k[0]
-        return (rows == 1 and rope.plain(self.spec.head_dim) and k.dtype == torch.bfloat16 and k.is_contiguous()
-                and kv.v[0].is_contiguous())
+        return (rows <= BLOCK_ROWS and rope.plain(self.spec.head_dim) and k.dtype == torch.bfloat16
+                and k.is_contiguous() and kv.v[0].is_contiguous())
 
-    def begin(self, kv: KVCache, rope: RopeTables, row: int, position: int) -> None:
-        """The step's places: its cache row, its position's RoPE rows, and the work space for its context."""
+    def begin(self, kv: KVCache, rope: RopeTables, rows: list[int], positions: list[int]) -> None:
+        """The step's places: each sequence's cache row, its position's RoPE rows, and the work space for the
+        longest context."""
         heads, max_len, d = kv.k[0].shape[1:]
-        self.row_bytes = row * heads * max_len * d * 2  # bf16
-        self.max_len, self.position = max_len, position
-        offset = position * d * 2
-        self.cos, self.sin = rope.cos.data_ptr() + offset, rope.sin.data_ptr() + offset
-        need = max(self.products, self.lib.moetier_threads() * (position + 1 + 2 * d))  # (attention: a part a thread)
+        self.rows = len(rows)
+        row_bytes = [row * heads * max_len * d * 2 for row in rows]  # bf16
+        self.row_bytes, self.max_len, self.position = row_bytes[0], max_len, positions[0]
+        offsets = [position * d * 2 for position in positions]
+        self.cos, self.sin = rope.cos.data_ptr() + offsets[0], rope.sin.data_ptr() + offsets[0]
+        if self.rows > 1:  # (moetier_decode_block_rows' arrays: a sequence's row, position and RoPE rows each)
+            self.row_array = np.array(row_bytes, dtype=np.int64)
+            self.position_array = np.array(positions, dtype=np.int64)
+            self.rope_array = np.array([[rope.cos.data_ptr() + o for o in offsets],
+                                        [rope.sin.data_ptr() + o for o in offsets]], dtype=np.int64)  # [2, B]
+        products = self.products if self.rows == 1 else self.products_rows
+        need = max(products, self.lib.moetier_threads() * (max(positions) + 1 + 2 * d))  # (attention: a thread's)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.float32)
         self.scratch_ptr = self.scratch.data_ptr()
 
+    def rows_of(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's x [B, H] and logits [B, E] for a step of `rows` sequences (views, made once per B)."""
+        if rows == 1:
+            return self.xs, self.logit_rows
+        if rows not in self.views:
+            self.views[rows] = list(self.x[:, :rows]), list(self.logits[:, :rows])
+        return self.views[rows]
+
     def __call__(self, layer: int, delta: torch.Tensor | None, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += delta (the layer before's MLP or experts, None at the first), then += the attention: returns
-        (x [1, H], the post-attention norm of the residual; logits [1, E] fp32 of a fused router, else unset)."""
+        (x [B, H], the post-attention norm of the residual; logits [B, E] fp32 of a fused router, else unset)."""
         if delta is not None:
             delta = delta.contiguous()  # (held: its pointer must outlive the call)
+        if self.rows > 1:
+            return self._rows(layer, delta, kv)
         self.lib.moetier_decode_block_bf16(
             self.addresses[layer], self.residual_ptr, None if delta is None else delta.data_ptr(),
             kv.k[layer].data_ptr() + self.row_bytes, kv.v[layer].data_ptr() + self.row_bytes, self.max_len,
             self.position, self.cos, self.sin, self.x_ptrs[layer], self.logit_ptrs[layer], self.work_ptr,
             self.scratch_ptr)
         return self.xs[layer], self.logit_rows[layer]
+
+    def _rows(self, layer: int, delta: torch.Tensor | None, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's sequences through the layer's block in one call (moetier_decode_block_rows)."""
+        xs, logits = self.rows_of(self.rows)
+        ropes = self.rope_array
+        self.lib.moetier_decode_block_rows(
+            self.addresses[layer], self.rows, self.residual_ptr, None if delta is None else delta.data_ptr(),
+            kv.k[layer].data_ptr(), kv.v[layer].data_ptr(), self.row_array.ctypes.data, self.max_len,
+            self.position_array.ctypes.data, ropes.ctypes.data, ropes.ctypes.data + ropes.strides[0],
+            xs[layer].data_ptr(), logits[layer].data_ptr(), self.work_ptr, self.scratch_ptr)
+        return xs[layer], logits[layer]

@@ -166,6 +166,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_swiglu_bf16_layer.restype = None
     lib.moetier_decode_block_bf16.argtypes = [p, p, p, p, p, n, n, p, p, p, p, p, p]
     lib.moetier_decode_block_bf16.restype = None
+    lib.moetier_decode_block_rows.argtypes = [p, n, p, p, p, p, p, n, p, p, p, p, p, p, p]
+    lib.moetier_decode_block_rows.restype = None
     lib.moetier_swiglu_bf16_token_routed.argtypes = [p, p, p, n, n, p, p, n, n, p]
     lib.moetier_swiglu_bf16_token_routed.restype = None
     lib.moetier_swiglu_qi_token_routed.argtypes = [i, p, p, p, n, n, n, n, p, p, n, n, p]

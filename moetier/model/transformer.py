@@ -144,13 +144,13 @@ class Transformer:
         return self.kernels.linear(norm(h, self.w, "norm"), self.lm_head, self.lm_head_bias)
 
     def _forward_blocks(self, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor:
-        """A one-sequence decode step with each layer's attention block in one native call: the same logits bit for
-        bit (moetier/model/decode_block.py)."""
-        blocks = self.blocks
-        blocks.begin(kv, rope, batch.rows_host[0], batch.lengths_host[0] - 1)
-        h = blocks.residual  # [1, H], updated in place by each block
+        """A decode step (of up to BLOCK_ROWS sequences) with each layer's attention block in one native call: the
+        same logits bit for bit (moetier/model/decode_block.py)."""
+        blocks, rows = self.blocks, len(batch.rows_host)
+        blocks.begin(kv, rope, batch.rows_host, [n - 1 for n in batch.lengths_host])
+        h = blocks.residuals[:rows]  # [B, H], updated in place by each block
         torch.index_select(self.w["embed_tokens"], 0, batch.token_ids, out=h)
-        tables = self._resident_tables()
+        tables = self._resident_tables() if rows == 1 else None  # (the one-call step: one sequence)
         if tables is not None:
             return self._forward_resident(kv, tables)
         delta = None  # the layer before's MLP or experts output, added by the next block

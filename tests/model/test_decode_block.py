@@ -113,14 +113,72 @@ def test_where_the_block_does_not_apply_the_layers_run(tiny_store, monkeypatch, 
         assert len(decode_logits(engine, blocks=True, steps=2)) == 3
 
 
-def test_a_batch_of_two_sequences_runs_the_layers(tiny_store, monkeypatch):
+def batch_logits(engine, blocks: bool, rows: list[int], steps: int = 4, max_len: int = 24) -> list[torch.Tensor]:
+    """Prompts of different lengths in cache rows `rows` (any order), then `steps` decode steps of all of them
+    together (each feeding back its greedy token): every step's logits [B, V]."""
+    model = engine.model
+    saved, model.blocks = model.blocks, model.blocks if blocks else None
+    try:
+        prompts = [[3 + 2 * b + j for j in range(2 + b % 3)] for b in range(len(rows))]
+        kv, stats = KVCache(engine.spec, max(rows) + 1, max_len, torch.bfloat16), GenerationStats()
+        engine.executor.begin_step(PREFILL, stats.phases)
+        out = [model.forward(StepBatch.prefill(prompts, rows), kv)]
+        positions = [len(p) for p in prompts]
+        for _ in range(steps):
+            engine.executor.begin_step(DECODE, stats.phases)
+            tokens = out[-1].float().argmax(-1).tolist()
+            out.append(model.forward(StepBatch.decode_step(tokens, rows, positions, max(rows) + 1), kv))
+            positions = [p + 1 for p in positions]
+    finally:
+        model.blocks = saved
+    return out
+
+
+@pytest.mark.parametrize("family,overrides,dense_precision", [
+    ("olmoe", {}, "native"),
+    ("qwen3_moe", {}, "native"),
+    ("qwen2_moe", {}, "native"),
+    ("mixtral", {"sliding_window": 4}, "native"),
+    ("olmoe", {"hidden_size": 128}, "int4"),
+    ("qwen2_moe", {"hidden_size": 128}, "int8"),
+])
+@pytest.mark.parametrize("budget", ["100%", "50%"])
+def test_a_batchs_blocks_give_the_layer_by_layer_logits_bit_for_bit(tiny_store, family, overrides, dense_precision,
+                                                                    budget):
+    """A decode step of several sequences (a server's batch) with each layer's attention for all of them in one call
+    (moetier_decode_block_rows): each at its own position and cache row (rows out of order, contexts of different
+    lengths), the logits the layer-by-layer forward gives, bit for bit."""
+    _, path = tiny_store(family, dtype=torch.bfloat16, **overrides)
+    engine = Engine.from_pretrained(path, expert_memory=budget, kernels="native", dense_precision=dense_precision,
+                                    progress=False)
+    with engine:
+        assert engine.model.blocks is not None
+        rows = [2, 0, 3]
+        fused = batch_logits(engine, blocks=True, rows=rows)
+        layered = batch_logits(engine, blocks=False, rows=rows)
+    assert len(fused) == len(layered) == 5 and fused[-1].shape[0] == 3
+    for a, b in zip(fused, layered):
+        assert torch.equal(a, b)
+
+
+def test_a_batchs_blocks_run_only_up_to_their_rows(tiny_store, monkeypatch):
+    """BLOCK_ROWS sequences through the blocks; one more runs the layers (whose products would leave the codes for
+    the GEMM somewhere past it)."""
+    from moetier.model.decode_block import BLOCK_ROWS
+
     _, path = tiny_store("olmoe", dtype=torch.bfloat16)
     engine = Engine.from_pretrained(path, expert_memory="100%", kernels="native", progress=False)
     with engine:
         model = engine.model
-        monkeypatch.setattr(type(model), "_forward_blocks", lambda *a: pytest.fail("the blocks ran for two rows"))
-        kv, stats = KVCache(engine.spec, 2, 8, torch.bfloat16), GenerationStats()
-        engine.executor.begin_step(PREFILL, stats.phases)
-        model.forward(StepBatch.prefill([[3, 4], [5, 6]], [0, 1]), kv)
-        engine.executor.begin_step(DECODE, stats.phases)
-        assert model.forward(StepBatch.decode_step([7, 8], [0, 1], [2, 2], 2), kv).shape[0] == 2
+        calls = []
+        forward_blocks = type(model)._forward_blocks
+        monkeypatch.setattr(type(model), "_forward_blocks", lambda *a: calls.append(len(a[1].rows_host))
+                            or forward_blocks(*a))
+        for n in (BLOCK_ROWS, BLOCK_ROWS + 1):
+            rows = list(range(n))
+            kv, stats = KVCache(engine.spec, n, 8, torch.bfloat16), GenerationStats()
+            engine.executor.begin_step(PREFILL, stats.phases)
+            model.forward(StepBatch.prefill([[3, 4]] * n, rows), kv)
+            engine.executor.begin_step(DECODE, stats.phases)
+            assert model.forward(StepBatch.decode_step([7] * n, rows, [2] * n, n), kv).shape[0] == n
+    assert calls == [BLOCK_ROWS]

@@ -289,6 +289,19 @@ def test_the_native_decode_block_computes_a_files_blocks_bit_for_bit(k_quant, qw
     assert all(torch.equal(a, b) for a, b in zip(fused, layered))
 
 
+@pytest.mark.parametrize("which", ["olmoe", "qwen2_moe"])
+def test_a_batchs_decode_blocks_compute_a_files_blocks_bit_for_bit(k_quant, qwen2_k_quant, which):
+    """Three sequences' attention in one native call a layer (moetier_decode_block_rows: q, k and v in their own
+    types, each part's activations quantized once for all rows): the layer-by-layer forward's logits, bit for bit."""
+    from tests.model.test_decode_block import batch_logits
+
+    path = k_quant["q4_k_m-dense"] if which == "olmoe" else qwen2_k_quant
+    with Engine.from_pretrained(path, expert_memory="100%", kernels="native", progress=False) as e:
+        assert e.model.blocks is not None
+        fused, layered = batch_logits(e, True, [1, 0, 2]), batch_logits(e, False, [1, 0, 2])
+    assert all(torch.equal(a, b) for a, b in zip(fused, layered))
+
+
 def test_quantized_copies_of_a_gguf_are_made_from_its_values(k_quant, tmp_path):
     """HOBBIT's and int4's copies of a Q4_K_M file's experts (each layer's own formats, Q5_0 included) are made
     from the values its blocks stand for, as from a float checkpoint's."""
