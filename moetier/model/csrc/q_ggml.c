@@ -129,7 +129,7 @@ static inline float hsum_ps128(__m128 s) {
    summed by fours: one instruction each with AVX-512 VNNI (vpdpwssd, vpdpbusd on 256-bit registers), two or three
    without. The same integer sums either way — neither saturates here (see the top), and int32 adds associate — so
    each library computes the same bits. (Measured on a Zen 4 at 2-4 tokens, where these kernels are compute-bound
-   on a batch's rows: docs/performance.md "A batch's decode step".) */
+   on a batch's rows: docs/performance.md "A server's batch".) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_epi32(acc, u, x); }
