@@ -156,7 +156,7 @@ def build(cache: Path, log=print, isa: str = "native") -> LlamaCpp:
     if done.exists() and all((llama.bin / t).exists() for t in TARGETS):
         return llama
     if done.exists():  # built before a target was added here: that target alone (seconds: the libraries are built)
-        compile_tree(llama.tree, isa, log)
+        compile_tree(llama.tree, isa, log, added=True)
         return llama
     if not (home(cache) / "built").exists():  # the source tree comes with the native build
         fetch_source(cache, log)
@@ -186,8 +186,11 @@ def fetch_source(cache: Path, log=print) -> None:
     sdist.unlink()
 
 
-def compile_tree(tree: Path, isa: str, log=print) -> None:
-    if isa != "native":
+def compile_tree(tree: Path, isa: str, log=print, added: bool = False) -> None:
+    """cmake's build of TARGETS for `isa` (`added`: into a finished build, for a target it lacks)."""
+    if added:
+        log(f"building the llama.cpp tools this comparison lacks into {tree / build_dir(isa)} (the libraries are there)")
+    elif isa != "native":
         log(f"building llama.cpp's {isa} variant into {tree / build_dir(isa)}: about 10 minutes on two cores, once")
     out = tree / build_dir(isa)
     subprocess.run(["cmake", "-S", str(tree), "-B", str(out), *CMAKE_FLAGS, *ISAS[isa]], check=True,

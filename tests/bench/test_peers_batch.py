@@ -52,3 +52,21 @@ def test_a_batch_size_that_is_not_a_count_is_refused_before_anything_runs():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--caps", "batch", "--batch", "2,x"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "--batch" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_build_made_before_a_tool_was_added_builds_that_tool_alone(tmp_path, monkeypatch):
+    """A cache whose llama.cpp was built before llama-batched-bench was a target: the finished build is kept and the
+    tools it lacks are built into it (cmake builds what is missing: seconds), not fetched and built again."""
+    load_compare()
+    import llamacpp
+
+    home = llamacpp.home(tmp_path)
+    (home / "llama.cpp" / "build" / "bin").mkdir(parents=True)
+    (home / "built").write_text(llamacpp.VERSION)
+    for tool in ("llama-bench", "llama-perplexity", "llama-quantize"):  # (the targets before)
+        (home / "llama.cpp" / "build" / "bin" / tool).write_text("")
+    calls = []
+    monkeypatch.setattr(llamacpp, "fetch_source", lambda *a, **k: calls.append("fetch"))
+    monkeypatch.setattr(llamacpp, "compile_tree", lambda tree, isa, log=print, added=False: calls.append((isa, added)))
+    llamacpp.build(tmp_path, log=lambda *a: None)
+    assert calls == [("native", True)]
