@@ -416,6 +416,16 @@ static long act_most(long K) {
 
 static long round64(long bytes) { return (bytes + 63) & ~63L; }
 
+/* The bytes of n SwiGLU experts' blocks (gate_up [2I, H] of gu_type[e], down [H, I] of d_type[e]): whether a call
+   pays for the threads. */
+static long experts_bytes(long n, const int *gu_type, const int *d_type, long H, long I) {
+    long bytes = 0;
+    for (long e = 0; e < n; e++)
+        bytes += 2 * I * (H / BLOCK_SIZE[gu_type[e]]) * TYPE_SIZE[gu_type[e]]
+                 + H * (I / BLOCK_SIZE[d_type[e]]) * TYPE_SIZE[d_type[e]];
+    return bytes;
+}
+
 /* Bytes of scratch moetier_gq_swiglu_token (and so moetier_gq_swiglu_token_routed) needs for n experts. */
 long moetier_gq_token_scratch(long n, long H, long I) {
     return 64 + round64(4 * H) + n * round64(act_most(H)) + n * round64(act_most(I)) + round64(4 * n * I)
@@ -451,10 +461,7 @@ void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *g
         }
     }
     float *h = (float *)p, *ys = h + n * I; /* [n, I], [n, H]: ys as moetier_gq_swiglu rounds each output */
-    long bytes = 0;
-    for (long e = 0; e < n; e++)
-        bytes += 2 * I * (H / BLOCK_SIZE[gu_type[e]]) * TYPE_SIZE[gu_type[e]]
-                 + H * (I / BLOCK_SIZE[d_type[e]]) * TYPE_SIZE[d_type[e]];
+    const long bytes = experts_bytes(n, gu_type, d_type, H, I);
 #pragma omp parallel if (bytes >= GQ_PARALLEL_MIN_BYTES)
     {
 #pragma omp for schedule(static)
@@ -501,10 +508,7 @@ void moetier_gq_swiglu_layer(long n, const int *gu_type, const uint8_t *const *g
     const long x_bytes = round64(act_most(H)), h_bytes = round64(act_most(I)); /* a pair's activations' stride */
     char *xa = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63), *ha = xa + P * x_bytes;
     float *h = (float *)(ha + P * h_bytes); /* [P, I] */
-    long bytes = 0;
-    for (long e = 0; e < n; e++)
-        bytes += 2 * I * (H / BLOCK_SIZE[gu_type[e]]) * TYPE_SIZE[gu_type[e]]
-                 + H * (I / BLOCK_SIZE[d_type[e]]) * TYPE_SIZE[d_type[e]];
+    const long bytes = experts_bytes(n, gu_type, d_type, H, I);
 #pragma omp parallel if (bytes >= GQ_PARALLEL_MIN_BYTES)
     {
 #pragma omp for schedule(static)
