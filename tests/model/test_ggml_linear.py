@@ -229,6 +229,19 @@ def test_a_layers_experts_in_one_call_are_one_call_an_expert_bit_for_bit(linear,
     assert torch.equal(got, want)
 
 
+
+@pytest.mark.skipif(len(native.runnable_isas()) < 2, reason="this CPU runs one instruction set's library only")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_library_computes_the_same_bits(fmt):
+    """The AVX-512 library's blocks multiply and add in one instruction (VNNI's vpdpwssd / vpdpbusd) where the AVX2
+    library takes two or three: the same integer sums, so the same outputs at every token count of a pass."""
+    torch.manual_seed(11)
+    w = quantize_any(torch.randn(96, 512) * 0.05, fmt)
+    x = torch.randn(MAX_TOKENS, 512)
+    outs = [[GgmlLinear(native.load(isa).lib)(x[:t], w, fmt) for t in range(1, MAX_TOKENS + 1)]
+            for isa in native.runnable_isas()]
+    assert all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
+
 class _Counting:
     """A native library whose calls are named in `calls` as they are made."""
 
