@@ -214,13 +214,20 @@ class QuantizedExpert(OneByOne):
                                  scratch)
 
     def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
-        """The integer path's experts in one call (`moetier_swiglu_qi_layer`, bit for bit what one call an expert
-        computes); otherwise one by one."""
-        n, h = len(items), xs.shape[1]
+        """The integer path's experts of a pass's rows in one call (`moetier_swiglu_qi_layer`, bit for bit what one
+        call an expert computes), the others (a prompt's busier experts) one by one beside it; all one by one where
+        that call does not compute them."""
+        h = xs.shape[1]
         i, gu_group, dn_group = _shape(items[0][0], h)
-        if (self.lib is None or len(items) < 2 or any(b - a > NATIVE_MAX_TOKENS for _, a, b in items)
-                or not (xs.is_contiguous() and ys.is_contiguous()) or not self._fits(h, i, gu_group, dn_group)):
+        few = [item for item in items if 0 < item[2] - item[1] <= NATIVE_MAX_TOKENS]
+        if (self.lib is None or len(few) < 2 or not (xs.is_contiguous() and ys.is_contiguous())
+                or not self._fits(h, i, gu_group, dn_group)
+                or any(_shape(w, h) != (i, gu_group, dn_group) for w, *_ in items)):
             return super().layer(ys, xs, weights, items)
+        for w, a, b in items:
+            if b - a > NATIVE_MAX_TOKENS:
+                self(ys[a:b], xs[a:b], w, weights[a:b])
+        items, n = few, len(few)
         ptrs = _pointers([w for w, *_ in items])  # [6, n]
         spans = np.array([r for _, a, b in items for r in (a, b)], dtype=np.int64)  # [2n]: each expert's rows
         p, row = ptrs.ctypes.data, ptrs.strides[0]

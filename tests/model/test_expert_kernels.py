@@ -247,7 +247,7 @@ def layer_of(kernel, experts, counts, h, seed=0):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
-@pytest.mark.parametrize("counts", [[1] * 8, [1, 3, 4, 2], [2]])
+@pytest.mark.parametrize("counts", [[1] * 8, [1, 3, 4, 2], [2], [2, 9, 1, 5, 3]])  # (9, 5: one by one beside it)
 def test_a_layers_experts_in_one_call_are_one_call_each_bit_for_bit(isa, precision, counts):
     h, i = 512, 256
     experts = [quantize_expert(expert(h, i, seed=j), precision) for j in range(len(counts))]
