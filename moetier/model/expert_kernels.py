@@ -221,8 +221,7 @@ class QuantizedExpert(OneByOne):
         i, gu_group, dn_group = _shape(items[0][0], h)
         few = [item for item in items if 0 < item[2] - item[1] <= NATIVE_MAX_TOKENS]
         if (self.lib is None or len(few) < 2 or not (xs.is_contiguous() and ys.is_contiguous())
-                or not self._fits(h, i, gu_group, dn_group)
-                or any(_shape(w, h) != (i, gu_group, dn_group) for w, *_ in items)):
+                or not self._fits(h, i, gu_group, dn_group)):
             return super().layer(ys, xs, weights, items)
         for w, a, b in items:
             if b - a > NATIVE_MAX_TOKENS:

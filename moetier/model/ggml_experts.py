@@ -76,18 +76,19 @@ class GgmlExpert(OneByOne):
             if b > a:
                 self(ys[a:b], xs[a:b], w, weights[a:b])
         i = few[0][0][0]["gate_up_proj"].shape[0] // 2
-        ptrs = np.array([[w["gate_up_proj"].data_ptr(), w["down_proj"].data_ptr(), TYPE_IDS[gu], TYPE_IDS[d], a, b]
-                         for (w, a, b), gu, d in few], dtype=np.int64).T.copy()  # [6, n]
-        types = ptrs[2:4].astype(np.int32)  # [2, n]
-        lib, row, t32 = self.linear.lib, ptrs.strides[0], types.strides[0]
-        spans = np.ascontiguousarray(ptrs[4:6].T)  # [n, 2]
+        gu_types = np.array([TYPE_IDS[gu] for _, gu, _ in few], dtype=np.int32)
+        d_types = np.array([TYPE_IDS[d] for *_, d in few], dtype=np.int32)
+        gu_ptrs = np.array([w["gate_up_proj"].data_ptr() for (w, _, _), *_ in few], dtype=np.int64)
+        d_ptrs = np.array([w["down_proj"].data_ptr() for (w, _, _), *_ in few], dtype=np.int64)
+        spans = np.array([r for (_, a, b), *_ in few for r in (a, b)], dtype=np.int64)  # [2n]: each expert's rows
+        lib = self.linear.lib
         need = lib.moetier_gq_layer_scratch(xs.shape[0], h, i)
         if self.linear.scratch.numel() < need:
             self.linear.scratch = torch.empty(need, dtype=torch.uint8)
         rw = weights.to(torch.bfloat16).contiguous()
-        lib.moetier_gq_swiglu_layer(len(few), types.ctypes.data, ptrs.ctypes.data, types.ctypes.data + t32,
-                                    ptrs.ctypes.data + row, spans.ctypes.data, xs.shape[0], xs.data_ptr(),
-                                    rw.data_ptr(), ys.data_ptr(), h, i, self.linear.scratch.data_ptr())
+        lib.moetier_gq_swiglu_layer(len(few), gu_types.ctypes.data, gu_ptrs.ctypes.data, d_types.ctypes.data,
+                                    d_ptrs.ctypes.data, spans.ctypes.data, xs.shape[0], xs.data_ptr(), rw.data_ptr(),
+                                    ys.data_ptr(), h, i, self.linear.scratch.data_ptr())
 
     def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
         """A layer's resident experts (by id) for `token_routed`: each one's blocks and their formats, as a layer's
