@@ -123,17 +123,19 @@ class DenseExpert(OneByOne):
 class ClampedSwigluExpert(OneByOne):
     """gpt-oss: gate and up (with biases) clamped to ±limit (gate only from above), gate·sigmoid(alpha·gate)·(up + 1),
     then down with its bias. Gate and up are packed as halves of gate_up_proj (the checkpoint interleaves them;
-    conversion splits them, so the same dot products run)."""
+    conversion splits them, so the same dot products run). Biases in another dtype than the weights (a GGUF's, read
+    in place: its converter writes them in F32, exactly the checkpoint's bf16 values) are taken in the weights'."""
 
     def __init__(self, alpha: float, limit: float) -> None:
         self.alpha, self.limit = alpha, limit
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
-        gate, up = F.linear(x, w["gate_up_proj"], w["gate_up_proj.bias"]).chunk(2, dim=-1)  # [n, I] each
+        gu_bias, d_bias = (w[name].to(w["down_proj"].dtype) for name in ("gate_up_proj.bias", "down_proj.bias"))
+        gate, up = F.linear(x, w["gate_up_proj"], gu_bias).chunk(2, dim=-1)  # [n, I] each
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        out.copy_(F.linear(h, w["down_proj"], w["down_proj.bias"]) * weights[:, None])
+        out.copy_(F.linear(h, w["down_proj"], d_bias) * weights[:, None])
 
 
 class ReluExpert(OneByOne):
@@ -331,13 +333,15 @@ def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype
     """The kernel for slots of `precision` in a model computing in `dtype` (`spec`: the model, for its activation;
     None: SwiGLU)."""
     if precision in GGUF_BLOCKS or precision in MIXES:  # GGML's formats: SwiGLU experts (a GGUF's, our copies)
-        from moetier.model.ggml_experts import GgmlExpert
+        from moetier.model.ggml_experts import GgmlClampedExpert, GgmlExpert
 
+        lib = getattr(kernels, "lib", None) if kernels.name != "cuda" else None
+        if spec is not None and spec.activation == "swiglu-clamped":  # gpt-oss's GGUF experts, read in place
+            return GgmlClampedExpert(precision, dtype, spec.swiglu_alpha, spec.swiglu_limit, lib)
         if spec is not None and spec.activation != "swiglu":
             raise MoetierError(f"{precision} copies are computed for SwiGLU experts; this model's are "
                                f"{spec.activation}", hint="use --precision int8, int4 or int2")
-        kernel = GgmlExpert(precision, dtype, getattr(kernels, "lib", None) if kernels.name != "cuda" else None)
-        return _on_triton(0, kernel, kernels, dtype)
+        return _on_triton(0, GgmlExpert(precision, dtype, lib), kernels, dtype)
     swiglu = spec is None or spec.activation == "swiglu"
     if precision not in BITS:
         kernel = dense_expert(kernels, spec)

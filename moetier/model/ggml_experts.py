@@ -3,7 +3,8 @@ experts read in place): gate and up, then down, each through `GgmlLinear` — th
 a few dozen tokens (all of them in one call, `GgmlLinear.swiglu`), the matrix dequantized for torch's matmul beyond,
 or always without the native library. Which format each matrix is in follows from its shape
 (moetier/quant/precisions.py: format_of), so the layers of one precision may differ (a Q4_K_M file's down_proj is
-Q6_K in some)."""
+Q6_K in some). `GgmlClampedExpert`: gpt-oss's experts (their released GGUFs' MXFP4 blocks, read in place) the same
+way, with their biases and clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -120,3 +121,25 @@ class GgmlExpert(OneByOne):
             table.ptrs.ctypes.data, topk_ids.data_ptr(), topk_weights.data_ptr(),
             32 if topk_weights.dtype == torch.float32 else 16, k, h, i, x.data_ptr(), out.data_ptr(),
             linear.scratch.data_ptr())
+
+
+class GgmlClampedExpert(GgmlExpert):
+    """gpt-oss's experts in GGML's blocks (its GGUFs' MXFP4, read in place with their fp32 biases): what
+    ClampedSwigluExpert computes on the weights' values, each product through `GgmlLinear` (the integer kernels,
+    llama.cpp's arithmetic) with its bias added to the fp32 output before the rounding to the activations' dtype
+    that a float expert's F.linear makes. One expert a call (`fused` off: the native calls compute SwiGLU)."""
+
+    def __init__(self, precision: str, dtype: torch.dtype, alpha: float, limit: float, lib=None) -> None:
+        super().__init__(precision, dtype, lib)
+        self.fused = False
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        h, i = x.shape[1], w["gate_up_proj"].shape[0] // 2
+        gu_fmt, d_fmt = self._format(h, w["gate_up_proj"]), self._format(i, w["down_proj"])
+        gate_up = (self.linear(x, w["gate_up_proj"], gu_fmt) + w["gate_up_proj.bias"].float()).to(self.dtype)
+        gate = gate_up[:, :i].clamp(max=self.limit)  # [n, I]
+        up = gate_up[:, i:].clamp(min=-self.limit, max=self.limit)
+        act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        y = self.linear(act, w["down_proj"], d_fmt) + w["down_proj.bias"].float()  # [n, H] fp32
+        out.copy_(y.to(self.dtype) * weights[:, None].to(self.dtype))

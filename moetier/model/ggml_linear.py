@@ -17,7 +17,8 @@ import torch
 from moetier.model.gemm_precision import bf16_gemm_is_fast, integer_tokens
 from moetier.quant.ggml_blocks import FORMATS, dequantize
 
-TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7}  # GQ_*
+TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7,
+            "mxfp4": 8}  # GQ_*
 MAX_TOKENS = 4  # GQ_MAX_TOKENS
 GGML_BITS = -1  # how the C side marks GGML blocks: moetier_matrix.bits (decode_block.c), a TokenTable's bits
 # (decode_step.c, token_routed.c: [E, 4] addresses and types)

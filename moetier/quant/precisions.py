@@ -18,7 +18,10 @@ BLOCKS = ("q8_0", "q6_k", "q5_k", "q4_k")  # most precise first
 # --dense-precision's business, not an expert copy's
 MIXES = {"q4_k_m": ("q4_k", "q6_k")}
 LEGACY = ("q5_1", "q5_0", "q4_1", "q4_0")  # read from a GGUF, never made here: llama-quantize's fallbacks
-GGUF_BLOCKS = (*BLOCKS, *LEGACY)  # the formats a GGUF's matrices are computed in
+# ...and each read from a GGUF alone, in blocks of 32 viewed [N, blocks, block bytes] (format_of): the legacy
+# fallbacks and gpt-oss's MXFP4 (its released files' experts)
+READ_ONLY = (*LEGACY, "mxfp4")
+GGUF_BLOCKS = (*BLOCKS, *READ_ONLY)  # the formats a GGUF's matrices are computed in
 CODES = tuple(BITS)  # int8, int4, int2
 
 
@@ -69,11 +72,11 @@ def matrix_format(precision: str, k: int) -> str:
 def format_of(k: int, shape: tuple[int, ...]) -> str:
     """The block format of a matrix of rows of `k` weights from its view's shape past the rows: (row bytes,) for
     q8_0 and the k-quants, whose bytes for the same weights differ (272, 210, 176, 144 for 256); (blocks, block
-    bytes) for the legacy formats (`matrix_shape`), two of which take as many bytes as a k-quant (q4_0 and q4_k:
-    4.5 bits). So a GGUF's experts, whose down_proj is Q6_K in some layers and Q4_K or Q5_0 in others, are computed
+    bytes) for the legacy formats and mxfp4 (`matrix_shape`), two of which take as many bytes as a k-quant (q4_0
+    and q4_k: 4.5 bits). So a GGUF's experts, whose down_proj is Q6_K in some layers and Q4_K or Q5_0 in others, are computed
     without being told."""
     if len(shape) == 2:
-        fmt = next((FORMATS[n] for n in LEGACY if FORMATS[n].type_size == shape[1]), None)
+        fmt = next((FORMATS[n] for n in READ_ONLY if FORMATS[n].type_size == shape[1]), None)
         if fmt is not None and k == shape[0] * fmt.block_size:
             return fmt.name
     elif len(shape) == 1:
@@ -86,9 +89,9 @@ def format_of(k: int, shape: tuple[int, ...]) -> str:
 
 def matrix_shape(fmt: str, n: int, k: int) -> tuple[int, ...]:
     """How an [n, k] matrix in `fmt` is viewed: [n, row bytes], or [n, blocks, block bytes] for a legacy format
-    (format_of tells them apart by it)."""
+    or mxfp4 (format_of tells them apart by it)."""
     f = FORMATS[fmt]
-    return (n, k // f.block_size, f.type_size) if fmt in LEGACY else (n, f.row_bytes(k))
+    return (n, k // f.block_size, f.type_size) if fmt in READ_ONLY else (n, f.row_bytes(k))
 
 
 def quantize_expert(tensors: dict, precision: str, formats: dict[str, str] | None = None) -> dict:

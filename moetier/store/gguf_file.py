@@ -26,11 +26,11 @@ from moetier.errors import CheckpointError
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 KNOWN_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "q8_0", "Q4_K": "q4_k",
                "Q5_K": "q5_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0",
-               "Q5_1": "q5_1"}  # GGML type -> moetier's name for it: read and computed as they are
+               "Q5_1": "q5_1", "MXFP4": "mxfp4"}  # GGML type -> moetier's name for it: read and computed as they are
 # Types no kernel of ours computes, which the gguf package's dequantizers read (gguf.quants): a dense tensor's
 # values are read once at indexing, experts are dequantized into the store's own copies, each with a note
 DEQUANTIZED_TYPES = ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
-                     "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+                     "IQ4_XS", "TQ1_0", "TQ2_0", "NVFP4")
 HINT = "give a GGUF file as llama.cpp's convert_hf_to_gguf.py and llama-quantize write them"
 
 

@@ -1,10 +1,12 @@
 """A GGUF file (or split set) -> a linked store: nothing of the experts copied where the kernels compute the file's
-types (otherwise, and for experts with biases, each expert is copied once: below). Each expert is three slices of its
-layer's stacked tensors (`blk.N.ffn_{gate,up,down}_exps.weight`: gate's and up's rows one after the other make the
-store's gate_up_proj, down's its down_proj), read in place in the file's own type — bf16/f16/f32 as a safetensors
-folder's experts are, q8_0/q6_k/q5_k/q4_k and the legacy q5_1/q5_0/q4_1/q4_0 as GGML's blocks the kernels compute
-on (moetier/model/ggml_experts.py). The store holds the dense weights, the manifest (every expert's slices and their
-CRC-32, the file's size and time, checked at every open) and the tokenizer built from the file's metadata.
+types (otherwise each expert is copied once: below). Each expert is three slices of its layer's stacked tensors
+(`blk.N.ffn_{gate,up,down}_exps.weight`: gate's and up's rows one after the other make the store's gate_up_proj,
+down's its down_proj), read in place in the file's own type — bf16/f16/f32 as a safetensors folder's experts are,
+q8_0/q6_k/q5_k/q4_k, the legacy q5_1/q5_0/q4_1/q4_0 and gpt-oss's mxfp4 as GGML's blocks the kernels compute on
+(moetier/model/ggml_experts.py) — and, where the experts carry biases (gpt-oss's `ffn_*_exps.bias`, float), three
+more slices: gate's and up's biases one after the other, down's. The store holds the dense weights, the manifest
+(every expert's slices and their CRC-32, the file's size and time, checked at every open) and the tokenizer built
+from the file's metadata.
 
 A file whose layers keep their experts in different types (Q4_K_M: down_proj in Q6_K in some layers, Q4_K in the
 rest) is one precision whose layout differs by layer (format.PrecisionLayout.layers). The attention projections and
@@ -12,9 +14,9 @@ the head, where the file keeps them in a block format, are indexed where they li
 computed in it; dense.safetensors holds every dense tensor in the model's dtype as well (what `--dense-precision
 int8|int4` and the tools that rewrite a store read), the others dequantized here with a note saying which.
 
-Experts in a type no kernel of ours computes (Q3_K, Q2_K, the IQ types, MXFP4: gguf_file.DEQUANTIZED_TYPES),
-or carrying biases (gpt-oss's), are copied into the store's own blobs as a Hugging Face folder's would be — in the
-model's dtype, dequantized by the gguf package — with a note naming the types and what the copies cost."""
+Experts in a type no kernel of ours computes (Q3_K, Q2_K, the IQ types: gguf_file.DEQUANTIZED_TYPES) are copied
+into the store's own blobs as a Hugging Face folder's would be — in the model's dtype, dequantized by the gguf
+package — with a note naming the types and what the copies cost."""
 
 from __future__ import annotations
 
@@ -124,11 +126,12 @@ def model_dtype(model: GgufModel) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ExpertTensors:
-    """One layer's three stacked expert tensors."""
+    """One layer's three stacked expert tensors, and their biases where the experts have them (gpt-oss)."""
 
     gate: Tensor
     up: Tensor
     down: Tensor
+    biases: tuple[Tensor, Tensor, Tensor] | None = None  # gate's, up's, down's: [E, I], [E, I], [E, H]
 
     def matrix(self, name: str, t: Tensor, rows: int, k: int) -> tuple[str, str, tuple[int, int]]:
         """(store tensor, dtype, shape) of one expert's slice of `t` [E, rows, k]."""
@@ -144,22 +147,38 @@ class ExpertTensors:
         if self.gate.type != self.up.type:
             raise GgufError(f"{self.gate.name} is {self.gate.ggml_type} but {self.up.name} is {self.up.ggml_type}: "
                             f"moetier keeps an expert's gate and up in one type", hint="requantize with llama-quantize")
-        return PrecisionLayout.packed(name, [self.matrix("gate_up_proj", self.gate, 2 * i, h),
-                                             self.matrix("down_proj", self.down, h, i)])
+        tensors = [self.matrix("gate_up_proj", self.gate, 2 * i, h), self.matrix("down_proj", self.down, h, i)]
+        if self.biases is not None:
+            gate_b, up_b, down_b = self.biases
+            if gate_b.type != up_b.type:
+                raise GgufError(f"{gate_b.name} is {gate_b.ggml_type} but {up_b.name} is {up_b.ggml_type}: moetier "
+                                f"keeps an expert's gate and up biases in one type", hint=HINT)
+            tensors += [("gate_up_proj.bias", gate_b.type, (2 * i,)), ("down_proj.bias", down_b.type, (h,))]
+        return PrecisionLayout.packed(name, tensors)
 
     def locate(self, expert: int) -> dict[str, list[Located]]:
         def piece(t: Tensor) -> Located:
             step = t.nbytes // t.shape[0]
-            rows, k = t.shape[1:]
+            rows, *k = t.shape[1:]
             return Located(t.path, t.offset + expert * step, step, t.type,
-                           matrix_shape(t.type, rows, k) if t.type in GGUF_BLOCKS else (rows, k))
+                           matrix_shape(t.type, rows, *k) if t.type in GGUF_BLOCKS else (rows, *k))
 
-        return {"gate_up_proj": [piece(self.gate), piece(self.up)], "down_proj": [piece(self.down)]}
+        out = {"gate_up_proj": [piece(self.gate), piece(self.up)], "down_proj": [piece(self.down)]}
+        if self.biases is not None:
+            gate_b, up_b, down_b = self.biases
+            out |= {"gate_up_proj.bias": [piece(gate_b), piece(up_b)], "down_proj.bias": [piece(down_b)]}
+        return out
 
 
 def expert_tensors(model: GgufModel, spec: ModelSpec, layer: int) -> ExpertTensors:
-    tensors = ExpertTensors(*(model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in PARTS))
     h, i, e = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    biases = None
+    if bias_tensors(spec):
+        biases = tuple(model.tensor(f"blk.{layer}.ffn_{p}_exps.bias") for p in PARTS)
+        for t, shape in zip(biases, ((e, i), (e, i), (e, h))):
+            if t.shape != shape:
+                raise GgufError(f"{t.name} is {t.shape}; the file's metadata implies {shape}", hint=HINT)
+    tensors = ExpertTensors(*(model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in PARTS), biases)
     for t, shape in zip((tensors.gate, tensors.up, tensors.down), ((e, i, h), (e, i, h), (e, h, i))):
         if t.shape != shape:
             raise GgufError(f"{t.name} is {t.shape}; the file's metadata implies {shape}", hint=HINT)
@@ -167,11 +186,13 @@ def expert_tensors(model: GgufModel, spec: ModelSpec, layer: int) -> ExpertTenso
 
 
 def kept_as_they_are(model: GgufModel, spec: ModelSpec) -> bool:
-    """Whether the experts are read in place: every expert tensor in a type the kernels compute, and no biases
-    (gpt-oss's: the store keeps them beside each expert's matrices). Otherwise every expert is copied."""
-    return not bias_tensors(spec) and all(
-        t.type in FLOATS or t.type in GGUF_BLOCKS for layer in spec.moe_layers
-        for t in (model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in PARTS))
+    """Whether the experts are read in place: every expert tensor in a type the kernels compute, their biases
+    (gpt-oss's) in a float type. Otherwise every expert is copied."""
+    kinds = (*FLOATS, *GGUF_BLOCKS)
+    return all(t.type in kinds for layer in spec.moe_layers
+               for t in (model.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in PARTS)) and \
+        (not bias_tensors(spec) or all(model.tensor(f"blk.{layer}.ffn_{p}_exps.bias").type in FLOATS
+                                       for layer in spec.moe_layers for p in PARTS))
 
 
 def bias_tensors(spec: ModelSpec) -> bool:
@@ -196,12 +217,12 @@ def note_copied_experts(model: GgufModel, spec: ModelSpec, layout: PrecisionLayo
     file_bytes = sum(t.nbytes for t in experts)
     copies = len(spec.moe_layers) * spec.num_experts * layout.blob_bytes
     unread = [k for k in kinds if KNOWN_TYPES.get(k) not in (*FLOATS, *GGUF_BLOCKS)]
-    why = (f"are {', '.join(kinds)}, which moetier's kernels do not compute" if unread else
-           f"carry biases, which the store keeps beside each expert's {', '.join(kinds)} matrices")
+    why = (f"are {', '.join(kinds)}; moetier's kernels do not compute {', '.join(unread)}" if unread else
+           "carry biases in a type moetier does not read in place")
     print(f"moetier: the experts of {model.path.name} {why}: copied once here to {layout.name} in the store "
           f"({format_bytes(copies)} written, {copies / file_bytes:.1f}x the file's {format_bytes(file_bytes)})"
-          + ("; requantized to Q4_K_M, Q8_0 or Q6_K with llama-quantize, they are read in place" if unread and
-             not bias_tensors(spec) else ""), file=sys.stderr)
+          + ("; requantized to Q4_K_M, Q8_0 or Q6_K with llama-quantize, they are read in place" if unread else ""),
+          file=sys.stderr)
 
 
 def expert_layout(model: GgufModel, spec: ModelSpec, dtype: torch.dtype) -> PrecisionLayout:

@@ -15,17 +15,17 @@ from moetier.quant.precisions import matrix_shape
 ISAS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
                                                         reason=f"this CPU cannot run {isa.name}"))
         for isa in native.ISAS]
-FORMATS = ["q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1"]
-LEGACY_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
+FORMATS = ["q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"]
+READ_ONLY_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "mxfp4": "MXFP4"}
 
 
 def quantize_any(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Our ggml-exact quantizer; for the legacy formats (which moetier only reads) the gguf package's."""
-    if fmt not in LEGACY_TYPES:
+    """Our ggml-exact quantizer; for the formats moetier only reads (legacy, MXFP4) the gguf package's."""
+    if fmt not in READ_ONLY_TYPES:
         return quantize(w, fmt)
     import gguf
 
-    return torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[LEGACY_TYPES[fmt]]))
+    return torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[READ_ONLY_TYPES[fmt]]))
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -39,7 +39,7 @@ def activation_as_ggml(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x [T, K] -> the values its int8 blocks stand for: Q8_K (256, scale from the signed largest, -127 / it, at
     most 127) for the k-quants; 32 a block by max |x| / 127 for q8_0."""
     t, k = x.shape
-    if fmt == "q8_0" or fmt in LEGACY_TYPES:  # Q8_0-like blocks of 32
+    if fmt == "q8_0" or fmt in READ_ONLY_TYPES:  # Q8_0-like blocks of 32
         b = x.view(t, k // 32, 32)
         d = b.abs().amax(-1, keepdim=True) / 127
         return (torch.round(b / torch.where(d > 0, d, 1)) * d).view(t, k)
@@ -86,7 +86,7 @@ def test_weights_of_the_wrong_size_are_refused(linear):
 
 @pytest.mark.parametrize("tokens", [1, 2, MAX_TOKENS, 9, min(INTEGER_TOKENS.values())])
 @pytest.mark.parametrize("gu_fmt,d_fmt", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k"),
-                                          ("q4_k", "q5_0"), ("q4_0", "q4_1"), ("q5_1", "q4_k")])
+                                          ("q4_k", "q5_0"), ("q4_0", "q4_1"), ("q5_1", "q4_k"), ("mxfp4", "mxfp4")])
 def test_one_call_computes_an_expert_as_the_ops_one_by_one(linear, gu_fmt, d_fmt, tokens):
     """moetier_gq_swiglu (one native call an expert, a prompt's tokens too: each row read once for all of them)
     against GgmlExpert's torch ops around the same kernels: the same bf16 roundings, so the same bits."""

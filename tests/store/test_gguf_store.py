@@ -76,9 +76,9 @@ def test_a_gguf_is_the_model_its_folder_is(tiny_store, tmp_path, family):
     path = gguf_export.export(hf_store.parent / "hf", tmp_path / f"{family}.gguf")
     store = index_gguf(path, tmp_path / "store", progress=False)
     m = Manifest.load(store)
-    # (gpt-oss's experts carry biases: copied into the store's layout, as from its folder)
+    # (gpt-oss's experts carry biases: read in place beside them, the converter's F32)
     assert m.native_precision == "fp32" and set(m.sources) == {path.name}
-    assert (store / "experts").exists() == (family == "gpt_oss")
+    assert not (store / "experts").exists()
     torch.manual_seed(1)
     prompt = torch.randint(3, ref.config.vocab_size, (11,)).tolist()
     ref_prefill, ref_steps, ref_tokens = reference_run(ref, prompt, 8)
@@ -215,8 +215,8 @@ def test_types_the_kernels_do_not_compute_are_dequantized_once_with_a_note(tmp_p
     assert info.precision == "fp32" and 3 * 256 * 256 * 4 <= info.blob_bytes < 3 * 256 * 256 * 4 + 8192
     store = index_gguf(path, tmp_path / "store", progress=False)
     err = capsys.readouterr().err
-    assert "experts of q3.gguf are Q3_K, IQ4_XS, MXFP4, Q2_K, which moetier's kernels do not compute: copied once " \
-           "here to fp32 in the store (12.0 MiB written, 8.6x the file's 1.4 MiB); requantized" in err
+    assert "experts of q3.gguf are Q3_K, IQ4_XS, MXFP4, Q2_K; moetier's kernels do not compute Q3_K, IQ4_XS, " \
+           "Q2_K: copied once here to fp32 in the store (12.0 MiB written, 8.6x the file's 1.4 MiB); requantized" in err
     assert "2 dense tensors of q3.gguf (55.0 KiB, e.g. blk.0.attn_q.weight) are computed in float32" in err
     m = Manifest.load(store)
     assert m.native_precision == "fp32" and (store / "experts").exists() and "layers.0.q_proj" not in m.dense_blocks
@@ -226,10 +226,11 @@ def test_types_the_kernels_do_not_compute_are_dequantized_once_with_a_note(tmp_p
     assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-def test_a_gpt_oss_mxfp4_file_runs_its_experts_values_with_their_biases(tmp_path, capsys):
+def test_a_gpt_oss_mxfp4_file_reads_its_experts_and_biases_in_place(tmp_path, capsys):
     """gpt-oss as its released GGUFs hold it (MXFP4 experts beside F32 biases, sinks, the router's bias): the experts
-    copied with their biases, and the model computes what the same file with the MXFP4 blocks' values in F32
-    does."""
+    read in place, blocks and biases (nothing copied), and the model computes — through torch's path (the blocks
+    dequantized) — what the same file with the MXFP4 blocks' values in F32 does; through the native kernels (the
+    activations rounded to int8 blocks, as llama.cpp computes MXFP4) that apart by the rounding only."""
     build_tiny("gpt_oss", tmp_path / "hf", hidden_size=256, intermediate_size=256, **GGUF_OVERRIDES["gpt_oss"])
     path = gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4.gguf", {0: ("MXFP4", "MXFP4"), 1: ("MXFP4", "MXFP4")})
     rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors
@@ -238,13 +239,23 @@ def test_a_gpt_oss_mxfp4_file_runs_its_experts_values_with_their_biases(tmp_path
     floats = gguf_export.export(tmp_path / "hf", tmp_path / "floats.gguf", replace=rounded)
     capsys.readouterr()
     store = index_gguf(path, tmp_path / "store", progress=False)
-    assert "experts of mxfp4.gguf are MXFP4, which moetier's kernels do not compute: copied once" in capsys.readouterr().err
-    bias = Store(store).read_expert(1, 3)["down_proj.bias"]
-    assert torch.equal(bias, torch.from_numpy(gguf_tensor(path, "blk.1.ffn_down_exps.bias")[3].copy()))
+    assert "copied" not in capsys.readouterr().err and not (store / "experts").exists()
+    assert Manifest.load(store).native_precision == "mxfp4"
+    expert = Store(store).read_expert(1, 3)
+    assert torch.equal(expert["down_proj.bias"], torch.from_numpy(gguf_tensor(path, "blk.1.ffn_down_exps.bias")[3].copy()))
+    gate_b, up_b = (torch.from_numpy(gguf_tensor(path, f"blk.1.ffn_{p}_exps.bias")[3].copy()) for p in ("gate", "up"))
+    assert torch.equal(expert["gate_up_proj.bias"], torch.cat([gate_b, up_b]))
+    assert torch.equal(expert["down_proj"].flatten(), torch.from_numpy(gguf_tensor(path, "blk.1.ffn_down_exps.weight")[3].copy()).flatten())
     want = index_gguf(floats, tmp_path / "floats", progress=False)
-    prompt = list(range(3, 14))
-    a, b = logits(store, prompt, 6, 2), logits(want, prompt, 6, 2)
-    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    prompt, feed = list(range(3, 14)), [17, 40, 5, 99, 23, 61]
+    a, b = logits(store, prompt, 6, 2, "torch", feed), logits(want, prompt, 6, 2, "torch", feed)
+    assert (a[0] - b[0]).abs().max().item() <= ATOL
+    assert max((x - y).abs().max().item() for x, y in zip(a[1], b[1])) <= ATOL
+    bf16 = index_gguf(gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4-bf16.gguf", {0: ("MXFP4", "MXFP4"),
+                                         1: ("MXFP4", "MXFP4")}, dense_type="bf16"), tmp_path / "bf16", progress=False)
+    native, torch_path = (logits(bf16, prompt, 6, 2, k, feed) for k in ("auto", "torch"))
+    for x, y in zip(native[1], torch_path[1]):
+        assert 0 < ((x.float() - y.float()).norm() / y.float().norm()).item() <= 0.05
 
 
 def gguf_tensor(path: Path, name: str) -> np.ndarray:

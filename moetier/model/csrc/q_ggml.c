@@ -1,17 +1,19 @@
-/* Matrices in GGML's block formats (GGUF's Q8_0, Q4_K, Q5_K, Q6_K; moetier/quant/ggml_blocks.py has their
-   layouts) times a few tokens' activations, by integer dot products as llama.cpp computes them: each activation
-   row quantized to int8 blocks — Q8_K for the k-quants (256 inputs, a float scale, the sums of each 16 codes),
-   Q8_0-like for Q8_0 (32 inputs, a float scale where ggml keeps an fp16 one) — and the weights' codes meeting them
-   in uint8 x int8 multiply-adds into int16 pairs (vpmaddubsw), widened by their sub-block scales (vpmaddwd):
-   ggml's own arithmetic for these types, written again here for this engine's calls (rows in parallel, up to
-   GQ_MAX_TOKENS tokens a pass, the weights read once for all of them).
+/* Matrices in GGML's block formats (GGUF's Q8_0, Q4_K, Q5_K, Q6_K, the legacy Q4_0/Q4_1/Q5_0/Q5_1, gpt-oss's
+   MXFP4; moetier/quant/ggml_blocks.py has their layouts) times a few tokens' activations, by integer dot products
+   as llama.cpp computes them: each activation row quantized to int8 blocks — Q8_K for the k-quants (256 inputs, a
+   float scale, the sums of each 16 codes), Q8_0-like for Q8_0, the legacy types and MXFP4 (32 inputs, a float
+   scale where ggml keeps an fp16 one) — and the weights' codes meeting them in uint8 x int8 multiply-adds into
+   int16 pairs (vpmaddubsw), widened by their sub-block scales (vpmaddwd): ggml's own arithmetic for these types,
+   written again here for this engine's calls (rows in parallel, up to GQ_MAX_TOKENS tokens a pass, the weights
+   read once for all of them).
 
    Exact integer sums: Q4_K codes <= 15, Q5_K <= 31, Q6_K <= 63 (the -32 taken off through the bsums) against
    |xq| <= 127: a vpmaddubsw pair is at most 63 * 127 * 2 = 16,002, within int16; a super-block's sum within int32.
    Per super-block and token the result is
      q4_k/q5_k: d * dx * sum_j sc_j * <q_j, xq_j>  -  dmin * dx * sum_j m_j * (sum of xq over sub-block j)
      q6_k:      d * dx * sum_j sc_j * (<q_j, xq_j> - 32 * sum of xq over j)
-     q8_0:      per 32: d * dx * <q, xq>.
+     q8_0:      per 32: d * dx * <q, xq>
+     mxfp4:     per 32: 2^(e - 128) * dx * <2v, xq> (v the E2M1 values, doubled: integers of at most 12).
    Against the dequantized weights the difference is the activation's rounding to int8, as in llama.cpp. */
 
 #include <immintrin.h>
@@ -30,11 +32,24 @@
 #define QK 256
 #define INLINE static inline __attribute__((always_inline)) /* into each row function: T a constant */
 
-enum { GQ_Q8_0 = 0, GQ_Q4_K = 1, GQ_Q5_K = 2, GQ_Q6_K = 3, GQ_Q4_0 = 4, GQ_Q4_1 = 5, GQ_Q5_0 = 6, GQ_Q5_1 = 7 };
+enum { GQ_Q8_0 = 0, GQ_Q4_K = 1, GQ_Q5_K = 2, GQ_Q6_K = 3, GQ_Q4_0 = 4, GQ_Q4_1 = 5, GQ_Q5_0 = 6, GQ_Q5_1 = 7,
+       GQ_MXFP4 = 8, GQ_TYPES = 9 };
 
 /* Bytes of one block and the inputs it covers, per type (ggml's). */
-static const long TYPE_SIZE[] = {34, 144, 176, 210, 18, 20, 22, 24};
-static const long BLOCK_SIZE[] = {32, QK, QK, QK, 32, 32, 32, 32};
+static const long TYPE_SIZE[] = {34, 144, 176, 210, 18, 20, 22, 24, 17};
+static const long BLOCK_SIZE[] = {32, QK, QK, QK, 32, 32, 32, 32, 32};
+
+/* MXFP4 (gpt-oss's experts): E2M1 codes as ggml's kvalues_mxfp4 — the values doubled, so integers — and a block's
+   E8M0 exponent e standing for 2^(e - 128), the doubling taken back (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 is a
+   subnormal float, made from its bits as there). */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 static inline int is_k(int type) { return type >= GQ_Q4_K && type <= GQ_Q6_K; }
 
@@ -285,6 +300,22 @@ INLINE void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
     }
 }
 
+/* An MXFP4 block against T tokens' q8b blocks: the nibbles (low: weights 0-15, high: 16-31) looked up as int8
+   values (|v| <= 12), met as Q8_0's codes are (pairs of at most 2 * 12 * 127), then 2^(e - 128) * dx. */
+INLINE void blk_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 1)), low = _mm_set1_epi8(0xF);
+    const __m128i lut = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+    const __m256i q = _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), low)),
+                                       _mm_shuffle_epi8(lut, _mm_and_si128(v, low)));
+    const __m256i aq = _mm256_sign_epi8(q, q);
+    const float d = e8m0_half(blk[0]);
+    for (int t = 0; t < T; t++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)a[t]->qs);
+        const __m256i p = dot4_acc(_mm256_setzero_si256(), aq, _mm256_sign_epi8(x, q));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(p), acc[t]);
+    }
+}
+
 /* One row's blocks against T tokens' activations. Made a function per type and per T (1 to GQ_MAX_TOKENS), the
    block kernel inlined: with T a constant the accumulators and the unpacked codes stay in registers — with T read
    at run time gcc kept acc[t] and accm[t] on the stack, a store and a load every block on one chain, and spilled
@@ -318,19 +349,20 @@ ROW_DOTS(row_q4_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_0))
 ROW_DOTS(row_q4_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_1))
 ROW_DOTS(row_q5_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_0))
 ROW_DOTS(row_q5_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_1))
+ROW_DOTS(row_mxfp4, q8b, blk_mxfp4(w + b * ts, a, T, acc))
 #undef ROW_DOTS
 #undef ROW_DOT
 
 typedef void (*row_fn)(const uint8_t *, long, long, const char *, long, float *);
 #define BY_T(name) {name##_1, name##_2, name##_3, name##_4}
-static const row_fn ROWS[8][GQ_MAX_TOKENS] = {  /* [type][T - 1], types in GQ_* order */
+static const row_fn ROWS[GQ_TYPES][GQ_MAX_TOKENS] = {  /* [type][T - 1], types in GQ_* order */
     BY_T(row_q8_0), BY_T(row_q4k), BY_T(row_q5k), BY_T(row_q6k),
-    BY_T(row_q4_0), BY_T(row_q4_1), BY_T(row_q5_0), BY_T(row_q5_1),
+    BY_T(row_q4_0), BY_T(row_q4_1), BY_T(row_q5_0), BY_T(row_q5_1), BY_T(row_mxfp4),
 };
 #undef BY_T
 
 int moetier_gq_fits(int type, long K) {
-    return type >= GQ_Q8_0 && type <= GQ_Q5_1 && K > 0 && K % BLOCK_SIZE[type] == 0;
+    return type >= GQ_Q8_0 && type < GQ_TYPES && K > 0 && K % BLOCK_SIZE[type] == 0;
 }
 
 /* y [T, N] fp32 = W [N, K] (`type` blocks, rows back to back) x the T activations `act` (moetier_gq_quantize_act's),
@@ -406,10 +438,11 @@ void moetier_gq_swiglu(int gu_type, const uint8_t *w_gu, int d_type, const uint8
     }
 }
 
-/* Bytes of one activation over K inputs for the type that needs the most (the legacy formats' and Q8_0's q8b). */
+/* Bytes of one activation over K inputs for the type that needs the most (q8b: Q8_0's, the legacy formats',
+   MXFP4's). */
 static long act_most(long K) {
     long most = 0;
-    for (int type = 0; type < 8; type++)
+    for (int type = 0; type < GQ_TYPES; type++)
         if (K % BLOCK_SIZE[type] == 0 && moetier_gq_act_bytes(type, K) > most) most = moetier_gq_act_bytes(type, K);
     return most;
 }
@@ -666,8 +699,14 @@ static NO_FMA void deq_legacy(const uint8_t *b, float *y, const int type) { /* a
     }
 }
 
+static NO_FMA void deq_mxfp4(const uint8_t *b, float *y) { /* as ggml's dequantize_row_mxfp4 */
+    const float d = e8m0_half(b[0]);
+    for (int j = 0; j < 16; j++)
+        y[j] = d * (float)MXFP4_VALUES[b[1 + j] & 0xF], y[j + 16] = d * (float)MXFP4_VALUES[b[1 + j] >> 4];
+}
+
 /* One row of `blocks` blocks of `type` -> fp32 or bf16 values; the legacy types (a Q4_K_M file's rows that are not
-   whole 256-blocks) through a block of fp32. */
+   whole 256-blocks) and MXFP4 through a block of fp32. */
 static inline NO_FMA void deq_row(int type, const uint8_t *w, long blocks, void *o, const int fp32) {
     const long ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
     for (long b = 0, at = 0; b < blocks; b++, w += ts, at += bs) {
@@ -679,7 +718,8 @@ static inline NO_FMA void deq_row(int type, const uint8_t *w, long blocks, void 
             case GQ_Q6_K: deq_q6k(w, ob, fp32); break;
             default: {
                 float y[32];
-                deq_legacy(w, y, type);
+                if (type == GQ_MXFP4) deq_mxfp4(w, y);
+                else deq_legacy(w, y, type);
                 for (long j = 0; j < bs; j++) {
                     if (fp32) ((float *)ob)[j] = y[j];
                     else ((uint16_t *)ob)[j] = f32_to_bf16(y[j]);
