@@ -6,21 +6,24 @@ resident and under memory caps, for each format and its moetier counterpart —
     q4_k_m  llama.cpp Q4_K_M   moetier --precision int4 / hobbit / low-tier, --dense-precision int4
 
 and, for each format, "same file": moetier given that GGUF itself (`--model FILE.gguf`), computing it in the
-file's own types (its Q8_0 / Q4_K / Q6_K blocks), so the two engines run the very same weights.
+file's own types (its Q8_0 / Q4_K / Q6_K blocks), so the two engines run the very same weights. And one more model:
+
+    mxfp4_moe  gpt-oss-20b's shapes as its released GGUF holds them (MXFP4 experts, Q8_0 elsewhere:
+               bench/peers/gpt_oss_synth.py, 12.1 GB), "same file" alone
 
 The weights: the synthetic OLMoE-1B-7B store (written on first use, 13 GB), exported to a Hugging Face folder and
 converted by llama.cpp's own converter, then llama-quantize (bench/peers/llamacpp.py builds llama.cpp from PyPI's
 llama-cpp-python source distribution on first use). moetier reads its store, whose int8/int4 copies it adds.
 
 Each run is its own process, in its own memory cgroup for a cap (cap = a share of that format's GGUF file: 100%,
-60%, 35%, 20% by default), with both engines' files dropped from the page cache first; the engines alternate, the
-order turning every round. Resident: llama.cpp loads the file into memory up front (`-lm none`), moetier holds
-every expert (100%, preloaded). Under a cap: llama.cpp maps the file (`-lm mmap`, what a user runs) and moetier
-takes `--expert-memory auto`. llama.cpp's speed is the median of llama-bench's repetitions after the first (which
-warms its mapping), every repetition kept in the JSON; moetier's is the TPOT of the measured tokens after as many
-warm-up tokens. A row's spread (min–max over every repetition and round) stands beside its median in the table and
-as error bars in the plot. Beside the harness, each moetier mode also runs as a user runs it (`moetier generate
---preload ...`), the `(generate)` rows.
+60%, 35%, 20% by default), with both engines' files dropped from the page cache first (resident runs' too); the
+engines alternate, the order turning every round. Resident: llama.cpp loads the file into memory up front (`-lm
+none`), moetier holds every expert (100%, preloaded). Under a cap: llama.cpp maps the file (`-lm mmap`, what a user
+runs) and moetier takes `--expert-memory auto`. llama.cpp's speed is the median of llama-bench's repetitions after
+the first (which warms its mapping), every repetition kept in the JSON; moetier's is the TPOT of the measured tokens
+after as many warm-up tokens. A row's spread (min–max over every repetition and round) stands beside its median in
+the table and as error bars in the plot. Beside the harness, each moetier mode also runs as a user runs it (`moetier
+generate --preload ...`), the `(generate)` rows.
 
 Load aware (bench/load.py): before each run the machine must be idle (bounded wait); other processes' CPU is
 sampled during the run and kept in the JSON; a run whose foreign load passes 0.25 cores is run again (twice at
@@ -77,6 +80,7 @@ MODES = {  # format -> moetier's counterparts: (label, precision, dense precisio
     "q8_0": [("int8", "int8", "int8"), ("same file", "native", "native")],
     "q4_k_m": [("int4", "int4", "int4"), ("hobbit", "hobbit", "int4"), ("low-tier", "low-tier", "int4"),
                ("same file", "native", "native")],
+    "mxfp4_moe": [("same file", "native", "native")],  # gpt-oss-20b-shaped (gpt_oss_synth.py): its file alone
 }
 SAME_FILE = "same file"  # moetier given llama.cpp's GGUF itself (`--model FILE.gguf`: its experts read in place, in
 # the file's types; its attention and head in theirs)
@@ -88,19 +92,32 @@ PREFILL = "prefill"  # the setting whose rows are prompt processing (llama-bench
 BATCH = "batch"  # the setting whose rows decode several sequences together (llama-batched-bench), resident
 
 
-def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path) -> dict[str, Path]:
+GPT_OSS = ("mxfp4_moe",)  # the formats of gpt-oss-20b's shape (gpt_oss_synth.py); the others are OLMoE's
+MODEL_OF = {"mxfp4_moe": "gpt-oss-20b-shaped"}  # a plot's title: the model of its formats (else OLMoE-1B-7B's)
+
+
+def title_model(summary: list[dict]) -> str:
+    """What a plot of `summary`'s rows shows: its formats' models."""
+    return " and ".join(dict.fromkeys(MODEL_OF.get(s["format"], "OLMoE-1B-7B-shaped") for s in summary))
+
+
+def prepare(formats: list[str], llama: LlamaCpp, work: Path, store: Path | None) -> dict[str, Path]:
     """The GGUF of each format (made once), and the store's quantized copies."""
+    import gpt_oss_synth
     from export import export_hf
 
     work.mkdir(parents=True, exist_ok=True)
-    bf16 = work / "olmoe-1b-7b-synth-bf16.gguf"
-    if not bf16.exists():
-        hf = export_hf(store, work / "olmoe-1b-7b-synth-hf")
-        print("converting to GGUF with llama.cpp's converter ...", flush=True)
-        llama.convert(hf, bf16)
-        shutil.rmtree(hf)
-    out = {"bf16": bf16}
-    for f in formats:
+    out = {f: gpt_oss_synth.make(llama, work) for f in formats if f in GPT_OSS}
+    olmoe = [f for f in formats if f not in GPT_OSS]
+    if olmoe:
+        bf16 = work / "olmoe-1b-7b-synth-bf16.gguf"
+        if not bf16.exists():
+            hf = export_hf(store, work / "olmoe-1b-7b-synth-hf")
+            print("converting to GGUF with llama.cpp's converter ...", flush=True)
+            llama.convert(hf, bf16)
+            shutil.rmtree(hf)
+        out["bf16"] = bf16
+    for f in olmoe:
         if f != "bf16":
             gguf = work / f"olmoe-1b-7b-synth-{f}.gguf"
             if not gguf.exists():
@@ -477,7 +494,7 @@ def main() -> None:
         (args.out / "compare.md").write_text(markdown(summary) + "\n")
         meta = done[0]["meta"]
         plot(summary, args.out / "compare.png",
-             f"OLMoE-1B-7B-shaped, same weights, {meta['threads']} threads, {meta['cpu']['model']}")
+             f"{title_model(summary)}, same weights, {meta['threads']} threads, {meta['cpu']['model']}")
         print(f"wrote {args.out / 'compare.md'} and {args.out / 'compare.png'}")
         return
     formats = [f for f in args.formats.split(",") if f]
@@ -510,13 +527,14 @@ def main() -> None:
     sys.path.insert(0, str(HERE.parent))
     from bench_offload import SYNTH, store_of
 
-    store = store_of(SYNTH)
+    store = store_of(SYNTH) if any(f not in GPT_OSS for f in formats) else None  # (13 GB: only if run)
     # the AVX2 row: both engines held to AVX2 (llama.cpp's AVX2 build beside moetier's AVX2 kernels)
     llama = build(default_cache_dir(), isa="avx2" if args.kernels == "avx2" else "native")
     ggufs = prepare(formats, llama, default_cache_dir() / "peers" / "models", store)
     index = indexed(ggufs)
     rows = rows_of(formats, caps, ggufs, args.prompt_tokens, batches)
-    prompt_file = (prompt_text(store / "tokenizer.json", args.prompt_tokens, args.out / "prompt.txt")
+    tokenizer = store / "tokenizer.json" if store else HERE.parents[1] / "models" / "demo-coarse" / "tokenizer.json"
+    prompt_file = (prompt_text(tokenizer, args.prompt_tokens, args.out / "prompt.txt")
                    if PREFILL in caps and args.user_command else None)
     runs = []
     def engines_of(row: dict) -> list[str]:
@@ -551,8 +569,11 @@ def main() -> None:
                 else:
                     run = partial(moetier_run, model, mode, row["cap_bytes"], tokens, args.timeout, args.kernels,
                                   prompt, args.repetitions, row.get("batch", 1))
-                if capped:  # each attempt from a cold page cache (a rerun found the first attempt's pages)
-                    run = partial(cold, run, [ggufs[row["format"]], store, *index.values()])
+                # each attempt from a cold page cache (a rerun found the first attempt's pages) — resident runs too:
+                # a file's pages left cached by the run before took the memory a resident engine then loads into
+                # (the 12 GB gpt-oss file on a 23 GB host: moetier 8.5 tok/s beside the cached file, 11.2 without,
+                # its weights then 97% in huge pages), so every run starts from the same host
+                run = partial(cold, run, [p for p in (ggufs[row["format"]], store, *index.values()) if p])
                 # waited for an idle machine, measured beside the other processes' CPU, run again under it
                 r = measured(run)
                 runs.append(dict(row, engine=engine, round=rnd, wall_s=time.perf_counter() - t0,
@@ -580,7 +601,7 @@ def main() -> None:
                 date=time.strftime("%Y-%m-%d"))
     (args.out / "compare.json").write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1))
     plot(summary, args.out / "compare.png",
-         f"OLMoE-1B-7B-shaped, same weights, {args.threads} threads, {meta['cpu']['model']}")
+         f"{title_model(summary)}, same weights, {args.threads} threads, {meta['cpu']['model']}")
     (args.out / "runs.partial.json").unlink(missing_ok=True)
     print(f"wrote {args.out / 'compare.json'} and {args.out / 'compare.png'}")
 

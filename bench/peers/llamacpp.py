@@ -29,7 +29,7 @@ ISAS = {
              "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
              "-DGGML_AMX_BF16=OFF"),
 }
-GGUF_TYPES = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}  # our names -> llama-quantize's
+GGUF_TYPES = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "mxfp4_moe": "MXFP4_MOE"}  # ours -> llama-quantize's
 
 # Run by the converter's interpreter: llama.cpp's converter with the allowances our tokenizers need. Both are
 # byte-level BPE with GPT-2's pre-tokenizer regex, which the converter knows only by the hashes of tokenizers

@@ -98,7 +98,10 @@ class SinkAttention(Attention):
 
     def attend(self, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         keys, values = kv.k[self.layer], kv.v[self.layer]
-        if batch.decode:
+        if batch.decode:  # the kernels' where they have it (the native ones: a call a sequence), else written out
+            out = self.kernels.sink_decode_attention(q, keys, values, batch, self.window, self.scale, self.sinks)
+            if out is not None:
+                return out
             s = batch.end
             ks, vs = keys[:, :, :s], values[:, :, :s]
             if not batch.all_rows:

@@ -192,6 +192,7 @@ class QuantizedDenseKernels:
         self.expert_token, self.combine = base.expert_token, base.combine
         self.rms_norm, self.add_rms_norm = base.rms_norm, base.add_rms_norm
         self.rope, self.decode_attention, self.kv_write = base.rope, base.decode_attention, base.kv_write
+        self.sink_decode_attention = base.sink_decode_attention
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.dense = torch.empty(0, dtype=torch.bfloat16)  # a prefill's dequantized matrix, reused across calls
         self.fits: dict[tuple[int, int, int], bool] = {}

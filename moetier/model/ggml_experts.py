@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.model.expert_kernels import Items, OneByOne, TokenTable
-from moetier.model.ggml_linear import GGML_BITS, MAX_TOKENS, TYPE_IDS, GgmlLinear
+from moetier.model.ggml_linear import GGML_BITS, GGML_CLAMPED_BITS, MAX_TOKENS, TYPE_IDS, GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
 from moetier.quant.precisions import GGUF_BLOCKS, MIXES, format_of
 
@@ -87,9 +87,14 @@ class GgmlExpert(OneByOne):
         if self.linear.scratch.numel() < need:
             self.linear.scratch = torch.empty(need, dtype=torch.uint8)
         rw = weights.to(torch.bfloat16).contiguous()
-        lib.moetier_gq_swiglu_layer(len(few), gu_types.ctypes.data, gu_ptrs.ctypes.data, d_types.ctypes.data,
-                                    d_ptrs.ctypes.data, spans.ctypes.data, xs.shape[0], xs.data_ptr(), rw.data_ptr(),
-                                    ys.data_ptr(), h, i, self.linear.scratch.data_ptr())
+        arrays = (gu_types.ctypes.data, gu_ptrs.ctypes.data, d_types.ctypes.data, d_ptrs.ctypes.data)
+        tail = (spans.ctypes.data, xs.shape[0], xs.data_ptr(), rw.data_ptr(), ys.data_ptr(), h, i,
+                self.linear.scratch.data_ptr())
+        self._layer_call(len(few), arrays, [w for (w, _, _), *_ in few], tail)
+
+    def _layer_call(self, n: int, arrays: tuple, ws: list[dict[str, torch.Tensor]], tail: tuple) -> None:
+        """`layer`'s native call on its n experts `ws`: `arrays` their types and blocks, `tail` the rest."""
+        self.linear.lib.moetier_gq_swiglu_layer(n, *arrays, *tail)
 
     def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
         """A layer's resident experts (by id) for `token_routed`: each one's blocks and their formats, as a layer's
@@ -127,11 +132,12 @@ class GgmlClampedExpert(GgmlExpert):
     """gpt-oss's experts in GGML's blocks (its GGUFs' MXFP4, read in place with their fp32 biases): what
     ClampedSwigluExpert computes on the weights' values, each product through `GgmlLinear` (the integer kernels,
     llama.cpp's arithmetic) with its bias added to the fp32 output before the rounding to the activations' dtype
-    that a float expert's F.linear makes. One expert a call (`fused` off: the native calls compute SwiGLU)."""
+    that a float expert's F.linear makes. With the native library and bf16 activations a layer's experts (`layer`)
+    and a token's (`token_routed`) are one call each (csrc/q_ggml.c gq_glu: the same roundings), where the biases
+    are fp32 as a GGUF keeps them; one by one through torch's ops otherwise (`__call__`, the reference)."""
 
     def __init__(self, precision: str, dtype: torch.dtype, alpha: float, limit: float, lib=None) -> None:
         super().__init__(precision, dtype, lib)
-        self.fused = False
         self.alpha, self.limit = alpha, limit
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
@@ -143,3 +149,41 @@ class GgmlClampedExpert(GgmlExpert):
         act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         y = self.linear(act, w["down_proj"], d_fmt) + w["down_proj.bias"].float()  # [n, H] fp32
         out.copy_(y.to(self.dtype) * weights[:, None].to(self.dtype))
+
+    @staticmethod
+    def _native_biases(ws: list[dict[str, torch.Tensor]]) -> bool:
+        return all(w[name].dtype == torch.float32 and w[name].is_contiguous() for w in ws
+                   for name in ("gate_up_proj.bias", "down_proj.bias"))
+
+    def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
+        if not self._native_biases([w for w, _, _ in items]):
+            return OneByOne.layer(self, ys, xs, weights, items)
+        super().layer(ys, xs, weights, items)
+
+    def _layer_call(self, n: int, arrays: tuple, ws: list[dict[str, torch.Tensor]], tail: tuple) -> None:
+        gu_bias = np.array([w["gate_up_proj.bias"].data_ptr() for w in ws], dtype=np.int64)
+        d_bias = np.array([w["down_proj.bias"].data_ptr() for w in ws], dtype=np.int64)
+        self.linear.lib.moetier_gq_glu_layer(n, *arrays, gu_bias.ctypes.data, d_bias.ctypes.data, self.alpha,
+                                             self.limit, *tail)
+
+    def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
+        """As GgmlExpert's, each row with the expert's biases' addresses after its blocks and types ([E, 6])."""
+        table = super().token_table(ws)
+        if table is None or not self._native_biases(ws):
+            return None
+        biases = [[w["gate_up_proj.bias"].data_ptr(), w["down_proj.bias"].data_ptr()] for w in ws]
+        return TokenTable(np.concatenate([table.ptrs, np.array(biases, dtype=np.int64)], axis=1), table.shape,
+                          GGML_CLAMPED_BITS)
+
+    def token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     table: TokenTable) -> None:
+        (h, i), k, linear = table.shape, topk_ids.shape[1], self.linear
+        need = self._token_scratch.get((k, h, i))
+        if need is None:
+            need = self._token_scratch[(k, h, i)] = linear.lib.moetier_gq_token_scratch(k, h, i)
+        if linear.scratch.numel() < need:
+            linear.scratch = torch.empty(need, dtype=torch.uint8)
+        linear.lib.moetier_gq_glu_token_routed(
+            table.ptrs.ctypes.data, topk_ids.data_ptr(), topk_weights.data_ptr(),
+            32 if topk_weights.dtype == torch.float32 else 16, k, h, i, self.alpha, self.limit, x.data_ptr(),
+            out.data_ptr(), linear.scratch.data_ptr())

@@ -22,6 +22,8 @@ TYPE_IDS = {"q8_0": 0, "q4_k": 1, "q5_k": 2, "q6_k": 3, "q4_0": 4, "q4_1": 5, "q
 MAX_TOKENS = 4  # GQ_MAX_TOKENS
 GGML_BITS = -1  # how the C side marks GGML blocks: moetier_matrix.bits (decode_block.c), a TokenTable's bits
 # (decode_step.c, token_routed.c: [E, 4] addresses and types)
+GGML_CLAMPED_BITS = -2  # a TokenTable of gpt-oss's experts in GGML blocks: [E, 6], their biases' addresses after
+# (token_routed.c moetier_gq_glu_token_routed; never a one-call step's: resident_step.py takes SwiGLU alone)
 
 
 class GgmlLinear:

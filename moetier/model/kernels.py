@@ -102,6 +102,12 @@ class TorchKernels:
         """The step's keys and values k, v [N, kv_heads, D] into the layer's cache at its tokens' places."""
         kv.write(layer, batch.rows, batch.positions, k, v)
 
+    def sink_decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
+                              window: int | None, scale: float, sinks: torch.Tensor) -> torch.Tensor | None:
+        """`decode_attention` with gpt-oss's sink logit per head [Hq] (one more in each head's softmax, weighting no
+        value), where these kernels have it (the native ones, bf16); None: the caller's own (SinkAttention)."""
+        return None
+
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
                          window: int | None, scale: float) -> torch.Tensor:
         """q [B, Hq, D] (one token per row), keys/values [R, Hkv, S_max, D] the layer's cache -> [B, Hq, D]."""
@@ -357,6 +363,19 @@ class NativeKernels(TorchKernels):
         b = q.shape[0]
         if b > NATIVE_ROWS or not (q.is_contiguous() and keys.is_contiguous() and values.is_contiguous()):
             return super().decode_attention(q, keys, values, batch, window, scale)
+        return self._decode_attention(q, keys, values, batch, window, scale, None)
+
+    def sink_decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
+                              window: int | None, scale: float, sinks: torch.Tensor) -> torch.Tensor | None:
+        b = q.shape[0]
+        if (b > NATIVE_ROWS or sinks.dtype != torch.bfloat16
+                or not (q.is_contiguous() and keys.is_contiguous() and values.is_contiguous() and sinks.is_contiguous())):
+            return None
+        return self._decode_attention(q, keys, values, batch, window, scale, sinks)
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
+                          window: int | None, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+        b = q.shape[0]
         _, hkv, s_max, d = keys.shape
         out = torch.empty_like(q)
         scratch = self._scratch(self.lib.moetier_threads() * (max(batch.lengths_host) + 2 * d))  # a part a thread
@@ -365,9 +384,9 @@ class NativeKernels(TorchKernels):
             end = batch.lengths_host[i]  # the query sits at end - 1 and sees (end - 1 - window, end - 1]
             start = max(0, end - window) if window else 0
             row = batch.rows_host[i] * row_bytes
-            self.lib.moetier_decode_attention_bf16(q.data_ptr() + i * q_row, keys.data_ptr() + row,
-                                                   values.data_ptr() + row, out.data_ptr() + i * q_row, q.shape[1],
-                                                   hkv, start, end, s_max, d, scale, scratch)
+            self.lib.moetier_decode_attention_sinks_bf16(
+                q.data_ptr() + i * q_row, keys.data_ptr() + row, values.data_ptr() + row, out.data_ptr() + i * q_row,
+                q.shape[1], hkv, start, end, s_max, d, scale, None if sinks is None else sinks.data_ptr(), scratch)
         return out
 
 

@@ -129,6 +129,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_rope_bf16.restype = None
     lib.moetier_decode_attention_bf16.argtypes = [p, p, p, p, n, n, n, n, n, n, ctypes.c_float, p]
     lib.moetier_decode_attention_bf16.restype = None
+    lib.moetier_decode_attention_sinks_bf16.argtypes = [p, p, p, p, n, n, n, n, n, n, ctypes.c_float, p, p]
+    lib.moetier_decode_attention_sinks_bf16.restype = None
     i = ctypes.c_int
     lib.moetier_swiglu_q.argtypes = [i, p, p, p, n, p, p, p, n, p, p, p, n, n, i, p]
     lib.moetier_swiglu_q.restype = None
@@ -202,6 +204,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_gq_layer_scratch.restype = n
     lib.moetier_gq_swiglu_layer.argtypes = [n, p, p, p, p, p, n, p, p, p, n, n, p]
     lib.moetier_gq_swiglu_layer.restype = None
+    f = ctypes.c_float  # gpt-oss's experts (q_ggml.c gq_glu): their biases, alpha and limit beside
+    lib.moetier_gq_glu_token_routed.argtypes = [p, p, p, n, n, n, n, f, f, p, p, p]
+    lib.moetier_gq_glu_token_routed.restype = None
+    lib.moetier_gq_glu_layer.argtypes = [n, p, p, p, p, p, p, f, f, p, n, p, p, p, n, n, p]
+    lib.moetier_gq_glu_layer.restype = None
     lib.moetier_threads.argtypes = []
     lib.moetier_threads.restype = n
     return lib

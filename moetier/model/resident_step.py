@@ -65,9 +65,10 @@ class ResidentStep:
 
     @classmethod
     def make(cls, spec: ModelSpec, blocks: DecodeBlocks | None, router, is_moe: list[bool]) -> ResidentStep | None:
-        """The step, or None where some layer is not block, native softmax router and routed experts alone."""
+        """The step, or None where some layer is not block, native softmax router and routed SwiGLU experts alone."""
         if (blocks is None or not isinstance(router, NativeSoftmaxRouter) or not all(is_moe)
-                or not all(blocks.fused_router) or spec.shared_expert_intermediate_size):
+                or not all(blocks.fused_router) or spec.shared_expert_intermediate_size
+                or spec.activation != "swiglu"):
             return None
         return cls(spec, blocks, router)
 

@@ -230,6 +230,58 @@ def test_a_layers_experts_in_one_call_are_one_call_an_expert_bit_for_bit(linear,
 
 
 
+def gpt_oss_experts(n: int, h: int, i: int) -> list[dict[str, torch.Tensor]]:
+    """n gpt-oss experts as its GGUFs hold them: MXFP4 blocks (as a slot views them), fp32 biases; wide enough
+    that the clamps bite (|gate_up| past 7 for some rows)."""
+    return [{"gate_up_proj": quantize_any(torch.randn(2 * i, h) * 0.4, "mxfp4").view(matrix_shape("mxfp4", 2 * i, h)),
+             "down_proj": quantize_any(torch.randn(h, i) * 0.05, "mxfp4").view(matrix_shape("mxfp4", h, i)),
+             "gate_up_proj.bias": torch.randn(2 * i), "down_proj.bias": torch.randn(h) * 0.1} for _ in range(n)]
+
+
+def test_gpt_oss_experts_in_one_call_are_the_torch_ops_bit_for_bit(linear):
+    """GgmlClampedExpert's native calls — a layer's experts (moetier_gq_glu_layer) and a token's straight from the
+    router's ids (moetier_gq_glu_token_routed) — against its torch ops one expert at a time (`__call__`: bias, clamp,
+    gate·sigmoid(alpha·gate)·(up + 1), each rounded to bf16 as torch rounds it): the same bits."""
+    from moetier.model.expert_kernels import TokenTable
+    from moetier.model.ggml_experts import GgmlClampedExpert
+
+    torch.manual_seed(5)
+    h, i = 256, 192
+    ws = gpt_oss_experts(6, h, i)
+    expert = GgmlClampedExpert("mxfp4", torch.bfloat16, 1.702, 7.0, linear.lib)
+    calls = []
+    expert.linear.lib = _Counting(linear.lib, calls)
+    rows = [3, 1, 6, 4, 0, 2]
+    edges = [0, *torch.tensor(rows).cumsum(0).tolist()]
+    xs = torch.randn(edges[-1], h).bfloat16()
+    weights = torch.rand(edges[-1])
+    items = [(w, a, b) for w, a, b in zip(ws, edges, edges[1:])]
+    want = torch.empty(edges[-1], h, dtype=torch.bfloat16)
+    for w, a, b in items:
+        expert(want[a:b], xs[a:b], w, weights[a:b])
+    got = torch.empty_like(want)
+    calls.clear()
+    expert.layer(got, xs, weights, items)
+    assert calls.count("moetier_gq_glu_layer") == 1 and torch.equal(got, want)
+    clamped = (expert.linear(xs, ws[0]["gate_up_proj"], "mxfp4") + ws[0]["gate_up_proj.bias"]).abs() > 7
+    assert clamped.any()  # (the clamps were met)
+
+    table = expert.token_table(ws)
+    assert isinstance(table, TokenTable) and table.ptrs.shape == (6, 6)
+    x = xs[:1].contiguous()
+    ids, topk = torch.tensor([[4, 1, 5]]), torch.rand(1, 3)
+    one = torch.empty(3, h, dtype=torch.bfloat16)
+    for j, e in enumerate(ids[0].tolist()):
+        expert(one[j:j + 1], x, ws[e], topk[0, j:j + 1])
+    order = ids[0].argsort()  # (summed in ascending ids, in fp32, as the kernels' combine sums)
+    want = one[order].float().sum(0, keepdim=True).bfloat16()
+    got = torch.empty(1, h, dtype=torch.bfloat16)
+    calls.clear()
+    expert.token_routed(got, x, ids, topk, table)
+    assert calls.count("moetier_gq_glu_token_routed") == 1 and torch.equal(got, want)
+    assert expert.token_table([{**w, "down_proj.bias": w["down_proj.bias"].bfloat16()} for w in ws]) is None
+
+
 @pytest.mark.skipif(len(native.runnable_isas()) < 2, reason="this CPU runs one instruction set's library only")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_library_computes_the_same_bits(fmt):

@@ -164,6 +164,36 @@ def test_decode_attention_matches_torch(kernels, window, d):
     assert ulps_apart(ours, ref).max().item() <= 2 and (ours == ref).float().mean().item() >= 0.9
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_sink_decode_attention_is_the_softmax_with_one_more_logit(kernels, window):
+    """gpt-oss's decode attention where the kernels have it (the native ones): each head's sink one more logit in
+    its softmax, weighting no value — as near the exact attention (fp64) as SinkAttention's written-out bf16 ops are,
+    and the plain kernel's bits where the sink is so low it takes nothing."""
+    from moetier.model.attention import SinkAttention
+
+    torch.manual_seed(2)
+    hq, hkv, s_max, d, length = 8, 2, 40, 32, 23
+    keys, values = torch.randn(2, hkv, s_max, d).bfloat16(), torch.randn(2, hkv, s_max, d).bfloat16()
+    q = torch.randn(1, hq, d).bfloat16()
+    sinks = (torch.randn(hq) * 2).bfloat16()
+    batch = StepBatch.decode_step([5], [1], [length - 1], 2)
+    ours = kernels.sink_decode_attention(q, keys, values, batch, window, d ** -0.5, sinks)
+    # (torch's kernels leave it to SinkAttention's own ops)
+    assert TorchKernels().sink_decode_attention(q, keys, values, batch, window, d ** -0.5, sinks) is None
+    attention = SinkAttention.__new__(SinkAttention)
+    attention.sinks, attention.scale = sinks, d ** -0.5
+    visible = batch.decode_mask(window)
+    written = attention._softmax_attend(q[:, :, None], keys[1:, :, :length], values[1:, :, :length], visible)[:, :, 0]
+    start = max(0, length - window) if window else 0
+    k64, v64 = (t[1, :, start:length].double().repeat_interleave(hq // hkv, 0) for t in (keys, values))
+    logits = torch.cat([q[0].double()[:, None] @ k64.transpose(1, 2) * d ** -0.5,
+                        sinks.double()[:, None, None]], -1)  # [hq, 1, n + 1]
+    exact = (torch.softmax(logits, -1)[..., :-1] @ v64)[:, 0]  # [hq, d]
+    assert (ours[0].double() - exact).abs().max() <= 1.5 * (written[0].double() - exact).abs().max()
+    none = torch.full((hq,), -1e30).bfloat16()
+    assert torch.equal(kernels.sink_decode_attention(q, keys, values, batch, window, d ** -0.5, none),
+                       kernels.decode_attention(q, keys, values, batch, window, d ** -0.5))
+
 def test_decode_attention_is_the_same_on_one_thread_and_on_the_team(kernels):
     """Heads split across threads (a context long enough to wake the team) compute what one thread computes."""
     if not hasattr(kernels, "lib"):

@@ -219,17 +219,18 @@ static inline float dot_f32_bf16(const float *q, const uint16_t *k, long d) {
    accumulated key by key across a row of d lanes, so each output sums its keys in order and the loop vectorises.
    ~40 us a layer at OLMoE's shape (16 heads of 128) and a context of 48, where the torch call costs ~170 us.
    k, v: this sequence's cache rows, [hkv, s_max, d]; out: [hq, d]; scratch: (end + 2 d) floats for each of the
-   team's threads (moetier_threads()). */
+   team's threads (moetier_threads()). `sink`: gpt-oss's learned logit of the head, one more in the softmax that
+   weights no value (-INFINITY: none, the same arithmetic as without). */
 static void attend_head(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, uint16_t *out, long start,
-                        long end, long d, float scale, float *scratch) {
+                        long end, long d, float scale, float sink, float *scratch) {
     float *p = scratch, *qf = scratch + end, *o = qf + d;
     for (long c = 0; c < d; c++) qf[c] = bf16_to_f32(q[c]);
-    float m = -INFINITY;
+    float m = sink;
     for (long j = start; j < end; j++) {
         p[j] = dot_f32_bf16(qf, kh + j * d, d) * scale;
         if (p[j] > m) m = p[j];
     }
-    float total = 0;
+    float total = expf(sink - m); /* (0 without a sink) */
     for (long j = start; j < end; j++) {
         float e = expf(p[j] - m);
         total += e;
@@ -252,8 +253,10 @@ static void attend_head(const uint16_t *q, const uint16_t *kh, const uint16_t *v
    head computed by one thread as it is alone, each thread with its own part of scratch. */
 #define ATTENTION_PARALLEL_MIN (64L * 1024) /* heads x keys x d below which one thread does it */
 
-void moetier_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, long hq,
-                                   long hkv, long start, long end, long s_max, long d, float scale, float *scratch) {
+/* sinks: each query head's sink logit, bf16 [hq] (gpt-oss), or NULL. */
+void moetier_decode_attention_sinks_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                         long hq, long hkv, long start, long end, long s_max, long d, float scale,
+                                         const uint16_t *sinks, float *scratch) {
     const long group = hq / hkv, per_thread = end + 2 * d;
 #pragma omp parallel if (hq * (end - start) * d >= ATTENTION_PARALLEL_MIN)
     {
@@ -261,8 +264,13 @@ void moetier_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const u
 #pragma omp for schedule(static)
         for (long h = 0; h < hq; h++)
             attend_head(q + h * d, k + (h / group) * s_max * d, v + (h / group) * s_max * d, out + h * d, start,
-                        end, d, scale, mine);
+                        end, d, scale, sinks ? bf16_to_f32(sinks[h]) : -INFINITY, mine);
     }
+}
+
+void moetier_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, long hq,
+                                   long hkv, long start, long end, long s_max, long d, float scale, float *scratch) {
+    moetier_decode_attention_sinks_bf16(q, k, v, out, hq, hkv, start, end, s_max, d, scale, NULL, scratch);
 }
 
 /* One token's expert outputs ys [P, H] summed in order into y [H] as the reference's index_add_ into a bf16 zero

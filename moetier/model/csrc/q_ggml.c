@@ -43,6 +43,45 @@ static const long BLOCK_SIZE[] = {32, QK, QK, QK, 32, 32, 32, 32, 32};
    E8M0 exponent e standing for 2^(e - 128), the doubling taken back (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 is a
    subnormal float, made from its bits as there). */
 static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#define MXFP4_OFFSET 12
+static const uint8_t MXFP4_UNSIGNED[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* + 12 */
+
+/* 2^(e - 128) for each E8M0 exponent e: a block's scale, looked up (computed from e's bits it took a dozen scalar
+   instructions a block, more than the block's vector work). */
+static const float E8M0_HALF[256] = {
+    0x1p-128f, 0x1p-127f, 0x1p-126f, 0x1p-125f, 0x1p-124f, 0x1p-123f, 0x1p-122f, 0x1p-121f,
+    0x1p-120f, 0x1p-119f, 0x1p-118f, 0x1p-117f, 0x1p-116f, 0x1p-115f, 0x1p-114f, 0x1p-113f,
+    0x1p-112f, 0x1p-111f, 0x1p-110f, 0x1p-109f, 0x1p-108f, 0x1p-107f, 0x1p-106f, 0x1p-105f,
+    0x1p-104f, 0x1p-103f, 0x1p-102f, 0x1p-101f, 0x1p-100f, 0x1p-99f, 0x1p-98f, 0x1p-97f,
+    0x1p-96f, 0x1p-95f, 0x1p-94f, 0x1p-93f, 0x1p-92f, 0x1p-91f, 0x1p-90f, 0x1p-89f,
+    0x1p-88f, 0x1p-87f, 0x1p-86f, 0x1p-85f, 0x1p-84f, 0x1p-83f, 0x1p-82f, 0x1p-81f,
+    0x1p-80f, 0x1p-79f, 0x1p-78f, 0x1p-77f, 0x1p-76f, 0x1p-75f, 0x1p-74f, 0x1p-73f,
+    0x1p-72f, 0x1p-71f, 0x1p-70f, 0x1p-69f, 0x1p-68f, 0x1p-67f, 0x1p-66f, 0x1p-65f,
+    0x1p-64f, 0x1p-63f, 0x1p-62f, 0x1p-61f, 0x1p-60f, 0x1p-59f, 0x1p-58f, 0x1p-57f,
+    0x1p-56f, 0x1p-55f, 0x1p-54f, 0x1p-53f, 0x1p-52f, 0x1p-51f, 0x1p-50f, 0x1p-49f,
+    0x1p-48f, 0x1p-47f, 0x1p-46f, 0x1p-45f, 0x1p-44f, 0x1p-43f, 0x1p-42f, 0x1p-41f,
+    0x1p-40f, 0x1p-39f, 0x1p-38f, 0x1p-37f, 0x1p-36f, 0x1p-35f, 0x1p-34f, 0x1p-33f,
+    0x1p-32f, 0x1p-31f, 0x1p-30f, 0x1p-29f, 0x1p-28f, 0x1p-27f, 0x1p-26f, 0x1p-25f,
+    0x1p-24f, 0x1p-23f, 0x1p-22f, 0x1p-21f, 0x1p-20f, 0x1p-19f, 0x1p-18f, 0x1p-17f,
+    0x1p-16f, 0x1p-15f, 0x1p-14f, 0x1p-13f, 0x1p-12f, 0x1p-11f, 0x1p-10f, 0x1p-9f,
+    0x1p-8f, 0x1p-7f, 0x1p-6f, 0x1p-5f, 0x1p-4f, 0x1p-3f, 0x1p-2f, 0x1p-1f,
+    0x1p0f, 0x1p1f, 0x1p2f, 0x1p3f, 0x1p4f, 0x1p5f, 0x1p6f, 0x1p7f,
+    0x1p8f, 0x1p9f, 0x1p10f, 0x1p11f, 0x1p12f, 0x1p13f, 0x1p14f, 0x1p15f,
+    0x1p16f, 0x1p17f, 0x1p18f, 0x1p19f, 0x1p20f, 0x1p21f, 0x1p22f, 0x1p23f,
+    0x1p24f, 0x1p25f, 0x1p26f, 0x1p27f, 0x1p28f, 0x1p29f, 0x1p30f, 0x1p31f,
+    0x1p32f, 0x1p33f, 0x1p34f, 0x1p35f, 0x1p36f, 0x1p37f, 0x1p38f, 0x1p39f,
+    0x1p40f, 0x1p41f, 0x1p42f, 0x1p43f, 0x1p44f, 0x1p45f, 0x1p46f, 0x1p47f,
+    0x1p48f, 0x1p49f, 0x1p50f, 0x1p51f, 0x1p52f, 0x1p53f, 0x1p54f, 0x1p55f,
+    0x1p56f, 0x1p57f, 0x1p58f, 0x1p59f, 0x1p60f, 0x1p61f, 0x1p62f, 0x1p63f,
+    0x1p64f, 0x1p65f, 0x1p66f, 0x1p67f, 0x1p68f, 0x1p69f, 0x1p70f, 0x1p71f,
+    0x1p72f, 0x1p73f, 0x1p74f, 0x1p75f, 0x1p76f, 0x1p77f, 0x1p78f, 0x1p79f,
+    0x1p80f, 0x1p81f, 0x1p82f, 0x1p83f, 0x1p84f, 0x1p85f, 0x1p86f, 0x1p87f,
+    0x1p88f, 0x1p89f, 0x1p90f, 0x1p91f, 0x1p92f, 0x1p93f, 0x1p94f, 0x1p95f,
+    0x1p96f, 0x1p97f, 0x1p98f, 0x1p99f, 0x1p100f, 0x1p101f, 0x1p102f, 0x1p103f,
+    0x1p104f, 0x1p105f, 0x1p106f, 0x1p107f, 0x1p108f, 0x1p109f, 0x1p110f, 0x1p111f,
+    0x1p112f, 0x1p113f, 0x1p114f, 0x1p115f, 0x1p116f, 0x1p117f, 0x1p118f, 0x1p119f,
+    0x1p120f, 0x1p121f, 0x1p122f, 0x1p123f, 0x1p124f, 0x1p125f, 0x1p126f, 0x1p127f,
+};
 
 static inline float e8m0_half(uint8_t e) {
     const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
@@ -60,9 +99,10 @@ typedef struct { /* one token's activation for a k-quant matrix, per 256 inputs 
     int16_t sums32[QK / 32]; /* of each 32 (bsums in pairs): a Q4_K/Q5_K row's mins meet them, once per token */
 } q8k;
 
-typedef struct { /* ...for a Q8_0 or legacy (Q4_0, Q4_1, Q5_0, Q5_1) matrix, per 32 inputs */
+typedef struct { /* ...for a Q8_0, legacy (Q4_0, Q4_1, Q5_0, Q5_1) or MXFP4 matrix, per 32 inputs */
     float d;
-    int32_t sum; /* of qs: the legacy formats' offsets (- 8, - 16) and minimums (+ m) meet it */
+    int32_t sum; /* of qs: the legacy formats' offsets (- 8, - 16) and minimums (+ m) meet it; for MXFP4 the sum
+                    times -MXFP4_OFFSET, its offset's term whole (a row's every block adds it) */
     int8_t qs[32];
 } q8b;
 
@@ -102,20 +142,20 @@ static void quantize_q8k(const float *x, long K, q8k *y) {
     }
 }
 
-static void quantize_q8b(const float *x, long K, q8b *y) {
+static void quantize_q8b(const float *x, long K, q8b *y, int sum_times) {
     for (long b = 0; b < K / 32; b++, x += 32) {
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
         for (int j = 0; j < 32; j++) y[b].qs[j] = (int8_t)nearbyintf(x[j] * id), sum += y[b].qs[j];
-        y[b].d = d, y[b].sum = sum;
+        y[b].d = d, y[b].sum = sum * sum_times;
     }
 }
 
 static void quantize_act_row(int type, const float *x, long K, void *out) {
     if (is_k(type)) quantize_q8k(x, K, (q8k *)out);
-    else quantize_q8b(x, K, (q8b *)out);
+    else quantize_q8b(x, K, (q8b *)out, type == GQ_MXFP4 ? -MXFP4_OFFSET : 1);
 }
 
 /* x [T, K] fp32 -> T activations for a matrix of `type`, back to back in `out` (moetier_gq_act_bytes each). */
@@ -300,18 +340,18 @@ INLINE void blk_legacy(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
     }
 }
 
-/* An MXFP4 block against T tokens' q8b blocks: the nibbles (low: weights 0-15, high: 16-31) looked up as int8
-   values (|v| <= 12), met as Q8_0's codes are (pairs of at most 2 * 12 * 127), then 2^(e - 128) * dx. */
+/* An MXFP4 block against T tokens' q8b blocks: the nibbles (low: weights 0-15, high: 16-31) looked up as their
+   values + 12 (unsigned, at most 24: uint8 x int8 products as the legacy formats' codes, no sign juggling), the 12
+   taken off through the activation's sum in integers (pairs of at most 2 * 24 * 127), then 2^(e - 128) * dx. */
 INLINE void blk_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc) {
     const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 1)), low = _mm_set1_epi8(0xF);
-    const __m128i lut = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+    const __m128i lut = _mm_loadu_si128((const __m128i *)MXFP4_UNSIGNED);
     const __m256i q = _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), low)),
                                        _mm_shuffle_epi8(lut, _mm_and_si128(v, low)));
-    const __m256i aq = _mm256_sign_epi8(q, q);
-    const float d = e8m0_half(blk[0]);
+    const float d = E8M0_HALF[blk[0]];
     for (int t = 0; t < T; t++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)a[t]->qs);
-        const __m256i p = dot4_acc(_mm256_setzero_si256(), aq, _mm256_sign_epi8(x, q));
+        const __m256i p = dot4_acc(_mm256_setr_epi32(a[t]->sum, 0, 0, 0, 0, 0, 0, 0), q, /* (sum: x -12) */
+                                   _mm256_loadu_si256((const __m256i *)a[t]->qs));
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[t]->d), _mm256_cvtepi32_ps(p), acc[t]);
     }
 }
@@ -320,36 +360,62 @@ INLINE void blk_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *ac
    block kernel inlined: with T a constant the accumulators and the unpacked codes stay in registers — with T read
    at run time gcc kept acc[t] and accm[t] on the stack, a store and a load every block on one chain, and spilled
    the codes (a 2048 x 2048 matrix at one token on a Zen 4's two cores, hot: Q4_K 159 -> 122 us, Q6_K 79 -> 51,
-   Q8_0 280 -> 166; the same sums, bit for bit). */
-#define ROW_DOT(name, act_t, BLOCK, NT)                                                                       \
-    static void name(const uint8_t *w, long blocks, long ts, const char *act, long act_bytes, float *out) {    \
+   Q8_0 280 -> 166; the same sums, bit for bit). With PAIRS, blocks two at a time into two sets of accumulators,
+   summed at the end: a block of 32 weights is too little work to hide a float multiply-add's latency on the one
+   chain a token had (MXFP4's 2880-wide rows at one token ran at 20 GB/s where Q4_K's ran at 27; ggml sums its 32-
+   blocks in two chains too). BLOCK(blk, a, acc, accm): the block kernel on block blk with the tokens' blocks a. */
+#define ROW_DOT(name, act_t, BLOCK, NT, PAIRS, TS)                                                            \
+    static void name(const uint8_t *w, long blocks, long ts_, const char *act, long act_bytes, float *out) {   \
         enum { T = NT };                                                                                       \
-        __m256 acc[T];                                                                                         \
-        __m128 accm[T];                                                                                        \
-        const act_t *a[T];                                                                                     \
-        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), accm[t] = _mm_setzero_ps();                  \
-        for (long b = 0; b < blocks; b++) {                                                                    \
+        const long ts = TS; /* (the type's, a constant: the prefetches' loops unrolled) */                    \
+        (void)ts_;                                                                                             \
+        __m256 acc[T], acc1[T];                                                                                \
+        __m128 accm[T], accm1[T];                                                                              \
+        const act_t *a[T], *a1[T];                                                                             \
+        for (int t = 0; t < T; t++)                                                                            \
+            acc[t] = acc1[t] = _mm256_setzero_ps(), accm[t] = accm1[t] = _mm_setzero_ps();                     \
+        long b = 0;                                                                                            \
+        if (PAIRS)                                                                                             \
+            for (; b + 1 < blocks; b += 2) {                                                                   \
+                for (long off = 0; off < 2 * ts; off += 64)                                                    \
+                    _mm_prefetch((const char *)(w + b * ts + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);           \
+                for (int t = 0; t < T; t++) a[t] = (const act_t *)(act + t * act_bytes) + b, a1[t] = a[t] + 1;  \
+                BLOCK(w + b * ts, a, acc, accm);                                                               \
+                BLOCK(w + (b + 1) * ts, a1, acc1, accm1);                                                      \
+            }                                                                                                  \
+        for (; b < blocks; b++) {                                                                              \
             for (long off = 0; off < ts; off += 64) /* ahead of the hardware prefetcher, as q_int.c */          \
                 _mm_prefetch((const char *)(w + b * ts + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);               \
             for (int t = 0; t < T; t++) a[t] = (const act_t *)(act + t * act_bytes) + b;                        \
-            BLOCK;                                                                                             \
+            BLOCK(w + b * ts, a, acc, accm);                                                                   \
         }                                                                                                      \
-        for (int t = 0; t < T; t++) out[t] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);                            \
+        for (int t = 0; t < T; t++)                                                                            \
+            out[t] = PAIRS ? hsum_ps(_mm256_add_ps(acc[t], acc1[t])) - hsum_ps128(_mm_add_ps(accm[t], accm1[t])) \
+                           : hsum_ps(acc[t]) - hsum_ps128(accm[t]);                                            \
     }
-#define ROW_DOTS(name, act_t, BLOCK)                                                                          \
-    ROW_DOT(name##_1, act_t, BLOCK, 1)                                                                         \
-    ROW_DOT(name##_2, act_t, BLOCK, 2)                                                                         \
-    ROW_DOT(name##_3, act_t, BLOCK, 3)                                                                         \
-    ROW_DOT(name##_4, act_t, BLOCK, 4)
-ROW_DOTS(row_q8_0, q8b, blk_q8_0(w + b * ts, a, T, acc))
-ROW_DOTS(row_q4k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 0))
-ROW_DOTS(row_q5k, q8k, blk_q45k(w + b * ts, a, T, acc, accm, 1))
-ROW_DOTS(row_q6k, q8k, blk_q6k(w + b * ts, a, T, acc))
-ROW_DOTS(row_q4_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_0))
-ROW_DOTS(row_q4_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q4_1))
-ROW_DOTS(row_q5_0, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_0))
-ROW_DOTS(row_q5_1, q8b, blk_legacy(w + b * ts, a, T, acc, accm, GQ_Q5_1))
-ROW_DOTS(row_mxfp4, q8b, blk_mxfp4(w + b * ts, a, T, acc))
+#define ROW_DOTS(name, act_t, BLOCK, PAIRS, TS)                                                               \
+    ROW_DOT(name##_1, act_t, BLOCK, 1, PAIRS, TS)                                                              \
+    ROW_DOT(name##_2, act_t, BLOCK, 2, PAIRS, TS)                                                              \
+    ROW_DOT(name##_3, act_t, BLOCK, 3, PAIRS, TS)                                                              \
+    ROW_DOT(name##_4, act_t, BLOCK, 4, PAIRS, TS)
+#define Q8_0_BLOCK(blk, a, acc, accm) blk_q8_0(blk, a, T, acc)
+#define Q4K_BLOCK(blk, a, acc, accm) blk_q45k(blk, a, T, acc, accm, 0)
+#define Q5K_BLOCK(blk, a, acc, accm) blk_q45k(blk, a, T, acc, accm, 1)
+#define Q6K_BLOCK(blk, a, acc, accm) blk_q6k(blk, a, T, acc)
+#define Q4_0_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q4_0)
+#define Q4_1_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q4_1)
+#define Q5_0_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q5_0)
+#define Q5_1_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q5_1)
+#define MXFP4_BLOCK(blk, a, acc, accm) blk_mxfp4(blk, a, T, acc)
+ROW_DOTS(row_q8_0, q8b, Q8_0_BLOCK, 0, 34)  /* (TYPE_SIZE's) */
+ROW_DOTS(row_q4k, q8k, Q4K_BLOCK, 0, 144)
+ROW_DOTS(row_q5k, q8k, Q5K_BLOCK, 0, 176)
+ROW_DOTS(row_q6k, q8k, Q6K_BLOCK, 0, 210)
+ROW_DOTS(row_q4_0, q8b, Q4_0_BLOCK, 0, 18)
+ROW_DOTS(row_q4_1, q8b, Q4_1_BLOCK, 0, 20)
+ROW_DOTS(row_q5_0, q8b, Q5_0_BLOCK, 0, 22)
+ROW_DOTS(row_q5_1, q8b, Q5_1_BLOCK, 0, 24)
+ROW_DOTS(row_mxfp4, q8b, MXFP4_BLOCK, 1, 17)
 #undef ROW_DOTS
 #undef ROW_DOT
 
@@ -459,6 +525,31 @@ static long experts_bytes(long n, const int *gu_type, const int *d_type, long H,
     return bytes;
 }
 
+/* The activation between an expert's two matrices in the calls below: SwiGLU (no biases), or gpt-oss's clamped
+   SwiGLU with its biases — what GgmlClampedExpert's torch ops compute, rounded where they round in bf16: g and u
+   the fp32 products plus their fp32 biases, rounded; g clamped from above, u both ways, at `limit`;
+   h = bf16(bf16(u + 1) * bf16(g * bf16(sigmoid(bf16(g * alpha))))); down's output plus its bias, rounded. */
+typedef struct {
+    const float *const *gu_bias, *const *d_bias; /* NULL: SwiGLU; else expert e's [2I] and [H] */
+    float alpha, limit;
+} gq_glu;
+
+static const gq_glu SWIGLU = {NULL, NULL, 0.0f, 0.0f};
+
+/* h's value of expert e's hidden unit r from gate_up's fp32 outputs g (row r) and u (row I + r). */
+static inline float glu_h(const gq_glu *act, long e, long r, long I, float g, float u) {
+    if (!act->gu_bias) return swiglu_bf16(round_bf16(g), round_bf16(u));
+    g = fminf(round_bf16(g + act->gu_bias[e][r]), act->limit);
+    u = fminf(fmaxf(round_bf16(u + act->gu_bias[e][I + r]), -act->limit), act->limit);
+    const float s = round_bf16(1.0f / (1.0f + expf(-round_bf16(g * act->alpha))));
+    return round_bf16(round_bf16(u + 1.0f) * round_bf16(g * s));
+}
+
+/* Expert e's output k from down's fp32 output o, before its routing weight: rounded to bf16 (its bias added first). */
+static inline float glu_out(const gq_glu *act, long e, long k, float o) {
+    return round_bf16(act->d_bias ? o + act->d_bias[e][k] : o);
+}
+
 /* Bytes of scratch moetier_gq_swiglu_token (and so moetier_gq_swiglu_token_routed) needs for n experts. */
 long moetier_gq_token_scratch(long n, long H, long I) {
     return 64 + round64(4 * H) + n * round64(act_most(H)) + n * round64(act_most(I)) + round64(4 * n * I)
@@ -472,9 +563,9 @@ long moetier_gq_token_scratch(long n, long H, long I) {
    with the SwiGLU, the activation's quantization and the conversions between them on one core while the others
    waited; here one region, x quantized once per type, each expert's h quantized in parallel.
    scratch: moetier_gq_token_scratch bytes. */
-void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
-                             const uint8_t *const *d, const uint16_t *x, const float *weight, uint16_t *out, long H,
-                             long I, char *scratch) {
+static void gq_token(const gq_glu *act, long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                     const uint8_t *const *d, const uint16_t *x, const float *weight, uint16_t *out, long H, long I,
+                     char *scratch) {
     const long x_bytes = round64(act_most(H)), h_bytes = round64(act_most(I)); /* (as the scratch was sized) */
     char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *xf = (float *)p;
@@ -504,8 +595,7 @@ void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *g
             float g, u;
             row(gu[e] + r * blocks * ts, blocks, ts, xa[e], 0, &g);
             row(gu[e] + (I + r) * blocks * ts, blocks, ts, xa[e], 0, &u);
-            g = round_bf16(g), u = round_bf16(u);
-            h[e * I + r] = swiglu_bf16(g, u);
+            h[e * I + r] = glu_h(act, e, r, I, g, u);
         } /* barrier: every h is written before it is quantized */
 #pragma omp for schedule(static)
         for (long e = 0; e < n; e++) moetier_gq_quantize_act(d_type[e], h + e * I, I, 1, ha[e]);
@@ -514,11 +604,26 @@ void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *g
             const long e = item / H, k = item - e * H, ts = TYPE_SIZE[d_type[e]], blocks = I / BLOCK_SIZE[d_type[e]];
             float o;
             ROWS[d_type[e]][0](d[e] + k * blocks * ts, blocks, ts, ha[e], 0, &o);
-            ys[e * H + k] = round_bf16(round_bf16(o) * weight[e]);
+            ys[e * H + k] = round_bf16(glu_out(act, e, k, o) * weight[e]);
         } /* barrier: every expert's output is made before they are summed */
 #pragma omp for schedule(static)
         for (long k = 0; k < H; k++) out[k] = f32_to_bf16(sum_column(ys, n, H, k));
     }
+}
+
+void moetier_gq_swiglu_token(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                             const uint8_t *const *d, const uint16_t *x, const float *weight, uint16_t *out, long H,
+                             long I, char *scratch) {
+    gq_token(&SWIGLU, n, gu_type, gu, d_type, d, x, weight, out, H, I, scratch);
+}
+
+/* As moetier_gq_swiglu_token for gpt-oss's experts (gq_glu): gu_bias[e] [2I] and d_bias[e] [H] fp32. */
+void moetier_gq_glu_token(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                          const uint8_t *const *d, const float *const *gu_bias, const float *const *d_bias,
+                          float alpha, float limit, const uint16_t *x, const float *weight, uint16_t *out, long H,
+                          long I, char *scratch) {
+    const gq_glu act = {gu_bias, d_bias, alpha, limit};
+    gq_token(&act, n, gu_type, gu, d_type, d, x, weight, out, H, I, scratch);
 }
 
 /* Bytes of scratch moetier_gq_swiglu_layer needs for P (token, expert) pairs. */
@@ -535,9 +640,9 @@ long moetier_gq_layer_scratch(long P, long H, long I) {
    OLMoE: ~16 a layer); here one region, as moetier_swiglu_qi_layer does for the int codes: every pair's row
    quantized (split across the threads), all experts' gate and up rows as one list of work, one barrier, the h rows
    quantized, all down rows. scratch: moetier_gq_layer_scratch bytes. */
-void moetier_gq_swiglu_layer(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
-                             const uint8_t *const *d, const long *span, long P, const uint16_t *xs,
-                             const uint16_t *weights, uint16_t *ys, long H, long I, char *scratch) {
+static void gq_layer(const gq_glu *act, long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                     const uint8_t *const *d, const long *span, long P, const uint16_t *xs, const uint16_t *weights,
+                     uint16_t *ys, long H, long I, char *scratch) {
     const long x_bytes = round64(act_most(H)), h_bytes = round64(act_most(I)); /* a pair's activations' stride */
     char *xa = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63), *ha = xa + P * x_bytes;
     float *h = (float *)(ha + P * h_bytes); /* [P, I] */
@@ -560,7 +665,7 @@ void moetier_gq_swiglu_layer(long n, const int *gu_type, const uint8_t *const *g
             float g[GQ_MAX_TOKENS], u[GQ_MAX_TOKENS];
             row(gu[e] + r * blocks * ts, blocks, ts, xa + a * x_bytes, x_bytes, g);
             row(gu[e] + (I + r) * blocks * ts, blocks, ts, xa + a * x_bytes, x_bytes, u);
-            for (long t = 0; t < T; t++) h[(a + t) * I + r] = swiglu_bf16(round_bf16(g[t]), round_bf16(u[t]));
+            for (long t = 0; t < T; t++) h[(a + t) * I + r] = glu_h(act, e, r, I, g[t], u[t]);
         } /* barrier: every h is written before it is quantized */
 #pragma omp for schedule(static)
         for (long e = 0; e < n; e++)
@@ -574,9 +679,24 @@ void moetier_gq_swiglu_layer(long n, const int *gu_type, const uint8_t *const *g
             float o[GQ_MAX_TOKENS];
             ROWS[d_type[e]][T - 1](d[e] + k * blocks * ts, blocks, ts, ha + a * h_bytes, h_bytes, o);
             for (long t = 0; t < T; t++)
-                ys[(a + t) * H + k] = f32_to_bf16(round_bf16(o[t]) * bf16_to_f32(weights[a + t]));
+                ys[(a + t) * H + k] = f32_to_bf16(glu_out(act, e, k, o[t]) * bf16_to_f32(weights[a + t]));
         }
     }
+}
+
+void moetier_gq_swiglu_layer(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                             const uint8_t *const *d, const long *span, long P, const uint16_t *xs,
+                             const uint16_t *weights, uint16_t *ys, long H, long I, char *scratch) {
+    gq_layer(&SWIGLU, n, gu_type, gu, d_type, d, span, P, xs, weights, ys, H, I, scratch);
+}
+
+/* As moetier_gq_swiglu_layer for gpt-oss's experts (gq_glu): gu_bias[e] [2I] and d_bias[e] [H] fp32. */
+void moetier_gq_glu_layer(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                          const uint8_t *const *d, const float *const *gu_bias, const float *const *d_bias,
+                          float alpha, float limit, const long *span, long P, const uint16_t *xs,
+                          const uint16_t *weights, uint16_t *ys, long H, long I, char *scratch) {
+    const gq_glu act = {gu_bias, d_bias, alpha, limit};
+    gq_layer(&act, n, gu_type, gu, d_type, d, span, P, xs, weights, ys, H, I, scratch);
 }
 
 /* Dequantization, as ggml's dequantize_row_* (and moetier/quant/ggml_blocks.py, bit for bit: no fused

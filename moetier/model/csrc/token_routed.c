@@ -80,3 +80,29 @@ void moetier_gq_swiglu_token_routed(const int64_t *table, const int64_t *ids, co
     }
     moetier_gq_swiglu_token(k, gu_type, gu, d_type, d, x, w, out, H, I, scratch);
 }
+
+void moetier_gq_glu_token(long n, const int *gu_type, const uint8_t *const *gu, const int *d_type,
+                          const uint8_t *const *d, const float *const *gu_bias, const float *const *d_bias,
+                          float alpha, float limit, const uint16_t *x, const float *weight, uint16_t *out, long H,
+                          long I, char *scratch);
+
+/* As moetier_gq_swiglu_token_routed for gpt-oss's experts: table [E, 6], each expert's gate_up_proj blocks and type,
+   down_proj's and theirs, then its gate_up_proj and down_proj biases (fp32 [2I], [H]); the clamped SwiGLU of
+   GgmlClampedExpert (alpha, limit) in one call (moetier_gq_glu_token; scratch: moetier_gq_token_scratch). */
+void moetier_gq_glu_token_routed(const int64_t *table, const int64_t *ids, const void *weights, long wbits, long k,
+                                 long H, long I, float alpha, float limit, const uint16_t *x, uint16_t *out,
+                                 char *scratch) {
+    int64_t id[k];
+    float w[k];
+    int gu_type[k], d_type[k];
+    const uint8_t *gu[k], *d[k];
+    const float *gu_bias[k], *d_bias[k];
+    ascending(ids, weights, wbits, k, id, w);
+    for (long j = 0; j < k; j++) {
+        const int64_t *e = table + id[j] * 6;
+        gu[j] = (const uint8_t *)e[0], gu_type[j] = (int)e[1], d[j] = (const uint8_t *)e[2], d_type[j] = (int)e[3];
+        gu_bias[j] = (const float *)e[4], d_bias[j] = (const float *)e[5];
+        w[j] = round_bf16(w[j]);
+    }
+    moetier_gq_glu_token(k, gu_type, gu, d_type, d, gu_bias, d_bias, alpha, limit, x, w, out, H, I, scratch);
+}
