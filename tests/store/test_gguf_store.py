@@ -229,8 +229,9 @@ def test_types_the_kernels_do_not_compute_are_dequantized_once_with_a_note(tmp_p
 def test_a_gpt_oss_mxfp4_file_reads_its_experts_and_biases_in_place(tmp_path, capsys):
     """gpt-oss as its released GGUFs hold it (MXFP4 experts beside F32 biases, sinks, the router's bias): the experts
     read in place, blocks and biases (nothing copied), and the model computes — through torch's path (the blocks
-    dequantized) — what the same file with the MXFP4 blocks' values in F32 does; through the native kernels (the
-    activations rounded to int8 blocks, as llama.cpp computes MXFP4) that apart by the rounding only."""
+    dequantized) — what the same file with the MXFP4 blocks' values in F32 does; in bf16 through the native kernels
+    (the activations rounded to int8 blocks, as llama.cpp computes MXFP4; the sinks' attention native too) that
+    apart by the roundings only."""
     build_tiny("gpt_oss", tmp_path / "hf", hidden_size=256, intermediate_size=256, **GGUF_OVERRIDES["gpt_oss"])
     path = gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4.gguf", {0: ("MXFP4", "MXFP4"), 1: ("MXFP4", "MXFP4")})
     rounded = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors
@@ -253,9 +254,10 @@ def test_a_gpt_oss_mxfp4_file_reads_its_experts_and_biases_in_place(tmp_path, ca
     assert max((x - y).abs().max().item() for x, y in zip(a[1], b[1])) <= ATOL
     bf16 = index_gguf(gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4-bf16.gguf", {0: ("MXFP4", "MXFP4"),
                                          1: ("MXFP4", "MXFP4")}, dense_type="bf16"), tmp_path / "bf16", progress=False)
-    native, torch_path = (logits(bf16, prompt, 6, 2, k, feed) for k in ("auto", "torch"))
-    for x, y in zip(native[1], torch_path[1]):
-        assert 0 < ((x.float() - y.float()).norm() / y.float().norm()).item() <= 0.05
+    native = logits(bf16, prompt, 6, 2, "auto", feed)  # against the values in fp32: the activations' rounding to
+    # int8 blocks and bf16's apart (torch's bf16 path: at most 2.1% a step; the native one 1.5-4.3%)
+    errors = [((x.float() - y.float()).norm() / y.float().norm()).item() for x, y in zip(native[1], b[1])]
+    assert 0 < sum(errors) / len(errors) <= 0.04 and max(errors) <= 0.08
 
 
 def gguf_tensor(path: Path, name: str) -> np.ndarray:

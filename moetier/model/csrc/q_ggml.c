@@ -153,9 +153,26 @@ static void quantize_q8b(const float *x, long K, q8b *y, int sum_times) {
     }
 }
 
+/* MXFP4's activation in pairs of blocks (pair_mxfp4): the second half of block b's codes swapped with the first
+   half of b + 1's, for each whole pair; a last odd block stays as it is (blk_mxfp4 computes it). */
+static void pair_q8b(q8b *y, long blocks) {
+    for (long b = 0; b + 1 < blocks; b += 2) {
+        int8_t half[16];
+        memcpy(half, y[b].qs + 16, 16);
+        memcpy(y[b].qs + 16, y[b + 1].qs, 16);
+        memcpy(y[b + 1].qs, half, 16);
+    }
+}
+
 static void quantize_act_row(int type, const float *x, long K, void *out) {
-    if (is_k(type)) quantize_q8k(x, K, (q8k *)out);
-    else quantize_q8b(x, K, (q8b *)out, type == GQ_MXFP4 ? -MXFP4_OFFSET : 1);
+    if (is_k(type)) {
+        quantize_q8k(x, K, (q8k *)out);
+    } else if (type == GQ_MXFP4) {
+        quantize_q8b(x, K, (q8b *)out, -MXFP4_OFFSET);
+        pair_q8b((q8b *)out, K / 32);
+    } else {
+        quantize_q8b(x, K, (q8b *)out, 1);
+    }
 }
 
 /* x [T, K] fp32 -> T activations for a matrix of `type`, back to back in `out` (moetier_gq_act_bytes each). */
@@ -356,48 +373,67 @@ INLINE void blk_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *ac
     }
 }
 
+/* Two MXFP4 blocks at once (b at blk, b + 1 right after it) against T tokens' q8b blocks laid out in pairs
+   (quantize_q8b for MXFP4: block b's codes then b + 1's are x_b[0:16] x_b+1[0:16], then x_b[16:32] x_b+1[16:32]):
+   the two blocks' nibbles unpacked in 256-bit registers, b's in the low 128-bit lane and b + 1's in the high one,
+   each lane's sums and scale its own block's. Half the unpacking and shuffling a block of blk_mxfp4, whose 128-bit
+   unpacking bound MXFP4's 2880-wide rows at one token to ~25 GB/s on a Zen 4's two cores. */
+INLINE void pair_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *acc) {
+    const __m256i v = _mm256_loadu2_m128i((const __m128i *)(blk + 17 + 1), (const __m128i *)(blk + 1));
+    const __m256i low = _mm256_set1_epi8(0xF);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_UNSIGNED));
+    const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low));  /* weights 0-15 of b | of b + 1 */
+    const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));  /* 16-31 */
+    const float d0 = E8M0_HALF[blk[0]], d1 = E8M0_HALF[blk[17]];
+    for (int t = 0; t < T; t++) {
+        const q8b *x = a[t];
+        __m256i p = dot4_acc(_mm256_setr_epi32(x[0].sum, 0, 0, 0, x[1].sum, 0, 0, 0), lo,
+                             _mm256_loadu_si256((const __m256i *)x[0].qs));
+        p = dot4_acc(p, hi, _mm256_loadu_si256((const __m256i *)x[1].qs));
+        const __m256 s = _mm256_setr_m128(_mm_set1_ps(d0 * x[0].d), _mm_set1_ps(d1 * x[1].d));
+        acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[t]);
+    }
+}
+
 /* One row's blocks against T tokens' activations. Made a function per type and per T (1 to GQ_MAX_TOKENS), the
    block kernel inlined: with T a constant the accumulators and the unpacked codes stay in registers — with T read
    at run time gcc kept acc[t] and accm[t] on the stack, a store and a load every block on one chain, and spilled
    the codes (a 2048 x 2048 matrix at one token on a Zen 4's two cores, hot: Q4_K 159 -> 122 us, Q6_K 79 -> 51,
-   Q8_0 280 -> 166; the same sums, bit for bit). With PAIRS, blocks two at a time into two sets of accumulators,
-   summed at the end: a block of 32 weights is too little work to hide a float multiply-add's latency on the one
-   chain a token had (MXFP4's 2880-wide rows at one token ran at 20 GB/s where Q4_K's ran at 27; ggml sums its 32-
-   blocks in two chains too). BLOCK(blk, a, acc, accm): the block kernel on block blk with the tokens' blocks a. */
-#define ROW_DOT(name, act_t, BLOCK, NT, PAIRS, TS)                                                            \
+   Q8_0 280 -> 166; the same sums, bit for bit). BLOCK(blk, a, acc, accm): the block kernel on block blk with the
+   tokens' blocks a; PAIR the same on two blocks at once (MXFP4's), or NO_PAIR, a block at a time. */
+#define ROW_DOT(name, act_t, BLOCK, PAIR, NT, TS)                                                             \
     static void name(const uint8_t *w, long blocks, long ts_, const char *act, long act_bytes, float *out) {   \
         enum { T = NT };                                                                                       \
         const long ts = TS; /* (the type's, a constant: the prefetches' loops unrolled) */                    \
         (void)ts_;                                                                                             \
-        __m256 acc[T], acc1[T];                                                                                \
-        __m128 accm[T], accm1[T];                                                                              \
-        const act_t *a[T], *a1[T];                                                                             \
-        for (int t = 0; t < T; t++)                                                                            \
-            acc[t] = acc1[t] = _mm256_setzero_ps(), accm[t] = accm1[t] = _mm_setzero_ps();                     \
+        __m256 acc[T];                                                                                         \
+        __m128 accm[T];                                                                                        \
+        const act_t *a[T];                                                                                     \
+        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), accm[t] = _mm_setzero_ps();                  \
         long b = 0;                                                                                            \
-        if (PAIRS)                                                                                             \
-            for (; b + 1 < blocks; b += 2) {                                                                   \
-                for (long off = 0; off < 2 * ts; off += 64)                                                    \
-                    _mm_prefetch((const char *)(w + b * ts + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);           \
-                for (int t = 0; t < T; t++) a[t] = (const act_t *)(act + t * act_bytes) + b, a1[t] = a[t] + 1;  \
-                BLOCK(w + b * ts, a, acc, accm);                                                               \
-                BLOCK(w + (b + 1) * ts, a1, acc1, accm1);                                                      \
-            }                                                                                                  \
+        for (; PAIR_OF_##PAIR && b + 1 < blocks; b += 2) {                                                     \
+            for (long off = 0; off < 2 * ts; off += 64)                                                        \
+                _mm_prefetch((const char *)(w + b * ts + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);               \
+            for (int t = 0; t < T; t++) a[t] = (const act_t *)(act + t * act_bytes) + b;                        \
+            PAIR(w + b * ts, a, acc, accm);                                                                    \
+        }                                                                                                      \
         for (; b < blocks; b++) {                                                                              \
             for (long off = 0; off < ts; off += 64) /* ahead of the hardware prefetcher, as q_int.c */          \
                 _mm_prefetch((const char *)(w + b * ts + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);               \
             for (int t = 0; t < T; t++) a[t] = (const act_t *)(act + t * act_bytes) + b;                        \
             BLOCK(w + b * ts, a, acc, accm);                                                                   \
         }                                                                                                      \
-        for (int t = 0; t < T; t++)                                                                            \
-            out[t] = PAIRS ? hsum_ps(_mm256_add_ps(acc[t], acc1[t])) - hsum_ps128(_mm_add_ps(accm[t], accm1[t])) \
-                           : hsum_ps(acc[t]) - hsum_ps128(accm[t]);                                            \
+        for (int t = 0; t < T; t++) out[t] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);                            \
     }
-#define ROW_DOTS(name, act_t, BLOCK, PAIRS, TS)                                                               \
-    ROW_DOT(name##_1, act_t, BLOCK, 1, PAIRS, TS)                                                              \
-    ROW_DOT(name##_2, act_t, BLOCK, 2, PAIRS, TS)                                                              \
-    ROW_DOT(name##_3, act_t, BLOCK, 3, PAIRS, TS)                                                              \
-    ROW_DOT(name##_4, act_t, BLOCK, 4, PAIRS, TS)
+#define ROW_DOTS(name, act_t, BLOCK, PAIR, TS)                                                                \
+    ROW_DOT(name##_1, act_t, BLOCK, PAIR, 1, TS)                                                               \
+    ROW_DOT(name##_2, act_t, BLOCK, PAIR, 2, TS)                                                               \
+    ROW_DOT(name##_3, act_t, BLOCK, PAIR, 3, TS)                                                               \
+    ROW_DOT(name##_4, act_t, BLOCK, PAIR, 4, TS)
+#define NO_PAIR(blk, a, acc, accm) /* (a type computed a block at a time) */
+#define PAIR_OF_NO_PAIR 0
+#define MXFP4_PAIR(blk, a, acc, accm) pair_mxfp4(blk, a, T, acc)
+#define PAIR_OF_MXFP4_PAIR 1
 #define Q8_0_BLOCK(blk, a, acc, accm) blk_q8_0(blk, a, T, acc)
 #define Q4K_BLOCK(blk, a, acc, accm) blk_q45k(blk, a, T, acc, accm, 0)
 #define Q5K_BLOCK(blk, a, acc, accm) blk_q45k(blk, a, T, acc, accm, 1)
@@ -407,15 +443,15 @@ INLINE void blk_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *ac
 #define Q5_0_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q5_0)
 #define Q5_1_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q5_1)
 #define MXFP4_BLOCK(blk, a, acc, accm) blk_mxfp4(blk, a, T, acc)
-ROW_DOTS(row_q8_0, q8b, Q8_0_BLOCK, 0, 34)  /* (TYPE_SIZE's) */
-ROW_DOTS(row_q4k, q8k, Q4K_BLOCK, 0, 144)
-ROW_DOTS(row_q5k, q8k, Q5K_BLOCK, 0, 176)
-ROW_DOTS(row_q6k, q8k, Q6K_BLOCK, 0, 210)
-ROW_DOTS(row_q4_0, q8b, Q4_0_BLOCK, 0, 18)
-ROW_DOTS(row_q4_1, q8b, Q4_1_BLOCK, 0, 20)
-ROW_DOTS(row_q5_0, q8b, Q5_0_BLOCK, 0, 22)
-ROW_DOTS(row_q5_1, q8b, Q5_1_BLOCK, 0, 24)
-ROW_DOTS(row_mxfp4, q8b, MXFP4_BLOCK, 1, 17)
+ROW_DOTS(row_q8_0, q8b, Q8_0_BLOCK, NO_PAIR, 34)  /* (TYPE_SIZE's) */
+ROW_DOTS(row_q4k, q8k, Q4K_BLOCK, NO_PAIR, 144)
+ROW_DOTS(row_q5k, q8k, Q5K_BLOCK, NO_PAIR, 176)
+ROW_DOTS(row_q6k, q8k, Q6K_BLOCK, NO_PAIR, 210)
+ROW_DOTS(row_q4_0, q8b, Q4_0_BLOCK, NO_PAIR, 18)
+ROW_DOTS(row_q4_1, q8b, Q4_1_BLOCK, NO_PAIR, 20)
+ROW_DOTS(row_q5_0, q8b, Q5_0_BLOCK, NO_PAIR, 22)
+ROW_DOTS(row_q5_1, q8b, Q5_1_BLOCK, NO_PAIR, 24)
+ROW_DOTS(row_mxfp4, q8b, MXFP4_BLOCK, MXFP4_PAIR, 17)
 #undef ROW_DOTS
 #undef ROW_DOT
 
