@@ -23,7 +23,7 @@ from moetier.errors import MoetierError
 from moetier.model import native
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import rms_norm
+from moetier.model.layers import rms_norm, rms_norm_fp32_weight
 from moetier.model.rope import RopeTables
 
 NATIVE_ROWS = 16  # decode rows the native attention takes one by one (a server's batch); more go to torch's SDPA
@@ -82,6 +82,10 @@ class TorchKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Over the last dimension."""
         return rms_norm(x, weight, eps)
+
+    def rms_norm_fp32_weight(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """gpt-oss's: the weight applied in fp32, one cast at the end."""
+        return rms_norm_fp32_weight(x, weight, eps)
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,6 +331,14 @@ class NativeKernels(TorchKernels):
         n = x.shape[-1]
         y = torch.empty_like(x)
         self.lib.moetier_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+        return y
+
+    def rms_norm_fp32_weight(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not (x.is_contiguous() and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+            return rms_norm_fp32_weight(x, weight, eps)
+        n = x.shape[-1]
+        y = torch.empty_like(x)
+        self.lib.moetier_rms_norm_fp32w_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
         return y
 
     def combine(self, x: torch.Tensor, token_of: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moetier_swiglu_bf16.argtypes = [p, p, p, ctypes.c_float, p, n, n, p]
     lib.moetier_swiglu_bf16.restype = None
     lib.moetier_rms_norm_bf16.argtypes = [p, p, p, n, n, ctypes.c_float]
+    lib.moetier_rms_norm_fp32w_bf16.argtypes = [p, p, p, n, n, ctypes.c_float]
+    lib.moetier_rms_norm_fp32w_bf16.restype = None
     lib.moetier_sum_rows_bf16.argtypes = [p, n, n, p]
     lib.moetier_sum_rows_bf16.restype = None
     lib.moetier_rms_norm_bf16.restype = None

@@ -14,7 +14,7 @@ from moetier.model.batch import StepBatch
 from moetier.model.decode_block import DecodeBlocks
 from moetier.model.kernels import TorchKernels
 from moetier.model.kv_cache import KVCache
-from moetier.model.layers import layer_weights, rms_norm_fp32_weight
+from moetier.model.layers import layer_weights
 from moetier.model.mla import LatentAttention
 from moetier.model.resident_step import ResidentStep
 from moetier.model.rope import Rope, RopeTables
@@ -42,7 +42,7 @@ def make_norm(kind: str, eps: float, kernels: TorchKernels) -> Callable[[torch.T
     if kind == "rms":
         return lambda x, w, name: kernels.rms_norm(x, w[name], eps)
     if kind == "rms-fp32-weight":
-        return lambda x, w, name: rms_norm_fp32_weight(x, w[name], eps)
+        return lambda x, w, name: kernels.rms_norm_fp32_weight(x, w[name], eps)
     return lambda x, w, name: F.layer_norm(x, x.shape[-1:], w[name], w[name + ".bias"], eps)
 
 

@@ -98,7 +98,7 @@ def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[B, 128] bytes -> [B, 8, 32]: each 32 bytes' low nibbles are one sub-block, their high nibbles the next."""
-    q = qs.reshape(-1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    q = qs.reshape(-1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).view(1, 1, 2, 1)
     return (q & 0xF).reshape(-1, 8, 32)
 
 
@@ -109,7 +109,8 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     d, dm = _k_scales(b)
-    qh = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)  # sub-block j's bit j
+    bit = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> bit  # sub-block j's bit j
     q = _nibbles(b[:, 48:176]) | ((qh & 1) << 4)
     return (d * q.float() - dm).reshape(-1, QK_K)
 
@@ -118,9 +119,9 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql, qh = b[:, 0:128], b[:, 128:192]
     scales = b[:, 192:208].contiguous().view(torch.int8).float()  # [B, 16], one per 16 weights
     d = (_f16(b[:, 208:210]) * scales).unsqueeze(-1)  # [B, 16, 1]
-    lo = ql.reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    lo = ql.reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 1, 2, 1)
     lo = (lo & 0xF).reshape(-1, 8, 32)  # per half: ql[0:32] low, ql[32:64] low, ql[0:32] high, ql[32:64] high
-    hi = qh.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    hi = qh.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     hi = (hi & 3).reshape(-1, 8, 32)
     q = (lo | (hi << 4)).to(torch.int8) - 32
     return (d * q.reshape(-1, 16, 16).float()).reshape(-1, QK_K)
@@ -130,7 +131,7 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     e = b[:, :1].to(torch.int32)
     # 2^(e-128) (the values table is doubled); e = 0 is 2^-128, a subnormal float32 that ldexp gives exactly
     scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 128)
-    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)  # (a GPU's blocks: looked up there)
     qs = b[:, 1:17].to(torch.int64)
     q = torch.cat([values[qs & 0xF], values[qs >> 4]], dim=1)  # low nibbles: the first 16 weights
     return scale * q
@@ -144,7 +145,7 @@ def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """[B, 4] bytes (a little-endian uint32) -> [B, 32] int32: bit j is weight j's fifth bit, as 16 or 0."""
-    bits = qh.to(torch.int32).repeat_interleave(8, dim=1) >> torch.arange(8).repeat(4)
+    bits = qh.to(torch.int32).repeat_interleave(8, dim=1) >> torch.arange(8, device=qh.device).repeat(4)
     return (bits & 1) << 4
 
 

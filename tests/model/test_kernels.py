@@ -144,6 +144,14 @@ def test_rms_norm_matches_torch(kernels, shape):
     assert ulps_apart(kernels.rms_norm(x, w, 1e-6), TorchKernels().rms_norm(x, w, 1e-6)).max().item() <= 1
 
 
+@pytest.mark.parametrize("shape", [(1, 2880), (3, 64)])
+def test_gpt_oss_norm_matches_torch(kernels, shape):
+    """gpt-oss's RMSNorm (the weight applied to the fp32 values, one rounding): within one bf16 step of torch's."""
+    torch.manual_seed(shape[-1])
+    x, w = (torch.randn(shape) * 3).bfloat16(), torch.randn(shape[-1]).bfloat16()
+    ours, ref = kernels.rms_norm_fp32_weight(x, w, 1e-5), TorchKernels().rms_norm_fp32_weight(x, w, 1e-5)
+    assert ulps_apart(ours, ref).max().item() <= 1 and (ours == ref).float().mean().item() >= 0.99
+
 def test_rope_matches_torch(kernels):
     batch = StepBatch.decode_step([5], [0], [37], 1)
     rope = Rope(RopeSpec(), 16, 64, torch.bfloat16).tables(batch)

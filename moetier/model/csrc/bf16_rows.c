@@ -177,6 +177,23 @@ void moetier_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *
     }
 }
 
+/* As moetier_rms_norm_bf16 for gpt-oss's norm (layers.rms_norm_fp32_weight): the weight applied to the fp32 h and
+   one rounding at the end, h not rounded before it. */
+void moetier_rms_norm_fp32w_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, long rows, long n,
+                                 float eps) {
+    for (long r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        uint16_t *yr = y + r * n;
+        double ss = 0;
+        for (long k = 0; k < n; k++) {
+            float v = bf16_to_f32(xr[k]);
+            ss += (double)(v * v);
+        }
+        float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        for (long k = 0; k < n; k++) yr[k] = f32_to_bf16(bf16_to_f32(weight[k]) * (bf16_to_f32(xr[k]) * inv));
+    }
+}
+
 /* Rotary embedding of one position over x [heads, d] in place of torch's five ops: out = x * cos + rotate_half(x)
    * sin with each product and the sum rounded to bf16 as torch's bf16 ops do. cos, sin: [d] bf16 rows of the
    table at this position. */

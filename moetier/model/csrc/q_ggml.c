@@ -40,14 +40,14 @@ static const long TYPE_SIZE[] = {34, 144, 176, 210, 18, 20, 22, 24, 17};
 static const long BLOCK_SIZE[] = {32, QK, QK, QK, 32, 32, 32, 32, 32};
 
 /* MXFP4 (gpt-oss's experts): E2M1 codes as ggml's kvalues_mxfp4 — the values doubled, so integers — and a block's
-   E8M0 exponent e standing for 2^(e - 128), the doubling taken back (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 is a
-   subnormal float, made from its bits as there). */
+   E8M0 exponent e standing for 2^(e - 128), the doubling taken back (ggml's GGML_E8M0_TO_FP32_HALF; e < 2 gives a
+   subnormal float, exact). */
 static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 #define MXFP4_OFFSET 12
 static const uint8_t MXFP4_UNSIGNED[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* + 12 */
 
 /* 2^(e - 128) for each E8M0 exponent e: a block's scale, looked up (computed from e's bits it took a dozen scalar
-   instructions a block, more than the block's vector work). */
+   instructions a block in the kernel, more than the block's vector work). */
 static const float E8M0_HALF[256] = {
     0x1p-128f, 0x1p-127f, 0x1p-126f, 0x1p-125f, 0x1p-124f, 0x1p-123f, 0x1p-122f, 0x1p-121f,
     0x1p-120f, 0x1p-119f, 0x1p-118f, 0x1p-117f, 0x1p-116f, 0x1p-115f, 0x1p-114f, 0x1p-113f,
@@ -82,13 +82,6 @@ static const float E8M0_HALF[256] = {
     0x1p112f, 0x1p113f, 0x1p114f, 0x1p115f, 0x1p116f, 0x1p117f, 0x1p118f, 0x1p119f,
     0x1p120f, 0x1p121f, 0x1p122f, 0x1p123f, 0x1p124f, 0x1p125f, 0x1p126f, 0x1p127f,
 };
-
-static inline float e8m0_half(uint8_t e) {
-    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 static inline int is_k(int type) { return type >= GQ_Q4_K && type <= GQ_Q6_K; }
 
@@ -856,7 +849,7 @@ static NO_FMA void deq_legacy(const uint8_t *b, float *y, const int type) { /* a
 }
 
 static NO_FMA void deq_mxfp4(const uint8_t *b, float *y) { /* as ggml's dequantize_row_mxfp4 */
-    const float d = e8m0_half(b[0]);
+    const float d = E8M0_HALF[b[0]];
     for (int j = 0; j < 16; j++)
         y[j] = d * (float)MXFP4_VALUES[b[1 + j] & 0xF], y[j + 16] = d * (float)MXFP4_VALUES[b[1 + j] >> 4];
 }
