@@ -52,8 +52,8 @@ def test_the_file_has_the_shapes_asked_in_the_tiny_files_types(scaled):
 
 def test_moetier_reads_its_experts_in_place_and_decodes(scaled, tmp_path):
     from moetier import Engine
-    from moetier.engine.engine import EngineConfig
     from moetier.config import MemoryBudget
+    from moetier.engine.engine import EngineConfig
     from moetier.store.format import Manifest
     from moetier.store.store import Store
 
