@@ -848,14 +848,24 @@ static NO_FMA void deq_legacy(const uint8_t *b, float *y, const int type) { /* a
     }
 }
 
-static NO_FMA void deq_mxfp4(const uint8_t *b, float *y) { /* as ggml's dequantize_row_mxfp4 */
-    const float d = E8M0_HALF[b[0]];
-    for (int j = 0; j < 16; j++)
-        y[j] = d * (float)MXFP4_VALUES[b[1 + j] & 0xF], y[j + 16] = d * (float)MXFP4_VALUES[b[1 + j] >> 4];
+/* As ggml's dequantize_row_mxfp4, eight values at a time: the codes looked up as their doubled values (int8), each
+   times 2^(e - 128) — exact products, so fp32 or their bf16 rounding as torch's (a prefill's busy experts: one value
+   at a time this took ~5 ms a gpt-oss-20b gate_up, half of a 128-token prompt's time). */
+static inline NO_FMA void deq_mxfp4(const uint8_t *b, void *o, const int fp32) {
+    const __m256 d = _mm256_set1_ps(E8M0_HALF[b[0]]);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 1)), low = _mm_set1_epi8(0xF);
+    const __m128i lut = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+    const __m128i q[2] = {_mm_shuffle_epi8(lut, _mm_and_si128(v, low)),  /* weights 0-15 */
+                          _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), low))};  /* 16-31 */
+    for (int h = 0; h < 2; h++) {
+        const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[h])));
+        const __m256 c = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q[h], 8))));
+        store16(o, 16 * h, a, c, fp32);
+    }
 }
 
 /* One row of `blocks` blocks of `type` -> fp32 or bf16 values; the legacy types (a Q4_K_M file's rows that are not
-   whole 256-blocks) and MXFP4 through a block of fp32. */
+   whole 256-blocks) through a block of fp32. */
 static inline NO_FMA void deq_row(int type, const uint8_t *w, long blocks, void *o, const int fp32) {
     const long ts = TYPE_SIZE[type], bs = BLOCK_SIZE[type];
     for (long b = 0, at = 0; b < blocks; b++, w += ts, at += bs) {
@@ -865,10 +875,10 @@ static inline NO_FMA void deq_row(int type, const uint8_t *w, long blocks, void 
             case GQ_Q4_K: deq_q45k(w, ob, 0, fp32); break;
             case GQ_Q5_K: deq_q45k(w, ob, 1, fp32); break;
             case GQ_Q6_K: deq_q6k(w, ob, fp32); break;
+            case GQ_MXFP4: deq_mxfp4(w, ob, fp32); break;
             default: {
                 float y[32];
-                if (type == GQ_MXFP4) deq_mxfp4(w, y);
-                else deq_legacy(w, y, type);
+                deq_legacy(w, y, type);
                 for (long j = 0; j < bs; j++) {
                     if (fp32) ((float *)ob)[j] = y[j];
                     else ((uint16_t *)ob)[j] = f32_to_bf16(y[j]);
