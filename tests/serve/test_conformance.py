@@ -82,7 +82,10 @@ def test_chat_logprobs_spell_the_text_whole_and_streamed(served):
     assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) and len(t.top_logprobs) == 3 for t in content)
     streamed = [t for x in client(served).chat.completions.create(stream=True, **kw)
                 if x.choices and x.choices[0].logprobs for t in x.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    # the same tokens; their logprobs those of another run of the fp32 model (torch's CPU GEMM is not bit-stable
+    # across calls: once in a full suite a logprob came back 1e-7 apart, -8.434970 against -8.434971)
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("messages", [None, "string", [123], [{}], [{"role": 123}],
