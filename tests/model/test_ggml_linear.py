@@ -64,7 +64,7 @@ def test_the_kernel_is_ggmls_arithmetic(linear, fmt, tokens):
 
 
 @pytest.mark.parametrize("tokens", [1, 2, MAX_TOKENS])
-def test_mxfp4_rows_of_an_odd_number_of_blocks_and_every_exponent(linear, tokens):
+def test_mxfp4_rows_of_an_odd_number_of_blocks_over_a_range_of_exponents(linear, tokens):
     """MXFP4 two blocks at a time (the activation laid out in pairs) and a last odd block alone: 15 blocks a row,
     rows scaled from 2^-6 to 2^1 (blocks' exponents over a range of the scale table)."""
     g = torch.Generator().manual_seed(tokens)
@@ -72,6 +72,7 @@ def test_mxfp4_rows_of_an_odd_number_of_blocks_and_every_exponent(linear, tokens
     x = torch.randn(tokens, 480, generator=g)
     want = (activation_as_ggml(x, "mxfp4").double() @ dequantize(w, "mxfp4").double().T).float()
     torch.testing.assert_close(linear(x, w, "mxfp4"), want, rtol=2e-5, atol=1e-5)
+
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_big_matrix_in_parallel_and_a_long_batch_by_dequantizing(linear, fmt):
