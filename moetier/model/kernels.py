@@ -380,8 +380,8 @@ class NativeKernels(TorchKernels):
     def sink_decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
                               window: int | None, scale: float, sinks: torch.Tensor) -> torch.Tensor | None:
         b = q.shape[0]
-        if (b > NATIVE_ROWS or sinks.dtype != torch.bfloat16
-                or not (q.is_contiguous() and keys.is_contiguous() and values.is_contiguous() and sinks.is_contiguous())):
+        if (b > NATIVE_ROWS or sinks.dtype != torch.bfloat16 or not sinks.is_contiguous()
+                or not (q.is_contiguous() and keys.is_contiguous() and values.is_contiguous())):
             return None
         return self._decode_attention(q, keys, values, batch, window, scale, sinks)
 

@@ -73,8 +73,8 @@ def format_of(k: int, shape: tuple[int, ...]) -> str:
     """The block format of a matrix of rows of `k` weights from its view's shape past the rows: (row bytes,) for
     q8_0 and the k-quants, whose bytes for the same weights differ (272, 210, 176, 144 for 256); (blocks, block
     bytes) for the legacy formats and mxfp4 (`matrix_shape`), two of which take as many bytes as a k-quant (q4_0
-    and q4_k: 4.5 bits). So a GGUF's experts, whose down_proj is Q6_K in some layers and Q4_K or Q5_0 in others, are computed
-    without being told."""
+    and q4_k: 4.5 bits). So a GGUF's experts, whose down_proj is Q6_K in some layers and Q4_K or Q5_0 in others,
+    are computed without being told."""
     if len(shape) == 2:
         fmt = next((FORMATS[n] for n in READ_ONLY if FORMATS[n].type_size == shape[1]), None)
         if fmt is not None and k == shape[0] * fmt.block_size:

@@ -243,10 +243,11 @@ def test_a_gpt_oss_mxfp4_file_reads_its_experts_and_biases_in_place(tmp_path, ca
     assert "copied" not in capsys.readouterr().err and not (store / "experts").exists()
     assert Manifest.load(store).native_precision == "mxfp4"
     expert = Store(store).read_expert(1, 3)
-    assert torch.equal(expert["down_proj.bias"], torch.from_numpy(gguf_tensor(path, "blk.1.ffn_down_exps.bias")[3].copy()))
-    gate_b, up_b = (torch.from_numpy(gguf_tensor(path, f"blk.1.ffn_{p}_exps.bias")[3].copy()) for p in ("gate", "up"))
-    assert torch.equal(expert["gate_up_proj.bias"], torch.cat([gate_b, up_b]))
-    assert torch.equal(expert["down_proj"].flatten(), torch.from_numpy(gguf_tensor(path, "blk.1.ffn_down_exps.weight")[3].copy()).flatten())
+    in_file = {p: torch.from_numpy(gguf_tensor(path, f"blk.1.ffn_{p}")[3].copy())
+               for p in ("gate_exps.bias", "up_exps.bias", "down_exps.bias", "down_exps.weight")}
+    assert torch.equal(expert["down_proj.bias"], in_file["down_exps.bias"])
+    assert torch.equal(expert["gate_up_proj.bias"], torch.cat([in_file["gate_exps.bias"], in_file["up_exps.bias"]]))
+    assert torch.equal(expert["down_proj"].flatten(), in_file["down_exps.weight"].flatten())
     want = index_gguf(floats, tmp_path / "floats", progress=False)
     prompt, feed = list(range(3, 14)), [17, 40, 5, 99, 23, 61]
     a, b = logits(store, prompt, 6, 2, "torch", feed), logits(want, prompt, 6, 2, "torch", feed)
