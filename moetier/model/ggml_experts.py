@@ -116,16 +116,21 @@ class GgmlExpert(OneByOne):
         """One token's experts straight from the router's [1, k] outputs (TokenTable.takes them) in one native call
         (moetier_gq_swiglu_token_routed): what `token` computes — each expert as `__call__` computes it, in
         ascending ids, summed as the kernels' combine sums — without a Python call an expert."""
-        (h, i), k, linear = table.shape, topk_ids.shape[1], self.linear
+        (h, i), k = table.shape, topk_ids.shape[1]
+        self.linear.lib.moetier_gq_swiglu_token_routed(
+            table.ptrs.ctypes.data, topk_ids.data_ptr(), topk_weights.data_ptr(),
+            32 if topk_weights.dtype == torch.float32 else 16, k, h, i, x.data_ptr(), out.data_ptr(),
+            self._token_scratch_for(k, h, i))
+
+    def _token_scratch_for(self, k: int, h: int, i: int) -> int:
+        """The address of scratch enough for a token call through k experts of [2I, H] and [H, I]."""
+        linear = self.linear
         need = self._token_scratch.get((k, h, i))
         if need is None:  # (once per shape: not a foreign call a layer)
             need = self._token_scratch[(k, h, i)] = linear.lib.moetier_gq_token_scratch(k, h, i)
         if linear.scratch.numel() < need:
             linear.scratch = torch.empty(need, dtype=torch.uint8)
-        linear.lib.moetier_gq_swiglu_token_routed(
-            table.ptrs.ctypes.data, topk_ids.data_ptr(), topk_weights.data_ptr(),
-            32 if topk_weights.dtype == torch.float32 else 16, k, h, i, x.data_ptr(), out.data_ptr(),
-            linear.scratch.data_ptr())
+        return linear.scratch.data_ptr()
 
 
 class GgmlClampedExpert(GgmlExpert):
@@ -177,13 +182,8 @@ class GgmlClampedExpert(GgmlExpert):
 
     def token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      table: TokenTable) -> None:
-        (h, i), k, linear = table.shape, topk_ids.shape[1], self.linear
-        need = self._token_scratch.get((k, h, i))
-        if need is None:
-            need = self._token_scratch[(k, h, i)] = linear.lib.moetier_gq_token_scratch(k, h, i)
-        if linear.scratch.numel() < need:
-            linear.scratch = torch.empty(need, dtype=torch.uint8)
-        linear.lib.moetier_gq_glu_token_routed(
+        (h, i), k = table.shape, topk_ids.shape[1]
+        self.linear.lib.moetier_gq_glu_token_routed(
             table.ptrs.ctypes.data, topk_ids.data_ptr(), topk_weights.data_ptr(),
             32 if topk_weights.dtype == torch.float32 else 16, k, h, i, self.alpha, self.limit, x.data_ptr(),
-            out.data_ptr(), linear.scratch.data_ptr())
+            out.data_ptr(), self._token_scratch_for(k, h, i))

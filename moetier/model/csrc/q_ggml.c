@@ -395,10 +395,9 @@ INLINE void pair_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
    Q8_0 280 -> 166; the same sums, bit for bit). BLOCK(blk, a, acc, accm): the block kernel on block blk with the
    tokens' blocks a; PAIR the same on two blocks at once (MXFP4's), or NO_PAIR, a block at a time. */
 #define ROW_DOT(name, act_t, BLOCK, PAIR, NT, TS)                                                             \
-    static void name(const uint8_t *w, long blocks, long ts_, const char *act, long act_bytes, float *out) {   \
+    static void name(const uint8_t *w, long blocks, const char *act, long act_bytes, float *out) {            \
         enum { T = NT };                                                                                       \
-        const long ts = TS; /* (the type's, a constant: the prefetches' loops unrolled) */                    \
-        (void)ts_;                                                                                             \
+        const long ts = TS; /* (the type's block bytes, a constant: the prefetches' loops unrolled) */        \
         __m256 acc[T];                                                                                         \
         __m128 accm[T];                                                                                        \
         const act_t *a[T];                                                                                     \
@@ -448,7 +447,7 @@ ROW_DOTS(row_mxfp4, q8b, MXFP4_BLOCK, MXFP4_PAIR, 17)
 #undef ROW_DOTS
 #undef ROW_DOT
 
-typedef void (*row_fn)(const uint8_t *, long, long, const char *, long, float *);
+typedef void (*row_fn)(const uint8_t *, long, const char *, long, float *);
 #define BY_T(name) {name##_1, name##_2, name##_3, name##_4}
 static const row_fn ROWS[GQ_TYPES][GQ_MAX_TOKENS] = {  /* [type][T - 1], types in GQ_* order */
     BY_T(row_q8_0), BY_T(row_q4k), BY_T(row_q5k), BY_T(row_q6k),
@@ -469,7 +468,7 @@ void moetier_gq_linear(int type, const uint8_t *w, long N, long K, const void *a
 #pragma omp parallel for schedule(static) if (N * row_bytes >= GQ_PARALLEL_MIN_BYTES)
     for (long r = 0; r < N; r++) {
         float out[GQ_MAX_TOKENS];
-        row(w + r * row_bytes, blocks, ts, (const char *)act, act_bytes, out);
+        row(w + r * row_bytes, blocks, (const char *)act, act_bytes, out);
         for (int t = 0; t < T; t++) y[t * N + r] = out[t];
     }
 }
@@ -490,7 +489,7 @@ void moetier_gq_linear_tokens(int type, const uint8_t *w, long N, long K, const 
         for (long p = 0; p < T; p += GQ_MAX_TOKENS) {
             const int n = T - p < GQ_MAX_TOKENS ? (int)(T - p) : GQ_MAX_TOKENS;
             for (long r = r0; r < r0 + tile && r < N; r++)
-                ROWS[type][n - 1](w + r * row_bytes, blocks, ts, (const char *)act + p * act_bytes, act_bytes,
+                ROWS[type][n - 1](w + r * row_bytes, blocks, (const char *)act + p * act_bytes, act_bytes,
                                   yt + r * T + p);
         }
 }
@@ -622,8 +621,8 @@ static void gq_token(const gq_glu *act, long n, const int *gu_type, const uint8_
             const long e = item / I, r = item - e * I, ts = TYPE_SIZE[gu_type[e]], blocks = H / BLOCK_SIZE[gu_type[e]];
             const row_fn row = ROWS[gu_type[e]][0];
             float g, u;
-            row(gu[e] + r * blocks * ts, blocks, ts, xa[e], 0, &g);
-            row(gu[e] + (I + r) * blocks * ts, blocks, ts, xa[e], 0, &u);
+            row(gu[e] + r * blocks * ts, blocks, xa[e], 0, &g);
+            row(gu[e] + (I + r) * blocks * ts, blocks, xa[e], 0, &u);
             h[e * I + r] = glu_h(act, e, r, I, g, u);
         } /* barrier: every h is written before it is quantized */
 #pragma omp for schedule(static)
@@ -632,7 +631,7 @@ static void gq_token(const gq_glu *act, long n, const int *gu_type, const uint8_
         for (long item = 0; item < n * H; item++) {
             const long e = item / H, k = item - e * H, ts = TYPE_SIZE[d_type[e]], blocks = I / BLOCK_SIZE[d_type[e]];
             float o;
-            ROWS[d_type[e]][0](d[e] + k * blocks * ts, blocks, ts, ha[e], 0, &o);
+            ROWS[d_type[e]][0](d[e] + k * blocks * ts, blocks, ha[e], 0, &o);
             ys[e * H + k] = round_bf16(glu_out(act, e, k, o) * weight[e]);
         } /* barrier: every expert's output is made before they are summed */
 #pragma omp for schedule(static)
@@ -692,8 +691,8 @@ static void gq_layer(const gq_glu *act, long n, const int *gu_type, const uint8_
             const long ts = TYPE_SIZE[gu_type[e]], blocks = H / BLOCK_SIZE[gu_type[e]];
             const row_fn row = ROWS[gu_type[e]][T - 1];
             float g[GQ_MAX_TOKENS], u[GQ_MAX_TOKENS];
-            row(gu[e] + r * blocks * ts, blocks, ts, xa + a * x_bytes, x_bytes, g);
-            row(gu[e] + (I + r) * blocks * ts, blocks, ts, xa + a * x_bytes, x_bytes, u);
+            row(gu[e] + r * blocks * ts, blocks, xa + a * x_bytes, x_bytes, g);
+            row(gu[e] + (I + r) * blocks * ts, blocks, xa + a * x_bytes, x_bytes, u);
             for (long t = 0; t < T; t++) h[(a + t) * I + r] = glu_h(act, e, r, I, g[t], u[t]);
         } /* barrier: every h is written before it is quantized */
 #pragma omp for schedule(static)
@@ -706,7 +705,7 @@ static void gq_layer(const gq_glu *act, long n, const int *gu_type, const uint8_
             if (T <= 0) continue;
             const long ts = TYPE_SIZE[d_type[e]], blocks = I / BLOCK_SIZE[d_type[e]];
             float o[GQ_MAX_TOKENS];
-            ROWS[d_type[e]][T - 1](d[e] + k * blocks * ts, blocks, ts, ha + a * h_bytes, h_bytes, o);
+            ROWS[d_type[e]][T - 1](d[e] + k * blocks * ts, blocks, ha + a * h_bytes, h_bytes, o);
             for (long t = 0; t < T; t++)
                 ys[(a + t) * H + k] = f32_to_bf16(glu_out(act, e, k, o[t]) * bf16_to_f32(weights[a + t]));
         }
