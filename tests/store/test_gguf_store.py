@@ -23,7 +23,7 @@ from moetier.model_info import inspect_model
 from moetier.plan.route import DECODE, PREFILL
 from moetier.resolve import resolve_model
 from moetier.store.format import Manifest
-from moetier.store.gguf_file import GgufModel
+from moetier.store.gguf_file import GgufError, GgufModel
 from moetier.store.gguf_store import index_gguf
 from moetier.store.store import Store
 from tests.model.test_parity import ATOL, engine_with_slots, reference_run
@@ -260,6 +260,18 @@ def test_a_gpt_oss_mxfp4_file_reads_its_experts_and_biases_in_place(tmp_path, ca
     errors = [((x.float() - y.float()).norm() / y.float().norm()).item() for x, y in zip(native[1], b[1])]
     assert 0 < sum(errors) / len(errors) <= 0.04 and max(errors) <= 0.08
 
+
+def test_a_gpt_oss_file_whose_expert_biases_do_not_fit_its_experts_is_refused(tmp_path):
+    """A layer's expert biases of another shape than its metadata implies: refused in one line naming the tensor,
+    before anything is written."""
+    build_tiny("gpt_oss", tmp_path / "hf", hidden_size=256, intermediate_size=256, **GGUF_OVERRIDES["gpt_oss"])
+    good = gguf_export.export(tmp_path / "hf", tmp_path / "good.gguf", {0: ("MXFP4", "MXFP4"), 1: ("MXFP4", "MXFP4")})
+    bias = gguf_tensor(good, "blk.1.ffn_down_exps.bias")  # [E, H]
+    bad = gguf_export.export(tmp_path / "hf", tmp_path / "bad.gguf", {0: ("MXFP4", "MXFP4"), 1: ("MXFP4", "MXFP4")},
+                             replace={"blk.1.ffn_down_exps.bias": bias[:, :-32]})
+    with pytest.raises(GgufError, match=r"blk.1.ffn_down_exps.bias is \(\d+, 224\); the file's metadata implies"):
+        index_gguf(bad, tmp_path / "store", progress=False)
+    assert not (tmp_path / "store").exists()
 
 def gguf_tensor(path: Path, name: str) -> np.ndarray:
     return next(np.asarray(t.data) for t in gguf.GGUFReader(path).tensors if t.name == name)
