@@ -74,6 +74,28 @@ def test_mxfp4_rows_of_an_odd_number_of_blocks_over_a_range_of_exponents(linear,
     torch.testing.assert_close(linear(x, w, "mxfp4"), want, rtol=2e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, MAX_TOKENS])
+def test_mxfp4_scales_of_every_exponent_in_every_lane(linear, tokens):
+    """Eight blocks at a time the kernel computes the blocks' scales 2^(e - 128) from their E8M0 bytes (the
+    subnormal ones of e 0 and 1 apart) where the pairs and the odd last block look them up: rows of 11 blocks (an
+    octet, a pair, an odd one), row e's blocks all of exponent e, so each exponent meets every lane of the octet.
+    Exponents up to 127 against a large activation, the rest against a small one (their products within fp32); the
+    reference dequantizes each row with its exponents moved 64 towards the middle (fp32 holds 2^127 * 6 as no
+    weight) and moves its products back in float64; a scale one step off would be 2^+-1 off."""
+    g = torch.Generator().manual_seed(tokens)
+    blocks = torch.randint(0, 256, (256, 11, 17), generator=g, dtype=torch.uint8)
+    blocks[:, :, 0] = torch.arange(256, dtype=torch.uint8)[:, None]
+    for rows, scale, shift in ((slice(0, 128), 2.0 ** 100, 64), (slice(128, 256), 2.0 ** -100, -64)):
+        x = torch.randn(tokens, 352, generator=g) * scale
+        moved = blocks[rows].clone()
+        moved[:, :, 0] += shift
+        w_moved = dequantize(moved.view(128, 11 * 17), "mxfp4").double()
+        xq = activation_as_ggml(x, "mxfp4").double()
+        want, size = xq @ w_moved.T * 2.0 ** -shift, xq.abs() @ w_moved.abs().T * 2.0 ** -shift  # [tokens, 128]
+        got = linear(x, blocks[rows].reshape(128, 11 * 17), "mxfp4").double()
+        assert ((got - want).abs() <= 1e-6 * size).all()  # fp32 roundings of the blocks' sums, not of a scale
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_big_matrix_in_parallel_and_a_long_batch_by_dequantizing(linear, fmt):
     g = torch.Generator().manual_seed(1)

@@ -105,8 +105,17 @@ static inline float f16_to_f32(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* MXFP4's activation for eight blocks b..b + 7 (whole eights of a row; oct_mxfp4): their sums and scales in the
+   order oct_mxfp4 meets its blocks' products — [b, b + 2, b + 4, b + 6, b + 1, b + 3, b + 5, b + 7] — so each is
+   one load. After the row's q8b blocks. */
+typedef struct {
+    int32_t sum[8];
+    float d[8];
+} q8b_oct;
+
 long moetier_gq_act_bytes(int type, long K) {
-    return is_k(type) ? K / QK * (long)sizeof(q8k) : K / 32 * (long)sizeof(q8b);
+    if (is_k(type)) return K / QK * (long)sizeof(q8k);
+    return K / 32 * (long)sizeof(q8b) + (type == GQ_MXFP4 ? K / 256 * (long)sizeof(q8b_oct) : 0);
 }
 
 /* ggml's quantize_row_q8_K: the scale from the signed value of largest magnitude, -127 / it, codes rounded to
@@ -157,12 +166,23 @@ static void pair_q8b(q8b *y, long blocks) {
     }
 }
 
+/* The octets' sums and scales of a row's K / 32 q8b blocks y (q8b_oct), after them. */
+static void oct_q8b(q8b *y, long blocks) {
+    q8b_oct *o = (q8b_oct *)(y + blocks);
+    for (long g = 0; g < blocks / 8; g++)
+        for (int j = 0; j < 8; j++) {
+            const q8b *x = y + 8 * g + (j < 4 ? 2 * j : 2 * (j - 4) + 1);
+            o[g].sum[j] = x->sum, o[g].d[j] = x->d;
+        }
+}
+
 static void quantize_act_row(int type, const float *x, long K, void *out) {
     if (is_k(type)) {
         quantize_q8k(x, K, (q8k *)out);
     } else if (type == GQ_MXFP4) {
         quantize_q8b(x, K, (q8b *)out, -MXFP4_OFFSET);
         pair_q8b((q8b *)out, K / 32);
+        oct_q8b((q8b *)out, K / 32);
     } else {
         quantize_q8b(x, K, (q8b *)out, 1);
     }
@@ -198,12 +218,21 @@ static inline float hsum_ps128(__m128 s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_epi32(acc, u, x); }
+static inline __m256i dot4x2(__m256i u0, __m256i x0, __m256i u1, __m256i x1) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, x0), u1, x1);
+}
 #else
 static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+/* (u0 . x0 + u1 . x1 by fours, for codes u of at most 24 — MXFP4's: the int16 pairs of both added before they are
+   widened, at most 2 * 2 * 24 * 127, within int16) */
+static inline __m256i dot4x2(__m256i u0, __m256i x0, __m256i u1, __m256i x1) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, x0), _mm256_maddubs_epi16(u1, x1));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 #endif
 
@@ -380,11 +409,53 @@ INLINE void pair_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
     const float d0 = E8M0_HALF[blk[0]], d1 = E8M0_HALF[blk[17]];
     for (int t = 0; t < T; t++) {
         const q8b *x = a[t];
-        __m256i p = dot4_acc(_mm256_setr_epi32(x[0].sum, 0, 0, 0, x[1].sum, 0, 0, 0), lo,
-                             _mm256_loadu_si256((const __m256i *)x[0].qs));
-        p = dot4_acc(p, hi, _mm256_loadu_si256((const __m256i *)x[1].qs));
+        const __m256i p = _mm256_add_epi32(dot4x2(lo, _mm256_loadu_si256((const __m256i *)x[0].qs), hi,
+                                                  _mm256_loadu_si256((const __m256i *)x[1].qs)),
+                                           _mm256_setr_epi32(x[0].sum, 0, 0, 0, x[1].sum, 0, 0, 0));
         const __m256 s = _mm256_setr_m128(_mm_set1_ps(d0 * x[0].d), _mm_set1_ps(d1 * x[1].d));
         acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[t]);
+    }
+}
+
+/* 2^(e - 128) for eight E8M0 exponents e (int32 lanes, 0-255): E8M0_HALF's values computed, the float whose
+   exponent field is e - 1, or for e < 2 the subnormal 2^-128 << e. */
+static inline __m256 e8m0_half_ps(__m256i e) {
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
+/* Eight MXFP4 blocks at once (b to b + 7 at blk: four pairs as pair_mxfp4 unpacks them) against T tokens' q8b
+   blocks a and their octets' sums and scales o: each pair's products summed by fours into [4 partial sums of its
+   first block | of its second], then the four pairs' partial sums added across the lanes in integers (vphaddd:
+   exact) into one register of eight block sums, [b, b + 2, b + 4, b + 6 | b + 1, ...]; the activation's sums
+   added, converted once and scaled by the eight blocks' scales (one gather of their exponents) times the token's
+   (one load). pair_mxfp4 converted and scaled each pair's eight partial sums apart and built a pair's sums and
+   scales from scalars for every row and token: compute-bound at ~16 GB/s a Zen 4 thread, where llama.cpp shares
+   that work across the blocks of eight rows it repacks (block_mxfp4x8). Here the blocks are one row's, read in
+   place and in order. */
+INLINE void oct_mxfp4(const uint8_t *blk, const q8b *const *a, const q8b_oct *const *o, int T, __m256 *acc) {
+    const __m256i low = _mm256_set1_epi8(0xF);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_UNSIGNED));
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; j++) {
+        const uint8_t *r = blk + 34 * j;
+        const __m256i v = _mm256_loadu2_m128i((const __m128i *)(r + 17 + 1), (const __m128i *)(r + 1));
+        lo[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low));                         /* weights 0-15 */
+        hi[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));  /* 16-31 */
+    }
+    const __m256i at = _mm256_setr_epi32(0, 34, 68, 102, 17, 51, 85, 119); /* the blocks' exponents, in sums' order */
+    const __m256 dw = e8m0_half_ps(_mm256_and_si256(_mm256_i32gather_epi32((const int *)blk, at, 1),
+                                                    _mm256_set1_epi32(0xFF)));
+    for (int t = 0; t < T; t++) {
+        const q8b *x = a[t];
+        __m256i p[4];
+        for (int j = 0; j < 4; j++)
+            p[j] = dot4x2(lo[j], _mm256_loadu_si256((const __m256i *)x[2 * j].qs), hi[j],
+                          _mm256_loadu_si256((const __m256i *)x[2 * j + 1].qs));
+        const __m256i s = _mm256_add_epi32(_mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])),
+                                           _mm256_loadu_si256((const __m256i *)o[t]->sum));
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(o[t]->d)), _mm256_cvtepi32_ps(s), acc[t]);
     }
 }
 
@@ -394,7 +465,7 @@ INLINE void pair_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
    the codes (a 2048 x 2048 matrix at one token on a Zen 4's two cores, hot: Q4_K 159 -> 122 us, Q6_K 79 -> 51,
    Q8_0 280 -> 166; the same sums, bit for bit). BLOCK(blk, a, acc, accm): the block kernel on block blk with the
    tokens' blocks a; PAIR the same on two blocks at once (MXFP4's), or NO_PAIR, a block at a time. */
-#define ROW_DOT(name, act_t, BLOCK, PAIR, NT, TS)                                                             \
+#define ROW_DOT(name, act_t, BLOCK, NT, TS)                                                                   \
     static void name(const uint8_t *w, long blocks, const char *act, long act_bytes, float *out) {            \
         enum { T = NT };                                                                                       \
         const long ts = TS; /* (the type's block bytes, a constant: the prefetches' loops unrolled) */        \
@@ -402,14 +473,7 @@ INLINE void pair_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
         __m128 accm[T];                                                                                        \
         const act_t *a[T];                                                                                     \
         for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), accm[t] = _mm_setzero_ps();                  \
-        long b = 0;                                                                                            \
-        for (; PAIR_OF_##PAIR && b + 1 < blocks; b += 2) {                                                     \
-            for (long off = 0; off < 2 * ts; off += 64)                                                        \
-                _mm_prefetch((const char *)(w + b * ts + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);               \
-            for (int t = 0; t < T; t++) a[t] = (const act_t *)(act + t * act_bytes) + b;                        \
-            PAIR(w + b * ts, a, acc, accm);                                                                    \
-        }                                                                                                      \
-        for (; b < blocks; b++) {                                                                              \
+        for (long b = 0; b < blocks; b++) {                                                                    \
             for (long off = 0; off < ts; off += 64) /* ahead of the hardware prefetcher, as q_int.c */          \
                 _mm_prefetch((const char *)(w + b * ts + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);               \
             for (int t = 0; t < T; t++) a[t] = (const act_t *)(act + t * act_bytes) + b;                        \
@@ -417,15 +481,35 @@ INLINE void pair_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
         }                                                                                                      \
         for (int t = 0; t < T; t++) out[t] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);                            \
     }
-#define ROW_DOTS(name, act_t, BLOCK, PAIR, TS)                                                                \
-    ROW_DOT(name##_1, act_t, BLOCK, PAIR, 1, TS)                                                               \
-    ROW_DOT(name##_2, act_t, BLOCK, PAIR, 2, TS)                                                               \
-    ROW_DOT(name##_3, act_t, BLOCK, PAIR, 3, TS)                                                               \
-    ROW_DOT(name##_4, act_t, BLOCK, PAIR, 4, TS)
-#define NO_PAIR(blk, a, acc, accm) /* (a type computed a block at a time) */
-#define PAIR_OF_NO_PAIR 0
-#define MXFP4_PAIR(blk, a, acc, accm) pair_mxfp4(blk, a, T, acc)
-#define PAIR_OF_MXFP4_PAIR 1
+/* MXFP4's rows: eight blocks at a time (oct_mxfp4), then pairs (pair_mxfp4) and an odd last block (blk_mxfp4);
+   the octets' sums and scales after the row's q8b blocks. */
+#define MXFP4_ROW_DOT(name, NT)                                                                               \
+    static void name(const uint8_t *w, long blocks, const char *act, long act_bytes, float *out) {            \
+        enum { T = NT };                                                                                       \
+        __m256 acc[T];                                                                                         \
+        const q8b *a[T];                                                                                       \
+        const q8b_oct *o[T];                                                                                   \
+        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();                                              \
+        long b = 0;                                                                                            \
+        for (; b + 8 <= blocks; b += 8) {                                                                      \
+            for (long off = 0; off < 8 * 17; off += 64)                                                        \
+                _mm_prefetch((const char *)(w + b * 17 + off + GQ_PREFETCH_AHEAD), _MM_HINT_T0);               \
+            for (int t = 0; t < T; t++)                                                                        \
+                a[t] = (const q8b *)(act + t * act_bytes) + b, o[t] = (const q8b_oct *)(a[t] - b + blocks) + b / 8; \
+            oct_mxfp4(w + b * 17, a, o, T, acc);                                                               \
+        }                                                                                                      \
+        for (; b < blocks; b += 2) { /* (at most seven blocks) */                                             \
+            for (int t = 0; t < T; t++) a[t] = (const q8b *)(act + t * act_bytes) + b;                          \
+            if (b + 2 <= blocks) pair_mxfp4(w + b * 17, a, T, acc);                                            \
+            else blk_mxfp4(w + b * 17, a, T, acc);                                                             \
+        }                                                                                                      \
+        for (int t = 0; t < T; t++) out[t] = hsum_ps(acc[t]);                                                  \
+    }
+#define ROW_DOTS(name, act_t, BLOCK, TS)                                                                      \
+    ROW_DOT(name##_1, act_t, BLOCK, 1, TS)                                                                     \
+    ROW_DOT(name##_2, act_t, BLOCK, 2, TS)                                                                     \
+    ROW_DOT(name##_3, act_t, BLOCK, 3, TS)                                                                     \
+    ROW_DOT(name##_4, act_t, BLOCK, 4, TS)
 #define Q8_0_BLOCK(blk, a, acc, accm) blk_q8_0(blk, a, T, acc)
 #define Q4K_BLOCK(blk, a, acc, accm) blk_q45k(blk, a, T, acc, accm, 0)
 #define Q5K_BLOCK(blk, a, acc, accm) blk_q45k(blk, a, T, acc, accm, 1)
@@ -434,16 +518,19 @@ INLINE void pair_mxfp4(const uint8_t *blk, const q8b *const *a, int T, __m256 *a
 #define Q4_1_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q4_1)
 #define Q5_0_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q5_0)
 #define Q5_1_BLOCK(blk, a, acc, accm) blk_legacy(blk, a, T, acc, accm, GQ_Q5_1)
-#define MXFP4_BLOCK(blk, a, acc, accm) blk_mxfp4(blk, a, T, acc)
-ROW_DOTS(row_q8_0, q8b, Q8_0_BLOCK, NO_PAIR, 34)  /* (TYPE_SIZE's) */
-ROW_DOTS(row_q4k, q8k, Q4K_BLOCK, NO_PAIR, 144)
-ROW_DOTS(row_q5k, q8k, Q5K_BLOCK, NO_PAIR, 176)
-ROW_DOTS(row_q6k, q8k, Q6K_BLOCK, NO_PAIR, 210)
-ROW_DOTS(row_q4_0, q8b, Q4_0_BLOCK, NO_PAIR, 18)
-ROW_DOTS(row_q4_1, q8b, Q4_1_BLOCK, NO_PAIR, 20)
-ROW_DOTS(row_q5_0, q8b, Q5_0_BLOCK, NO_PAIR, 22)
-ROW_DOTS(row_q5_1, q8b, Q5_1_BLOCK, NO_PAIR, 24)
-ROW_DOTS(row_mxfp4, q8b, MXFP4_BLOCK, MXFP4_PAIR, 17)
+ROW_DOTS(row_q8_0, q8b, Q8_0_BLOCK, 34)  /* (TYPE_SIZE's) */
+ROW_DOTS(row_q4k, q8k, Q4K_BLOCK, 144)
+ROW_DOTS(row_q5k, q8k, Q5K_BLOCK, 176)
+ROW_DOTS(row_q6k, q8k, Q6K_BLOCK, 210)
+ROW_DOTS(row_q4_0, q8b, Q4_0_BLOCK, 18)
+ROW_DOTS(row_q4_1, q8b, Q4_1_BLOCK, 20)
+ROW_DOTS(row_q5_0, q8b, Q5_0_BLOCK, 22)
+ROW_DOTS(row_q5_1, q8b, Q5_1_BLOCK, 24)
+MXFP4_ROW_DOT(row_mxfp4_1, 1)
+MXFP4_ROW_DOT(row_mxfp4_2, 2)
+MXFP4_ROW_DOT(row_mxfp4_3, 3)
+MXFP4_ROW_DOT(row_mxfp4_4, 4)
+#undef MXFP4_ROW_DOT
 #undef ROW_DOTS
 #undef ROW_DOT
 
