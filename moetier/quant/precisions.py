@@ -98,7 +98,7 @@ def quantize_expert(tensors: dict, precision: str, formats: dict[str, str] | Non
     """An expert's float tensors -> the named tensors of its `precision` blob (store/quantize.py lays them out):
     codes and scales for moetier's own precisions; for a block format each matrix's blocks as uint8 [N, row bytes]
     (`formats`: each matrix's, as its layer's layout has them — a mix's differ by layer), its biases in
-    bfloat16."""
+    float32 (store/quantize.py `_block_layout`)."""
     import torch
 
     from moetier.quant import codes, kquants
@@ -107,6 +107,6 @@ def quantize_expert(tensors: dict, precision: str, formats: dict[str, str] | Non
         return codes.quantize_expert(tensors, precision)
     if formats is None and precision in MIXES:
         raise ValueError(f"{precision} is a mix: its formats come from the layer's layout")
-    return {name: t.to(torch.bfloat16) if t.dim() == 1 else
+    return {name: t.to(torch.float32) if t.dim() == 1 else
             kquants.quantize(t.float(), formats[name] if formats else matrix_format(precision, t.shape[1]))
             for name, t in tensors.items()}

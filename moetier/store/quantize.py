@@ -54,11 +54,12 @@ def _mix_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...],
 def _block_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...],
                   formats: dict[str, str] | None = None) -> PrecisionLayout:
     """Each matrix as its rows of blocks (dtype: the block format's name, bytes [N, row bytes]), as a GGUF file
-    holds an expert's slice of a stacked tensor; biases in bfloat16. `formats`: each matrix's (a mix's layer)."""
+    holds an expert's slice of a stacked tensor; biases (gpt-oss's) in float32, as a GGUF keeps them, so that the
+    one native call of GgmlClampedExpert takes them. `formats`: each matrix's (a mix's layer)."""
     tensors = []
     for name, shape in shapes:
         if len(shape) == 1:
-            tensors.append((name, "bfloat16", shape))
+            tensors.append((name, "float32", shape))
             continue
         n, k = shape
         fmt = matrix_format(formats[name] if formats else precision, k)

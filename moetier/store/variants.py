@@ -26,6 +26,7 @@ from moetier.store.store import Store
 from moetier.store.writer import MANIFEST_BYTES_PER_BLOB, expert_file, write_blob
 
 SIDECAR_FORMAT = "moetier-layer-blobs"
+BLOCK_ACTIVATIONS = ("swiglu", "swiglu-clamped")  # the experts GgmlExpert and GgmlClampedExpert compute
 
 
 def parse_precisions(text: str | Iterable[str], native: str) -> list[str]:
@@ -49,12 +50,12 @@ def parse_precisions(text: str | Iterable[str], native: str) -> list[str]:
 
 def expert_layouts(spec: ModelSpec, precisions: Iterable[str]) -> dict[str, PrecisionLayout]:
     """The blob layout of each quantized precision for this model's experts (refused if its shape cannot be, or a
-    GGML format for experts that are not SwiGLU: its kernels are SwiGLU's)."""
+    GGML format for experts its kernels do not compute: SwiGLU's, and gpt-oss's clamped SwiGLU with its biases)."""
     precisions = list(precisions)
     blocks = [p for p in precisions if is_block(p)]
-    if blocks and spec.activation != "swiglu":
-        raise StoreError(f"{blocks[0]} copies are for SwiGLU experts; this model's are {spec.activation}",
-                         hint="use int8, int4 or int2")
+    if blocks and spec.activation not in BLOCK_ACTIVATIONS:
+        raise StoreError(f"{blocks[0]} copies are for SwiGLU experts (gpt-oss's clamped ones too); this model's are "
+                         f"{spec.activation}", hint="use int8, int4 or int2")
     try:
         return {p: expert_layout(p, spec.expert_shapes, spec.moe_layers) for p in precisions}
     except ValueError as e:

@@ -13,7 +13,7 @@ from moetier.engine.engine import EngineConfig
 from moetier.errors import StoreError
 from moetier.model import native
 from moetier.model.expert_kernels import QuantizedExpert, make_expert_kernel
-from moetier.model.ggml_experts import GgmlExpert
+from moetier.model.ggml_experts import GgmlClampedExpert, GgmlExpert
 from moetier.model.kernels import TorchKernels
 from moetier.plan.precision import MixedPrecision
 from moetier.quant.ggml_blocks import dequantize
@@ -111,11 +111,36 @@ def test_q4_k_is_closer_to_the_exact_expert_than_int4():
     assert err["q4_k"] < 0.8 * err["int4"]
 
 
+def test_gpt_oss_experts_take_block_copies_with_their_biases_in_float32(tiny_store, tmp_path):
+    """gpt-oss's clamped SwiGLU experts from a Hugging Face folder take block copies as SwiGLU experts do, their
+    biases beside the blocks in float32 as its GGUFs keep them — so GgmlClampedExpert computes a token's experts in
+    its one native call — and a run from the copies follows the bf16 experts' greedy tokens."""
+    _, path = tiny_store("gpt_oss", dtype=torch.bfloat16, hidden_size=256, intermediate_size=256,
+                         num_hidden_layers=2)
+    shutil.copytree(path, tmp_path / "store")
+    add_precisions(tmp_path / "store", "q8_0,q4_k_m", progress=False)
+    store = Store(tmp_path / "store")
+    layout = store.manifest.precisions["q8_0"]
+    assert {t.name: t.dtype for t in layout.tensors} == {"gate_up_proj": "q8_0", "gate_up_proj.bias": "float32",
+                                                         "down_proj": "q8_0", "down_proj.bias": "float32"}
+    floats, copy = store.read_expert(1, 3), store.read_expert(1, 3, "q8_0")
+    for name in ("gate_up_proj.bias", "down_proj.bias"):
+        assert torch.equal(copy[name], floats[name].float())
+    kernel = make_expert_kernel("q8_0", TorchKernels(), torch.bfloat16, store.spec)
+    assert isinstance(kernel, GgmlClampedExpert)
+    if native.load().lib is not None:  # (the one call's table: made only for float32 biases)
+        assert GgmlClampedExpert("q8_0", torch.bfloat16, 1.702, 7.0, native.load().lib).token_table([copy])
+    exact, tokens = sum(run(tmp_path / "store", "native")[0], []), sum(run(tmp_path / "store", "q8_0", "40%")[0], [])
+    assert sum(a == b for a, b in zip(exact, tokens)) / len(exact) >= 0.8
+    assert all(len(t) == 10 for t in run(tmp_path / "store", "q4_k_m")[0])
+
+
 def test_experts_that_are_not_swiglu_are_refused_before_anything_is_written(tiny_store, tmp_path):
-    _, path = tiny_store("gpt_oss", dtype=torch.bfloat16)
+    _, path = tiny_store("switch_transformers", dtype=torch.bfloat16)
     shutil.copytree(path, tmp_path / "store")
     before = sorted(p.name for p in (tmp_path / "store").iterdir())
-    with pytest.raises(StoreError, match="q4_k copies are for SwiGLU experts; this model's are swiglu-clamped"):
+    with pytest.raises(StoreError, match="q4_k copies are for SwiGLU experts .gpt-oss's clamped ones too.; this "
+                                         "model's are relu"):
         add_precisions(tmp_path / "store", "q4_k", progress=False)
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == before
 
