@@ -181,8 +181,8 @@ def add_precision_options(p: argparse.ArgumentParser) -> None:
     from moetier.plan.precision import CACHED, MODES, UNIFORM
 
     p.add_argument("--precision", default="native", choices=MODES,
-                   help="native (exact); int8/int4/int2, or q8_0/q6_k/q5_k/q4_k (GGML's formats, fitted as "
-                        "llama-quantize fits them): every expert at that copy; hobbit (a missing expert loaded "
+                   help="native (exact); int8/int4/int2, or q8_0/q6_k/q5_k/q4_k/q4_k_m/mxfp4 (GGML's formats, "
+                        "fitted as llama-quantize fits them): every expert at that copy; hobbit (a missing expert loaded "
                         "at high or low precision by its gate, or skipped); low-tier (every expert resident at low "
                         "precision, the important ones cached at high)")
     p.add_argument("--low-precision", default="", choices=["", *UNIFORM], metavar="{" + ",".join(UNIFORM) + "}",

@@ -69,14 +69,14 @@ def add_parser(sub) -> None:
                    help="replace an existing store (only a moetier store; never the checkpoint itself)")
     c.add_argument("--precisions", metavar="LIST",
                    help="also write quantized copies of every expert, e.g. bf16,int8,int4 (int8, int4, int2; or GGML's "
-                        "q8_0, q6_k, q5_k, q4_k)")
+                        "q8_0, q6_k, q5_k, q4_k, q4_k_m, mxfp4 — gpt-oss's own values in mxfp4)")
     c.add_argument("--copy", action="store_true",
                    help="copy the experts into the store (by default the store reads them from the checkpoint's "
                         "safetensors files, writing only the dense weights and an index)")
     c.set_defaults(func=_convert)
 
     q = command(sub, "quantize", "add quantized copies of every expert (int8, int4, int2; GGML's q8_0, q6_k, q5_k, "
-                                 "q4_k) to a store: atomic, and a killed run resumes where it stopped")
+                                 "q4_k, q4_k_m, mxfp4) to a store: atomic, and a killed run resumes where it stopped")
     q.add_argument("store", help="a store, or a built-in model's name (its store in the cache directory)")
     q.add_argument("--precisions", required=True, metavar="LIST",
                    help="e.g. int8,int4 (or int8,int2; or q4_k, fitted as llama-quantize fits it)")

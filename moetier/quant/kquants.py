@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from moetier.quant.ggml_blocks import FORMATS
+from moetier.quant.ggml_blocks import FORMATS, MXFP4_VALUES
 
 BLOCKS_AT_ONCE = 1 << 13  # super-blocks fitted at once: each candidate's temporaries are a few MB
 
 
 def quantize(w: torch.Tensor, name: str) -> torch.Tensor:
-    """[N, K] float weights -> uint8 [N, K/block_size·type_size] in format `name` (q8_0, q4_k, q5_k, q6_k)."""
+    """[N, K] float weights -> uint8 [N, K/block_size·type_size] in format `name` (q8_0, q4_k, q5_k, q6_k,
+    mxfp4)."""
     if name not in FIT:
         raise ValueError(f"cannot quantize to {name!r}; formats: {', '.join(FIT)}")
     if w.dim() != 2:
@@ -222,4 +223,22 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
     return torch.where(empty[:, None], torch.zeros_like(block), block)  # ggml zeroes a block of zeros whole
 
 
-FIT = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+def _mxfp4(x: torch.Tensor) -> torch.Tensor:
+    """ggml's quantize_row_mxfp4_ref: the exponent e = floor(log2 max|x|) - 2 + 127 (so the largest magnitude is
+    at most 6 of the block's scale 2^(e - 127), the values doubled: 12 · 2^(e - 128)), each weight the E2M1 code
+    nearest it (the first of equals, as the C's strict <), weights 0-15 in the low nibbles. A weight that already
+    lies on an MXFP4 grid (a gpt-oss checkpoint's, dequantized) comes back as the same value: its block's largest
+    magnitude puts the new scale at most a factor 2^3 under its old one, where every smaller value it held is a
+    code again — a copy of gpt-oss's experts made this way is its checkpoint's values exactly."""
+    amax = x.abs().amax(dim=1)  # [B]
+    # (np.log2 in float32 and the cast to uint8 as the gguf package's port: a max under 2^-125 wraps, as there)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, 0).to(torch.int64) & 0xFF
+    d = torch.ldexp(torch.ones_like(amax), e - 128)  # 2^(e - 128): the doubled values' scale (exact, subnormal too)
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    errs = (d[:, None, None] * values - x[:, :, None]).abs()  # [B, 32, 16]: float32, as the C's fabsf(kv·d - x)
+    codes = errs.argmin(dim=2).to(torch.uint8)  # (the first of equal errors)
+    qs = codes[:, :16] | (codes[:, 16:] << 4)
+    return torch.cat([e.to(torch.uint8)[:, None], qs], dim=1)
+
+
+FIT = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "mxfp4": _mxfp4}

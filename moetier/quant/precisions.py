@@ -21,6 +21,9 @@ LEGACY = ("q5_1", "q5_0", "q4_1", "q4_0")  # read from a GGUF, never made here: 
 # ...and each read from a GGUF alone, in blocks of 32 viewed [N, blocks, block bytes] (format_of): the legacy
 # fallbacks and gpt-oss's MXFP4 (its released files' experts)
 READ_ONLY = (*LEGACY, "mxfp4")
+# ...of which moetier makes one as a copy too: MXFP4 (ggml's quantizer, kquants.py) — a gpt-oss checkpoint's values
+# exactly, each block's codes again, where its store holds them dequantized
+MADE_READ_ONLY = ("mxfp4",)
 GGUF_BLOCKS = (*BLOCKS, *READ_ONLY)  # the formats a GGUF's matrices are computed in
 CODES = tuple(BITS)  # int8, int4, int2
 
@@ -49,12 +52,12 @@ def bits_per_weight(precision: str) -> float:
 
 
 # every quantized copy, most precise first (low-tier takes the first that fits)
-QUANTIZED = tuple(sorted((*CODES, *BLOCKS, *MIXES), key=lambda p: -bits_per_weight(p)))
+QUANTIZED = tuple(sorted((*CODES, *BLOCKS, *MADE_READ_ONLY, *MIXES), key=lambda p: -bits_per_weight(p)))
 
 
 def is_block(precision: str) -> bool:
     """A copy in GGML's block formats: one format, or a mix of them."""
-    return precision in BLOCKS or precision in MIXES
+    return precision in BLOCKS or precision in MADE_READ_ONLY or precision in MIXES
 
 
 def matrix_format(precision: str, k: int) -> str:
@@ -107,6 +110,11 @@ def quantize_expert(tensors: dict, precision: str, formats: dict[str, str] | Non
         return codes.quantize_expert(tensors, precision)
     if formats is None and precision in MIXES:
         raise ValueError(f"{precision} is a mix: its formats come from the layer's layout")
-    return {name: t.to(torch.float32) if t.dim() == 1 else
-            kquants.quantize(t.float(), formats[name] if formats else matrix_format(precision, t.shape[1]))
-            for name, t in tensors.items()}
+    out = {}
+    for name, t in tensors.items():
+        if t.dim() == 1:
+            out[name] = t.to(torch.float32)
+            continue
+        fmt = formats[name] if formats else matrix_format(precision, t.shape[1])
+        out[name] = kquants.quantize(t.float(), fmt).view(matrix_shape(fmt, *t.shape))
+    return out

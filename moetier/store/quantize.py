@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from moetier.quant.codes import BITS, group_size
-from moetier.quant.ggml_blocks import FORMATS
-from moetier.quant.precisions import MIXES, QUANTIZED, is_block, matrix_format, mix_format
+from moetier.quant.precisions import MIXES, QUANTIZED, is_block, matrix_format, matrix_shape, mix_format
 from moetier.store.format import PrecisionLayout
 
 
@@ -63,5 +62,5 @@ def _block_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...
             continue
         n, k = shape
         fmt = matrix_format(formats[name] if formats else precision, k)
-        tensors.append((name, fmt, (n, FORMATS[fmt].row_bytes(k))))
+        tensors.append((name, fmt, matrix_shape(fmt, n, k)))
     return PrecisionLayout.packed(precision, tensors)

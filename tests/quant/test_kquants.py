@@ -60,14 +60,38 @@ def test_q4_k_fits_closer_than_min_max_int4():
     assert (q4k - w).pow(2).mean() < 0.8 * (int4 - w).pow(2).mean()
 
 
+@pytest.mark.parametrize("scale", [0.02, 1.0, 2.0 ** -100, 2.0 ** 100])
+def test_mxfp4_is_the_gguf_packages_quantizer_byte_for_byte(scale):
+    """ggml's quantize_row_mxfp4_ref as the gguf package ports it: the exponent from the block's largest magnitude,
+    each weight's nearest code (the first of equals) — over magnitudes far from 1, a block of zeros among them."""
+    import gguf
+
+    w = torch.from_numpy(np.random.default_rng(1).standard_t(4.0, size=(64, 512)).astype(np.float32)) * scale
+    w[3, 32:64] = 0
+    want = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.MXFP4)
+    assert torch.equal(quantize(w, "mxfp4"), torch.from_numpy(want).view(64, -1))
+
+
+def test_mxfp4_gives_back_the_values_of_any_mxfp4_blocks():
+    """A gpt-oss checkpoint's experts, dequantized (the store's bf16), quantized again: every value as it was,
+    whatever exponent and codes each block had (its new scale at most 2^3 under the old, where its values are codes
+    again)."""
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (4096, 17), generator=g, dtype=torch.uint8)
+    blocks[:, 0] = torch.randint(90, 160, (4096,), generator=g, dtype=torch.uint8)
+    blocks[::7, 1:] &= 0x33  # (blocks whose largest code is small: their scale moves)
+    values = dequantize(blocks.view(256, -1), "mxfp4")
+    assert torch.equal(dequantize(quantize(values.bfloat16().float(), "mxfp4"), "mxfp4"), values)
+
+
 def test_round_away_is_cs_roundf():
     x = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, -0.49999997, 3.2, -3.7])
     assert round_away(x).tolist() == [1, 2, 3, -1, -3, 0, 0, 3, -4]
 
 
 def test_what_cannot_be_fitted_is_refused():
-    with pytest.raises(ValueError, match="cannot quantize to 'mxfp4'"):
-        quantize(torch.zeros(1, 32), "mxfp4")
+    with pytest.raises(ValueError, match="cannot quantize to 'q4_0'"):
+        quantize(torch.zeros(1, 32), "q4_0")
     with pytest.raises(ValueError, match="whole blocks of 256"):
         quantize(torch.zeros(2, 320), "q4_k")
     with pytest.raises(ValueError, match="matrix"):

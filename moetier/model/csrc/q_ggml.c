@@ -430,10 +430,11 @@ static inline __m256 e8m0_half_ps(__m256i e) {
    first block | of its second], then the four pairs' partial sums added across the lanes in integers (vphaddd:
    exact) into one register of eight block sums, [b, b + 2, b + 4, b + 6 | b + 1, ...]; the activation's sums
    added, converted once and scaled by the eight blocks' scales (one gather of their exponents) times the token's
-   (one load). pair_mxfp4 converted and scaled each pair's eight partial sums apart and built a pair's sums and
-   scales from scalars for every row and token: compute-bound at ~16 GB/s a Zen 4 thread, where llama.cpp shares
-   that work across the blocks of eight rows it repacks (block_mxfp4x8). Here the blocks are one row's, read in
-   place and in order. */
+   (one load). pair_mxfp4 converts and scales each pair's eight partial sums apart and builds a pair's sums and
+   scales from scalars for every row and token. The blocks are one row's, read in place and in order (four rows at
+   once, sharing the activation as llama.cpp's repacked block_mxfp4x8 does, read four streams in place and ran
+   slower from memory). On a Zen 4 one token is as fast either way (0.91 ns a block, bound by the unpacking's
+   shuffles), 2 and 4 tokens 1.25x and 1.33x. */
 INLINE void oct_mxfp4(const uint8_t *blk, const q8b *const *a, const q8b_oct *const *o, int T, __m256 *acc) {
     const __m256i low = _mm256_set1_epi8(0xF);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_UNSIGNED));
@@ -464,7 +465,7 @@ INLINE void oct_mxfp4(const uint8_t *blk, const q8b *const *a, const q8b_oct *co
    at run time gcc kept acc[t] and accm[t] on the stack, a store and a load every block on one chain, and spilled
    the codes (a 2048 x 2048 matrix at one token on a Zen 4's two cores, hot: Q4_K 159 -> 122 us, Q6_K 79 -> 51,
    Q8_0 280 -> 166; the same sums, bit for bit). BLOCK(blk, a, acc, accm): the block kernel on block blk with the
-   tokens' blocks a; PAIR the same on two blocks at once (MXFP4's), or NO_PAIR, a block at a time. */
+   tokens' blocks a (MXFP4's rows: MXFP4_ROW_DOT, below). */
 #define ROW_DOT(name, act_t, BLOCK, NT, TS)                                                                   \
     static void name(const uint8_t *w, long blocks, const char *act, long act_bytes, float *out) {            \
         enum { T = NT };                                                                                       \
