@@ -27,11 +27,11 @@ ONEDNN_CAPS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2
 # OLMoE-shaped expert — 2048 wide, 1024 inside — from memory, both ways in turn; docs/performance.md "Short prompts"),
 # the integer kernels 1.1-1.2x the GEMM's speed at the limit and 2-3x at 5 tokens. The cross: int4, int8 and Q4_K·Q6_K
 # ~32 tokens (nearer 64 in a slower stretch of the VM's memory), Q8_0 ~14, the legacy Q4_0/Q5_0/Q5_1 (1,408-wide rows)
-# 20-28, MXFP4 (a gpt-oss-20b gate_up, 5,760 x 2,880, eight blocks at a time: 2.2 against 4.6 ms at 16 tokens, 6.7
-# against 7.9 at 48, level at ~60). A CPU with AMX multiplies faster but dequantizes no faster, which is what the GEMM
+# 20-28, MXFP4 (a gpt-oss-20b gate_up, 5,760 x 2,880, eight blocks at a time: 1.9 against 4.2 ms at 16 tokens, 7.8
+# against 8.7 at 64, level at ~90). A CPU with AMX multiplies faster but dequantizes no faster, which is what the GEMM
 # pays for below the cross.
 INTEGER_TOKENS = {"q4_k": 24, "q5_k": 24, "q6_k": 24, "q8_0": 12, "q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16,
-                  "mxfp4": 48, "int8": 24, "int4": 24, "int2": 24}
+                  "mxfp4": 64, "int8": 24, "int4": 24, "int2": 24}
 INTEGER_TOKENS_DEFAULT = 16
 UNBOUNDED = 1 << 62  # (no prompt is longer)
 
