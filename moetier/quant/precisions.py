@@ -68,7 +68,7 @@ def matrix_format(precision: str, k: int) -> str:
         return precision
     if k % FORMATS["q8_0"].block_size == 0:
         return "q8_0"
-    either = "" if precision == "q8_0" else " (or of 32, in q8_0)"
+    either = "" if fmt.block_size == FORMATS["q8_0"].block_size else " (or of 32, in q8_0)"
     raise ValueError(f"{precision} needs in_features in whole blocks of {fmt.block_size}{either}; got {k}")
 
 
@@ -99,9 +99,9 @@ def matrix_shape(fmt: str, n: int, k: int) -> tuple[int, ...]:
 
 def quantize_expert(tensors: dict, precision: str, formats: dict[str, str] | None = None) -> dict:
     """An expert's float tensors -> the named tensors of its `precision` blob (store/quantize.py lays them out):
-    codes and scales for moetier's own precisions; for a block format each matrix's blocks as uint8 [N, row bytes]
-    (`formats`: each matrix's, as its layer's layout has them — a mix's differ by layer), its biases in
-    float32 (store/quantize.py `_block_layout`)."""
+    codes and scales for moetier's own precisions; for a block format each matrix's blocks as uint8 viewed as
+    `matrix_shape` views them ([N, row bytes], mxfp4's [N, blocks, 17]; `formats`: each matrix's, as its layer's
+    layout has them — a mix's differ by layer), its biases in float32 (store/quantize.py `_block_layout`)."""
     import torch
 
     from moetier.quant import codes, kquants

@@ -52,9 +52,9 @@ def _mix_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...],
 
 def _block_layout(precision: str, shapes: tuple[tuple[str, tuple[int, ...]], ...],
                   formats: dict[str, str] | None = None) -> PrecisionLayout:
-    """Each matrix as its rows of blocks (dtype: the block format's name, bytes [N, row bytes]), as a GGUF file
-    holds an expert's slice of a stacked tensor; biases (gpt-oss's) in float32, as a GGUF keeps them, so that the
-    one native call of GgmlClampedExpert takes them. `formats`: each matrix's (a mix's layer)."""
+    """Each matrix as its rows of blocks (dtype: the block format's name, bytes as `matrix_shape` views them), as
+    a GGUF file holds an expert's slice of a stacked tensor; biases (gpt-oss's) in float32, as a GGUF keeps them,
+    so that the one native call of GgmlClampedExpert takes them. `formats`: each matrix's (a mix's layer)."""
     tensors = []
     for name, shape in shapes:
         if len(shape) == 1:
