@@ -59,6 +59,8 @@ def test_a_narrow_matrix_takes_q8_0_and_one_not_in_blocks_of_32_is_refused(tiny_
     _, odd = tiny_store("olmoe", dtype=torch.bfloat16, num_hidden_layers=2)  # intermediate 48
     with pytest.raises(StoreError, match="whole blocks of 256 .or of 32, in q8_0.; got 48"):
         add_precisions(odd, "q4_k", progress=False)
+    with pytest.raises(StoreError, match="mxfp4 needs in_features in whole blocks of 32; got 48"):
+        add_precisions(odd, "mxfp4", progress=False)
 
 
 @pytest.mark.parametrize("mode", ["q8_0", "q4_k"])
