@@ -177,10 +177,10 @@ class TritonExperts(OneByOne):
         torch.sum(ys, 0, keepdim=True, out=out)
 
 
-# GGML's block formats the kernels compute (triton_kernels.py ggml_block's FMT): the k-quants and q8_0, and the
-# legacy ones a k-quant file falls back to where a row is not whole 256-blocks (DeepSeek-V2-Lite's and Qwen-MoE's
-# 1,408-wide down_proj); a GGUF's others (mxfp4) go through `fallback`
-GGML_FORMATS = {"q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "q4_0": 5, "q4_1": 6, "q5_0": 7, "q5_1": 8}
+# GGML's block formats the kernels compute (triton_kernels.py ggml_block's FMT): the k-quants and q8_0, the legacy
+# ones a k-quant file falls back to where a row is not whole 256-blocks (DeepSeek-V2-Lite's and Qwen-MoE's 1,408-wide
+# down_proj), and mxfp4 (a SwiGLU model's mxfp4 copies; gpt-oss's clamped experts are not these kernels')
+GGML_FORMATS = {"q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "q4_0": 5, "q4_1": 6, "q5_0": 7, "q5_1": 8, "mxfp4": 9}
 
 
 class TritonGgmlExperts(TritonExperts):

@@ -65,7 +65,8 @@ def k_scale_min(codes, base, sub):
 def ggml_block(codes, rows, k, stride_c, FMT: tl.constexpr):
     """[BLOCK rows, BLOCK_K] of a matrix in a GGML block format (rows of blocks, one row after another: uint8
     [N, row bytes]) as fp32, as moetier/quant/ggml_blocks.py's `dequantize` computes them (the same products in the
-    same order). FMT 1 q8_0, 2 q4_k, 3 q5_k, 4 q6_k, 5-8 q4_0, q4_1, q5_0, q5_1 (GGML_FORMATS in triton_experts.py)."""
+    same order). FMT 1 q8_0, 2 q4_k, 3 q5_k, 4 q6_k, 5-8 q4_0, q4_1, q5_0, q5_1, 9 mxfp4 (GGML_FORMATS in
+    triton_experts.py)."""
     row = rows[:, None] * stride_c  # [BN, 1] each row's first byte
     if FMT == 1:  # 32 weights a block of 34 bytes: fp16 d, int8 q[32]; w = d·q
         base = row + (k // 32 * 34)[None, :]
@@ -91,6 +92,18 @@ def ggml_block(codes, rows, k, stride_c, FMT: tl.constexpr):
         hi = (tl.load(codes + base + 128 + half * 32 + lane).to(tl.int32) >> (quad * 2)) & 3
         scale = tl.load(codes + base + 192 + t // 16).to(tl.int8).to(tl.float32)
         w = (f16_at(codes, base + 208) * scale) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    elif FMT == 9:  # mxfp4: 32 weights a block of 17 bytes: an E8M0 exponent e, nibbles [16] of E2M1 codes (low:
+        # weights 0-15); w = 2^(e − 128) · the code's value doubled (0, 1, 2, 3, 4, 6, 8, 12, then the same negated),
+        # the scale's bits made as ggml's GGML_E8M0_TO_FP32_HALF makes them (e < 2: a subnormal)
+        base = row + (k // 32 * 17)[None, :]
+        j = (k % 32)[None, :]
+        q = (tl.load(codes + base + 1 + j % 16).to(tl.int32) >> ((j // 16) * 4)) & 0xF
+        m = q & 7
+        v = tl.where(m < 4, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+        v = tl.where(q >= 8, -v, v)
+        e = tl.load(codes + base).to(tl.int32)
+        bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+        w = bits.to(tl.float32, bitcast=True) * v.to(tl.float32)
     else:  # the legacy formats llama-quantize falls back to where a row is not whole 256-blocks (5 q4_0, 6 q4_1,
         # 7 q5_0, 8 q5_1): 32 weights a block; fp16 d (and m: w = d·q + m, else w = d·(q − 8 or 16)); q5's fifth bits
         # qh (4 bytes, weight j's the j-th bit); nibbles [16], their low ones weights 0-15, the high ones 16-31

@@ -227,7 +227,7 @@ ints = dict(K="i32", I="i32", stride_x="i32", stride_c="i32", stride_s="i32", st
 pointers = dict(x="*bf16", x_rows="*i64", table="*i64", experts="*i64", spans="*i64", h="*bf16", weights="*fp32",
                 out="*bf16")
 for bits, bn, bk, fmt in ((16, 16, 64, 0), (8, 16, 64, 0), (4, 16, 64, 0), (2, 16, 64, 0), (16, 32, 128, 0),
-                          (2, 64, 128, 0), *((0, 16, 64, fmt) for fmt in range(1, 9))):
+                          (2, 64, 128, 0), *((0, 16, 64, fmt) for fmt in range(1, 10))):
     for fn in (gate_up, down):
         consts = dict(BITS=bits, GROUP=128 if bits == 4 else 64, BT=16, BN=bn, BK=bk, FMT=fmt)
         sig = {name: {**ints, **pointers}.get(name, "constexpr") for name in fn.arg_names}
@@ -254,7 +254,7 @@ def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
     assert_compiles_for_hopper(COMPILE)
 
 
-GGML = ["q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1"]
+GGML = ["q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"]
 
 
 def blocks_of(w: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -281,6 +281,8 @@ def test_the_kernels_ggml_weights_are_the_blocks_dequantized(fmt):
     w = torch.randn(64, 512, generator=g) * 0.05
     w[3] *= 40  # (a row of larger weights: the scales' high bits in use)
     blocks = blocks_of(w, fmt)
+    if fmt == "mxfp4":  # (exponents at the ends: the subnormal scales of 0 and 1, and 2^127)
+        blocks.view(64, 16, 17)[5, :4, 0] = torch.tensor([0, 1, 2, 255], dtype=torch.uint8)
     out = torch.empty(64, 512, device=DEVICE)
     dump_ggml[(64 // 16,)](blocks.to(DEVICE), out, blocks.stride(0), 512, FMT=GGML_FORMATS[fmt], BN=16, BK=64)
     want = dequantize_blocks(blocks, fmt)
@@ -309,7 +311,7 @@ def ggml_kernel():
 
 
 @pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q5_k", "q8_0"), ("q8_0", "q6_k"),
-                                     ("q4_k", "q5_0"), ("q5_k", "q5_1"), ("q4_0", "q4_1")])
+                                     ("q4_k", "q5_0"), ("q5_k", "q5_1"), ("q4_0", "q4_1"), ("mxfp4", "mxfp4")])
 @pytest.mark.parametrize("tokens", [1, 5, 16])
 def test_a_ggml_expert_computes_what_torchs_ops_do(formats, tokens):
     """gate_up_proj and down_proj each in its own format, as a GGUF's experts come: what GgmlExpert computes on
