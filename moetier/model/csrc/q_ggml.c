@@ -430,11 +430,12 @@ static inline __m256 e8m0_half_ps(__m256i e) {
    first block | of its second], then the four pairs' partial sums added across the lanes in integers (vphaddd:
    exact) into one register of eight block sums, [b, b + 2, b + 4, b + 6 | b + 1, ...]; the activation's sums
    added, converted once and scaled by the eight blocks' scales (their exponents put together by unpacking four
-   loads: a gather of them cost a fifth of the time at one token) times the token's (one load). pair_mxfp4 converts and scales each pair's eight partial sums apart and builds a pair's sums and
-   scales from scalars for every row and token. The blocks are one row's, read in place and in order (four rows at
-   once, sharing the activation as llama.cpp's repacked block_mxfp4x8 does, read four streams in place and ran
-   slower from memory). On a Zen 4, 256 rows in L2, one thread: one token 0.92 -> 0.76 ns a block (AVX2 library
-   1.08 -> 0.86), 4 tokens 2.51 -> 1.69. */
+   loads: a gather of them cost a fifth of the time at one token) times the token's (one load). pair_mxfp4
+   converts and scales each pair's eight partial sums apart and builds a pair's sums and scales from scalars for
+   every row and token. The blocks are one row's, read in place and in order (four rows at once, sharing the
+   activation as llama.cpp's repacked block_mxfp4x8 does, read four streams in place and ran slower from memory).
+   On a Zen 4, 256 rows in L2, one thread: one token 0.92 -> 0.76 ns a block (AVX2 library 1.08 -> 0.86), 4 tokens
+   2.51 -> 1.69. */
 INLINE void oct_mxfp4(const uint8_t *blk, const q8b *const *a, const q8b_oct *const *o, int T, __m256 *acc) {
     const __m256i low = _mm256_set1_epi8(0xF);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_UNSIGNED));
@@ -451,7 +452,8 @@ INLINE void oct_mxfp4(const uint8_t *blk, const q8b *const *a, const q8b_oct *co
                                              _mm256_loadu_si256((const __m256i *)(blk + 34)));
     const __m256i p23 = _mm256_unpacklo_epi8(_mm256_loadu_si256((const __m256i *)(blk + 68)),
                                              _mm256_loadu_si256((const __m256i *)(blk + 102)));
-    const __m256i es = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(p01, p23), _mm256_setr_epi32(0, 5, 0, 0, 0, 0, 0, 0));
+    const __m256i es = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(p01, p23),
+                                                   _mm256_setr_epi32(0, 5, 0, 0, 0, 0, 0, 0));
     const __m256 dw = e8m0_half_ps(_mm256_cvtepu8_epi32(_mm256_castsi256_si128(es)));
     for (int t = 0; t < T; t++) {
         const q8b *x = a[t];
@@ -459,8 +461,8 @@ INLINE void oct_mxfp4(const uint8_t *blk, const q8b *const *a, const q8b_oct *co
         for (int j = 0; j < 4; j++)
             p[j] = dot4x2(lo[j], _mm256_loadu_si256((const __m256i *)x[2 * j].qs), hi[j],
                           _mm256_loadu_si256((const __m256i *)x[2 * j + 1].qs));
-        const __m256i s = _mm256_add_epi32(_mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])),
-                                           _mm256_loadu_si256((const __m256i *)o[t]->sum));
+        const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        const __m256i s = _mm256_add_epi32(sums, _mm256_loadu_si256((const __m256i *)o[t]->sum));
         acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(o[t]->d)), _mm256_cvtepi32_ps(s), acc[t]);
     }
 }
