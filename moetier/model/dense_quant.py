@@ -191,7 +191,8 @@ class QuantizedDenseKernels:
         self.swiglu, self.expert, self.expert_layer = base.swiglu, base.expert, base.expert_layer
         self.expert_token, self.combine = base.expert_token, base.combine
         self.rms_norm, self.add_rms_norm = base.rms_norm, base.add_rms_norm
-        self.rms_norm_fp32_weight = base.rms_norm_fp32_weight
+        self.rms_norm_fp32_weight, self.add_rms_norm_fp32_weight = base.rms_norm_fp32_weight, \
+            base.add_rms_norm_fp32_weight
         self.rope, self.decode_attention, self.kv_write = base.rope, base.decode_attention, base.kv_write
         self.sink_decode_attention = base.sink_decode_attention
         self.scratch = torch.empty(0, dtype=torch.uint8)

@@ -7,8 +7,9 @@ path: one native call, the row quantized once).
 
 - `DenseExpert`: bf16/fp16/fp32 SwiGLU slots, through the engine's kernels (native rows or torch).
 - `ClampedSwigluExpert` (gpt-oss) and `ReluExpert` (Switch): their own arithmetic, written as the reference's.
-- `TritonExperts` (moetier/model/triton_experts.py): bf16 and int8/int4/int2 SwiGLU slots on a GPU, a layer's
-  experts in two Triton launches from a table of their addresses (where triton is installed; else the torch path).
+- `TritonExperts` (moetier/model/triton_experts.py): bf16 and int8/int4/int2 SwiGLU slots on a GPU (and GGML's
+  blocks, gpt-oss's clamped SwiGLU with its biases), a layer's experts in two Triton launches from a table of their
+  addresses (where triton is installed; else the torch path).
 - `QuantizedExpert`: int8/int4/int2 slots (moetier/quant/codes.py's codes). With the native library and bf16
   activations: up to 4 tokens straight from the codes — by integer dot products against the activations quantized
   to int8 per block of 128 or 32 (`csrc/q_int.c`, llama.cpp's way: VNNI or AVX2) where the shapes tile its
@@ -50,7 +51,7 @@ class TokenTable:
     shape: tuple[int, ...]  # (H, I) in bf16; (H, I, gate_up group, down group) quantized
     bits: int = 16  # the experts' precision: 16 (bf16 rows, P = 2), a quantized one's bits (P = 6), or -1: GGML
     # blocks and their types (P = 4: gate_up_proj's address and type, down_proj's; ggml_experts.py)
-    device: torch.Tensor | None = None  # a GPU's table: `ptrs` there, P = 6 at every precision (triton_experts.py)
+    device: torch.Tensor | None = None  # a GPU's table: `ptrs` there, P = 8 at every precision (triton_experts.py)
     like: dict[str, torch.Tensor] | None = None  # with `device`: one expert's tensors (the layout's strides)
 
     def __post_init__(self) -> None:
@@ -337,28 +338,34 @@ def make_expert_kernel(precision: str, kernels: TorchKernels, dtype: torch.dtype
 
         lib = getattr(kernels, "lib", None) if kernels.name != "cuda" else None
         if spec is not None and spec.activation == "swiglu-clamped":  # gpt-oss's GGUF experts, read in place
-            return GgmlClampedExpert(precision, dtype, spec.swiglu_alpha, spec.swiglu_limit, lib)
+            kernel = GgmlClampedExpert(precision, dtype, spec.swiglu_alpha, spec.swiglu_limit, lib)
+            return _on_triton(0, kernel, kernels, dtype, spec)
         if spec is not None and spec.activation != "swiglu":
             raise MoetierError(f"{precision} copies are computed for SwiGLU experts; this model's are "
                                f"{spec.activation}", hint="use --precision int8, int4 or int2")
         return _on_triton(0, GgmlExpert(precision, dtype, lib), kernels, dtype)
     swiglu = spec is None or spec.activation == "swiglu"
+    gated = swiglu or spec.activation == "swiglu-clamped"  # (the Triton kernels' activations: not Switch's ReLU)
     if precision not in BITS:
         kernel = dense_expert(kernels, spec)
-        return _on_triton(16, kernel, kernels, dtype) if swiglu and precision == "bf16" else kernel
+        return _on_triton(16, kernel, kernels, dtype, spec) if gated and precision == "bf16" else kernel
     kernel = QuantizedExpert(precision, kernels, dtype, getattr(kernels, "lib", None),
                              None if swiglu else dense_expert(kernels, spec))
-    return _on_triton(BITS[precision], kernel, kernels, dtype) if swiglu else kernel
+    return _on_triton(BITS[precision], kernel, kernels, dtype, spec) if gated else kernel
 
 
-def _on_triton(bits: int, kernel, kernels: TorchKernels, dtype: torch.dtype):
+def _on_triton(bits: int, kernel, kernels: TorchKernels, dtype: torch.dtype, spec: ModelSpec | None = None):
     """On a GPU whose kernels take Triton (CudaKernels, `--kernels auto`) with bf16 activations: a layer's experts
-    in two Triton launches (triton_experts.py; `bits` 0: GGML's block formats), `kernel` (torch's ops) beneath for
-    what they do not take; elsewhere `kernel` itself."""
+    in two Triton launches (triton_experts.py; `bits` 0: GGML's block formats; a clamped SwiGLU `spec`'s with its
+    biases), `kernel` (torch's ops) beneath for what they do not take; elsewhere `kernel` itself."""
     if not getattr(kernels, "triton", False) or dtype != torch.bfloat16:
         return kernel
     from moetier.model import triton_experts
 
     if not triton_installed():
         return kernel
-    return triton_experts.TritonGgmlExperts(kernel) if bits == 0 else triton_experts.TritonExperts(bits, kernel)
+    clamp = (triton_experts.Clamp(spec.swiglu_alpha, spec.swiglu_limit)
+             if spec is not None and spec.activation == "swiglu-clamped" else None)
+    if bits == 0:
+        return triton_experts.TritonGgmlExperts(kernel, clamp=clamp)
+    return triton_experts.TritonExperts(bits, kernel, clamp=clamp)

@@ -93,6 +93,12 @@ class TorchKernels:
         h = h + delta
         return h, self.rms_norm(h, weight, eps)
 
+    def add_rms_norm_fp32_weight(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_rms_norm` with gpt-oss's norm (`rms_norm_fp32_weight`)."""
+        h = h + delta
+        return h, self.rms_norm_fp32_weight(h, weight, eps)
+
     def combine(self, x: torch.Tensor, token_of: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         """Each token's expert outputs summed: [T, H] from ys [P, H], row p belonging to token token_of[p] (the
         reference's index_add_ into zeros, in the order the rows come)."""
@@ -152,7 +158,7 @@ class CudaKernels(TorchKernels):
 class TritonKernels(CudaKernels):
     """CudaKernels where triton is installed (`--kernels auto`): a layer's bf16 and quantized SwiGLU experts in two
     Triton launches (moetier/model/triton_experts.py); a bf16 model's RMSNorms (with the residual add before each)
-    and rotations one launch each instead of eight (nine) and seven, and its keys and values into the cache in one
+    and rotations one launch each instead of eight (nine) and seven (gpt-oss's norm, its weight applied in fp32, too), and its keys and values into the cache in one
     instead of two (moetier/model/triton_dense.py: the same values as torch's ops — a rotation, an add and the
     writes bit for bit, a norm but for the order of its sum of squares). What those kernels do not take — another
     dtype, a view whose rows are not contiguous — goes to torch's ops."""
@@ -167,16 +173,34 @@ class TritonKernels(CudaKernels):
         self.dense = triton_dense
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not self.dense.takes_norm_of(x):
+        if not self._takes_norm(x, weight):
             return super().rms_norm(x, weight, eps)
         return self.dense.rms_norm(x, weight, eps)
 
+    def rms_norm_fp32_weight(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._takes_norm(x, weight):
+            return super().rms_norm_fp32_weight(x, weight, eps)
+        return self.dense.rms_norm(x, weight, eps, fp32_weight=True)
+
+    def _takes_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and self.dense.takes_norm_of(x)
+
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if (h.dtype != torch.bfloat16 or delta.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-                or h.dim() != 2 or h.shape != delta.shape or not (h.is_contiguous() and delta.is_contiguous())):
+        if not self._takes_add_norm(h, delta, weight):
             return super().add_rms_norm(h, delta, weight, eps)
         return self.dense.add_rms_norm(h, delta, weight, eps)
+
+    def add_rms_norm_fp32_weight(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._takes_add_norm(h, delta, weight):
+            return super().add_rms_norm_fp32_weight(h, delta, weight, eps)
+        return self.dense.add_rms_norm(h, delta, weight, eps, fp32_weight=True)
+
+    @staticmethod
+    def _takes_add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (h.dtype == delta.dtype == weight.dtype == torch.bfloat16 and h.dim() == 2 and h.shape == delta.shape
+                and h.is_contiguous() and delta.is_contiguous())
 
     def rope(self, rope: RopeTables, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or rope.cos.dtype != torch.bfloat16 or not x.is_contiguous():

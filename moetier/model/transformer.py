@@ -49,11 +49,14 @@ def make_norm(kind: str, eps: float, kernels: TorchKernels) -> Callable[[torch.T
 def make_add_norm(kind: str, eps: float, kernels: TorchKernels) -> Callable:
     """The residual stream with a sublayer's output added, and the family's norm of it, chosen once:
     `add_norm(h, delta, w, name)` -> (h + delta, norm(h + delta)), or (h, norm(h)) where delta is None (the first
-    layer's). An RMSNorm's is the kernels' `add_rms_norm`: one launch on a GPU (TritonKernels), two ops elsewhere."""
+    layer's). An RMSNorm's is the kernels' `add_rms_norm` (gpt-oss's `add_rms_norm_fp32_weight`): one launch on a
+    GPU (TritonKernels), two ops elsewhere."""
     norm = make_norm(kind, eps, kernels)
-    if kind == "rms":
+    if kind in ("rms", "rms-fp32-weight"):
+        add_rms = kernels.add_rms_norm if kind == "rms" else kernels.add_rms_norm_fp32_weight
+
         def add(h: torch.Tensor, delta: torch.Tensor, w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-            return kernels.add_rms_norm(h, delta, w[name], eps)
+            return add_rms(h, delta, w[name], eps)
     else:
         def add(h: torch.Tensor, delta: torch.Tensor, w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
             h = h + delta

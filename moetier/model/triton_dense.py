@@ -34,21 +34,29 @@ def round_bf16(x):
 
 
 @triton.jit
-def rms_norm_kernel(x, weight, out, stride_x, H, eps, BH: tl.constexpr):
-    """Row `program_id` of x [R, H] (rows stride_x apart) -> out [R, H]: transformers' RMSNorm (fp32 over the row,
-    rounded to bf16, times the bf16 weight, rounded again)."""
+def normed(h, weight, cols, inside, H, eps, FP32_WEIGHT: tl.constexpr):
+    """RMSNorm of a row h [BH] (fp32) times the bf16 weight, rounded to bf16: transformers' (the normed row rounded
+    before the weight, the product again) or with FP32_WEIGHT gpt-oss's (the weight applied in fp32, one rounding)."""
+    variance = tl.sum(h * h, axis=0) / H
+    n = h * tl.math.rsqrt(variance + eps)
+    if not FP32_WEIGHT:
+        n = round_bf16(n)
+    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+    return round_bf16(w * n)
+
+
+@triton.jit
+def rms_norm_kernel(x, weight, out, stride_x, H, eps, BH: tl.constexpr, FP32_WEIGHT: tl.constexpr = False):
+    """Row `program_id` of x [R, H] (rows stride_x apart) -> out [R, H]: the RMSNorm `normed` computes."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BH)
     inside = cols < H
     h = tl.load(x + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)  # [BH]
-    variance = tl.sum(h * h, axis=0) / H
-    normed = round_bf16(h * tl.math.rsqrt(variance + eps))
-    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out + row * H + cols, round_bf16(w * normed).to(tl.bfloat16), mask=inside)
+    tl.store(out + row * H + cols, normed(h, weight, cols, inside, H, eps, FP32_WEIGHT).to(tl.bfloat16), mask=inside)
 
 
 @triton.jit
-def add_rms_norm_kernel(h, delta, weight, summed, out, H, eps, BH: tl.constexpr):
+def add_rms_norm_kernel(h, delta, weight, summed, out, H, eps, BH: tl.constexpr, FP32_WEIGHT: tl.constexpr = False):
     """Row `program_id` of the residual stream h [R, H] plus delta [R, H] -> summed (rounded to bf16, as torch's add)
     and its RMSNorm -> out, as `rms_norm_kernel` computes it."""
     row = tl.program_id(0).to(tl.int64)
@@ -58,10 +66,7 @@ def add_rms_norm_kernel(h, delta, weight, summed, out, H, eps, BH: tl.constexpr)
     s = round_bf16(tl.load(h + at, mask=inside, other=0.0).to(tl.float32)
                    + tl.load(delta + at, mask=inside, other=0.0).to(tl.float32))  # [BH]
     tl.store(summed + at, s.to(tl.bfloat16), mask=inside)
-    variance = tl.sum(s * s, axis=0) / H
-    normed = round_bf16(s * tl.math.rsqrt(variance + eps))
-    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out + at, round_bf16(w * normed).to(tl.bfloat16), mask=inside)
+    tl.store(out + at, normed(s, weight, cols, inside, H, eps, FP32_WEIGHT).to(tl.bfloat16), mask=inside)
 
 
 @triton.jit
@@ -119,26 +124,27 @@ def takes_norm_of(x: torch.Tensor) -> bool:
     return x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Over the last dimension of bf16 x (any leading shape; `takes_norm_of`), weight [H] bf16."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool = False) -> torch.Tensor:
+    """Over the last dimension of bf16 x (any leading shape; `takes_norm_of`), weight [H] bf16 (`fp32_weight`:
+    applied in fp32, gpt-oss's)."""
     h = x.shape[-1]
     rows = x.view(-1, h) if x.is_contiguous() else x  # [R, H]
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), h, eps, BH=triton.next_power_of_2(h),
-                                          num_warps=_warps(h))
+                                          FP32_WEIGHT=fp32_weight, num_warps=_warps(h))
     return out.view(x.shape)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 fp32_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, its RMSNorm) for contiguous bf16 h, delta [R, H] alike; new tensors (h is left as it was: what
     a look-ahead holds of it)."""
     rows, width = h.shape
     summed, out = torch.empty_like(h), torch.empty_like(h)
     if rows:
         add_rms_norm_kernel[(rows,)](h, delta, weight, summed, out, width, eps, BH=triton.next_power_of_2(width),
-                                     num_warps=_warps(width))
+                                     FP32_WEIGHT=fp32_weight, num_warps=_warps(width))
     return summed, out
 
 

@@ -1,6 +1,7 @@
 """A layer's SwiGLU experts on a GPU in two Triton launches — gate and up together with the SiLU and the product,
 then down with the routing weight — for bf16 slots, for int8/int4/int2 ones computed from their codes, and for
-GGML's Q8_0/Q4_K/Q5_K/Q6_K blocks and the legacy Q4_0/Q4_1/Q5_0/Q5_1 (a GGUF's experts: `TritonGgmlExperts`).
+GGML's Q8_0/Q4_K/Q5_K/Q6_K/MXFP4 blocks and the legacy Q4_0/Q4_1/Q5_0/Q5_1 (a GGUF's experts: `TritonGgmlExperts`);
+and gpt-oss's clamped SwiGLU experts with their biases (`Clamp`) at each of those precisions.
 
 Why: through torch's ops a bf16 expert is six launches (two products, the SiLU, the product of halves, the
 weighting, the copy out) and a quantized one ~20 (unpack, subtract, scale, shift, cast before each product); on the
@@ -49,8 +50,26 @@ class Tiles:
         """Whether they tile the expert: hidden and intermediate sizes multiples of both."""
         h, i = w["down_proj"].shape[0], _intermediate(w)
         return all(d % t == 0 for d in (h, i) for t in (self.n, self.k))
+
+
+@dataclass(frozen=True)
+class Clamp:
+    """gpt-oss's activation (moetier/model/expert_kernels.py ClampedSwigluExpert): gate ≤ limit, |up| ≤ limit,
+    (up + 1)·gate·sigmoid(alpha·gate), each matrix with its bias."""
+
+    alpha: float
+    limit: float
+
+    def __post_init__(self) -> None:
+        if not (self.alpha > 0 and self.limit > 0):
+            raise ValueError(f"a clamped SwiGLU's alpha and limit are positive, not {self.alpha}, {self.limit}")
+
+
 NAMES = ("gate_up_proj", "gate_up_proj.scales", "gate_up_proj.zeros", "down_proj", "down_proj.scales",
-         "down_proj.zeros")  # a table row's six addresses, in order (a bf16 expert's: its two matrices')
+         "down_proj.zeros", "gate_up_proj.bias", "down_proj.bias")  # a table row's eight addresses, in order (a bf16
+# expert's: its two matrices'; a SwiGLU expert's biases: stand-ins)
+BIASES = NAMES[6:]
+BIAS_BITS = {torch.bfloat16: 16, torch.float32: 32}  # the kernels' BIAS for the biases' dtype
 
 
 def _kernels():
@@ -61,21 +80,23 @@ def _kernels():
 
 
 def addresses(w: dict[str, torch.Tensor]) -> list[int]:
-    """A slot's six table addresses (NAMES; a tensor it lacks — bf16's scales, int8's zeros — stands in as the
-    matrix's own address, never read)."""
+    """A slot's eight table addresses (NAMES; a tensor it lacks — bf16's scales, int8's zeros, SwiGLU's biases —
+    stands in as the matrix's own address, never read)."""
     gu, dn = w["gate_up_proj"], w["down_proj"]
     return [t.data_ptr() for t in (gu, w.get("gate_up_proj.scales", gu), w.get("gate_up_proj.zeros", gu), dn,
-                                   w.get("down_proj.scales", dn), w.get("down_proj.zeros", dn))]
+                                   w.get("down_proj.scales", dn), w.get("down_proj.zeros", dn),
+                                   w.get("gate_up_proj.bias", gu), w.get("down_proj.bias", dn))]
 
 
 class TritonExperts(OneByOne):
     """`kernel(out, x, w, weights)`, `layer`, `token_table`/`token_routed` for SwiGLU experts on a GPU
-    (moetier.model.expert_kernels' interface), `bits` 16 for bf16 slots, else the codes' bits. `fallback` (torch's
-    ops) takes what these kernels do not: more than MAX_TOKENS tokens an expert, shapes the blocks do not tile,
-    activations not in bf16. A pool's slots share one layout, so the first expert's shape stands for a call's."""
+    (moetier.model.expert_kernels' interface), `bits` 16 for bf16 slots, else the codes' bits; `clamp`: gpt-oss's
+    clamped SwiGLU with biases (None: SwiGLU). `fallback` (torch's ops) takes what these kernels do not: more than
+    MAX_TOKENS tokens an expert, shapes the blocks do not tile, activations not in bf16, biases not in bf16 or fp32.
+    A pool's slots share one layout, so the first expert's shape stands for a call's."""
 
-    def __init__(self, bits: int, fallback, tiles: Tiles = Tiles()) -> None:
-        self.bits, self.fallback, self.tiles = bits, fallback, tiles
+    def __init__(self, bits: int, fallback, tiles: Tiles = Tiles(), clamp: Clamp | None = None) -> None:
+        self.bits, self.fallback, self.tiles, self.clamp = bits, fallback, tiles, clamp
         self._made = None
         self._h = torch.empty(0)  # [P, I] bf16 between the two kernels, grown to the largest seen
         self._ys = torch.empty(0)  # [k, H] a routed token's expert outputs, before they are summed
@@ -84,11 +105,15 @@ class TritonExperts(OneByOne):
 
     def with_tiles(self, tiles: Tiles) -> TritonExperts:
         """The same kernels at another tile (bench/gpu/micro.py times a few)."""
-        return TritonExperts(self.bits, self.fallback, tiles)
+        return TritonExperts(self.bits, self.fallback, tiles, self.clamp)
 
     def _fits(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
-        return (x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and self.tiles.fit(w)
-                and self._formats(w) is not None)
+        return (x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and self._takes(w))
+
+    def _takes(self, w: dict[str, torch.Tensor]) -> bool:
+        """Whether the kernels compute an expert of this layout: the blocks tile it, its format is theirs, and a
+        clamped one's biases are there, contiguous, in bf16 or fp32 alike."""
+        return self.tiles.fit(w) and self._formats(w) is not None and (self.clamp is None or _bias_bits(w) > 0)
 
     def _formats(self, w: dict[str, torch.Tensor]) -> tuple[int, int] | None:
         """The kernels' FMT for gate_up_proj and down_proj: 0, codes of `bits` (None: one these kernels lack)."""
@@ -115,16 +140,16 @@ class TritonExperts(OneByOne):
                 spans: list[tuple[int, int]]) -> None:
         """ys rows of each span = its expert (ws) on the same rows of xs, weighted: one host-to-device copy of the
         addresses, the spans and the rows (pinned, so it is queued, not waited for), then the two kernels."""
-        g, p = len(ws), xs.shape[0]
-        host = np.empty(g * 6 + g * 2 + p + g, dtype=np.int64)  # table [G, 6], spans [G, 2], x rows [P], experts [G]
-        host[:g * 6] = [a for w in ws for a in addresses(w)]
-        host[g * 6:g * 8] = np.asarray(spans, dtype=np.int64).ravel()
-        host[g * 8:g * 8 + p] = np.arange(p)
-        host[g * 8 + p:] = np.arange(g)
+        g, p, t = len(ws), xs.shape[0], len(ws) * len(NAMES)
+        host = np.empty(t + g * 2 + p + g, dtype=np.int64)  # table [G, 8], spans [G, 2], x rows [P], experts [G]
+        host[:t] = [a for w in ws for a in addresses(w)]
+        host[t:t + g * 2] = np.asarray(spans, dtype=np.int64).ravel()
+        host[t + g * 2:t + g * 2 + p] = np.arange(p)
+        host[t + g * 2 + p:] = np.arange(g)
         dev = torch.from_numpy(host)
         if xs.is_cuda:
             dev = dev.pin_memory().to(xs.device, non_blocking=True)
-        table, spans_d, rows, experts = dev[:g * 6], dev[g * 6:g * 8], dev[g * 8:g * 8 + p], dev[g * 8 + p:]
+        table, spans_d, rows, experts = dev[:t], dev[t:t + g * 2], dev[t + g * 2:t + g * 2 + p], dev[t + g * 2 + p:]
         self._run(ys, xs, weights, ws[0], table, experts, spans_d, rows, g)
 
     def _run(self, ys: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, w0: dict[str, torch.Tensor],
@@ -143,18 +168,21 @@ class TritonExperts(OneByOne):
         gu_s, dn_s = w0.get("gate_up_proj.scales", gu), w0.get("down_proj.scales", dn)
         bn, bk = self.tiles.n, self.tiles.k
         fmt_gu, fmt_d = self._formats(w0)
+        clamp = self.clamp or Clamp(1.0, 1.0)  # (SwiGLU's: unread)
+        act, bias = (0, 0) if self.clamp is None else (1, _bias_bits(w0))
         gate_up[(g, i // bn)](x, rows, table, experts, spans, h, hidden, i, x.stride(0), gu.stride(0), _stride(gu_s),
-                              h.stride(0), BITS=self.bits, GROUP=_group(hidden, gu_s, self.bits), BT=MAX_TOKENS,
-                              BN=bn, BK=bk, FMT=fmt_gu)
+                              h.stride(0), clamp.alpha, clamp.limit, BITS=self.bits,
+                              GROUP=_group(hidden, gu_s, self.bits), BT=MAX_TOKENS, BN=bn, BK=bk, FMT=fmt_gu, ACT=act,
+                              BIAS=bias)
         down[(g, hidden // bn)](h, table, experts, spans, weights, ys, i, h.stride(0), dn.stride(0), _stride(dn_s),
                                 ys.stride(0), BITS=self.bits, GROUP=_group(i, dn_s, self.bits), BT=MAX_TOKENS, BN=bn,
-                                BK=bk, FMT=fmt_d)
+                                BK=bk, FMT=fmt_d, BIAS=bias)
 
     def token_table(self, ws: list[dict[str, torch.Tensor]]) -> TokenTable | None:
         """A layer's experts (by id) as a table of their addresses on their device, for `token_routed` (None where
         the blocks do not tile them)."""
         w = ws[0]
-        if not self.tiles.fit(w) or self._formats(w) is None:
+        if not self._takes(w):
             return None
         ptrs = np.array([addresses(e) for e in ws], dtype=np.int64)  # [E, 6]
         return TokenTable(ptrs, tuple(w["down_proj"].shape), self.bits, torch.from_numpy(ptrs).to(
@@ -179,7 +207,7 @@ class TritonExperts(OneByOne):
 
 # GGML's block formats the kernels compute (triton_kernels.py ggml_block's FMT): the k-quants and q8_0, the legacy
 # ones a k-quant file falls back to where a row is not whole 256-blocks (DeepSeek-V2-Lite's and Qwen-MoE's 1,408-wide
-# down_proj), and mxfp4 (a SwiGLU model's mxfp4 copies; gpt-oss's clamped experts are not these kernels')
+# down_proj), and mxfp4 (gpt-oss's GGUFs, with Clamp; a SwiGLU model's mxfp4 copies)
 GGML_FORMATS = {"q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "q4_0": 5, "q4_1": 6, "q5_0": 7, "q5_1": 8, "mxfp4": 9}
 
 
@@ -190,12 +218,12 @@ class TritonGgmlExperts(TritonExperts):
     exactly, multiplied by the activations in fp32 (IEEE, not tf32), as `fallback` (GgmlExpert on torch's ops)
     computes them: the same values up to the order of the sums."""
 
-    def __init__(self, fallback, tiles: Tiles = Tiles()) -> None:
-        super().__init__(0, fallback, tiles)  # (BITS 0: the slots' bytes read as uint8)
+    def __init__(self, fallback, tiles: Tiles = Tiles(), clamp: Clamp | None = None) -> None:
+        super().__init__(0, fallback, tiles, clamp)  # (BITS 0: the slots' bytes read as uint8)
         self._formats_of: dict[tuple, tuple[int, int] | None] = {}  # (the matrices' shapes) -> FMTs
 
     def with_tiles(self, tiles: Tiles) -> TritonGgmlExperts:
-        return TritonGgmlExperts(self.fallback, tiles)
+        return TritonGgmlExperts(self.fallback, tiles, self.clamp)
 
     def _formats(self, w: dict[str, torch.Tensor]) -> tuple[int, int] | None:
         from moetier.quant.precisions import format_of
@@ -210,6 +238,15 @@ class TritonGgmlExperts(TritonExperts):
             ids = tuple(GGML_FORMATS.get(name) for name in names)
             self._formats_of[key] = ids if len(ids) == 2 and None not in ids else None
         return self._formats_of[key]
+
+
+def _bias_bits(w: dict[str, torch.Tensor]) -> int:
+    """The kernels' BIAS for an expert's two biases: 16 or 32 where both are there, contiguous, in bf16 or fp32
+    alike; else 0."""
+    biases = [w.get(name) for name in BIASES]
+    if any(b is None or not b.is_contiguous() for b in biases) or biases[0].dtype != biases[1].dtype:
+        return 0
+    return BIAS_BITS.get(biases[0].dtype, 0)
 
 
 def _intermediate(w: dict[str, torch.Tensor]) -> int:

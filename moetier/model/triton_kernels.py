@@ -3,19 +3,27 @@ machine, not a dependency of moetier).
 
 Both kernels compute a whole layer's experts in one launch: program (g, n) takes group g's pair rows —
 spans[g, 0]..spans[g, 1], at most BT of them — through block n of the expert's output rows. The
-expert of group g is row experts[g] of `table`, six addresses an expert (gate_up_proj's codes, scales and zeros,
-then down_proj's; a bf16 expert's scales and zeros are never read): the slots are wherever the cache put them, and
-one table of their addresses replaces a launch an expert. Pair row r reads activation row x_rows[r]."""
+expert of group g is row experts[g] of `table`, eight addresses an expert (gate_up_proj's codes, scales and zeros,
+then down_proj's, then the two matrices' biases; a bf16 expert's scales and zeros and a SwiGLU expert's biases are
+never read): the slots are wherever the cache put them, and one table of their addresses replaces a launch an
+expert. Pair row r reads activation row x_rows[r].
+
+ACT 0 is SwiGLU, silu(gate)·up; ACT 1 gpt-oss's clamped SwiGLU with biases (moetier/model/expert_kernels.py
+ClampedSwigluExpert, ggml_experts.py GgmlClampedExpert): each product's bias added in fp32 before its rounding,
+gate clamped to `limit` from above, up to ±limit, then (up + 1)·gate·sigmoid(alpha·gate), each op rounded to bf16
+where torch's bf16 ops round. BIAS: the biases' dtype (16 bf16, 32 fp32; 0 none)."""
 
 import triton
 import triton.language as tl
+
+COLUMNS: tl.constexpr = tl.constexpr(8)  # a table row's addresses (moetier/model/triton_experts.py NAMES)
 
 
 @triton.jit
 def expert_address(table, e, col: tl.constexpr, BITS: tl.constexpr, SCALES: tl.constexpr):
     """Column `col` of expert e's row of addresses, as a pointer to what it holds: codes (bf16 weights at BITS 16,
     int8 codes, or bytes of packed int4/int2 codes), or with SCALES a bf16 scale or zero."""
-    address = tl.load(table + e * 6 + col)
+    address = tl.load(table + e * COLUMNS + col)
     if SCALES or BITS == 16:
         pointer = address.to(tl.pointer_type(tl.bfloat16))
     elif BITS == 8:
@@ -158,11 +166,47 @@ def product(a, b, FMT: tl.constexpr):
 
 
 @triton.jit
-def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, stride_s, stride_h,
+def bias_of(table, experts, g, col: tl.constexpr, rows, BIAS: tl.constexpr, FMT: tl.constexpr):
+    """[BN] of group g's expert's bias at table column `col` (6: gate_up_proj's, 7: down_proj's) as fp32 — a float
+    or codes expert's rounded to bf16, as the reference takes its biases in the weights' dtype; a GGML one's fp32,
+    as GgmlClampedExpert adds them."""
+    address = tl.load(table + tl.load(experts + g) * COLUMNS + col)
+    if BIAS == 16:
+        b = tl.load(address.to(tl.pointer_type(tl.bfloat16)) + rows).to(tl.float32)
+    else:
+        b = tl.load(address.to(tl.pointer_type(tl.float32)) + rows)
+        if FMT == 0:
+            b = b.to(tl.bfloat16).to(tl.float32)
+    return b
+
+
+@triton.jit
+def bf16(v):
+    """v rounded to bf16, as fp32 (where a bf16 op of the reference rounds)."""
+    return v.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def glu(acc_g, acc_u, alpha, limit, ACT: tl.constexpr):
+    """[BT, BN] of the activation from gate's and up's fp32 sums (biases added), rounded as torch's bf16 ops round."""
+    gate = bf16(acc_g)  # (rounded where the reference's bf16 linear rounds)
+    up = bf16(acc_u)
+    if ACT == 0:
+        h = bf16(gate / (1.0 + tl.exp(-gate))) * up
+    else:  # (up + 1) · gate · sigmoid(alpha · gate), gate ≤ limit, |up| ≤ limit
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = bf16(1.0 / (1.0 + tl.exp(-bf16(gate * alpha))))
+        h = bf16(up + 1.0) * bf16(gate * sig)
+    return h
+
+
+@triton.jit
+def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, stride_s, stride_h, alpha, limit,
             BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            FMT: tl.constexpr = 0):
-    """h [P, I] = silu(x @ gate.T) * (x @ up.T) for each pair row, gate the first I rows of its expert's
-    gate_up_proj, up the next I."""
+            FMT: tl.constexpr = 0, ACT: tl.constexpr = 0, BIAS: tl.constexpr = 0):
+    """h [P, I] = glu(x @ gate.T, x @ up.T) for each pair row, gate the first I rows of its expert's gate_up_proj,
+    up the next I (with BIAS, each plus its bias)."""
     g, n = tl.program_id(0), tl.program_id(1)
     r, live = group_rows(spans, g, BT)  # [BT] pair rows
     codes, scales, zeros = group_matrix(table, experts, g, 0, BITS)
@@ -177,17 +221,18 @@ def gate_up(x, x_rows, table, experts, spans, h, K, I, stride_x, stride_c, strid
         wu = weights_block(codes, scales, zeros, rows + I, k, stride_c, stride_s, BITS, GROUP, FMT)
         acc_g += product(xb, wg, FMT)
         acc_u += product(xb, wu, FMT)
-    gate = acc_g.to(tl.bfloat16).to(tl.float32)  # (rounded where the reference's bf16 linear rounds)
-    up = acc_u.to(tl.bfloat16).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(tl.bfloat16).to(tl.float32)
-    tl.store(h + r[:, None] * stride_h + rows[None, :], (silu * up).to(tl.bfloat16), mask=live[:, None])
+    if BIAS != 0:
+        acc_g += bias_of(table, experts, g, 6, rows, BIAS, FMT)[None, :]
+        acc_u += bias_of(table, experts, g, 6, rows + I, BIAS, FMT)[None, :]
+    tl.store(h + r[:, None] * stride_h + rows[None, :], glu(acc_g, acc_u, alpha, limit, ACT).to(tl.bfloat16),
+             mask=live[:, None])
 
 
 @triton.jit
 def down(h, table, experts, spans, weights, out, I, stride_h, stride_c, stride_s, stride_o,
          BITS: tl.constexpr, GROUP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-         FMT: tl.constexpr = 0):
-    """out [P, H] = (h @ down.T) * weights[:, None] for each pair row, with its expert's down_proj."""
+         FMT: tl.constexpr = 0, BIAS: tl.constexpr = 0):
+    """out [P, H] = (h @ down.T (+ its bias)) * weights[:, None] for each pair row, with its expert's down_proj."""
     g, n = tl.program_id(0), tl.program_id(1)
     r, live = group_rows(spans, g, BT)  # [BT] pair rows
     codes, scales, zeros = group_matrix(table, experts, g, 3, BITS)
@@ -198,6 +243,8 @@ def down(h, table, experts, spans, weights, out, I, stride_h, stride_c, stride_s
         hb = tl.load(h + r[:, None] * stride_h + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         wd = weights_block(codes, scales, zeros, rows, k, stride_c, stride_s, BITS, GROUP, FMT)
         acc += product(hb, wd, FMT)
+    if BIAS != 0:
+        acc += bias_of(table, experts, g, 7, rows, BIAS, FMT)[None, :]
     w = tl.load(weights + r, mask=live, other=0.0).to(tl.float32)
-    y = acc.to(tl.bfloat16).to(tl.float32) * w[:, None]
+    y = bf16(acc) * w[:, None]
     tl.store(out + r[:, None] * stride_o + rows[None, :], y.to(tl.bfloat16), mask=live[:, None])

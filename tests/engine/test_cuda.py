@@ -220,3 +220,21 @@ def test_a_q4_k_m_gguf_s_experts_through_triton_write_what_torchs_ops_write(tmp_
     path = gguf_export.export(tmp_path / "hf", tmp_path / "q4_k_m.gguf", {0: ("q4_k", "q6_k"), 1: ("q4_k", "q5_0")},
                               dense_type="bf16")
     triton_against_torch(index_gguf(path, tmp_path / "store", progress=False), "q4_k", TritonGgmlExperts)
+
+
+@pytest.mark.parametrize("source", ["mxfp4-gguf", "bf16-checkpoint"])
+def test_gpt_oss_experts_through_triton_write_what_torchs_ops_write(tmp_path, tiny_store, source):
+    """gpt-oss's clamped SwiGLU experts with their biases in Triton's two launches a layer: from a GGUF's MXFP4
+    blocks and fp32 biases read in place, and from its checkpoint's bf16 store, against torch's ops on the same."""
+    from moetier.model.triton_experts import TritonExperts, TritonGgmlExperts
+    from moetier.store.gguf_store import index_gguf
+    from tests.store import gguf_export
+    from tests.tiny_models import build_tiny
+
+    shape = dict(hidden_size=256, intermediate_size=256, swiglu_limit=7.0)
+    if source == "bf16-checkpoint":
+        return triton_against_torch(tiny_store("gpt_oss", torch.bfloat16, **shape)[1], "bf16", TritonExperts)
+    build_tiny("gpt_oss", tmp_path / "hf", **shape)
+    path = gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4.gguf", {0: ("MXFP4", "MXFP4"), 1: ("MXFP4", "MXFP4")},
+                              dense_type="bf16")
+    triton_against_torch(index_gguf(path, tmp_path / "store", progress=False), "mxfp4", TritonGgmlExperts)

@@ -62,6 +62,25 @@ def test_a_residual_add_and_the_norm_after_it_are_torchs_in_one_launch(shape):
     assert ulps_apart(normed, rms_norm(h + delta, w, 1e-6)).max() <= 1
 
 
+@pytest.mark.parametrize("shape", [(1, 2880), (5, 64), (3, 4, 64), (2, 100)])
+def test_gpt_oss_s_norm_applies_its_weight_in_fp32_and_rounds_once(shape):
+    """gpt-oss's RMSNorm (rms_norm_fp32_weight: the weight times the fp32 normed row, one rounding), alone and after
+    a residual add, each value torch's ops' or one bf16 step from it where the order of the sum tips a rounding —
+    and not transformers' other norm, which rounds before the weight."""
+    from moetier.model.layers import rms_norm_fp32_weight
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x, delta = ((torch.randn(*shape, generator=g) * 3).bfloat16().to(DEVICE) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).bfloat16().to(DEVICE)
+    got, want = kernels().rms_norm_fp32_weight(x, w, 1e-5), rms_norm_fp32_weight(x, w, 1e-5)
+    apart = ulps_apart(got, want)
+    assert got.shape == want.shape and apart.max() <= 1 and (apart == 0).float().mean() >= 0.99
+    assert (ulps_apart(got, rms_norm(x, w, 1e-5)) > 0).any()  # (the two norms differ on these values)
+    if x.dim() == 2:
+        summed, normed = kernels().add_rms_norm_fp32_weight(x, delta, w, 1e-5)
+        assert torch.equal(summed, x + delta) and torch.equal(normed, kernels().rms_norm_fp32_weight(summed, w, 1e-5))
+
+
 def rope_of(dim: int | None, head_dim: int, interleaved: bool = False):
     spec = RopeSpec(theta=10000.0, dim=dim or 0, interleaved=interleaved)
     return Rope(spec, head_dim, 64, torch.bfloat16, DEVICE).short
@@ -162,11 +181,12 @@ def test_what_the_kernels_do_not_take_goes_to_torchs_ops(monkeypatch):
         assert torch.equal(kv.k[0], want.k[0]) and torch.equal(kv.v[0], want.v[0])
 
 
-@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3", "gpt_oss"])
 def test_the_engine_runs_a_bf16_model_with_them(tiny_store, monkeypatch, family):
-    """OLMoE (its q and k norms over all heads too) and DeepSeek-V3 (MLA: the latent's norm on a slice, pairs
-    rotated interleaved) decoding with TritonKernels' norms and rotations on the CPU, beside torch's ops: the same
-    greedy tokens but where a norm's sum of squares tips a rounding."""
+    """OLMoE (its q and k norms over all heads too), DeepSeek-V3 (MLA: the latent's norm on a slice, pairs rotated
+    interleaved) and gpt-oss (YaRN, attention sinks, sliding windows) decoding with TritonKernels' norms and
+    rotations on the CPU, beside torch's ops: the same greedy tokens but where a norm's sum of squares tips a
+    rounding."""
     from moetier import Engine
     from moetier.config import MemoryBudget
     from moetier.engine import engine as engine_module
@@ -189,9 +209,9 @@ def test_the_engine_runs_a_bf16_model_with_them(tiny_store, monkeypatch, family)
     for name in calls:
         real = getattr(triton_dense, name)
 
-        def counted(*args, real=real, name=name):
+        def counted(*args, real=real, name=name, **kwargs):
             calls[name] += 1
-            return real(*args)
+            return real(*args, **kwargs)
 
         monkeypatch.setattr(triton_dense, name, counted)
 
@@ -213,8 +233,10 @@ from moetier.model.triton_dense import add_rms_norm_kernel, kv_write_kernel, rms
 signature = dict(x="*bf16", weight="*bf16", out="*bf16", h="*bf16", delta="*bf16", summed="*bf16", stride_x="i32",
                  H="i32", eps="fp32", positions="*i64", cos="*bf16", sin="*bf16", heads="i32", D="i32", dim="i32",
                  k="*bf16", v="*bf16", keys="*bf16", values="*bf16", rows="*i64", max_len="i32")
-for fn, consts in ((rms_norm_kernel, dict(BH=2048)), (rms_norm_kernel, dict(BH=8192)),
-                   (add_rms_norm_kernel, dict(BH=2048)),
+for fn, consts in ((rms_norm_kernel, dict(BH=2048, FP32_WEIGHT=False)), (rms_norm_kernel, dict(BH=8192,
+                   FP32_WEIGHT=False)), (add_rms_norm_kernel, dict(BH=2048, FP32_WEIGHT=False)),
+                   (rms_norm_kernel, dict(BH=4096, FP32_WEIGHT=True)), (add_rms_norm_kernel, dict(BH=4096,
+                   FP32_WEIGHT=True)),
                    (rope_kernel, dict(BHALF=64, BTAIL=0, INTERLEAVED=False)),
                    (rope_kernel, dict(BHALF=16, BTAIL=64, INTERLEAVED=False)),
                    (rope_kernel, dict(BHALF=32, BTAIL=0, INTERLEAVED=True)), (kv_write_kernel, dict(BD=128))):

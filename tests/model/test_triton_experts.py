@@ -150,7 +150,7 @@ def test_a_routed_token_is_computed_from_the_routers_outputs_on_the_device(preci
     kernel = triton_kernel(precision)
     ws = [slots(precision, seed) for seed in range(6)]
     table = kernel.token_table(ws)
-    assert table.device.shape == (6, 6) and table.bits == (16 if precision == "bf16" else 8)
+    assert table.device.shape == (6, 8) and table.bits == (16 if precision == "bf16" else 8)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 256, generator=g).bfloat16().to(DEVICE)
     topk_ids = torch.tensor([[4, 1, 5]], device=DEVICE)
@@ -225,14 +225,18 @@ from triton.compiler import ASTSource
 from moetier.model.triton_kernels import down, gate_up
 ints = dict(K="i32", I="i32", stride_x="i32", stride_c="i32", stride_s="i32", stride_h="i32", stride_o="i32")
 pointers = dict(x="*bf16", x_rows="*i64", table="*i64", experts="*i64", spans="*i64", h="*bf16", weights="*fp32",
-                out="*bf16")
-for bits, bn, bk, fmt in ((16, 16, 64, 0), (8, 16, 64, 0), (4, 16, 64, 0), (2, 16, 64, 0), (16, 32, 128, 0),
-                          (2, 64, 128, 0), *((0, 16, 64, fmt) for fmt in range(1, 10))):
+                out="*bf16", alpha="fp32", limit="fp32")
+swiglu = ((16, 16, 64, 0), (8, 16, 64, 0), (4, 16, 64, 0), (2, 16, 64, 0), (16, 32, 128, 0), (2, 64, 128, 0),
+          *((0, 16, 64, fmt) for fmt in range(1, 10)))
+clamped = ((16, 16, 64, 0, 1, 16), (4, 16, 64, 0, 1, 16), (8, 16, 64, 0, 1, 32), (0, 16, 64, 9, 1, 32),
+           (0, 16, 64, 2, 1, 32))  # (gpt-oss's: bf16 and codes with bf16 or fp32 biases, a GGUF's with fp32 ones)
+for bits, bn, bk, fmt, act, bias in (*(c + (0, 0) for c in swiglu), *clamped):
     for fn in (gate_up, down):
-        consts = dict(BITS=bits, GROUP=128 if bits == 4 else 64, BT=16, BN=bn, BK=bk, FMT=fmt)
+        consts = dict(BITS=bits, GROUP=128 if bits == 4 else 64, BT=16, BN=bn, BK=bk, FMT=fmt, ACT=act, BIAS=bias)
+        consts = {k: v for k, v in consts.items() if k in fn.arg_names}
         sig = {name: {**ints, **pointers}.get(name, "constexpr") for name in fn.arg_names}
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-        assert "cubin" in kernel.asm, (fn.__name__, bits)
+        assert "cubin" in kernel.asm, (fn.__name__, bits, act)
 print("compiled")
 """
 
@@ -419,4 +423,160 @@ def test_the_engine_computes_a_q4_k_m_gguf_s_experts_through_the_kernels(tmp_pat
     monkeypatch.setattr(expert_executor, "make_expert_kernel", through_triton)
     got = run()
     assert made and all(k._formats_of and None not in k._formats_of.values() for k in made)  # the kernels took them
+    assert sum(x == y for x, y in zip(got, want)) >= 0.8 * len(want)
+
+
+ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's
+
+
+def clamped_slots(precision: str, seed: int = 0, h: int = 256, i: int = 256) -> dict[str, torch.Tensor]:
+    """A gpt-oss expert's slot tensors at `precision` (bf16, codes, or mxfp4 blocks as its GGUF keeps them), its
+    biases beside them (bf16, or fp32 as a GGUF's); weights wide enough that the clamps bite."""
+    g = torch.Generator().manual_seed(seed)
+    w = {"gate_up_proj": torch.randn(2 * i, h, generator=g) * 0.6, "down_proj": torch.randn(h, i, generator=g) * 0.05,
+         "gate_up_proj.bias": torch.randn(2 * i, generator=g), "down_proj.bias": torch.randn(h, generator=g) * 0.1}
+    if precision == "mxfp4":
+        from moetier.quant.precisions import matrix_shape
+
+        return on({name: (blocks_of(t, "mxfp4").reshape(matrix_shape("mxfp4", *t.shape)) if t.dim() == 2 else t)
+                   for name, t in w.items()})
+    w = {k: t.bfloat16() for k, t in w.items()}
+    return on(w if precision == "bf16" else quantize_expert(w, precision))
+
+
+def clamped_kernel(precision: str):
+    """make_expert_kernel's for a gpt-oss model on a GPU's Triton kernels (its fallback: torch's ops)."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(activation="swiglu-clamped", swiglu_alpha=ALPHA, swiglu_limit=LIMIT)
+    return make_expert_kernel(precision, TritonKernels(), torch.bfloat16, spec)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_a_clamped_expert_with_its_biases_computes_what_torchs_ops_do(precision, tokens):
+    """gpt-oss's experts: what ClampedSwigluExpert / GgmlClampedExpert compute on torch's ops, the clamps and both
+    biases in (a kernel without them, or with the activation unclamped, misses by far more)."""
+    from moetier.model.triton_experts import Clamp, TritonExperts
+
+    kernel = clamped_kernel(precision)
+    assert isinstance(kernel, TritonExperts) and kernel.clamp == Clamp(ALPHA, LIMIT)
+    w = clamped_slots(precision)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=g).bfloat16().to(DEVICE)
+    weights = torch.rand(tokens, generator=g).bfloat16().to(DEVICE)
+    want, got = torch.empty_like(x), torch.full_like(x, float("nan"))
+    kernel.fallback(want, x, w, weights)
+    kernel(got, x, w, weights)
+    assert kernel._takes(w) and relative(got, want) < TOLERANCE
+    loose = type(kernel).__new__(type(kernel))
+    loose.__dict__.update(kernel.__dict__, clamp=Clamp(ALPHA, 1e4))
+    loose(got, x, w, weights)
+    assert relative(got, want) > 10 * TOLERANCE  # (the clamps matter here)
+
+
+def test_a_layer_of_clamped_experts_and_a_routed_token_in_the_kernels_launches():
+    """A GGUF's gpt-oss experts (mxfp4 blocks, fp32 biases): a layer's spans, and a token from the router's ids."""
+    from moetier.model.triton_experts import MAX_TOKENS
+
+    kernel = clamped_kernel("mxfp4")
+    ws = [clamped_slots("mxfp4", seed) for seed in range(4)]
+    spans = [(0, 1), (1, 4), (4, 4 + MAX_TOKENS), (4 + MAX_TOKENS, 7 + 2 * MAX_TOKENS)]
+    p = spans[-1][1]
+    g = torch.Generator().manual_seed(11)
+    xs = torch.randn(p, 256, generator=g).bfloat16().to(DEVICE)
+    weights = torch.rand(p, generator=g).bfloat16().to(DEVICE)
+    ys = torch.full_like(xs, float("nan"))
+    kernel.layer(ys, xs, weights, [(w, a, b) for w, (a, b) in zip(ws, spans)])
+    for w, (a, b) in zip(ws, spans):
+        want = torch.empty_like(xs[a:b])
+        kernel.fallback(want, xs[a:b], w, weights[a:b])
+        assert relative(ys[a:b], want) < TOLERANCE
+    table = kernel.token_table(ws)
+    assert table is not None and table.device.shape == (4, 8)
+    topk_ids, topk_weights = torch.tensor([[3, 1]], device=DEVICE), torch.rand(1, 2, generator=g).to(DEVICE)
+    got = torch.full_like(xs[:1], float("nan"))
+    kernel.token_routed(got, xs[:1], topk_ids, topk_weights, table)
+    want = torch.zeros(1, 256, device=DEVICE)
+    for e, weight in zip(topk_ids[0].tolist(), topk_weights[0]):
+        y = torch.empty_like(xs[:1])
+        kernel.fallback(y, xs[:1], ws[e], weight.reshape(1))
+        want += y.float()
+    assert relative(got, want) < TOLERANCE
+
+
+def test_a_clamped_expert_whose_biases_the_kernels_do_not_take_goes_through_torchs_ops():
+    """Biases missing, in fp16, or the two in different dtypes: the fallback itself, bit for bit, and no table."""
+    kernel = clamped_kernel("bf16")
+    x = torch.randn(2, 256).bfloat16().to(DEVICE)
+    weights = torch.ones(2, dtype=torch.bfloat16, device=DEVICE)
+    base = clamped_slots("bf16")
+    for w in ({**base, "down_proj.bias": base["down_proj.bias"].half()},
+              {**base, "down_proj.bias": base["down_proj.bias"].float()}):
+        assert not kernel._takes(w) and kernel.token_table([w]) is None
+        got, want = torch.empty_like(x), torch.empty_like(x)
+        kernel(got, x, w, weights)
+        kernel.fallback(want, x, w, weights)
+        assert torch.equal(got, want)
+    assert not kernel._takes({k: t for k, t in base.items() if k != "gate_up_proj.bias"})
+
+
+def test_switchs_relu_experts_stay_on_torchs_ops():
+    from types import SimpleNamespace
+
+    from moetier.model.triton_experts import TritonExperts
+
+    spec = SimpleNamespace(activation="relu", swiglu_alpha=0.0, swiglu_limit=0.0)
+    for precision in ("bf16", "int4"):
+        assert not isinstance(make_expert_kernel(precision, TritonKernels(), torch.bfloat16, spec), TritonExperts)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's run on the CPU; on a GPU tests/engine/test_cuda.py's")
+@pytest.mark.parametrize("source", ["mxfp4-gguf", "bf16-checkpoint"])
+def test_the_engine_computes_gpt_oss_experts_through_the_kernels(tmp_path, monkeypatch, tiny_store, source):
+    """gpt-oss as people download it (a GGUF's MXFP4 experts and fp32 biases, read in place) and as its Hugging Face
+    checkpoint's bf16 store, run by the engine through the Triton kernels with its clamped activation (in the
+    interpreter here) beside torch's ops on the same experts: the same greedy tokens but where bf16's rounding tips
+    one."""
+    from moetier import Engine
+    from moetier.config import MemoryBudget
+    from moetier.engine import expert_executor
+    from moetier.engine.engine import EngineConfig
+    from moetier.model.triton_experts import Clamp, TritonExperts, TritonGgmlExperts
+    from moetier.store.gguf_store import index_gguf
+    from moetier.store.store import Store
+    from tests.store import gguf_export
+    from tests.tiny_models import build_tiny
+
+    shape = dict(hidden_size=256, intermediate_size=256, swiglu_limit=7.0)
+    if source == "mxfp4-gguf":
+        build_tiny("gpt_oss", tmp_path / "hf", **shape)
+        path = gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4.gguf", {0: ("MXFP4", "MXFP4"),
+                                  1: ("MXFP4", "MXFP4")}, dense_type="bf16")
+        store = index_gguf(path, tmp_path / "store", progress=False)
+    else:
+        _, store = tiny_store("gpt_oss", dtype=torch.bfloat16, **shape)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (7, 12)]
+    real = expert_executor.make_expert_kernel
+    made = []
+
+    def through_triton(precision, kernels, dtype, spec=None):
+        clamp = Clamp(spec.swiglu_alpha, spec.swiglu_limit)
+        kind = TritonGgmlExperts if source == "mxfp4-gguf" else lambda k, clamp: TritonExperts(16, k, clamp=clamp)
+        made.append(kind(real(precision, kernels, dtype, spec), clamp=clamp))
+        return made[-1]
+
+    def run():
+        config = EngineConfig(expert_memory=MemoryBudget.parse("40%"), kernels="torch")
+        with Engine(Store(store), config, progress=False) as engine:
+            return sum(engine.generate(prompts, max_new_tokens=8, ignore_eos=True).token_ids, [])
+
+    want = run()
+    taken = []
+    monkeypatch.setattr(expert_executor, "make_expert_kernel", through_triton)
+    monkeypatch.setattr(TritonExperts, "_launch", lambda self, *args, real=TritonExperts._launch: (
+        taken.append(len(args[3])), real(self, *args))[1])
+    got = run()
+    assert made and sum(taken) > 0  # (the kernels computed experts, not the fallback)
     assert sum(x == y for x, y in zip(got, want)) >= 0.8 * len(want)
