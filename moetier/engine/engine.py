@@ -17,6 +17,7 @@ from moetier.engine.adapt_cache import AdaptCache
 from moetier.engine.adapt_variant import AdaptVariant
 from moetier.engine.budget import RUNTIME_BYTES, BudgetChoice, check_host_tier, plan_budget, plan_host_tier
 from moetier.engine.cpu_share import CpuShare
+from moetier.engine.embedding_rows import kept_bytes, not_kept, rows_read
 from moetier.engine.expert_executor import ExpertExecutor
 from moetier.engine.generate import OnStep, OnToken, generate
 from moetier.engine.grammar import Grammar
@@ -328,9 +329,12 @@ class Engine:
         tensors = store.dense_tensors()
         in_blocks = config.dense_precision == "native" and self.device.type == "cpu"  # (a GGUF's: below)
         blocks = {name: b.nbytes for name, b in store.manifest.dense_blocks.items()} if in_blocks else {}
+        # an untied embedding table read a row a token from the file's pages, counted as the rows (embedding_rows.py)
+        by_row = rows_read(self.spec, tensors, config.dense_precision, self.device)
+        kept = {**blocks, **{name: kept_bytes(*tensors[name]) for name in by_row}}
         self.budget = plan_budget(store, config.expert_memory, memory or device_memory(self.device),
                                   config.precision,
-                                  quantized_dense_bytes(tensors, config.dense_precision, blocks) + config.reserve_bytes,
+                                  quantized_dense_bytes(tensors, config.dense_precision, kept) + config.reserve_bytes,
                                   load_bytes=dense_load_bytes(tensors, config.dense_precision))
         slots = self.budget.slots
         per_layer = config.per_layer(slots, len(self.spec.moe_layers), len(self.spec.expert_keys()))
@@ -343,7 +347,7 @@ class Engine:
             load_similarity(store.trained_dir(), self.spec.moe_layers, self.spec.num_experts)  # as a variant's are)
         convert = released(quantizing(config.dense_precision, self.spec.num_layers))  # (native: None: as they are)
         dense = {name: t.to(self.device) if convert is None else t
-                 for name, t in store.load_dense(convert).items()}
+                 for name, t in store.load_dense(convert, by_row, skip=tuple(blocks)).items()}
         if in_blocks:  # a GGUF's, in the file's blocks (their float copies, mapped, dropped)
             dense.update(store.load_dense_blocks())
         dense = quantize_dense(dense, self.spec, config.dense_precision)  # a tied head's copy (native: unchanged)
@@ -351,10 +355,10 @@ class Engine:
         if self.spec.encoder_decoder is None:  # one product for q, k and v (moetier/model/stacked.py)
             dense = stack_qkv(dense, self.spec.num_layers)
         if torch.device(self.device).type == "cpu":  # streamed every token: from huge pages (huge_pages.py)
-            dense = in_huge_pages(dense)  # (the stacked parts copied one after another there)
+            dense = in_huge_pages(dense, leave=by_row)  # (the stacked parts copied one after another there)
         else:
             dense = materialized(dense)
-        self.dense_bytes = dense_bytes(dense)
+        self.dense_bytes = dense_bytes(dense) - not_kept(tensors, by_row)
         self.kernels = make_kernels(config.kernels, dense["embed_tokens"].dtype, self.device)
         self._given_predictor, self._given_tier = predictor is not None, host_tier is not None
         self._copy_order = copy_order

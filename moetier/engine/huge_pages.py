@@ -41,18 +41,22 @@ def huge_pages(region: mmap.mmap) -> bool:
     return True
 
 
-def in_huge_pages(dense: dict) -> dict:
+def in_huge_pages(dense: dict, leave: tuple[str, ...] = ()) -> dict:
     """The dense weights (tensors, and quantized matrices' codes, scales and zeros) moved one by one into one
     private mapping advised for huge pages, each at a 64-byte boundary; a tensor under two names is copied once; a
     `Stacked` matrix's parts copied one after another, each role (codes, scales, zeros) one tensor there. Each
     original is let go as soon as nothing left to move names it, and its memory handed back, so the peak is the
-    mapping plus the largest tensor."""
+    mapping plus the largest tensor. Those named in `leave` stay as they are (a table read a row at a time:
+    engine/embedding_rows.py)."""
+    order, out = list(dense), {name: dense.pop(name) for name in leave}  # (`dense` is emptied as it is moved)
     uses = Counter(id(t) for v in dense.values() for t in _tensors(v))
     total = sum(_padded(t) for t in {id(t): t for v in dense.values() for t in _tensors(v)}.values())
     if not total:
-        return dict(dense)
+        out.update(dense)
+        dense.clear()
+        return {name: out[name] for name in order}
     flat = torch.frombuffer(private_mapping(total), dtype=torch.uint8)  # (the tensor keeps the mapping alive)
-    offset, out, copies = 0, {}, {}  # copies: id of an original still named by what is left -> its copy
+    offset, copies = 0, {}  # copies: id of an original still named by what is left -> its copy
 
     def let_go(t: torch.Tensor) -> None:
         key = id(t)  # (unique while `dense` still holds the original: its use count is above 0)
@@ -90,7 +94,7 @@ def in_huge_pages(dense: dict) -> dict:
         value = dense.pop(name)
         out[name] = value.build(stacked) if isinstance(value, Stacked) else _rebuilt(value, moved)
         release_freed_memory()
-    return out
+    return {name: out[name] for name in order}
 
 
 def _padded(t: torch.Tensor) -> int:

@@ -133,8 +133,9 @@ def dense_load_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], precision:
 def quantized_dense_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], precision: str,
                           blocks: dict[str, int] | None = None) -> int:
     """The dense weights' bytes at `precision` from each tensor's (shape, bytes) alone, before loading them (a tied
-    head gets a quantized copy of its own beside the embedding). `blocks`: at "native", the tensors a GGUF's blocks
-    stand for, with the blocks' bytes (what is kept of them: their float copies are mapped and dropped)."""
+    head gets a quantized copy of its own beside the embedding). `blocks`: at "native", tensors kept otherwise than
+    whole, with what is kept of them — those a GGUF's blocks stand for, with the blocks' bytes (their float copies
+    are mapped and dropped), and a table read by row (engine/embedding_rows.py), with its rows'."""
     if precision == "native":
         blocks = blocks or {}
         return sum(nbytes for name, (_, nbytes) in tensors.items() if name not in blocks) + sum(blocks.values())

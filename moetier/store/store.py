@@ -16,6 +16,7 @@ from moetier.errors import ChecksumError, StoreError
 from moetier.model.families import parse_spec
 from moetier.store.checkpoint import ST_DTYPES, safetensors_header
 from moetier.store.format import DAMAGED, DENSE, DTYPES, Manifest, check_files, is_store
+from moetier.store.row_pages import mapped_rows
 from moetier.store.writer import tensor_bytes
 
 SAFETENSORS_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1, "I64": 8, "I32": 4}
@@ -57,16 +58,22 @@ class Store:
                 out[name] = (shape, numel * SAFETENSORS_ITEMSIZE[piece.get_dtype()])
             return out
 
-    def load_dense(self, convert: Callable[[str, torch.Tensor], object] | None = None) -> dict:
+    def load_dense(self, convert: Callable[[str, torch.Tensor], object] | None = None,
+                   by_row: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> dict:
         """Every dense tensor, each verified against its CRC-32: ~0.43 s per GB of dense weights here (0.41 s for
         OLMoE-1B-7B's 0.95 GB; safetensors maps the file lazily, so this is also the first touch of its pages).
         `convert(name, tensor)`, if given, makes what is kept of each tensor as it is read (a quantized copy): the
         tensors are then read one at a time into memory of their own, not mapped, and each one's pages of the file
         are dropped from the page cache once read — so the file is never all in memory beside what it becomes (under
-        a memory cgroup its cached pages count against the limit)."""
+        a memory cgroup its cached pages count against the limit). `by_row`: names of tensors a run reads a row at a
+        time (an untied embedding table, not empty), each mapped on its own, its pages handed back as they are
+        checked (store/row_pages.py). `skip`: names of mapped tensors not to load (a GGUF's float copies of what its
+        blocks hold, when the blocks are what the run computes: `load_dense_blocks`), never touched."""
         expected = self.manifest.dense_crc32
         try:
-            return self._dense_mapped(expected) if convert is None else self._dense_read(expected, convert)
+            if convert is None:
+                return self._dense_mapped(expected, by_row, skip)
+            return self._dense_read(expected, convert)
         except (StoreError, ChecksumError):
             raise
         except Exception as e:  # safetensors' own error types, a damaged header
@@ -78,17 +85,27 @@ class Store:
             raise StoreError(f"{self.path / DENSE} does not hold the tensors its manifest lists ({diff[:3]} differ)",
                              hint=DAMAGED)
 
-    def _check_crc(self, name: str, data, expected: dict[str, int]) -> None:
-        if crc32(data) != expected[name]:
+    def _check_crc(self, name: str, data, expected: dict[str, int], crc: int | None = None) -> None:
+        """`data`'s CRC-32 (or `crc`, where it was summed as the data was read) against the manifest's."""
+        if (crc32(data) if crc is None else crc) != expected[name]:
             raise ChecksumError(f"dense tensor {name} in {self.path / DENSE} fails its checksum", hint=DAMAGED)
 
-    def _dense_mapped(self, expected: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Each tensor a view of the file's mapping (paged in as it is used), checked."""
+    def _dense_mapped(self, expected: dict[str, int], by_row: tuple[str, ...],
+                      skip: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Each tensor but those skipped a view of the file's mapping (paged in as it is used), checked; those
+        `by_row` in mappings of their own, their pages handed back as they are."""
         with safe_open(self.path / DENSE, "pt") as f:
             self._check_names(f.keys(), expected)
-            out = {name: f.get_tensor(name) for name in f.keys()}
+            out = {name: f.get_tensor(name) for name in f.keys() if name not in by_row and name not in skip}
+        header, start = safetensors_header(self.path / DENSE) if by_row else ({}, 0)
+        for name in by_row:  # (each in a mapping of its own: the file's whole one goes with the other tensors)
+            entry = header[name]
+            (begin, end), dtype = entry["data_offsets"], DTYPES[ST_DTYPES[entry["dtype"]]]
+            out[name], crc = mapped_rows(self.path / DENSE, start + begin, end - begin, dtype, tuple(entry["shape"]))
+            self._check_crc(name, None, expected, crc)
         for name, t in out.items():
-            self._check_crc(name, tensor_bytes(t), expected)
+            if name not in by_row:
+                self._check_crc(name, tensor_bytes(t), expected)
         return out
 
     def _dense_read(self, expected: dict[str, int], convert) -> dict[str, object]:
@@ -125,7 +142,7 @@ class Store:
             data = _read_at(where, block.offset, block.nbytes)
             if len(data) != block.nbytes or crc32(data) != block.crc32:
                 raise ChecksumError(f"dense tensor {name} in {where} fails its checksum", hint=DAMAGED)
-            rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(block.rows, -1)
+            rows = torch.frombuffer(data, dtype=torch.uint8).view(block.rows, -1)
             if block.heads:  # the converter's rotary permutation of Q/K rows, undone row by row
                 rows = unpermute(rows, block.heads).contiguous()
             out[name] = BlockMatrix(rows, block.fmt, (block.rows, block.in_features))
@@ -176,10 +193,18 @@ class Store:
         return self.manifest.expert_bytes()
 
 
-def _read_at(path: str | Path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(length)
+def _read_at(path: str | Path, offset: int, length: int) -> bytearray:
+    """`length` bytes of the file from `offset` (fewer where it ends first) in memory of their own — read there, not
+    copied there (a GGUF's head is 0.6 GB) — and the page cache's copy let go."""
+    data = bytearray(length)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = os.preadv(fd, [data], offset) if length else 0
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    del data[n:]
+    return data
 
 
 def _trained_dir(path: Path, manifest: Manifest, folder: str) -> Path:
