@@ -157,11 +157,11 @@ class CudaKernels(TorchKernels):
 
 class TritonKernels(CudaKernels):
     """CudaKernels where triton is installed (`--kernels auto`): a layer's bf16 and quantized SwiGLU experts in two
-    Triton launches (moetier/model/triton_experts.py); a bf16 model's RMSNorms (with the residual add before each)
-    and rotations one launch each instead of eight (nine) and seven (gpt-oss's norm, its weight applied in fp32, too), and its keys and values into the cache in one
-    instead of two (moetier/model/triton_dense.py: the same values as torch's ops — a rotation, an add and the
-    writes bit for bit, a norm but for the order of its sum of squares). What those kernels do not take — another
-    dtype, a view whose rows are not contiguous — goes to torch's ops."""
+    Triton launches (moetier/model/triton_experts.py); a bf16 model's RMSNorms (with the residual add before each;
+    gpt-oss's, its weight applied in fp32, too) and rotations one launch each instead of eight (nine) and seven,
+    and its keys and values into the cache in one instead of two (moetier/model/triton_dense.py: the same values as
+    torch's ops — a rotation, an add and the writes bit for bit, a norm but for the order of its sum of squares).
+    What those kernels do not take — another dtype, a view whose rows are not contiguous — goes to torch's ops."""
 
     name = "triton"
     triton = True

@@ -108,7 +108,7 @@ class TritonExperts(OneByOne):
         return TritonExperts(self.bits, self.fallback, tiles, self.clamp)
 
     def _fits(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
-        return (x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and self._takes(w))
+        return x.dtype == torch.bfloat16 and x.device == w["down_proj"].device and self._takes(w)
 
     def _takes(self, w: dict[str, torch.Tensor]) -> bool:
         """Whether the kernels compute an expert of this layout: the blocks tile it, its format is theirs, and a
@@ -184,7 +184,7 @@ class TritonExperts(OneByOne):
         w = ws[0]
         if not self._takes(w):
             return None
-        ptrs = np.array([addresses(e) for e in ws], dtype=np.int64)  # [E, 6]
+        ptrs = np.array([addresses(e) for e in ws], dtype=np.int64)  # [E, 8]
         return TokenTable(ptrs, tuple(w["down_proj"].shape), self.bits, torch.from_numpy(ptrs).to(
             w["down_proj"].device), w)
 

@@ -39,6 +39,7 @@ def mapped_rows(path: Path, offset: int, nbytes: int, dtype: torch.dtype,
             crc = crc32(memoryview(region)[skip + start:skip + end], crc)
             page = (skip + start) // mmap.PAGESIZE * mmap.PAGESIZE  # (the chunk's first page, whole; the last
             region.madvise(mmap.MADV_DONTNEED, page, skip + end - page)  # partial one with it: read again if asked)
+        region.madvise(mmap.MADV_DONTNEED)  # (and what a fault mapped around it from the page cache, a chunk before)
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
