@@ -332,14 +332,14 @@ def test_a_ggml_expert_computes_what_torchs_ops_do(formats, tokens):
     assert relative(got, want) < TOLERANCE
 
 
-def test_a_layer_of_ggml_experts_and_a_routed_token_in_the_kernels_launches():
+def layer_and_routed_token(kernel, ws: list[dict], seed: int, ids: list[int]):
+    """`kernel.layer` on experts `ws` of 1, 3, 16 and 19 rows (the last more than a tile: the fallback's), and
+    `token_routed` through the experts `ids`, each against `kernel.fallback`; the token's table."""
     from moetier.model.triton_experts import MAX_TOKENS
 
-    kernel = ggml_kernel()
-    ws = [ggml_slots(("q4_k", "q6_k"), seed) for seed in range(4)]
     spans = [(0, 1), (1, 4), (4, 4 + MAX_TOKENS), (4 + MAX_TOKENS, 7 + 2 * MAX_TOKENS)]
     p = spans[-1][1]
-    g = torch.Generator().manual_seed(9)
+    g = torch.Generator().manual_seed(seed)
     xs = torch.randn(p, 256, generator=g).bfloat16().to(DEVICE)
     weights = torch.rand(p, generator=g).bfloat16().to(DEVICE)
     ys = torch.full_like(xs, float("nan"))
@@ -349,15 +349,20 @@ def test_a_layer_of_ggml_experts_and_a_routed_token_in_the_kernels_launches():
         kernel.fallback(want, xs[a:b], w, weights[a:b])
         assert relative(ys[a:b], want) < TOLERANCE
     table = kernel.token_table(ws)
-    topk_ids, topk_weights = torch.tensor([[2, 0, 3]], device=DEVICE), torch.rand(1, 3, generator=g).to(DEVICE)
+    topk_ids, topk_weights = torch.tensor([ids], device=DEVICE), torch.rand(1, len(ids), generator=g).to(DEVICE)
     got = torch.full_like(xs[:1], float("nan"))
     kernel.token_routed(got, xs[:1], topk_ids, topk_weights, table)
     want = torch.zeros(1, 256, device=DEVICE)
-    for e, weight in zip(topk_ids[0].tolist(), topk_weights[0]):
+    for e, weight in zip(ids, topk_weights[0]):
         y = torch.empty_like(xs[:1])
         kernel.fallback(y, xs[:1], ws[e], weight.reshape(1))
         want += y.float()
     assert relative(got, want) < TOLERANCE
+    return table
+
+
+def test_a_layer_of_ggml_experts_and_a_routed_token_in_the_kernels_launches():
+    layer_and_routed_token(ggml_kernel(), [ggml_slots(("q4_k", "q6_k"), seed) for seed in range(4)], 9, [2, 0, 3])
 
 
 def test_a_width_the_tiles_do_not_divide_goes_through_torchs_ops():
@@ -477,32 +482,9 @@ def test_a_clamped_expert_with_its_biases_computes_what_torchs_ops_do(precision,
 
 def test_a_layer_of_clamped_experts_and_a_routed_token_in_the_kernels_launches():
     """A GGUF's gpt-oss experts (mxfp4 blocks, fp32 biases): a layer's spans, and a token from the router's ids."""
-    from moetier.model.triton_experts import MAX_TOKENS
-
-    kernel = clamped_kernel("mxfp4")
     ws = [clamped_slots("mxfp4", seed) for seed in range(4)]
-    spans = [(0, 1), (1, 4), (4, 4 + MAX_TOKENS), (4 + MAX_TOKENS, 7 + 2 * MAX_TOKENS)]
-    p = spans[-1][1]
-    g = torch.Generator().manual_seed(11)
-    xs = torch.randn(p, 256, generator=g).bfloat16().to(DEVICE)
-    weights = torch.rand(p, generator=g).bfloat16().to(DEVICE)
-    ys = torch.full_like(xs, float("nan"))
-    kernel.layer(ys, xs, weights, [(w, a, b) for w, (a, b) in zip(ws, spans)])
-    for w, (a, b) in zip(ws, spans):
-        want = torch.empty_like(xs[a:b])
-        kernel.fallback(want, xs[a:b], w, weights[a:b])
-        assert relative(ys[a:b], want) < TOLERANCE
-    table = kernel.token_table(ws)
-    assert table is not None and table.device.shape == (4, 8)
-    topk_ids, topk_weights = torch.tensor([[3, 1]], device=DEVICE), torch.rand(1, 2, generator=g).to(DEVICE)
-    got = torch.full_like(xs[:1], float("nan"))
-    kernel.token_routed(got, xs[:1], topk_ids, topk_weights, table)
-    want = torch.zeros(1, 256, device=DEVICE)
-    for e, weight in zip(topk_ids[0].tolist(), topk_weights[0]):
-        y = torch.empty_like(xs[:1])
-        kernel.fallback(y, xs[:1], ws[e], weight.reshape(1))
-        want += y.float()
-    assert relative(got, want) < TOLERANCE
+    table = layer_and_routed_token(clamped_kernel("mxfp4"), ws, 11, [3, 1])
+    assert table.device.shape == (4, 8)
 
 
 def test_a_clamped_expert_whose_biases_the_kernels_do_not_take_goes_through_torchs_ops():
