@@ -233,8 +233,9 @@ def test_gpt_oss_experts_through_triton_write_what_torchs_ops_write(tmp_path, ti
 
     shape = dict(hidden_size=256, intermediate_size=256, swiglu_limit=7.0)
     if source == "bf16-checkpoint":
-        return triton_against_torch(tiny_store("gpt_oss", torch.bfloat16, **shape)[1], "bf16", TritonExperts)
-    build_tiny("gpt_oss", tmp_path / "hf", **shape)
-    path = gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4.gguf", {0: ("MXFP4", "MXFP4"), 1: ("MXFP4", "MXFP4")},
-                              dense_type="bf16")
-    triton_against_torch(index_gguf(path, tmp_path / "store", progress=False), "mxfp4", TritonGgmlExperts)
+        triton_against_torch(tiny_store("gpt_oss", torch.bfloat16, **shape)[1], "bf16", TritonExperts)
+    else:
+        build_tiny("gpt_oss", tmp_path / "hf", **shape)
+        path = gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4.gguf", {0: ("MXFP4", "MXFP4"),
+                                  1: ("MXFP4", "MXFP4")}, dense_type="bf16")
+        triton_against_torch(index_gguf(path, tmp_path / "store", progress=False), "mxfp4", TritonGgmlExperts)

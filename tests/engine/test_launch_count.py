@@ -93,8 +93,8 @@ def test_a_bf16_decode_step_on_triton_launches_a_fraction_of_what_torchs_ops_do(
     attention sinks, norms with their weight in fp32) behind a whole host tier: a decode step through TritonKernels
     (experts in two launches a layer, each norm with the residual add before it and each rotation one, the KV writes
     one) against CudaKernels (torch's ops for all): with every expert resident (the step computed from the router's
-    ids on the device; counted here for OLMoE 23 a MoE layer against 119, gpt-oss 32 against 110, where before its
-    experts and norms were on the kernels 97) and at a quarter of them (the planned path, its misses' copies among the
+    ids on the device; counted here for OLMoE 23 a MoE layer against 119, gpt-oss 32 against 110 — 97 before its
+    experts and norms went to Triton) and at a quarter of them (the planned path, its misses' copies among the
     launches: 31 against 121, and 38 against 110), the step's own launches (embedding, final norm, head) shared by 3
     layers."""
     from moetier import Engine
