@@ -168,10 +168,10 @@ class TritonExperts(OneByOne):
         gu_s, dn_s = w0.get("gate_up_proj.scales", gu), w0.get("down_proj.scales", dn)
         bn, bk = self.tiles.n, self.tiles.k
         fmt_gu, fmt_d = self._formats(w0)
-        clamp = self.clamp or Clamp(1.0, 1.0)  # (SwiGLU's: unread)
+        alpha, limit = (1.0, 1.0) if self.clamp is None else (self.clamp.alpha, self.clamp.limit)  # (SwiGLU: unread)
         act, bias = (0, 0) if self.clamp is None else (1, _bias_bits(w0))
         gate_up[(g, i // bn)](x, rows, table, experts, spans, h, hidden, i, x.stride(0), gu.stride(0), _stride(gu_s),
-                              h.stride(0), clamp.alpha, clamp.limit, BITS=self.bits,
+                              h.stride(0), alpha, limit, BITS=self.bits,
                               GROUP=_group(hidden, gu_s, self.bits), BT=MAX_TOKENS, BN=bn, BK=bk, FMT=fmt_gu, ACT=act,
                               BIAS=bias)
         down[(g, hidden // bn)](h, table, experts, spans, weights, ys, i, h.stride(0), dn.stride(0), _stride(dn_s),
