@@ -43,3 +43,11 @@ def split_by_layer(partition: str, speculating: bool, slots: int, layers: int, e
     if partition == "auto":
         return speculating and layers <= slots < experts
     return partition == "per-layer"
+
+
+def check_split(per_layer: bool, slots: int, layers: int) -> None:
+    """A cache split by layer streams each layer's experts through that layer's own slots, so it needs one a layer:
+    refused (BudgetError) where `slots` are fewer than its `layers`."""
+    if per_layer and slots < layers:
+        raise BudgetError(f"a per-layer cache needs a slot for each of the {layers} MoE layers; the budget gives "
+                          f"{slots}", hint="give more --expert-memory, or --cache-partition global")

@@ -7,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from moetier.cache.policies import DEFAULT_POLICY
 from moetier.cli.defaults import command, count, make_folder, out_folder, write_plot
 from moetier.cli.generate import (
     add_engine_options,
@@ -222,7 +223,7 @@ def add_parser(sub) -> None:
     add_precision_options(e)
     add_substitution_options(e)
     add_prefetch_options(e)  # a prefetch changes what is cached, so what substitution finds at hand
-    e.add_argument("--policy", default="lru", help="eviction policy (`moetier list policies`)")
+    e.add_argument("--policy", default=DEFAULT_POLICY, help="eviction policy (`moetier list policies`)")
     e.add_argument("--sweep", metavar="PARAM=V1,V2",
                    help=f"one row per value of PARAM ({', '.join(SWEEPABLE)}), e.g. precision=int8,int4,hobbit")
     e.add_argument("--text", action="append", metavar="NAME=FILE",

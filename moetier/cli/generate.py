@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from moetier.cache.policies import LIVE_POLICIES
+from moetier.cache.policies import DEFAULT_POLICY, LIVE_POLICIES
 from moetier.cli.defaults import (
     DEFAULT_MODEL,
     add_sampling_options,
@@ -348,7 +348,7 @@ def add_parser(sub) -> None:
     g.add_argument("--prompt-file", action="append", help="a file whose text is one prompt; repeatable")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
-    g.add_argument("--policy", default="lru",
+    g.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"expert eviction policy: {', '.join(LIVE_POLICIES)}; NAME+predicted spares what --predictor "
                         "names for the coming layers (`moetier list policies`, docs/cache-policies.md)")
     add_partition_option(g)

@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 
-from moetier.cache.policies import LIVE_POLICIES
+from moetier.cache.policies import DEFAULT_POLICY, LIVE_POLICIES
 from moetier.cli.defaults import add_sampling_options, command, count, sampling_args
 from moetier.cli.generate import (
     add_engine_options,
@@ -189,7 +189,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     add_precision_options(p)
     add_substitution_options(p)
     add_speculation_options(p)
-    p.add_argument("--policy", default="lru", help=f"expert eviction policy: {', '.join(LIVE_POLICIES)}")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"expert eviction policy: {', '.join(LIVE_POLICIES)}")
     add_partition_option(p)
     add_prefetch_options(p)
 

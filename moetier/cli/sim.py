@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from moetier.atomic import atomic_write_json
-from moetier.cache.policies import POLICIES, SUFFIX, check_policy
+from moetier.cache.policies import DEFAULT_POLICY, POLICIES, SUFFIX, check_policy
 from moetier.cli.defaults import DEFAULT_MODEL, command, count, finite, make_folder, out_folder, write_plot
 from moetier.errors import MoetierError
 
@@ -66,6 +66,7 @@ def _sim(args: argparse.Namespace) -> None:
     from moetier.sim.runner import make_runner
     from moetier.sim.sweep import (
         budget_slots,
+        cache_split,
         check_fits,
         check_holds,
         encoder_set_aside,
@@ -107,7 +108,8 @@ def _sim(args: argparse.Namespace) -> None:
         check_policy(policy)
         if prefetch != "none" and prefetch not in PREFETCHERS:
             raise MoetierError(f"unknown prefetcher {prefetch!r}", hint=f"one of none, {', '.join(PREFETCHERS)}")
-        budget_slots(budget, trace, cost)  # a budget the profile cannot hold is refused before any cell runs
+        # a budget the profile cannot hold, or one that leaves a layer of a split cache no slot: refused now
+        cache_split(args.cache_partition, speculation is not None, budget_slots(budget, trace, cost), trace)
     if any(f != "none" for _, _, f, _ in configs) and args.predictor == "none":
         raise MoetierError("--prefetch needs a predictor", hint="give --predictor (oracle, hot, stacked-gates)")
     if any(p.endswith(SUFFIX) for p, *_ in configs) and args.predictor == "none":
@@ -282,7 +284,7 @@ def add_parser(sub) -> None:
     sm.add_argument("--model-shape", help="a shape name (`moetier list shapes`), a built-in model, or a model "
                                           "directory (default: the trace's model)")
     sm.add_argument("--precision", help="the experts' precision (default: the shape's checkpoint precision)")
-    sm.add_argument("--policy", default="lru", help=f"one or more of {', '.join(POLICIES)}, comma-separated; "
+    sm.add_argument("--policy", default=DEFAULT_POLICY, help=f"one or more of {', '.join(POLICIES)}, comma-separated; "
                     f"NAME{SUFFIX} spares what --predictor names for the coming layers")
     sm.add_argument("--expert-memory", default="30%", help="one or more budgets (bytes or %% of the experts)")
     sm.add_argument("--batch", help="one or more batch sizes, comma-separated: the trace's sequences interleaved into "

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from moetier.cache.capacity import split_by_layer
+from moetier.cache.capacity import check_split, split_by_layer
 from moetier.cache.keys import ExpertKey
-from moetier.cache.policies import SUFFIX, PolicyContext, check_policy
+from moetier.cache.policies import DEFAULT_POLICY, SUFFIX, PolicyContext, check_policy
 from moetier.config import KERNELS, HostMemory, MemoryBudget, format_bytes
 from moetier.engine.adapt_cache import AdaptCache
 from moetier.engine.adapt_variant import AdaptVariant
@@ -85,7 +85,7 @@ def released(convert):
 @dataclass(frozen=True)
 class EngineConfig:
     expert_memory: MemoryBudget = MemoryBudget("share", 0.3)
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     cache_partition: str = "auto"  # "global", "per-layer" (the slots split evenly among the MoE layers), or "auto"
     # (per_layer says which)
     reader_threads: int = 4
@@ -338,9 +338,7 @@ class Engine:
                                   load_bytes=dense_load_bytes(tensors, config.dense_precision))
         slots = self.budget.slots
         per_layer = config.per_layer(slots, len(self.spec.moe_layers), len(self.spec.expert_keys()))
-        if per_layer and slots < len(self.spec.moe_layers):
-            raise BudgetError(f"a per-layer cache needs a slot for each of the {len(self.spec.moe_layers)} MoE "
-                              f"layers; the budget gives {slots}", hint="give more --expert-memory")
+        check_split(per_layer, slots, len(self.spec.moe_layers))
         # before the reader's threads start: this may refuse (an offline policy, a learned one without its file)
         policy = self._policy(store, self.budget)
         if isinstance(config.substitution, SimilarSubstitution):  # likewise its similarities (read again by _parts,
@@ -388,7 +386,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model: str | Path, expert_memory: str | float | MemoryBudget = "30%",
-                        policy: str = "lru", cache_dir: str | Path | None = None, progress: bool = True,
+                        policy: str = DEFAULT_POLICY, cache_dir: str | Path | None = None, progress: bool = True,
                         reconvert: bool = False, **config) -> Engine:
         """`reconvert`: convert a Hugging Face folder again even if the cache holds its store (a damaged one)."""
         config = EngineConfig(expert_memory=MemoryBudget.parse(expert_memory), policy=policy, **config)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moetier.cache.capacity import cache_capacity
+from moetier.cache.capacity import cache_capacity, check_split
 from moetier.cache.policies import LEARNED, POLICIES, SUFFIX, base_name
 from moetier.cache.policies.context import PolicyContext
 from moetier.config import MemoryBudget
@@ -86,7 +86,8 @@ def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], p
     for budget in budgets:
         try:
             slots = budget_slots(budget, test)
-        except MoetierError as e:  # too small for this trace's top-k: the other budgets still run
+            check_split(partition == "per-layer", slots, len(test.all_layers))
+        except MoetierError as e:  # too small for this trace's top-k or a split: the other budgets still run
             if note is not None:
                 note(f"{name}: skipping budget {budget}: {e}")
             if progress is not None:

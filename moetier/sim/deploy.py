@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moetier.cache.keys import ExpertKey
-from moetier.cache.policies import PolicyContext, make_policy
+from moetier.cache.policies import DEFAULT_POLICY, PolicyContext, make_policy
 from moetier.plan.route import DECODE, PREFILL
 from moetier.sim.cost import CostModel
 from moetier.sim.profile import HardwareProfile
@@ -151,7 +151,7 @@ def with_decoder_resident(trace: Trace) -> Trace:
 
 
 def request_latency(trace: Trace, shape: ModelShape, deployment: Deployment, fitted: Fit, profile: HardwareProfile,
-                    precision: str, policy: str = "lru", merged: MergedLayers | None = None) -> dict:
+                    precision: str, policy: str = DEFAULT_POLICY, merged: MergedLayers | None = None) -> dict:
     """`trace` (the original's routing; routed as `merged` routes it if the deployment is merged) replayed on
     `profile`'s clock: every expert resident, or the offloaded layers' through a cache of `fitted.cache_slots` under
     `policy`, filled before the first request as Engine.preload() does (with the experts the deployment holds).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moetier.cache.policies import PolicyContext
+from moetier.cache.policies import DEFAULT_POLICY, PolicyContext
 from moetier.config import format_bytes
 from moetier.errors import BudgetError, MoetierError
 from moetier.plan.precision import MixedPrecision
@@ -132,7 +132,7 @@ def _cell(trace, cost: CostModel, mode: str, budget: str, dense: int) -> Cell:
                         cost.precision if mixed.mixed else None)
     sub = Substitution().resolved(cost.shape.total_expert_params) if substitute else None
     try:
-        result = simulate(trace, trace_policy("lru", ctx, trace), slots, cost, cost.precision, mixed=mixed,
+        result = simulate(trace, trace_policy(DEFAULT_POLICY, ctx, trace), slots, cost, cost.precision, mixed=mixed,
                           substitution=sub)
     except BudgetError as e:  # the low tier's copies and a layer's top-k do not fit the budget
         return Cell(mode, budget, cache, dense + cache + RUNTIME_BYTES, None, None, str(e).split(":")[0])

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moetier.cache.capacity import cache_capacity, split_by_layer
+from moetier.cache.capacity import cache_capacity, check_split, split_by_layer
 from moetier.cache.policies import PolicyContext
 from moetier.config import HostMemory, MemoryBudget, format_bytes
 from moetier.errors import MoetierError
@@ -71,6 +71,15 @@ def budget_slots(budget: str, trace: Trace, cost: CostModel) -> int:
         // cost.expert_bytes
 
 
+def cache_split(partition: str, speculating: bool, slots: int, trace: Trace) -> bool:
+    """Whether `slots` are split among the trace's layers (as the engine's `--cache-partition`); refused, as the
+    engine refuses it, where a split leaves a layer without a slot."""
+    layers = len(trace.all_layers)
+    per_layer = split_by_layer(partition, speculating, slots, layers, layers * trace.num_experts)
+    check_split(per_layer, slots, layers)
+    return per_layer
+
+
 def host_tier_slots(host_memory: str, trace: Trace, cost: CostModel) -> int:
     """Host slots for `--host-memory` (bytes, or a share of the experts of the layers the trace covers) behind the
     cache: a host tier needs a profile with the link to host memory first and the disk behind it."""
@@ -130,8 +139,7 @@ def run(trace: Trace, cost: CostModel, policy: str, budget: str, preload: bool =
     if speculation is not None:
         trace, produced = verify_steps(trace, *speculation)
     slots = budget_slots(budget, trace, cost)
-    layers = len(trace.all_layers)
-    per_layer = split_by_layer(partition, speculation is not None, slots, layers, layers * trace.num_experts)
+    per_layer = cache_split(partition, speculation is not None, slots, trace)
     resizes = pressure.resizes(trace, cost, budget_slots) if pressure is not None else {}
     ctx = PolicyContext(slots, tuple(trace.all_layers), trace.num_experts, trace.top_k)
     if substitution is not None:

@@ -46,6 +46,23 @@ def test_more_memory_never_slows_lfu_down_on_a_gpu(mixtral_trace):
     assert hits[0] <= hits[1] <= hits[2] and tpot[0] >= tpot[1] >= tpot[2]
 
 
+def test_a_per_layer_cache_without_a_slot_for_each_layer_is_refused_as_the_engine_refuses_it(mixtral_trace, capsys):
+    """10%: 25 slots for 32 layers. Split by layer, seven layers would have none to stream their experts through (the
+    replay failed with a LookupError deep in a cell, after the others had run)."""
+    trace, path = mixtral_trace
+    cost = CostModel.of(HardwareProfile.load("a100-epyc"), SHAPES["mixtral-8x7b"])
+    with pytest.raises(MoetierError, match="a per-layer cache needs a slot for each of the 32 MoE layers; the budget "
+                                           "gives 25"):
+        run(trace, cost, "lru", "10%", partition="per-layer")
+    assert run(trace, cost, "lru", "13%", partition="per-layer").slots == 33  # a slot a layer: it runs
+    assert run(trace, cost, "lru", "10%").slots == 25  # one cache: streamed through, as ever
+    assert main(["sim", "--trace", str(path), "--profile", "a100-epyc", "--policy", "lru,fld", "--expert-memory",
+                 "13%,10%", "--cache-partition", "per-layer", "--out", str(path.parent / "sweep")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moetier: error: a per-layer cache needs a slot for each of the 32") and "Traceback" not in err
+    assert not (path.parent / "sweep").exists()  # refused before any cell ran
+
+
 def test_sim_cli_sweep_writes_table_json_and_plot(mixtral_trace, tmp_path, capsys):
     _, path = mixtral_trace
     out = tmp_path / "sweep"
