@@ -30,8 +30,8 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "belady": BeladyPolicy, "static-hot": StaticHotPolicy}
 
 # What a run evicts by unless told, in the engine, the server, `eval` and the simulator alike. LRU keeps nothing once
-# the cache holds fewer experts than a token routes to over its layers, where CoMoE's and LFU's scores keep a third
-# to a half; but CoMoE's per-layer bookkeeping costs a resident decode ~1 ms a token, and LFU falls below LRU on
+# the cache holds fewer experts than a token routes to over its layers, where CoMoE's and LFU's scores keep 14-46%
+# of them (the traces); but CoMoE's per-layer bookkeeping costs a resident decode ~1 ms a token, and LFU falls below LRU on
 # Mixtral's trace above the cliff (docs/cache-policies.md, "The default": measured, and the lever left).
 DEFAULT_POLICY = "lru"
 OFFLINE = ("belady",)  # need the future: the simulator and cache-bench only
