@@ -1,5 +1,6 @@
 """CoMoE's victim from its score arrays is the victim ScoredPolicy's scan of every resident names: highest Eq. 38
-score, then least recently used, then key order — on random event sequences, and over a whole replay."""
+score, then least recently used, then key order — on random event sequences, and over a whole replay; and its
+moving averages, absorbed many routes at once, are the route-by-route ones."""
 
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ def test_the_arrays_name_the_scans_victim(seq):
             rng = np.random.default_rng(draw)
             candidates = {k for k in p.resident if rng.random() < 0.7} or set(p.resident)
             assert p.victim(candidates) == ScoredPolicy.victim(p, candidates)
+        scores = p.fresh_scores()
         for layer_ in LAYERS:  # the arrays are Eq. 38's scores, float for float
-            assert list(p.scores[p.row[layer_]]) == [p.evict_score(ExpertKey(layer_, e)) for e in range(E)]
+            assert list(scores[p.row[layer_]]) == [p.evict_score(ExpertKey(layer_, e)) for e in range(E)]
 
 
 def test_a_replay_makes_the_same_choices_either_way():
@@ -78,3 +80,40 @@ def test_a_replay_makes_the_same_choices_either_way():
     ctx = PolicyContext(12, tuple(range(layers)), experts, k)
     fast, scan = replay(trace, CoMoEPolicy(ctx), 12), replay(trace, ScanningCoMoE(ctx), 12)
     assert fast.hits == scan.hits and 0 < fast.hits < fast.needed
+
+
+def route_by_route(routes, experts, fast=1 / 8, slow=1 / 64):
+    """recent use, frequency and importance [E] updated one route at a time, as Eq. 38's terms are defined."""
+    recent, freq, importance = np.zeros(experts), np.zeros(experts), np.zeros(experts)
+    for r in routes:
+        ids, weights = r.topk_ids.ravel(), r.topk_weights.ravel().astype(np.float64)
+        used = np.zeros(experts)
+        used[ids] = 1.0
+        recent += fast * (used - recent)
+        freq += slow * (used - freq)
+        for e in np.unique(ids):
+            importance[e] += fast * (weights[ids == e].mean() - importance[e])
+    return recent, freq, importance
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 2**16)), min_size=1, max_size=300),
+       st.integers(1, 40))
+def test_routes_absorbed_at_once_are_the_averages_route_by_route(shapes, held):
+    """Routes of one to three tokens (an expert picked by several tokens gets the mean of their gates), absorbed in
+    batches of `held` or when asked."""
+    p = CoMoEPolicy(CTX)
+    p.held_routes = held
+    routes = []
+    for step, (tokens, draw) in enumerate(shapes):
+        rng = np.random.default_rng(draw)
+        ids = np.stack([rng.choice(E, 2, replace=False) for _ in range(tokens)])  # [T, k]
+        routes.append(RouteResult(3, step, ids, rng.random(ids.shape).astype(np.float32),
+                                  np.zeros((tokens, E), np.float32), DECODE))
+        p.on_route(routes[-1])
+        assert len(p.routes[p.row[3]]) < held
+    want = route_by_route(routes, E)
+    got = p.terms(3)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+    assert not p.routes[p.row[3]]

@@ -239,8 +239,9 @@ def test_comoe_score_is_equation_38_with_the_predictors_probability():
     assert p.next_use_source == "recent use (no predictor)"
     p.on_predict({0: np.array([[0.1, 0.7, 0.1, 0.1]], np.float32)})  # the predictor expects expert 1
     assert p.next_use_source == "the predictor"
-    f, i = p.freq[0][0], p.importance[0][0]
-    f_mean, i_mean = p.freq[0].mean(), p.importance[0].mean()  # experts 2 and 3 never used: half of a's
+    _, freq, importance = p.terms(0)
+    f, i = freq[0], importance[0]
+    f_mean, i_mean = freq.mean(), importance.mean()  # experts 2 and 3 never used: half of a's
     assert f_mean == pytest.approx(f / 2) and i_mean == pytest.approx(i / 2)
     # Eq. 38 with each reciprocal normalised as x̄/(x + x̄): here 1/3 for both of a's
     assert p.evict_score(a) == pytest.approx(0.5 * (1 - 0.1) + 0.5 * (0.5 / 3 + 0.5 / 3))
