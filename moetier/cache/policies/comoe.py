@@ -55,8 +55,8 @@ class CoMoEPolicy(ScoredPolicy):
         self.keys = [ExpertKey(layer, e) for layer in ctx.layers for e in range(ctx.num_experts)]
         by_key = {key: i for i, key in enumerate(sorted(self.keys))}
         self.key_rank = np.array([by_key[key] for key in self.keys])  # [L·E] ties' last word: key order
-        self.scores = np.zeros(shape)  # [L, E] Eq. 38's, where `stale` is False
-        self.stale = np.ones(len(ctx.layers), dtype=bool)  # [L] rows whose scores must be made again
+        self.scores = np.zeros(shape)  # [L, E] Eq. 38's, but in the rows of `stale`
+        self.stale = set(range(len(ctx.layers)))  # rows whose scores must be made again
         self.used_at = np.zeros(shape, dtype=np.int64)  # [L, E] last_use as an array
         self.held = np.zeros(shape, dtype=bool)  # [L, E] resident
 
@@ -66,7 +66,7 @@ class CoMoEPolicy(ScoredPolicy):
 
     def on_sequence_start(self) -> None:
         self.predicted.clear()
-        self.stale[:] = True
+        self.stale.update(range(len(self.ctx.layers)))
 
     def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
         super().on_access(key, precision, step)
@@ -85,7 +85,7 @@ class CoMoEPolicy(ScoredPolicy):
         row = self.row[route.layer]
         routes = self.routes[row]
         routes.append((route.topk_ids.reshape(-1).copy(), route.topk_weights.reshape(-1).copy()))  # [T·k] each
-        self.stale[row] = True
+        self.stale.add(row)
         if len(routes) >= self.held_routes:
             self.absorb(row)
 
@@ -95,6 +95,9 @@ class CoMoEPolicy(ScoredPolicy):
         importance counting only the routes that selected it."""
         routes = self.routes[row]
         if not routes:
+            return
+        if len(routes) == 1 and len(routes[0][0]) == self.ctx.top_k:  # one token's route (a decode step at batch 1)
+            self.absorb_one(row, *routes[0])
             return
         n, E = len(routes), self.ctx.num_experts
         ids = np.concatenate([ids for ids, _ in routes])
@@ -112,13 +115,23 @@ class CoMoEPolicy(ScoredPolicy):
             used * self.fast * (1 - self.fast) ** selected_after * mean_weight).sum(axis=0)
         routes.clear()
 
+    def absorb_one(self, row: int, ids: np.ndarray, weights: np.ndarray) -> None:
+        """`absorb` for one route of one token, whose k ids are distinct: the same averages in fewer operations."""
+        routes = self.routes[row]
+        for avg, a in ((self.recent_use[row], self.fast), (self.freq[row], self.slow)):
+            avg *= 1 - a
+            avg[ids] += a
+        importance = self.importance[row]
+        importance[ids] += self.fast * (weights - importance[ids])
+        routes.clear()
+
     def on_predict(self, predictions) -> None:
         """{layer: scores [T, E]}: each token's scores as a distribution (as Eq. 36's softmax), the most any token
         gives an expert."""
         for layer, scores in predictions.items():
             p = scores / np.maximum(scores.sum(axis=1, keepdims=True), 1e-30)
             self.predicted[layer] = p.max(axis=0)
-            self.stale[self.row[layer]] = True
+            self.stale.add(self.row[layer])
 
     def terms(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`layer`'s p(e), f_recent and I [E] each, its routes absorbed."""
@@ -144,9 +157,9 @@ class CoMoEPolicy(ScoredPolicy):
 
     def fresh_scores(self) -> np.ndarray:
         """[L, E] every layer's Eq. 38 scores, those made stale since made again."""
-        for row in np.flatnonzero(self.stale):
+        for row in self.stale:
             self.scores[row] = self.layer_scores(self.ctx.layers[row])
-        self.stale[:] = False
+        self.stale.clear()
         return self.scores
 
     def priority(self, key: ExpertKey) -> float:
