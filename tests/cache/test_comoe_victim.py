@@ -97,23 +97,25 @@ def route_by_route(routes, experts, fast=1 / 8, slow=1 / 64):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 2**16)), min_size=1, max_size=300),
-       st.integers(1, 40))
-def test_routes_absorbed_at_once_are_the_averages_route_by_route(shapes, held):
-    """Routes of one to three tokens (an expert picked by several tokens gets the mean of their gates), absorbed in
-    batches of `held` or when asked."""
+@given(st.lists(st.tuples(st.sampled_from(LAYERS), st.integers(1, 3), st.integers(0, 2**16), st.booleans()),
+                min_size=1, max_size=300), st.integers(1, 40))
+def test_routes_absorbed_at_once_are_the_averages_route_by_route(events, held):
+    """Routes of one to three tokens (an expert picked by several tokens gets the mean of their gates) to three
+    layers, absorbed in batches of `held`, or when a victim is chosen (every layer's at once), or when asked."""
     p = CoMoEPolicy(CTX)
     p.held_routes = held
-    routes = []
-    for step, (tokens, draw) in enumerate(shapes):
+    routes = {layer: [] for layer in LAYERS}
+    for step, (layer, tokens, draw, evicting) in enumerate(events):
         rng = np.random.default_rng(draw)
         ids = np.stack([rng.choice(E, 2, replace=False) for _ in range(tokens)])  # [T, k]
-        routes.append(RouteResult(3, step, ids, rng.random(ids.shape).astype(np.float32),
-                                  np.zeros((tokens, E), np.float32), DECODE))
-        p.on_route(routes[-1])
-        assert len(p.routes[p.row[3]]) < held
-    want = route_by_route(routes, E)
-    got = p.terms(3)
-    for w, g in zip(want, got):
-        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
-    assert not p.routes[p.row[3]]
+        routes[layer].append(RouteResult(layer, step, ids, rng.random(ids.shape).astype(np.float32),
+                                         np.zeros((tokens, E), np.float32), DECODE))
+        p.on_route(routes[layer][-1])
+        assert len(p.routes[p.row[layer]]) < held
+        if evicting:
+            p.fresh_scores()
+            assert not any(p.routes)
+    for layer in LAYERS:
+        want = route_by_route(routes[layer], E)
+        for w, g in zip(want, p.terms(layer)):
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)

@@ -96,8 +96,8 @@ class CoMoEPolicy(ScoredPolicy):
         routes = self.routes[row]
         if not routes:
             return
-        if len(routes) == 1 and len(routes[0][0]) == self.ctx.top_k:  # one token's route (a decode step at batch 1)
-            self.absorb_one(row, *routes[0])
+        if self.one_token(row):
+            self.absorb_one_token(np.array([row]))
             return
         n, E = len(routes), self.ctx.num_experts
         ids = np.concatenate([ids for ids, _ in routes])
@@ -115,22 +115,30 @@ class CoMoEPolicy(ScoredPolicy):
             used * self.fast * (1 - self.fast) ** selected_after * mean_weight).sum(axis=0)
         routes.clear()
 
-    def absorb_one(self, row: int, ids: np.ndarray, weights: np.ndarray) -> None:
-        """`absorb` for one route of one token, whose k ids are distinct: the same averages in fewer operations."""
+    def one_token(self, row: int) -> bool:
+        """Whether row holds one route of one token (a decode step at batch 1: k distinct ids)."""
         routes = self.routes[row]
-        for avg, a in ((self.recent_use[row], self.fast), (self.freq[row], self.slow)):
-            avg *= 1 - a
-            avg[ids] += a
-        importance = self.importance[row]
-        importance[ids] += self.fast * (weights - importance[ids])
-        routes.clear()
+        return len(routes) == 1 and len(routes[0][0]) == self.ctx.top_k
+
+    def absorb_one_token(self, rows: np.ndarray) -> None:
+        """`absorb` for rows that each hold one_token's route, all at once: the same averages in a few operations."""
+        E, k = self.ctx.num_experts, self.ctx.top_k
+        flat = np.concatenate([self.routes[row][0][0] for row in rows]) + np.repeat(rows * E, k)  # [R·k] into [L·E]
+        weights = np.concatenate([self.routes[row][0][1] for row in rows])  # [R·k]
+        for avg, a in ((self.recent_use, self.fast), (self.freq, self.slow)):
+            avg[rows] *= 1 - a
+            avg.ravel()[flat] += a  # a row's k ids are distinct, so += adds once each
+        importance = self.importance.ravel()
+        importance[flat] += self.fast * (weights - importance[flat])
+        for row in rows:
+            self.routes[row].clear()
 
     def on_predict(self, predictions) -> None:
         """{layer: scores [T, E]}: each token's scores as a distribution (as Eq. 36's softmax), the most any token
         gives an expert."""
         for layer, scores in predictions.items():
             p = scores / np.maximum(scores.sum(axis=1, keepdims=True), 1e-30)
-            self.predicted[layer] = p.max(axis=0)
+            self.predicted[layer] = p.max(axis=0).astype(np.float64)  # as the averages: one dtype, the same floats
             self.stale.add(self.row[layer])
 
     def terms(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -142,24 +150,39 @@ class CoMoEPolicy(ScoredPolicy):
 
     def evict_score(self, key: ExpertKey) -> float:
         p, freq, importance = self.terms(key.layer)
-        f_mean, i_mean = max(self.eps, float(freq.mean())), max(self.eps, float(importance.mean()))
+        E = self.ctx.num_experts
+        f_mean, i_mean = max(float(freq.sum()) / E, self.eps), max(float(importance.sum()) / E, self.eps)
         rare = f_mean / (freq[key.expert] + f_mean)  # 1/f_recent, normalised (see above)
         minor = i_mean / (importance[key.expert] + i_mean)  # 1/I, normalised
         return (1 - self.delta) * (1 - p[key.expert]) + self.delta * (self.lam * rare + (1 - self.lam) * minor)
 
-    def layer_scores(self, layer: int) -> np.ndarray:
-        """evict_score of each of `layer`'s experts [E], the same operations on arrays (so the same floats)."""
-        p, freq, importance = self.terms(layer)
-        f_mean, i_mean = max(self.eps, float(freq.mean())), max(self.eps, float(importance.mean()))
+    def row_scores(self, rows: np.ndarray) -> np.ndarray:
+        """evict_score of each expert of each of rows' layers [R, E], their routes absorbed: the same operations on
+        arrays (so the same floats)."""
+        E = self.ctx.num_experts
+        p = self.recent_use[rows]  # [R, E]
+        if self.predicted:
+            for i, row in enumerate(rows):
+                p[i] = self.predicted.get(self.ctx.layers[row], p[i])
+        freq, importance = self.freq[rows], self.importance[rows]
+        f_mean = np.maximum(freq.sum(axis=1, keepdims=True) / E, self.eps)  # [R, 1] the mean, as evict_score's
+        i_mean = np.maximum(importance.sum(axis=1, keepdims=True) / E, self.eps)
         rare = f_mean / (freq + f_mean)
         minor = i_mean / (importance + i_mean)
         return (1 - self.delta) * (1 - p) + self.delta * (self.lam * rare + (1 - self.lam) * minor)
 
     def fresh_scores(self) -> np.ndarray:
-        """[L, E] every layer's Eq. 38 scores, those made stale since made again."""
-        for row in self.stale:
-            self.scores[row] = self.layer_scores(self.ctx.layers[row])
-        self.stale.clear()
+        """[L, E] every layer's Eq. 38 scores, those made stale since made again — together, so a token's layers
+        cost a few array operations, not a few each."""
+        if self.stale:
+            rows = np.fromiter(self.stale, np.int64, len(self.stale))
+            single = np.array([row for row in rows if self.one_token(row)], np.int64)
+            if len(single):
+                self.absorb_one_token(single)
+            for row in rows:
+                self.absorb(row)  # the rest
+            self.scores[rows] = self.row_scores(rows)
+            self.stale.clear()
         return self.scores
 
     def priority(self, key: ExpertKey) -> float:
