@@ -4,6 +4,7 @@ so a drift of the machine spreads over all of them. JSON and a plot.
 
     python bench/bench_policy.py                                   # demo-deep, demo-fine: 8%..50%, 3 rounds
     python bench/bench_policy.py --models /path/to/model.gguf --budgets 2GiB --rounds 2 --random-prompts
+    python bench/bench_policy.py --replot RUN1.json RUN2.json --out DIR   # their rows in one plot
 
 A trained model is prompted with real text (bench/prompts/mixed.txt: warm-up on the first line, measured on the
 rest); `--random-prompts` gives random ids, for random-weight models (their routing is near uniform whatever the
@@ -63,15 +64,25 @@ def plot(rows: list[dict], path: Path) -> None:
         width = 0.8 / len(policies)
         for j, policy in enumerate(policies):
             by = {r["budget"]: r for r in mine if r["policy"] == policy}
-            xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(budgets))]
-            ax.bar(xs, [by[b]["tpot_s"] * 1e3 for b in budgets], width, label=policy)
-            for x, b in zip(xs, budgets):
+            mine_b = [(i, b) for i, b in enumerate(budgets) if b in by]  # a policy not run at a budget: no bar
+            xs = [i + (j - (len(policies) - 1) / 2) * width for i, _ in mine_b]
+            ax.bar(xs, [by[b]["tpot_s"] * 1e3 for _, b in mine_b], width, label=policy)
+            for x, (_, b) in zip(xs, mine_b):
                 ax.text(x, by[b]["tpot_s"] * 1e3, f"{by[b]['hit_rate']:.0%}", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(budgets)), budgets)
         ax.set_title(Path(model).name, fontsize=9)
         ax.set_xlabel("expert budget (hit rate above each bar)")
         ax.set_ylabel("decode TPOT, ms (median of rounds)")
     save_panels(fig, "eviction policies in the engine, alternated round by round", path)
+
+
+def replotted(paths: list[Path]) -> list[dict]:
+    """The rows of earlier runs, a (model, budget, policy) measured again keeping its later run's row."""
+    rows = {}
+    for path in paths:
+        for r in json.loads(path.read_text())["rows"]:
+            rows[r["model"], r["budget"], r["policy"]] = r
+    return list(rows.values())
 
 
 def main() -> None:
@@ -86,9 +97,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--random-prompts", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT / "policy")
+    ap.add_argument("--replot", nargs="+", type=Path, metavar="JSON",
+                    help="plot the rows of these earlier runs' JSON together into OUT/bench_policy.png; run nothing")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.replot:
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(replotted(args.replot), args.out / "bench_policy.png")
+        print(f"wrote {args.out / 'bench_policy.png'}")
         return
     from tqdm import tqdm
 

@@ -44,7 +44,7 @@ def thrash_note(slots: int, per_token: int, hit_rate: float | None) -> str | Non
         return None
     return (f"the cache holds {slots} experts and each token needs {per_token} (its layers' top-k): every expert is "
             f"evicted before its layer comes round again; a budget above one token's experts, or a policy that keeps "
-            f"some (lfu, static-hot), hits")
+            f"some (comoe, the default; lfu, static-hot), hits")
 
 
 def flop_rate(flops: float) -> str:

@@ -284,7 +284,7 @@ def test_the_simulator_keeps_the_host_tier_the_engine_keeps(store, cuda_stand_in
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (6, 11, 8)]
     keys, native = store.spec.expert_keys(), store.manifest.native_precision
     tier = HostTier(store.manifest, keys, {native: slots}, FakePinning())
-    with Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("25%")), progress=False,
+    with Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("25%"), policy="lru"), progress=False,
                 host_tier=tier) as engine, TraceRecorder(engine) as recorder:
         for p in prompts:
             engine.generate([p], max_new_tokens=10, ignore_eos=True)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moetier import Engine
+from moetier.cache.policies import DEFAULT_POLICY
 from moetier.cli import main
 from moetier.config import MemoryBudget
 from moetier.engine.engine import EngineConfig
@@ -125,7 +126,7 @@ def test_hobbit_coop_computes_low_precision_misses_from_the_hosts_low_copies(tin
     entry_bytes = {p: layout.blob_bytes for p, layout in store.manifest.precisions.items()}
     slots = engine.executor.residency.capacity_bytes // entry_bytes["bf16"]
     ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
-    sim = simulate(trace, trace_policy("lru", ctx, trace), slots, FreeCost(entry_bytes, "bf16"), "bf16",
+    sim = simulate(trace, trace_policy(DEFAULT_POLICY, ctx, trace), slots, FreeCost(entry_bytes, "bf16"), "bf16",
                    mixed=mixed, placement="hobbit-coop", keep_plans=True)
 
     def outcomes(plans):

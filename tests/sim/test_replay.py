@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from moetier import Engine
-from moetier.cache.policies import POLICIES, PolicyContext
+from moetier.cache.policies import DEFAULT_POLICY, POLICIES, PolicyContext
 from moetier.config import MemoryBudget
 from moetier.engine.engine import EngineConfig
 from moetier.sim.replay import PlanLog, replay, trace_policy
@@ -132,13 +132,13 @@ def test_engine_and_replay_agree_in_every_precision_mode(tiny_store, tmp_path, m
 
     ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
     entry_bytes = {p: layout.blob_bytes for p, layout in store.manifest.precisions.items()}
-    result = replay(trace, trace_policy("lru", ctx, trace), slots, precision=store.manifest.native_precision,
+    result = replay(trace, trace_policy(DEFAULT_POLICY, ctx, trace), slots, precision=store.manifest.native_precision,
                     keep_plans=True, mixed=mixed, entry_bytes=entry_bytes)
     assert outcomes(result.plans) == outcomes(plans)
     loads = [ld.precision for p in plans for ld in p.loads]
     assert loads and (mode != "hobbit" or {"bf16", "int4"} <= set(loads))
     if mode == "hobbit":  # the mode as given, with the paper's thresholds, would plan otherwise
-        afresh = replay(trace, trace_policy("lru", ctx, trace), slots, precision=store.manifest.native_precision,
+        afresh = replay(trace, trace_policy(DEFAULT_POLICY, ctx, trace), slots, precision=store.manifest.native_precision,
                         keep_plans=True, mixed=given, entry_bytes=entry_bytes)
         assert outcomes(afresh.plans) != outcomes(plans)
 
@@ -278,7 +278,7 @@ def test_similar_expert_substitution_from_the_trained_file_agrees_with_the_simul
                 for p in plans]
 
     ctx = PolicyContext(slots, store.spec.moe_layers, store.spec.num_experts, store.spec.top_k)
-    result = replay(trace, trace_policy("lru", ctx, trace), slots, precision=store.manifest.native_precision,
+    result = replay(trace, trace_policy(DEFAULT_POLICY, ctx, trace), slots, precision=store.manifest.native_precision,
                     keep_plans=True, substitution=SimilarSubstitution(min_similarity=0.0, similarity=similarity))
     assert outcomes(result.plans) == outcomes(plans)
     assert result.counts.phases[1].substituted > 0 and result.counts.phases[0].substituted == 0
