@@ -54,7 +54,8 @@ def modes() -> dict[str, dict]:
     from moetier.plan.substitute import Substitution
 
     return {
-        "lru": {},
+        "lru": {},  # every mode but comoe evicts by LRU (POLICY), as the first GPU runs did, whatever the default
+        "comoe": {"policy": "comoe"},  # the default since 2026-11-29 (docs/cache-policies.md)
         "hobbit": {"precision": MixedPrecision("hobbit")},
         "prefetch-hobbit": {"prefetch": "hobbit", "predictor": "stacked-gates"},
         "prefetch-hobbit-fifo": {"prefetch": "hobbit", "predictor": "stacked-gates"},  # (MODE_COPY_ORDERS)
@@ -66,6 +67,8 @@ def modes() -> dict[str, dict]:
         "torch-kernels": {"kernels": "torch"},  # the experts through torch's ops, not Triton's (--kernel-budgets)
     }
 
+
+POLICY = "lru"  # what a mode evicts by unless it says
 
 MODE_COPY_ORDERS = {"prefetch-hobbit-fifo": "fifo"}  # modes that queue the host tier's copies otherwise than
 # demand-first: every prefetch copy on the stream when asked for, ahead of later on-demand ones
@@ -183,6 +186,7 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
     config = modes()[mode]
     if device.startswith("cuda") and tier is None:
         config = {**config, "host_memory": HostMemory(None)}
+    config = {"policy": POLICY, **config}
     engine = Engine(s, EngineConfig(expert_memory=MemoryBudget.parse(budget), device=device, **config),
                     predictor=oracle, progress=False, host_tier=tier,
                     copy_order=MODE_COPY_ORDERS.get(mode, "demand-first"))
@@ -202,7 +206,8 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
                                  "decode_hit_rate", "expert_bytes_per_token", "expert_cache_bytes", "expert_slots",
                                  "prefetches")}
     mixed = engine.executor.mixed  # (the precision mode as the engine resolved it: what sim_check.py replays)
-    row.update(precision=dataclasses.asdict(mixed) if mixed.mixed else None, copies=copy_counts(copies, before, mode))
+    row.update(precision=dataclasses.asdict(mixed) if mixed.mixed else None, copies=copy_counts(copies, before, mode),
+               policy=engine.config.policy)
     row.update(setup_s=setup_s, gpu_peak_bytes=gpu_peak(device), host_tier=stats.get("host_tier"),
                host_runs=stats["decode"].get("host_runs"), substituted=stats["decode"].get("substituted"))
     del engine

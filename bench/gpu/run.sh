@@ -125,7 +125,7 @@ tests() {
 export -f tests
 stage tests 150 tests
 if [ -n "$PREPARE" ]; then log "waiting for the synthetic OLMoE"; wait $PREPARE; tail -n 3 "$WORK/prepare.log" | sed 's/^/    /'; fi
-MODES=${GPU_MODES:-hobbit,prefetch-hobbit,prefetch-hobbit-fifo,prefetch-presched,prefetch-oracle,substitute,cpu-assist,cpu-offload}
+MODES=${GPU_MODES:-comoe,hobbit,prefetch-hobbit,prefetch-hobbit-fifo,prefetch-presched,prefetch-oracle,substitute,cpu-assist,cpu-offload}
 stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --models demo-fine-xl \
     --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25% --modes "$MODES" --disk-budgets 25% \
     --tokens 24 --warmup 8 --rounds ${GPU_ROUNDS:-2}

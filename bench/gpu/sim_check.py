@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "gpu"))
 
-MODES = {"lru": "none", "hobbit": "precision:hobbit", "prefetch-hobbit": "hobbit:stacked-gates",
+MODES = {"lru": "none", "comoe": "none", "hobbit": "precision:hobbit", "prefetch-hobbit": "hobbit:stacked-gates",
          "prefetch-presched": "presched:stacked-gates", "prefetch-oracle": "hobbit:oracle",
          "substitute": "substitute:0.35", "cpu-assist": "placement:greedy", "cpu-offload": "placement:cpu-offload"}
 
@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     import dataclasses
 
-    from bench_gpu import PRELOADED, store_of
+    from bench_gpu import POLICY, PRELOADED, modes, store_of
     from bench_sim_validation import replay
 
     from moetier.paths import default_cache_dir
@@ -93,7 +93,7 @@ def main() -> None:
         if r["mode"] not in MODES or r["batch"] != 1 or r.get("tier") != "host":
             skipped.append(f"{r['mode']} {r.get('tier')} {r['budget']} b{r['batch']}")
             continue
-        cfg = {"model": str(store.path), "policy": "lru", "prefetch": MODES[r["mode"]]}
+        cfg = {"model": str(store.path), "policy": modes()[r["mode"]].get("policy", POLICY), "prefetch": MODES[r["mode"]]}
         preload = r["budget"] == "100%" or r["mode"] in PRELOADED
         sim = replay(trace, profile, cfg, r["expert_slots"], store.native_layout.blob_bytes, 2, preload,
                      entry_bytes, (r.get("precision") or hobbit) if r["mode"] == "hobbit" else None)

@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "bench_gpu.py"
 def test_every_row_kind_measures_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), "--models", "small-synth",
                         "--device", "cpu", "--cache", str(tmp_path / "cache"), "--budgets", "50%,100%",
-                        "--batch", "1", "--modes", "prefetch-oracle,cpu-offload,hobbit,prefetch-hobbit-fifo",
+                        "--batch", "1", "--modes", "prefetch-oracle,cpu-offload,hobbit,prefetch-hobbit-fifo,comoe",
                         "--mode-budget", "50%",
                         "--kernel-budgets", "100%", "--disk-budgets=", "--tokens", "3", "--warmup", "2",
                         "--no-process-warmup"], capture_output=True, text=True, timeout=600)
@@ -23,7 +23,9 @@ def test_every_row_kind_measures_on_the_cpu(tmp_path):
     assert not [row for row in rows if "error" in row], rows
     got = {(row["mode"], row["budget"]) for row in rows}
     assert got == {("lru", "50%"), ("lru", "100%"), ("prefetch-oracle", "50%"), ("cpu-offload", "50%"),
-                   ("hobbit", "50%"), ("prefetch-hobbit-fifo", "50%"), ("torch-kernels", "100%")}
+                   ("hobbit", "50%"), ("prefetch-hobbit-fifo", "50%"), ("torch-kernels", "100%"), ("comoe", "50%")}
+    # every mode evicts by LRU as the first GPU runs did, but the default policy's own row
+    assert {row["mode"] for row in rows if row["policy"] != "lru"} == {"comoe"}
     # (HOBBIT's low copies added to the store; the mode as the engine resolved it, for sim_check.py)
     assert [row["precision"]["cached"] for row in rows if row["mode"] == "hobbit"] == ["by-gate"]
     assert all(row["tpot_s"] > 0 for row in rows)
