@@ -98,12 +98,13 @@ def route_by_route(routes, experts, fast=1 / 8, slow=1 / 64):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(LAYERS), st.integers(1, 3), st.integers(0, 2**16), st.booleans()),
-                min_size=1, max_size=300), st.integers(1, 40))
-def test_routes_absorbed_at_once_are_the_averages_route_by_route(events, held):
+                min_size=1, max_size=300), st.integers(1, 40), st.integers(2, 60))
+def test_routes_absorbed_at_once_are_the_averages_route_by_route(events, held, held_ids):
     """Routes of one to three tokens (an expert picked by several tokens gets the mean of their gates) to three
-    layers, absorbed in batches of `held`, or when a victim is chosen (every layer's at once), or when asked."""
+    layers, absorbed in batches of `held` routes or `held_ids` ids, or when a victim is chosen (every layer's at
+    once), or when asked."""
     p = CoMoEPolicy(CTX)
-    p.held_routes = held
+    p.held_routes, p.held_ids = held, held_ids
     routes = {layer: [] for layer in LAYERS}
     for step, (layer, tokens, draw, evicting) in enumerate(events):
         rng = np.random.default_rng(draw)
@@ -111,7 +112,8 @@ def test_routes_absorbed_at_once_are_the_averages_route_by_route(events, held):
         routes[layer].append(RouteResult(layer, step, ids, rng.random(ids.shape).astype(np.float32),
                                          np.zeros((tokens, E), np.float32), DECODE))
         p.on_route(routes[layer][-1])
-        assert len(p.routes[p.row[layer]]) < held
+        row = p.row[layer]
+        assert len(p.routes[row]) < held and p.ids_held[row] == sum(len(ids) for ids, _ in p.routes[row]) < held_ids
         if evicting:
             p.fresh_scores()
             assert not any(p.routes)

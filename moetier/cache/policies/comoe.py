@@ -38,7 +38,9 @@ from moetier.cache.policies.scored import ScoredPolicy
 
 class CoMoEPolicy(ScoredPolicy):
     name = "comoe"
-    held_routes = 256  # a layer's routes kept unabsorbed at most: memory stays bounded where nothing is evicted
+    # a layer's routes kept unabsorbed at most, and their ids: memory stays bounded (~48 KiB a layer) where nothing
+    # is evicted, a long prompt's routes absorbed at once
+    held_routes, held_ids = 256, 4096
 
     def __init__(self, ctx: PolicyContext, delta: float = 0.5, lam: float = 0.5, fast: float = 1 / 8,
                  slow: float = 1 / 64, eps: float = 1e-3) -> None:
@@ -50,6 +52,7 @@ class CoMoEPolicy(ScoredPolicy):
         self.row = {layer: i for i, layer in enumerate(ctx.layers)}
         self.recent_use, self.freq, self.importance = np.zeros(shape), np.zeros(shape), np.zeros(shape)
         self.routes: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in ctx.layers]  # not yet absorbed
+        self.ids_held = [0] * len(ctx.layers)  # their ids, a row's
         self.predicted: dict[int, np.ndarray] = {}  # layer -> p(e) [E], the latest prediction for it
         # every (layer, expert) in execution order, for `victim`
         self.keys = [ExpertKey(layer, e) for layer in ctx.layers for e in range(ctx.num_experts)]
@@ -86,7 +89,8 @@ class CoMoEPolicy(ScoredPolicy):
         routes = self.routes[row]
         routes.append((route.topk_ids.reshape(-1).copy(), route.topk_weights.reshape(-1).copy()))  # [T·k] each
         self.stale.add(row)
-        if len(routes) >= self.held_routes:
+        self.ids_held[row] += route.topk_ids.size
+        if len(routes) >= self.held_routes or self.ids_held[row] >= self.held_ids:
             self.absorb(row)
 
     def absorb(self, row: int) -> None:
@@ -114,6 +118,7 @@ class CoMoEPolicy(ScoredPolicy):
         self.importance[row] = kept * self.importance[row] + (
             used * self.fast * (1 - self.fast) ** selected_after * mean_weight).sum(axis=0)
         routes.clear()
+        self.ids_held[row] = 0
 
     def one_token(self, row: int) -> bool:
         """Whether row holds one route of one token (a decode step at batch 1: k distinct ids)."""
@@ -132,6 +137,7 @@ class CoMoEPolicy(ScoredPolicy):
         importance[flat] += self.fast * (weights - importance[flat])
         for row in rows:
             self.routes[row].clear()
+            self.ids_held[row] = 0
 
     def on_predict(self, predictions) -> None:
         """{layer: scores [T, E]}: each token's scores as a distribution (as Eq. 36's softmax), the most any token
