@@ -32,3 +32,29 @@ def test_the_evictable_count_is_the_entries_neither_read_pinned_nor_kept(sequenc
         elif op == "keep" and key in r.entries and not r.entries[key].loading:
             r.keep([key])
         assert r.evictable == sum(not e.held for e in r.entries.values())
+
+
+def test_a_per_layer_split_deals_out_every_whole_entry():
+    """Ten entries over four layers are 3, 3, 2, 2 — the first layers in execution order taking the one more (a
+    share of the bytes floored to whole entries gave 2 each, leaving 2 of the 10 unused); each layer fills its own
+    part, evicting only its own; a resize deals them out again."""
+    layers = (2, 0, 1, 3)  # execution order
+    r = Residency(10 * 100, {"bf16": 100}, LRUPolicy(), layers=layers)
+    assert [r.part_capacity(layer) for layer in layers] == [300, 300, 200, 200]
+    for layer in layers:
+        for e in range(4):
+            r.admit(ExpertKey(layer, e), "bf16")
+            r.landed(ExpertKey(layer, e))
+            r.unpin(ExpertKey(layer, e), IN_USE)
+    assert r.used_bytes == 1000
+    assert [sum(k.layer == layer for k in r.entries) for layer in layers] == [3, 3, 2, 2]
+    evicted = r.resize(7 * 100)
+    assert [r.part_capacity(layer) for layer in layers] == [200, 200, 200, 100]
+    assert sorted(k.layer for k in evicted) == [0, 2, 3]
+
+
+def test_a_per_layer_split_leaves_less_than_an_entry_to_the_smaller_precisions():
+    """With two precisions the largest entry is the unit dealt out; the bytes below one split evenly."""
+    r = Residency(5 * 100 + 80, {"bf16": 100, "int4": 25}, LRUPolicy(), layers=(0, 1))
+    assert [r.part_capacity(layer) for layer in (0, 1)] == [340, 240]
+    assert sum(r.part_capacity(layer) for layer in (0, 1)) == r.capacity_bytes
