@@ -182,14 +182,15 @@ def llama_batched_run(llama, gguf: Path, sequences: int, tokens: int, threads: i
 
 
 def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens: int, timeout: float,
-                kernels: str = "auto", prompt: int = 0, repetitions: int = 3, batch: int = 1) -> dict:
+                kernels: str = "auto", prompt: int = 0, repetitions: int = 3, batch: int = 1,
+                policy: str | None = None) -> dict:
     """moetier_run.py in its own process (and cgroup, under a cap): decode tok/s (of `batch` sequences decoded
     together: over all of them), or with `prompt` prompt tokens/s of `repetitions` prefills of that length after a
     warm-up one."""
     _, precision, dense = mode
     cfg = dict(store=str(store), budget="100%" if cap is None else "auto", preload=cap is None, precision=precision,
                dense_precision=dense, tokens=tokens, warmup_tokens=tokens, prompt_len=16, kernels=kernels,
-               prompt_tokens=prompt, repetitions=repetitions, batch=batch)
+               prompt_tokens=prompt, repetitions=repetitions, batch=batch, policy=policy)
     env = dict(os.environ, OMP_NUM_THREADS=str(2))
     proc, peak = run_caged([sys.executable, str(HERE / "moetier_run.py"), json.dumps(cfg)], cap, "moetier-peer",
                            timeout, env)
@@ -200,7 +201,7 @@ def moetier_run(store: Path, mode: tuple[str, str, str], cap: int | None, tokens
 
 
 def user_run(store: Path, mode: tuple[str, str, str], tokens: int, timeout: float, kernels: str = "auto",
-             prompt_file: Path | None = None) -> dict:
+             prompt_file: Path | None = None, policy: str | None = None) -> dict:
     """The mode as a user runs it resident: `moetier generate --expert-memory 100% --preload` (without --preload a
     resident run reads every expert from disk during its first tokens: 0.87x of the harness's figure, seen on a
     Zen 5), greedy, the decode speed from its statistics; with `prompt_file`, that prompt and one token: its prompt
@@ -210,7 +211,7 @@ def user_run(store: Path, mode: tuple[str, str, str], tokens: int, timeout: floa
         "--prompt", "The", "--max-tokens", str(tokens + 1)]
     argv = ["moetier", "generate", "--model", str(store), "--expert-memory", "100%", "--preload", "--precision",
             precision, "--dense-precision", dense, *prompt, "--ignore-eos", "--temperature", "0", "--kernels",
-            kernels, "--json"]
+            kernels, "--json", *(["--policy", policy] if policy else [])]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS=str(2)))
     if proc.returncode != 0:
@@ -457,6 +458,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repetitions", type=int, default=3, help="llama-bench's -r: every one kept, the first "
                                                                    "(warming a mapped file) left out of the median")
+    ap.add_argument("--policy", help="moetier's eviction policy (`moetier generate --policy`; default: moetier's)")
     ap.add_argument("--kernels", default="auto", help="moetier's kernel path (`moetier generate --kernels`): avx2 "
                                                      "measures the AVX2 path on a CPU that has more, beside "
                                                      "llama.cpp's AVX2 build (built once)")
@@ -470,6 +472,14 @@ def main() -> None:
                     help="only plot each round's ratio (the engines back to back) of compare.json files, a run each, "
                          "into --out (pairs.png, pairs.md)")
     args = ap.parse_args()
+    if args.policy:
+        from moetier.cache.policies import check_policy
+        from moetier.errors import MoetierError
+
+        try:
+            check_policy(args.policy, live=True)
+        except MoetierError as e:  # (one line, before anything runs)
+            sys.exit(f"compare.py: error: {e}")
     if args.pairs:
         done = {path.parent.name: json.loads(path.read_text()) for path in args.pairs}
         meta = next(iter(done.values()))["meta"]
@@ -565,10 +575,10 @@ def main() -> None:
                                   args.timeout, args.repetitions, prompt)
                 elif engine.endswith(USER):
                     run = partial(user_run, model, mode, tokens, args.timeout, args.kernels,
-                                  prompt_file if prompt else None)
+                                  prompt_file if prompt else None, args.policy)
                 else:
                     run = partial(moetier_run, model, mode, row["cap_bytes"], tokens, args.timeout, args.kernels,
-                                  prompt, args.repetitions, row.get("batch", 1))
+                                  prompt, args.repetitions, row.get("batch", 1), args.policy)
                 # each attempt from a cold page cache (a rerun found the first attempt's pages) — resident runs too:
                 # a file's pages left cached by the run before took the memory a resident engine then loads into
                 # (the 12 GB gpt-oss file on a 23 GB host: moetier 8.5 tok/s beside the cached file, 11.2 without,
@@ -597,7 +607,7 @@ def main() -> None:
     (args.out / "compare.md").write_text(markdown(summary) + "\n")
     meta = dict(cpu=cpu_description(), llama_cpp=llama.version(), threads=args.threads, tokens=args.tokens,
                 cap_tokens=args.cap_tokens, prompt_tokens=args.prompt_tokens, batches=list(batches), rounds=args.rounds, repetitions=args.repetitions,
-                load_threshold_cores=THRESHOLD_CORES, kernels=args.kernels, llama_cpp_build=llama.isa,
+                load_threshold_cores=THRESHOLD_CORES, kernels=args.kernels, policy=args.policy, llama_cpp_build=llama.isa,
                 date=time.strftime("%Y-%m-%d"))
     (args.out / "compare.json").write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1))
     plot(summary, args.out / "compare.png",

@@ -35,13 +35,14 @@ def huge_page_share() -> float | None:
 
 def run(cfg: dict) -> dict:
     from moetier import Engine
+    from moetier.cache.policies import DEFAULT_POLICY
     from moetier.plan.precision import MixedPrecision
 
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(cfg["store"], expert_memory=cfg["budget"], progress=False,
                                     precision=MixedPrecision(cfg.get("precision", "native")),
                                     dense_precision=cfg.get("dense_precision", "native"),
-                                    kernels=cfg.get("kernels", "auto"))
+                                    kernels=cfg.get("kernels", "auto"), policy=cfg.get("policy") or DEFAULT_POLICY)
     load_s = time.perf_counter() - t0
     if cfg.get("preload"):
         engine.preload()
