@@ -20,23 +20,21 @@ hit), in closed form over those routes — an average after n more routes is (1 
 use weighted by (1 − a) to the routes after it — where each route cost a dozen array operations (34 µs on a Zen 4,
 ~1 ms a token of a 32-layer model even with every expert resident). Each layer's scores are kept as an array,
 made again when what they depend on has changed (its routing, a prediction for it, a new sequence), so choosing a
-victim sorts the residents' scores in NumPy instead of scoring each resident in Python: the same victim as
-ScoredPolicy's scan (highest score, then least recently used, then key order), at a cost that stays small beside a
-load (tests/cache/test_comoe_victim.py holds the two to the same choices, and the folded averages to the
-route-by-route ones)."""
+victim sorts the residents' scores in NumPy (ArrayScoredPolicy) instead of scoring each resident in Python: the
+same victim as ScoredPolicy's scan (highest score, then least recently used, then key order), at a cost that stays
+small beside a load (tests/cache/test_comoe_victim.py holds the two to the same choices, and the folded averages to
+the route-by-route ones)."""
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 import numpy as np
 
-from moetier.cache.keys import ExpertKey, Precision
+from moetier.cache.keys import ExpertKey
+from moetier.cache.policies.arrayed import ArrayScoredPolicy
 from moetier.cache.policies.context import PolicyContext
-from moetier.cache.policies.scored import ScoredPolicy
 
 
-class CoMoEPolicy(ScoredPolicy):
+class CoMoEPolicy(ArrayScoredPolicy):
     name = "comoe"
     # a layer's routes kept unabsorbed at most, and their ids: memory stays bounded (~48 KiB a layer) where nothing
     # is evicted, a long prompt's routes absorbed at once
@@ -49,19 +47,12 @@ class CoMoEPolicy(ScoredPolicy):
             raise ValueError(f"delta and lam must be within [0, 1] (got {delta}, {lam})")
         self.delta, self.lam, self.fast, self.slow, self.eps = delta, lam, fast, slow, eps
         shape = (len(ctx.layers), ctx.num_experts)  # [L, E], rows in execution order
-        self.row = {layer: i for i, layer in enumerate(ctx.layers)}
         self.recent_use, self.freq, self.importance = np.zeros(shape), np.zeros(shape), np.zeros(shape)
         self.routes: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in ctx.layers]  # not yet absorbed
         self.ids_held = [0] * len(ctx.layers)  # their ids, a row's
         self.predicted: dict[int, np.ndarray] = {}  # layer -> p(e) [E], the latest prediction for it
-        # every (layer, expert) in execution order, for `victim`
-        self.keys = [ExpertKey(layer, e) for layer in ctx.layers for e in range(ctx.num_experts)]
-        by_key = {key: i for i, key in enumerate(sorted(self.keys))}
-        self.key_rank = np.array([by_key[key] for key in self.keys])  # [L·E] ties' last word: key order
         self.scores = np.zeros(shape)  # [L, E] Eq. 38's, but in the rows of `stale`
         self.stale = set(range(len(ctx.layers)))  # rows whose scores must be made again
-        self.used_at = np.zeros(shape, dtype=np.int64)  # [L, E] last_use as an array
-        self.held = np.zeros(shape, dtype=bool)  # [L, E] resident
 
     @property
     def next_use_source(self) -> str:
@@ -70,18 +61,6 @@ class CoMoEPolicy(ScoredPolicy):
     def on_sequence_start(self) -> None:
         self.predicted.clear()
         self.stale.update(range(len(self.ctx.layers)))
-
-    def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
-        super().on_access(key, precision, step)
-        self.used_at[self.row[key.layer], key.expert] = self.clock
-
-    def on_insert(self, key: ExpertKey) -> None:
-        super().on_insert(key)
-        self.held[self.row[key.layer], key.expert] = True
-
-    def on_evict(self, key: ExpertKey) -> None:
-        super().on_evict(key)
-        self.held[self.row[key.layer], key.expert] = False
 
     def on_route(self, route) -> None:
         super().on_route(route)
@@ -194,11 +173,5 @@ class CoMoEPolicy(ScoredPolicy):
     def priority(self, key: ExpertKey) -> float:
         return -self.evict_score(key)
 
-    def victim(self, candidates: Container[ExpertKey]) -> ExpertKey:
-        scores = self.fresh_scores()
-        held = np.flatnonzero(self.held)  # [R] the residents, as positions in self.keys
-        order = np.lexsort((self.key_rank[held], self.used_at.ravel()[held], -scores.ravel()[held]))
-        for i in held[order]:
-            if self.keys[i] in candidates:
-                return self.keys[i]
-        raise LookupError("no evictable expert")
+    def priorities(self) -> np.ndarray:
+        return -self.fresh_scores()

@@ -12,15 +12,18 @@ Where we read the paper: a token is a token of the sequence (a prompt's tokens a
 tokens T = P); a use is a layer step that computes the expert (a prefill uses each needed expert once); layers
 are numbered by their place among the MoE layers (l_n of them: dense layers hold no experts); l_i is the layer
 of the expert the cache is making room for (a prefetch's is a later layer), or the layer being computed before
-any insertion. Ties go to the least recently used."""
+any insertion. Ties go to the least recently used. R_t, F_t and H_t are arrays over every (layer, expert)
+(ArrayScoredPolicy): a victim is a sort of the residents, not a scan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from moetier.cache.keys import ExpertKey, Precision
+from moetier.cache.policies.arrayed import ArrayScoredPolicy
 from moetier.cache.policies.context import PolicyContext
-from moetier.cache.policies.scored import ScoredPolicy
 from moetier.errors import MoetierError
 
 
@@ -36,7 +39,7 @@ class HobbitWeights:
             raise MoetierError(f"HOBBIT weights must be non-negative and not all zero: {self}")
 
 
-class HobbitPolicy(ScoredPolicy):
+class HobbitPolicy(ArrayScoredPolicy):
     name = "hobbit"
 
     def __init__(self, ctx: PolicyContext, weights: HobbitWeights) -> None:
@@ -44,16 +47,16 @@ class HobbitPolicy(ScoredPolicy):
         self.weights = weights
         self.tokens = 0  # T: tokens of the current sequence so far, the current step's included
         self.counted_step: int | None = None  # the step whose tokens `tokens` holds last
-        self.last_token: dict[ExpertKey, int] = {}  # R_t
-        self.uses: dict[ExpertKey, int] = {}  # F_t
-        self.high_uses: dict[ExpertKey, int] = {}  # H_t
+        self.last_token = np.zeros(self.held.shape, dtype=np.int64)  # [L, E] R_t
+        self.uses = np.zeros(self.held.shape, dtype=np.int64)  # [L, E] F_t
+        self.high_uses = np.zeros(self.held.shape, dtype=np.int64)  # [L, E] H_t
         self.inserting = ctx.layers[0]  # l_i
+        self.rows = np.arange(len(ctx.layers))  # [L]
 
     def on_sequence_start(self) -> None:
         self.tokens, self.counted_step = 0, None
-        self.last_token.clear()
-        self.uses.clear()
-        self.high_uses.clear()
+        for counts in (self.last_token, self.uses, self.high_uses):
+            counts[:] = 0
 
     def on_route(self, route) -> None:
         super().on_route(route)
@@ -67,13 +70,22 @@ class HobbitPolicy(ScoredPolicy):
 
     def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
         super().on_access(key, precision, step)
-        self.last_token[key] = self.tokens
-        self.uses[key] = self.uses.get(key, 0) + 1
+        at = self.row[key.layer], key.expert
+        self.last_token[at] = self.tokens
+        self.uses[at] += 1
         if self.ctx.is_high(precision):
-            self.high_uses[key] = self.high_uses.get(key, 0) + 1
+            self.high_uses[at] += 1
 
     def priority(self, key: ExpertKey) -> float:
         w, t, n = self.weights, max(1, self.tokens), self.ctx.num_layers
         distance = (self.position[key.layer] - self.position[self.inserting] + n) % n
-        return (w.lru * self.last_token.get(key, 0) / t + w.lfu * self.uses.get(key, 0) / t
-                + w.lhu * self.high_uses.get(key, 0) / t + w.fld * (1 - distance / n))
+        at = self.row[key.layer], key.expert
+        return (w.lru * int(self.last_token[at]) / t + w.lfu * int(self.uses[at]) / t
+                + w.lhu * int(self.high_uses[at]) / t + w.fld * (1 - distance / n))
+
+    def priorities(self) -> np.ndarray:
+        """[L, E] `priority`'s, the same operations in the same order."""
+        w, t, n = self.weights, max(1, self.tokens), self.ctx.num_layers
+        distance = (self.rows - self.position[self.inserting] + n) % n  # [L]
+        return (w.lru * self.last_token / t + w.lfu * self.uses / t + w.lhu * self.high_uses / t
+                + (w.fld * (1 - distance / n))[:, None])

@@ -5,18 +5,19 @@ keeps rating highly stays even when it narrowly misses the top-k (and stays at h
 As the paper defines it: S_{i,j} is expert i's score at the j-th token generation during decoding, so the window
 is per token (a batch step of B tokens enters B rows) and a prompt's prefill does not enter it. Before the first
 decode token every score is 0 and ties go to the least recently used. Each layer keeps its own window (its experts'
-scores). (Replaying a trace without full scores gives top-k weights with zeros elsewhere; `cache-bench` says so.)"""
+scores). (Replaying a trace without full scores gives top-k weights with zeros elsewhere; `cache-bench` says so.)
+The windows' sums are rows of one array (ArrayScoredPolicy): a victim is a sort of the residents, not a scan."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from moetier.cache.keys import ExpertKey
+from moetier.cache.policies.arrayed import ArrayScoredPolicy
 from moetier.cache.policies.context import PolicyContext
-from moetier.cache.policies.scored import ScoredPolicy
 
 
-class SMoEScorePolicy(ScoredPolicy):
+class SMoEScorePolicy(ArrayScoredPolicy):
     name = "smoe-score"
 
     def __init__(self, ctx: PolicyContext, window: int = 16) -> None:
@@ -25,14 +26,15 @@ class SMoEScorePolicy(ScoredPolicy):
             raise ValueError(f"window must be at least 1 token, not {window}")
         self.window = window
         self._ring = {layer: np.zeros((window, ctx.num_experts)) for layer in ctx.layers}  # [n, E] per layer
-        self._sum = {layer: np.zeros(ctx.num_experts) for layer in ctx.layers}  # [E] sum over the ring
-        self._filled = dict.fromkeys(ctx.layers, 0)  # tokens entered so far
+        self.sums = np.zeros(self.held.shape)  # [L, E] each layer's sum over its ring
+        self._sum = {layer: self.sums[self.row[layer]] for layer in ctx.layers}  # [E] each, views of its row
+        self.filled = np.zeros(len(ctx.layers), dtype=np.int64)  # [L] tokens entered so far
 
     def on_sequence_start(self) -> None:
         for layer in self.ctx.layers:  # Eq. 3's j counts a sequence's generations
             self._ring[layer][:] = 0
             self._sum[layer][:] = 0
-            self._filled[layer] = 0
+        self.filled[:] = 0
 
     def on_route(self, route) -> None:
         super().on_route(route)
@@ -40,11 +42,15 @@ class SMoEScorePolicy(ScoredPolicy):
             return
         ring, layer = self._ring[route.layer], route.layer
         for token_scores in route.scores[-self.window:]:  # [E] each; a decode step holds a few tokens
-            row = self._filled[layer] % self.window
+            row = self.filled[self.row[layer]] % self.window
             self._sum[layer] += token_scores - ring[row]
             ring[row] = token_scores
-            self._filled[layer] += 1
+            self.filled[self.row[layer]] += 1
 
     def priority(self, key: ExpertKey) -> float:
-        n = min(self._filled[key.layer], self.window)
+        n = min(int(self.filled[self.row[key.layer]]), self.window)
         return float(self._sum[key.layer][key.expert]) / n if n else 0.0
+
+    def priorities(self) -> np.ndarray:
+        n = np.minimum(self.filled, self.window)[:, None]  # [L, 1]
+        return np.where(n > 0, self.sums / np.maximum(n, 1), 0.0)  # [L, E]

@@ -1,0 +1,101 @@
+"""Every ArrayScoredPolicy's victim, sorted from its arrays, is the victim ScoredPolicy's scan of every resident
+names: lowest priority, then least recently used, then key order — on random event sequences (the arrays equal to
+`priority`, float for float), and over a whole replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from moetier.cache.keys import ExpertKey
+from moetier.cache.policies.arrayed import ArrayScoredPolicy
+from moetier.cache.policies.comoe import CoMoEPolicy
+from moetier.cache.policies.context import PolicyContext
+from moetier.cache.policies.fld import FLDPolicy
+from moetier.cache.policies.hobbit import HobbitPolicy, HobbitWeights
+from moetier.cache.policies.lhu import LHUPolicy
+from moetier.cache.policies.scored import ScoredPolicy
+from moetier.cache.policies.smoe_score import SMoEScorePolicy
+from moetier.plan.route import DECODE, PREFILL, RouteResult
+from moetier.sim.replay import replay
+from moetier.trace.format import Trace
+
+LAYERS = (3, 1, 5)  # execution order unlike key order, so the last tie-break is tried
+E = 6
+CTX = PolicyContext(8, LAYERS, E, 2, high_precision="bf16")
+
+POLICIES = {
+    "comoe": CoMoEPolicy,
+    "fld": FLDPolicy,
+    "lhu": LHUPolicy,
+    "smoe-score": lambda ctx: SMoEScorePolicy(ctx, window=3),
+    "hobbit": lambda ctx: HobbitPolicy(ctx, HobbitWeights(0.4, 0.1, 0.3, 0.2)),
+}
+
+
+def route(layer: int, step: int, ids: list[int], weights: list[float], draw: int, phase: int = DECODE) -> RouteResult:
+    topk_ids = np.asarray(ids, np.int64).reshape(1, -1)  # [T, k]
+    topk_weights = np.asarray(weights, np.float32).reshape(1, -1)
+    scores = np.random.default_rng(draw).random((1, E)).astype(np.float32)  # [T, E]
+    return RouteResult(layer, step, topk_ids, topk_weights, scores, phase)
+
+
+events = st.lists(st.tuples(st.sampled_from(["route", "prefill", "insert", "evict", "access", "access-low", "admit",
+                                             "predict", "sequence", "victim"]),
+                            st.sampled_from(LAYERS), st.integers(0, E - 1), st.integers(0, E - 1),
+                            st.floats(0.05, 1.0), st.integers(0, 2**16)), min_size=1, max_size=120)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=100, deadline=None)
+@given(events)
+@example([("insert", 3, 4, 0, 0.5, 0), ("insert", 3, 1, 0, 0.5, 0), ("access", 3, 4, 0, 0.5, 0),
+          ("access", 3, 1, 0, 0.5, 0), ("victim", 3, 0, 0, 0.5, 5)])  # a tie in priority: the least recent leaves
+def test_the_arrays_name_the_scans_victim(name, seq):
+    p = POLICIES[name](CTX)
+    assert isinstance(p, ArrayScoredPolicy)
+    for step, (kind, layer, a, b, w, draw) in enumerate(seq):
+        key = ExpertKey(layer, a)
+        if kind in ("route", "prefill"):
+            ids = sorted({a, b})
+            p.on_route(route(layer, step, ids, [w, 1 - w][:len(ids)], draw, PREFILL if kind == "prefill" else DECODE))
+        elif kind == "insert" and key not in p.resident:
+            p.on_insert(key)
+        elif kind == "evict" and key in p.resident:
+            p.on_evict(key)
+        elif kind in ("access", "access-low"):
+            p.on_access(key, "bf16" if kind == "access" else "int4", step)
+        elif kind == "admit":
+            p.on_admit(key)
+        elif kind == "predict":
+            scores = np.random.default_rng(draw).random((2, E)).astype(np.float32)  # [T, E]
+            p.on_predict({layer: scores})
+        elif kind == "sequence":
+            p.on_sequence_start()
+        elif kind == "victim" and p.resident:
+            rng = np.random.default_rng(draw)
+            candidates = {k for k in p.resident if rng.random() < 0.7} or set(p.resident)
+            assert p.victim(candidates) == ScoredPolicy.victim(p, candidates) == p.victim_among(list(candidates))
+        priorities = p.priorities()
+        for layer_ in LAYERS:  # the arrays are `priority`'s, float for float
+            assert list(priorities[p.row[layer_]]) == [p.priority(ExpertKey(layer_, e)) for e in range(E)]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_replay_makes_the_same_choices_either_way(name):
+    rng = np.random.default_rng(0)
+    n, layers, experts, k = 300, 4, 16, 2
+    skew = rng.dirichlet(np.full(experts, 0.3), size=layers)  # [L, E] each layer's favourites
+    ids = np.stack([[rng.choice(experts, k, replace=False, p=skew[j]) for j in range(layers)] for _ in range(n)])
+    trace = Trace("hand-made", layers, experts, k, list(range(layers)), np.repeat(np.arange(3), 100).astype(np.int32),
+                  np.tile(np.arange(100), 3).astype(np.int32), np.full(n, DECODE, np.uint8), ids.astype(np.int16),
+                  np.full(ids.shape, 0.5, np.float16))
+    ctx = PolicyContext(12, tuple(range(layers)), experts, k)
+    make = POLICIES[name]
+    fast = replay(trace, make(ctx), 12)
+    scan = make(ctx)
+    scan.victim = lambda candidates: ScoredPolicy.victim(scan, candidates)
+    slow = replay(trace, scan, 12)
+    assert fast.hits == slow.hits and 0 < fast.hits < fast.needed
