@@ -22,8 +22,8 @@ use weighted by (1 − a) to the routes after it — where each route cost a doz
 made again when what they depend on has changed (its routing, a prediction for it, a new sequence), so choosing a
 victim sorts the residents' scores in NumPy (ArrayScoredPolicy) instead of scoring each resident in Python: the
 same victim as ScoredPolicy's scan (highest score, then least recently used, then key order), at a cost that stays
-small beside a load (tests/cache/test_comoe_victim.py holds the two to the same choices, and the folded averages to
-the route-by-route ones)."""
+small beside a load (tests/cache/test_array_victim.py holds the two to the same choices, test_comoe_victim.py the
+folded averages to the route-by-route ones)."""
 
 from __future__ import annotations
 
