@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
 from cage import make_cage  # noqa: E402
 
-from bench.common import OUT, cpu_description  # noqa: E402
+from bench.common import OUT, write_results  # noqa: E402
 
 ENGINE = """
 import sys, time, json
@@ -138,10 +138,7 @@ def main() -> None:
         print(f"{'--adapt' if adapt else 'as asked'}: engine exit {r['engine_exit']}, other process exit "
               f"{r['taker_exit']}, slots {r['slots_at_start']} -> min {min(slots, default=0)} -> end "
               f"{slots[-1] if slots else '-'}, {len(r['decisions'])} decisions", flush=True)
-    (args.out / "bench_adapt.json").write_text(json.dumps({"cpu": cpu_description(), "args": vars(args) | {
-        "out": str(args.out)}, "runs": runs}, indent=1))
-    plot(runs, args.out / "bench_adapt.png")
-    print(f"wrote {args.out / 'bench_adapt.json'} and bench_adapt.png")
+    write_results(args.out, "bench_adapt", args, {"runs": runs}, plot, runs)
 
 
 if __name__ == "__main__":

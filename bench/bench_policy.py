@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from common import OUT, cpu_description, model_panels, rotated_rounds, save_panels  # noqa: E402
+from common import OUT, grouped_bars, model_panels, rotated_rounds, save_panels, write_results  # noqa: E402
 
 PROMPTS = ROOT / "prompts" / "mixed.txt"
 
@@ -59,17 +59,8 @@ def row(model: str, budget: str, policy: str, stats: list[dict]) -> dict:
 def plot(rows: list[dict], path: Path) -> None:
     fig, panels = model_panels(rows, 4.6, 3.8)
     for ax, model, mine in panels:
-        budgets = list(dict.fromkeys(r["budget"] for r in mine))
-        policies = list(dict.fromkeys(r["policy"] for r in mine))
-        width = 0.8 / len(policies)
-        for j, policy in enumerate(policies):
-            by = {r["budget"]: r for r in mine if r["policy"] == policy}
-            mine_b = [(i, b) for i, b in enumerate(budgets) if b in by]  # a policy not run at a budget: no bar
-            xs = [i + (j - (len(policies) - 1) / 2) * width for i, _ in mine_b]
-            ax.bar(xs, [by[b]["tpot_s"] * 1e3 for _, b in mine_b], width, label=policy)
-            for x, (_, b) in zip(xs, mine_b):
-                ax.text(x, by[b]["tpot_s"] * 1e3, f"{by[b]['hit_rate']:.0%}", ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(range(len(budgets)), budgets)
+        for x, r in grouped_bars(ax, mine, "budget", "policy", lambda r: r["tpot_s"] * 1e3):
+            ax.text(x, r["tpot_s"] * 1e3, f"{r['hit_rate']:.0%}", ha="center", va="bottom", fontsize=6)
         ax.set_title(Path(model).name, fontsize=9)
         ax.set_xlabel("expert budget (hit rate above each bar)")
         ax.set_ylabel("decode TPOT, ms (median of rounds)")
@@ -126,10 +117,7 @@ def main() -> None:
         r["speedup_over_first"] = base_of[r["model"], r["budget"]] / r["tpot_s"]
         print(f"{Path(r['model']).name[:16]:>16} {r['budget']:>7} {r['policy']:>8} {r['tpot_s'] * 1e3:8.2f} "
               f"{r['hit_rate']:6.1%} {r['speedup_over_first']:7.2f}x")
-    (args.out / "bench_policy.json").write_text(json.dumps({"cpu": cpu_description(), "args": vars(args) | {
-        "out": str(args.out)}, "rows": rows}, indent=1))
-    plot(rows, args.out / "bench_policy.png")
-    print(f"wrote {args.out / 'bench_policy.json'} and bench_policy.png")
+    write_results(args.out, "bench_policy", args, {"rows": rows}, plot, rows)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from common import add_run_options, model_panels, run_child, save_panels  # noqa: E402
+from common import add_run_options, grouped_bars, model_panels, run_child, save_panels  # noqa: E402
 
 from moetier.plan.step import LayerHook  # noqa: E402
 
@@ -90,14 +90,7 @@ def child(cfg: dict) -> dict:
 def plot(rows: list[dict], path: Path) -> None:
     fig, panels = model_panels(rows, 5.5, 4)
     for ax, model, mine in panels:
-        budgets = list(dict.fromkeys(r["budget"] for r in mine))
-        configs = list(dict.fromkeys(r["prefetch"] for r in mine))
-        width = 0.8 / len(configs)
-        for j, config in enumerate(configs):
-            vals = [next(r["tpot_s"] * 1e3 for r in mine if r["budget"] == b and r["prefetch"] == config)
-                    for b in budgets]
-            ax.bar([i + (j - (len(configs) - 1) / 2) * width for i in range(len(budgets))], vals, width, label=config)
-        ax.set_xticks(range(len(budgets)), budgets)
+        grouped_bars(ax, mine, "budget", "prefetch", lambda r: r["tpot_s"] * 1e3)
         ax.set_xlabel("expert budget")
         ax.set_title(model)
     save_panels(fig, "moetier decode with prefetching (stacked-gates predictor), median TPOT", path, 8)

@@ -66,6 +66,30 @@ def model_panels(rows: list[dict], width: float, height: float):
     return fig, [(ax, model, [r for r in rows if r["model"] == model]) for ax, model in zip(axes[0], models)]
 
 
+def grouped_bars(ax, rows: list[dict], group: str, series: str, value) -> list[tuple[float, dict]]:
+    """One bar per (group, series) of `rows` on `ax`, the groups along x in order of first appearance and each
+    series a colour beside the others; a series not run in a group leaves its place empty. Returns (x, row) of each
+    bar, for labels above them."""
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    names = list(dict.fromkeys(r[series] for r in rows))
+    width, bars = 0.8 / len(names), []
+    for j, name in enumerate(names):
+        by = {r[group]: r for r in rows if r[series] == name}
+        placed = [(i + (j - (len(names) - 1) / 2) * width, by[g]) for i, g in enumerate(groups) if g in by]
+        ax.bar([x for x, _ in placed], [value(r) for _, r in placed], width, label=name)
+        bars += placed
+    ax.set_xticks(range(len(groups)), groups)
+    return bars
+
+
+def write_results(out: Path, name: str, args: argparse.Namespace, body: dict, plot, items: list) -> None:
+    """OUT/NAME.json (the CPU, the arguments and `body`) and OUT/NAME.png (`plot` of `items`), said on stdout."""
+    (out / f"{name}.json").write_text(json.dumps({"cpu": cpu_description(), "args": vars(args) | {"out": str(out)},
+                                                  **body}, indent=1))
+    plot(items, out / f"{name}.png")
+    print(f"wrote {out / name}.json and {name}.png")
+
+
 def save_panels(fig, title: str, path: Path, legend_fontsize: float | None = None) -> None:
     """The y label and legend on the first panel, the title, and the PNG."""
     first = fig.axes[0]

@@ -27,29 +27,29 @@ class SMoEScorePolicy(ArrayScoredPolicy):
         self.window = window
         self._ring = {layer: np.zeros((window, ctx.num_experts)) for layer in ctx.layers}  # [n, E] per layer
         self.sums = np.zeros(self.held.shape)  # [L, E] each layer's sum over its ring
-        self._sum = {layer: self.sums[self.row[layer]] for layer in ctx.layers}  # [E] each, views of its row
         self.filled = np.zeros(len(ctx.layers), dtype=np.int64)  # [L] tokens entered so far
 
     def on_sequence_start(self) -> None:
         for layer in self.ctx.layers:  # Eq. 3's j counts a sequence's generations
             self._ring[layer][:] = 0
-            self._sum[layer][:] = 0
+        self.sums[:] = 0
         self.filled[:] = 0
 
     def on_route(self, route) -> None:
         super().on_route(route)
         if route.prefill:
             return
-        ring, layer = self._ring[route.layer], route.layer
+        ring, at = self._ring[route.layer], self.row[route.layer]
         for token_scores in route.scores[-self.window:]:  # [E] each; a decode step holds a few tokens
-            row = self.filled[self.row[layer]] % self.window
-            self._sum[layer] += token_scores - ring[row]
-            ring[row] = token_scores
-            self.filled[self.row[layer]] += 1
+            slot = self.filled[at] % self.window
+            self.sums[at] += token_scores - ring[slot]
+            ring[slot] = token_scores
+            self.filled[at] += 1
 
     def priority(self, key: ExpertKey) -> float:
-        n = min(int(self.filled[self.row[key.layer]]), self.window)
-        return float(self._sum[key.layer][key.expert]) / n if n else 0.0
+        at = self.row[key.layer]
+        n = min(int(self.filled[at]), self.window)
+        return float(self.sums[at, key.expert]) / n if n else 0.0
 
     def priorities(self) -> np.ndarray:
         n = np.minimum(self.filled, self.window)[:, None]  # [L, 1]
