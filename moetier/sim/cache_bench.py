@@ -116,19 +116,25 @@ def evaluate(trace: Trace, name: str, budgets: list[str], policies: list[str], p
 
 
 def format_table(records: list[Record]) -> str:
-    lines = [f"{'trace':>22} {'budget':>7} {'policy':>21} {'hit':>7} {'gap closed':>10} {'MiB/token':>10} "
+    """One row a replay; a partition column where the records hold more than one (`--cache-partition both`), so
+    the global and per-layer rows of a budget are told apart."""
+    both = len({r.partition for r in records}) > 1
+    part = f" {'partition':>9}" if both else ""
+    lines = [f"{'trace':>22} {'budget':>7}{part} {'policy':>21} {'hit':>7} {'gap closed':>10} {'MiB/token':>10} "
              f"{'penalty s':>10}"]
     for r in records:
         gap = "" if r.gap_closed is None else f"{r.gap_closed:.0%}"
         mib = "" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.1f}"
         pen = "" if r.miss_penalty_s is None else f"{r.miss_penalty_s:.2f}"
-        lines.append(f"{r.trace[-22:]:>22} {r.expert_memory:>7} {r.policy:>21} {r.hit_rate:>7.1%} {gap:>10} "
+        part = f" {r.partition:>9}" if both else ""
+        lines.append(f"{r.trace[-22:]:>22} {r.expert_memory:>7}{part} {r.policy:>21} {r.hit_rate:>7.1%} {gap:>10} "
                      f"{mib:>10} {pen:>10}")
     return "\n".join(lines)
 
 
 def plot(records: list[Record], path: Path) -> None:
-    """Hit rate against budget per policy, one panel per trace (the shape of FlashMoE's Figure 6)."""
+    """Hit rate against budget per policy (and partition, where there are two), one panel per trace (the shape of
+    FlashMoE's Figure 6)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,12 +144,16 @@ def plot(records: list[Record], path: Path) -> None:
     policies = list(dict.fromkeys(r.policy for r in records))
     colors = {p: plt.cm.tab20(i % 20) for i, p in enumerate(policies)}  # 13 policies: more than the default cycle
     fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
+    partitions = list(dict.fromkeys(r.partition for r in records))  # a line each, per-layer's dotted
     for ax, trace in zip(axes[0], traces):
         mine = [r for r in records if r.trace == trace]
-        for policy in dict.fromkeys(r.policy for r in mine):
-            pts = sorted((r.slots, r.hit_rate) for r in mine if r.policy == policy)
+        for policy, partition in dict.fromkeys((r.policy, r.partition) for r in mine):
+            pts = sorted((r.slots, r.hit_rate) for r in mine if (r.policy, r.partition) == (policy, partition))
             style = {"color": "black", "linestyle": "--"} if policy == "belady" else {"color": colors[policy]}
-            ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], marker="o", label=policy, **style)
+            if partition == "per-layer":
+                style.update(linestyle=":", marker="s")
+            label = policy if len(partitions) == 1 else f"{policy} ({partition})"
+            ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], **{"marker": "o", **style}, label=label)
         ax.set_title(trace)
         ax.set_xlabel("cache slots")
         ax.set_ylabel("hit rate, % (held-out part)")

@@ -235,3 +235,24 @@ def test_a_shipped_models_files_are_never_written_and_a_foreign_table_is_one_lin
     assert last[1].startswith("  hint: ") and "Traceback" not in "".join(last)
     assert main(["train", "cache-policy", "--policy", "static-hot", "--trace", str(tmp_path / "d"), "--model",
                  str(copy)]) == 0  # the copy is the user's: written
+
+
+def test_both_partitions_are_told_apart_in_the_table_and_the_plot(trace, tmp_path, monkeypatch):
+    """`--cache-partition both`: a budget's global and per-layer rows differ in a column of their own, and the
+    plot draws a line for each (policy, partition), never one line through both partitions' points."""
+    from matplotlib.figure import Figure
+
+    from moetier.sim.cache_bench import format_table, plot
+
+    records = [r for part in ("global", "per-layer") for r in evaluate(trace, "t", ["25%", "50%"], ["lru", "belady"],
+                                                                        part)]
+    lines = format_table(records).splitlines()
+    assert lines[0].split()[:3] == ["trace", "budget", "partition"]
+    assert {tuple(line.split()[1:4]) for line in lines[1:]} == {
+        (b, part, p) for b in ("25%", "50%") for part in ("global", "per-layer") for p in ("lru", "belady")}
+    assert "partition" not in format_table([r for r in records if r.partition == "global"]).splitlines()[0]
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    plot(records, tmp_path / "p.png")
+    lines = {line.get_label(): line.get_xdata().tolist() for line in drawn[0].axes[0].get_lines()}
+    assert lines == {f"{p} ({part})": [16, 32] for p in ("lru", "belady") for part in ("global", "per-layer")}
