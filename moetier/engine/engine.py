@@ -15,6 +15,7 @@ from moetier.cache.policies import DEFAULT_POLICY, SUFFIX, PolicyContext, check_
 from moetier.config import KERNELS, HostMemory, MemoryBudget, format_bytes
 from moetier.engine.adapt_cache import AdaptCache
 from moetier.engine.adapt_variant import AdaptVariant
+from moetier.engine.blas_threads import OneBlasThread
 from moetier.engine.budget import RUNTIME_BYTES, BudgetChoice, check_host_tier, plan_budget, plan_host_tier
 from moetier.engine.cpu_share import CpuShare
 from moetier.engine.embedding_rows import kept_bytes, not_kept, rows_read
@@ -382,6 +383,8 @@ class Engine:
             if config.variants else None
         if self.adapt_variant is not None:
             self.step_hooks.append(self.adapt_variant)
+        # NumPy's BLAS threads would spin on the cores torch computes on (moetier/engine/blas_threads.py)
+        self.blas_threads = OneBlasThread()
         self.closed = False
 
     @classmethod
@@ -637,6 +640,7 @@ class Engine:
                 self.host_tier.close()
             if self.cpu_share is not None:
                 self.cpu_share.restore()
+            self.blas_threads.restore()
 
     def __enter__(self) -> Engine:
         return self

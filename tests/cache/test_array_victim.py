@@ -13,6 +13,7 @@ from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.arrayed import ArrayScoredPolicy
 from moetier.cache.policies.comoe import CoMoEPolicy
 from moetier.cache.policies.context import PolicyContext
+from moetier.cache.policies.flashmoe_ml import CacheModel, FlashMoEMLPolicy, LayerMLP, features
 from moetier.cache.policies.fld import FLDPolicy
 from moetier.cache.policies.hobbit import HobbitPolicy, HobbitWeights
 from moetier.cache.policies.lhu import LHUPolicy
@@ -26,8 +27,18 @@ LAYERS = (3, 1, 5)  # execution order unlike key order, so the last tie-break is
 E = 6
 CTX = PolicyContext(8, LAYERS, E, 2, high_precision="bf16")
 
+
+
+def networks(layers, widths=(2, 8, 8, 1), seed=0) -> CacheModel:
+    """A random network a layer (Table 1's form, narrower)."""
+    rng = np.random.default_rng(seed)
+    return CacheModel({layer: LayerMLP(tuple(rng.normal(size=(a, b)) for a, b in zip(widths, widths[1:])),
+                                       tuple(rng.normal(size=b) for b in widths[1:])) for layer in layers}, "random")
+
+
 POLICIES = {
     "comoe": CoMoEPolicy,
+    "flashmoe-ml": lambda ctx: FlashMoEMLPolicy(ctx, networks(ctx.layers)),
     "fld": FLDPolicy,
     "lhu": LHUPolicy,
     "smoe-score": lambda ctx: SMoEScorePolicy(ctx, window=3),
@@ -99,3 +110,52 @@ def test_a_replay_makes_the_same_choices_either_way(name):
     scan.victim = lambda candidates: ScoredPolicy.victim(scan, candidates)
     slow = replay(trace, scan, 12)
     assert fast.hits == slow.hits and 0 < fast.hits < fast.needed
+
+
+def each_victim_scan(p: FlashMoEMLPolicy, candidates) -> tuple[ExpertKey, dict[ExpertKey, float]]:
+    """flashmoe-ml's victim as it was chosen before its arrays: every layer's network run over that layer's evictable
+    residents at each victim; farthest predicted next use, then least recently used, then key order. With the
+    distances it predicted."""
+    best, best_rank, predicted = None, None, {}
+    for layer in {k.layer for k in p.resident if k in candidates}:
+        mine = [k for k in p.resident if k in candidates and k.layer == layer]
+        row, experts = p.row[layer], np.array([k.expert for k in mine])
+        x = features(p.step, p.last_step[row][experts], p.count[row][experts], float(p.count[row].max()))
+        for key, distance in zip(mine, p.model.layers[layer](x).tolist()):
+            predicted[key] = distance
+            rank = (-distance, p.last_use.get(key, 0), key)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = key, rank
+    return best, predicted
+
+
+@pytest.mark.parametrize("shapes", ["alike", "differing"])
+def test_flashmoe_ml_predicted_once_a_step_evicts_as_its_networks_run_at_each_victim(shapes):
+    """The distances kept as arrays (one batched product over the layers, or one product a layer where their
+    networks differ in shape), made again only when a step or a use changes their features, choose every victim
+    of a replay as each layer's network run over its residents at each victim did — or one whose distance that run
+    predicted equal to its victim's but for the last bits (a product over a layer's residents rounds apart from one
+    over all its experts now and then: a tie then falls to recency)."""
+    rng = np.random.default_rng(1)
+    n, layers, experts, k = 240, 4, 16, 2
+    skew = rng.dirichlet(np.full(experts, 0.3), size=layers)  # [L, E]
+    ids = np.stack([[rng.choice(experts, k, replace=False, p=skew[j]) for j in range(layers)] for _ in range(n)])
+    trace = Trace("hand-made", layers, experts, k, list(range(layers)), np.repeat(np.arange(3), 80).astype(np.int32),
+                  np.tile(np.arange(80), 3).astype(np.int32), np.full(n, DECODE, np.uint8), ids.astype(np.int16),
+                  np.full(ids.shape, 0.5, np.float16))
+    ctx = PolicyContext(12, tuple(range(layers)), experts, k)
+    model = networks(ctx.layers)
+    if shapes == "differing":  # one layer's network wider: no stacking
+        model.layers[2] = networks([2], (2, 16, 1), seed=5).layers[2]
+    fast = FlashMoEMLPolicy(ctx, model)
+    assert (fast.stacked is None) == (shapes == "differing")
+    chosen = []
+    fast_victim = fast.victim
+    fast.victim = lambda candidates: chosen.append((fast_victim(candidates), each_victim_scan(fast, candidates))) \
+        or chosen[-1][0]
+    result = replay(trace, fast, 12)
+    assert len(chosen) > 100
+    for victim, (scanned, predicted) in chosen:
+        assert victim == scanned or predicted[victim] == pytest.approx(predicted[scanned], rel=1e-12, abs=0)
+    assert sum(victim == scanned for victim, (scanned, _) in chosen) > 0.99 * len(chosen)
+    assert 0 < result.hits < result.needed

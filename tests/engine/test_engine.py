@@ -121,6 +121,27 @@ def test_a_closed_engine_refuses_work_instead_of_hanging(tiny_store):
             call()
 
 
+def test_numpys_blas_runs_one_thread_while_an_engine_is_open_and_as_before_once_closed(tiny_store):
+    """A policy's products on NumPy's BLAS threads would spin on the cores torch computes on
+    (moetier/engine/blas_threads.py): one thread while the engine is open, the caller's setting again after."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from moetier.store.store import Store
+
+    def blas_threads() -> list[int]:
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    _, path = tiny_store("olmoe")
+    with threadpool_limits(limits=2, user_api="blas"):  # as on a 2-core machine, whatever this one has
+        assert blas_threads() and set(blas_threads()) == {2}
+        engine = Engine(Store(path))
+        assert set(blas_threads()) == {1}
+        engine.generate([[1, 2, 3]], max_new_tokens=2)
+        assert set(blas_threads()) == {1}
+        engine.close()
+        assert set(blas_threads()) == {2}
+
+
 def test_the_python_apis_bad_arguments_are_moetier_errors_naming_them(tiny_store):
     """(expert_memory=None, a flat list of ids, max_new_tokens=2.5, set_expert_memory(-1), seed=2**70 gave raw
     Python errors.)"""
