@@ -64,6 +64,9 @@ events = st.lists(st.tuples(st.sampled_from(["route", "prefill", "insert", "evic
 @given(events)
 @example([("insert", 3, 4, 0, 0.5, 0), ("insert", 3, 1, 0, 0.5, 0), ("access", 3, 4, 0, 0.5, 0),
           ("access", 3, 1, 0, 0.5, 0), ("victim", 3, 0, 0, 0.5, 5)])  # a tie in priority: the least recent leaves
+@example([("access", 1, 2, 0, 0.5, 0), ("route", 1, 0, 1, 0.5, 0), ("insert", 1, 0, 0, 0.5, 0),
+          ("victim", 1, 0, 0, 0.5, 0)] + [("insert", 1, e, 0, 0.5, 0) for e in range(1, E)]
+         + [("victim", 1, 0, 0, 0.5, d) for d in range(4)])  # residents inserted after a victim, within a step
 def test_the_arrays_name_the_scans_victim(name, seq):
     p = POLICIES[name](CTX)
     assert isinstance(p, ArrayScoredPolicy)
@@ -89,6 +92,10 @@ def test_the_arrays_name_the_scans_victim(name, seq):
             rng = np.random.default_rng(draw)
             candidates = {k for k in p.resident if rng.random() < 0.7} or set(p.resident)
             assert p.victim(candidates) == ScoredPolicy.victim(p, candidates) == p.victim_among(list(candidates))
+            if name == "flashmoe-ml":  # its arrays hold only the residents' distances: held to the networks' own
+                scanned, predicted = each_victim_scan(p, candidates)
+                victim = p.victim(candidates)
+                assert victim == scanned or predicted[victim] == pytest.approx(predicted[scanned], rel=1e-12, abs=0)
         priorities = p.priorities()
         for layer_ in LAYERS:  # the arrays are `priority`'s, float for float
             assert list(priorities[p.row[layer_]]) == [p.priority(ExpertKey(layer_, e)) for e in range(E)]

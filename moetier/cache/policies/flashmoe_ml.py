@@ -10,15 +10,19 @@ The distance target is log(1 + steps to next use) — a departure: FlashMoE name
 on raw steps the squared error is all in the never-used-again tail and the near ranking, which decides evictions,
 is lost (see docs/cache-policies.md for the two measured side by side).
 
-Every expert's distance is predicted as an array [L, E] (ArrayScoredPolicy), the layers' networks stacked into one
-batched product, and kept until its features change — a new step (every expert's recency) or a use (its layer's
-counts): a decode token's evictions cost one prediction of every layer and one of each layer as it runs, where each
-victim ran every layer's network over its residents (~1 ms a victim; 90 ms a token against CoMoE's 34 at demo-deep's
-15%). The victim is the same: farthest predicted next use, then least recently used, then key order."""
+The residents' distances are predicted as an array [L, E] (ArrayScoredPolicy), the layers' networks stacked into
+one batched product over each layer's residents, and kept until their features change — a new step (every expert's
+recency) or a use (its layer's counts) — or a resident inserted since may be a victim: a decode token's evictions
+cost one prediction of every layer and about one of each layer as it runs, where each victim ran every layer's
+network over its residents (demo-deep at 15%, Zen 4: 77–126 ms a token against 36–48 for the arrays over all
+experts, alternated; 26.5 ms now, LRU's 29.6 — docs/cache-policies.md). The victim is the same: farthest predicted
+next use, then least recently used, then key order (tests/cache/test_array_victim.py holds it to the networks run
+at each victim)."""
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Collection, Container
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +49,8 @@ def silu(x: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class LayerMLP:
     """features [n, 2] -> predicted distance to next use [n]: linear layers with SiLU between (Table 1: 2 -> 128
-    -> 128 -> 128 -> 1). Evaluated in NumPy: a victim choice scores a few hundred experts (~0.1 ms a layer)."""
+    -> 128 -> 128 -> 1). Evaluated in NumPy, a layer's network alone here; the policy runs the layers' networks
+    stacked (`stack`): a layer's 64 experts ~0.24 ms, twelve layers' ~3.4 ms on a Zen 4."""
 
     weights: tuple[np.ndarray, ...]  # [in, out] each
     biases: tuple[np.ndarray, ...]  # [out] each
@@ -115,8 +120,9 @@ class FlashMoEMLPolicy(ArrayScoredPolicy):
         self.stacked = stack(self.networks)
         shape = (len(ctx.layers), ctx.num_experts)
         self.last_step, self.count = np.zeros(shape), np.zeros(shape)  # [L, E] each
-        self.distance = np.zeros(shape)  # [L, E] predicted at step `predicted_at`, but in the rows of `stale`
+        self.distance = np.zeros(shape)  # [L, E] the residents' predicted at step `predicted_at`, but in `stale`
         self.predicted_at: int | None = None
+        self.unscored = np.zeros(shape, dtype=bool)  # [L, E] residents inserted since their row was predicted
         self.stale: set[int] = set()
 
     def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
@@ -126,26 +132,57 @@ class FlashMoEMLPolicy(ArrayScoredPolicy):
         self.count[row, key.expert] += 1
         self.stale.add(row)
 
-    def predict(self, rows: np.ndarray) -> np.ndarray:
-        """[R, E] what the networks of `rows` predict for every expert of their layers at the current step."""
+    def on_insert(self, key: ExpertKey) -> None:
+        super().on_insert(key)
+        self.unscored[self.row[key.layer], key.expert] = True  # predicted once it may be a victim (`settle`)
+
+    def settle(self, candidates: Container[ExpertKey]) -> None:
+        """Rows holding a resident inserted since they were last predicted, where it is a candidate now, made
+        stale: a layer's loads each insert one, and the layer's own are no candidates while it runs (a prediction
+        a load would cost as much again as the victim it made room for)."""
+        for i in np.flatnonzero(self.unscored):  # [U] a layer's few loads at most
+            if self.keys[i] in candidates:
+                self.stale.add(int(i) // self.ctx.num_experts)
+
+    def victim(self, candidates: Container[ExpertKey]) -> ExpertKey:
+        self.settle(candidates)
+        return super().victim(candidates)
+
+    def victim_among(self, keys: Collection[ExpertKey]) -> ExpertKey:
+        self.settle(set(keys))
+        return super().victim_among(keys)
+
+    def predict(self, rows: np.ndarray) -> None:
+        """Into `distance`: what the networks of `rows` predict at the current step for their layers' residents —
+        the only experts a victim is chosen from — and as many others as the row with most residents has (a
+        product's rows are padded to one width: a 15% cache's ~10 of 64 experts a layer, not all 64)."""
+        held = self.held[rows]  # [R, E]
+        width = int(held.sum(axis=1).max())
+        if width == 0:
+            return
+        experts = np.argsort(~held, axis=1, kind="stable")[:, :width]  # [R, W] each row's residents first
         count = self.count[rows]  # [R, E]
-        x = features(self.step, self.last_step[rows], count, count.max(axis=1, keepdims=True))  # [R, E, 2]
+        x = features(self.step, np.take_along_axis(self.last_step[rows], experts, 1),
+                     np.take_along_axis(count, experts, 1), count.max(axis=1, keepdims=True))  # [R, W, 2]
         if self.stacked is None:  # networks of different shapes: one product each
-            return np.stack([self.networks[row](x[i]) for i, row in enumerate(rows)])
-        weights, biases = self.stacked
-        for i, (w, b) in enumerate(zip(weights, biases)):
-            x = np.matmul(x, w[rows]) + b[rows]  # [R, E, out]: each row's layer by its own network
-            if i < len(weights) - 1:
-                x = silu(x)
-        return x[..., 0]
+            distance = np.stack([self.networks[row](x[i]) for i, row in enumerate(rows)])
+        else:
+            weights, biases = self.stacked
+            for i, (w, b) in enumerate(zip(weights, biases)):
+                x = np.matmul(x, w[rows]) + b[rows]  # [R, W, out]: each row's layer by its own network
+                if i < len(weights) - 1:
+                    x = silu(x)
+            distance = x[..., 0]
+        self.distance[rows[:, None], experts] = distance  # [R, W]
+        self.unscored[rows] = False
 
     def fresh_distances(self) -> np.ndarray:
-        """[L, E] every expert's predicted distance to its next use, predicted again where its features changed."""
+        """[L, E] the residents' predicted distances to their next use (others' may be old), predicted again where
+        their features changed."""
         if self.predicted_at != self.step:
             self.stale = set(range(len(self.ctx.layers)))
         if self.stale:
-            rows = np.fromiter(sorted(self.stale), np.int64, len(self.stale))
-            self.distance[rows] = self.predict(rows)
+            self.predict(np.fromiter(sorted(self.stale), np.int64, len(self.stale)))
             self.stale.clear()
             self.predicted_at = self.step
         return self.distance
@@ -154,6 +191,7 @@ class FlashMoEMLPolicy(ArrayScoredPolicy):
         return -self.fresh_distances()  # farthest predicted next use first
 
     def priority(self, key: ExpertKey) -> float:
+        """A resident's (a victim is only ever a resident)."""
         return float(self.priorities()[self.row[key.layer], key.expert])
 
 
