@@ -5,8 +5,9 @@ grouped predictor's sums) run on NumPy's OpenBLAS, whose threads, once woken, sp
 compute on; each of the step's OpenMP regions then waits at its barrier for a thread the spinning displaced. On two
 cores (Zen 4) flashmoe-ml decoded demo-deep at a 15% budget in 98–132 ms a token with NumPy's two BLAS threads and
 27–37 ms with one (`OPENBLAS_NUM_THREADS`, alternated three rounds); comoe, whose arrays make no products that
-large, was level, and so were llapor's and comoe-mlp's prefetching (28–30 against 27–34 ms, two rounds). Only the "blas" libraries are limited (threadpoolctl): NumPy's OpenBLAS, not torch's OpenMP pool,
-which computes the model. Restored when the engine closes."""
+large, was level, and so were llapor's and comoe-mlp's prefetching (28–30 against 27–34 ms, two rounds). Only the
+"blas" libraries are limited (threadpoolctl): NumPy's OpenBLAS, not torch's OpenMP pool, which computes the model.
+Restored when the engine closes."""
 
 from __future__ import annotations
 
