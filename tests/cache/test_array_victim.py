@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies.arrayed import ArrayScoredPolicy
+from moetier.cache.policies.belady import BeladyPolicy
 from moetier.cache.policies.comoe import CoMoEPolicy
 from moetier.cache.policies.context import PolicyContext
 from moetier.cache.policies.flashmoe_ml import CacheModel, FlashMoEMLPolicy, LayerMLP, features
@@ -19,6 +20,7 @@ from moetier.cache.policies.hobbit import HobbitPolicy, HobbitWeights
 from moetier.cache.policies.lhu import LHUPolicy
 from moetier.cache.policies.scored import ScoredPolicy
 from moetier.cache.policies.smoe_score import SMoEScorePolicy
+from moetier.cache.policies.static_hot import StaticHotPolicy
 from moetier.plan.route import DECODE, PREFILL, RouteResult
 from moetier.sim.replay import replay
 from moetier.trace.format import Trace
@@ -36,13 +38,23 @@ def networks(layers, widths=(2, 8, 8, 1), seed=0) -> CacheModel:
                                        tuple(rng.normal(size=b) for b in widths[1:])) for layer in layers}, "random")
 
 
+def random_future(ctx: PolicyContext, horizon: int = 200, seed: int = 0) -> dict[ExpertKey, list[int]]:
+    """Each expert's use times, ascending (some never used)."""
+    rng = np.random.default_rng(seed)
+    return {ExpertKey(layer, e): sorted(set(rng.integers(0, horizon, rng.integers(0, 30)).tolist()))
+            for layer in ctx.layers for e in range(ctx.num_experts)}
+
+
 POLICIES = {
+    "belady": lambda ctx: BeladyPolicy(ctx, random_future(ctx)),
     "comoe": CoMoEPolicy,
     "flashmoe-ml": lambda ctx: FlashMoEMLPolicy(ctx, networks(ctx.layers)),
     "fld": FLDPolicy,
     "lhu": LHUPolicy,
     "smoe-score": lambda ctx: SMoEScorePolicy(ctx, window=3),
     "hobbit": lambda ctx: HobbitPolicy(ctx, HobbitWeights(0.4, 0.1, 0.3, 0.2)),
+    "static-hot": lambda ctx: StaticHotPolicy(ctx, {ExpertKey(layer, e): (3 * e + layer) % 5 for layer in ctx.layers
+                                                    for e in range(ctx.num_experts)}),  # ties among the counts
 }
 
 
@@ -166,3 +178,14 @@ def test_flashmoe_ml_predicted_once_a_step_evicts_as_its_networks_run_at_each_vi
         assert victim == scanned or predicted[victim] == pytest.approx(predicted[scanned], rel=1e-12, abs=0)
     assert sum(victim == scanned for victim, (scanned, _) in chosen) > 0.99 * len(chosen)
     assert 0 < result.hits < result.needed
+
+
+def test_belady_kept_next_uses_follow_time_back_to_the_start_of_a_replay():
+    """The array moves each expert's next use on as time passes it; a replay begun again (time back to its start)
+    gets every expert's next use again, as the search of its future would give."""
+    p = BeladyPolicy(CTX, random_future(CTX, seed=3))
+    for step in (40, 1):
+        p.on_route(route(LAYERS[0], step, [0], [1.0], 0))
+        priorities = p.priorities()
+        assert [priorities[p.row[layer], e] for layer in LAYERS for e in range(E)] == \
+            [-p.next_use(ExpertKey(layer, e)) for layer in LAYERS for e in range(E)]
