@@ -189,3 +189,15 @@ def test_belady_kept_next_uses_follow_time_back_to_the_start_of_a_replay():
         priorities = p.priorities()
         assert [priorities[p.row[layer], e] for layer in LAYERS for e in range(E)] == \
             [-p.next_use(ExpertKey(layer, e)) for layer in LAYERS for e in range(E)]
+
+
+def test_belady_with_every_expert_used_again_keeps_its_next_uses_as_floats():
+    """A future in which every expert has a use (no `never` among the first next uses): once the last use of one
+    passes, its next use is `never` (infinite), which an array of integers could not hold."""
+    future = {ExpertKey(layer, e): [1 + e] for layer in LAYERS for e in range(E)}
+    p = BeladyPolicy(CTX, future)
+    for e in range(2):
+        p.on_insert(ExpertKey(LAYERS[0], e))
+    p.on_route(route(LAYERS[0], 3, [0], [1.0], 0))  # time 6: expert 0's and 1's only uses are past
+    assert p.victim({ExpertKey(LAYERS[0], 0), ExpertKey(LAYERS[0], 1)}) == ExpertKey(LAYERS[0], 0)
+    assert p.priorities()[p.row[LAYERS[0]], 0] == -float("inf")

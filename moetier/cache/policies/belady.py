@@ -31,7 +31,7 @@ class BeladyPolicy(ArrayScoredPolicy):
                                hint="use it in `moetier sim` or `moetier cache-bench`, not in live generation")
         self.uses = future
         self.now = 0
-        self.next = np.array([self.next_use(key) for key in self.keys])  # [L·E] as next_use, while none passed
+        self.next = np.array([self.next_use(key) for key in self.keys], float)  # [L·E] next_use, while none passed
         self.kept_at = 0  # the time `next` was last moved on at
 
     def on_route(self, route) -> None:
@@ -48,7 +48,7 @@ class BeladyPolicy(ArrayScoredPolicy):
 
     def priorities(self) -> np.ndarray:
         if self.now < self.kept_at:  # time went back (a replay begun again): every expert's again
-            self.next = np.array([self.next_use(key) for key in self.keys])
+            self.next = np.array([self.next_use(key) for key in self.keys], float)
         for i in np.flatnonzero(self.next <= self.now):  # used since: their next use after now
             self.next[i] = self.next_use(self.keys[i])
         self.kept_at = self.now
