@@ -23,6 +23,11 @@ class ArrayScoredPolicy(ScoredPolicy):
         self.key_rank = np.array([by_key[key] for key in self.keys])  # [L·E] ties' last word: key order
         self.used_at = np.zeros(shape, dtype=np.int64)  # [L, E] last_use as an array (0: never)
         self.held = np.zeros(shape, dtype=bool)  # [L, E] resident
+        self.rows = np.arange(len(ctx.layers))  # [L]
+
+    def distances_from(self, layer: int) -> np.ndarray:
+        """[L] layers from `layer` until each row's layer runs again, in execution order (0: `layer` itself)."""
+        return (self.rows - self.position[layer]) % self.ctx.num_layers
 
     def on_access(self, key: ExpertKey, precision: Precision, step: int) -> None:
         super().on_access(key, precision, step)

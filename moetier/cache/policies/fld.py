@@ -17,7 +17,6 @@ class FLDPolicy(ArrayScoredPolicy):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.inserting = ctx.layers[0]  # l_i
-        self.rows = np.arange(len(ctx.layers))  # [L]
 
     def on_route(self, route) -> None:
         super().on_route(route)
@@ -30,5 +29,5 @@ class FLDPolicy(ArrayScoredPolicy):
         return -((self.position[key.layer] - self.position[self.inserting]) % self.ctx.num_layers)
 
     def priorities(self) -> np.ndarray:
-        distance = (self.rows - self.position[self.inserting]) % self.ctx.num_layers  # [L]
+        distance = self.distances_from(self.inserting)  # [L]
         return np.repeat(-distance.astype(np.float64), self.ctx.num_experts).reshape(len(self.rows), -1)  # [L, E]

@@ -51,7 +51,6 @@ class HobbitPolicy(ArrayScoredPolicy):
         self.uses = np.zeros(self.held.shape, dtype=np.int64)  # [L, E] F_t
         self.high_uses = np.zeros(self.held.shape, dtype=np.int64)  # [L, E] H_t
         self.inserting = ctx.layers[0]  # l_i
-        self.rows = np.arange(len(ctx.layers))  # [L]
 
     def on_sequence_start(self) -> None:
         self.tokens, self.counted_step = 0, None
@@ -86,6 +85,6 @@ class HobbitPolicy(ArrayScoredPolicy):
     def priorities(self) -> np.ndarray:
         """[L, E] `priority`'s, the same operations in the same order."""
         w, t, n = self.weights, max(1, self.tokens), self.ctx.num_layers
-        distance = (self.rows - self.position[self.inserting] + n) % n  # [L]
+        distance = self.distances_from(self.inserting)  # [L]
         return (w.lru * self.last_token / t + w.lfu * self.uses / t + w.lhu * self.high_uses / t
                 + (w.fld * (1 - distance / n))[:, None])
