@@ -40,10 +40,6 @@ class ScoredPolicy(EvictionPolicy):
         """How much keeping `key` is worth; the lowest is evicted."""
         raise NotImplementedError
 
-    def layer_distance(self, key: ExpertKey) -> int:
-        """Layers from the current one until `key`'s layer runs again, in execution order (0: the current)."""
-        return (self.position[key.layer] - self.position[self.layer]) % self.ctx.num_layers
-
     def victim(self, candidates: Container[ExpertKey]) -> ExpertKey:
         best, best_rank = None, None
         for key in self.resident:
