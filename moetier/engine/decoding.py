@@ -1,7 +1,9 @@
 """A decode step of the scheduler's running requests: one token each (`PlainDecode`), or their drafts verified in one
 step (`SpeculativeDecode`, moetier/engine/speculative.py says how and why). The scheduler holds one, chosen when it
 is made; both append through `Scheduler.append`, so what ends a request (EOS, a stop string, max tokens, the KV
-row's end) ends it at the same token either way."""
+row's end) ends it at the same token either way. A step is handed the scheduler rather than keeping it: a scheduler
+and its decoder naming each other were a cycle that held a finished call's KV cache (and, after `Engine.close`, the
+expert cache) until Python's cycle collector happened to run."""
 
 from __future__ import annotations
 
@@ -21,11 +23,8 @@ if TYPE_CHECKING:
 
 
 class PlainDecode:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
-
-    def step(self) -> list[StepOutput]:
-        s, start = self.s, time.perf_counter()
+    def step(self, s: Scheduler) -> list[StepOutput]:
+        start = time.perf_counter()
         running = list(s.running)
         batch = StepBatch.decode_step([r.output[-1] for r in running], [r.row for r in running],
                                       [r.position for r in running], s.kv.rows, device=s.model.device)
@@ -37,31 +36,30 @@ class PlainDecode:
 
 
 class SpeculativeDecode:
-    def __init__(self, scheduler: Scheduler, spec: Speculation) -> None:
-        self.s, self.spec = scheduler, spec
-        self.plain = PlainDecode(scheduler)
+    def __init__(self, spec: Speculation) -> None:
+        self.spec = spec
+        self.plain = PlainDecode()
         self.costs = StepCosts()
         self.indices: dict[int, NgramIndex] = {}  # request id -> its context's n-grams
         self.gates: dict[int, Gate] = {}
 
-    def step(self) -> list[StepOutput]:
-        s = self.s
+    def step(self, s: Scheduler) -> list[StepOutput]:
         running = list(s.running)
         self._forget(running)
-        drafts = [self._draft(r) for r in running]
+        drafts = [self._draft(s, r) for r in running]
         start = time.perf_counter()
         if not any(d.tokens for d in drafts):
-            outputs = self.plain.step()
+            outputs = self.plain.step(s)
             self.costs.heard_plain(time.perf_counter() - start)
         else:
-            outputs = self._verify(running, drafts, start)
+            outputs = self._verify(s, running, drafts, start)
         for out in outputs:
             index = self.indices.get(out.id)
             if index is not None:
                 index.extend([out.token])
         return outputs
 
-    def _draft(self, r: Request) -> Draft:
+    def _draft(self, s: Scheduler, r: Request) -> Draft:
         """`r`'s draft this step: none where it decodes plainly (penalties or a grammar; its gate shut; no match)."""
         p = r.params
         if p.grammar is not None or p.sampling.shaped:
@@ -69,14 +67,13 @@ class SpeculativeDecode:
         index = self.indices.get(r.id)
         if index is None:
             index = self.indices[r.id] = NgramIndex(self.spec, r.prompt + r.output)
-        room = min(p.sampling.max_new_tokens - len(r.output), self.s.kv.max_len - r.position) - 1
+        room = min(p.sampling.max_new_tokens - len(r.output), s.kv.max_len - r.position) - 1
         found = index.draft()
         found = Draft(found.tokens[:max(0, room)], found.ngram)
         return Draft(found.tokens[:self.gates.setdefault(r.id, Gate(self.spec)).length(found, self.costs)],
                      found.ngram)
 
-    def _verify(self, running: list[Request], drafts: list[Draft], start: float) -> list[StepOutput]:
-        s = self.s
+    def _verify(self, s: Scheduler, running: list[Request], drafts: list[Draft], start: float) -> list[StepOutput]:
         # a decode step whose rows repeat: request r's tokens at positions p .. p + k of its KV row, each query seeing
         # the keys up to its own position (the drafts before it too: a step writes every token's keys first) — so
         # each token is computed as a decode step computes it, and greedy tokens are plain decoding's, bit for bit

@@ -619,6 +619,7 @@ class Engine:
         parts = self._parts(new, budget, self._policy(new, budget), None, self.model.w, self.model.kernels, None,
                             False, None)
         self.reader.close()
+        self.executor.close()
         if self._own_tier and self.host_tier is not None:
             self.host_tier.close()
         self.store, self.spec, self.precision, self.reader = parts.store, parts.store.spec, parts.precision, parts.reader
@@ -632,10 +633,12 @@ class Engine:
         return self.executor.preload()
 
     def close(self) -> None:
-        """Stop the reader threads; the engine refuses work afterwards. Closing twice is harmless."""
+        """Stop the reader threads and hand the expert cache's memory back (at once: not when the engine object is
+        collected); the engine refuses work afterwards. Closing twice is harmless."""
         if not self.closed:
             self.closed = True
             self.reader.close()
+            self.executor.close()
             if self._own_tier and self.host_tier is not None:
                 self.host_tier.close()
             if self.cpu_share is not None:

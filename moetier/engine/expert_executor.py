@@ -381,6 +381,14 @@ class ExpertExecutor:
         self._resident = None  # (its tables are of slots that may have gone)
         return evicted
 
+    def close(self) -> None:
+        """The cache's memory handed back now (the engine is closing, or moving to a variant): its slots', and the
+        host pools it made for placement (a host tier's are the tier's own)."""
+        shared = set(map(id, self.host_tier.pools.values())) if self.host_tier is not None else set()
+        for pool in [*self.pools.values(), *self.host_pools.values()]:
+            if id(pool) not in shared:
+                pool.close()
+
     def preload(self, keys: Iterable[ExpertKey] | None = None) -> int:
         """Load experts (by default every expert, layer by layer) into free room until the cache is full: a warm
         start, and with a budget of 100% the whole model resident. Returns how many were loaded."""

@@ -62,10 +62,11 @@ class PinnedHostSlots(HostSlots):
             self._locked.append(ptr)
 
     def close(self) -> None:
-        """Unlock the memory (it is unmapped once nothing refers to it)."""
+        """Unlock the memory and hand its pages back (it is unmapped once nothing refers to it)."""
         for ptr in self._locked:
             self._pinning.unpin(ptr)
         self._locked.clear()
+        super().close()
 
 
 @dataclass

@@ -85,7 +85,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # waiting or running
         self._next_id = 0
         self._aborted: list[Request] = []  # since the last step: reported by it
-        self.decoder = SpeculativeDecode(self, speculation) if speculation is not None else PlainDecode(self)
+        self.decoder = SpeculativeDecode(speculation) if speculation is not None else PlainDecode()
 
     @property
     def has_work(self) -> bool:
@@ -190,7 +190,7 @@ class Scheduler:
         return outputs
 
     def _decode(self) -> list[StepOutput]:
-        return self.decoder.step()
+        return self.decoder.step(self)
 
     def sampled(self, requests: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         """Each request's next token from its row of `logits` [B, V], appended, and the requests that end here

@@ -79,6 +79,12 @@ class HostSlots:
             segment, offset = self._where[slot]
             segment.madvise(mmap.MADV_DONTNEED, offset, self.stride)
 
+    def close(self) -> None:
+        """Hand every slot's pages back to the system now (the engine is closing): whatever still names the slots —
+        a scheduler, a policy, an engine object the caller keeps — keeps address space, not memory."""
+        for segment in self._segments:
+            segment.madvise(mmap.MADV_DONTNEED)
+
     def read_target(self, slot: int, phase: int = 0, layer: int | None = None) -> memoryview:
         """Where the slot's next blob lands: `phase` bytes into its first page (BlobRef.phase; 0 without slack);
         `layer`: the blob's, where the layout differs by layer (the views follow it)."""
@@ -173,6 +179,11 @@ class DeviceSlots:
     def release(self, slots: Iterable[int]) -> None:
         """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
 
+    def close(self) -> None:
+        """The slots' device memory handed back now (to torch's caching allocator: the next engine in this process
+        reuses it), once the copies into them are done; the few staging buffers go with the object."""
+        free_device_blocks(self.device, self._blocks)
+
     def read_target(self, slot: int, phase: int = 0, layer: int | None = None) -> memoryview:
         """A staging buffer (`phase` unused: an unaligned linked blob goes through the reader's bounce buffers);
         `layer`: the blob's, where the layout differs by layer (the slot's views follow it)."""
@@ -239,6 +250,15 @@ class DeviceSlots:
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.slot_bytes
+
+
+def free_device_blocks(device: torch.device, blocks: list[torch.Tensor]) -> None:
+    """Each block's storage emptied, its memory handed back whatever still names it (the engine refuses work once
+    closed), after every copy queued on the device is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for block in blocks:
+        block.untyped_storage().resize_(0)
 
 
 def make_slots(layout: PrecisionLayout, num_slots: int, device: torch.device,

@@ -23,6 +23,7 @@ import torch
 from moetier.engine.copy_queue import FifoCopies
 from moetier.engine.host_tier import HostTier
 from moetier.engine.slot_reads import SlotReads
+from moetier.engine.slots import free_device_blocks
 from moetier.store.format import PrecisionLayout
 from moetier.store.reader import ON_DEMAND, Completion
 
@@ -184,6 +185,10 @@ class TieredDeviceSlots:
                 seconds += self._start[slot].elapsed_time(self._done[slot]) / 1e3
             self._timed.popleft()
         return nbytes, seconds
+
+    def close(self) -> None:
+        """The slots' device memory handed back now (the host tier's is its own: HostTier.close)."""
+        free_device_blocks(self.device, self._blocks)
 
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
         if slot in self._pending:
