@@ -107,8 +107,8 @@ def train_flashmoe(trace: Trace, hidden: int = 128, depth: int = 3, max_epochs: 
                     break
         net.load_state_dict(best_state)
         linears = [m for m in net if isinstance(m, torch.nn.Linear)]
-        layers[layer] = LayerMLP(tuple(m.weight.detach().double().numpy().T.copy() for m in linears),
-                                 tuple(m.bias.detach().double().numpy().copy() for m in linears))
+        layers[layer] = LayerMLP(tuple(m.weight.detach().numpy().T.copy() for m in linears),
+                                 tuple(m.bias.detach().numpy().copy() for m in linears))
     return CacheModel(layers, trained_on=f"{trace.model} ({trace.num_tokens} token steps; {trace.source})")
 
 

@@ -107,7 +107,7 @@ def test_the_arrays_name_the_scans_victim(name, seq):
             if name == "flashmoe-ml":  # its arrays hold only the residents' distances: held to the networks' own
                 scanned, predicted = each_victim_scan(p, candidates)
                 victim = p.victim(candidates)
-                assert victim == scanned or predicted[victim] == pytest.approx(predicted[scanned], rel=1e-12, abs=0)
+                assert victim == scanned or predicted[victim] == pytest.approx(predicted[scanned], rel=1e-5, abs=1e-6)
         priorities = p.priorities()
         for layer_ in LAYERS:  # the arrays are `priority`'s, float for float
             assert list(priorities[p.row[layer_]]) == [p.priority(ExpertKey(layer_, e)) for e in range(E)]
@@ -175,7 +175,7 @@ def test_flashmoe_ml_predicted_once_a_step_evicts_as_its_networks_run_at_each_vi
     result = replay(trace, fast, 12)
     assert len(chosen) > 100
     for victim, (scanned, predicted) in chosen:
-        assert victim == scanned or predicted[victim] == pytest.approx(predicted[scanned], rel=1e-12, abs=0)
+        assert victim == scanned or predicted[victim] == pytest.approx(predicted[scanned], rel=1e-5, abs=1e-6)
     assert sum(victim == scanned for victim, (scanned, _) in chosen) > 0.99 * len(chosen)
     assert 0 < result.hits < result.needed
 

@@ -350,6 +350,23 @@ def test_flashmoe_ml_refuses_a_network_that_does_not_chain_and_an_earlier_file()
         LayerMLP.from_json({"w1": [[1.0]], "b1": [0.0], "w2": [1.0], "b2": 0.0})
 
 
+def test_flashmoe_ml_runs_in_float32_and_a_deep_negative_activation_is_silus_limit_without_a_warning():
+    """The networks run in float32 (as trained, as their file keeps them); exp(-x) overflows there below x = -88, which
+    must give silu's limit, 0, and no RuntimeWarning on a user's terminal."""
+    import warnings
+
+    import numpy as np
+
+    from moetier.cache.policies.flashmoe_ml import LayerMLP
+
+    net = LayerMLP((np.full((2, 4), 100.0), np.ones((4, 1))), (np.zeros(4), np.zeros(1)))  # float64 given
+    assert {w.dtype for w in net.weights + net.biases} == {np.dtype(np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = net(np.array([[-1.0, -1.0], [0.01, 0.0]]))  # pre-activations -200 (exp overflows) and 1
+    assert out.dtype == np.float32 and out[0] == 0.0 and out[1] == pytest.approx(4 / (1 + np.exp(-1.0)))
+
+
 def test_static_hot_ranks_by_tokens_processed_and_starts_with_the_hot_set_loaded():
     """PreScope's hot table: ranked by tokens (a prefill of many tokens on one expert counts each), the hottest
     loaded before the first step, so their first use is a hit."""
