@@ -54,7 +54,7 @@ def switch(engine, feature: str):
             return
         resident = engine.executor.resident_layers  # (this step's: begin_step ran before the step hooks)
         if resident is not None and resident.tables is not None:
-            resident.one_token = resident._token_routed if on else resident._token
+            resident._one_token = type(resident)._token_routed if on else type(resident)._token
     return set_on
 
 

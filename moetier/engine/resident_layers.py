@@ -46,7 +46,9 @@ class ResidentLayers:
         # each layer's experts as the kernel's one native token call takes them (None: through `token`)
         tables = [self.kernel.token_table(ws) for ws in self.weights]
         self.tables = tables if all(t is not None for t in tables) else None
-        self.one_token = self._token_routed if self.tables is not None else self._token
+        # (the function, not a bound method: kept on its own object that would be a cycle, holding the cache's
+        # views until Python's cycle collector next ran)
+        self._one_token = ResidentLayers._token_routed if self.tables is not None else ResidentLayers._token
         self.last = spec.moe_layers[-1]
         self.routes: list[tuple] = []  # this step's (layer, step, phase, scores, topk_ids, topk_weights), for `_hear`
 
@@ -56,7 +58,7 @@ class ResidentLayers:
         index = self.index[layer]
         if topk_ids.shape[0] == 1:  # one token (a decode step at batch 1): no grouping, the kernel sums its experts
             out = torch.empty_like(x)
-            self.one_token(index, out, x, topk_ids, topk_weights)
+            self._one_token(self, index, out, x, topk_ids, topk_weights)
         else:
             ids, weights, _ = route_arrays(topk_ids, topk_weights, scores)  # [T, k] (a host sync, as planning's)
             counts = np.bincount(ids.ravel(), minlength=self.num_experts)  # [E]

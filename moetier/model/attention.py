@@ -43,11 +43,13 @@ class Attention:
                 raise ValueError(f"layer {layer}'s stacked q/k/v has {self.qkv_proj.shape[0]} rows, not "
                                  f"{sum(self.sizes)}")
             self.qkv_bias = w.get(p + STACKED + ".bias")
-            self.project = self._stacked
+            # the function, not `self._stacked`: a bound method kept on its own object is a cycle, which held a
+            # dropped engine's weights until Python's cycle collector next ran
+            self._project = Attention._stacked
         else:
             self.q_proj, self.k_proj, self.v_proj = (w[p + f"{n}_proj"] for n in "qkv")
             self.q_bias, self.k_bias, self.v_bias = (w.get(p + f"{n}_proj.bias") for n in "qkv")
-            self.project = self._separate
+            self._project = Attention._separate
         self.q_norm, self.k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
         self.window = spec.sliding_window(layer)
         self.scale = spec.head_dim ** -0.5
@@ -55,7 +57,7 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor:
         spec, n = self.spec, x.shape[0]
         linear, norm = self.kernels.linear, self.kernels.rms_norm
-        q, k, v = self.project(x)  # [N, Hq*D], [N, Hkv*D], [N, Hkv*D]
+        q, k, v = self._project(self, x)  # [N, Hq*D], [N, Hkv*D], [N, Hkv*D]
         if spec.qk_norm == "full":  # OLMoE: one norm over all heads, before the split
             q, k = norm(q, self.q_norm, spec.rms_norm_eps), norm(k, self.k_norm, spec.rms_norm_eps)
         if spec.clip_qkv is not None:

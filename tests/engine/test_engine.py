@@ -174,6 +174,34 @@ def test_closing_an_engine_hands_its_expert_cache_back_while_the_engine_object_l
     assert resident_pages(address, pool.nbytes) == 0  # (`engine` still names the slots)
 
 
+@pytest.mark.parametrize("budget", ["50%", "100%"])
+def test_an_engine_dropped_without_close_frees_its_weights_at_once(tiny_store, budget):
+    """No cycle holds a dropped engine's weights (its attention layers named their own bound methods, the resident
+    step its own): reference counting frees them when the last name goes, not Python's cycle collector some time
+    later — a notebook making its engine again."""
+    import gc
+    import weakref
+
+    from moetier.engine.resident_layers import ResidentLayers
+    from moetier.model.attention import Attention
+    from moetier.store.store import Store
+
+    _, path = tiny_store("olmoe")
+    gc.collect()
+    gc.disable()  # (nothing but reference counting may free them)
+    try:
+        engine = Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse(budget)))
+        if budget == "100%":
+            engine.preload()  # (every expert resident: the steps run from ResidentLayers' tables)
+        engine.generate([[1, 2, 3]], max_new_tokens=3)
+        held = [weakref.ref(o) for o in gc.get_objects() if type(o) in (Attention, ResidentLayers)]
+        assert sum(type(ref()) is ResidentLayers for ref in held) == (budget == "100%")
+        del engine
+        assert all(ref() is None for ref in held)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("speculate", [0, 2])
 def test_a_generate_call_leaves_no_cycle_holding_its_kv_cache(tiny_store, speculate):
     """A call's scheduler and its KV cache are freed when the call returns, not when Python's cycle collector
