@@ -180,8 +180,8 @@ class DeviceSlots:
         """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
 
     def close(self) -> None:
-        """The slots' device memory handed back now (to torch's caching allocator: the next engine in this process
-        reuses it), once the copies into them are done; the few staging buffers go with the object."""
+        """The slots' device memory handed back to the device now, once the copies into them are done; the few
+        staging buffers go with the object."""
         free_device_blocks(self.device, self._blocks)
 
     def read_target(self, slot: int, phase: int = 0, layer: int | None = None) -> memoryview:
@@ -254,11 +254,15 @@ class DeviceSlots:
 
 def free_device_blocks(device: torch.device, blocks: list[torch.Tensor]) -> None:
     """Each block's storage emptied, its memory handed back whatever still names it (the engine refuses work once
-    closed), after every copy queued on the device is done."""
-    if device.type == "cuda":
+    closed), after every copy queued on the device is done — and out of torch's caching allocator: the next
+    engine's budget reads the device's free memory (torch.cuda.mem_get_info), which counts cached blocks as taken."""
+    gpu = device.type == "cuda"
+    if gpu:
         torch.cuda.synchronize(device)
     for block in blocks:
         block.untyped_storage().resize_(0)
+    if gpu:
+        torch.cuda.empty_cache()
 
 
 def make_slots(layout: PrecisionLayout, num_slots: int, device: torch.device,

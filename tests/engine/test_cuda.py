@@ -171,6 +171,18 @@ def test_prefetch_copies_held_for_the_link_or_queued_when_asked_leave_the_output
     assert sum(o.stats["prefetches"]["issued"] for o in outs) > 0
 
 
+def test_closing_a_gpu_engine_hands_its_expert_cache_back_to_the_device(tiny_store):
+    """`close` empties the cache's device blocks whatever still names the engine."""
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    with Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse("50%"), device="cuda"),
+                progress=False) as engine:
+        engine.generate([[1, 2, 3]], max_new_tokens=2)
+        cache = engine.executor.pool.num_slots * engine.executor.pool.slot_bytes
+        assert torch.cuda.memory_allocated() >= cache
+        during = torch.cuda.memory_allocated()
+    assert torch.cuda.memory_allocated() <= during - cache  # (`engine` still names the slots)
+
+
 def test_the_host_tier_is_page_locked(tiny_store):
     _, path = tiny_store("olmoe", num_hidden_layers=4)
     with Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse("25%"), device="cuda"),
