@@ -78,7 +78,8 @@ def run(model: str, budget: str, partition: str, prompts: list[str], tokens: int
             "token_ids": [o.token_ids[0] for o in out]}
 
 
-def measure(args) -> list[dict]:
+def measure(args, save=lambda rows: None) -> list[dict]:
+    """Every cell's row, `save`d as each cell ends (a crash an hour in keeps what was measured)."""
     from moetier.progress import tqdm
 
     rows = []
@@ -105,6 +106,7 @@ def measure(args) -> list[dict]:
             "verify_steps": spec[0]["verify_steps"],
             "greedy_identical": all(r["token_ids"] == plain[0]["token_ids"] for r in plain + spec),
             "rounds": {m: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs] for m, rs in runs.items()}})
+        save(rows)
     return rows
 
 
@@ -142,12 +144,15 @@ def main() -> None:
         ap.error("--rounds at least 1, --tokens at least 8, --speculate at least 1")
     if any(c.count(":") != 1 or c.split(":")[1] not in ("per-layer", "global") for c in args.configs.split(",")):
         ap.error("--configs takes BUDGET:PARTITION items, e.g. 25%:per-layer,100%:global")
-    rows = measure(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / "speculative.json.tmp"
-    tmp.write_text(json.dumps({"cpu": cpu_description(), "args": {k: str(v) for k, v in vars(args).items()},
-                               "rows": rows}, indent=1))
-    tmp.replace(args.out / "speculative.json")
+
+    def save(rows: list[dict]) -> None:
+        tmp = args.out / "speculative.json.tmp"
+        tmp.write_text(json.dumps({"cpu": cpu_description(), "args": {k: str(v) for k, v in vars(args).items()},
+                                   "rows": rows}, indent=1))
+        tmp.replace(args.out / "speculative.json")
+
+    rows = measure(args, save)
     plot(rows, args.out / "speculative.png", f"prompt-lookup speculation, {args.model}, batch 1")
     print("| workload | repeats | budget, cache | plain tok/s | --speculate tok/s | speed-up (rounds) | MB read a token, "
           "plain → speculative | drafts kept | greedy identical |")
