@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,6 +368,9 @@ class Engine:
         self.store, self.spec, self.precision, self.reader = parts.store, parts.store.spec, parts.precision, parts.reader
         self.host_tier, self._own_tier, self.host_note = parts.host_tier, parts.own_tier, parts.host_note
         self.executor, self.model = parts.executor, parts.model
+        # an engine dropped unclosed (a notebook making it again) stops its reader threads when it is freed; they
+        # hold the reader, not the engine, and would wait on its queue for good
+        self._stop_reader = weakref.finalize(self, self.reader.close)
         store = self.store
         self.tokenizer = Tokenizer.from_store(store) if store.tokenizer_path else None
         self.step_hooks: list[OnStep] = []  # observers of every forward step (the trace recorder)
@@ -618,11 +622,12 @@ class Engine:
         budget = self._replan(new, MemoryBudget("bytes", self.budget.cache_bytes))
         parts = self._parts(new, budget, self._policy(new, budget), None, self.model.w, self.model.kernels, None,
                             False, None)
-        self.reader.close()
+        self._stop_reader()
         self.executor.close()
         if self._own_tier and self.host_tier is not None:
             self.host_tier.close()
         self.store, self.spec, self.precision, self.reader = parts.store, parts.store.spec, parts.precision, parts.reader
+        self._stop_reader = weakref.finalize(self, self.reader.close)
         self.host_tier, self._own_tier, self.host_note = parts.host_tier, parts.own_tier, parts.host_note
         self.executor, self.model, self.budget = parts.executor, parts.model, budget
         return budget
@@ -637,7 +642,7 @@ class Engine:
         collected); the engine refuses work afterwards. Closing twice is harmless."""
         if not self.closed:
             self.closed = True
-            self.reader.close()
+            self._stop_reader()
             self.executor.close()
             if self._own_tier and self.host_tier is not None:
                 self.host_tier.close()

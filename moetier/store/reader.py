@@ -325,7 +325,8 @@ class ExpertReader:
             self._queue.clear()
             self._cv.notify_all()
         for t in self._threads:
-            t.join()
+            if t is not threading.current_thread():  # (an engine's finalizer may run in a reader thread's collection)
+                t.join()
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -178,7 +178,7 @@ def test_closing_an_engine_hands_its_expert_cache_back_while_the_engine_object_l
 def test_an_engine_dropped_without_close_frees_its_weights_at_once(tiny_store, budget):
     """No cycle holds a dropped engine's weights (its attention layers named their own bound methods, the resident
     step its own): reference counting frees them when the last name goes, not Python's cycle collector some time
-    later — a notebook making its engine again."""
+    later — a notebook making its engine again; and its reader threads stop."""
     import gc
     import weakref
 
@@ -196,8 +196,11 @@ def test_an_engine_dropped_without_close_frees_its_weights_at_once(tiny_store, b
         engine.generate([[1, 2, 3]], max_new_tokens=3)
         held = [weakref.ref(o) for o in gc.get_objects() if type(o) in (Attention, ResidentLayers)]
         assert sum(type(ref()) is ResidentLayers for ref in held) == (budget == "100%")
+        threads = list(engine.reader._threads)
+        assert threads and all(t.is_alive() for t in threads)
         del engine
         assert all(ref() is None for ref in held)
+        assert not any(t.is_alive() for t in threads)  # its reader stopped with it (they waited on its queue)
     finally:
         gc.enable()
 
