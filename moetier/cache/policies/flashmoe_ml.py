@@ -71,7 +71,7 @@ class LayerMLP:
         object.__setattr__(self, "biases", tuple(b.astype(np.float32) for b in self.biases))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        x = x.astype(np.float32)
+        x = x.astype(np.float32, copy=False)
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
             x = x @ w + b
             if i < len(self.weights) - 1:
