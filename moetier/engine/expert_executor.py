@@ -16,6 +16,7 @@ from moetier.config import ModelSpec
 from moetier.engine.copy_queue import COPY_ORDERS
 from moetier.engine.grouping import ExpertGroups
 from moetier.engine.host_tier import HostTier
+from moetier.engine.one_token import OneToken
 from moetier.engine.resident_layers import ResidentLayers
 from moetier.engine.route_arrays import route_arrays
 from moetier.engine.slots import make_slots
@@ -252,8 +253,12 @@ class ExpertExecutor:
                 deferred[load.after] = load
         for prefetch in plan.prefetches:
             self._prefetch(prefetch)
-        counts = plan.counts  # [E]
-        groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, counts, weight_dtype, self.kernels.combine)
+        order = plan.one_token_order()
+        if order is not None:  # one token whose experts are all resident: the kernels' one-token call
+            groups, counts = OneToken(x, plan.assign_weights[0][order], weight_dtype, self.kernels.combine), None
+        else:
+            counts = plan.counts  # [E]
+            groups = ExpertGroups(x, plan.assign_ids, plan.assign_weights, counts, weight_dtype, self.kernels.combine)
         # resident runs by precision, computed a precision a call before the next run that waits for a read
         together: dict[str, list[Run]] = {}
         landed: dict[str, list[Run]] = {}  # loaded runs a device computes after its copies, a precision a call
@@ -295,7 +300,7 @@ class ExpertExecutor:
         out = groups.combine()
         return out + shared_out if shared_out is not None else out
 
-    def _compute_together(self, groups: ExpertGroups, together: dict[str, list[Run]]) -> None:
+    def _compute_together(self, groups: ExpertGroups | OneToken, together: dict[str, list[Run]]) -> None:
         """Resident experts whose slots no load waits for, or a device's loaded ones (the device orders each after
         its copy; a GPU's host never waits for one, so one launch for them all costs no overlap): each precision's in
         one kernel call (one parallel region for the layer's experts at batch 1, one launch pair on a GPU — not

@@ -22,9 +22,9 @@ class ExpertGroups:
         flat = assign_ids.reshape(-1)  # [T*k]
         order = np.argsort(flat, kind="stable")  # SKIP (-1) sorts first
         order = order[flat.size - int(counts.sum()):]  # [P] the pairs that run
-        self.token_of = _to(order // assign_ids.shape[1], x.device)  # [P]
+        self.token_of = to_device(order // assign_ids.shape[1], x.device)  # [P]
         self.xs = x.index_select(0, self.token_of)  # [P, H]
-        self.ws = _to(assign_weights.reshape(-1)[order], x.device).to(weight_dtype)  # [P]
+        self.ws = to_device(assign_weights.reshape(-1)[order], x.device).to(weight_dtype)  # [P]
         self.ys = torch.empty_like(self.xs)
         self.offsets = [0, *np.cumsum(counts).tolist()]
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # xs, ws on the host (`send`)
@@ -74,7 +74,7 @@ class ExpertGroups:
         return torch.zeros_like(self.x).index_add_(0, self.token_of, self.ys)
 
 
-def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on `device`: itself on the CPU; to a GPU from page-locked memory, queued and not waited for (a
     copy from pageable memory makes the host wait for everything the device has queued)."""
     t = torch.from_numpy(a)

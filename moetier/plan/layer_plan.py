@@ -108,6 +108,21 @@ class LayerPlan:
         """Whether some run is placed on the host CPU."""
         return HOST in self.place.values()
 
+    def one_token_order(self) -> np.ndarray | None:
+        """For one token whose experts are all resident at one precision, each expert one pair of the assignment
+        (none skipped, none twice) and the runs in ascending ids: the pairs' order by expert id, the runs' order
+        (the executor then computes them in the kernel's one-token call). Else None."""
+        runs, ids = self.runs, self.assign_ids
+        if ids.shape[0] != 1 or len(runs) != ids.shape[1]:  # (fewer runs than pairs: a pair skipped, or shared)
+            return None
+        precision = runs[0].precision
+        if any(run.source != RESIDENT or run.precision != precision for run in runs):
+            return None
+        order = np.argsort(ids[0], kind="stable")  # [k]
+        if [run.expert for run in runs] != ids[0][order].tolist():
+            return None
+        return order
+
     @property
     def hits(self) -> list[Run]:
         """Runs whose weights were resident when the layer needed them."""

@@ -127,6 +127,7 @@ def test_prefetch_copies_start_after_their_slot_s_last_reader_and_before_the_lay
     waited for all that was queued: the layer it should overlap). The tokens stay exact mode's."""
     from moetier import Engine
     from moetier.engine.grouping import ExpertGroups
+    from moetier.engine.one_token import OneToken
     from moetier.engine.tiered_slots import TieredDeviceSlots
     from moetier.store.reader import PREFETCH
 
@@ -146,6 +147,7 @@ def test_prefetch_copies_start_after_their_slot_s_last_reader_and_before_the_lay
 
     for name in ("compute", "compute_layer"):
         monkeypatch.setattr(ExpertGroups, name, counted(getattr(ExpertGroups, name)))
+    monkeypatch.setattr(OneToken, "compute_layer", counted(OneToken.compute_layer))  # (a token whose experts all hit)
     real_weights, real_submit, real_issue = (TieredDeviceSlots.weights, TieredDeviceSlots.submit,
                                              TieredDeviceSlots.issue)
 
