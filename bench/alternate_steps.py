@@ -8,12 +8,16 @@ does not change.
 
     python bench/alternate_steps.py --model ~/.cache/moetier/bench/olmoe-1b-7b-synth --feature blocks
     python bench/alternate_steps.py --model ... --precision int4 --dense-precision int4 --feature tables --tokens 300
+    python bench/alternate_steps.py --model demo-deep --feature one-token --expert-memory 75%
 
 Features: `blocks` — each layer's attention block in one native call (moetier/model/decode_block.py) against the
 layer-by-layer forward; `tables` — a resident layer's experts from its table of addresses
 (ResidentLayers._token_routed) against the kernel's `token` on the slots' tensors; `router` — the softmax router's
 choice in one native call (NativeSoftmaxRouter) against torch's ops; `step` — the whole step in one native call
-(ResidentStep) against its layers one by one. The first three are measured with the layers one by one."""
+(ResidentStep) against its layers one by one; `one-token` — a planned layer whose experts all hit through the
+kernels' one-token call (moetier/engine/one_token.py) against grouping its pairs (ExpertGroups), at an
+`--expert-memory` below 100% (every other feature at 100%, the model preloaded). The first three are measured with
+the layers one by one."""
 
 from __future__ import annotations
 
@@ -29,18 +33,20 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from common import OUT  # noqa: E402
 
-FEATURES = ("blocks", "tables", "router", "step")
+FEATURES = ("blocks", "tables", "router", "step", "one-token")
 
 
 def switch(engine, feature: str):
     """A function turning `feature` on or off for the next step. A feature other than `step` is measured with the
     layers one by one (the one-call step would run in its place on both sides)."""
     from moetier.model.router import SoftmaxRouter
+    from moetier.plan.layer_plan import LayerPlan
 
     blocks, router, whole = engine.model.blocks, engine.model.router, engine.model.resident_step
     if feature != "step":
         engine.model.resident_step = None
     plain = SoftmaxRouter(router.spec, router.top_k, router.linear)  # (`router`: torch's ops for the same routing)
+    one_token = LayerPlan.__dict__["one_token_order"]
 
     def set_on(on: bool) -> None:
         if feature == "blocks":
@@ -52,10 +58,17 @@ def switch(engine, feature: str):
         if feature == "step":
             engine.model.resident_step = whole if on else None
             return
+        if feature == "one-token":  # (off: no plan is one token's, so every plan is grouped)
+            LayerPlan.one_token_order = one_token if on else _grouped
+            return
         resident = engine.executor.resident_layers  # (this step's: begin_step ran before the step hooks)
         if resident is not None and resident.tables is not None:
             resident._one_token = type(resident)._token_routed if on else type(resident)._token
     return set_on
+
+
+def _grouped(plan) -> None:
+    return None
 
 
 def measure(engine, feature: str, tokens: int, prompt_len: int) -> dict:
@@ -75,7 +88,7 @@ def measure(engine, feature: str, tokens: int, prompt_len: int) -> dict:
     engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
     engine.step_hooks.append(hook)
     try:
-        engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True)
+        out = engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True)
     finally:
         engine.step_hooks.remove(hook)
         set_on(True)
@@ -87,7 +100,7 @@ def measure(engine, feature: str, tokens: int, prompt_len: int) -> dict:
     off_s = [t for t, on in steps if not on]
     return dict(feature=feature, steps=len(steps), on_ms=statistics.median(on_s) * 1e3,
                 off_ms=statistics.median(off_s) * 1e3, ratio=statistics.median(pairs),
-                faster=sum(p < 1 for p in pairs), pairs=len(pairs))
+                faster=sum(p < 1 for p in pairs), pairs=len(pairs), hit_rate=out.stats["decode_hit_rate"])
 
 
 def main() -> None:
@@ -96,16 +109,22 @@ def main() -> None:
     ap.add_argument("--feature", choices=FEATURES, default="blocks")
     ap.add_argument("--precision", default="native")
     ap.add_argument("--dense-precision", default="native")
+    ap.add_argument("--expert-memory", default=None,
+                    help="the expert cache (default 100%%, the model preloaded; `one-token` needs less: default 75%%)")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--out", type=Path, default=OUT, help="folder for alternate_steps.json")
     args = ap.parse_args()
+    memory = args.expert_memory or ("75%" if args.feature == "one-token" else "100%")
+    if args.feature == "one-token" and memory.strip() == "100%":
+        sys.exit("moetier: error: at 100% every layer skips planning (ResidentLayers), so no plan goes through the "
+                 "one-token call; give --expert-memory below 100%, e.g. 75%")
 
     from moetier import Engine
     from moetier.model.router import NativeSoftmaxRouter
     from moetier.plan.precision import MixedPrecision
 
-    engine = Engine.from_pretrained(args.model, expert_memory="100%", progress=False,
+    engine = Engine.from_pretrained(args.model, expert_memory=memory, progress=False,
                                     precision=MixedPrecision(args.precision), dense_precision=args.dense_precision)
     with engine:
         engine.preload()
@@ -116,7 +135,8 @@ def main() -> None:
         if args.feature == "step" and engine.model.resident_step is None:
             sys.exit("moetier: error: this model and kernel set have no one-call step to turn off")
         result = measure(engine, args.feature, args.tokens, args.prompt_len)
-    result.update(model=args.model, precision=args.precision, dense_precision=args.dense_precision)
+    result.update(model=args.model, precision=args.precision, dense_precision=args.dense_precision,
+                  expert_memory=memory)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "alternate_steps.json").write_text(json.dumps(result, indent=1))
     print(f"{args.feature}: on {result['on_ms']:.2f} ms, off {result['off_ms']:.2f} ms a step; on/off of neighbouring "

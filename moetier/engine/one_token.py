@@ -3,9 +3,10 @@ one_token_order): the token through its experts in the kernel's one-token call, 
 
 Why: at batch 1 grouping the pairs (a sort, an index_select of the row, the weights converted, the outputs'
 buffer) and summing the outputs back (an index_add) are six small NumPy and torch ops with the caches cold from the
-experts just streamed: ~85 us a layer on demo-deep on a Zen 4 (at 75% of its experts, where nearly every layer's
-experts all hit, 4.18 → 3.15 ms a token; below the noise with real-size experts, demo-deep-xl). The kernels' `token`
-sums the outputs as the combine does: the same output, bit for bit.
+experts just streamed, and the kernels' `token` converts the row once and sums the outputs where they are made.
+Measured with neighbouring decode steps alternated (bench/alternate_steps.py --feature one-token, 75% of the
+experts, nearly every layer's all hit; Zen 4): demo-deep 3.96 → 2.71 ms a step, demo-deep-xl (real-size experts)
+29.4 → 27.0 and 30.6 → 28.8 ms (1.06–1.09×). The same output, bit for bit.
 ResidentLayers computes a step this way when every expert is resident; this is the same call for a planned layer
 whose experts all hit."""
 
