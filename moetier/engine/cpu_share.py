@@ -12,11 +12,12 @@ only.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from moetier.portable import usable_cores
 
 # forward steps between looks at the machine: a look costs ~0.1 ms (two /proc reads), a step tens of ms; with 8,
 # the two looks that lower the threads came 9 steps late, and those steps ran at up to 1 s each beside a hog
@@ -45,7 +46,7 @@ class CpuShare:
 
     def __init__(self, cores: int | None = None, elsewhere: Callable[[], int] = runnable_elsewhere,
                  set_threads: Callable[[int], None] = torch.set_num_threads, threads: int | None = None) -> None:
-        self.cores = cores or len(os.sched_getaffinity(0))
+        self.cores = cores or usable_cores()
         self.full = threads or torch.get_num_threads()
         self.current = self.full
         self.elsewhere, self.set_threads = elsewhere, set_threads

@@ -4,6 +4,7 @@ clock read per step; percentiles are computed once, at the end."""
 from __future__ import annotations
 
 import resource
+import sys
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -71,7 +72,8 @@ def peak_rss_bytes() -> int:
                     return int(line.split()[1]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # (macOS reports bytes, Linux KiB)
 
 
 def format_summary(s: dict) -> str:

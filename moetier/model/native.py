@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from moetier.paths import default_cache_dir
+from moetier.portable import usable_cores
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("bf16_rows.c", "q_rows.c", "q_int.c", "decode_block.c", "route.c",
@@ -104,7 +105,7 @@ def _build(compiler: str, isa: str, path: Path) -> None:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         compiles = [[compiler, *_flags(isa), "-c", str(source), "-o", str(obj)]
                     for source, obj in zip(SOURCES, objects)]
-        with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+        with ThreadPoolExecutor(usable_cores()) as pool:
             list(pool.map(_compile, compiles))  # (the first failure raises here)
         linked = Path(tmp) / path.name
         _compile([compiler, *_flags(isa), *map(str, objects), "-o", str(linked), "-lm"])

@@ -9,12 +9,12 @@ it; Ray ships it with cloudpickle)."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from moetier.errors import MoetierError
+from moetier.portable import usable_cores
 
 
 class InProcess:
@@ -35,7 +35,7 @@ class LocalProcesses:
     name = "local processes"
 
     def __init__(self, workers: int | None = None) -> None:
-        self.workers = workers or len(os.sched_getaffinity(0))
+        self.workers = workers or usable_cores()
 
     def map(self, fn: Callable[[Any], Any], cells: Sequence, progress: Callable[[], None]) -> list:
         if self.workers < 2 or len(cells) < 2:
@@ -77,7 +77,7 @@ class RayTasks:
         if not ray.is_initialized():
             kwargs = dict(include_dashboard=False, log_to_driver=False)
             if address == "local":
-                ray.init(num_cpus=max(1, len(os.sched_getaffinity(0))), **kwargs)
+                ray.init(num_cpus=usable_cores(), **kwargs)
             else:
                 ray.init(address=address, **kwargs)
 

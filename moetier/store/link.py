@@ -12,6 +12,7 @@ from pathlib import Path
 
 from zlib_ng.zlib_ng import crc32
 
+from moetier.portable import drop_cached
 from moetier.store.checkpoint import Located
 from moetier.store.format import PrecisionLayout, Segment
 
@@ -56,7 +57,7 @@ def segments_crc32(segments: tuple[Segment, ...], paths: dict[str, Path]) -> int
                     raise OSError(f"{paths[seg.source]} ends before {seg.offset + seg.length}")
                 crc = crc32(data, crc)
                 done += len(data)
-            os.posix_fadvise(fd, seg.offset, seg.length, os.POSIX_FADV_DONTNEED)
+            drop_cached(fd, seg.offset, seg.length)
         finally:
             os.close(fd)
     return crc

@@ -33,6 +33,7 @@ from pathlib import Path
 from zlib_ng.zlib_ng import crc32, crc32_combine
 
 from moetier.errors import ChecksumError, MoetierError, StoreError
+from moetier.portable import drop_cached, open_uncached
 from moetier.store.format import ALIGN, DAMAGED, MANIFEST, BlobRef, Manifest
 
 # Reads in flight past what any disk queues usefully (an NVMe drive saturates at 16-32 outstanding 2 MiB reads;
@@ -168,15 +169,10 @@ class ExpertReader:
     def _fd(self, path: str, blob: BlobRef) -> tuple[int, bool]:
         entry = self._fds.get(path)
         if entry is None:
-            try:
-                entry = (os.open(path, os.O_RDONLY | os.O_DIRECT), True) if self.direct else None
-            except OSError:  # e.g. tmpfs: no O_DIRECT
-                entry = None
-            if entry is None:
-                try:
-                    entry = (os.open(path, os.O_RDONLY), False)
-                except OSError as e:  # the file is gone, or its drive
-                    raise read_error(self.store_dir, blob, e.strerror or str(e), path) from None
+            try:  # (O_DIRECT where the OS and the filesystem take it: moetier/portable.py)
+                entry = open_uncached(path, self.direct)
+            except OSError as e:  # the file is gone, or its drive
+                raise read_error(self.store_dir, blob, e.strerror or str(e), path) from None
             self._fds[path] = entry
         return entry
 
@@ -252,7 +248,7 @@ class ExpertReader:
                                                              f"at offset {chunk.file_offset}): it changed since it "
                                                              f"was written", chunk.path)
                 if not self._fds[chunk.path][1]:
-                    os.posix_fadvise(chunk.fd, chunk.file_offset, n, os.POSIX_FADV_DONTNEED)
+                    drop_cached(chunk.fd, chunk.file_offset, n)
             except BaseException as e:  # reported to the waiter, never lost in the thread
                 c.error = c.error or (e if isinstance(e, StoreError) else
                                       read_error(self.store_dir, c.blob, getattr(e, "strerror", None) or repr(e),

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from zlib_ng.zlib_ng import crc32
 
+from moetier.portable import drop_cached
+
 CHUNK = 64 << 20  # bytes checked between two drops: the most of the table resident at once during the pass
 
 
@@ -40,7 +42,7 @@ def mapped_rows(path: Path, offset: int, nbytes: int, dtype: torch.dtype,
             page = (skip + start) // mmap.PAGESIZE * mmap.PAGESIZE  # (the chunk's first page, whole; the last
             region.madvise(mmap.MADV_DONTNEED, page, skip + end - page)  # partial one with it: read again if asked)
         region.madvise(mmap.MADV_DONTNEED)  # (and what a fault mapped around it from the page cache, a chunk before)
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        drop_cached(fd, offset, nbytes)
     finally:
         os.close(fd)
     flat = torch.frombuffer(region, dtype=torch.uint8)  # (the tensor keeps the mapping alive)
