@@ -15,9 +15,10 @@ layer-by-layer forward; `tables` — a resident layer's experts from its table o
 (ResidentLayers._token_routed) against the kernel's `token` on the slots' tensors; `router` — the softmax router's
 choice in one native call (NativeSoftmaxRouter) against torch's ops; `step` — the whole step in one native call
 (ResidentStep) against its layers one by one; `one-token` — a planned layer whose experts all hit through the
-kernels' one-token call (moetier/engine/one_token.py) against grouping its pairs (ExpertGroups), at an
-`--expert-memory` below 100% (every other feature at 100%, the model preloaded). The first three are measured with
-the layers one by one."""
+kernels' one-token call (moetier/engine/one_token.py) against grouping its pairs (ExpertGroups), every layer planned
+on both sides; `hit-layer` — such a layer computed with no plan (moetier/engine/hit_layer.py) against planning it
+(then the one-token call). The last two at an `--expert-memory` below 100% (every other feature at 100%, the model
+preloaded). The first three are measured with the layers one by one."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from common import OUT  # noqa: E402
 
-FEATURES = ("blocks", "tables", "router", "step", "one-token")
+FEATURES = ("blocks", "tables", "router", "step", "one-token", "hit-layer")
+PLANNED = ("one-token", "hit-layer")  # features of planned layers: measured below 100%
 
 
 def switch(engine, feature: str):
@@ -47,6 +49,7 @@ def switch(engine, feature: str):
         engine.model.resident_step = None
     plain = SoftmaxRouter(router.spec, router.top_k, router.linear)  # (`router`: torch's ops for the same routing)
     one_token = LayerPlan.__dict__["one_token_order"]
+    hit = engine.executor._hit  # (its HitLayer, where the executor has one)
 
     def set_on(on: bool) -> None:
         if feature == "blocks":
@@ -59,7 +62,11 @@ def switch(engine, feature: str):
             engine.model.resident_step = whole if on else None
             return
         if feature == "one-token":  # (off: no plan is one token's, so every plan is grouped)
+            engine.executor.hit_layer = None  # (this step's: every layer planned)
             LayerPlan.one_token_order = one_token if on else _grouped
+            return
+        if feature == "hit-layer":
+            engine.executor.hit_layer = hit if on else None
             return
         resident = engine.executor.resident_layers  # (this step's: begin_step ran before the step hooks)
         if resident is not None and resident.tables is not None:
@@ -115,10 +122,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--out", type=Path, default=OUT, help="folder for alternate_steps.json")
     args = ap.parse_args()
-    memory = args.expert_memory or ("75%" if args.feature == "one-token" else "100%")
-    if args.feature == "one-token" and memory.strip() == "100%":
-        sys.exit("moetier: error: at 100% every layer skips planning (ResidentLayers), so no plan goes through the "
-                 "one-token call; give --expert-memory below 100%, e.g. 75%")
+    memory = args.expert_memory or ("75%" if args.feature in PLANNED else "100%")
+    if args.feature in PLANNED and memory.strip() == "100%":
+        sys.exit(f"moetier: error: at 100% every layer skips planning (ResidentLayers), so --feature {args.feature} "
+                 "changes nothing; give --expert-memory below 100%, e.g. 75%")
 
     from moetier import Engine
     from moetier.model.router import NativeSoftmaxRouter
@@ -134,6 +141,9 @@ def main() -> None:
             sys.exit("moetier: error: this model and kernel set have no native router to turn off")
         if args.feature == "step" and engine.model.resident_step is None:
             sys.exit("moetier: error: this model and kernel set have no one-call step to turn off")
+        if args.feature == "hit-layer" and engine.executor._hit is None:
+            sys.exit("moetier: error: this configuration plans every layer (a stage beyond on-demand, a predictor or "
+                     "two precisions): no layer skips planning to turn off")
         result = measure(engine, args.feature, args.tokens, args.prompt_len)
     result.update(model=args.model, precision=args.precision, dense_precision=args.dense_precision,
                   expert_memory=memory)

@@ -15,6 +15,7 @@ from moetier.cache.residency import PREFETCHED
 from moetier.config import ModelSpec
 from moetier.engine.copy_queue import COPY_ORDERS
 from moetier.engine.grouping import ExpertGroups
+from moetier.engine.hit_layer import HitLayer
 from moetier.engine.host_tier import HostTier
 from moetier.engine.one_token import OneToken
 from moetier.engine.resident_layers import ResidentLayers
@@ -109,6 +110,8 @@ class ExpertExecutor:
                        and predictor is None and not mixed.mixed)
         self._resident: ResidentLayers | None = None  # made when first every expert is resident
         self.resident_layers: ResidentLayers | None = None  # this step's, or None: each layer is planned
+        self._hit = HitLayer(self) if self._plain else None
+        self.hit_layer: HitLayer | None = None  # this step's, or None: each layer is planned
         if placement != "none":
             # HOBBIT's low copies too: a missing expert its loader wants low is computed from one (§5.5.1's gains)
             host = mixed.host_precisions(native)
@@ -188,6 +191,9 @@ class ExpertExecutor:
         if self.resident_layers is not None:  # (its tables read every slot: a later copy into one waits for this step)
             for pool in self.pools.values():
                 pool.read_all()
+        # a layer whose experts all hit skips planning where a plan would change nothing and no hook needs one
+        self.hit_layer = None if any(h is not self.counts and h.needs_plans for h in self.layer_step.hooks) \
+            else self._hit
 
     def _resident_step(self) -> ResidentLayers | None:
         """ResidentLayers for this step when planning would change nothing: every expert resident (so no read, no
@@ -224,10 +230,12 @@ class ExpertExecutor:
         if layer != self.spec.moe_layers[0]:  # (the first one's gap holds the previous step's head too)
             self.costs.observe_dense(time.perf_counter() - self._clock)
         self._poll_landed()
-        plan = self.layer_step.begin(route, x)
-        out = self.carry_out(plan, x, topk_weights.dtype, shared)
-        for prefetch in self.layer_step.end(plan):
-            self._prefetch(prefetch)
+        out = None if self.hit_layer is None else self.hit_layer(route, x, topk_weights.dtype, shared)
+        if out is None:
+            plan = self.layer_step.begin(route, x)
+            out = self.carry_out(plan, x, topk_weights.dtype, shared)
+            for prefetch in self.layer_step.end(plan):
+                self._prefetch(prefetch)
         self._observe_link()
         self._clock = time.perf_counter()
         return out

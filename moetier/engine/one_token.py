@@ -6,7 +6,9 @@ buffer) and summing the outputs back (an index_add) are six small NumPy and torc
 experts just streamed, and the kernels' `token` converts the row once and sums the outputs where they are made.
 Measured with neighbouring decode steps alternated (bench/alternate_steps.py --feature one-token, 75% of the
 experts, nearly every layer's all hit; Zen 4): demo-deep 3.96 → 2.71 ms a step, demo-deep-xl (real-size experts)
-29.4 → 27.0 and 30.6 → 28.8 ms (1.06–1.09×). The same output, bit for bit.
+29.4 → 27.0 and 30.6 → 28.8 ms (1.06–1.09×). The same output, bit for bit. Where nothing but on-demand planning
+runs (the default), such a layer is not even planned: HitLayer (moetier/engine/hit_layer.py) calls this directly;
+a plan comes here where other stages plan (prefetching, substitution, a low tier).
 ResidentLayers computes a step this way when every expert is resident; this is the same call for a planned layer
 whose experts all hit."""
 

@@ -1,0 +1,74 @@
+"""A layer of one token whose experts are all resident, where nothing but the on-demand stage plans: computed
+straight from its routing, with no plan — what ResidentLayers does for a whole step once every expert is resident,
+for one layer of a smaller cache.
+
+Why: the plan of such a layer changes nothing — every expert a resident run, no load, no eviction, no prefetch —
+yet making it (a LayerPlan, a Run and a pin an expert, the step's end unpinning them and checking reads) costs tens
+of microseconds of Python a layer at batch 1, with the caches cold from the experts just streamed. What is kept is
+what the plan's steps would do (moetier/plan/step.py): every hook and the policy hear the route, the experts are
+computed by the kernels' one-token call (OneToken, as a plan of resident runs would be), the policy hears each
+access in ascending ids, and the counters count the layer step, its needed experts and their hits as the counting
+hook would. The executor uses it only where no hook needs the plan itself (a trace recorder does) and checks at
+each step (ExpertExecutor.begin_step). Measured with neighbouring decode steps alternated (bench/alternate_steps.py
+--feature hit-layer, 75% of the experts; Zen 4), against planning the layer and then the one-token call: demo-deep
+3.15 → 2.26 ms a step, demo-deep-xl (real-size experts) 29.2 → 27.1 ms (1.03–1.06× in three runs)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from moetier.cache.keys import ExpertKey
+from moetier.engine.one_token import OneToken
+from moetier.plan.route import RouteResult
+
+
+class HitLayer:
+    def __init__(self, executor) -> None:
+        """Borrows `executor`'s residency, its one precision's slots and kernel, its policy, hooks and counters."""
+        spec = executor.spec
+        self.residency, self.policy = executor.residency, executor.residency.policy
+        self.precision = executor.precision
+        self.pool, self.kernel = executor.pool, executor.expert_kernels[executor.precision]
+        self.combine, self.costs, self.counts = executor.kernels.combine, executor.costs, executor.counts
+        self.hooks = executor.layer_step.hooks  # (live)
+        self.keys = {layer: [ExpertKey(layer, e) for e in range(spec.num_experts)] for layer in spec.moe_layers}
+
+    def __call__(self, route: RouteResult, x: torch.Tensor, weight_dtype: torch.dtype,
+                 shared: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+        """The layer's routed (+ shared) output [1, H] if its one token's experts are all resident at the run's
+        precision, else None (nothing heard, nothing computed: the layer is planned)."""
+        if route.topk_ids.shape[0] != 1:
+            return None
+        ids = route.topk_ids[0]  # [k]
+        order = np.argsort(ids, kind="stable")
+        keys, entries = self.keys[route.layer], self.residency.entries
+        experts = ids[order].tolist()  # ascending
+        slots = []
+        for e in experts:
+            entry = entries.get(keys[e])
+            if entry is None or entry.loading or entry.precision != self.precision:
+                return None
+            slots.append(entry.slot)
+        for hook in self.hooks:  # as LayerStep.begin
+            hook.on_route(route, x)
+        self.policy.on_route(route)
+        shared_out = shared() if shared is not None else None
+        groups = OneToken(x, route.topk_weights[0][order], weight_dtype, self.combine)
+        start = time.perf_counter()
+        groups.compute_layer(experts, self.kernel, [self.pool.weights(slot) for slot in slots])
+        self.pool.queued()
+        each = (time.perf_counter() - start) / len(experts)
+        for _ in experts:  # (as ExpertExecutor._compute_together observes a layer's resident experts)
+            self.costs.observe_expert(each)
+        for e in experts:  # as LayerStep.end
+            self.policy.on_access(keys[e], self.precision, route.step)
+        counters = self.counts.phases[route.phase]  # what CountingHook adds for a plan of resident runs
+        counters.layer_steps += 1
+        counters.needed += len(experts)
+        counters.hits += len(experts)
+        out = groups.combine()
+        return out + shared_out if shared_out is not None else out
