@@ -3,44 +3,17 @@ fallback (moetier/portable.py and the /proc readers), checked here on Linux with
 tokens those of a run with them, and the CLI's demo run whole. Not a Mac: what a Mac adds beyond their absence
 (F_NOCACHE, Apple's clang without OpenMP: the torch kernels) is not run."""
 
-import builtins
 import os
-import pathlib
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from moetier import portable
 from moetier.store.store import Store
-
-LINUX_ONLY = ("O_DIRECT", "posix_fadvise", "sched_getaffinity")
-
-
-def no_linux(monkeypatch) -> None:
-    """This process as one on an OS without Linux's calls: they are gone from `os`, and /proc and /sys unreadable by
-    moetier (psutil, which reads them on Linux, has its own backend for each OS)."""
-    for name in LINUX_ONLY:
-        monkeypatch.delattr(os, name, raising=False)
-    real_open, real_read = builtins.open, pathlib.Path.read_text
-
-    def refuse(path) -> None:
-        caller = sys._getframe(2).f_globals.get("__name__", "")
-        if str(path).startswith(("/proc", "/sys")) and caller.startswith("moetier"):
-            raise FileNotFoundError(2, "No such file or directory", str(path))
-
-    def opened(file, *args, **kwargs):
-        refuse(file)
-        return real_open(file, *args, **kwargs)
-
-    def read_text(self, *args, **kwargs):
-        refuse(self)
-        return real_read(self, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", opened)
-    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+from tests import no_linux
 
 
 def test_without_o_direct_a_file_is_read_plainly_and_its_pages_dropped_where_the_os_can(tmp_path, monkeypatch):
@@ -99,7 +72,7 @@ def test_the_engine_without_linuxs_calls_gives_the_same_tokens(tiny_store, monke
         return out.token_ids[0], out.stats
 
     tokens, _ = run()
-    no_linux(monkeypatch)
+    no_linux.take_away(monkeypatch.setattr, monkeypatch.delattr)
     assert not hasattr(os, "O_DIRECT")
     elsewhere, stats = run()
     assert elsewhere == tokens
@@ -115,25 +88,8 @@ def test_the_demo_runs_from_the_cli_without_linuxs_calls(tmp_path):
     sitecustomize takes them away before moetier is imported): it exits 0 with the tokens on stdout."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""
-        import builtins, os, pathlib
-        for name in {LINUX_ONLY!r}:
-            if hasattr(os, name):
-                delattr(os, name)
-        _open, _read = builtins.open, pathlib.Path.read_text
-        import sys
-        def _refuse(path):
-            caller = sys._getframe(2).f_globals.get("__name__", "")
-            if str(path).startswith(("/proc", "/sys")) and caller.startswith("moetier"):
-                raise FileNotFoundError(2, "No such file or directory", str(path))
-        def _opened(file, *a, **k):
-            _refuse(file)
-            return _open(file, *a, **k)
-        def _read_text(self, *a, **k):
-            _refuse(self)
-            return _read(self, *a, **k)
-        builtins.open, pathlib.Path.read_text = _opened, _read_text
-    """))
+    (site / "sitecustomize.py").write_text(f"import sys\nsys.path.insert(0, {str(Path(no_linux.__file__).parent)!r})\n"
+                                           "import no_linux\nno_linux.take_away(setattr, delattr)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
            "MOETIER_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, "-m", "moetier.cli", "generate", "--model", "demo-fine", "--prompt", "It was",
