@@ -1,4 +1,4 @@
-"""A feature of the batch-1 decode step on and off, alternated every step within one generation: the median step
+"""A feature of the decode step (batch 1 unless `--batch`) on and off, alternated every step within one generation: the median step
 with and without it, and each adjacent pair's ratio.
 
 Why: on a host whose memory rate moves by half from one minute (or process) to the next, two runs measured one
@@ -17,7 +17,8 @@ choice in one native call (NativeSoftmaxRouter) against torch's ops; `step` — 
 (ResidentStep) against its layers one by one; `one-token` — a planned layer whose experts all hit through the
 kernels' one-token call (moetier/engine/one_token.py) against grouping its pairs (ExpertGroups), every layer planned
 on both sides; `hit-layer` — such a layer computed with no plan (moetier/engine/hit_layer.py) against planning it
-(then the one-token call). The last two at an `--expert-memory` below 100% (every other feature at 100%, the model
+(then the one-token call; with `--batch` above 1, the pairs grouped either way). The last two at an
+`--expert-memory` below 100% (every other feature at 100%, the model
 preloaded). The first three are measured with the layers one by one."""
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _grouped(plan) -> None:
     return None
 
 
-def measure(engine, feature: str, tokens: int, prompt_len: int) -> dict:
+def measure(engine, feature: str, tokens: int, prompt_len: int, batch: int = 1) -> dict:
     from moetier.plan.route import DECODE
 
     set_on = switch(engine, feature)
@@ -91,11 +92,11 @@ def measure(engine, feature: str, tokens: int, prompt_len: int) -> dict:
             marks.append((time.perf_counter(), on))
 
     rng = random.Random(0)
-    prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(prompt_len)]
-    engine.generate([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
+    prompts = [[rng.randrange(engine.spec.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+    engine.generate(prompts, max_new_tokens=8, ignore_eos=True)  # warm-up
     engine.step_hooks.append(hook)
     try:
-        out = engine.generate([prompt], max_new_tokens=tokens, ignore_eos=True)
+        out = engine.generate(prompts, max_new_tokens=tokens, ignore_eos=True)
     finally:
         engine.step_hooks.remove(hook)
         set_on(True)
@@ -120,6 +121,7 @@ def main() -> None:
                     help="the expert cache (default 100%%, the model preloaded; `one-token` needs less: default 75%%)")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (a server's batch; default 1)")
     ap.add_argument("--out", type=Path, default=OUT, help="folder for alternate_steps.json")
     args = ap.parse_args()
     memory = args.expert_memory or ("75%" if args.feature in PLANNED else "100%")
@@ -144,9 +146,9 @@ def main() -> None:
         if args.feature == "hit-layer" and engine.executor._hit is None:
             sys.exit("moetier: error: this configuration plans every layer (a stage beyond on-demand, a predictor or "
                      "two precisions): no layer skips planning to turn off")
-        result = measure(engine, args.feature, args.tokens, args.prompt_len)
+        result = measure(engine, args.feature, args.tokens, args.prompt_len, args.batch)
     result.update(model=args.model, precision=args.precision, dense_precision=args.dense_precision,
-                  expert_memory=memory)
+                  expert_memory=memory, batch=args.batch)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "alternate_steps.json").write_text(json.dumps(result, indent=1))
     print(f"{args.feature}: on {result['on_ms']:.2f} ms, off {result['off_ms']:.2f} ms a step; on/off of neighbouring "

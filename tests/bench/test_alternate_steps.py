@@ -29,6 +29,17 @@ def test_alternate_steps_measures_both_sides(tmp_path, feature):
     assert result["expert_memory"] == ("75%" if feature in ("one-token", "hit-layer") else "100%")
 
 
+def test_a_batch_is_decoded_together_with_the_feature_alternated(tmp_path):
+    model = tmp_path / "tiny"
+    build_tiny("olmoe", model, dtype=torch.bfloat16)
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--feature", "hit-layer", "--batch", "3",
+                        "--tokens", "14", "--prompt-len", "4", "--out", str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out" / "alternate_steps.json").read_text())
+    assert result["batch"] == 3 and result["pairs"] >= 4
+
+
 def test_one_token_is_refused_at_a_whole_cache_before_anything_loads(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path / "absent"), "--feature", "one-token",
                         "--expert-memory", "100%"], capture_output=True, text=True, timeout=120)

@@ -1,5 +1,5 @@
-"""A planned layer of one token whose experts all hit, where only on-demand planning runs, skips its plan
-(HitLayer): the same outputs bit for bit, the same calls to the policy in the same order, the same counters — and
+"""A planned layer whose experts all hit (one token's, or a batch's and a prompt's), where only on-demand planning
+runs, skips its plan (HitLayer): the same outputs bit for bit, the same calls to the policy in the same order, the same counters — and
 every layer is planned again where a hook needs plans."""
 
 import pytest
@@ -33,8 +33,9 @@ class PlanListener(RouteListener):
 
 
 def decode(monkeypatch, path, skip: bool, hook: LayerHook | None = None) -> dict:
-    """Greedy decoding of two prompts at 60% of the experts with the default policy: each MoE layer's output, the
-    policy's calls, the counters, and how many layers skipped planning (`skip` False: none may)."""
+    """Greedy decoding of two prompts at 60% of the experts with the default policy, one after the other and then
+    together: each MoE layer's output, the policy's calls, the counters, and how many layers of one token and of
+    more skipped planning (`skip` False: none may)."""
     policy_class = POLICIES[DEFAULT_POLICY]
     calls, outs, skipped = [], [], []
     on_route, on_access, call, hit = (policy_class.on_route, policy_class.on_access, ExpertExecutor.__call__,
@@ -53,9 +54,10 @@ def decode(monkeypatch, path, skip: bool, hook: LayerHook | None = None) -> dict
         outs.append(out.clone())
         return out
 
-    def counted(self, *args):
-        out = hit(self, *args) if skip else None
-        skipped.append(out is not None)
+    def counted(self, route, *args):
+        out = hit(self, route, *args) if skip else None
+        if out is not None:
+            skipped.append(route.topk_ids.shape[0])
         return out
 
     monkeypatch.setattr(policy_class, "on_route", heard_route)
@@ -68,9 +70,10 @@ def decode(monkeypatch, path, skip: bool, hook: LayerHook | None = None) -> dict
         if hook is not None:
             engine.executor.layer_step.hooks.append(hook)
         results = [engine.generate([p], max_new_tokens=12, ignore_eos=True) for p in prompts]
+        results.append(engine.generate(prompts, max_new_tokens=12, ignore_eos=True))  # (decoded together)
     monkeypatch.undo()
-    return dict(outs=outs, calls=calls, skipped=sum(skipped), tokens=[r.token_ids[0] for r in results],
-                counters=[(r.stats["prefill"], r.stats["decode"]) for r in results])
+    return dict(outs=outs, calls=calls, skipped=sum(t == 1 for t in skipped), batched=sum(t > 1 for t in skipped),
+                tokens=[r.token_ids for r in results], counters=[(r.stats["prefill"], r.stats["decode"]) for r in results])
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,8 @@ def path(tiny_store):
 def test_a_layer_whose_experts_all_hit_is_what_its_plan_computes_hears_and_counts(path, monkeypatch):
     planned = decode(monkeypatch, path, skip=False)
     direct = decode(monkeypatch, path, skip=True)
-    assert planned["skipped"] == 0 and direct["skipped"] >= 10  # (of 2 x 11 x 3 decode layers)
+    assert planned["skipped"] == planned["batched"] == 0
+    assert direct["skipped"] >= 10 and direct["batched"] >= 5  # (one token a layer; two decoded together, a prompt)
     assert direct["tokens"] == planned["tokens"] and len(direct["outs"]) == len(planned["outs"])
     assert all(torch.equal(a, b) for a, b in zip(direct["outs"], planned["outs"]))
     assert direct["calls"] == planned["calls"]
@@ -96,5 +100,5 @@ def test_route_listeners_hear_every_layer_and_a_hook_that_needs_plans_gets_every
     assert direct["skipped"] >= 10 and listener.heard == planned_listener.heard
     plans = PlanListener()
     with_plans = decode(monkeypatch, path, skip=True, hook=plans)
-    assert with_plans["skipped"] == 0  # (HitLayer never asked: the executor plans every layer)
+    assert with_plans["skipped"] == with_plans["batched"] == 0  # (HitLayer never asked: every layer planned)
     assert sum(1 for h in plans.heard if h[0] == "plan") == sum(1 for h in plans.heard if h[0] != "plan") > 0
