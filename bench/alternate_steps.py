@@ -1,5 +1,5 @@
-"""A feature of the decode step (batch 1 unless `--batch`) on and off, alternated every step within one generation: the median step
-with and without it, and each adjacent pair's ratio.
+"""A feature of the decode step (batch 1 unless `--batch`) on and off, alternated every step within one
+generation: the median step with and without it, and each adjacent pair's ratio.
 
 Why: on a host whose memory rate moves by half from one minute (or process) to the next, two runs measured one
 after the other compare the minutes more than the code; two neighbouring steps of one run meet the same memory.
@@ -17,9 +17,9 @@ choice in one native call (NativeSoftmaxRouter) against torch's ops; `step` — 
 (ResidentStep) against its layers one by one; `one-token` — a planned layer whose experts all hit through the
 kernels' one-token call (moetier/engine/one_token.py) against grouping its pairs (ExpertGroups), every layer planned
 on both sides; `hit-layer` — such a layer computed with no plan (moetier/engine/hit_layer.py) against planning it
-(then the one-token call; with `--batch` above 1, the pairs grouped either way). The last two at an
-`--expert-memory` below 100% (every other feature at 100%, the model
-preloaded). The first three are measured with the layers one by one."""
+(then the one-token call; with `--batch` above 1, the pairs grouped either way); `all-hit` — both against neither
+(every layer planned, its pairs grouped). The last three at an `--expert-memory` below 100% (every other feature
+at 100%, the model preloaded). The first three are measured with the layers one by one."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from common import OUT  # noqa: E402
 
-FEATURES = ("blocks", "tables", "router", "step", "one-token", "hit-layer")
-PLANNED = ("one-token", "hit-layer")  # features of planned layers: measured below 100%
+FEATURES = ("blocks", "tables", "router", "step", "one-token", "hit-layer", "all-hit")
+PLANNED = ("one-token", "hit-layer", "all-hit")  # features of planned layers: measured below 100%
 
 
 def switch(engine, feature: str):
@@ -68,6 +68,10 @@ def switch(engine, feature: str):
             return
         if feature == "hit-layer":
             engine.executor.hit_layer = hit if on else None
+            return
+        if feature == "all-hit":  # (both above together, against every layer planned and grouped)
+            engine.executor.hit_layer = hit if on else None
+            LayerPlan.one_token_order = one_token if on else _grouped
             return
         resident = engine.executor.resident_layers  # (this step's: begin_step ran before the step hooks)
         if resident is not None and resident.tables is not None:
@@ -143,7 +147,7 @@ def main() -> None:
             sys.exit("moetier: error: this model and kernel set have no native router to turn off")
         if args.feature == "step" and engine.model.resident_step is None:
             sys.exit("moetier: error: this model and kernel set have no one-call step to turn off")
-        if args.feature == "hit-layer" and engine.executor._hit is None:
+        if args.feature in ("hit-layer", "all-hit") and engine.executor._hit is None:
             sys.exit("moetier: error: this configuration plans every layer (a stage beyond on-demand, a predictor or "
                      "two precisions): no layer skips planning to turn off")
         result = measure(engine, args.feature, args.tokens, args.prompt_len, args.batch)
