@@ -136,7 +136,40 @@ class HostSlots:
         return self.num_slots * self.stride
 
 
-class DeviceSlots:
+class DevicePool:
+    """What a GPU's pools of slots share (DeviceSlots, and TieredDeviceSlots behind a host tier): the marks after
+    each compute call that read their slots (`_reads`, SlotReads: a copy into a slot waits for its last reader), and
+    the bytes `num_slots` of `slot_bytes` take; growing to more slots (`ensure`: each a block of device memory, its
+    tensors' views, its completion, and what the pool keeps a slot, `_grow_slot`)."""
+
+    def ensure(self, num_slots: int) -> None:
+        for _ in range(self.num_slots, num_slots):
+            block = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            self._blocks.append(block)
+            self._tensors.append(self.layout.views(block))
+            self.completions.append(Completion())
+            self._grow_slot()
+        self.num_slots = max(self.num_slots, num_slots)
+        self._reads.ensure(self.num_slots)
+
+    def _grow_slot(self) -> None:
+        """The pool's own state for one more slot."""
+        raise NotImplementedError
+
+    def queued(self) -> None:
+        """The compute reading the slots whose weights were taken since the last call is queued."""
+        self._reads.queued()
+
+    def read_all(self) -> None:
+        """A step reads every slot without taking their weights one by one (ResidentLayers)."""
+        self._reads.read_all()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+
+class DeviceSlots(DevicePool):
     """Slots in device memory, fed through `staging` pinned host buffers (reads in flight at once beyond that
     wait for the oldest pending copy)."""
 
@@ -165,16 +198,9 @@ class DeviceSlots:
         buf = raw[skip:skip + self.slot_bytes]
         return buf, memoryview(buf.numpy()).cast("B")
 
-    def ensure(self, num_slots: int) -> None:
-        for _ in range(self.num_slots, num_slots):
-            block = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-            self._blocks.append(block)
-            self._tensors.append(self.layout.views(block))
-            self.completions.append(Completion())
-            self._copied.append(None)
-            self._after.append(None)
-        self.num_slots = max(self.num_slots, num_slots)
-        self._reads.ensure(self.num_slots)
+    def _grow_slot(self) -> None:
+        self._copied.append(None)
+        self._after.append(None)
 
     def release(self, slots: Iterable[int]) -> None:
         """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
@@ -238,18 +264,6 @@ class DeviceSlots:
             self._copied[slot] = None
         self._reads.read(slot)
         return self._tensors[slot]
-
-    def queued(self) -> None:
-        """The compute reading the slots whose weights were taken since the last call is queued."""
-        self._reads.queued()
-
-    def read_all(self) -> None:
-        """A step reads every slot without taking their weights one by one (ResidentLayers)."""
-        self._reads.read_all()
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_slots * self.slot_bytes
 
 
 def free_device_blocks(device: torch.device, blocks: list[torch.Tensor]) -> None:

@@ -23,12 +23,12 @@ import torch
 from moetier.engine.copy_queue import FifoCopies
 from moetier.engine.host_tier import HostTier
 from moetier.engine.slot_reads import SlotReads
-from moetier.engine.slots import free_device_blocks
+from moetier.engine.slots import DevicePool, free_device_blocks
 from moetier.store.format import PrecisionLayout
 from moetier.store.reader import ON_DEMAND, Completion
 
 
-class TieredDeviceSlots:
+class TieredDeviceSlots(DevicePool):
     waits_on_device = True  # compute on a loaded slot waits for its copy on the device (`weights`), not the host
 
     def __init__(self, layout: PrecisionLayout, num_slots: int, device: torch.device, tier: HostTier,
@@ -55,19 +55,12 @@ class TieredDeviceSlots:
         self._held: dict[int, tuple[int, bool]] = {}  # slot -> (host slot, read from disk) of a copy not yet queued
         self.ensure(num_slots)
 
-    def ensure(self, num_slots: int) -> None:
-        for _ in range(self.num_slots, num_slots):
-            block = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-            self._blocks.append(block)
-            self._tensors.append(self.layout.views(block))
-            self.completions.append(Completion())
-            self._copied.append(False)
-            self._free.append(None)
-            self._start.append(torch.cuda.Event(enable_timing=True))
-            self._done.append(torch.cuda.Event(enable_timing=True))
-            self._copies.append(0)
-        self.num_slots = max(self.num_slots, num_slots)
-        self._reads.ensure(self.num_slots)
+    def _grow_slot(self) -> None:
+        self._copied.append(False)
+        self._free.append(None)
+        self._start.append(torch.cuda.Event(enable_timing=True))
+        self._done.append(torch.cuda.Event(enable_timing=True))
+        self._copies.append(0)
 
     def release(self, slots) -> None:
         """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
@@ -201,15 +194,3 @@ class TieredDeviceSlots:
             self._copied[slot] = False
         self._reads.read(slot)
         return self._tensors[slot]
-
-    def queued(self) -> None:
-        """The compute reading the slots whose weights were taken since the last call is queued."""
-        self._reads.queued()
-
-    def read_all(self) -> None:
-        """A step reads every slot without taking their weights one by one (ResidentLayers)."""
-        self._reads.read_all()
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_slots * self.slot_bytes
