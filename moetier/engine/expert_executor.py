@@ -187,20 +187,21 @@ class ExpertExecutor:
         """A forward step starts; its layers are counted into `phases` (one generate call's statistics)."""
         self.layer_step.begin_step(phase)
         self.counts.phases = phases
-        self.resident_layers = self._resident_step()
+        # whether a hook beside the counters needs plans (a trace recorder): then every layer is planned
+        planned = any(h is not self.counts and h.needs_plans for h in self.layer_step.hooks)
+        self.resident_layers = self._resident_step(planned)
         if self.resident_layers is not None:  # (its tables read every slot: a later copy into one waits for this step)
             for pool in self.pools.values():
                 pool.read_all()
         # a layer whose experts all hit skips planning where a plan would change nothing and no hook needs one
-        self.hit_layer = None if any(h is not self.counts and h.needs_plans for h in self.layer_step.hooks) \
-            else self._hit
+        self.hit_layer = None if planned else self._hit
 
-    def _resident_step(self) -> ResidentLayers | None:
+    def _resident_step(self, planned: bool) -> ResidentLayers | None:
         """ResidentLayers for this step when planning would change nothing: every expert resident (so no read, no
         eviction), nothing but on-demand planning, and no observer of plans but the counters (a trace recorder hears
-        plans; one that hears routes alone, as --adapt's offload priority, is told them by ResidentLayers)."""
-        if (not self._plain or len(self.residency) < self.spec.num_expert_keys or self.in_flight
-                or any(h is not self.counts and h.needs_plans for h in self.layer_step.hooks)):
+        plans; one that hears routes alone, as --adapt's offload priority, is told them by ResidentLayers).
+        `planned`: a hook needs plans."""
+        if not self._plain or len(self.residency) < self.spec.num_expert_keys or self.in_flight or planned:
             self._resident = None  # (slots may move before every expert is resident again)
             return None
         if self._resident is None:

@@ -74,9 +74,6 @@ class HitLayer:
             self.costs.observe_expert(each)
         for e in experts:  # as LayerStep.end
             self.policy.on_access(keys[e], self.precision, route.step)
-        counters = self.counts.phases[route.phase]  # what CountingHook adds for a plan of resident runs
-        counters.layer_steps += 1
-        counters.needed += len(experts)
-        counters.hits += len(experts)
+        self.counts.phases[route.phase].add_hits(len(experts))  # what CountingHook adds for a plan of resident runs
         out = groups.combine()
         return out + shared_out if shared_out is not None else out

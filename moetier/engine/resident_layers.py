@@ -97,10 +97,7 @@ class ResidentLayers:
             keys = self.keys[self.index[layer]]
             for e in experts.tolist():
                 policy.on_access(keys[e], precision, step)
-            counters = self.counts.phases[phase]  # what CountingHook adds for a plan of resident runs
-            counters.layer_steps += 1
-            counters.needed += len(experts)
-            counters.hits += len(experts)
+            self.counts.phases[phase].add_hits(len(experts))  # what CountingHook adds for a plan of resident runs
         self.routes.clear()
 
     def _token(self, index: int, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,

@@ -34,6 +34,13 @@ class PhaseCounters:
     substituted: int = 0  # (token, k) assignments given another expert than the router's (a substitution stage)
     host_runs: int = 0  # needed experts computed where their weights live (a placement stage's choice)
 
+    def add_hits(self, experts: int) -> None:
+        """A layer step whose `experts` distinct experts were all resident and computed at the run's one precision:
+        what `add` counts for such a plan, for the paths that skip making one (ResidentLayers, HitLayer)."""
+        self.layer_steps += 1
+        self.needed += experts
+        self.hits += experts
+
     def add(self, plan: LayerPlan, entry_bytes: Mapping[Precision, int], high: Precision | None = None) -> None:
         """`high`: the run's high precision (None: count no low runs)."""
         self.layer_steps += 1

@@ -35,3 +35,15 @@ def test_a_layer_without_a_prediction_is_not_scored():
     hook.on_plan(plan(0, [[0, 1]]), DECODE)
     hook.on_plan(plan(1, [[0, 1]]), DECODE)
     assert hook.phases[DECODE].predicted == 0
+
+
+def test_a_layer_of_hits_counted_without_its_plan_is_what_the_plan_counts():
+    from moetier.plan.counters import PhaseCounters
+    from moetier.plan.layer_plan import RESIDENT, Run
+
+    p = plan(0, [[0, 1], [2, 1]])  # three distinct experts, all resident
+    p.runs = [Run(e, "bf16", e, RESIDENT) for e in (0, 1, 2)]
+    planned, direct = PhaseCounters(), PhaseCounters()
+    planned.add(p, {"bf16": 10}, "bf16")
+    direct.add_hits(3)
+    assert direct == planned and (direct.layer_steps, direct.needed, direct.hits) == (1, 3, 3)
