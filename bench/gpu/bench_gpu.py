@@ -16,7 +16,8 @@ mixed precision), `prefetch-hobbit`/`prefetch-presched` (stacked-gates predictor
 routing of the lru run: the bound), `substitute` (SMoE, α 0.35), `cpu-assist` (placement: the host CPU computes a
 missing expert from host memory where that beats copying it), `cpu-offload` (llama.cpp's `--n-cpu-moe`: the cache
 preloaded layer by layer, every other expert computed by the host CPU), `torch-kernels` (`--kernel-budgets`: lru
-with the experts through torch's ops rather than Triton's).
+with the experts through torch's ops rather than Triton's), `cuda-graphs` (`--graph-budgets`: lru with a decode step
+of one sequence replayed as a CUDA graph where every expert is resident; each row records what the graphs did).
 
     python bench/gpu/bench_gpu.py --out DIR [--models demo-fine-xl] [--budgets 10%,25%,50%,100%] [--batch 1,8]
         [--modes hobbit,prefetch-hobbit,...] [--disk-budgets 25%]
@@ -65,6 +66,7 @@ def modes() -> dict[str, dict]:
         "cpu-assist": {"placement": "greedy"},
         "cpu-offload": {"placement": "cpu-offload"},  # llama.cpp's --n-cpu-moe: every miss computed on the host
         "torch-kernels": {"kernels": "torch"},  # the experts through torch's ops, not Triton's (--kernel-budgets)
+        "cuda-graphs": {"cuda_graphs": True},  # a resident step of one sequence replayed as a graph (--graph-budgets)
     }
 
 
@@ -202,12 +204,14 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
         copies = engine.executor.copies  # (a GPU's copy queue behind a host tier)
         before = copies and dataclasses.asdict(copies.counts)
         stats = engine.generate(measured, max_new_tokens=tokens, ignore_eos=True).stats
+        graphs = getattr(engine.model, "graphs", None)  # (both calls': each call's KV cache is captured anew)
+        graphs = None if graphs is None else dict(graphs.status)
     row = {k: stats[k] for k in ("ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "decode_tokens_per_s",
                                  "decode_hit_rate", "expert_bytes_per_token", "expert_cache_bytes", "expert_slots",
                                  "prefetches")}
     mixed = engine.executor.mixed  # (the precision mode as the engine resolved it: what sim_check.py replays)
     row.update(precision=dataclasses.asdict(mixed) if mixed.mixed else None, copies=copy_counts(copies, before, mode),
-               policy=engine.config.policy)
+               policy=engine.config.policy, graphs=graphs)
     row.update(setup_s=setup_s, gpu_peak_bytes=gpu_peak(device), host_tier=stats.get("host_tier"),
                host_runs=stats["decode"].get("host_runs"), substituted=stats["decode"].get("substituted"))
     del engine
@@ -276,6 +280,8 @@ def main() -> None:
                                                          "from disk)")
     ap.add_argument("--kernel-budgets", default="", help="lru budgets run again with --kernels torch (the experts "
                                                          "through torch's ops, against Triton's in the lru rows)")
+    ap.add_argument("--graph-budgets", default="", help="lru budgets run again with --cuda-graphs (a resident step "
+                                                        "of one sequence replayed as a CUDA graph: at 100%%)")
     ap.add_argument("--rounds", type=int, default=1, help="every configuration this many times, rotated")
     ap.add_argument("--process-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="run the first configuration once, unrecorded, before the measured ones")
@@ -317,6 +323,7 @@ def main() -> None:
         plan += [(args.mode_budget, m, batches[0], "host") for m in mode_names]
         plan += [(b, "lru", batches[0], "disk") for b in args.disk_budgets.split(",") if b]
         plan += [(b, "torch-kernels", batches[0], "host") for b in args.kernel_budgets.split(",") if b]
+        plan += [(b, "cuda-graphs", batches[0], "host") for b in args.graph_budgets.split(",") if b]
         plan += [(b, "lru", n, "host") for n in batches[1:] for b in args.batch_budgets.split(",")]
         tier, precisions = None, precisions_for(store, ["lru", *mode_names])
         if args.device.startswith("cuda"):

@@ -144,9 +144,9 @@ if [ -n "$PREPARE" ]; then log "waiting for the synthetic OLMoE"; wait $PREPARE;
 MODES=${GPU_MODES:-comoe,hobbit,prefetch-hobbit,prefetch-hobbit-fifo,prefetch-presched,prefetch-oracle,substitute,cpu-assist,cpu-offload}
 stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --models demo-fine-xl \
     --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25% --modes "$MODES" --disk-budgets 25% \
-    --tokens 24 --warmup 8 --rounds ${GPU_ROUNDS:-2}
+    --graph-budgets 100% --tokens 24 --warmup 8 --rounds ${GPU_ROUNDS:-2}
 OLMOE=${GPU_OLMOE:---budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25%,100% --disk-budgets 25% \
---kernel-budgets 25%,100% --accelerate olmoe-synth:25%}  # (the llama.cpp call: fewer rows)
+--kernel-budgets 25%,100% --graph-budgets 100% --accelerate olmoe-synth:25%}  # (the llama.cpp call: fewer rows)
 stage bench-olmoe 200 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" --models olmoe-synth \
     --modes "$MODES" --tokens 12 --warmup 6 --rounds ${GPU_ROUNDS:-2} $OLMOE
 stage profile-olmoe 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \

@@ -68,6 +68,7 @@ def open_engine(args: argparse.Namespace, progress: bool = True, prompts: list[s
     config.setdefault("adapt", getattr(args, "adapt", False))
     config.setdefault("offload", getattr(args, "offload", "all"))
     config.setdefault("variants", getattr(args, "variants", None))
+    config.setdefault("cuda_graphs", getattr(args, "cuda_graphs", False))
     EngineConfig(expert_memory=MemoryBudget.parse(args.expert_memory), reader_threads=args.reader_threads,
                  device=args.device, kernels=args.kernels, **config)  # refuses what the options say, first
     if prompts:
@@ -133,6 +134,9 @@ def _generate(args: argparse.Namespace) -> None:
         print(f"note: generation of prompt {b} stopped at the model's context window ({context} tokens) after "
               f"{len(out.token_ids[b])} new tokens", file=sys.stderr)
     print(format_summary(out.stats), file=sys.stderr)
+    graphs = getattr(engine.model, "graphs", None)
+    if graphs is not None:
+        print(f"moetier: {graphs.note}", file=sys.stderr)
 
 
 def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
@@ -168,6 +172,10 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     p.add_argument("--offload", default="all", choices=["all", "encoder"],
                    help="whose experts the cache offloads: every MoE layer's (default), or an encoder-decoder's "
                         "(Switch) encoder's alone, the decoder's kept resident (CoMoE's encoder-focused offloading)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="with --device cuda: a one-sequence decode step with every expert resident (--expert-memory "
+                        "100%%) replayed as a CUDA graph, one launch instead of ~300 (docs/gpu.md); other steps run "
+                        "layer by layer")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="auto (default): moetier's native kernels for bf16 decoding on the CPU, built on first use with "
                         "the C compiler (the best instruction set this CPU runs; a prefill's products in torch's GEMM "

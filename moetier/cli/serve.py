@@ -154,7 +154,8 @@ def _serve_on_ray(args: argparse.Namespace, settings, config: dict) -> None:
     engine = dict(config, expert_memory=args.expert_memory, cache_dir=args.cache_dir,  # (as open_engine gives them)
                   reader_threads=args.reader_threads, device=args.device, kernels=args.kernels,
                   reconvert=getattr(args, "reconvert", False), adapt=getattr(args, "adapt", False),
-                  offload=getattr(args, "offload", "all"), variants=getattr(args, "variants", None))
+                  offload=getattr(args, "offload", "all"), variants=getattr(args, "variants", None),
+                  cuda_graphs=getattr(args, "cuda_graphs", False))
     if getattr(args, "host_memory", None) is not None:
         from moetier.config import HostMemory
 

@@ -33,6 +33,7 @@ from moetier.errors import BudgetError, MoetierError
 from moetier.memory import MemoryView, memory_available, release_freed_memory
 from moetier.merge.library import Library
 from moetier.model.build import make_model
+from moetier.model.decode_graphs import DecodeGraphs
 from moetier.model.dense_quant import (
     DENSE_PRECISIONS,
     check_dense_precision,
@@ -43,7 +44,7 @@ from moetier.model.dense_quant import (
     quantizing,
     with_dense_precision,
 )
-from moetier.model.kernels import PATHS, check_kernel_path, make_kernels
+from moetier.model.kernels import PATHS, check_kernel_path, make_kernels, triton_installed
 from moetier.model.stacked import materialized, stack_qkv
 from moetier.model.transformer import Transformer
 from moetier.plan.alpha_budget import CALIBRATION_ALPHAS, AlphaChoice, choose_alpha
@@ -117,6 +118,8 @@ class EngineConfig:
     variants: str | None = None  # with adapt: a merge library's folder; its variants switched between by the memory
     speculation: Speculation | None = None  # drafts by prompt lookup verified in one step (engine/speculative.py);
     # None: one token a request a step
+    cuda_graphs: bool = False  # on a GPU: a one-sequence decode step with every expert resident replayed as a CUDA
+    # graph (moetier/model/decode_graphs.py)
 
     def per_layer(self, slots: int, layers: int, experts: int) -> bool:
         """Whether the expert cache's `slots` are split among the `layers` MoE layers (moetier/cache/capacity.py:
@@ -172,6 +175,14 @@ class EngineConfig:
         if self.dense_precision != "native" and torch.device(self.device).type != "cpu":
             raise MoetierError(f"--dense-precision {self.dense_precision} computes on the CPU's kernels; the dense "
                                f"weights are on {self.device}", hint="use --dense-precision native with a GPU")
+        if self.cuda_graphs and torch.device(self.device).type == "cpu":
+            raise MoetierError("--cuda-graphs replays a GPU's decode step; the model runs on the CPU",
+                               hint="use --device cuda, or drop --cuda-graphs")
+        if self.cuda_graphs and (self.kernels == "torch" or not triton_installed()):
+            raise MoetierError("--cuda-graphs computes a token's experts from the router's ids on the device, "
+                               "through Triton's kernels" + ("" if self.kernels == "torch" else
+                                                            ", and triton is not installed"),
+                               hint="use --kernels auto with triton installed, or drop --cuda-graphs")
         if self.host_memory is not None and torch.device(self.device).type == "cpu":
             raise MoetierError("--host-memory is the host tier behind a GPU's expert cache; on the CPU the expert "
                                "cache is in host memory already", hint="use --expert-memory, or --device cuda")
@@ -328,6 +339,9 @@ class Engine:
         if config.speculation is not None and self.spec.encoder_decoder is not None:
             raise MoetierError("speculative decoding verifies drafts in a decoder-only model's steps; this model is "
                                "an encoder-decoder", hint="drop --speculate")
+        if config.cuda_graphs and self.spec.encoder_decoder is not None:
+            raise MoetierError("--cuda-graphs replays a decoder-only model's decode step; this model is an "
+                               "encoder-decoder", hint="drop --cuda-graphs")
         tensors = store.dense_tensors()
         in_blocks = config.dense_precision == "native" and self.device.type == "cpu"  # (a GGUF's: below)
         blocks = {name: b.nbytes for name, b in store.manifest.dense_blocks.items()} if in_blocks else {}
@@ -453,6 +467,8 @@ class Engine:
                                       if self.device.type != "cpu" else None, host_tier=host_tier,
                                       copy_order=self._copy_order)
             model = make_model(spec, dense, executor, kernels)
+            if config.cuda_graphs:  # (a decoder-only model's: __init__ refused the others)
+                model.graphs = DecodeGraphs.make(model)
             executor.preload(kept)  # (--offload encoder: the decoder's experts, resident for good)
             executor.residency.keep(kept)
             executor.preload(policy.start_set())  # a policy's profiled hot set, loaded at start-up (PreScope)
@@ -643,6 +659,8 @@ class Engine:
         if not self.closed:
             self.closed = True
             self._stop_reader()
+            if getattr(self.model, "graphs", None) is not None:  # (their memory pools, before the cache's)
+                self.model.graphs.close()
             self.executor.close()
             if self._own_tier and self.host_tier is not None:
                 self.host_tier.close()

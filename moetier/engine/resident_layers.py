@@ -50,11 +50,26 @@ class ResidentLayers:
         # views until Python's cycle collector next ran)
         self._one_token = ResidentLayers._token_routed if self.tables is not None else ResidentLayers._token
         self.last = spec.moe_layers[-1]
+        self.device = torch.device(executor.device)
         self.routes: list[tuple] = []  # this step's (layer, step, phase, scores, topk_ids, topk_weights), for `_hear`
 
     def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, shared, step: int, phase: int) -> torch.Tensor:
         """x [T, H], scores [T, E], topk_ids/topk_weights [T, k] -> routed (+ shared) expert output [T, H]."""
+        out = self.compute(layer, x, scores, topk_ids, topk_weights, shared)
+        self.heard(layer, scores, topk_ids, topk_weights, step, phase)
+        return out
+
+    @property
+    def on_device(self) -> bool:
+        """Whether a token's experts are computed from the router's outputs where they are, never read back to the
+        host (`compute` at one token): through the layers' tables (a GPU's: TritonExperts), or on the CPU, where
+        the routing is the host's own memory. What a captured CUDA graph needs (moetier/model/decode_graphs.py)."""
+        return self.tables is not None or self.device.type == "cpu"
+
+    def compute(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, shared) -> torch.Tensor:
+        """`__call__` without hearing the route: the caller tells it (`heard`) once the outputs are there."""
         index = self.index[layer]
         if topk_ids.shape[0] == 1:  # one token (a decode step at batch 1): no grouping, the kernel sums its experts
             out = torch.empty_like(x)
@@ -67,7 +82,6 @@ class ResidentLayers:
             table = self.weights[index]
             groups.compute_layer(experts.tolist(), self.kernel, [table[e] for e in experts])
             out = groups.combine()
-        self.heard(layer, scores, topk_ids, topk_weights, step, phase)
         return out + shared() if shared is not None else out
 
     def heard(self, layer: int, scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, step: int,

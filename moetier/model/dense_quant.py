@@ -196,6 +196,7 @@ class QuantizedDenseKernels:
             base.add_rms_norm_fp32_weight
         self.rope, self.decode_attention, self.kv_write = base.rope, base.decode_attention, base.kv_write
         self.sink_decode_attention = base.sink_decode_attention
+        self.positions_on_device = base.positions_on_device
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.dense = torch.empty(0, dtype=torch.bfloat16)  # a prefill's dequantized matrix, reused across calls
         self.fits: dict[tuple[int, int, int], bool] = {}

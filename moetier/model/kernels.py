@@ -48,6 +48,9 @@ class Fp32Buffer:
 
 class TorchKernels:
     name = "torch"
+    # whether a step's positions and KV rows are read from its tensors alone, never from the batch's host copies
+    # (what a CUDA graph replays: moetier/model/decode_graphs.py); NativeKernels take one token's from the host
+    positions_on_device = True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -221,6 +224,7 @@ class NativeKernels(TorchKernels):
     batch. Decode attention too, one sequence at a time up to NATIVE_ROWS of them; a prefill's stays torch's."""
 
     name = "native"
+    positions_on_device = False  # a decode token's rope, KV write and attention from the batch's host copies
 
     def __init__(self, lib, isa: str = "") -> None:
         self.lib, self.isa = lib, isa  # isa: the instruction set the library was built for (native.ISAS)

@@ -28,6 +28,8 @@ class Experts(Protocol):
     # Optional, for a decode step in one native call (moetier/model/resident_step.py):
     # resident_tables() -> one TokenTable a MoE layer, or None (this step's layers are not all resident and
     # unplanned); heard(layer, scores, topk_ids, topk_weights): a layer that step routed, told afterwards.
+    # For a decode step replayed as a CUDA graph (moetier/model/decode_graphs.py): resident_on_device() -> the
+    # resident layers (`compute(layer, x, scores, topk_ids, topk_weights, shared)`, no host read), or None.
 
 
 def attention_class(spec: ModelSpec) -> type:
@@ -90,6 +92,7 @@ class Transformer:
                                         self.kernels)
         # the whole step in one native call where every expert is resident (None where it does not apply)
         self.resident_step = ResidentStep.make(spec, self.blocks, self.router, self.is_moe)
+        self.graphs = None  # a decode step replayed as a CUDA graph where it applies (DecodeGraphs; set by the engine)
         self.rope: Rope | None = None
         # the forward step in progress and its residual stream at the MoE layer running now, for `lookahead`
         self._step: tuple[StepBatch, KVCache, RopeTables] | None = None
@@ -103,9 +106,10 @@ class Transformer:
         return self.rope
 
     def _moe(self, layer: int, x: torch.Tensor, segments: list[tuple[int, int]] | None,
-             logits: torch.Tensor | None = None) -> torch.Tensor:
+             logits: torch.Tensor | None = None, experts: Experts | None = None) -> torch.Tensor:
         """`segments`: each prompt's (first token, length) in a prefill (a router with an expert capacity counts per
-        prompt); None in a decode step. `logits`: the router's, where a decode block made them."""
+        prompt); None in a decode step. `logits`: the router's, where a decode block made them. `experts`: who
+        computes them (None: the engine's, `self.experts`)."""
         spec, w, kernels = self.spec, self.layers[layer], self.kernels
         if logits is None:
             scores, topk_ids, topk_weights = self.router(x, w, segments)
@@ -118,7 +122,7 @@ class Transformer:
                 if spec.shared_expert_gated:  # Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x))
                     return torch.sigmoid(F.linear(x, w["shared_gate"])) * out
                 return out
-        return self.experts(layer, x, scores, topk_ids, topk_weights, shared)
+        return (experts or self.experts)(layer, x, scores, topk_ids, topk_weights, shared)
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """A layer without experts: its dense SwiGLU MLP."""
@@ -128,11 +132,20 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [B, V] for each sequence's last token (or [N, V] for every token with all_logits)."""
-        norm = self.norm
         rope = self.ensure_rope(kv.max_len).tables(batch)
         self._step = (batch, kv, rope)
         if batch.decode and self.blocks is not None and self.blocks.applies(kv, rope, len(batch.rows_host)):
             return self._forward_blocks(batch, kv, rope)
+        if batch.decode and self.graphs is not None:
+            logits = self.graphs(batch, kv, rope)  # None where no graph applies to this step
+            if logits is not None:
+                return logits
+        return self.run_layers(batch, kv, rope, self.experts, all_logits)
+
+    def run_layers(self, batch: StepBatch, kv: KVCache, rope: RopeTables, experts: Experts,
+                   all_logits: bool = False) -> torch.Tensor:
+        """The step layer by layer, `experts` computing the MoE layers' experts: logits [B, V] (or [N, V])."""
+        norm = self.norm
         h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         segments = None if batch.decode else [(first, length) for _, first, _, length in batch.segments]
         add_norm, delta = self.add_norm, None  # (each residual add with the norm after it: one launch on a GPU)
@@ -140,7 +153,7 @@ class Transformer:
             h, x = add_norm(h, delta, w, "input_norm")
             h, x = add_norm(h, self.attn[i](x, batch, kv, rope), w, "post_attn_norm")
             self._h = h  # (a reference, no copy: what `lookahead` starts from)
-            delta = self._moe(i, x, segments) if self.is_moe[i] else self._mlp(i, x)
+            delta = self._moe(i, x, segments, experts=experts) if self.is_moe[i] else self._mlp(i, x)
         h = h + delta
         if not all_logits:
             h = h[batch.last]

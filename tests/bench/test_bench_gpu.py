@@ -29,6 +29,7 @@ def test_every_row_kind_measures_on_the_cpu(tmp_path):
     # (HOBBIT's low copies added to the store; the mode as the engine resolved it, for sim_check.py)
     assert [row["precision"]["cached"] for row in rows if row["mode"] == "hobbit"] == ["by-gate"]
     assert all(row["tpot_s"] > 0 for row in rows)
+    assert all(row["graphs"] is None for row in rows)  # (--graph-budgets' rows record what the graphs did)
 
 
 def test_a_models_entry_names_its_rows_or_is_its_own_name():

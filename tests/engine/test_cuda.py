@@ -11,6 +11,7 @@ from moetier.cli import main
 from moetier.config import HostMemory, MemoryBudget
 from moetier.engine.engine import EngineConfig
 from moetier.engine.slots import DeviceSlots
+from moetier.errors import MoetierError
 from moetier.model.expert_kernels import make_expert_kernel
 from moetier.model.kernels import make_kernels
 from moetier.plan.precision import MixedPrecision
@@ -251,3 +252,38 @@ def test_gpt_oss_experts_through_triton_write_what_torchs_ops_write(tmp_path, ti
         path = gguf_export.export(tmp_path / "hf", tmp_path / "mxfp4.gguf", {0: ("MXFP4", "MXFP4"),
                                   1: ("MXFP4", "MXFP4")}, dense_type="bf16")
         triton_against_torch(index_gguf(path, tmp_path / "store", progress=False), "mxfp4", TritonGgmlExperts)
+
+
+def test_cuda_graphs_replay_the_layer_by_layer_steps(tiny_store):
+    """`--cuda-graphs` with every expert resident: each decode step of one sequence replayed from a graph (one a
+    bucket of keys), the same greedy tokens as the steps layer by layer but where bf16's rounding tips one (the
+    graph's attention sums over its bucket's keys, those past the token masked); at 30% (planned layers read their
+    routing back) and for a batch, no graph."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from moetier.model.kernels import triton_installed
+
+    if not triton_installed():
+        pytest.skip("a resident token's experts are computed on the device through Triton's tables")
+    with pytest.raises(MoetierError, match="through Triton's kernels"):
+        EngineConfig(device="cuda", cuda_graphs=True, kernels="torch")
+    _, path = tiny_store("olmoe", torch.bfloat16, num_hidden_layers=4, intermediate_size=64)
+    got, status = {}, {}
+    for memory, graphs in (("100%", False), ("100%", True), ("30%", True)):
+        config = EngineConfig(expert_memory=MemoryBudget.parse(memory), device="cuda", cuda_graphs=graphs)
+        with Engine(Store(path), config, progress=False) as engine:
+            engine.preload()
+            got[memory, graphs] = [engine.generate([p], max_new_tokens=12, ignore_eos=True).token_ids[0]
+                                   for p in prompts()]
+            batch = engine.generate(prompts(), max_new_tokens=4, ignore_eos=True)  # two rows a step: no graph
+            assert len(batch.token_ids) == 2
+            if graphs:
+                status[memory] = dict(engine.model.graphs.status)
+        if graphs:
+            assert engine.model.graphs.graphs == {}  # closing the engine drops them (their memory pools)
+    assert status["100%"]["off"] is None, status
+    assert status["100%"]["replayed"] == 2 * 11 and status["100%"]["captured"] >= 2  # (each prompt's KV length)
+    assert status["30%"]["replayed"] == 0
+    a, b = sum(got["100%", True], []), sum(got["100%", False], [])
+    assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(b)
+    assert got["30%", True] == got["30%", False]

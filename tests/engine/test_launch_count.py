@@ -141,3 +141,69 @@ def test_a_bf16_decode_step_on_triton_launches_a_fraction_of_what_torchs_ops_do(
     assert decode["triton:rms_norm_kernel"] and decode["triton:rope_kernel"] and decode["triton:gate_up"]
     assert ours <= most[budget] and theirs >= times * ours, (ours, theirs, decode)
     assert sum(a == b for a, b in zip(tokens, want)) >= len(want) - 1
+
+
+# ops that read a tensor's values back to the host: a CUDA graph's capture fails on them (or bakes the value in)
+READ_BACKS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "unique", "_unique2", "masked_select",
+              "_assert_async"}
+
+
+@pytest.mark.usefixtures("cuda_stand_ins")
+def test_a_graphed_resident_step_on_triton_reads_nothing_back_and_writes_the_layer_by_layer_tokens(
+        tiny_store, monkeypatch, launches):
+    """`--cuda-graphs`' step (moetier/model/decode_graphs.py) on TritonKernels with every expert resident, behind a
+    whole host tier as on a GPU: captured by a stand-in that watches its ops and replays it eagerly into the same
+    outputs. The captured step computes each layer's experts from the Triton tables (the router's ids on the
+    device), makes no op that reads a value back to the host, and the tokens are the layer-by-layer step's (its attention summed over the graph's bucket of keys, bf16: but where a rounding
+    tips one)."""
+    from moetier import Engine
+    from moetier.config import MemoryBudget
+    from moetier.engine import engine as engine_module
+    from moetier.engine.engine import EngineConfig
+    from moetier.engine.host_tier import HostTier
+    from moetier.model.decode_graphs import DecodeGraphs
+    from moetier.model.kernels import TorchKernels, TritonKernels
+    from moetier.store.reader import ExpertReader
+    from moetier.store.store import Store
+    from tests.model.test_decode_graphs import Replayed
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64, num_hidden_layers=2)
+    store = Store(path)
+    prompt = torch.randint(3, 128, (6,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    class OnTheCpu(TritonKernels):
+        def decode_attention(self, *args):  # (the GPU's SDPA backends list is CUDA's)
+            return TorchKernels.decode_attention(self, *args)
+
+    class Watched:
+        def __init__(self) -> None:
+            self.seen: list[collections.Counter] = []
+
+        def __call__(self, step):
+            with launches() as seen:
+                outputs = step()
+            self.seen.append(seen.counts)
+            return Replayed(step, outputs), outputs
+
+    monkeypatch.setattr(engine_module, "make_kernels", lambda *args: OnTheCpu())
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    got = []
+    for graphed in (False, True):
+        tier = HostTier(store.manifest, keys, {native: len(keys)}, FakePinning())
+        with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+            tier.fill(reader, progress=False)
+        with Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("100%"), kernels="torch"), progress=False,
+                    host_tier=tier) as engine:
+            engine.preload()
+            watched = Watched()
+            graphs = engine.model.graphs = DecodeGraphs.make(engine.model, watched, shortest=8) if graphed else None
+            got.append(engine.generate([prompt], max_new_tokens=5, ignore_eos=True).token_ids[0])
+            assert engine.executor.resident_layers.tables is not None  # (Triton's tables: the device's routing)
+            if graphed:  # 6 tokens and 4 decode steps: sequences of 7, 8 (the bucket of 8), 9 and 10 (of 16)
+                assert graphs.status == {"captured": 2, "replayed": 4, "off": None}
+    assert len(watched.seen) == 2
+    for captured in watched.seen:
+        assert not READ_BACKS & set(captured), captured
+        assert captured["triton:gate_up"] == captured["triton:down"] == len(store.spec.moe_layers)
+        assert captured["triton:rms_norm_kernel"] and captured["triton:rope_kernel"]
+    assert sum(a == b for a, b in zip(*got)) >= len(got[0]) - 1, got

@@ -1,0 +1,180 @@
+"""A one-sequence decode step replayed as a CUDA graph where every expert is resident (`--cuda-graphs on`).
+
+Why: a GPU's decode step of an MoE model at batch 1 is bound by its host, not its GPU: the H200 run's profile
+(bench/gpu/results/2026-11-27-h200, docs/gpu.md) counted ~1,700 kernel launches a token at 10-24 us each, and
+with Triton's kernels a resident OLMoE step still launches ~300 — each launched by Python. A graph replays the
+step's kernels in one launch, the host idle meanwhile.
+
+What a graph needs, and how the step gives it:
+- the same kernels on the same memory at every replay: the step's inputs (token id, position, KV row) are copied
+  into buffers the graph reads, and its outputs (the logits, each MoE layer's route) are the tensors captured,
+  read after each replay;
+- fixed shapes: decode attention runs over a fixed number of keys — a bucket: 256, then doubling, at most the KV
+  cache's length — those past the token's position masked by its position on the device (gpt-fast's static cache
+  does the same over the whole cache); one graph a bucket (and a KV row layout), captured when a step first needs it;
+- no read back to the host within the step: every expert resident and a token's experts computed from the router's
+  ids on the device (`ResidentLayers.on_device`: TritonExperts' tables); each layer's route is told to the engine
+  after the replay, in order (`heard`), as the CPU's one-call step tells them (moetier/model/resident_step.py);
+- kernels that read the step's positions and rows from the device (`positions_on_device`: torch's ops and the GPU's
+  Triton kernels; not the CPU's native ones, which take them from the host).
+
+The logits are the layer-by-layer step's up to the order of attention's sums (the masked keys add exact zeros).
+One sequence at a time: a batch's resident experts are grouped on the host (ResidentLayers.compute reads its routing
+back). A step no graph applies to runs layer by layer as before. A capture that fails (an op that reads back to the
+host, found only then) turns graphs off for the engine, its reason kept in `off`; the step runs layer by layer."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from moetier.model.batch import StepBatch
+from moetier.model.kv_cache import KVCache
+from moetier.model.rope import RopeTables
+
+SHORTEST = 256  # keys of the shortest attention a graph runs over
+
+
+def bucket(length: int, max_len: int, shortest: int = SHORTEST) -> int:
+    """Keys a graph's attention runs over for a sequence `length` tokens long (this step's token included)."""
+    keys = shortest
+    while keys < length:
+        keys *= 2
+    return min(keys, max_len)
+
+
+Outputs = tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]]  # logits, routes
+
+
+class Replay(Protocol):
+    def replay(self) -> None: ...
+
+
+class CudaGraphCapture:
+    """`capture(step)` -> (graph, step's outputs): the step run once on a side stream first (Triton compiles and
+    lazily made buffers are allocated outside the graph's memory, as torch's docs ask), then captured. Errors of
+    other threads' CUDA calls (the host tier's readers) are theirs: the capture is thread-local."""
+
+    def __call__(self, step: Callable[[], Outputs]) -> tuple[Replay, Outputs]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = step()
+        return graph, outputs
+
+
+class Recorder:
+    """The experts of a captured step: each layer's through the resident layers' `compute`, its route kept to be told
+    after each replay."""
+
+    def __init__(self, resident) -> None:
+        self.resident, self.routes = resident, []
+
+    def __call__(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, shared=None) -> torch.Tensor:
+        self.routes.append((layer, scores, topk_ids, topk_weights))
+        return self.resident.compute(layer, x, scores, topk_ids, topk_weights, shared)
+
+
+class DecodeGraphs:
+    def __init__(self, model, capture: Callable[[Callable[[], Outputs]], tuple[Replay, Outputs]] | None = None,
+                 shortest: int = SHORTEST) -> None:
+        """`model`: a Transformer whose experts have `resident_on_device` and `heard`; `capture`: CudaGraphCapture
+        (a test's stand-in replays the step eagerly); `shortest`: the shortest bucket's keys."""
+        self.model, self.capture, self.shortest = model, capture or CudaGraphCapture(), shortest
+        device = model.device
+        self.token_ids, self.positions, self.rows = (torch.zeros(1, dtype=torch.int64, device=device)
+                                                     for _ in range(3))  # [1] each: what the graphs read
+        self.last = torch.zeros(1, dtype=torch.int64, device=device)  # [1] the step's one token
+        self.graphs: dict[tuple[int, bool], tuple[Replay, Outputs]] = {}  # (keys, all rows) -> graph, outputs
+        self.held: tuple = ()  # weak references to the KV cache, rope tables and resident layers the graphs were
+        # captured on (a finished call's KV cache is not kept for them)
+        self.captured = self.replayed = 0
+        self.off: str | None = None  # why graphs were turned off (a capture failed), or None
+
+    @classmethod
+    def make(cls, model, capture=None, shortest: int = SHORTEST) -> DecodeGraphs | None:
+        """Graphs for `model`, or None where its step cannot be replayed: kernels that take positions from the host,
+        or experts that cannot say whether they are resident."""
+        if not getattr(model.kernels, "positions_on_device", False) or not hasattr(model.experts,
+                                                                                   "resident_on_device"):
+            return None
+        return cls(model, capture, shortest)
+
+    def close(self) -> None:
+        """Every graph dropped (their memory pools back to torch's allocator); none is captured again."""
+        self.graphs.clear()
+        self.held = ()
+        self.off = self.off or "closed"
+
+    @property
+    def status(self) -> dict:
+        return {"captured": self.captured, "replayed": self.replayed, "off": self.off}
+
+    @property
+    def note(self) -> str:
+        """What the graphs did, for a line on stderr."""
+        if self.off not in (None, "closed"):
+            return f"CUDA graphs turned off, a capture failed ({self.off}); the steps ran layer by layer"
+        if not self.replayed:
+            return ("CUDA graphs: no step replayed (they need one sequence, every expert resident and Triton's "
+                    "kernels: docs/gpu.md#cuda-graphs)")
+        return f"CUDA graphs: {self.replayed} decode steps replayed from {self.captured} captured"
+
+    def __call__(self, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor | None:
+        """The step's logits [1, V] from a graph's replay, its routes told to the engine; None where no graph
+        applies (the caller runs the step layer by layer)."""
+        if self.off is not None or len(batch.rows_host) != 1:
+            return None
+        experts = self.model.experts
+        resident = experts.resident_on_device()
+        if resident is None:
+            return None
+        held = (kv, rope, resident)
+        if len(self.held) != 3 or any(ref() is not b for ref, b in zip(self.held, held)):
+            self.graphs.clear()  # (slots, cache or tables changed: every graph read the old ones)
+            self.held = tuple(weakref.ref(b) for b in held)
+        self.token_ids.copy_(batch.token_ids)
+        self.positions.copy_(batch.positions)
+        self.rows.copy_(batch.rows)
+        key = (bucket(batch.lengths_host[0], kv.max_len, self.shortest), batch.all_rows)
+        entry = self.graphs.get(key) or self._capture(key, batch.rows_host, kv, rope, resident)
+        if entry is None:
+            return None
+        graph, (logits, routes) = entry
+        graph.replay()
+        self.replayed += 1
+        for layer, scores, topk_ids, topk_weights in routes:
+            experts.heard(layer, scores, topk_ids, topk_weights)
+        return logits.clone()  # (the captured one is written again by the next replay)
+
+    def _capture(self, key: tuple[int, bool], rows_host: list[int], kv: KVCache, rope: RopeTables,
+                 resident) -> tuple[Replay, Outputs] | None:
+        keys, all_rows = key
+
+        def step() -> Outputs:
+            # the graphs' step: its host fields say the attention's fixed length, never the token's own position;
+            # made afresh each call, so the mask it makes from the positions is made inside the capture, not kept
+            # from the warm-up before it (a constant in the graph)
+            batch = StepBatch(self.token_ids, self.positions, self.rows, self.last, True, rows_host=list(rows_host),
+                              lengths_host=[keys], all_rows=all_rows)
+            recorder = Recorder(resident)
+            logits = self.model.run_layers(batch, kv, rope, recorder)
+            return logits, recorder.routes
+
+        try:
+            entry = self.capture(step)
+        except Exception as e:  # noqa: BLE001 - any op that cannot be captured: the step runs layer by layer
+            self.off = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.graphs.clear()
+            return None
+        self.graphs[key] = entry
+        self.captured += 1
+        return entry

@@ -1,0 +1,159 @@
+"""A decode step replayed as a CUDA graph (moetier/model/decode_graphs.py), held on the CPU with a stand-in capture
+whose replay runs the captured step again and writes its results into the tensors the capture returned — what a
+graph's replay does to its memory. The same tokens as the step layer by layer, the policy and the counters told the
+same routes, a graph a bucket of keys, and every step no graph applies to left to the layers. (On a GPU:
+tests/engine/test_cuda.py's `test_cuda_graphs_...`.)"""
+
+import pytest
+import torch
+
+from moetier import Engine
+from moetier.cli import main
+from moetier.engine.engine import EngineConfig
+from moetier.errors import MoetierError
+from moetier.model.decode_graphs import DecodeGraphs, bucket
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89]]  # token ids (the tiny models have no tokenizer)
+
+
+class Replayed:
+    def __init__(self, step, outputs) -> None:
+        self.step, self.outputs = step, outputs
+
+    def replay(self) -> None:
+        logits, routes = self.step()
+        self.outputs[0].copy_(logits)
+        for (_, *kept), (_, *new) in zip(self.outputs[1], routes, strict=True):
+            for a, b in zip(kept, new):
+                a.copy_(b)
+
+
+class EagerCapture:
+    """The step run once (the capture); `replay` runs it again into the same outputs."""
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+
+    def __call__(self, step):
+        outputs = step()
+        return Replayed(step, outputs), outputs
+
+
+class FailingCapture:
+    def __call__(self, step):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+
+@pytest.fixture
+def path(tiny_store):
+    return tiny_store("olmoe")[1]
+
+
+def run(path, graphs=None, memory="100%", prompts=PROMPTS[:1], tokens=40):
+    engine = Engine.from_pretrained(path, expert_memory=memory, kernels="torch", progress=False)
+    engine.preload()  # (at 100%: every expert resident from the first step)
+    made = None
+    if graphs is not None:
+        made = engine.model.graphs = DecodeGraphs.make(engine.model, graphs, shortest=8)
+    policy_heard = []
+    policy = engine.executor.residency.policy
+    on_route = policy.on_route
+    policy.on_route = lambda route: (policy_heard.append((route.layer, route.topk_ids.tolist())), on_route(route))
+    out = engine.generate(prompts, max_new_tokens=tokens, ignore_eos=True)
+    status = None if made is None else {**made.status, "keys": sorted(keys for keys, _ in made.graphs),
+                                        "note": made.note}
+    engine.close()
+    if made is not None:
+        assert made.graphs == {} and made.off in (status["off"], "closed")  # closing drops them
+    return out, status, policy_heard
+
+
+def test_replayed_steps_write_the_layer_by_layer_tokens_and_tell_the_same_routes(path):
+    plain, _, heard_plain = run(path)
+    graphed, status, heard = run(path, EagerCapture())
+    assert graphed.token_ids == plain.token_ids
+    assert heard == heard_plain  # every layer's route, in order, each step
+    assert graphed.stats["decode"] == plain.stats["decode"]  # the counters: layer steps, needed experts, hits
+    assert graphed.stats["decode"]["hits"] > 0
+    # a prompt of 5 tokens and 40 more: the lengths cross the 8, 16 and 32 buckets and the KV cache's 45, each
+    # captured once
+    assert status == {"captured": 4, "replayed": 39, "off": None, "keys": [8, 16, 32, 45],
+                      "note": "CUDA graphs: 39 decode steps replayed from 4 captured"}
+
+
+def test_the_logits_are_the_layer_by_layer_steps(path):
+    """Attention over a bucket of keys, those past the token masked: the layer-by-layer step's logits."""
+    from moetier.model.batch import StepBatch
+    from moetier.model.kv_cache import KVCache
+
+    engine = Engine.from_pretrained(path, expert_memory="100%", kernels="torch", progress=False)
+    engine.preload()
+    model, spec = engine.model, engine.spec
+    graphs = DecodeGraphs.make(model, EagerCapture(), shortest=8)
+    kv = KVCache(spec, 1, 64, model.dtype)
+    prompt = [3, 14, 15, 92, 65]
+    engine.executor.begin_step(0, _phases())
+    model.forward(StepBatch.prefill([prompt], [0]), kv)
+    for position, token in enumerate([35, 89, 79, 32, 38, 46], start=len(prompt)):
+        batch = StepBatch.decode_step([token], [0], [position], 1)
+        engine.executor.begin_step(1, _phases())
+        plain = model.run_layers(batch, kv, model.ensure_rope(kv.max_len).tables(batch), model.experts)
+        engine.executor.begin_step(1, _phases())
+        replayed = graphs(batch, kv, model.ensure_rope(kv.max_len).tables(batch))
+        torch.testing.assert_close(replayed, plain, rtol=1e-5, atol=1e-5)
+    assert graphs.replayed == 6 and graphs.captured == 2  # buckets 8 (positions 5-7) and 16
+    engine.close()
+
+
+def _phases():
+    from moetier.engine.stats import GenerationStats
+
+    return GenerationStats().phases
+
+
+def test_steps_no_graph_applies_to_run_layer_by_layer(path):
+    # below 100% a layer's experts are planned (read back to the host): no graph
+    plain, _, _ = run(path, memory="50%", tokens=12)
+    graphed, status, _ = run(path, EagerCapture(), memory="50%", tokens=12)
+    assert graphed.token_ids == plain.token_ids
+    assert status["captured"] == status["replayed"] == 0
+    assert status["note"].startswith("CUDA graphs: no step replayed (they need one sequence, every expert resident")
+    # two sequences a step: a batch's experts are grouped on the host; no graph
+    plain, _, _ = run(path, prompts=PROMPTS, tokens=12)
+    graphed, status, _ = run(path, EagerCapture(), prompts=PROMPTS, tokens=12)
+    assert graphed.token_ids == plain.token_ids
+    assert status["replayed"] == 0
+
+
+def test_a_capture_that_fails_turns_graphs_off_and_the_step_runs_layer_by_layer(path):
+    plain, _, _ = run(path, tokens=12)
+    graphed, status, _ = run(path, FailingCapture(), tokens=12)
+    assert graphed.token_ids == plain.token_ids
+    assert status["off"] == "RuntimeError: operation not permitted when stream is capturing"
+    assert status["note"] == ("CUDA graphs turned off, a capture failed (RuntimeError: operation not permitted when "
+                              "stream is capturing); the steps ran layer by layer")
+    assert status["captured"] == status["replayed"] == 0
+
+
+def test_no_graphs_where_the_kernels_take_positions_from_the_host(tiny_store):
+    from moetier.model import native
+
+    if native.load().lib is None:
+        pytest.skip("the native kernels do not build here")
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16)
+    engine = Engine.from_pretrained(path, expert_memory="100%", kernels="native", progress=False)
+    assert DecodeGraphs.make(engine.model) is None
+    engine.close()
+
+
+@pytest.mark.parametrize(("length", "keys"), [(1, 256), (256, 256), (257, 512), (3000, 4096), (5000, 4096)])
+def test_a_bucket_holds_the_sequence_and_no_more_than_the_cache(length, keys):
+    assert bucket(length, 4096) == keys
+
+
+def test_cuda_graphs_are_refused_on_the_cpu_in_one_line(path, capsys):
+    with pytest.raises(MoetierError, match="replays a GPU's decode step"):
+        EngineConfig(device="cpu", cuda_graphs=True)
+    assert main(["generate", "--model", str(path), "--prompt", "x", "--cuda-graphs"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moetier: error: --cuda-graphs replays a GPU's decode step") and err.count("\n") == 2
