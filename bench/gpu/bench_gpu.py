@@ -17,7 +17,8 @@ routing of the lru run: the bound), `substitute` (SMoE, α 0.35), `cpu-assist` (
 missing expert from host memory where that beats copying it), `cpu-offload` (llama.cpp's `--n-cpu-moe`: the cache
 preloaded layer by layer, every other expert computed by the host CPU), `torch-kernels` (`--kernel-budgets`: lru
 with the experts through torch's ops rather than Triton's), `cuda-graphs` (`--graph-budgets`: lru with a decode step
-of one sequence replayed as a CUDA graph where every expert is resident; each row records what the graphs did).
+of up to 8 sequences replayed as a CUDA graph where every expert is resident, at each --batch; each row records what
+the graphs did).
 
     python bench/gpu/bench_gpu.py --out DIR [--models demo-fine-xl] [--budgets 10%,25%,50%,100%] [--batch 1,8]
         [--modes hobbit,prefetch-hobbit,...] [--disk-budgets 25%]
@@ -66,7 +67,7 @@ def modes() -> dict[str, dict]:
         "cpu-assist": {"placement": "greedy"},
         "cpu-offload": {"placement": "cpu-offload"},  # llama.cpp's --n-cpu-moe: every miss computed on the host
         "torch-kernels": {"kernels": "torch"},  # the experts through torch's ops, not Triton's (--kernel-budgets)
-        "cuda-graphs": {"cuda_graphs": True},  # a resident step of one sequence replayed as a graph (--graph-budgets)
+        "cuda-graphs": {"cuda_graphs": True},  # a resident step replayed as a graph (--graph-budgets)
     }
 
 
@@ -280,8 +281,8 @@ def main() -> None:
                                                          "from disk)")
     ap.add_argument("--kernel-budgets", default="", help="lru budgets run again with --kernels torch (the experts "
                                                          "through torch's ops, against Triton's in the lru rows)")
-    ap.add_argument("--graph-budgets", default="", help="lru budgets run again with --cuda-graphs (a resident step "
-                                                        "of one sequence replayed as a CUDA graph: at 100%%)")
+    ap.add_argument("--graph-budgets", default="", help="lru budgets run again with --cuda-graphs at each --batch "
+                                                        "(a resident step replayed as a CUDA graph: at 100%%)")
     ap.add_argument("--rounds", type=int, default=1, help="every configuration this many times, rotated")
     ap.add_argument("--process-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="run the first configuration once, unrecorded, before the measured ones")
@@ -323,7 +324,7 @@ def main() -> None:
         plan += [(args.mode_budget, m, batches[0], "host") for m in mode_names]
         plan += [(b, "lru", batches[0], "disk") for b in args.disk_budgets.split(",") if b]
         plan += [(b, "torch-kernels", batches[0], "host") for b in args.kernel_budgets.split(",") if b]
-        plan += [(b, "cuda-graphs", batches[0], "host") for b in args.graph_budgets.split(",") if b]
+        plan += [(b, "cuda-graphs", n, "host") for n in batches for b in args.graph_budgets.split(",") if b]
         plan += [(b, "lru", n, "host") for n in batches[1:] for b in args.batch_budgets.split(",")]
         tier, precisions = None, precisions_for(store, ["lru", *mode_names])
         if args.device.startswith("cuda"):

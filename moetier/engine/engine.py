@@ -118,8 +118,8 @@ class EngineConfig:
     variants: str | None = None  # with adapt: a merge library's folder; its variants switched between by the memory
     speculation: Speculation | None = None  # drafts by prompt lookup verified in one step (engine/speculative.py);
     # None: one token a request a step
-    cuda_graphs: bool = False  # on a GPU: a one-sequence decode step with every expert resident replayed as a CUDA
-    # graph (moetier/model/decode_graphs.py)
+    cuda_graphs: bool = False  # on a GPU: a decode step of up to 8 sequences with every expert resident replayed as
+    # a CUDA graph (moetier/model/decode_graphs.py)
 
     def per_layer(self, slots: int, layers: int, experts: int) -> bool:
         """Whether the expert cache's `slots` are split among the `layers` MoE layers (moetier/cache/capacity.py:

@@ -215,12 +215,12 @@ class ExpertExecutor:
         resident = self.resident_layers
         return None if resident is None else resident.tables
 
-    def resident_on_device(self) -> ResidentLayers | None:
-        """This step's resident layers where a token's experts are computed from the router's outputs with no read
-        back to the host (`ResidentLayers.on_device`), else None: what a captured CUDA graph of the step needs
+    def resident_on_device(self, tokens: int) -> ResidentLayers | None:
+        """This step's resident layers where `tokens` tokens' experts are computed from the router's outputs with no
+        read back to the host (`ResidentLayers.on_device`), else None: what a captured CUDA graph of the step needs
         (moetier/model/decode_graphs.py), which computes through `compute` and tells each route to `heard`."""
         resident = self.resident_layers
-        return resident if resident is not None and resident.on_device else None
+        return resident if resident is not None and resident.on_device(tokens) else None
 
     def heard(self, layer: int, scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """A layer the model routed and computed itself from `resident_tables`: heard as ResidentLayers hears one."""

@@ -49,6 +49,8 @@ class ResidentLayers:
         # (the function, not a bound method: kept on its own object that would be a cycle, holding the cache's
         # views until Python's cycle collector next ran)
         self._one_token = ResidentLayers._token_routed if self.tables is not None else ResidentLayers._token
+        # the most tokens computed straight from the router's outputs (a GPU's Triton tables take a small batch's)
+        self.routed_tokens = self.kernel.routed_tokens if self.tables is not None else 1
         self.last = spec.moe_layers[-1]
         self.device = torch.device(executor.device)
         self.routes: list[tuple] = []  # this step's (layer, step, phase, scores, topk_ids, topk_weights), for `_hear`
@@ -60,18 +62,20 @@ class ResidentLayers:
         self.heard(layer, scores, topk_ids, topk_weights, step, phase)
         return out
 
-    @property
-    def on_device(self) -> bool:
-        """Whether a token's experts are computed from the router's outputs where they are, never read back to the
-        host (`compute` at one token): through the layers' tables (a GPU's: TritonExperts), or on the CPU, where
-        the routing is the host's own memory. What a captured CUDA graph needs (moetier/model/decode_graphs.py)."""
-        return self.tables is not None or self.device.type == "cpu"
+    def on_device(self, tokens: int) -> bool:
+        """Whether `tokens` tokens' experts are computed from the router's outputs where they are, never read back
+        to the host (`compute`): through the layers' tables (a GPU's: TritonExperts, up to `routed_tokens`), or one
+        token on the CPU, where the routing is the host's own memory. What a captured CUDA graph needs
+        (moetier/model/decode_graphs.py)."""
+        return tokens <= self.routed_tokens and (self.tables is not None or self.device.type == "cpu")
 
     def compute(self, layer: int, x: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, shared) -> torch.Tensor:
         """`__call__` without hearing the route: the caller tells it (`heard`) once the outputs are there."""
         index = self.index[layer]
-        if topk_ids.shape[0] == 1:  # one token (a decode step at batch 1): no grouping, the kernel sums its experts
+        t = topk_ids.shape[0]
+        # one token (a decode step at batch 1), or a few the tables take: no grouping, the kernel sums each one's
+        if t == 1 or (t <= self.routed_tokens and self.tables[index].takes(x, topk_ids, topk_weights)):
             out = torch.empty_like(x)
             self._one_token(self, index, out, x, topk_ids, topk_weights)
         else:

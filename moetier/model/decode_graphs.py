@@ -1,4 +1,4 @@
-"""A one-sequence decode step replayed as a CUDA graph where every expert is resident (`--cuda-graphs on`).
+"""A decode step of up to ROWS sequences replayed as a CUDA graph where every expert is resident (`--cuda-graphs`).
 
 Why: a GPU's decode step of an MoE model at batch 1 is bound by its host, not its GPU: the H200 run's profile
 (bench/gpu/results/2026-11-27-h200, docs/gpu.md) counted ~1,700 kernel launches a token at 10-24 us each, and
@@ -6,21 +6,23 @@ with Triton's kernels a resident OLMoE step still launches ~300 — each launche
 step's kernels in one launch, the host idle meanwhile.
 
 What a graph needs, and how the step gives it:
-- the same kernels on the same memory at every replay: the step's inputs (token id, position, KV row) are copied
+- the same kernels on the same memory at every replay: the step's inputs (token ids, positions, KV rows) are copied
   into buffers the graph reads, and its outputs (the logits, each MoE layer's route) are the tensors captured,
   read after each replay;
 - fixed shapes: decode attention runs over a fixed number of keys — a bucket: 256, then doubling, at most the KV
-  cache's length — those past the token's position masked by its position on the device (gpt-fast's static cache
-  does the same over the whole cache); one graph a bucket (and a KV row layout), captured when a step first needs it;
-- no read back to the host within the step: every expert resident and a token's experts computed from the router's
-  ids on the device (`ResidentLayers.on_device`: TritonExperts' tables); each layer's route is told to the engine
-  after the replay, in order (`heard`), as the CPU's one-call step tells them (moetier/model/resident_step.py);
+  cache's length, for the longest sequence — those past each token's position masked by its position on the device
+  (gpt-fast's static cache does the same over the whole cache); one graph a number of sequences and a bucket,
+  captured when a step first needs it;
+- no read back to the host within the step: every expert resident and each token's experts computed from the
+  router's ids on the device (`ResidentLayers.on_device`: TritonExperts' tables, each (token, expert) pair on its
+  own: up to 8 tokens); each layer's route is told to the engine after the replay, in order (`heard`), as the CPU's
+  one-call step tells them (moetier/model/resident_step.py);
 - kernels that read the step's positions and rows from the device (`positions_on_device`: torch's ops and the GPU's
   Triton kernels; not the CPU's native ones, which take them from the host).
 
 The logits are the layer-by-layer step's up to the order of attention's sums (the masked keys add exact zeros).
-One sequence at a time: a batch's resident experts are grouped on the host (ResidentLayers.compute reads its routing
-back). A step no graph applies to runs layer by layer as before. A capture that fails (an op that reads back to the
+A step of more sequences (their experts grouped on the host: ResidentLayers.compute reads the routing back), or one
+no graph applies to otherwise, runs layer by layer as before. A capture that fails (an op that reads back to the
 host, found only then) turns graphs off for the engine, its reason kept in `off`; the step runs layer by layer."""
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from moetier.model.kv_cache import KVCache
 from moetier.model.rope import RopeTables
 
 SHORTEST = 256  # keys of the shortest attention a graph runs over
+ROWS = 8  # the most sequences a graphed step holds (TritonExperts.routed_tokens)
 
 
 def bucket(length: int, max_len: int, shortest: int = SHORTEST) -> int:
@@ -90,10 +93,11 @@ class DecodeGraphs:
         (a test's stand-in replays the step eagerly); `shortest`: the shortest bucket's keys."""
         self.model, self.capture, self.shortest = model, capture or CudaGraphCapture(), shortest
         device = model.device
-        self.token_ids, self.positions, self.rows = (torch.zeros(1, dtype=torch.int64, device=device)
-                                                     for _ in range(3))  # [1] each: what the graphs read
-        self.last = torch.zeros(1, dtype=torch.int64, device=device)  # [1] the step's one token
-        self.graphs: dict[tuple[int, bool], tuple[Replay, Outputs]] = {}  # (keys, all rows) -> graph, outputs
+        self.token_ids, self.positions, self.rows = (torch.zeros(ROWS, dtype=torch.int64, device=device)
+                                                     for _ in range(3))  # [ROWS] each: what the graphs read
+        self.last = torch.arange(ROWS, device=device)  # [ROWS] each sequence's one token
+        self.graphs: dict[tuple[int, int, bool], tuple[Replay, Outputs]] = {}  # (sequences, keys, all rows) ->
+        # graph, outputs
         self.held: tuple = ()  # weak references to the KV cache, rope tables and resident layers the graphs were
         # captured on (a finished call's KV cache is not kept for them)
         self.captured = self.replayed = 0
@@ -124,27 +128,28 @@ class DecodeGraphs:
         if self.off not in (None, "closed"):
             return f"CUDA graphs turned off, a capture failed ({self.off}); the steps ran layer by layer"
         if not self.replayed:
-            return ("CUDA graphs: no step replayed (they need one sequence, every expert resident and Triton's "
-                    "kernels: docs/gpu.md#cuda-graphs)")
+            return ("CUDA graphs: no step replayed (they need at most 8 sequences, every expert resident and "
+                    "Triton's kernels: docs/gpu.md#cuda-graphs)")
         return f"CUDA graphs: {self.replayed} decode steps replayed from {self.captured} captured"
 
     def __call__(self, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor | None:
-        """The step's logits [1, V] from a graph's replay, its routes told to the engine; None where no graph
+        """The step's logits [B, V] from a graph's replay, its routes told to the engine; None where no graph
         applies (the caller runs the step layer by layer)."""
-        if self.off is not None or len(batch.rows_host) != 1:
+        b = len(batch.rows_host)
+        if self.off is not None or b > ROWS or batch.num_tokens != b:  # (a verify step's several tokens a row)
             return None
         experts = self.model.experts
-        resident = experts.resident_on_device()
+        resident = experts.resident_on_device(b)
         if resident is None:
             return None
         held = (kv, rope, resident)
         if len(self.held) != 3 or any(ref() is not b for ref, b in zip(self.held, held)):
             self.graphs.clear()  # (slots, cache or tables changed: every graph read the old ones)
             self.held = tuple(weakref.ref(b) for b in held)
-        self.token_ids.copy_(batch.token_ids)
-        self.positions.copy_(batch.positions)
-        self.rows.copy_(batch.rows)
-        key = (bucket(batch.lengths_host[0], kv.max_len, self.shortest), batch.all_rows)
+        self.token_ids[:b].copy_(batch.token_ids)
+        self.positions[:b].copy_(batch.positions)
+        self.rows[:b].copy_(batch.rows)
+        key = (b, bucket(max(batch.lengths_host), kv.max_len, self.shortest), batch.all_rows)
         entry = self.graphs.get(key) or self._capture(key, batch.rows_host, kv, rope, resident)
         if entry is None:
             return None
@@ -155,16 +160,16 @@ class DecodeGraphs:
             experts.heard(layer, scores, topk_ids, topk_weights)
         return logits.clone()  # (the captured one is written again by the next replay)
 
-    def _capture(self, key: tuple[int, bool], rows_host: list[int], kv: KVCache, rope: RopeTables,
+    def _capture(self, key: tuple[int, int, bool], rows_host: list[int], kv: KVCache, rope: RopeTables,
                  resident) -> tuple[Replay, Outputs] | None:
-        keys, all_rows = key
+        b, keys, all_rows = key
 
         def step() -> Outputs:
-            # the graphs' step: its host fields say the attention's fixed length, never the token's own position;
+            # the graphs' step: its host fields say the attention's fixed length, never a token's own position;
             # made afresh each call, so the mask it makes from the positions is made inside the capture, not kept
             # from the warm-up before it (a constant in the graph)
-            batch = StepBatch(self.token_ids, self.positions, self.rows, self.last, True, rows_host=list(rows_host),
-                              lengths_host=[keys], all_rows=all_rows)
+            batch = StepBatch(self.token_ids[:b], self.positions[:b], self.rows[:b], self.last[:b], True,
+                              rows_host=list(rows_host), lengths_host=[keys] * b, all_rows=all_rows)
             recorder = Recorder(resident)
             logits = self.model.run_layers(batch, kv, rope, recorder)
             return logits, recorder.routes

@@ -59,14 +59,16 @@ class TokenTable:
             raise ValueError(f"addresses must be [E, P] int64, got {self.ptrs.shape} {self.ptrs.dtype}")
 
     def takes(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
-        """Whether `token_routed` takes this token: x [1, H] and the router's [1, k] outputs contiguous, the weights
-        fp32 or bf16 (what the native call reads)."""
+        """Whether `token_routed` takes these tokens: x [T, H] and the router's [T, k] outputs contiguous, the
+        weights fp32 or bf16 (what the native call reads)."""
         return (x.is_contiguous() and topk_ids.is_contiguous() and topk_weights.is_contiguous()
                 and topk_weights.dtype in (torch.float32, torch.bfloat16) and topk_ids.dtype == torch.int64)
 
 
 class OneByOne:
     """`layer` as one call an expert; `token` as `layer` on copies of the row, then the kernels' combine."""
+
+    routed_tokens = 1  # the most tokens one `token_routed` call takes (the native calls: one)
 
     def layer(self, ys: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, items: Items) -> None:
         for w, a, b in items:

@@ -28,7 +28,7 @@ class Experts(Protocol):
     # Optional, for a decode step in one native call (moetier/model/resident_step.py):
     # resident_tables() -> one TokenTable a MoE layer, or None (this step's layers are not all resident and
     # unplanned); heard(layer, scores, topk_ids, topk_weights): a layer that step routed, told afterwards.
-    # For a decode step replayed as a CUDA graph (moetier/model/decode_graphs.py): resident_on_device() -> the
+    # For a decode step replayed as a CUDA graph (moetier/model/decode_graphs.py): resident_on_device(tokens) -> the
     # resident layers (`compute(layer, x, scores, topk_ids, topk_weights, shared)`, no host read), or None.
 
 

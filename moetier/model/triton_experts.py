@@ -95,13 +95,15 @@ class TritonExperts(OneByOne):
     MAX_TOKENS tokens an expert, shapes the blocks do not tile, activations not in bf16, biases not in bf16 or fp32.
     A pool's slots share one layout, so the first expert's shape stands for a call's."""
 
+    routed_tokens = 8  # a decode step's tokens `token_routed` takes (a server's batch; more: grouped on the host)
+
     def __init__(self, bits: int, fallback, tiles: Tiles = Tiles(), clamp: Clamp | None = None) -> None:
         self.bits, self.fallback, self.tiles, self.clamp = bits, fallback, tiles, clamp
         self._made = None
         self._h = torch.empty(0)  # [P, I] bf16 between the two kernels, grown to the largest seen
         self._ys = torch.empty(0)  # [k, H] a routed token's expert outputs, before they are summed
-        self._routed: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # (k, device) -> rows,
-        # spans of a routed token's pairs
+        self._routed: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # (tokens, k,
+        # device) -> rows, spans of routed tokens' pairs
 
     def with_tiles(self, tiles: Tiles) -> TritonExperts:
         """The same kernels at another tile (bench/gpu/micro.py times a few)."""
@@ -190,19 +192,26 @@ class TritonExperts(OneByOne):
 
     def token_routed(self, out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      table: TokenTable) -> None:
-        """One token x [1, H] through its experts straight from the router's topk_ids/topk_weights [1, k] on the
-        device (no read back to the host): the k outputs [k, H], then their sum in fp32, rounded once, into out."""
-        k = topk_ids.shape[1]
-        key = (k, x.device)
-        if key not in self._routed:  # the pairs of a token's k experts: row 0 of x each, spans [j, j + 1)
-            spans = torch.stack([torch.arange(k), torch.arange(1, k + 1)], 1).reshape(-1)
-            self._routed[key] = (torch.zeros(k, dtype=torch.int64, device=x.device), spans.to(x.device))
+        """Tokens x [T, H] (T <= routed_tokens) through their experts straight from the router's topk_ids/
+        topk_weights [T, k] on the device (no read back to the host): each (token, expert) pair one group of one
+        row, the T·k outputs [T·k, H], then each token's k summed in fp32, rounded once, into out [T, H] — a
+        token's result whatever else is in its batch. A batch's tokens sharing an expert read its weights once each
+        (grouping them needs the routing on the host): at batch 8 of OLMoE's top-8 of 64, ~1.5x the bytes of the
+        grouped layer, against a host sync and the grouping's Python a layer."""
+        t, k = topk_ids.shape
+        n = t * k
+        key = (t, k, x.device)
+        if key not in self._routed:  # pair j: x row j // k, span [j, j + 1)
+            spans = torch.stack([torch.arange(n), torch.arange(1, n + 1)], 1).reshape(-1)
+            rows = torch.arange(t).repeat_interleave(k)
+            self._routed[key] = (rows.to(x.device), spans.to(x.device))
         rows, spans = self._routed[key]
-        if self._ys.shape[0] < k or self._ys.shape[1] != x.shape[1] or self._ys.device != x.device:
-            self._ys = torch.empty(k, x.shape[1], dtype=torch.bfloat16, device=x.device)
-        ys = self._ys[:k]
-        self._run(ys, x, topk_weights[0], table.like, table.device, topk_ids[0], spans, rows, k)
-        torch.sum(ys, 0, keepdim=True, out=out)
+        if self._ys.shape[0] < n or self._ys.shape[1] != x.shape[1] or self._ys.device != x.device:
+            self._ys = torch.empty(max(n, self.routed_tokens * k), x.shape[1], dtype=torch.bfloat16,
+                                   device=x.device)
+        ys = self._ys[:n]
+        self._run(ys, x, topk_weights.reshape(-1), table.like, table.device, topk_ids.reshape(-1), spans, rows, n)
+        torch.sum(ys.view(t, k, -1), 1, out=out)
 
 
 # GGML's block formats the kernels compute (triton_kernels.py ggml_block's FMT): the k-quants and q8_0, the legacy

@@ -169,7 +169,8 @@ def test_a_graphed_resident_step_on_triton_reads_nothing_back_and_writes_the_lay
 
     _, path = tiny_store("olmoe", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64, num_hidden_layers=2)
     store = Store(path)
-    prompt = torch.randint(3, 128, (6,), generator=torch.Generator().manual_seed(5)).tolist()
+    g = torch.Generator().manual_seed(5)
+    prompt, second = (torch.randint(3, 128, (n,), generator=g).tolist() for n in (6, 3))
 
     class OnTheCpu(TritonKernels):
         def decode_attention(self, *args):  # (the GPU's SDPA backends list is CUDA's)
@@ -201,9 +202,15 @@ def test_a_graphed_resident_step_on_triton_reads_nothing_back_and_writes_the_lay
             assert engine.executor.resident_layers.tables is not None  # (Triton's tables: the device's routing)
             if graphed:  # 6 tokens and 4 decode steps: sequences of 7, 8 (the bucket of 8), 9 and 10 (of 16)
                 assert graphs.status == {"captured": 2, "replayed": 4, "off": None}
-    assert len(watched.seen) == 2
+            # two sequences a step: each (token, expert) pair on its own row of the Triton tables, no grouping
+            got += engine.generate([prompt, second], max_new_tokens=3, ignore_eos=True).token_ids
+            if graphed:  # 2 steps of two sequences, the longer 7 and 8 long: a graph for two, of 8 keys
+                assert graphs.status == {"captured": 3, "replayed": 6, "off": None}
+    assert len(watched.seen) == 3
     for captured in watched.seen:
         assert not READ_BACKS & set(captured), captured
         assert captured["triton:gate_up"] == captured["triton:down"] == len(store.spec.moe_layers)
         assert captured["triton:rms_norm_kernel"] and captured["triton:rope_kernel"]
-    assert sum(a == b for a, b in zip(*got)) >= len(got[0]) - 1, got
+    plain, graphed = got[:3], got[3:]  # (one sequence, then two: the layer-by-layer steps', then the graphs')
+    for a, b in zip(plain, graphed):
+        assert sum(x == y for x, y in zip(a, b)) >= len(a) - 1, got

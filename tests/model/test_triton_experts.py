@@ -166,6 +166,35 @@ def test_a_routed_token_is_computed_from_the_routers_outputs_on_the_device(preci
     assert relative(got, want) < TOLERANCE
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_a_few_routed_tokens_are_each_what_it_computes_alone(precision):
+    """`token_routed` of a batch's tokens (each (token, expert) pair its own row, experts shared between tokens):
+    each row bit for bit what that token computes alone, and what torch's ops give."""
+    from moetier.model.triton_experts import TritonExperts
+
+    kernel = triton_kernel(precision)
+    ws = [slots(precision, seed) for seed in range(6)]
+    table = kernel.token_table(ws)
+    g = torch.Generator().manual_seed(4)
+    t = TritonExperts.routed_tokens
+    x = torch.randn(t, 256, generator=g).bfloat16().to(DEVICE)
+    topk_ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(t)]).to(DEVICE)  # [T, 3]
+    topk_weights = torch.rand(t, 3, generator=g).bfloat16().to(DEVICE)
+    assert table.takes(x, topk_ids, topk_weights)
+    got = torch.full_like(x, float("nan"))
+    kernel.token_routed(got, x, topk_ids, topk_weights, table)
+    for row in range(t):
+        alone = torch.full_like(x[:1], float("nan"))
+        kernel.token_routed(alone, x[row:row + 1], topk_ids[row:row + 1], topk_weights[row:row + 1], table)
+        assert torch.equal(got[row:row + 1], alone), row
+        want = torch.zeros(1, 256, device=DEVICE)
+        for e, weight in zip(topk_ids[row].tolist(), topk_weights[row]):
+            y = torch.empty_like(x[:1])
+            reference(precision)(y, x[row:row + 1], ws[e], weight.reshape(1))
+            want += y.float()
+        assert relative(got[row:row + 1], want) < TOLERANCE
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int2"])
 def test_another_tile_computes_the_same(precision):
     """Wider and deeper blocks (int2's groups of 64 inputs inside one 128-input step) give what the default does."""
