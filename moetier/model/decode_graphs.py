@@ -18,7 +18,9 @@ What a graph needs, and how the step gives it:
   own: up to 8 tokens); each layer's route is told to the engine after the replay, in order (`heard`), as the CPU's
   one-call step tells them (moetier/model/resident_step.py);
 - kernels that read the step's positions and rows from the device (`positions_on_device`: torch's ops and the GPU's
-  Triton kernels; not the CPU's native ones, which take them from the host).
+  Triton kernels; not the CPU's native ones, which take them from the host), and whose buffers kept across calls
+  are never freed while a graph may write them (TritonExperts keeps the ones it outgrows: a prefill's larger
+  `_h` must not free the memory a decode graph's replay writes).
 
 The logits are the layer-by-layer step's up to the order of attention's sums (the masked keys add exact zeros).
 A step of more sequences (their experts grouped on the host: ResidentLayers.compute reads the routing back), or one
@@ -143,9 +145,9 @@ class DecodeGraphs:
         if resident is None:
             return None
         held = (kv, rope, resident)
-        if len(self.held) != 3 or any(ref() is not b for ref, b in zip(self.held, held)):
+        if len(self.held) != 3 or any(ref() is not now for ref, now in zip(self.held, held)):
             self.graphs.clear()  # (slots, cache or tables changed: every graph read the old ones)
-            self.held = tuple(weakref.ref(b) for b in held)
+            self.held = tuple(weakref.ref(now) for now in held)
         self.token_ids[:b].copy_(batch.token_ids)
         self.positions[:b].copy_(batch.positions)
         self.rows[:b].copy_(batch.rows)

@@ -101,7 +101,10 @@ class TritonExperts(OneByOne):
         self.bits, self.fallback, self.tiles, self.clamp = bits, fallback, tiles, clamp
         self._made = None
         self._h = torch.empty(0)  # [P, I] bf16 between the two kernels, grown to the largest seen
-        self._ys = torch.empty(0)  # [k, H] a routed token's expert outputs, before they are summed
+        self._ys = torch.empty(0)  # [T·k, H] routed tokens' expert outputs, before they are summed
+        # the buffers these replaced, never freed: a CUDA graph captured on one (moetier/model/decode_graphs.py)
+        # writes it at every replay, and memory handed back would be handed out again to another tensor
+        self._superseded: list[torch.Tensor] = []
         self._routed: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # (tokens, k,
         # device) -> rows, spans of routed tokens' pairs
 
@@ -165,6 +168,7 @@ class TritonExperts(OneByOne):
         hidden, i = x.shape[1], _intermediate(w0)
         p = ys.shape[0]
         if self._h.numel() < p * i or self._h.device != x.device:
+            self._superseded.append(self._h)
             self._h = torch.empty(max(p, MAX_TOKENS) * i, dtype=torch.bfloat16, device=x.device)
         h = self._h[:p * i].view(p, i)
         gu_s, dn_s = w0.get("gate_up_proj.scales", gu), w0.get("down_proj.scales", dn)
@@ -207,6 +211,7 @@ class TritonExperts(OneByOne):
             self._routed[key] = (rows.to(x.device), spans.to(x.device))
         rows, spans = self._routed[key]
         if self._ys.shape[0] < n or self._ys.shape[1] != x.shape[1] or self._ys.device != x.device:
+            self._superseded.append(self._ys)
             self._ys = torch.empty(max(n, self.routed_tokens * k), x.shape[1], dtype=torch.bfloat16,
                                    device=x.device)
         ys = self._ys[:n]

@@ -169,7 +169,8 @@ def test_a_routed_token_is_computed_from_the_routers_outputs_on_the_device(preci
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
 def test_a_few_routed_tokens_are_each_what_it_computes_alone(precision):
     """`token_routed` of a batch's tokens (each (token, expert) pair its own row, experts shared between tokens):
-    each row bit for bit what that token computes alone, and what torch's ops give."""
+    each row bit for bit what that token computes alone, and what torch's ops give. A buffer the batch outgrew is
+    kept, not freed (a CUDA graph captured on it writes it at every replay)."""
     from moetier.model.triton_experts import TritonExperts
 
     kernel = triton_kernel(precision)
@@ -181,8 +182,11 @@ def test_a_few_routed_tokens_are_each_what_it_computes_alone(precision):
     topk_ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(t)]).to(DEVICE)  # [T, 3]
     topk_weights = torch.rand(t, 3, generator=g).bfloat16().to(DEVICE)
     assert table.takes(x, topk_ids, topk_weights)
+    kernel.token_routed(torch.empty_like(x[:1]), x[:1], topk_ids[:1], topk_weights[:1], table)
+    first = kernel._h  # (what a graph of one token would have captured)
     got = torch.full_like(x, float("nan"))
     kernel.token_routed(got, x, topk_ids, topk_weights, table)
+    assert kernel._h is not first and any(b is first for b in kernel._superseded)  # 24 pairs outgrew 16 rows
     for row in range(t):
         alone = torch.full_like(x[:1], float("nan"))
         kernel.token_routed(alone, x[row:row + 1], topk_ids[row:row + 1], topk_weights[row:row + 1], table)
