@@ -139,7 +139,8 @@ def _eval(args: argparse.Namespace) -> None:
     def make_engine(label: str):
         return Engine.from_pretrained(args.model, expert_memory=args.expert_memory, cache_dir=args.cache_dir,
                                       progress=False, reader_threads=args.reader_threads, device=args.device,
-                                      kernels=args.kernels, **configs[label])
+                                      kernels=args.kernels, cuda_graphs=getattr(args, "cuda_graphs", False),
+                                      **configs[label])
 
     with make_engine("exact") as engine:  # the tokenizer, and the model's first conversion with its progress
         if engine.tokenizer is None:
