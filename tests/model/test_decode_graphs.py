@@ -31,9 +31,6 @@ class Replayed:
 class EagerCapture:
     """The step run once (the capture); `replay` runs it again into the same outputs."""
 
-    def __init__(self) -> None:
-        self.keys: list[int] = []
-
     def __call__(self, step):
         outputs = step()
         return Replayed(step, outputs), outputs
