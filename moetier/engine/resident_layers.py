@@ -74,10 +74,12 @@ class ResidentLayers:
         """`__call__` without hearing the route: the caller tells it (`heard`) once the outputs are there."""
         index = self.index[layer]
         t = topk_ids.shape[0]
-        # one token (a decode step at batch 1), or a few the tables take: no grouping, the kernel sums each one's
-        if t == 1 or (t <= self.routed_tokens and self.tables[index].takes(x, topk_ids, topk_weights)):
+        if t == 1:  # one token (a decode step at batch 1): no grouping, the kernel sums its experts
             out = torch.empty_like(x)
             self._one_token(self, index, out, x, topk_ids, topk_weights)
+        elif t <= self.routed_tokens and self.tables[index].takes(x, topk_ids, topk_weights):
+            out = torch.empty_like(x)  # a few tokens the tables take: each one's experts summed, no grouping
+            self.kernel.token_routed(out, x, topk_ids, topk_weights, self.tables[index])
         else:
             ids, weights, _ = route_arrays(topk_ids, topk_weights, scores)  # [T, k] (a host sync, as planning's)
             counts = np.bincount(ids.ravel(), minlength=self.num_experts)  # [E]
