@@ -17,8 +17,8 @@ routing of the lru run: the bound), `substitute` (SMoE, α 0.35), `cpu-assist` (
 missing expert from host memory where that beats copying it), `cpu-offload` (llama.cpp's `--n-cpu-moe`: the cache
 preloaded layer by layer, every other expert computed by the host CPU), `torch-kernels` (`--kernel-budgets`: lru
 with the experts through torch's ops rather than Triton's), `cuda-graphs` (`--graph-budgets`: lru with a decode step
-of up to 8 sequences replayed as a CUDA graph where every expert is resident, at each --batch; each row records what
-the graphs did).
+of up to 8 sequences replayed as a CUDA graph where every expert is resident, each layer's dense part one below
+100%, at each --batch; each row records what the graphs did), `prefetch-hobbit-graphs` (prefetch-hobbit with them).
 
     python bench/gpu/bench_gpu.py --out DIR [--models demo-fine-xl] [--budgets 10%,25%,50%,100%] [--batch 1,8]
         [--modes hobbit,prefetch-hobbit,...] [--disk-budgets 25%]
@@ -67,7 +67,9 @@ def modes() -> dict[str, dict]:
         "cpu-assist": {"placement": "greedy"},
         "cpu-offload": {"placement": "cpu-offload"},  # llama.cpp's --n-cpu-moe: every miss computed on the host
         "torch-kernels": {"kernels": "torch"},  # the experts through torch's ops, not Triton's (--kernel-budgets)
-        "cuda-graphs": {"cuda_graphs": True},  # a resident step replayed as a graph (--graph-budgets)
+        "cuda-graphs": {"cuda_graphs": True},  # --graph-budgets: lru with graphs (a resident step one; below 100%
+        # each layer's dense part one)
+        "prefetch-hobbit-graphs": {"prefetch": "hobbit", "predictor": "stacked-gates", "cuda_graphs": True},
     }
 
 
@@ -205,7 +207,8 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
         copies = engine.executor.copies  # (a GPU's copy queue behind a host tier)
         before = copies and dataclasses.asdict(copies.counts)
         stats = engine.generate(measured, max_new_tokens=tokens, ignore_eos=True).stats
-        graphs = getattr(engine.model, "graphs", None)  # (both calls': each call's KV cache is captured anew)
+        graphs = getattr(engine.model, "graphs", None)  # (both calls': the measured one replays the warm-up's, the
+        # engine keeping its KV cache)
         graphs = None if graphs is None else dict(graphs.status)
     row = {k: stats[k] for k in ("ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "decode_tokens_per_s",
                                  "decode_hit_rate", "expert_bytes_per_token", "expert_cache_bytes", "expert_slots",
@@ -282,7 +285,8 @@ def main() -> None:
     ap.add_argument("--kernel-budgets", default="", help="lru budgets run again with --kernels torch (the experts "
                                                          "through torch's ops, against Triton's in the lru rows)")
     ap.add_argument("--graph-budgets", default="", help="lru budgets run again with --cuda-graphs at each --batch "
-                                                        "(a resident step replayed as a CUDA graph: at 100%%)")
+                                                        "(a resident step replayed as a CUDA graph; below 100%%, each layer's "
+                                                        "dense part)")
     ap.add_argument("--rounds", type=int, default=1, help="every configuration this many times, rotated")
     ap.add_argument("--process-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="run the first configuration once, unrecorded, before the measured ones")

@@ -173,9 +173,9 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
                    help="whose experts the cache offloads: every MoE layer's (default), or an encoder-decoder's "
                         "(Switch) encoder's alone, the decoder's kept resident (CoMoE's encoder-focused offloading)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="with --device cuda: a decode step of up to 8 sequences with every expert resident "
-                        "(--expert-memory 100%%) replayed as a CUDA graph, one launch instead of ~300 (docs/gpu.md); "
-                        "other steps run layer by layer")
+                   help="with --device cuda: a decode step of up to 8 sequences replayed as a CUDA graph where "
+                        "every expert is resident (--expert-memory 100%%), one launch instead of ~300; below that, "
+                        "each layer's attention and router one graph, the experts between (docs/gpu.md)")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="auto (default): moetier's native kernels for bf16 decoding on the CPU, built on first use with "
                         "the C compiler (the best instruction set this CPU runs; a prefill's products in torch's GEMM "

@@ -25,6 +25,7 @@ from moetier.engine.generate import OnStep, OnToken, generate
 from moetier.engine.grammar import Grammar
 from moetier.engine.host_tier import HostTier
 from moetier.engine.huge_pages import in_huge_pages
+from moetier.engine.kv_pool import KeptCache
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.speculative import Speculation
 from moetier.engine.stats import GenerationStats
@@ -118,8 +119,8 @@ class EngineConfig:
     variants: str | None = None  # with adapt: a merge library's folder; its variants switched between by the memory
     speculation: Speculation | None = None  # drafts by prompt lookup verified in one step (engine/speculative.py);
     # None: one token a request a step
-    cuda_graphs: bool = False  # on a GPU: a decode step of up to 8 sequences with every expert resident replayed as
-    # a CUDA graph (moetier/model/decode_graphs.py)
+    cuda_graphs: bool = False  # on a GPU: a decode step of up to 8 sequences replayed as a CUDA graph where every
+    # expert is resident (moetier/model/decode_graphs.py), else each layer's dense part one (part_graphs.py)
 
     def per_layer(self, slots: int, layers: int, experts: int) -> bool:
         """Whether the expert cache's `slots` are split among the `layers` MoE layers (moetier/cache/capacity.py:
@@ -382,6 +383,8 @@ class Engine:
         self.store, self.spec, self.precision, self.reader = parts.store, parts.store.spec, parts.precision, parts.reader
         self.host_tier, self._own_tier, self.host_note = parts.host_tier, parts.own_tier, parts.host_note
         self.executor, self.model = parts.executor, parts.model
+        # with CUDA graphs, a generate call's KV cache kept for the next (the graphs captured on it replay there)
+        self.kept_kv = KeptCache(self.spec, self.model.dtype, self.device) if config.cuda_graphs else None
         # an engine dropped unclosed (a notebook making it again) stops its reader threads when it is freed; they
         # hold the reader, not the engine, and would wait on its queue for good
         self._stop_reader = weakref.finalize(self, self.reader.close)
@@ -532,7 +535,7 @@ class Engine:
         tier = self.host_tier.counts if self.host_tier is not None else None
         before = dataclasses.replace(tier) if tier is not None else None
         outputs, stats = generate(self.model, self.executor, ids, params, eos, emit, stats, self.step_hooks, grammar,
-                                  self.tokenizer, self.config.speculation)
+                                  self.tokenizer, self.config.speculation, self.kept_kv)
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer else [""] * len(outputs)
         summary = stats.summary()
         summary["dense_bytes"] = self.dense_bytes
@@ -639,6 +642,8 @@ class Engine:
         parts = self._parts(new, budget, self._policy(new, budget), None, self.model.w, self.model.kernels, None,
                             False, None)
         self._stop_reader()
+        if self.model.graphs is not None:  # (the old model's: the new one captures its own)
+            self.model.graphs.close()
         self.executor.close()
         if self._own_tier and self.host_tier is not None:
             self.host_tier.close()
@@ -661,6 +666,8 @@ class Engine:
             self._stop_reader()
             if getattr(self.model, "graphs", None) is not None:  # (their memory pools, before the cache's)
                 self.model.graphs.close()
+            if self.kept_kv is not None:
+                self.kept_kv.clear()
             self.executor.close()
             if self._own_tier and self.host_tier is not None:
                 self.host_tier.close()

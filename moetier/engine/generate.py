@@ -15,6 +15,7 @@ from moetier.engine.speculative import Speculation
 from moetier.engine.stats import GenerationStats
 from moetier.engine.tokenizer import Tokenizer
 from moetier.errors import MoetierError
+from moetier.model.kv_cache import KVCache
 from moetier.model.transformer import Transformer
 
 OnToken = Callable[[int, list[int]], None]  # (sequence index, its generated ids so far)
@@ -32,17 +33,20 @@ def generate(model: Transformer, executor: ExpertExecutor, prompts: list[list[in
              eos_ids: tuple[int, ...] = (), on_token: OnToken | None = None,
              stats: GenerationStats | None = None, step_hooks: list[OnStep] = (),
              grammar: Grammar | None = None, tokenizer: Tokenizer | None = None,
-             speculation: Speculation | None = None) -> tuple[list[list[int]], GenerationStats]:
+             speculation: Speculation | None = None,
+             kv_cache: Callable[[int, int], KVCache] | None = None) -> tuple[list[list[int]], GenerationStats]:
     """Every prompt to its end (EOS, `params.max_new_tokens`, the context window, or `grammar` complete); one KV
     row each, prompt i sampled from its own generator seeded by `params.seed` + i (so it samples as it would alone
-    with that seed). A grammar needs the model's `tokenizer`; `speculation`: decode steps that verify drafts."""
+    with that seed). A grammar needs the model's `tokenizer`; `speculation`: decode steps that verify drafts;
+    `kv_cache(rows, max_len)`: the KV cache to use (KeptCache; None: a new one)."""
     spec = model.spec
     check_prompts(prompts, spec.max_position_embeddings, spec.vocab_size)
     num = len(prompts)
     max_len = min(spec.max_position_embeddings, max(map(len, prompts)) + params.max_new_tokens)
     stats = stats or GenerationStats()
     stats.prompt_tokens = sum(map(len, prompts))
-    scheduler = Scheduler(model, executor, KVPool(spec, num, max_len, model.dtype, model.device), eos_ids,
+    cache = kv_cache(num, max_len) if kv_cache is not None else None
+    scheduler = Scheduler(model, executor, KVPool(spec, num, max_len, model.dtype, model.device, cache), eos_ids,
                           tokenizer if grammar is not None else None, stats=stats, step_hooks=step_hooks,
                           speculation=speculation)
     ids = [scheduler.add_request(p, RequestParams(params, grammar=grammar), params.generator(i))  # (ids 0, 1, ...

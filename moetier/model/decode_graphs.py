@@ -23,9 +23,11 @@ What a graph needs, and how the step gives it:
   `_h` must not free the memory a decode graph's replay writes).
 
 The logits are the layer-by-layer step's up to the order of attention's sums (the masked keys add exact zeros).
-A step of more sequences (their experts grouped on the host: ResidentLayers.compute reads the routing back), or one
-no graph applies to otherwise, runs layer by layer as before. A capture that fails (an op that reads back to the
-host, found only then) turns graphs off for the engine, its reason kept in `off`; the step runs layer by layer."""
+Where not every expert is resident, each layer's routing is read back to plan its loads: the dense parts between
+the layers' experts are graphs then (moetier/model/part_graphs.py), the same inputs and buckets. A step of more
+sequences, or one of several tokens a sequence (a speculative verify), runs layer by layer as before. A capture that
+fails (an op that reads back to the host, found only then) turns those graphs off for the engine, its reason kept
+in `off` (the dense parts' in `parts.off`); the step runs layer by layer."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
+from moetier.model.part_graphs import PartGraphs
 from moetier.model.rope import RopeTables
 
 SHORTEST = 256  # keys of the shortest attention a graph runs over
@@ -59,18 +62,19 @@ class Replay(Protocol):
 
 
 class CudaGraphCapture:
-    """`capture(step)` -> (graph, step's outputs): the step run once on a side stream first (Triton compiles and
-    lazily made buffers are allocated outside the graph's memory, as torch's docs ask), then captured. Errors of
+    """`capture(step, pool)` -> (graph, step's outputs): the step run once on a side stream first (Triton compiles
+    and lazily made buffers are allocated outside the graph's memory, as torch's docs ask), then captured into
+    `pool` (a memory pool shared with graphs replayed in the order captured; None: the graph's own). Errors of
     other threads' CUDA calls (the host tier's readers) are theirs: the capture is thread-local."""
 
-    def __call__(self, step: Callable[[], Outputs]) -> tuple[Replay, Outputs]:
+    def __call__(self, step: Callable[[], Outputs], pool=None) -> tuple[Replay, Outputs]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = step()
         return graph, outputs
 
@@ -89,8 +93,7 @@ class Recorder:
 
 
 class DecodeGraphs:
-    def __init__(self, model, capture: Callable[[Callable[[], Outputs]], tuple[Replay, Outputs]] | None = None,
-                 shortest: int = SHORTEST) -> None:
+    def __init__(self, model, capture: Callable | None = None, shortest: int = SHORTEST) -> None:
         """`model`: a Transformer whose experts have `resident_on_device` and `heard`; `capture`: CudaGraphCapture
         (a test's stand-in replays the step eagerly); `shortest`: the shortest bucket's keys."""
         self.model, self.capture, self.shortest = model, capture or CudaGraphCapture(), shortest
@@ -100,10 +103,14 @@ class DecodeGraphs:
         self.last = torch.arange(ROWS, device=device)  # [ROWS] each sequence's one token
         self.graphs: dict[tuple[int, int, bool], tuple[Replay, Outputs]] = {}  # (sequences, keys, all rows) ->
         # graph, outputs
-        self.held: tuple = ()  # weak references to the KV cache, rope tables and resident layers the graphs were
-        # captured on (a finished call's KV cache is not kept for them)
+        # where not every expert is resident: each layer's dense part a graph, the engine's experts between
+        self.parts = PartGraphs(model, self.capture, (self.token_ids, self.positions, self.rows, self.last),
+                                shortest)
+        self.held: tuple = ()  # weak references to the KV cache and rope tables the graphs were captured on (a
+        # finished call's KV cache is not kept for them)
+        self.resident = None  # a weak reference to the resident layers the whole-step graphs were captured on
         self.captured = self.replayed = 0
-        self.off: str | None = None  # why graphs were turned off (a capture failed), or None
+        self.off: str | None = None  # why the whole-step graphs were turned off (a capture failed), or None
 
     @classmethod
     def make(cls, model, capture=None, shortest: int = SHORTEST) -> DecodeGraphs | None:
@@ -117,47 +124,70 @@ class DecodeGraphs:
     def close(self) -> None:
         """Every graph dropped (their memory pools back to torch's allocator); none is captured again."""
         self.graphs.clear()
-        self.held = ()
+        self.parts.clear()
+        self.held, self.resident = (), None
         self.off = self.off or "closed"
+        self.parts.off = self.parts.off or "closed"
 
     @property
     def status(self) -> dict:
-        return {"captured": self.captured, "replayed": self.replayed, "off": self.off}
+        return {"captured": self.captured, "replayed": self.replayed, "off": self.off, "parts": self.parts.status}
 
     @property
     def note(self) -> str:
         """What the graphs did, for a line on stderr."""
-        if self.off not in (None, "closed"):
-            return f"CUDA graphs turned off, a capture failed ({self.off}); the steps ran layer by layer"
-        if not self.replayed:
-            return ("CUDA graphs: no step replayed (they need at most 8 sequences, every expert resident and "
-                    "Triton's kernels: docs/gpu.md#cuda-graphs)")
-        return f"CUDA graphs: {self.replayed} decode steps replayed from {self.captured} captured"
+        failed = [f"{what} ({off})" for what, off in (("the whole step's", self.off), ("the dense parts'",
+                                                                                       self.parts.off))
+                  if off not in (None, "closed")]
+        done = []
+        if self.replayed:
+            done.append(f"{self.replayed} decode steps replayed from {self.captured} captured")
+        if self.parts.replayed:
+            done.append(f"{self.parts.replayed} steps' dense parts replayed from {self.parts.captured} captured "
+                        "chains")
+        if not done and not failed:
+            return ("CUDA graphs: no step replayed (they need at most 8 sequences, one token each, and Triton's "
+                    "kernels: docs/gpu.md#cuda-graphs)")
+        line = "CUDA graphs: " + ("; ".join(done) if done else "no step replayed")
+        if failed:
+            line += "; turned off, a capture failed: " + ", ".join(failed) + " (those steps ran layer by layer)"
+        return line
 
     def __call__(self, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor | None:
-        """The step's logits [B, V] from a graph's replay, its routes told to the engine; None where no graph
-        applies (the caller runs the step layer by layer)."""
+        """The step's logits [B, V] from graphs' replays, its routes told to the engine (or its experts run by the
+        engine between the dense parts'); None where no graph applies (the caller runs the step layer by layer)."""
         b = len(batch.rows_host)
-        if self.off is not None or b > ROWS or batch.num_tokens != b:  # (a verify step's several tokens a row)
-            return None
-        experts = self.model.experts
-        resident = experts.resident_on_device(b)
-        if resident is None:
-            return None
-        held = (kv, rope, resident)
-        if len(self.held) != 3 or any(ref() is not now for ref, now in zip(self.held, held)):
-            self.graphs.clear()  # (slots, cache or tables changed: every graph read the old ones)
+        if b > ROWS or batch.num_tokens != b or (self.off and self.parts.off):  # (a verify step's several tokens
+            return None  # a row)
+        held = (kv, rope)
+        if len(self.held) != 2 or any(ref() is not now for ref, now in zip(self.held, held)):
+            self.graphs.clear()  # (a new cache or tables: every graph read the old ones)
+            self.parts.clear()
             self.held = tuple(weakref.ref(now) for now in held)
         self.token_ids[:b].copy_(batch.token_ids)
         self.positions[:b].copy_(batch.positions)
         self.rows[:b].copy_(batch.rows)
         key = (b, bucket(max(batch.lengths_host), kv.max_len, self.shortest), batch.all_rows)
-        entry = self.graphs.get(key) or self._capture(key, batch.rows_host, kv, rope, resident)
+        resident = self.model.experts.resident_on_device(b)
+        if resident is None:  # (a layer's experts planned on the host: its routing read back)
+            return self.parts(key, batch.rows_host, kv, rope)
+        return self._replay(key, batch.rows_host, kv, rope, resident)
+
+    def _replay(self, key: tuple[int, int, bool], rows_host: list[int], kv: KVCache, rope: RopeTables,
+                resident) -> torch.Tensor | None:
+        """The whole step from one graph, every expert resident."""
+        if self.off is not None:
+            return None
+        if self.resident is None or self.resident() is not resident:
+            self.graphs.clear()  # (the slots or tables changed: every graph read the old ones)
+            self.resident = weakref.ref(resident)
+        entry = self.graphs.get(key) or self._capture(key, rows_host, kv, rope, resident)
         if entry is None:
             return None
         graph, (logits, routes) = entry
         graph.replay()
         self.replayed += 1
+        experts = self.model.experts
         for layer, scores, topk_ids, topk_weights in routes:
             experts.heard(layer, scores, topk_ids, topk_weights)
         return logits.clone()  # (the captured one is written again by the next replay)
@@ -177,7 +207,7 @@ class DecodeGraphs:
             return logits, recorder.routes
 
         try:
-            entry = self.capture(step)
+            entry = self.capture(step, None)
         except Exception as e:  # noqa: BLE001 - any op that cannot be captured: the step runs layer by layer
             self.off = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.graphs.clear()

@@ -20,6 +20,7 @@ class KVCache:
         mla, s2s = spec.latent_attention, spec.encoder_decoder
         self.cross_k: list[torch.Tensor | None] = []
         self.cross_v: list[torch.Tensor | None] = []
+        self.rows = rows
         self.encoder_lengths = [0] * rows
         if s2s is not None:
             shape = (rows, spec.num_kv_heads, max_len, spec.head_dim)

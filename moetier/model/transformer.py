@@ -110,19 +110,29 @@ class Transformer:
         """`segments`: each prompt's (first token, length) in a prefill (a router with an expert capacity counts per
         prompt); None in a decode step. `logits`: the router's, where a decode block made them. `experts`: who
         computes them (None: the engine's, `self.experts`)."""
-        spec, w, kernels = self.spec, self.layers[layer], self.kernels
+        route = self.route(layer, x, segments, logits)
+        return (experts or self.experts)(layer, x, *route, self.shared_expert(layer, x))
+
+    def route(self, layer: int, x: torch.Tensor, segments: list[tuple[int, int]] | None = None,
+              logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MoE layer `layer`'s routing of x [T, H]: (scores, topk_ids [T, k], topk_weights [T, k])."""
         if logits is None:
-            scores, topk_ids, topk_weights = self.router(x, w, segments)
-        else:
-            scores, topk_ids, topk_weights = self.router.route(logits, x.dtype)
-        shared = None
-        if spec.shared_expert_intermediate_size:
-            def shared() -> torch.Tensor:  # resident like attention
-                out = kernels.swiglu(x, w["shared.gate_up_proj"], w["shared.down_proj"])
-                if spec.shared_expert_gated:  # Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x))
-                    return torch.sigmoid(F.linear(x, w["shared_gate"])) * out
-                return out
-        return (experts or self.experts)(layer, x, scores, topk_ids, topk_weights, shared)
+            return self.router(x, self.layers[layer], segments)
+        return self.router.route(logits, x.dtype)
+
+    def shared_expert(self, layer: int, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """MoE layer `layer`'s shared expert of x, to be computed when its executor asks (None: the family has
+        none): resident like attention."""
+        spec, w, kernels = self.spec, self.layers[layer], self.kernels
+        if not spec.shared_expert_intermediate_size:
+            return None
+
+        def shared() -> torch.Tensor:
+            out = kernels.swiglu(x, w["shared.gate_up_proj"], w["shared.down_proj"])
+            if spec.shared_expert_gated:  # Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x))
+                return torch.sigmoid(F.linear(x, w["shared_gate"])) * out
+            return out
+        return shared
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """A layer without experts: its dense SwiGLU MLP."""
@@ -145,19 +155,31 @@ class Transformer:
     def run_layers(self, batch: StepBatch, kv: KVCache, rope: RopeTables, experts: Experts,
                    all_logits: bool = False) -> torch.Tensor:
         """The step layer by layer, `experts` computing the MoE layers' experts: logits [B, V] (or [N, V])."""
-        norm = self.norm
         h = self.w["embed_tokens"][batch.token_ids]  # [N, H]
         segments = None if batch.decode else [(first, length) for _, first, _, length in batch.segments]
-        add_norm, delta = self.add_norm, None  # (each residual add with the norm after it: one launch on a GPU)
-        for i, w in enumerate(self.layers):
-            h, x = add_norm(h, delta, w, "input_norm")
-            h, x = add_norm(h, self.attn[i](x, batch, kv, rope), w, "post_attn_norm")
+        delta = None
+        for i in range(len(self.layers)):
+            h, x = self.attend(i, h, delta, batch, kv, rope)
             self._h = h  # (a reference, no copy: what `lookahead` starts from)
             delta = self._moe(i, x, segments, experts=experts) if self.is_moe[i] else self._mlp(i, x)
+        return self.head(h, delta, batch, all_logits)
+
+    def attend(self, layer: int, h: torch.Tensor, delta: torch.Tensor | None, batch: StepBatch, kv: KVCache,
+               rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s attention on the residual stream h [N, H], delta (the layer before's MLP or experts
+        output, None for the first) added first -> (h, x): the residual after attention and its norm, the input of
+        the layer's MLP or experts. Each residual add is fused with the norm after it (one launch on a GPU)."""
+        w = self.layers[layer]
+        h, x = self.add_norm(h, delta, w, "input_norm")
+        return self.add_norm(h, self.attn[layer](x, batch, kv, rope), w, "post_attn_norm")
+
+    def head(self, h: torch.Tensor, delta: torch.Tensor, batch: StepBatch, all_logits: bool = False) -> torch.Tensor:
+        """Logits [B, V] of each sequence's last token (or [N, V] with all_logits) from the residual stream h and
+        the last layer's output delta."""
         h = h + delta
         if not all_logits:
             h = h[batch.last]
-        return self.kernels.linear(norm(h, self.w, "norm"), self.lm_head, self.lm_head_bias)
+        return self.kernels.linear(self.norm(h, self.w, "norm"), self.lm_head, self.lm_head_bias)
 
     def _forward_blocks(self, batch: StepBatch, kv: KVCache, rope: RopeTables) -> torch.Tensor:
         """A decode step (of up to BLOCK_ROWS sequences) with each layer's attention block in one native call: the

@@ -255,10 +255,12 @@ def test_gpt_oss_experts_through_triton_write_what_torchs_ops_write(tmp_path, ti
 
 
 def test_cuda_graphs_replay_the_layer_by_layer_steps(tiny_store):
-    """`--cuda-graphs` with every expert resident: each decode step of one sequence, and of a batch of two, replayed
-    from a graph (one a number of sequences and a bucket of keys), the same greedy tokens as the steps layer by layer
-    but where bf16's rounding tips one (the graph's attention sums over its bucket's keys, those past the token
-    masked); at 30% (planned layers read their routing back), no graph."""
+    """`--cuda-graphs`: with every expert resident, each decode step of one sequence, and of a batch of two,
+    replayed from a graph (one a number of sequences and a bucket of keys); at 30% (planned layers read their
+    routing back) each layer's dense part replayed from a graph, the engine's experts between. The same greedy
+    tokens as the steps layer by layer but where bf16's rounding tips one (the graphs' attention sums over their
+    bucket's keys, those past the token masked); the engine's KV cache kept from one call to the next of the same
+    rows, so the second prompt replays the graphs the first captured."""
     from moetier.model.kernels import triton_installed
 
     if not triton_installed():
@@ -267,7 +269,7 @@ def test_cuda_graphs_replay_the_layer_by_layer_steps(tiny_store):
         EngineConfig(device="cuda", cuda_graphs=True, kernels="torch")
     _, path = tiny_store("olmoe", torch.bfloat16, num_hidden_layers=4, intermediate_size=64)
     got, status = {}, {}
-    for memory, graphs in (("100%", False), ("100%", True), ("30%", True)):
+    for memory, graphs in (("100%", False), ("100%", True), ("30%", False), ("30%", True)):
         config = EngineConfig(expert_memory=MemoryBudget.parse(memory), device="cuda", cuda_graphs=graphs)
         with Engine(Store(path), config, progress=False) as engine:
             engine.preload()
@@ -277,11 +279,13 @@ def test_cuda_graphs_replay_the_layer_by_layer_steps(tiny_store):
             if graphs:
                 status[memory] = dict(engine.model.graphs.status)
         if graphs:
-            assert engine.model.graphs.graphs == {}  # closing the engine drops them (their memory pools)
-    assert status["100%"]["off"] is None, status
-    # 11 decode steps of each prompt alone, then 3 of both (each call's own KV cache: its graphs captured anew)
-    assert status["100%"]["replayed"] == 2 * 11 + 3 and status["100%"]["captured"] == 3
+            assert engine.model.graphs.graphs == {} == engine.model.graphs.parts.chains  # closing the engine drops
+            # them (their memory pools)
+    # 11 decode steps of each prompt alone (a kept cache of 256: one bucket), then 3 of both (a cache of two rows)
+    assert status["100%"]["off"] is None and status["30%"]["parts"]["off"] is None, status
+    assert (status["100%"]["replayed"], status["100%"]["captured"]) == (2 * 11 + 3, 2)
+    assert (status["30%"]["parts"]["replayed"], status["30%"]["parts"]["captured"]) == (2 * 11 + 3, 2)
     assert status["30%"]["replayed"] == 0
-    a, b = sum(got["100%", True], []), sum(got["100%", False], [])
-    assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(b)
-    assert got["30%", True] == got["30%", False]
+    for memory in ("100%", "30%"):
+        a, b = sum(got[memory, True], []), sum(got[memory, False], [])
+        assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(b), memory

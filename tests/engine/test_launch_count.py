@@ -53,14 +53,15 @@ def launches(monkeypatch):
     run = interpreter.InterpretedFunction.run
 
     def counted(self, *args, **kwargs):
-        if active:
+        if active:  # (counted by the innermost; the interpreter's own ops by none)
             active[-1].counts["triton:" + self.fn.__name__] += 1
-            active[-1].inside += 1
+        for counting in active:
+            counting.inside += 1
         try:
             return run(self, *args, **kwargs)
         finally:
-            if active:
-                active[-1].inside -= 1
+            for counting in active:
+                counting.inside -= 1
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
 
@@ -143,6 +144,8 @@ def test_a_bf16_decode_step_on_triton_launches_a_fraction_of_what_torchs_ops_do(
     assert sum(a == b for a, b in zip(tokens, want)) >= len(want) - 1
 
 
+PARTS_UNUSED = {"captured": 0, "replayed": 0, "off": None}  # (every expert resident: the whole step a graph)
+
 # ops that read a tensor's values back to the host: a CUDA graph's capture fails on them (or bakes the value in)
 READ_BACKS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "unique", "_unique2", "masked_select",
               "_assert_async"}
@@ -180,7 +183,7 @@ def test_a_graphed_resident_step_on_triton_reads_nothing_back_and_writes_the_lay
         def __init__(self) -> None:
             self.seen: list[collections.Counter] = []
 
-        def __call__(self, step):
+        def __call__(self, step, pool=None):
             with launches() as seen:
                 outputs = step()
             self.seen.append(seen.counts)
@@ -201,11 +204,11 @@ def test_a_graphed_resident_step_on_triton_reads_nothing_back_and_writes_the_lay
             got.append(engine.generate([prompt], max_new_tokens=5, ignore_eos=True).token_ids[0])
             assert engine.executor.resident_layers.tables is not None  # (Triton's tables: the device's routing)
             if graphed:  # 6 tokens and 4 decode steps: sequences of 7, 8 (the bucket of 8), 9 and 10 (of 16)
-                assert graphs.status == {"captured": 2, "replayed": 4, "off": None}
+                assert graphs.status == {"captured": 2, "replayed": 4, "off": None, "parts": PARTS_UNUSED}
             # two sequences a step: each (token, expert) pair on its own row of the Triton tables, no grouping
             got += engine.generate([prompt, second], max_new_tokens=3, ignore_eos=True).token_ids
             if graphed:  # 2 steps of two sequences, the longer 7 and 8 long: a graph for two, of 8 keys
-                assert graphs.status == {"captured": 3, "replayed": 6, "off": None}
+                assert graphs.status == {"captured": 3, "replayed": 6, "off": None, "parts": PARTS_UNUSED}
     assert len(watched.seen) == 3
     for captured in watched.seen:
         assert not READ_BACKS & set(captured), captured
@@ -214,3 +217,90 @@ def test_a_graphed_resident_step_on_triton_reads_nothing_back_and_writes_the_lay
     plain, graphed = got[:3], got[3:]  # (one sequence, then two: the layer-by-layer steps', then the graphs')
     for a, b in zip(plain, graphed):
         assert sum(x == y for x, y in zip(a, b)) >= len(a) - 1, got
+
+
+@pytest.mark.usefixtures("cuda_stand_ins")
+def test_graphed_dense_parts_of_a_planned_step_leave_the_host_its_experts_launches(tiny_store, monkeypatch,
+                                                                                 launches):
+    """`--cuda-graphs` at a quarter of the experts (moetier/model/part_graphs.py), OLMoE's shape on TritonKernels
+    behind a whole host tier: each dense part between two MoE layers' experts captured by a stand-in that watches
+    its ops and replays it eagerly. What the host launches itself a MoE layer — the layer's expert launches and its
+    misses' copies, a replay and the copy of the experts' output — against the layer-by-layer step's; the parts read
+    nothing back; the tokens are the layer-by-layer step's."""
+    from moetier import Engine
+    from moetier.config import MemoryBudget
+    from moetier.engine import engine as engine_module
+    from moetier.engine.engine import EngineConfig
+    from moetier.engine.host_tier import HostTier
+    from moetier.model.decode_graphs import DecodeGraphs
+    from moetier.model.kernels import TorchKernels, TritonKernels
+    from moetier.store.reader import ExpertReader
+    from moetier.store.store import Store
+    from tests.model.test_decode_graphs import Replayed
+
+    _, path = tiny_store("olmoe", dtype=torch.bfloat16, hidden_size=128, intermediate_size=64, num_hidden_layers=3,
+                         num_experts=64, num_experts_per_tok=8)
+    store = Store(path)
+    layers = len(store.spec.moe_layers)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 128, (12,), generator=g).tolist()
+    steps = 3
+
+    class OnTheCpu(TritonKernels):
+        def decode_attention(self, *args):  # (the GPU's SDPA backends list is CUDA's)
+            return TorchKernels.decode_attention(self, *args)
+
+    captured: list[collections.Counter] = []
+    replayed: collections.Counter = collections.Counter()  # what the captures and replays ran (a replay is one
+    # launch on a GPU, a capture none after the first step)
+    replays: list = []
+
+    class Quiet(Replayed):
+        def replay(self) -> None:
+            with launches() as inside:  # (the Triton launches counted here alone, aten's here and outside)
+                super().replay()
+            replayed.update(inside.counts)
+            replays.append(self)
+
+    def watch(step, pool=None):
+        with launches() as seen:  # (as with the replays: its aten ops are counted outside too)
+            outputs = step()
+        captured.append(seen.counts)
+        replayed.update(seen.counts)
+        return Quiet(step, outputs), outputs
+
+    monkeypatch.setattr(engine_module, "make_kernels", lambda *args: OnTheCpu())
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+
+    def per_layer(graphed: bool) -> tuple[float, list[int], DecodeGraphs | None]:
+        tier = HostTier(store.manifest, keys, {native: len(keys)}, FakePinning())
+        with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+            tier.fill(reader, progress=False)
+        config = EngineConfig(expert_memory=MemoryBudget.parse("25%"), kernels="torch")
+        with Engine(store, config, progress=False, host_tier=tier) as engine:
+            graphs = engine.model.graphs = DecodeGraphs.make(engine.model, watch, shortest=32) if graphed else None
+            engine.generate([prompt], max_new_tokens=2, ignore_eos=True)  # (warm; the chain of 32 keys captured)
+            replayed.clear()
+            replays.clear()
+            with launches() as prefill:
+                engine.generate([prompt], max_new_tokens=1, ignore_eos=True)
+            with launches() as whole:
+                tokens = engine.generate([prompt], max_new_tokens=steps + 1, ignore_eos=True).token_ids[0]
+            status = graphs.status["parts"] if graphed else None
+        host = whole.counts - prefill.counts - replayed  # (Counter's difference: the host's own launches)
+        host["graph replays"] = len(replays)
+        return sum(host.values()) / steps / layers, tokens, status, host
+
+    ours, tokens, status, host = per_layer(True)
+    theirs, want, _, _ = per_layer(False)
+    # each generate call a KV cache of its own: a chain captured each (of 32 keys), a replay each decode step
+    assert status == {"captured": 2, "replayed": 1 + steps, "off": None}
+    assert len(captured) == 2 * (layers + 1)  # a part a MoE layer and the head's
+    for seen in captured:
+        assert not READ_BACKS & set(seen), seen
+        assert not seen["triton:gate_up"]  # (the experts are the engine's, between the parts)
+    assert all(seen["triton:rms_norm_kernel"] and seen["triton:rope_kernel"]
+               for chain in (captured[:layers + 1], captured[layers + 1:]) for seen in chain[:-1])
+    # counted here: 18.6 a MoE layer (1.3 of them replays) against 31.2 layer by layer
+    assert ours <= 20 and theirs >= 1.5 * ours, (ours, theirs, host)
+    assert sum(a == b for a, b in zip(tokens, want)) >= len(want) - 1
