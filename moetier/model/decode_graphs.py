@@ -39,7 +39,7 @@ import torch
 
 from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
-from moetier.model.part_graphs import PartGraphs
+from moetier.model.part_graphs import PartGraphs, failure
 from moetier.model.rope import RopeTables
 
 SHORTEST = 256  # keys of the shortest attention a graph runs over
@@ -209,7 +209,7 @@ class DecodeGraphs:
         try:
             entry = self.capture(step, None)
         except Exception as e:  # noqa: BLE001 - any op that cannot be captured: the step runs layer by layer
-            self.off = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.off = failure(e)
             self.graphs.clear()
             return None
         self.graphs[key] = entry

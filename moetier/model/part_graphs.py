@@ -32,6 +32,11 @@ from moetier.model.rope import RopeTables
 Part = tuple[torch.Tensor, ...]  # a part's outputs: (h, x, scores, topk_ids, topk_weights), the last's (logits,)
 
 
+def failure(e: Exception) -> str:
+    """Why a capture failed, in one line (what `off` keeps)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 class PartGraphs:
     def __init__(self, model, capture: Callable, inputs: tuple[torch.Tensor, ...], shortest: int) -> None:
         """`model`: a Transformer; `capture(step, pool)` -> (graph, step's outputs) (CudaGraphCapture; a test's
@@ -81,7 +86,7 @@ class PartGraphs:
             for part in range(len(self.moe_layers) + 1):
                 chain.append(self.capture(self._step(key, rows_host, kv, rope, part, chain), pool))
         except Exception as e:  # noqa: BLE001 - any op that cannot be captured: the step runs layer by layer
-            self.off = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.off = failure(e)
             self.chains.clear()
             return None
         self.chains[key] = chain
