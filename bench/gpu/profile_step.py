@@ -131,6 +131,9 @@ def main() -> None:
             start = time.perf_counter()
             out = engine.generate([prompt], max_new_tokens=args.steps + 1, ignore_eos=True)
             wall = time.perf_counter() - start
+        graphs = engine.model.graphs  # (--config's cuda_graphs: the profiled steps replay the warm-up's captures,
+        # the engine keeping its KV cache)
+        graphs = None if graphs is None else dict(graphs.status)
     trace_path = args.out / f"{args.name}-trace.json"
     prof.export_chrome_trace(str(trace_path))
     trace = json.loads(trace_path.read_text())
@@ -140,7 +143,8 @@ def main() -> None:
     summary.update(model=args.model, expert_memory=args.expert_memory, config=json.loads(args.config),
                    host_memory=args.host_memory, host_tier=stats.get("host_tier"),
                    tpot_s=stats["tpot_s"], ttft_s=stats["ttft_s"], decode_s=decode_s,
-                   decode_hit_rate=stats["decode_hit_rate"], expert_bytes_per_token=stats["expert_bytes_per_token"])
+                   decode_hit_rate=stats["decode_hit_rate"], expert_bytes_per_token=stats["expert_bytes_per_token"],
+                   graphs=graphs)
     (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
     json.dump({k: v for k, v in summary.items() if k != "streams"}, sys.stdout, indent=1)
     print()
