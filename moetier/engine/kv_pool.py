@@ -42,21 +42,18 @@ class KeptCache:
     """The KV cache of one `Engine.generate` call kept for the next (`--cuda-graphs`: a graph captured on a cache
     replays on it alone, and each call made its own, so each captured its graphs anew): `kept(rows, max_len)` hands
     it again where it has the call's rows and room for its length, else makes one of the length rounded up to a
-    power of two (at least `shortest`, at most the context window) and keeps that instead. The memory of the last
-    one stays taken between calls."""
+    multiple of `step` (at most the context window: less than `step` positions more than asked) and keeps that
+    instead. The memory of the last one stays taken between calls."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, shortest: int = 256) -> None:
-        self.spec, self.dtype, self.device, self.shortest = spec, dtype, device, shortest
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, step: int = 256) -> None:
+        self.spec, self.dtype, self.device, self.step = spec, dtype, device, step
         self.cache: KVCache | None = None
 
     def __call__(self, rows: int, max_len: int) -> KVCache:
         cache = self.cache
         if cache is None or cache.rows != rows or cache.max_len < max_len:
             self.cache = None  # (the old one's memory back before the new one takes its own)
-            length = self.shortest
-            while length < max_len:
-                length *= 2
-            length = max(min(length, self.spec.max_position_embeddings), max_len)
+            length = max(min(-(-max_len // self.step) * self.step, self.spec.max_position_embeddings), max_len)
             cache = self.cache = KVCache(self.spec, rows, length, self.dtype, self.device)
         return cache
 

@@ -155,7 +155,7 @@ def test_a_kept_kv_cache_keeps_the_graphs_from_one_call_to_the_next(path, memory
     engine = Engine.from_pretrained(path, expert_memory=memory, kernels="torch", progress=False)
     engine.preload()
     graphs = engine.model.graphs = DecodeGraphs.make(engine.model, EagerCapture(), shortest=8)
-    engine.kept_kv = KeptCache(engine.spec, engine.model.dtype, "cpu", shortest=8)
+    engine.kept_kv = KeptCache(engine.spec, engine.model.dtype, "cpu", step=32)
     counts = graphs if memory == "100%" else graphs.parts
     outs = []
     for _ in range(2):
