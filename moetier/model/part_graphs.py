@@ -115,7 +115,7 @@ class PartGraphs:
                 h, delta = model.w["embed_tokens"][token_ids], None  # [B, H]
             else:
                 h, delta = chain[part - 1][1][0], self.delta[:b]
-            for i in range(first, min(end, len(model.layers))):  # dense layers whole
+            for i in range(first, end):  # dense layers whole
                 h, x = model.attend(i, h, delta, batch, kv, rope)
                 delta = model._mlp(i, x)
             if part == len(self.moe_layers):

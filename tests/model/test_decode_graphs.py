@@ -137,6 +137,18 @@ def test_below_100_percent_the_dense_parts_replay_and_the_engine_runs_the_expert
     assert status["note"] == "CUDA graphs: 19 steps' dense parts replayed from 3 captured chains"
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe", "gpt_oss"])
+def test_each_familys_dense_parts_replay_its_layer_by_layer_tokens(tiny_store, family):
+    """A dense first layer inside part 0 and latent attention (DeepSeek-V3), a gated shared expert computed by the
+    executor from a part's output (Qwen2-MoE), sinks and a sliding window over the bucket's keys (gpt-oss): at half
+    the experts, the same tokens and routes as layer by layer."""
+    path = tiny_store(family)[1]
+    plain, _, heard_plain = run(path, memory="50%", tokens=12)
+    graphed, status, heard = run(path, EagerCapture(), memory="50%", tokens=12)
+    assert graphed.token_ids == plain.token_ids and heard == heard_plain
+    assert status["parts"] == {"captured": 2, "replayed": 11, "off": None}  # (buckets 8 and 16)
+
+
 def test_two_sequences_replay_as_one_step_of_each_kind(path):
     for memory in ("100%", "50%"):
         plain, _, heard_plain = run(path, memory=memory, prompts=PROMPTS, tokens=12)
