@@ -642,8 +642,8 @@ class Engine:
         parts = self._parts(new, budget, self._policy(new, budget), None, self.model.w, self.model.kernels, None,
                             False, None)
         self._stop_reader()
-        if self.model.graphs is not None:  # (the old model's: the new one captures its own)
-            self.model.graphs.close()
+        if getattr(self.model, "graphs", None) is not None:  # (the old model's: the new one captures its own; an
+            self.model.graphs.close()  # encoder-decoder has none)
         self.executor.close()
         if self._own_tier and self.host_tier is not None:
             self.host_tier.close()

@@ -254,6 +254,18 @@ def test_an_engine_switches_between_a_model_and_its_merged_variant_between_calls
             engine.use_variant(other)
 
 
+def test_an_encoder_decoder_engine_switches_to_its_merged_variant(tiny_store, tmp_path):
+    """use_variant on a Switch Transformers engine (no decode graphs on its model: closing the old model's graphs
+    must not assume them); the variant's generation runs."""
+    _, store = tiny_store("switch_transformers")
+    report = merge_store(store, tmp_path / "merged", calibration(store), MergeSettings(FixedRatio(0.5)),
+                         progress=False)
+    with Engine(Store(store), EngineConfig(expert_memory=MemoryBudget.parse("100%"))) as engine:
+        engine.use_variant(report.path)
+        assert engine.store.path == report.path
+        assert len(engine.generate([[5, 9, 17]], max_new_tokens=4, ignore_eos=True).token_ids[0]) == 4
+
+
 def test_adapt_with_variants_switches_down_when_memory_goes_and_back_when_it_holds(merged, tmp_path):
     """CoMoE Eq. 17, 34-35 between requests: a library of the original and its half; the memory falls below what
     the original needs resident (E'(t) under its 16 experts: the half switched to at the next call, at once), then
