@@ -81,13 +81,14 @@ def shape_of(model: str):
 
 
 def dense_rows(results: Path) -> dict[str, float]:
-    """model -> TPOT of its 100% lru row at batch 1 (every expert resident)."""
+    """model -> TPOT of its 100% lru row at batch 1 (every expert resident): the median of its rounds."""
+    from runs import fold, load
+
     out = {}
-    for path in sorted(results.glob("bench-*.json")):
-        for r in json.loads(path.read_text())["rows"]:
-            if (r.get("engine") == "moetier" and r.get("mode") == "lru" and r.get("budget") == "100%"
-                    and r.get("batch") == 1 and r.get("tier") in (None, "host") and "tpot_s" in r):
-                out.setdefault(r["model"], r["tpot_s"])
+    for r in fold(load(results)[1]):
+        if (r.get("engine") == "moetier" and r.get("mode") == "lru" and r.get("budget") == "100%"
+                and r.get("batch") == 1 and r.get("tier") in (None, "host")):
+            out.setdefault(r["model"], r["tpot_s"])
     return out
 
 

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "gpu"))
 
+from runs import fold, load, ranking, rounds, spread  # noqa: E402
+
 MODES = {"lru": "none", "comoe": "none", "hobbit": "precision:hobbit", "prefetch-hobbit": "hobbit:stacked-gates",
          "prefetch-presched": "presched:stacked-gates", "prefetch-oracle": "hobbit:oracle",
          "substitute": "substitute:0.35", "cpu-assist": "placement:greedy", "cpu-offload": "placement:cpu-offload"}
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "gpu-sim-check")
+    ap.add_argument("--budget", default="25%", help="where the modes are ranked (bench_gpu.py's --mode-budget)")
     ap.add_argument("--fit", metavar="MODE:BUDGET", help="print the host's work a load costs (the profile's first tier's "
                     "per_read_s) that makes this row's simulated TPOT its measured one (gpu_profile.py --per-read-ms)")
     args = ap.parse_args()
@@ -83,8 +86,7 @@ def main() -> None:
     hobbit = dataclasses.asdict(MixedPrecision("hobbit", low="int4", cached="as-held").with_thresholds(
         load_thresholds(store.trained_dir())))
 
-    rows = [r for path in sorted(args.results.glob("bench-*.json")) for r in json.loads(path.read_text())["rows"]
-            if r.get("model") == args.model and r.get("engine") == "moetier" and "tpot_s" in r]
+    rows = [r for r in fold(load(args.results)[1]) if r.get("model") == args.model and r.get("engine") == "moetier"]
     args.out.mkdir(parents=True, exist_ok=True)
     trace = record(args.model, args.prompt_len, args.warmup, args.tokens, args.out / f"{args.model}-trace")
     profile = HardwareProfile.load(args.profile)
@@ -97,19 +99,42 @@ def main() -> None:
         preload = r["budget"] == "100%" or r["mode"] in PRELOADED
         sim = replay(trace, profile, cfg, r["expert_slots"], store.native_layout.blob_bytes, 2, preload,
                      entry_bytes, (r.get("precision") or hobbit) if r["mode"] == "hobbit" else None)
-        out.append({"mode": r["mode"], "budget": r["budget"], "real_tpot_s": r["tpot_s"], **sim,
-                    "ratio": sim["sim_tpot_s"] / r["tpot_s"], "real_hit_rate": r["decode_hit_rate"]})
-    print(f"{args.model} on {args.profile}: simulated against measured (one GPU round each)")
-    print(f"{'mode':>18} {'budget':>6} {'real ms':>8} {'sim ms':>8} {'sim/real':>8} {'hit real':>8} {'hit sim':>8}")
+        out.append({"mode": r["mode"], "budget": r["budget"], "real_tpot_s": r["tpot_s"],
+                    "real_tpot_rounds_s": rounds(r), **sim, "ratio": sim["sim_tpot_s"] / r["tpot_s"],
+                    "real_hit_rate": r["decode_hit_rate"]})
+    n = max((len(o["real_tpot_rounds_s"]) for o in out), default=1)
+    print(f"{args.model} on {args.profile}: simulated against measured (" +
+          ("one GPU round each)" if n == 1 else f"the median of {n} GPU rounds, their range beside it)"))
+    print(f"{'mode':>18} {'budget':>6} {'real ms':>20} {'sim ms':>8} {'sim/real':>8} {'hit real':>8} {'hit sim':>8}")
     for o in out:
-        print(f"{o['mode']:>18} {o['budget']:>6} {o['real_tpot_s'] * 1e3:8.2f} {o['sim_tpot_s'] * 1e3:8.2f} "
+        real = spread({"tpot_s": o["real_tpot_s"], "tpot_rounds_s": o["real_tpot_rounds_s"]})
+        print(f"{o['mode']:>18} {o['budget']:>6} {real:>20} {o['sim_tpot_s'] * 1e3:8.2f} "
               f"{o['ratio']:8.2f} {o['real_hit_rate']:8.1%} {o['sim_hit_rate']:8.1%}")
     if args.fit:
         print(fitted(args.fit, out, profile))
     within = sum(abs(o["ratio"] - 1) <= 0.15 for o in out)
     print(f"within 15%: {within} of {len(out)}; not modelled here: {', '.join(skipped) or 'none'}")
+    order = ranked(out, args.budget)
+    print(said(order, args.budget, n == 1))
     (args.out / f"{args.model}.json").write_text(json.dumps({"profile": args.profile, "rows": out,
-                                                             "skipped": skipped}, indent=1, default=str))
+                                                             "skipped": skipped, "ranking": order},
+                                                            indent=1, default=str))
+
+
+def ranked(out: list[dict], budget: str) -> dict:
+    """The modes at `budget` (the mechanisms side by side), simulated order against measured (runs.ranking)."""
+    return ranking([(o["mode"], {"tpot_s": o["real_tpot_s"], "tpot_rounds_s": o["real_tpot_rounds_s"]},
+                     o["sim_tpot_s"]) for o in out if o["budget"] == budget])
+
+
+def said(order: dict, budget: str, single: bool) -> str:
+    """The ranking in a few lines: the orders, and each pair the simulator swapped."""
+    told, unresolved = len(order["alike"]) + len(order["swapped"]), len(order["unresolved"])
+    line = f"ranking at {budget}: {len(order['alike'])} of the {told} pairs the rounds tell apart ordered alike"
+    line += f" ({unresolved} more within the rounds' spread)" if unresolved else ""
+    line += " (one round each: every pair taken as measured)" if single else ""
+    line += f"\n  measured: {' < '.join(order['measured'])}\n  simulated: {' < '.join(order['simulated'])}"
+    return line + "".join(f"\n  swapped: {a} measured faster than {b}" for a, b in order["swapped"])
 
 
 def fitted(row: str, out: list[dict], profile) -> str:
