@@ -42,7 +42,7 @@ DEADLINE=$(( $(date +%s) + ${GPU_DEADLINE:-540} ))
 mkdir -p "$OUT" "$WORK"
 export WORK  # (the stages run as bash -c: the junit file goes there)
 export PYTHONUNBUFFERED=1 MOETIER_CACHE=$PWD/.gpu-cache TOKENIZERS_PARALLELISM=false
-STAGES=${GPU_STAGES:-env install micro tests bench-demo bench-olmoe profile-olmoe profile-prefetch profile-graphs profile-substitute acceptance}
+STAGES=${GPU_STAGES:-env install micro tests bench-olmoe profile-graphs profile-prefetch profile-olmoe bench-demo profile-substitute acceptance}
 
 log() { echo "[$(date +%T)] $*" | tee -a "$WORK/steps.log"; }
 left() { echo $(( DEADLINE - $(date +%s) )); }
@@ -142,25 +142,30 @@ export -f tests
 stage tests 150 tests
 if [ -n "$PREPARE" ]; then log "waiting for the synthetic OLMoE"; wait $PREPARE; tail -n 3 "$WORK/prepare.log" | sed 's/^/    /'; fi
 MODES=${GPU_MODES:-comoe,hobbit,prefetch-hobbit,prefetch-hobbit-graphs,prefetch-hobbit-fifo,prefetch-presched,prefetch-oracle,substitute,cpu-assist,cpu-offload}
-stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --models demo-fine-xl \
-    --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25% --modes "$MODES" --disk-budgets 25% \
-    --graph-budgets 25%,100% --tokens 24 --warmup 8 --rounds ${GPU_ROUNDS:-2}
+# In the order issue 52's acceptance needs them, for a deadline cuts the last: OLMoE's rows (accelerate's among them,
+# HOBBIT's, the prefetchers'), the profiles the overlap target is read from (graphs, prefetching, neither), then
+# demo-fine-xl's rows (the simulator's second model) and the substitution profile. (At the 2026-11-27 pace — tests
+# 74 s, a profile ~25 s with its host tier filled from disk — a 540 s deadline reaches demo-fine-xl's rows.)
 OLMOE=${GPU_OLMOE:---budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25%,100% --disk-budgets 25% \
 --kernel-budgets 25%,100% --graph-budgets 25%,100% --accelerate olmoe-synth:25%}  # (the llama.cpp call: fewer rows)
 stage bench-olmoe 200 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" --models olmoe-synth \
     --modes "$MODES" --tokens 12 --warmup 6 --rounds ${GPU_ROUNDS:-2} $OLMOE
 # (each profile evicts by lru, as the benchmark's rows do: acceptance.py holds a profile beside its row; each runs its
 # call again unprofiled, the step against max(copy, compute) without the profiler's own host time)
-stage profile-olmoe 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
-    --expert-memory 25% --out "$WORK" --name profile-olmoe --config '{"policy": "lru"}'
-# the same step with the next layer's experts prefetched (copies started a layer ahead: the overlap issue 52 asks)
-stage profile-prefetch 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
-    --expert-memory 25% --out "$WORK" --name profile-prefetch \
-    --config '{"policy": "lru", "prefetch": "hobbit", "predictor": "stacked-gates"}'
-# and with each layer's dense part replayed as a CUDA graph (the host's launches between the layers' routings)
+# the step with each layer's dense part replayed as a CUDA graph (the host's launches between the layers' routings)
+# and the next layer's experts prefetched (copies started a layer ahead: the overlap issue 52 asks)
 stage profile-graphs 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
     --expert-memory 25% --out "$WORK" --name profile-graphs \
     --config '{"policy": "lru", "prefetch": "hobbit", "predictor": "stacked-gates", "cuda_graphs": true}'
+# the same without the graphs, and without prefetching (the 2026-11-27 run's profile)
+stage profile-prefetch 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
+    --expert-memory 25% --out "$WORK" --name profile-prefetch \
+    --config '{"policy": "lru", "prefetch": "hobbit", "predictor": "stacked-gates"}'
+stage profile-olmoe 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
+    --expert-memory 25% --out "$WORK" --name profile-olmoe --config '{"policy": "lru"}'
+stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --models demo-fine-xl \
+    --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25% --modes "$MODES" --disk-budgets 25% \
+    --graph-budgets 25%,100% --tokens 24 --warmup 8 --rounds ${GPU_ROUNDS:-2}
 # and with SMoE's substitution: it loaded a quarter fewer bytes than lru yet took 76.0 ms to lru's 73.1 on the H200,
 # where the simulator, pricing loads, put it at 64.5 (what the host does beyond a load is what this profile shows)
 stage profile-substitute 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
