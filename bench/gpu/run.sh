@@ -138,8 +138,8 @@ tests() {
         tests/model/test_triton_experts.py tests/model/test_triton_dense.py tests/model/test_kernels.py -v -rs \
         -k "not with_no_gpu_here" -p no:cacheprovider --junitxml="$WORK/tests.xml"
     # (parity and the engine's CUDA tests first, should the stage's limit cut it; the two tests that compile the
-    # Triton kernels for sm_90 with no GPU present are left to a CPU machine with triton: here every kernel is compiled by the
-    # tests that run it)
+    # Triton kernels for sm_90 with no GPU present are left to a CPU machine with triton: here every kernel is
+    # compiled by the tests that run it)
 }
 export -f tests
 stage tests 150 tests
