@@ -172,6 +172,19 @@ def test_prefetch_copies_held_for_the_link_or_queued_when_asked_leave_the_output
     assert sum(o.stats["prefetches"]["issued"] for o in outs) > 0
 
 
+def test_an_auto_budget_on_the_gpu_is_sized_from_the_devices_free_memory(tiny_store):
+    """`--expert-memory auto` with `--device cuda`: the cache from what the device has free (torch.cuda.mem_get_info;
+    every expert of a tiny model on a GPU of tens of GB), the tokens exact."""
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    exact, _ = tokens(path, "cuda", "100%")
+    with Engine(Store(path), EngineConfig(expert_memory=MemoryBudget.parse("auto"), device="cuda"),
+                progress=False) as engine:
+        assert engine.budget.slots == engine.spec.num_expert_keys
+        assert "cuda" in engine.budget.note  # (the device's memory described, not the host's)
+        got = [ids for p in prompts() for ids in engine.generate([p], max_new_tokens=12, ignore_eos=True).token_ids]
+    assert got == exact
+
+
 def test_closing_a_gpu_engine_hands_its_expert_cache_back_to_the_device(tiny_store):
     """`close` empties the cache's device blocks whatever still names the engine."""
     _, path = tiny_store("olmoe", num_hidden_layers=4)
