@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Readies this checkout for the device tool's call of bench/gpu/run.sh on a lent GPU machine (its python 3.12 has
+# torch with CUDA, transformers, accelerate and triton; no network), and puts it back afterwards:
+#
+#     bash bench/gpu/prepare.sh             # wheels, the tree under the tool's 64 MiB, the run() call printed
+#     bash bench/gpu/prepare.sh --llama     # the same with llama.cpp's source archive carried (its own call)
+#     bash bench/gpu/prepare.sh restore     # the index as it was: do this before any commit or CI run
+#
+# What it does: the wheels that python lacks into .whl/ (zlib-ng, threadpoolctl, gguf; transformers 5.24 with a cp312
+# regex in .whl/tf/, the parity tests' reference), fetched from PyPI for cp312 manylinux; the paths the check does not
+# need — the other demo models, the docs' images, the corpora and traces — taken out of the index for the call (a
+# tracked file always travels) and, with .whl/, ignored through .git/info/exclude, so the tree and what is carried
+# stay under the tool's 64 MiB; then it adds up what would travel and prints the run() call, or says what is over.
+# While prepared, a pre-commit hook refuses commits (the index would commit the models' deletion).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LIMIT=$((64 << 20))
+OUT_OF_CALL=(models/demo-deep models/demo-coarse docs/img data)  # (the check needs models/demo-fine alone)
+EXCLUDE=$(git rev-parse --git-path info/exclude)
+HOOK=$(git rev-parse --git-path hooks)/pre-commit
+MARK="# bench/gpu/prepare.sh"
+WHEELS=(zlib-ng threadpoolctl gguf)
+TF=(transformers==5.24.0 regex)
+
+restore() {
+    git reset -q HEAD -- "${OUT_OF_CALL[@]}"
+    if [ -f "$EXCLUDE" ]; then
+        grep -v -F "$MARK" "$EXCLUDE" > "$EXCLUDE.tmp" || true
+        mv "$EXCLUDE.tmp" "$EXCLUDE"
+    fi
+    if [ -f "$HOOK" ] && grep -q -F "$MARK" "$HOOK"; then rm "$HOOK"; fi
+    echo "prepare: restored (the index holds every tracked path again; .whl/ left in place, ignored no more)"
+}
+
+if [ "${1:-}" = restore ]; then restore; exit 0; fi
+if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+    echo "prepare: error: the checkout has changes not committed; commit them first (the call carries the tree)" >&2
+    exit 1
+fi
+
+fetch() {  # DIR PACKAGES...: cp312 manylinux wheels, without their dependencies
+    local dir=$1; shift
+    mkdir -p "$dir"
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$dir" "$@"
+}
+[ -n "$(ls .whl/*.whl 2>/dev/null)" ] || fetch .whl "${WHEELS[@]}"
+[ -n "$(ls .whl/tf/*.whl 2>/dev/null)" ] || fetch .whl/tf "${TF[@]}"
+if [ "${1:-}" = --llama ] && [ ! -f .whl/llama/llama.cpp-src.tar.xz ]; then
+    python bench/gpu/llamacpp_cuda.py pack
+fi
+
+if [ -f "$HOOK" ]; then
+    echo "prepare: error: $HOOK exists (prepared already? then restore first; else a hook of yours: set it aside)" >&2
+    exit 1
+fi
+mkdir -p "$(dirname "$EXCLUDE")" "$(dirname "$HOOK")"
+{ echo ".whl/ $MARK"; for p in "${OUT_OF_CALL[@]}"; do echo "/$p/ $MARK"; done; } >> "$EXCLUDE"
+git rm -r -q --cached "${OUT_OF_CALL[@]}"
+printf '#!/bin/sh\n%s\necho "bench/gpu/prepare.sh has taken paths out of the index for a GPU call: run it with restore first" >&2\nexit 1\n' \
+    "$MARK" > "$HOOK"
+chmod +x "$HOOK"
+
+# what travels: the tracked files, the untracked ones not ignored, and what is carried
+carry=(.whl/tf)
+for w in .whl/*.whl; do carry+=("$w"); done
+[ "${1:-}" = --llama ] && carry+=(.whl/llama)
+tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r du -cb 2>/dev/null | awk 'END {print $1}')
+carried=$(du -cb "${carry[@]}" | awk 'END {print $1}')
+total=$((tree + carried))
+awk -v t="$tree" -v c="$carried" -v l="$LIMIT" \
+    'BEGIN {printf "prepare: the tree %.1f MB, carried %.1f MB: %.1f MB of the tool'"'"'s %.1f\n", t/1e6, c/1e6, (t+c)/1e6, l/1e6}' 
+if (( total > LIMIT )); then
+    restore
+    echo "prepare: error: over the tool's 64 MiB; take more out of the call (OUT_OF_CALL in this script)" >&2
+    exit 1
+fi
+json=$(printf '"%s", ' "${carry[@]}")
+echo "prepare: ready. The call (the main one; bench/gpu/run.sh's header names the others), then restore:"
+echo "    run(command=\"bash bench/gpu/run.sh\", carry=[${json%, }], timeout_s=570)"
+echo "    bash bench/gpu/prepare.sh restore"
