@@ -6,11 +6,12 @@
 #     bash bench/gpu/prepare.sh --llama     # the same with llama.cpp's source archive carried (its own call)
 #     bash bench/gpu/prepare.sh restore     # the index as it was: do this before any commit or CI run
 #
-# What it does: the wheels that python lacks into .whl/ (zlib-ng, threadpoolctl, gguf; transformers 5.24 with a cp312
-# regex in .whl/tf/, the parity tests' reference), fetched from PyPI for cp312 manylinux; the paths the check does not
-# need — the other demo models, the docs' images, the corpora and traces — taken out of the index for the call (a
-# tracked file always travels) and, with .whl/, ignored through .git/info/exclude, so the tree and what is carried
-# stay under the tool's 64 MiB; then it adds up what would travel and prints the run() call, or says what is over.
+# What it does: the wheels that python lacks into .whl/ (in .gitignore: zlib-ng, threadpoolctl, gguf; transformers
+# 5.24 with a cp312 regex in .whl/tf/, the parity tests' reference), fetched from PyPI for cp312 manylinux; the paths
+# the check does not need — the other demo models, the docs' images, the corpora and traces — taken out of the index
+# for the call (a tracked file always travels) and ignored through .git/info/exclude, so the tree and what is
+# carried stay under the tool's 64 MiB; then it adds up what would travel and prints the run() call, or says what
+# is over.
 # While prepared, a pre-commit hook refuses commits (the index would commit the models' deletion).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,17 +20,15 @@ OUT_OF_CALL=(models/demo-deep models/demo-coarse docs/img data)  # (the check ne
 EXCLUDE=$(git rev-parse --git-path info/exclude)
 HOOK=$(git rev-parse --git-path hooks)/pre-commit
 MARK="# bench/gpu/prepare.sh"
+BEGIN="# >>> bench\/gpu\/prepare.sh" END="# <<< bench\/gpu\/prepare.sh"  # (the exclude file's lines it adds, between)
 WHEELS=(zlib-ng threadpoolctl gguf)
 TF=(transformers==5.24.0 regex)
 
 restore() {
     git reset -q HEAD -- "${OUT_OF_CALL[@]}"
-    if [ -f "$EXCLUDE" ]; then
-        grep -v -F "$MARK" "$EXCLUDE" > "$EXCLUDE.tmp" || true
-        mv "$EXCLUDE.tmp" "$EXCLUDE"
-    fi
+    [ -f "$EXCLUDE" ] && sed -i "/^$BEGIN\$/,/^$END\$/d" "$EXCLUDE"
     if [ -f "$HOOK" ] && grep -q -F "$MARK" "$HOOK"; then rm "$HOOK"; fi
-    echo "prepare: restored (the index holds every tracked path again; .whl/ left in place, ignored no more)"
+    echo "prepare: restored (the index holds every tracked path again; .whl/ stays, ignored by .gitignore)"
 }
 
 if [ "${1:-}" = restore ]; then restore; exit 0; fi
@@ -56,7 +55,8 @@ if [ -f "$HOOK" ]; then
     exit 1
 fi
 mkdir -p "$(dirname "$EXCLUDE")" "$(dirname "$HOOK")"
-{ echo ".whl/ $MARK"; for p in "${OUT_OF_CALL[@]}"; do echo "/$p/ $MARK"; done; } >> "$EXCLUDE"
+{ echo "# >>> bench/gpu/prepare.sh"; for p in "${OUT_OF_CALL[@]}"; do echo "/$p/"; done; echo "# <<< bench/gpu/prepare.sh"; } \
+    >> "$EXCLUDE"
 git rm -r -q --cached "${OUT_OF_CALL[@]}"
 printf '#!/bin/sh\n%s\necho "bench/gpu/prepare.sh has taken paths out of the index for a GPU call: run it with restore first" >&2\nexit 1\n' \
     "$MARK" > "$HOOK"
