@@ -7,23 +7,14 @@
 #
 #     OUT=/some/folder bash bench/gpu/run.sh      # results in $OUT: gpu.tar.gz and the small files beside it
 #
-# Sent to a lent GPU machine with this workplace's device tool (what the 2026-11-27 runs did): the wheels its python
-# lacks in .whl/ (ignored by .git/info/exclude) — zlib-ng for cp312, threadpoolctl and gguf (pure Python; both
-# dependencies since that run: `from moetier import Engine` imports threadpoolctl, a GGUF is read by gguf), and in
-# .whl/tf/ transformers 5.24 with a cp312 regex — fetched here with `pip download --no-deps --only-binary=:all:
-# --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
-# --platform manylinux2014_x86_64 -d .whl zlib-ng threadpoolctl gguf` (and `-d .whl/tf` for transformers and regex);
-# and the tree under the tool's 64 MiB: `git rm -r -q --cached models/demo-deep models/demo-coarse` with both in
-# .git/info/exclude for the call (the check needs demo-fine only), `git reset -q HEAD -- models` after. The call:
-# run(command="bash bench/gpu/run.sh", carry=[".whl/tf", ".whl/ZLIB", ".whl/TPC", ".whl/GGUF"],
-# timeout_s=GPU_DEADLINE + 30), ZLIB being zlib_ng-1.1.0-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.
-# manylinux_2_28_x86_64.whl, TPC threadpoolctl-3.8.0-py3-none-any.whl, GGUF gguf-0.19.0-py3-none-any.whl (0.1 MB
-# both); results under $OUT. The install stage names any module the run needs that does not import. (.whl/llama
-# stays behind: the tree and these wheels came to 64.4 MB of the tool's 67.1 (64 MiB) on 2026-11-27; with
-# .whl/llama beside them, to within 0.2 MB of it.)
+# Sent to a lent GPU machine with this workplace's device tool: `bash bench/gpu/prepare.sh` readies the checkout —
+# the wheels its python lacks into .whl/ (zlib-ng for cp312, threadpoolctl and gguf: `from moetier import Engine`
+# imports threadpoolctl, a GGUF is read by gguf; transformers 5.24 with a cp312 regex in .whl/tf/), and the tree under
+# the tool's 64 MiB (the demo models the check does not need, the docs' images and data/ out of the index for the
+# call: 56 MB in all on 2026-11-29) — and prints the run() call; `bash bench/gpu/prepare.sh restore` after it, before
+# any commit (a hook refuses them meanwhile). The install stage names any module the run needs that does not import.
 # llama.cpp with CUDA (item 7b) in a call of its own — the main one leaves no time for its build — beside moetier's
-# rows that compute misses on the host as llama.cpp does, with .whl/llama (`python bench/gpu/llamacpp_cuda.py pack`
-# makes it here), .whl/ZLIB, .whl/TPC and .whl/GGUF carried:
+# rows that compute misses on the host as llama.cpp does, with .whl/llama carried too (`prepare.sh --llama` packs it):
 #     GPU_STAGES="env install llama-build bench-olmoe llama-bench" GPU_MODES=cpu-offload,cpu-assist \
 #         GPU_OLMOE="--budgets 25%,100% --batch 1 --disk-budgets=" GPU_DEADLINE=560 bash bench/gpu/run.sh
 # DeepSeek-V2-Lite's shape, in a call of its own too: GPU_STAGES="env install bench-dsv2" bash bench/gpu/run.sh
