@@ -54,10 +54,11 @@ if [ -f "$HOOK" ]; then
     echo "prepare: error: $HOOK exists (prepared already? then restore first; else a hook of yours: set it aside)" >&2
     exit 1
 fi
+trap 'restore >&2' ERR  # (a step failing part way: nothing left half done)
 mkdir -p "$(dirname "$EXCLUDE")" "$(dirname "$HOOK")"
+git rm -r -q --cached "${OUT_OF_CALL[@]}"
 { echo "# >>> bench/gpu/prepare.sh"; for p in "${OUT_OF_CALL[@]}"; do echo "/$p/"; done; echo "# <<< bench/gpu/prepare.sh"; } \
     >> "$EXCLUDE"
-git rm -r -q --cached "${OUT_OF_CALL[@]}"
 printf '#!/bin/sh\n%s\necho "bench/gpu/prepare.sh has taken paths out of the index for a GPU call: run it with restore first" >&2\nexit 1\n' \
     "$MARK" > "$HOOK"
 chmod +x "$HOOK"
@@ -71,6 +72,7 @@ carried=$(du -cb "${carry[@]}" | awk 'END {print $1}')
 total=$((tree + carried))
 awk -v t="$tree" -v c="$carried" -v l="$LIMIT" \
     'BEGIN {printf "prepare: the tree %.1f MB, carried %.1f MB: %.1f MB of the tool'"'"'s %.1f\n", t/1e6, c/1e6, (t+c)/1e6, l/1e6}' 
+trap - ERR
 if (( total > LIMIT )); then
     restore
     echo "prepare: error: over the tool's 64 MiB; take more out of the call (OUT_OF_CALL in this script)" >&2
