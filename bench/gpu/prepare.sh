@@ -57,21 +57,22 @@ fi
 trap 'restore >&2' ERR  # (a step failing part way: nothing left half done)
 mkdir -p "$(dirname "$EXCLUDE")" "$(dirname "$HOOK")"
 git rm -r -q --cached "${OUT_OF_CALL[@]}"
-{ echo "# >>> bench/gpu/prepare.sh"; for p in "${OUT_OF_CALL[@]}"; do echo "/$p/"; done; echo "# <<< bench/gpu/prepare.sh"; } \
-    >> "$EXCLUDE"
-printf '#!/bin/sh\n%s\necho "bench/gpu/prepare.sh has taken paths out of the index for a GPU call: run it with restore first" >&2\nexit 1\n' \
-    "$MARK" > "$HOOK"
+{ echo "# >>> bench/gpu/prepare.sh"; for p in "${OUT_OF_CALL[@]}"; do echo "/$p/"; done
+  echo "# <<< bench/gpu/prepare.sh"; } >> "$EXCLUDE"
+printf '#!/bin/sh\n%s\necho "%s" >&2\nexit 1\n' "$MARK" \
+    "bench/gpu/prepare.sh has taken paths out of the index for a GPU call: run it with restore first" > "$HOOK"
 chmod +x "$HOOK"
 
 # what travels: the tracked files, the untracked ones not ignored, and what is carried
 carry=(.whl/tf)
 for w in .whl/*.whl; do carry+=("$w"); done
 [ "${1:-}" = --llama ] && carry+=(.whl/llama)
-tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r du -cb 2>/dev/null | awk 'END {print $1}')
-carried=$(du -cb "${carry[@]}" | awk 'END {print $1}')
+sum() { awk '{s += $1} END {print s + 0}'; }  # (sizes, one a line: xargs may split a long list into several calls)
+tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r stat -c %s 2>/dev/null | sum)
+carried=$(find "${carry[@]}" -type f -printf '%s\n' | sum)
 total=$((tree + carried))
-awk -v t="$tree" -v c="$carried" -v l="$LIMIT" \
-    'BEGIN {printf "prepare: the tree %.1f MB, carried %.1f MB: %.1f MB of the tool'"'"'s %.1f\n", t/1e6, c/1e6, (t+c)/1e6, l/1e6}' 
+mb() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 1e6}'; }
+echo "prepare: the tree $(mb "$tree") MB, carried $(mb "$carried") MB: $(mb "$total") MB of the tool's $(mb "$LIMIT")"
 trap - ERR
 if (( total > LIMIT )); then
     restore
