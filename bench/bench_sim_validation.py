@@ -184,13 +184,16 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     layers = len(trace.layers)
     plans = [p for i in measured for p in sim.plans[i * layers:(i + 1) * layers]]
     # prefetches over the measured call, prefill and decode, as the engine's stats count them (not the warm-up's)
-    counted = PhaseCounters()
+    counted, decode = PhaseCounters(), PhaseCounters()
     for plan in (p for i, _ in call for p in sim.plans[i * layers:(i + 1) * layers]):
         counted.add(plan, entry_bytes or {precision: expert_bytes})
+    for plan in plans:  # what the mechanisms did over the decode steps, as a row's `host_runs` and `substituted`
+        decode.add(plan, entry_bytes or {precision: expert_bytes})
     return {"sim_tpot_s": float(np.mean([sim.step_time_s[i] for i in measured])),
             "sim_hit_rate": sum(len(p.hits) for p in plans) / sum(len(p.experts) for p in plans),
             "sim_loads_per_token": sum(len(p.loads) for p in plans) / len(measured),
             "sim_prefetches": prefetch_summary([counted]),
+            "sim_host_runs": decode.host_runs, "sim_substituted": decode.substituted,
             "sim_expert_s": sum(end - start for tls in sim.timelines.values() for tl in tls  # (the engine's clock
                                 for _, start, end, place in tl.computes if place == FAST)}  # is on these only)
 

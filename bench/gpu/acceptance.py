@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runs import fold, load, ranking, rounds, spread  # noqa: E402
+from runs import acts_in_words, fold, load, plans_differ, ranking, rounds, spread  # noqa: E402
 
 # modes a user can run whose tokens are exact (no approximating policy): the fair side of a speed comparison (the
 # oracle prefetcher is handed the true routing)
@@ -158,7 +158,7 @@ def overlap_items(folder: Path, rows: list[dict]) -> list[dict]:
 
 def sim_items(files: list[Path], fitted: set[tuple[str, str, str]], budget: str) -> list[dict]:
     """Within 15% over every sim_check.py file, and each model's ranking at `budget`."""
-    out, within, counted, outside = [], 0, 0, []
+    out, within, counted, outside, differ = [], 0, 0, [], []
     for path in files:
         data = json.loads(path.read_text())
         model = path.stem.removeprefix("sim-")
@@ -169,6 +169,8 @@ def sim_items(files: list[Path], fitted: set[tuple[str, str, str]], budget: str)
             within += abs(o["ratio"] - 1) <= 0.15
             if abs(o["ratio"] - 1) > 0.15:
                 outside.append(f"{model} {o['mode']} {o['budget']} {o['ratio']:.2f}")
+            if plans_differ(o.get("acted", {})):  # (counted as any row: said, so a reader can weigh it)
+                differ.append(f"{model} {o['mode']} {o['budget']} ({acts_in_words(o['acted'], alone=True)})")
         order = ranking([(o["mode"], {"tpot_s": o["real_tpot_s"], "tpot_rounds_s": o.get("real_tpot_rounds_s")},
                           o["sim_tpot_s"]) for o in data["rows"] if o["budget"] == budget])
         told = len(order["alike"]) + len(order["swapped"])
@@ -182,7 +184,8 @@ def sim_items(files: list[Path], fitted: set[tuple[str, str, str]], budget: str)
                         MET if not order["swapped"] else NOT_MET))
     if counted:
         out.insert(0, item("the simulator within 15% of measured for >= 6 configurations",
-                           f"{within} of {counted} (the calibrating rows left out; outside: {', '.join(outside)})",
+                           f"{within} of {counted} (the calibrating rows left out; outside: {', '.join(outside)})"
+                           + (f"; two different plans: {', '.join(differ)}" if differ else ""),
                            MET if within >= 6 else NOT_MET))
     return out
 

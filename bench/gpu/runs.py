@@ -4,7 +4,9 @@ told apart only where their rounds do not overlap; the run's noise is what one r
 H200 (two rows that made the same plans 14.1 and 9.3 ms), so a single round orders nothing it cannot.
 
 Used by report.py (the table and plot), gpu_profile.py (the 100% rows), sim_check.py (simulated against the
-median, and the ranking) and acceptance.py (issue 52's targets).
+median, and the ranking) and acceptance.py (issue 52's targets). A row is held against its replay with what each
+mechanism did in both (`acted`): where one computed on the host, substituted or prefetched and the other never did,
+the two made different plans (the 2026-11-27 run's cpu-assist and presched rows, whose engine priced no load then).
 """
 
 from __future__ import annotations
@@ -83,3 +85,35 @@ def ranking(pairs: list[tuple[str, dict, float]]) -> dict:
     return {"alike": alike, "swapped": swapped, "unresolved": unresolved,
             "measured": [n for n, r, _ in sorted(pairs, key=lambda p: p[1]["tpot_s"])],
             "simulated": [n for n, _, s in sorted(pairs, key=lambda p: p[2])]}
+
+
+# what a mechanism did over the measured call, by the name a row counts it under (bench_gpu.py's rows: the decode
+# steps' host runs and substituted assignments, the whole call's prefetches issued) and the replay's
+ACTS = {"host runs": ("host_runs", "sim_host_runs"), "substituted": ("substituted", "sim_substituted"),
+        "prefetched": ("prefetches_issued", "sim_prefetches_issued")}
+
+
+def acted(row: dict, sim: dict) -> dict[str, list]:
+    """Each mechanism's count in the measured row and in its replay, [real, sim] (real None where the row does not
+    say), where either did something: a replay that computes on the host where the GPU run never did compares two
+    plans, not the simulator's prices."""
+    row = {**row, "prefetches_issued": (row.get("prefetches") or {}).get("issued")}
+    sim = {**sim, "sim_prefetches_issued": sim["sim_prefetches"]["issued"]}
+    counts = {name: [row.get(real), sim[simmed]] for name, (real, simmed) in ACTS.items()}
+    return {name: pair for name, pair in counts.items() if any(pair)}
+
+
+def acted_alone(pair: list) -> bool:
+    """Whether a mechanism acted in one of the two, [real, sim], and not at all in the other (the row saying so)."""
+    real, sim = pair
+    return real is not None and (real == 0) != (sim == 0)
+
+
+def plans_differ(acts: dict[str, list]) -> bool:
+    return any(map(acted_alone, acts.values()))
+
+
+def acts_in_words(acts: dict[str, list], alone: bool = False) -> str:
+    """`acts` in a few words ('host runs 0 / 816'); `alone`: only the mechanisms that acted in one of the two."""
+    shown = {name: pair for name, pair in acts.items() if not alone or acted_alone(pair)}
+    return ", ".join(f"{name} {'?' if real is None else real} / {sim}" for name, (real, sim) in shown.items()) or "-"

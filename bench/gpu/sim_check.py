@@ -8,7 +8,9 @@ replays the CPU engine's — CPU-assisted compute too (`cpu-assist`, `cpu-offloa
 second lane). Rows the simulator does not model are left out, and said: the disk rows, `--kernels torch`, the
 `fifo` copy order (`prefetch-hobbit-fifo`: the simulator queues prefetches behind on-demand loads, as the engine's
 default does), and batches above 1 (bench_gpu.py's batch rows draw their prompts round-robin). `--fit MODE:BUDGET`
-prints the per-load host figure that makes that row exact (gpu_profile.py's `--per-read-ms`).
+prints the per-load host figure that makes that row exact (gpu_profile.py's `--per-read-ms`). Beside each row, what
+its mechanisms did in both (host runs, substituted assignments, prefetches issued): a row whose mechanism acted in
+one and not the other compares two plans — said under the table, and counted as any other row.
 
     python bench/gpu/sim_check.py bench/gpu/results/2026-11-27-h200 --model demo-fine-xl
     python bench/gpu/sim_check.py bench/gpu/results/2026-11-27-h200 --model olmoe-synth --tokens 12 --warmup 6
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "gpu"))
 
-from runs import fold, load, ranking, rounds, spread  # noqa: E402
+from runs import acted, acts_in_words, fold, load, plans_differ, ranking, rounds, spread  # noqa: E402
 
 MODES = {"lru": "none", "comoe": "none", "hobbit": "precision:hobbit", "prefetch-hobbit": "hobbit:stacked-gates",
          "prefetch-presched": "presched:stacked-gates", "prefetch-oracle": "hobbit:oracle",
@@ -101,19 +103,23 @@ def main() -> None:
                      entry_bytes, (r.get("precision") or hobbit) if r["mode"] == "hobbit" else None)
         out.append({"mode": r["mode"], "budget": r["budget"], "real_tpot_s": r["tpot_s"],
                     "real_tpot_rounds_s": rounds(r), **sim, "ratio": sim["sim_tpot_s"] / r["tpot_s"],
-                    "real_hit_rate": r["decode_hit_rate"]})
+                    "real_hit_rate": r["decode_hit_rate"], "acted": acted(r, sim)})
     n = max((len(o["real_tpot_rounds_s"]) for o in out), default=1)
     print(f"{args.model} on {args.profile}: simulated against measured (" +
           ("one GPU round each)" if n == 1 else f"the median of {n} GPU rounds, their range beside it)"))
-    print(f"{'mode':>18} {'budget':>6} {'real ms':>20} {'sim ms':>8} {'sim/real':>8} {'hit real':>8} {'hit sim':>8}")
+    print(f"{'mode':>18} {'budget':>6} {'real ms':>20} {'sim ms':>8} {'sim/real':>8} {'hit real':>8} {'hit sim':>8}"
+          f"  acted (real / sim)")
     for o in out:
         real = spread({"tpot_s": o["real_tpot_s"], "tpot_rounds_s": o["real_tpot_rounds_s"]})
         print(f"{o['mode']:>18} {o['budget']:>6} {real:>20} {o['sim_tpot_s'] * 1e3:8.2f} "
-              f"{o['ratio']:8.2f} {o['real_hit_rate']:8.1%} {o['sim_hit_rate']:8.1%}")
+              f"{o['ratio']:8.2f} {o['real_hit_rate']:8.1%} {o['sim_hit_rate']:8.1%}  {acts_in_words(o['acted'])}")
     if args.fit:
         print(fitted(args.fit, out, profile))
     within = sum(abs(o["ratio"] - 1) <= 0.15 for o in out)
     print(f"within 15%: {within} of {len(out)}; not modelled here: {', '.join(skipped) or 'none'}")
+    differ = [f"{o['mode']} {o['budget']} ({acts_in_words(o['acted'], alone=True)})" for o in out if plans_differ(o["acted"])]
+    if differ:  # (counted all the same: whether the plans ought to agree is the reader's to say, not this script's)
+        print(f"two different plans (a mechanism acted in one run and not in the other): {'; '.join(differ)}")
     order = ranked(out, args.budget)
     print(said(order, args.budget, n == 1))
     (args.out / f"{args.model}.json").write_text(json.dumps({"profile": args.profile, "rows": out,
