@@ -9,7 +9,15 @@ import os
 # alone). It is read when torch loads libgomp, so it is set before torch is imported; a value the user set wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
-from moetier.engine.engine import Engine, EngineConfig, GenerationOutput  # noqa: E402
-
 __all__ = ["Engine", "EngineConfig", "GenerationOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`moetier.Engine` and the rest of `__all__`, imported when first asked for (PEP 562): importing a part of
+    moetier — the command line refusing a typo, `moetier.paths` — does not load torch (~2.5 s)."""
+    if name in __all__:
+        from moetier.engine import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'moetier' has no attribute {name!r}")

@@ -21,8 +21,7 @@ from moetier.predict.comoe_mlp import ComoeNet, multi_hot, running_context
 from moetier.predict.comoe_mlp import train_layer as train_comoe_layer
 from moetier.predict.llapor import LLaPorNet, TrainConfig, layer_groups, routing_weights
 from moetier.predict.llapor import train_layer as train_llapor_layer
-
-TRAINED = ("llapor", "comoe-mlp")
+from moetier.predictor_names import TRAINED  # noqa: F401  (read here by the engine and the commands)
 
 
 def predictor_file(model_dir: Path, name: str) -> Path:

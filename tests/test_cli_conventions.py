@@ -34,6 +34,32 @@ def test_version(capsys):
     assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"moetier {__version__}"
 
 
+@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["generate", "--help"], 0), (["sim", "--help"], 0),
+                                          (["generate", "--model", "m", "--prompt", "x", "--top-p", "2"], 1),
+                                          (["generate", "--model", "m", "--prompt", "x", "--predictor", "nope"], 1),
+                                          (["synth", "out", "--preset", "nope"], 1),
+                                          (["train", "predictor", "--predictor", "hot", "--trace", "t"], 1)])
+def test_help_and_the_parsers_refusals_answer_without_loading_torch(argv, status):
+    """What the parsers answer alone — help, a choice or number refused — in a fresh process that never imports
+    torch (~2 s on these machines: the whole of such an answer's time before)."""
+    code = ("import sys; from moetier.cli import main; status = main(sys.argv[1:]); "
+            "print(status, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert r.stdout.splitlines()[-1] == f"{status} False", r.stdout[-500:] + r.stderr[-500:]
+    if status:
+        assert r.stderr.startswith("moetier: error: ") and len(r.stderr.strip().splitlines()) <= 2
+
+
+def test_the_package_hands_over_the_engine_when_first_asked():
+    """`import moetier` loads no torch; `moetier.Engine` (and `from moetier import Engine`) is the engine's class,
+    imported then; a name the package does not have is an AttributeError."""
+    code = ("import sys, moetier; print('torch' in sys.modules); from moetier import EngineConfig; "
+            "from moetier.engine import engine; print(moetier.Engine is engine.Engine, EngineConfig is "
+            "engine.EngineConfig, 'torch' in sys.modules); print(hasattr(moetier, 'Engines'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "True", "True", "True", "False"], r.stderr[-500:]
+
+
 def test_every_option_of_every_command_has_a_help_line_with_its_default(monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping inside a default
     for path, parser in parsers():

@@ -195,7 +195,7 @@ def model_dir(model: str, cache_dir: str | None) -> Path:
 
 def add_parser(sub) -> None:
     from moetier.plan.precision import UNIFORM
-    from moetier.predict import PREDICTORS
+    from moetier.predictor_names import BUILT_ON as PREDICTORS  # (the names alone: no torch to load for them)
 
     cb = command(sub, "cache-bench", "every eviction policy on routing traces, against the optimum")
     cb.add_argument("--trace", nargs="+", action="extend", required=True,

@@ -330,7 +330,7 @@ def substitution_config(args: argparse.Namespace):
 def add_prefetch_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that can prefetch (docs/prediction.md)."""
     from moetier.plan.prefetchers import PREFETCHERS
-    from moetier.predict import PREDICTORS
+    from moetier.predictor_names import BUILT_ON as PREDICTORS  # (the names alone: no torch to load for them)
 
     p.add_argument("--prefetch", default="none", choices=["none", *PREFETCHERS],
                    help="read experts the coming layers are predicted to need: hobbit (adaptive look-ahead), smoe "

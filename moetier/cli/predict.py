@@ -112,7 +112,7 @@ def _train_predictor(args: argparse.Namespace) -> None:
 
 def add_train_parser(train) -> None:
     """`moetier train predictor`, in the `train` group."""
-    from moetier.predictor_files import TRAINED
+    from moetier.predictor_names import TRAINED
 
     tp = command(train, "predictor", "train a learned expert predictor on traces and save it with the model")
     tp.add_argument("--predictor", required=True, choices=TRAINED, help="the predictor to train")

@@ -247,7 +247,7 @@ def _progress(configs: list, where: str):
 def add_parser(sub) -> None:
     from moetier.cli.generate import add_substitution_options
     from moetier.plan.placement import PLACEMENTS
-    from moetier.predict import PREDICTORS
+    from moetier.predictor_names import BUILT_ON as PREDICTORS  # (the names alone: no torch to load for them)
 
     cal = command(sub, "calibrate", "measure this machine into the `this-machine` hardware profile")
     cal.add_argument("--model", default=DEFAULT_MODEL, help="the model whose expert shape to measure")

@@ -7,7 +7,7 @@ import dataclasses
 
 from moetier.cli.defaults import SEED, command, count, finite
 from moetier.errors import MoetierError
-from moetier.store.synth import PRESETS
+from moetier.store.synth_spec import PRESETS
 
 
 def _convert(args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ from moetier.predict.llapor import LLaPorPredictor
 from moetier.predict.oracle import OraclePredictor
 from moetier.predict.smoe_lookahead import SmoeLookaheadPredictor
 from moetier.predict.stacked_gates import StackedGatesPredictor
+from moetier.predictor_names import BUILT_ON
 
 PREDICTORS: dict[str, type[Predictor]] = {
     "stacked-gates": StackedGatesPredictor,
@@ -23,15 +24,6 @@ PREDICTORS: dict[str, type[Predictor]] = {
     "comoe-mlp": ComoeMLPPredictor,
     "hot": HotPredictor,
     "oracle": OraclePredictor,
-}
-BUILT_ON = {  # what each is made from, and where a caller gets it
-    "stacked-gates": ("routers", "the model's router weights (the engine hands them over; a trace needs its model)"),
-    "smoe-lookahead": ("lookahead", "the model's next attention layer and router, run by the engine on the hidden "
-                       "state (a trace does not hold what it needs)"),
-    "llapor": ("nets", "networks trained by `moetier train predictor --predictor llapor`"),
-    "comoe-mlp": ("nets", "networks trained by `moetier train predictor --predictor comoe-mlp`"),
-    "hot": ("counts", "use counts per expert, from a recorded trace"),
-    "oracle": ("truth", "the true routing of the same run: a recorded trace (the simulator)"),
 }
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP_SIZE = {"int4": 128, "int2": 64}
-BITS = {"int8": 8, "int4": 4, "int2": 2}
+from moetier.quant.formats import BITS, GROUP_SIZE  # noqa: F401  (their sizes, kept where torch is not)
+
 MATRICES = ("gate_up_proj", "down_proj")  # a SwiGLU expert's, each [N, K]
 
 

@@ -9,8 +9,7 @@ q5_0/q5_1/q8_0 by type; we take q8_0 always — more precise, a format the kerne
 
 from __future__ import annotations
 
-from moetier.quant.codes import BITS
-from moetier.quant.ggml_blocks import FORMATS
+from moetier.quant.formats import BITS, FORMATS
 
 BLOCKS = ("q8_0", "q6_k", "q5_k", "q4_k")  # most precise first
 # llama.cpp's mixes for our own copies: (the base format, the format `use_more_bits` layers' down_proj take) —
