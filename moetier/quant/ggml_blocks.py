@@ -1,5 +1,5 @@
 """GGML's block formats, the ones GGUF files of MoE models carry (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, and the legacy
-Q4_0, Q4_1, Q5_0, Q5_1 that k-quant files fall back to): their sizes, and
+Q4_0, Q4_1, Q5_0, Q5_1 that k-quant files fall back to): their sizes (formats.py, which loads no torch), and
 the weights a run of blocks stands for, in torch (the reference every kernel is checked against, and the GPU's and
 any other path's way to them). The layouts are ggml's (`ggml-common.h`); these functions are checked bit for bit
 against the `gguf` package's numpy dequantizers (tests/quant/test_ggml_blocks.py), which stay the way to every
