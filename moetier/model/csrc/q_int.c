@@ -138,6 +138,7 @@ typedef struct {
     long N, K, group, groups, RB, GB, block, blocks; /* RB code bytes a row, GB code bytes a group, block: inputs
                                                        an activation scale covers */
     float mid;
+    int blocked; /* the block path serves its rows (qi_blocked): decided once, not at every row */
 } qim;
 
 /* One token's activation for one matrix (see the layout above). */
@@ -163,10 +164,11 @@ long moetier_qi_block(int bits, long K, long group) {
 
 static qim make_qim(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, long N, long K,
                     long group) {
-    qim m = {bits, 8 / bits, codes, scales, bits == 8 ? NULL : zeros, N, K, bits == 8 ? K : group, 0, 0, 0, 0, 0, 0};
+    qim m = {bits, 8 / bits, codes, scales, bits == 8 ? NULL : zeros, N, K, bits == 8 ? K : group, 0, 0, 0, 0, 0, 0, 0};
     m.groups = K / m.group, m.RB = K / m.S, m.GB = m.group / m.S;
     m.block = moetier_qi_block(bits, K, group), m.blocks = K / m.block;
     m.mid = bits == 8 ? (float)INT8_BIAS : (float)(1 << (bits - 1));
+    m.blocked = m.block % (W * m.S) == 0 && (bits == 8 || m.block == m.group);
     return m;
 }
 
@@ -286,10 +288,9 @@ static inline __attribute__((always_inline)) void qi_chunk(const qim *m, const u
     (void)m;
 }
 
-/* Whether m's rows take the block path: activation blocks of whole chunks, each meeting one weight scale. */
-static inline int qi_blocked(const qim *m) {
-    return m->block % (W * m->S) == 0 && (m->bits == 8 || m->block == m->group);
-}
+/* Whether m's rows take the block path (make_qim decides it): activation blocks of whole chunks, each meeting one
+   weight scale. */
+static inline int qi_blocked(const qim *m) { return m->blocked; }
 
 /* y[t] from the row's dot product `dot[t]` (its whole chunks) plus the last, shorter chunk (scalar) and the zero
    terms (int4/int2) or int8's bias and row scale. */
@@ -347,6 +348,46 @@ static inline __attribute__((always_inline)) void qi_row_blocks(const qim *m, lo
     qi_finish(m, r, x, dot, y, T, bits);
 }
 
+/* NR rows r[0..NR) of m (block path; at most 4) against one token's activation: each row's sums made as
+   qi_row_blocks makes them (the same operations in the same order: bit for bit its outputs), the activation's
+   vectors loaded once for all of them and the rows' chains interleaved. Taken two at a time (qi_rows2): a SwiGLU's
+   gate and up rows, which meet the same activation, or two neighbouring down rows. Why: at batch 1 an int4 expert
+   is bound by the CPU, not the memory (as fast from L3 as from memory on a Zen 3), and each row's own setup,
+   horizontal sums and zero terms weigh on it. QI_ROWS_MEASURED */
+static inline __attribute__((always_inline)) void qi_rowsn_blocks(const qim *m, const long *r, const qia *x,
+                                                                   float *y, const int NR, const int bits) {
+    const int S = 8 / bits;
+    const uint8_t *q[4];
+    const uint16_t *sc[4];
+    for (int i = 0; i < NR; i++) q[i] = m->codes + r[i] * m->RB, sc[i] = m->scales + r[i] * m->groups;
+    const long cpb = m->block / (W * S), blocks = m->blocks;
+    vf sum[4], odd[4];
+    for (int i = 0; i < NR; i++) sum[i] = odd[i] = zerof();
+    for (long blk = 0; blk < blocks; blk++) {
+        vi acc[4];
+        for (int i = 0; i < NR; i++) acc[i] = zerov();
+        for (long c = blk * cpb; c < (blk + 1) * cpb; c++) {
+            for (int i = 0; i < NR; i++) _mm_prefetch((const char *)(q[i] + c * W + QI_PREFETCH_AHEAD), _MM_HINT_T0);
+            if (bits == 8) {
+                vi xv = loadv(x->xq + c * W);
+                for (int i = 0; i < NR; i++) acc[i] = dp8(acc[i], loadv(q[i] + c * W), xv);
+            } else {
+                const int8_t *xs = x->xq + c * S * W;
+                for (int i = 0; i < NR; i++) acc[i] = _add32(acc[i], dp_streams(loadv(q[i] + c * W), xs, bits, S));
+            }
+        }
+        for (int i = 0; i < NR; i++) {
+            const vf scale = bcast((bits == 8 ? 1.0f : bf16_to_f32(sc[i][blk])) * x->dx[blk]);
+            if (blk & 1) odd[i] = fmaf_v(_cvt(acc[i]), scale, odd[i]);
+            else sum[i] = fmaf_v(_cvt(acc[i]), scale, sum[i]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        const float dot = hsumf(addf(sum[i], odd[i]));
+        qi_finish(m, r[i], x, &dot, y + i, 1, bits);
+    }
+}
+
 /* Row r (lanes path: a chunk spans several activation blocks or weight groups): each chunk's int32 lanes meet
    their own activation scales (the `lanes` vector) and group scales (P groups a chunk, or a group of several
    chunks). */
@@ -389,6 +430,17 @@ static void qi_row(const qim *m, long r, const qia *x, int T, float *y) {
     }
 }
 
+/* Rows r0 and r1 of m against one token's activation: y0, y1 as qi_row gives them, both rows at once where the
+   block path serves m (int8 and int4 here; int2's groups take the lanes path, row by row). */
+static void qi_rows2(const qim *m, long r0, long r1, const qia *x, float *y0, float *y1) {
+    const long r[2] = {r0, r1};
+    float y[2];
+    if (m->blocked && m->bits == 8) qi_rowsn_blocks(m, r, x, y, 2, 8);
+    else if (m->blocked && m->bits == 4) qi_rowsn_blocks(m, r, x, y, 2, 4);
+    else qi_row(m, r0, x, 1, &y[0]), qi_row(m, r1, x, 1, &y[1]);
+    *y0 = y[0], *y1 = y[1];
+}
+
 static long round64(long n) { return (n + 63) & ~63L; }
 
 /* Bytes of scratch a token needs for one matrix's activation (64-aligned pieces). */
@@ -427,7 +479,14 @@ static inline void qi_tile_bf16(const qim *m, long r0, long r1, const qia *x, lo
                                 long N) {
     for (long p = 0; p < T; p += QI_MAX_TOKENS) {
         const int n = pass_tokens(T, p);
-        for (long r = r0; r < r1; r++) {
+        long r = r0;
+        for (; n == 1 && r + 1 < r1; r += 2) { /* one token: two rows at a time */
+            float o0, o1;
+            qi_rows2(m, r, r + 1, x + p, &o0, &o1);
+            y[p * N + r] = f32_to_bf16(scale ? round_bf16(o0) * scale[p] : o0);
+            y[p * N + r + 1] = f32_to_bf16(scale ? round_bf16(o1) * scale[p] : o1);
+        }
+        for (; r < r1; r++) {
             float o[QI_MAX_TOKENS];
             qi_row(m, r, x + p, n, o);
             for (int t = 0; t < n; t++)
@@ -469,8 +528,8 @@ void moetier_swiglu_qi(int bits, const uint8_t *gu_codes, const uint16_t *gu_sca
                 const int n = pass_tokens(T, p);
                 for (long r = r0; r < r0 + gu_tile && r < I; r++) {
                     float g[QI_MAX_TOKENS], u[QI_MAX_TOKENS];
-                    qi_row(&gu, r, xa + p, n, g);
-                    qi_row(&gu, I + r, xa + p, n, u);
+                    if (n == 1) qi_rows2(&gu, r, I + r, xa + p, g, u);
+                    else qi_row(&gu, r, xa + p, n, g), qi_row(&gu, I + r, xa + p, n, u);
                     for (int t = 0; t < n; t++) {
                         float gr = round_bf16(g[t]);
                         h[(p + t) * I + r] = swiglu_bf16(gr, round_bf16(u[t]));
@@ -557,8 +616,8 @@ void moetier_swiglu_qi_layer(int bits, long n, const uint8_t *const *gu_codes, c
             const long e = item / I, r = item - e * I, a = span[2 * e];
             const int T = (int)(span[2 * e + 1] - a);
             float g[QI_MAX_TOKENS], u[QI_MAX_TOKENS];
-            qi_row(&gu[e], r, xa + a, T, g);
-            qi_row(&gu[e], I + r, xa + a, T, u);
+            if (T == 1) qi_rows2(&gu[e], r, I + r, xa + a, g, u);
+            else qi_row(&gu[e], r, xa + a, T, g), qi_row(&gu[e], I + r, xa + a, T, u);
             for (int t = 0; t < T; t++) {
                 float gr = round_bf16(g[t]);
                 h[(a + t) * I + r] = swiglu_bf16(gr, round_bf16(u[t]));
@@ -567,13 +626,19 @@ void moetier_swiglu_qi_layer(int bits, long n, const uint8_t *const *gu_codes, c
 #pragma omp for schedule(static)
         for (long e = 0; e < n; e++)
             for (long t = span[2 * e]; t < span[2 * e + 1]; t++) quantize_act(&dn[0], h + t * I, &ha[t]);
+        const long HP = (H + 1) / 2; /* down rows in pairs (the last alone where H is odd) */
 #pragma omp for schedule(static)
-        for (long item = 0; item < n * H; item++) {
-            const long e = item / H, k = item - e * H, a = span[2 * e];
+        for (long item = 0; item < n * HP; item++) {
+            const long e = item / HP, k = 2 * (item - e * HP), a = span[2 * e];
             const int T = (int)(span[2 * e + 1] - a);
-            float o[QI_MAX_TOKENS];
-            qi_row(&dn[e], k, ha + a, T, o);
-            for (int t = 0; t < T; t++) ys[(a + t) * H + k] = f32_to_bf16(round_bf16(o[t]) * weight[a + t]);
+            float o[2][QI_MAX_TOKENS];
+            const int rows = k + 1 < H ? 2 : 1;
+            if (T == 1 && rows == 2) qi_rows2(&dn[e], k, k + 1, ha + a, o[0], o[1]);
+            else
+                for (int i = 0; i < rows; i++) qi_row(&dn[e], k + i, ha + a, T, o[i]);
+            for (int i = 0; i < rows; i++)
+                for (int t = 0; t < T; t++)
+                    ys[(a + t) * H + k + i] = f32_to_bf16(round_bf16(o[i][t]) * weight[a + t]);
         }
     }
 }
@@ -617,19 +682,20 @@ void moetier_swiglu_qi_token(int bits, long n, const uint8_t *const *gu_codes, c
         for (long item = 0; item < n * I; item++) {
             const long e = item / I, r = item - e * I;
             float g, u;
-            qi_row(&gu[e], r, &xa, 1, &g);
-            qi_row(&gu[e], I + r, &xa, 1, &u);
+            qi_rows2(&gu[e], r, I + r, &xa, &g, &u);
             float gr = round_bf16(g);
             h[e * I + r] = swiglu_bf16(gr, round_bf16(u));
         } /* barrier: every h is written before it is quantized */
 #pragma omp for schedule(static)
         for (long e = 0; e < n; e++) quantize_act(&dn[0], h + e * I, &ha[e]);
+        const long HP = (H + 1) / 2; /* down rows in pairs (the last alone where H is odd) */
 #pragma omp for schedule(static)
-        for (long item = 0; item < n * H; item++) {
-            const long e = item / H, k = item - e * H;
-            float o;
-            qi_row(&dn[e], k, &ha[e], 1, &o);
-            ys[e * H + k] = round_bf16(round_bf16(o) * weight[e]);
+        for (long item = 0; item < n * HP; item++) {
+            const long e = item / HP, k = 2 * (item - e * HP);
+            float o[2];
+            if (k + 1 < H) qi_rows2(&dn[e], k, k + 1, &ha[e], &o[0], &o[1]);
+            else qi_row(&dn[e], k, &ha[e], 1, &o[0]);
+            for (int i = 0; i < 2 && k + i < H; i++) ys[e * H + k + i] = round_bf16(round_bf16(o[i]) * weight[e]);
         } /* barrier: every expert's output is made before they are summed */
 #pragma omp for schedule(static)
         for (long k = 0; k < H; k++) out[k] = f32_to_bf16(sum_column(ys, n, H, k));
