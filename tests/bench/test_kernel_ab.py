@@ -36,21 +36,28 @@ def base_folder(tmp_path: Path, change: tuple[str, str] | None = None) -> Path:
     return folder
 
 
-def test_the_same_sources_agree_bit_for_bit_and_a_changed_rounding_is_seen_to_differ(tmp_path):
-    r = run("--base", str(base_folder(tmp_path / "same")), *SMALL, "--out", str(tmp_path / "same" / "out"))
-    assert r.returncode == 0, r.stderr
+def test_the_same_sources_agree_bit_for_bit_and_a_changed_rounding_is_seen_to_differ(tmp_path, monkeypatch, capsys):
+    """(In this process: the interpreter and torch started once for both runs.)"""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import kernel_ab
+
+    def main(base: Path, out: Path) -> str:
+        monkeypatch.setattr(sys, "argv", ["kernel_ab.py", "--base", str(base), *SMALL, "--out", str(out)])
+        kernel_ab.main()
+        return capsys.readouterr().out
+
+    printed = main(base_folder(tmp_path / "same"), tmp_path / "same" / "out")
     body = json.loads((tmp_path / "same" / "out" / "kernel-ab.json").read_text())
     assert [(row["bits"], row["kernel"]) for row in body["rows"]] == [(4, "expert"), (4, "layer")]
     for row in body["rows"]:
         assert row["same_outputs"] and row["base_ms"] > 0 and row["head_ms"] > 0
         assert [len(ts) for ts in row["rounds_ms"].values()] == [2, 2]
-    assert "bit for bit" in r.stdout and (tmp_path / "same" / "out" / "kernel-ab.png").stat().st_size > 0
+    assert "bit for bit" in printed and (tmp_path / "same" / "out" / "kernel-ab.png").stat().st_size > 0
     # activation blocks of 32 where ours are 128: the same weights, the activations rounded otherwise
     changed = base_folder(tmp_path / "changed", ("#define QI_BIG_BLOCK 128", "#define QI_BIG_BLOCK 32"))
-    r = run("--base", str(changed), *SMALL, "--out", str(tmp_path / "changed" / "out"))
-    assert r.returncode == 0, r.stderr
+    printed = main(changed, tmp_path / "changed" / "out")
     rows = json.loads((tmp_path / "changed" / "out" / "kernel-ab.json").read_text())["rows"]
-    assert not any(row["same_outputs"] for row in rows) and "DIFFER" in r.stdout
+    assert not any(row["same_outputs"] for row in rows) and "DIFFER" in printed
 
 
 @pytest.mark.parametrize("args, said", [(["--bits", "3"], "--bits from 8, 4, 2"),
