@@ -46,7 +46,7 @@ def build(sources: dict[str, bytes]) -> Path:
     from moetier.paths import default_cache_dir
 
     compiler, isa = native._compiler(), native.runnable_isas()[-1]
-    flags = (*native._flags(isa), "-lm")
+    flags = native._flags(isa)
     key = hashlib.sha256(b"".join(name.encode() + text for name, text in sorted(sources.items()))
                          + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     lib = default_cache_dir() / "kernels" / f"kernel-ab-{isa}-{key}.so"
@@ -55,7 +55,7 @@ def build(sources: dict[str, bytes]) -> Path:
         with tempfile.TemporaryDirectory(prefix=".kernel-ab-", dir=lib.parent) as tmp:
             for name, text in sources.items():
                 (Path(tmp) / name).write_bytes(text)
-            subprocess.run([compiler, *flags[:-1], str(Path(tmp) / "q_int.c"), "-o", str(Path(tmp) / lib.name), "-lm"],
+            subprocess.run([compiler, *flags, str(Path(tmp) / "q_int.c"), "-o", str(Path(tmp) / lib.name), "-lm"],
                            check=True, capture_output=True, text=True)
             os.replace(Path(tmp) / lib.name, lib)  # (whole or not at all)
     return lib
