@@ -168,6 +168,34 @@ def test_synthetic_trace_reproduces_the_fitted_locality(tmp_path, capsys):
     assert Trace.load(tmp_path / "syn").meta()["synthetic"] is True
 
 
+@pytest.mark.parametrize("num_experts,p_keep", [(64, 0.003), (8, 0.9), (16, 1.0), (128, 0.3)])
+def test_a_synthetic_stream_draws_what_numpys_choice_draws(num_experts, p_keep):
+    """The stream's own draw without replacement is numpy's `choice(..., replace=False, p=...)` draw for draw: the
+    same generator left in the same state, so a trace seeded before it existed is the same trace."""
+    from moetier.trace.synthetic import _popularity, _stream, draw_without_replacement
+
+    def by_choice(pop, p_keep, top_k, tokens, rng):  # the stream as it was written with numpy's choice
+        ids, prev = np.zeros((tokens, top_k), np.int16), []
+        for t in range(tokens):
+            keep = min(len(prev), int((rng.random(top_k) < p_keep).sum()))
+            chosen = list(rng.choice(prev, keep, replace=False)) if keep else []
+            rest = pop.copy()
+            rest[chosen] = 0
+            chosen += list(rng.choice(len(pop), top_k - keep, replace=False, p=rest / rest.sum()))
+            ids[t] = prev = chosen
+        return ids
+
+    for seed in range(8):
+        ours, theirs = np.random.default_rng(seed), np.random.default_rng(seed)
+        pop = _popularity(num_experts, 0.8, ours)
+        _popularity(num_experts, 0.8, theirs)
+        for top_k in (1, 2, min(8, num_experts // 2)):  # (k = E and all kept: numpy refused a p of 0s)
+            assert (_stream(pop, p_keep, top_k, 120, ours) == by_choice(pop, p_keep, top_k, 120, theirs)).all()
+        assert ours.random() == theirs.random()
+    p = np.array([0.5, 0.0, 0.25, 0.25])  # an index of no weight is never drawn
+    assert sorted(draw_without_replacement(np.random.default_rng(0), p.copy(), 3)) == [0, 2, 3]
+
+
 def test_a_synthetic_switch_trace_has_its_encoder_and_sim_replays_it(tmp_path, capsys):
     """`trace synth --model-shape switch-base-8`: prompts through the encoder's layers beside the generations; `sim`
     replays both, with a predictor over both stacks too."""
