@@ -136,8 +136,9 @@ def matmul_flops(dtype: torch.dtype, largest: int = 2048, long_enough_s: float =
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         start = time.perf_counter()
         a @ b
-        if time.perf_counter() - start >= long_enough_s or n >= largest:
-            return 2 * n ** 3 / median_time(lambda a=a, b=b: a @ b, 5)
+        took = time.perf_counter() - start
+        if took >= long_enough_s or n >= largest:  # (a product of 0.2 s or more: the median of three)
+            return 2 * n ** 3 / median_time(lambda a=a, b=b: a @ b, 3 if took >= 4 * long_enough_s else 5)
         n *= 2
 
 
@@ -172,13 +173,17 @@ def quantized_flops(dtype: torch.dtype, hidden: int = 1024, intermediate: int = 
     kernels, rates = cpu_kernels(dtype), {}
     for precision in BITS:
         kernel, w = make_expert_kernel(precision, kernels, dtype), quantize_expert(floats, precision)
-        experts = [{name: t.clone() for name, t in w.items()} for _ in range(copies)]
+        # A kernel that takes milliseconds an expert computes (torch's fallback, which unpacks every code to floats:
+        # an fp32 model's, 8-35 ms here) and where its 1.5-6 MiB of codes come from does not show: two copies, not
+        # sixteen (which took 5-12 s of a calibration, for a rate no less right)
+        slow = median_time(lambda kernel=kernel, w=w: kernel(out, x, w, weights), 1) > 2e-3
+        experts = [{name: t.clone() for name, t in w.items()} for _ in range(2 if slow else copies)]
 
         def rotation(kernel=kernel, experts=experts) -> None:
             for e in experts:
                 kernel(out, x, e, weights)
 
-        rates[precision] = flop * copies / median_time(rotation, 7, 0.05)
+        rates[precision] = flop * len(experts) / median_time(rotation, 7, 0.05)
     return rates
 
 
@@ -207,8 +212,11 @@ def expert_curves(store: Store, precisions: list[str], tokens=EXPERT_TOKENS, rou
                     for e in slots:
                         kernel(out, x, e, w)
 
-                # (warmed up first: the first ~0.2 s of a kernel after idling ran up to 40% slower here)
-                seconds = median_time(rotation, 11, 0.2 if r == 0 else 0.0) / len(experts[p])
+                # (warmed up first: the first ~0.2 s of a kernel after idling ran up to 40% slower here; once, at
+                # its first point — each point after it follows the kernel's own work, and 0.2 s at each of the
+                # eight took 1.6 s of a precision's 1.8)
+                first = r == 0 and m == tokens[0]
+                seconds = median_time(rotation, 11, 0.2 if first else 0.0) / len(experts[p])
                 times.setdefault((p, m), []).append(seconds)
     return {p: piecewise(tokens, [statistics.median(times[p, m]) for m in tokens]) for p in precisions}
 
