@@ -1,0 +1,26 @@
+/* Force-included (gcc -include) into every source of the "avx512" library that tests/emulate_avx512.py builds for a
+   CPU without AVX-512: the sources' AVX-512 branches (taken under MOETIER_EMULATE_AVX512) with every 512-bit and
+   VNNI/BF16 intrinsic they call emulated by SIMDe on AVX2 — the same operations, so the same integer sums and, for
+   floats, the same roundings lane by lane; slow, and for correctness only. */
+#ifndef MOETIER_EMULATE_AVX512_H
+#define MOETIER_EMULATE_AVX512_H
+#define SIMDE_ENABLE_NATIVE_ALIASES /* _mm512_add_ps and the rest name SIMDe's */
+#define SIMDE_X86_AVX512F_NO_NATIVE
+#define SIMDE_X86_AVX512BW_NO_NATIVE
+#define SIMDE_X86_AVX512VL_NO_NATIVE
+#define SIMDE_X86_AVX512DQ_NO_NATIVE
+#define SIMDE_X86_AVX512CD_NO_NATIVE
+#define SIMDE_X86_AVX512VNNI_NO_NATIVE
+#define SIMDE_X86_AVX512BF16_NO_NATIVE
+#include <simde/x86/avx512.h>
+/* SIMDe 0.8.2 has no _mm512_reduce_add_ps: GCC's, its order of additions (the 256-bit halves, their 128-bit halves,
+   then the pairs), so a sum comes out as a real AVX-512 CPU's build computes it. */
+static inline float moetier_emulated_reduce_add_ps(simde__m512 v) {
+    float a[16], half[8], quarter[4];
+    simde_mm512_storeu_ps(a, v);
+    for (int i = 0; i < 8; i++) half[i] = a[8 + i] + a[i];
+    for (int i = 0; i < 4; i++) quarter[i] = half[4 + i] + half[i];
+    return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+#define _mm512_reduce_add_ps(v) moetier_emulated_reduce_add_ps(v)
+#endif

@@ -1,0 +1,41 @@
+"""A pytest plugin: the native kernels' AVX-512 paths tested on a CPU without AVX-512, their intrinsics emulated by
+SIMDe (the simde-py package's headers, a test dependency):
+
+    python -m pytest -p tests.emulate_avx512 tests/model -k avx512
+
+Where the plugin is on, the "avx512" library is built for AVX2 with `-DMOETIER_EMULATE_AVX512` (the sources' AVX-512
+branches: vdpbf16ps rows, VNNI integer dot products, 64-byte chunks) and tests/emulate_avx512.h force-included, and
+needs only AVX2's flags, so every test parametrized by instruction set runs that path —
+the code a Zen 4 or a Sapphire Rapids runs, checked by the same assertions on an AVX2-only machine. Emulation is
+~10x slower and its library takes ~30 s to build (2 cores): for correctness only, and off in the README's test
+command. What it does not reach: processes a test starts (they see the real CPU), and AMX (torch's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moetier.model import native
+
+SHIM = Path(__file__).resolve().parent / "emulate_avx512.h"
+
+
+def emulated(isa: native.Isa, include: str) -> native.Isa:
+    """`isa` ("avx512") built for AVX2 with its AVX-512 branches emulated; the CPU flags it needs: AVX2's."""
+    avx2 = next(i for i in native.ISAS if i.name == "avx2")
+    return native.Isa(isa.name, (*avx2.flags, "-DMOETIER_EMULATE_AVX512", "-I", include, "-include", str(SHIM),
+                                 "-Wno-psabi"), avx2.needs)  # (psabi: SIMDe's 512-bit types passed by value)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import simde_py
+    except ImportError:
+        raise pytest.UsageError("tests.emulate_avx512 needs simde-py (pip install simde-py): SIMDe's headers") from None
+    if "avx2" not in native.runnable_isas():
+        raise pytest.UsageError("tests.emulate_avx512 emulates AVX-512 on AVX2: this CPU has no AVX2")
+    mp = pytest.MonkeyPatch()  # (the CPU's flags stay its own: what else reads them — the choice of a GEMM — sees it)
+    mp.setattr(native, "ISAS", tuple(emulated(i, simde_py.get_include()) if i.name == "avx512" else i
+                                     for i in native.ISAS))
+    config.add_cleanup(mp.undo)
