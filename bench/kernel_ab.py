@@ -11,6 +11,7 @@ changes gain.
     python bench/kernel_ab.py                        # HEAD against the working tree, int8/int4/int2
     python bench/kernel_ab.py --base 2e3e51d --bits 4 --rounds 20
     python bench/kernel_ab.py --base /tmp/my-csrc    # a folder holding q_int.c and bf16.h
+    python bench/kernel_ab.py --emulate-avx512 --rounds 2 --calls 8   # the AVX-512 branch's outputs, on AVX2
 """
 
 from __future__ import annotations
@@ -39,14 +40,24 @@ LAYER = 8  # experts a layer computes for one token (OLMoE's top-8)
 SOURCES = ("q_int.c", "bf16.h")  # the kernels' file and what it includes (it links alone)
 
 
-def build(sources: dict[str, bytes]) -> Path:
+def build(sources: dict[str, bytes], emulate_avx512: bool = False) -> Path:
     """The sources (file name -> text) compiled with moetier.model.native's flags into a library named by what went
-    into it, in the kernels' cache (a build of the same sources is made once)."""
+    into it, in the kernels' cache (a build of the same sources is made once). `emulate_avx512`: the AVX-512
+    branch built for AVX2, SIMDe emulating it (tests/emulate_avx512.py): its outputs a real AVX-512 CPU's, its times
+    nothing."""
     from moetier.model import native
     from moetier.paths import default_cache_dir
 
     compiler, isa = native._compiler(), native.runnable_isas()[-1]
     flags = native._flags(isa)
+    if emulate_avx512:
+        import simde_py
+
+        from tests.emulate_avx512 import emulated
+
+        isa = "avx512-emulated"
+        flags = (*native.FLAGS, *emulated(next(i for i in native.ISAS if i.name == "avx512"),
+                                          simde_py.get_include()).flags)
     key = hashlib.sha256(b"".join(name.encode() + text for name, text in sorted(sources.items()))
                          + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     lib = default_cache_dir() / "kernels" / f"kernel-ab-{isa}-{key}.so"
@@ -193,6 +204,10 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=64, help="random experts cycled through (64: from memory)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--calls", type=int, default=64, help="calls a round (a layer's: an eighth as many)")
+    ap.add_argument("--emulate-avx512", action="store_true",
+                    help="both builds' AVX-512 branch on this AVX2 CPU, SIMDe emulating it (needs simde-py, the test "
+                         "extra): whether a change keeps a Zen 4's or a Xeon's outputs bit for bit; its times mean "
+                         "nothing")
     ap.add_argument("--out", type=Path, default=OUT / "kernel-ab")
     args = ap.parse_args()
     try:
@@ -204,6 +219,11 @@ def main() -> None:
         refuse("--bits from 8, 4, 2; --copies at least 8 (a layer's); --rounds at least 2; --calls at least 8")
     if args.hidden <= 0 or args.inter <= 0 or args.hidden % 128 or args.inter % 128:
         refuse(f"--shape needs widths in whole groups of 128; got {args.shape}")
+    if args.emulate_avx512:
+        try:
+            import simde_py  # noqa: F401
+        except ImportError:
+            refuse("--emulate-avx512 needs SIMDe's headers: pip install simde-py (in moetier's test extra)")
     try:
         base_sources = sources_at(args.base)
     except (subprocess.CalledProcessError, OSError):
@@ -212,7 +232,7 @@ def main() -> None:
     builds = {}
     for name, sources in (("base", base_sources), ("head", sources_at(None))):
         try:
-            builds[name] = declare(ctypes.CDLL(str(build(sources))))
+            builds[name] = declare(ctypes.CDLL(str(build(sources, args.emulate_avx512))))
         except subprocess.CalledProcessError as e:
             first = next((line for line in e.stderr.splitlines() if "error" in line), e.stderr.strip()[:200])
             refuse(f"the {name}'s kernels do not compile: {first}")
@@ -224,8 +244,10 @@ def main() -> None:
               f"{'bit for bit' if r['same_outputs'] else 'DIFFER'}")
     args.out.mkdir(parents=True, exist_ok=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    if args.emulate_avx512:
+        print("(the AVX-512 branch emulated on AVX2: the outputs are what an AVX-512 CPU computes, the times are not)")
     body = {"base": args.base, "head": f"working tree on {head.strip()}", "shape": args.shape, "copies": args.copies,
-            "rounds": args.rounds, "cpu": cpu_description(), "rows": rows}
+            "rounds": args.rounds, "cpu": cpu_description(), "emulated_avx512": args.emulate_avx512, "rows": rows}
     (args.out / "kernel-ab.json").write_text(json.dumps(body, indent=1))
     plot(rows, f"kernels at {args.base} (base) against the working tree (head), {args.shape}, batch 1",
          args.out / "kernel-ab.png")

@@ -1,9 +1,10 @@
 /* Force-included (gcc -include) into every source of the "avx512" library that tests/emulate_avx512.py builds for a
-   CPU without AVX-512: the sources' AVX-512 branches (taken under MOETIER_EMULATE_AVX512) with every 512-bit and
+   CPU without AVX-512: the sources' AVX-512 branches (the macros they test defined at the end) with every 512-bit and
    VNNI/BF16 intrinsic they call emulated by SIMDe on AVX2 — the same operations, so the same integer sums and, for
    floats, the same roundings lane by lane; slow, and for correctness only. */
 #ifndef MOETIER_EMULATE_AVX512_H
 #define MOETIER_EMULATE_AVX512_H
+#include <immintrin.h> /* the compiler's own first, AVX2's intrinsics native (a source's include of it is then none) */
 #define SIMDE_ENABLE_NATIVE_ALIASES /* _mm512_add_ps and the rest name SIMDe's */
 #define SIMDE_X86_AVX512F_NO_NATIVE
 #define SIMDE_X86_AVX512BW_NO_NATIVE
@@ -23,4 +24,12 @@ static inline float moetier_emulated_reduce_add_ps(simde__m512 v) {
     return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 #define _mm512_reduce_add_ps(v) moetier_emulated_reduce_add_ps(v)
+/* What the sources' AVX-512 branches test for, said only now: the compiler's headers above were read without them
+   (with them they take the instructions as enabled, and do not compile) */
+#define __AVX512F__ 1
+#define __AVX512BW__ 1
+#define __AVX512VL__ 1
+#define __AVX512DQ__ 1
+#define __AVX512VNNI__ 1
+#define __AVX512BF16__ 1
 #endif

@@ -3,8 +3,8 @@ SIMDe (the simde-py package's headers, a test dependency):
 
     python -m pytest -p tests.emulate_avx512 tests/model -k avx512
 
-Where the plugin is on, the "avx512" library is built for AVX2 with `-DMOETIER_EMULATE_AVX512` (the sources' AVX-512
-branches: vdpbf16ps rows, VNNI integer dot products, 64-byte chunks) and tests/emulate_avx512.h force-included, and
+Where the plugin is on, the "avx512" library is built for AVX2 with tests/emulate_avx512.h force-included (the sources'
+AVX-512 branches taken — vdpbf16ps rows, VNNI integer dot products, 64-byte chunks — as at any revision), and
 needs only AVX2's flags, so every test parametrized by instruction set runs that path —
 the code a Zen 4 or a Sapphire Rapids runs, checked by the same assertions on an AVX2-only machine. Emulation is
 ~10x slower and its library takes ~30 s to build (2 cores): for correctness only, and off in the README's test
@@ -24,7 +24,7 @@ SHIM = Path(__file__).resolve().parent / "emulate_avx512.h"
 def emulated(isa: native.Isa, include: str) -> native.Isa:
     """`isa` ("avx512") built for AVX2 with its AVX-512 branches emulated; the CPU flags it needs: AVX2's."""
     avx2 = next(i for i in native.ISAS if i.name == "avx2")
-    return native.Isa(isa.name, (*avx2.flags, "-DMOETIER_EMULATE_AVX512", "-I", include, "-include", str(SHIM),
+    return native.Isa(isa.name, (*avx2.flags, "-I", include, "-include", str(SHIM),
                                  "-Wno-psabi"), avx2.needs)  # (psabi: SIMDe's 512-bit types passed by value)
 
 

@@ -76,3 +76,21 @@ def test_a_base_that_does_not_compile_is_refused_in_one_line(tmp_path):
     r = run("--base", str(broken), *SMALL, "--out", str(tmp_path / "out"))
     assert r.returncode == 1 and "the base's kernels do not compile" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_emulating_avx512_builds_its_branch_for_avx2_under_its_own_name(tmp_path, monkeypatch):
+    """`--emulate-avx512`: SIMDe's shim force-included, no AVX-512 instruction enabled, a library named apart from the
+    real ones (the compile itself, ~20 s, is the plugin's: tests/test_emulate_avx512.py builds each branch)."""
+    pytest.importorskip("simde_py", reason="needs simde-py (the test extra)")
+    sys.path.insert(0, str(ROOT / "bench"))
+    import kernel_ab
+
+    commands = []
+    monkeypatch.setattr(kernel_ab.subprocess, "run", lambda argv, **kw: commands.append(argv))
+    monkeypatch.setattr(kernel_ab.os, "replace", lambda a, b: None)
+    monkeypatch.setenv("MOETIER_CACHE", str(tmp_path))
+    lib = kernel_ab.build(kernel_ab.sources_at(None), emulate_avx512=True)
+    assert lib.name.startswith("kernel-ab-avx512-emulated-")
+    [argv] = commands
+    assert "-include" in argv and argv[argv.index("-include") + 1].endswith("tests/emulate_avx512.h")
+    assert not any(flag.startswith("-mavx512") for flag in argv) and "-mavx2" in argv

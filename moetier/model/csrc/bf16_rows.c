@@ -26,8 +26,7 @@
 
 #define PARALLEL_MIN_BYTES (256 * 1024) /* below this, waking the team costs more than it saves */
 
-/* (MOETIER_EMULATE_AVX512: this branch built for an AVX2 CPU, SIMDe emulating it — tests/emulate_avx512.py) */
-#if (defined(__AVX512BF16__) && defined(__AVX512BW__)) || defined(MOETIER_EMULATE_AVX512)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* AVX-512 BF16 (Zen 4, Sapphire Rapids, Cooper Lake): vdpbf16ps multiplies 32 bf16 pairs and adds each two
    neighbours' products into 16 fp32 lanes, so a 64-byte load of weights is one instruction — against the AVX2
    path's load, two unpacks and two FMAs per 16 values. The activation is kept in bf16, in order (`xval`); every

@@ -215,8 +215,7 @@ static inline float hsum_ps128(__m128 s) {
    without. The same integer sums either way — neither saturates here (see the top), and int32 adds associate — so
    each library computes the same bits. (Measured on a Zen 4 at 2-4 tokens, where these kernels are compute-bound
    on a batch's rows: docs/performance.md "A server's batch".) */
-/* (MOETIER_EMULATE_AVX512: this branch built for an AVX2 CPU, SIMDe emulating it — tests/emulate_avx512.py) */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(MOETIER_EMULATE_AVX512)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_epi32(acc, u, x); }
 static inline __m256i dot4x2(__m256i u0, __m256i x0, __m256i u1, __m256i x1) {

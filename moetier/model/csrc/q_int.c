@@ -53,8 +53,7 @@ static inline __m256 load_bf16(const uint16_t *p, int P) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-/* (MOETIER_EMULATE_AVX512: this branch built for an AVX2 CPU, SIMDe emulating it — tests/emulate_avx512.py) */
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(MOETIER_EMULATE_AVX512)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define W 64
 #define INT8_BIAS 128
 typedef __m512i vi;
