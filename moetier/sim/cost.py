@@ -48,6 +48,16 @@ class CostModel:
     def expert_s(self, tokens: int, place: str = FAST) -> float:
         """One routed expert over `tokens` tokens: on the compute device from the cache (FAST), or on the host
         CPU where its weights live (HOST)."""
+        seconds = self._expert_s.get((tokens, place))
+        if seconds is None:  # (made once a token count: a replay asks ten times a layer)
+            seconds = self._expert_s[tokens, place] = self._compute_expert_s(tokens, place)
+        return seconds
+
+    @cached_property
+    def _expert_s(self) -> dict[tuple[int, str], float]:
+        return {}
+
+    def _compute_expert_s(self, tokens: int, place: str) -> float:
         flop = 2 * self.shape.expert_params * tokens
         if place == HOST:
             return self.profile.host.kernel_s(self.expert_bytes, flop, self.precision)
@@ -108,6 +118,12 @@ class CostModel:
         return {layer: i for i, layer in enumerate(self.shape.moe_layers)}
 
     def tier_index(self, key: ExpertKey) -> int:
+        tier = self._tier_of.get(key)
+        if tier is None:
+            tier = self._tier_of[key] = self._find_tier(key)
+        return tier
+
+    def _find_tier(self, key: ExpertKey) -> int:
         index = self._moe_index[key.layer] * self.shape.num_experts + key.expert
         held = 0
         for i, tier in enumerate(self.profile.tiers):
@@ -118,16 +134,31 @@ class CostModel:
                 return i
         return len(self.profile.tiers) - 1  # the last tier holds the rest whatever its stated size
 
+    @cached_property
+    def _tier_of(self) -> dict[ExpertKey, int]:
+        """Each expert's tier, found once (a replay asks for each read's, a million times in 2,000 tokens)."""
+        return {}
+
+    @cached_property
+    def _reads(self) -> tuple[tuple[float, float, float], ...]:
+        """For a read from each tier: (the link held, the latency beyond it, the CPU it takes) — made once by the
+        expressions below, so the same floats as making them at each read."""
+        out = []
+        for i in range(len(self.profile.tiers)):
+            path = self.profile.tiers[:i + 1]
+            out.append((self.expert_bytes / min(t.effective_bandwidth for t in path) + sum(t.per_read_s for t in path),
+                        sum(t.latency_s for t in path), self.expert_bytes * sum(t.cpu_s_per_byte for t in path)))
+        return tuple(out)
+
     def read_busy_s(self, key: ExpertKey) -> float:
         """How long a read holds the link: its bytes at the slowest bandwidth on its path, and each tier's cost per
         request."""
-        path = self.profile.tiers[:self.tier_index(key) + 1]
-        return self.expert_bytes / min(t.effective_bandwidth for t in path) + sum(t.per_read_s for t in path)
+        return self._reads[self.tier_index(key)][0]
 
     def read_latency_s(self, key: ExpertKey) -> float:
         """What a read waits beyond that before its data is usable (request set-up, pipeline fill); the link
         serves the next read meanwhile."""
-        return sum(t.latency_s for t in self.profile.tiers[:self.tier_index(key) + 1])
+        return self._reads[self.tier_index(key)][1]
 
     def copy_busy_s(self) -> float:
         """Behind a host tier (SimExecutor's `host`): how long a copy from host memory holds the link (the profile's
@@ -154,7 +185,7 @@ class CostModel:
     def read_cpu_s(self, key: ExpertKey) -> float:
         """The CPU a read takes from the compute device, spread over the time it holds the link (0 unless the
         profile's tiers say the compute device is the CPU that reads)."""
-        return self.expert_bytes * sum(t.cpu_s_per_byte for t in self.profile.tiers[:self.tier_index(key) + 1])
+        return self._reads[self.tier_index(key)][2]
 
 
 def linear_fit(xs, ys) -> Linear:
