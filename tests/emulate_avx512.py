@@ -1,14 +1,18 @@
 """A pytest plugin: the native kernels' AVX-512 paths tested on a CPU without AVX-512, their intrinsics emulated by
 SIMDe (the simde-py package's headers, a test dependency):
 
-    python -m pytest -p tests.emulate_avx512 tests/model -k avx512
+    python -m pytest -p tests.emulate_avx512 tests/model -k avx512     # the library's own tests: 391, ~75 s
+    python -m pytest -p tests.emulate_avx512 tests/model tests/engine/test_demo_models.py \
+        tests/engine/test_block_precisions.py tests/store/test_gguf_store.py   # and the engine on it: ~5 min
 
 Where the plugin is on, the "avx512" library is built for AVX2 with tests/emulate_avx512.h force-included (the sources'
 AVX-512 branches taken — vdpbf16ps rows, VNNI integer dot products, 64-byte chunks — as at any revision), and
 needs only AVX2's flags, so every test parametrized by instruction set runs that path —
 the code a Zen 4 or a Sapphire Rapids runs, checked by the same assertions on an AVX2-only machine. Emulation is
 ~10x slower and its library takes ~30 s to build (2 cores): for correctness only, and off in the README's test
-command. What it does not reach: processes a test starts (they see the real CPU), and AMX (torch's)."""
+command. The engine's own choice ("auto") then takes the emulated library too, so the second command decodes the
+demo models, GGUF blocks and every family's bf16 parity on it. What it does not reach: processes a test starts (they
+see the real CPU), and AMX (torch's). The three tests whose premise is the CPU's own instruction sets are skipped."""
 
 from __future__ import annotations
 
