@@ -42,6 +42,8 @@ def draw_without_replacement(rng: np.random.Generator, p: np.ndarray, size: int)
     drawn, draw again), less its checks of `p` and its general-purpose unique, which made choice ~100 us a call
     and `moetier trace synth` of OLMoE's 16 layers × 4,000 tokens ~8 s (tests/trace/test_trace.py holds the two
     equal, so a trace seeded before is the same trace)."""
+    if np.count_nonzero(p) < size:  # (numpy's refusal: otherwise an index past the end would be drawn)
+        raise ValueError("fewer non-zero entries in p than size")
     found: list[int] = []
     while len(found) < size:
         x = rng.random(size - len(found))

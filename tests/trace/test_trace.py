@@ -194,6 +194,8 @@ def test_a_synthetic_stream_draws_what_numpys_choice_draws(num_experts, p_keep):
         assert ours.random() == theirs.random()
     p = np.array([0.5, 0.0, 0.25, 0.25])  # an index of no weight is never drawn
     assert sorted(draw_without_replacement(np.random.default_rng(0), p.copy(), 3)) == [0, 2, 3]
+    with pytest.raises(ValueError, match="fewer non-zero entries"):  # as numpy refuses it
+        draw_without_replacement(np.random.default_rng(0), p.copy(), 4)
 
 
 def test_a_synthetic_switch_trace_has_its_encoder_and_sim_replays_it(tmp_path, capsys):
