@@ -2,6 +2,7 @@
 for an AVX2 CPU with that branch taken, SIMDe emulating its intrinsics (a new intrinsic SIMDe lacks fails here, not
 in the slow run that needs it)."""
 
+import platform
 import shutil
 import subprocess
 
@@ -13,7 +14,8 @@ from tests.emulate_avx512 import emulated
 simde_py = pytest.importorskip("simde_py", reason="needs simde-py (the test extra)")
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+@pytest.mark.skipif(shutil.which("gcc") is None or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="needs gcc for x86-64 (the flags are AVX2's)")
 @pytest.mark.parametrize("source,says", [("q_int.c", '#define QI_ISA "avx512-vnni"'), ("q_ggml.c", None),
                                          ("bf16_rows.c", None)])
 def test_each_avx512_branch_compiles_for_avx2_under_emulation(source, says):
