@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from moetier.errors import BudgetError, UnsupportedModelError
 
 # the arithmetic a forward step runs on (moetier/model/kernels.py): auto (the best this CPU runs), torch, native
-# (the best of moetier's own, insisting), or one path by name: avx2, avx512 (moetier's library built for it, every
-# product in it), amx (the AVX-512 library for decode, torch's bf16 GEMM on AMX for prefills)
-KERNELS = ("auto", "torch", "native", "avx2", "avx512", "amx")
+# (the best of moetier's own, insisting), or one path by name: avx2, avx2-vnni, avx512 (moetier's library built for
+# it, every product in it), amx (the AVX-512 library for decode, torch's bf16 GEMM on AMX for prefills)
+KERNELS = ("auto", "torch", "native", "avx2", "avx2-vnni", "avx512", "amx")
 
 ALIGN = 4096  # an expert blob's alignment on disk and in memory: O_DIRECT needs block-aligned offsets, lengths
 # and buffers

@@ -24,12 +24,19 @@ static inline float moetier_emulated_reduce_add_ps(simde__m512 v) {
     return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 #define _mm512_reduce_add_ps(v) moetier_emulated_reduce_add_ps(v)
-/* What the sources' AVX-512 branches test for, said only now: the compiler's headers above were read without them
-   (with them they take the instructions as enabled, and do not compile) */
+/* What the sources' branches test for, said only now: the compiler's headers above were read without them (with them
+   they take the instructions as enabled, and do not compile). MOETIER_EMULATE_AVXVNNI: the avx2-vnni library's
+   branches instead — AVX-VNNI's VEX-encoded 256-bit dot products, the same operations as AVX-512 VL's */
+#ifdef MOETIER_EMULATE_AVXVNNI
+#define _mm256_dpbusd_avx_epi32(acc, u, x) simde_mm256_dpbusd_epi32(acc, u, x)
+#define _mm256_dpwssd_avx_epi32(acc, a, b) simde_mm256_dpwssd_epi32(acc, a, b)
+#define __AVXVNNI__ 1
+#else
 #define __AVX512F__ 1
 #define __AVX512BW__ 1
 #define __AVX512VL__ 1
 #define __AVX512DQ__ 1
 #define __AVX512VNNI__ 1
 #define __AVX512BF16__ 1
+#endif
 #endif

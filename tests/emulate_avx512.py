@@ -1,7 +1,8 @@
-"""A pytest plugin: the native kernels' AVX-512 paths tested on a CPU without AVX-512, their intrinsics emulated by
-SIMDe (the simde-py package's headers, a test dependency):
+"""A pytest plugin: the native kernels' AVX-512 paths (and the avx2-vnni library's) tested on a CPU without them,
+their intrinsics emulated by SIMDe (the simde-py package's headers, a test dependency):
 
     python -m pytest -p tests.emulate_avx512 tests/model -k avx512     # the library's own tests: 391, ~75 s
+    python -m pytest -p tests.emulate_avx512 tests/model -k vnni       # the avx2-vnni library's
     python -m pytest -p tests.emulate_avx512 tests/model tests/engine/test_demo_models.py \
         tests/engine/test_block_precisions.py tests/store/test_gguf_store.py   # and the engine on it: ~5 min
 
@@ -25,10 +26,15 @@ from moetier.model import native
 SHIM = Path(__file__).resolve().parent / "emulate_avx512.h"
 
 
+EMULATED = ("avx512", "avx2-vnni")  # the libraries built here for a CPU without their instructions
+
+
 def emulated(isa: native.Isa, include: str) -> native.Isa:
-    """`isa` ("avx512") built for AVX2 with its AVX-512 branches emulated; the CPU flags it needs: AVX2's."""
+    """`isa` ("avx512", or "avx2-vnni") built for AVX2 with its own branches emulated; the CPU flags it needs:
+    AVX2's."""
     avx2 = next(i for i in native.ISAS if i.name == "avx2")
-    return native.Isa(isa.name, (*avx2.flags, "-I", include, "-include", str(SHIM),
+    which = ("-DMOETIER_EMULATE_AVXVNNI",) if isa.name == "avx2-vnni" else ()
+    return native.Isa(isa.name, (*avx2.flags, *which, "-I", include, "-include", str(SHIM),
                                  "-Wno-psabi"), avx2.needs)  # (psabi: SIMDe's 512-bit types passed by value)
 
 
@@ -40,7 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if "avx2" not in native.runnable_isas():
         raise pytest.UsageError("tests.emulate_avx512 emulates AVX-512 on AVX2: this CPU has no AVX2")
     mp = pytest.MonkeyPatch()  # (the CPU's flags stay its own: what else reads them — the choice of a GEMM — sees it)
-    mp.setattr(native, "ISAS", tuple(emulated(i, simde_py.get_include()) if i.name == "avx512" else i
+    mp.setattr(native, "ISAS", tuple(emulated(i, simde_py.get_include()) if i.name in EMULATED else i
                                      for i in native.ISAS))
     config.add_cleanup(mp.undo)
 

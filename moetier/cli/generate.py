@@ -180,8 +180,8 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
                    help="auto (default): moetier's native kernels for bf16 decoding on the CPU, built on first use with "
                         "the C compiler (the best instruction set this CPU runs; a prefill's products in torch's GEMM "
                         "where the CPU has bf16 dot products), else torch's; torch; native (refuse if they cannot be "
-                        "built); or one path by name, refused where this CPU lacks it: avx2, avx512 (that library for "
-                        "every product), amx (the AVX-512 library for decode, torch's GEMM on AMX for prefills)")
+                        "built); or one path by name, refused where this CPU lacks it: avx2, avx2-vnni (AVX2 with "
+                        "AVX-VNNI's integer dot products), avx512 (that library for every product), amx (the AVX-512 library for decode, torch's GEMM on AMX for prefills)")
 
 
 def add_precision_options(p: argparse.ArgumentParser) -> None:

@@ -476,13 +476,14 @@ def triton_installed() -> bool:
 GEMM_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's: bf16 dot products torch's CPU GEMM uses
 
 
-PATHS = {"avx2": ("avx2", False), "avx512": ("avx512", False), "amx": ("avx512", True)}  # name -> (library, GEMM)
+PATHS = {"avx2": ("avx2", False), "avx2-vnni": ("avx2-vnni", False), "avx512": ("avx512", False),
+         "amx": ("avx512", True)}  # name -> (library, GEMM)
 
 
 def make_kernels(name: str, dtype: torch.dtype, device: torch.device) -> TorchKernels:
     """`auto`: native where it applies (bf16 on a CPU with AVX2 and a C compiler), else torch — saying why once
     when bf16 on the CPU falls back. `native` insists and fails with the reason; `torch` never builds anything.
-    A path by name (`avx2`, `avx512`, `amx`; PATHS) is that path or a refusal saying what the CPU lacks: so the AVX2
+    A path by name (`avx2`, `avx2-vnni`, `avx512`, `amx`; PATHS) is that path or a refusal saying what the CPU lacks: so the AVX2
     path runs, and is measured, on a CPU that has more."""
     if name not in KERNELS:
         raise MoetierError(f"unknown kernels {name!r}", hint=f"one of {', '.join(KERNELS)}")

@@ -4,10 +4,12 @@ cache, then loaded with ctypes. Nothing to build at install time, no torch heade
 cores, its sources at once); where there is no compiler or no AVX2, `load()` says why and the torch kernels run
 instead.
 
-One library per instruction set (`ISAS`), built for the best this CPU has: AVX2 + FMA is the floor; `avx512`
-adds AVX-512 VNNI (vpdpbusd: the integer kernels' 64 products an instruction) and BF16. The sources choose their
-paths by the compiler's own macros (`__AVX512VNNI__`, ...), so each library is the same code built for another
-CPU; the tests run every library the machine can run."""
+One library per instruction set (`ISAS`), built for the best this CPU has: AVX2 + FMA is the floor; `avx2-vnni`
+adds AVX-VNNI (the 256-bit vpdpbusd of Intel's cores from Alder Lake on, which have no AVX-512: the
+integer kernels' sums in one instruction, the AVX2 library's bits); `avx512` adds AVX-512 VNNI (vpdpbusd: 64
+products an instruction) and BF16. The sources choose their paths by the compiler's own macros (`__AVX512VNNI__`,
+`__AVXVNNI__`, ...), so each library is the same code built for another CPU; the tests run every library the
+machine can run, and tests/emulate_avx512.py the others, their intrinsics emulated."""
 
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ class Isa:
 # best last; each includes the ones before it
 ISAS = (
     Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    # AVX2 with AVX-VNNI's 256-bit integer dot products (Intel's cores from Alder Lake on, whose AVX-512 is off):
+    # the integer kernels' sums in one instruction where AVX2 takes three, the same sums (the AVX2 library's bits)
+    Isa("avx2-vnni", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni")),
     Isa("avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                    "-mavx512vnni", "-mavx512bf16"),
         ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")),

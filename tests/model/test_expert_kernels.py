@@ -300,3 +300,24 @@ def test_one_token_through_a_layers_bf16_experts_is_the_layer_and_the_combine_bi
     grouped = torch.full_like(x, float("nan"))
     TorchKernels.expert_token(kernels, grouped, x, weights, items)  # copies of the row, expert_layer, combine
     assert torch.equal(fused, grouped) and grouped.abs().sum() > 0
+
+
+@pytest.mark.skipif("avx2-vnni" not in native.runnable_isas(), reason="this CPU has no AVX-VNNI (avx_vnni)")
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_the_vnni_library_computes_the_avx2_librarys_bits(precision, tokens):
+    """vpdpbusd sums the same integer products as AVX2's vpmaddubsw/vpmaddwd (which never saturate here): the same
+    outputs, bit for bit, at batch 1 (paired rows) and over a few tokens."""
+    h, i = 512, 1024
+    w = quantize_expert(expert(h, i, seed=11), precision)
+    g = torch.Generator().manual_seed(11 + tokens)
+    x = torch.randn(tokens, h, generator=g).bfloat16()
+    weights = torch.rand(tokens, generator=g).bfloat16()
+    outs = []
+    for isa in ("avx2", "avx2-vnni"):
+        kernel = QuantizedExpert(precision, TorchKernels(), torch.bfloat16, native.load(isa).lib, bf16_gemm=False)
+        out = torch.full_like(x, float("nan"))
+        kernel(out, x, w, weights)
+        outs.append(out)
+    assert native.load("avx2-vnni").lib.moetier_qi_isa().decode() == "avx2-vnni"
+    assert torch.equal(*outs)

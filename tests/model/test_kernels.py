@@ -242,6 +242,8 @@ def test_the_instruction_sets_follow_the_cpus_flags():
     assert native.runnable_isas(avx2) == ["avx2"]
     assert native.runnable_isas(zen4) == ["avx2", "avx512"]
     assert native.runnable_isas(zen4 - {"avx512_bf16"}) == ["avx2"]  # (Cascade Lake: VNNI without BF16)
+    assert native.runnable_isas(avx2 | {"avx_vnni"}) == ["avx2", "avx2-vnni"]  # (Alder Lake: AVX-VNNI, no AVX-512)
+    assert native.runnable_isas(zen4 | {"avx_vnni"}) == ["avx2", "avx2-vnni", "avx512"]  # (Sapphire Rapids)
     assert native.runnable_isas(frozenset({"sse4_2"})) == []
 
 
@@ -251,7 +253,8 @@ def test_the_best_library_the_cpu_runs_is_built_and_one_it_cannot_run_is_refused
         pytest.skip("this CPU runs no native kernels")
     loaded = native.load()
     assert loaded.lib is not None and loaded.isa == runnable[-1]
-    assert loaded.lib.moetier_qi_isa().decode() == {"avx2": "avx2", "avx512": "avx512-vnni"}[loaded.isa]
+    assert loaded.lib.moetier_qi_isa().decode() == {"avx2": "avx2", "avx2-vnni": "avx2-vnni",
+                                                    "avx512": "avx512-vnni"}[loaded.isa]
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     refused = native.load("avx512")
     assert refused.lib is None and refused.reason == "this CPU cannot run avx512 (it runs avx2)"
@@ -457,7 +460,7 @@ def test_a_kernel_path_the_cpu_lacks_is_refused_in_one_line_before_anything_load
     assert err.count("\n") == 2 and "no model at" not in err  # (refused before the model is even looked for)
 
 
-@pytest.mark.parametrize("path", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("path", ["avx2", "avx2-vnni", "avx512", "amx"])
 def test_each_path_the_cpu_runs_is_the_library_it_names(path):
     from moetier.model import native
     from moetier.model.kernels import NativeKernels, NativeWithGemm, make_kernels, runnable_paths
@@ -465,7 +468,7 @@ def test_each_path_the_cpu_runs_is_the_library_it_names(path):
     if path not in runnable_paths():
         pytest.skip(f"this CPU does not run the {path} path (it runs {', '.join(runnable_paths())})")
     kernels = make_kernels(path, torch.bfloat16, torch.device("cpu"))
-    assert kernels.isa == ("avx2" if path == "avx2" else "avx512")
+    assert kernels.isa == ("avx512" if path == "amx" else path)
     assert type(kernels) is (NativeWithGemm if path == "amx" else NativeKernels)
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(96, 256, generator=g).bfloat16(), torch.randn(40, 256, generator=g).bfloat16()

@@ -221,6 +221,12 @@ static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) { return _mm25
 static inline __m256i dot4x2(__m256i u0, __m256i x0, __m256i u1, __m256i x1) {
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, x0), u1, x1);
 }
+#elif defined(__AVXVNNI__) /* the same instructions VEX-encoded: AVX-VNNI, without AVX-512 (Alder Lake on) */
+static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, u, x); }
+static inline __m256i dot4x2(__m256i u0, __m256i x0, __m256i u1, __m256i x1) {
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, x0), u1, x1);
+}
 #else
 static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));

@@ -96,9 +96,16 @@ static inline vi loadv(const void *p) { return _mm256_loadu_si256((const __m256i
 static inline vi zerov(void) { return _mm256_setzero_si256(); }
 static inline vi maskv(vi v, int bits) { return _mm256_and_si256(v, _mm256_set1_epi8((char)((1 << bits) - 1))); }
 static inline vi shiftv(vi v, int n) { return _mm256_srli_epi16(v, n); }
+#if defined(__AVXVNNI__)
+/* AVX-VNNI (Intel's cores from Alder Lake on: 256-bit vpdpbusd without AVX-512): the products summed by fours
+   into int32 in one instruction. The AVX2 sequence below never saturates its int16 pairs (see each use), so both
+   make the same integer sums: this library's outputs are the AVX2 library's, bit for bit. */
+static inline vi dpu(vi acc, vi u, vi x) { return _mm256_dpbusd_avx_epi32(acc, u, x); }
+#else
 static inline vi dpu(vi acc, vi u, vi x) { /* codes <= 15 times |x| <= 127, in pairs: no int16 overflow */
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
+#endif
 static inline vi dp8(vi acc, vi codes, vi x) { /* |xq| times q with xq's sign: pairs of at most 127 * 127 */
     return dpu(acc, _mm256_abs_epi8(x), _mm256_sign_epi8(codes, x));
 }
@@ -107,10 +114,16 @@ static inline vi dp8(vi acc, vi codes, vi x) { /* |xq| times q with xq's sign: p
    for int4's two, 3,048 for int2's four, far from 32,767): vpmaddubsw and vpmaddwd share one port here (measured
    ~1 a cycle), so one widening a chunk instead of S is most of the integer work saved. */
 static inline vi dp_streams(vi codes, const int8_t *x, int bits, int S) {
+#if defined(__AVXVNNI__) /* (one instruction a stream: nothing left to save by summing in int16 first) */
+    vi acc = dpu(zerov(), maskv(codes, bits), loadv(x));
+    for (int s = 1; s < S; s++) acc = dpu(acc, maskv(shiftv(codes, s * bits), bits), loadv(x + s * W));
+    return acc;
+#else
     __m256i s16 = _mm256_maddubs_epi16(maskv(codes, bits), loadv(x));
     for (int s = 1; s < S; s++)
         s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(maskv(shiftv(codes, s * bits), bits), loadv(x + s * W)));
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
 }
 static inline vf zerof(void) { return _mm256_setzero_ps(); }
 static inline vf loadf(const float *p) { return _mm256_loadu_ps(p); }
@@ -126,7 +139,11 @@ static inline vf spread(__m256 v, int P) { /* P = 2, 4 or 8 */
                                        : P == 4 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
                                                 : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+#if defined(__AVXVNNI__)
+#define QI_ISA "avx2-vnni"
+#else
 #define QI_ISA "avx2"
+#endif
 #endif
 #define LANES (W / 4) /* int32 (and float) lanes of a vector */
 
