@@ -2,7 +2,7 @@
 their intrinsics emulated by SIMDe (the simde-py package's headers, a test dependency):
 
     python -m pytest -p tests.emulate_avx512 tests/model -k avx512     # the library's own tests: 391, ~75 s
-    python -m pytest -p tests.emulate_avx512 tests/model -k vnni       # the avx2-vnni library's
+    python -m pytest -p tests.emulate_avx512 tests/model -k vnni       # the avx2-vnni library's: the AVX2 bits
     python -m pytest -p tests.emulate_avx512 tests/model tests/engine/test_demo_models.py \
         tests/engine/test_block_precisions.py tests/store/test_gguf_store.py   # and the engine on it: ~5 min
 

@@ -26,10 +26,9 @@ from moetier.model.gemm_precision import integer_tokens
 from moetier.model.kernels import TorchKernels, make_kernels
 from moetier.quant.codes import dequantize
 from moetier.store.store import Store
+from tests.model.isas import isa_params
 
-ISAS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
-                                                         reason=f"this CPU cannot run {isa.name}"))
-        for isa in native.ISAS]
+ISAS = isa_params()
 
 
 @pytest.mark.parametrize("isa", ISAS)

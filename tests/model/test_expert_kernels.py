@@ -8,13 +8,12 @@ from moetier.model.expert_kernels import TOKENS_A_CALL, DenseExpert, QuantizedEx
 from moetier.model.gemm_precision import integer_tokens
 from moetier.model.kernels import NativeKernels, TorchKernels
 from moetier.quant.codes import BITS, MATRICES, Quantized, dequantize, expert_matrices, quantize_expert
+from tests.model.isas import isa_params
 
 LIB = native.load().lib
 needs_native = pytest.mark.skipif(LIB is None, reason="no native kernels on this machine")
 # every library this CPU runs (AVX2, AVX-512 VNNI, ...), and those it cannot, skipped with the reason
-ISAS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
-                                                         reason=f"this CPU cannot run {isa.name}"))
-        for isa in native.ISAS]
+ISAS = isa_params()
 
 
 def expert(h, i, seed=0):

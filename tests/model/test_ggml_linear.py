@@ -11,10 +11,9 @@ from moetier.model.ggml_linear import MAX_TOKENS, GgmlLinear
 from moetier.quant.ggml_blocks import dequantize
 from moetier.quant.kquants import quantize
 from moetier.quant.precisions import matrix_shape
+from tests.model.isas import isa_params
 
-ISAS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
-                                                        reason=f"this CPU cannot run {isa.name}"))
-        for isa in native.ISAS]
+ISAS = isa_params()
 FORMATS = ["q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"]
 READ_ONLY_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "mxfp4": "MXFP4"}
 
@@ -340,3 +339,17 @@ class _Counting:
             self._calls.append(name)
             return fn(*args)
         return call
+
+
+@pytest.mark.skipif("avx2-vnni" not in native.runnable_isas(), reason="this CPU has no AVX-VNNI (avx_vnni)")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_vnni_library_computes_the_avx2_librarys_bits(fmt):
+    """q_ggml.c's products with AVX-VNNI (vpdpbusd, vpdpwssd) sum what AVX2's never-saturating sequences sum: every
+    format's outputs the same, bit for bit, at 1, 3 and a call's most tokens (tests/model/isas.py: why the library
+    is checked so, and not by each test again)."""
+    g = torch.Generator().manual_seed(5)
+    w = quantize_any(torch.randn(96, 512, generator=g) * 0.02, fmt)
+    for tokens in (1, 3, MAX_TOKENS):
+        x = torch.randn(tokens, 512, generator=g)
+        avx2, vnni = (GgmlLinear(native.load(isa).lib)(x, w, fmt) for isa in ("avx2", "avx2-vnni"))
+        assert torch.equal(avx2, vnni), (fmt, tokens)

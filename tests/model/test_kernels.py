@@ -18,14 +18,12 @@ from moetier.model.kernels import NATIVE_ROWS, NativeKernels, NativeWithGemm, To
 from moetier.model.kv_cache import KVCache
 from moetier.model.rope import Rope
 from moetier.store.store import Store
+from tests.model.isas import isa_params
 
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
-                                                     reason=f"this CPU cannot run {isa.name}"))
-    for isa in native.ISAS])
+@pytest.fixture(scope="module", params=isa_params())
 def kernels(request) -> NativeKernels:
     """The native kernels built for each instruction set this CPU runs (the others skipped with the reason)."""
     loaded = native.load(request.param)

@@ -9,12 +9,10 @@ from moetier.config import RouterSpec
 from moetier.model import native
 from moetier.model.kernels import make_kernels
 from moetier.model.router import GroupLimitedRouter, NativeSoftmaxRouter, SoftmaxRouter, make_router
+from tests.model.isas import isa_params
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(isa.name, marks=pytest.mark.skipif(isa.name not in native.runnable_isas(),
-                                                     reason=f"this CPU cannot run {isa.name}"))
-    for isa in native.ISAS])
+@pytest.fixture(scope="module", params=isa_params())
 def lib(request):
     """The native library built for each instruction set this CPU runs (the others skipped with the reason)."""
     loaded = native.load(request.param)
