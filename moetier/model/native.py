@@ -45,7 +45,7 @@ class Isa:
     needs: tuple[str, ...]
 
 
-# best last; each includes the ones before it
+# best last; each includes avx2's (a CPU may run avx512 and not avx2-vnni: Zen 4)
 ISAS = (
     Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     # AVX2 with AVX-VNNI's 256-bit integer dot products (Intel's cores from Alder Lake on, whose AVX-512 is off):
@@ -222,18 +222,35 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def best_buildable(compiler: str, runnable: list[str]) -> str:
+    """The best of `runnable` built already, or whose flags `compiler` takes (gcc before 11 has no -mavxvnni: an
+    Alder Lake's AVX2 library then, not none), else the floor."""
+    return next((isa for isa in reversed(runnable)
+                 if _library_path(compiler, isa).exists() or _compiler_takes(compiler, isa)), runnable[0])
+
+
+def _compiler_takes(compiler: str, isa: str) -> bool:
+    """Whether `compiler` accepts `isa`'s flags (preprocessing nothing: ~20 ms)."""
+    try:
+        probe = subprocess.run([compiler, *_flags(isa), "-E", "-x", "c", os.devnull, "-o", os.devnull],
+                               capture_output=True)
+    except OSError:  # (no such compiler: the build says so)
+        return False
+    return probe.returncode == 0
+
+
 def load(isa: str | None = None) -> Loaded:
     """Build (once per machine, source and instruction set) and load the kernels: for `isa`, or the best this CPU
     runs."""
     runnable = runnable_isas()
     if not runnable:
         return Loaded(None, f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})")
-    isa = isa or runnable[-1]
-    if isa not in runnable:
+    if isa is not None and isa not in runnable:
         return Loaded(None, f"this CPU cannot run {isa} (it runs {', '.join(runnable)})")
     compiler = _compiler()
     if compiler is None:
         return Loaded(None, "no C compiler found (set CC, or install gcc)")
+    isa = isa or best_buildable(compiler, runnable)
     path = _library_path(compiler, isa)
     try:
         if not path.exists():

@@ -2,6 +2,7 @@
 rounding boundary, on shapes with and without tails; the engine with them decodes as transformers does in bf16;
 and every way of not having them is said."""
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -486,3 +487,20 @@ def test_the_engine_decodes_alike_on_every_path_the_cpu_runs(tiny_store):
         with Engine.from_pretrained(path, expert_memory="50%", kernels=name, progress=False) as engine:
             outs[name] = engine.generate([[5, 9, 17, 33]], max_new_tokens=8).token_ids[0]
     assert len(outs) >= 2 and all(ids == outs["torch"] for ids in outs.values()), outs
+
+
+def test_the_best_library_the_compiler_can_build_is_the_one_taken(monkeypatch, tmp_path):
+    """An Alder Lake with a gcc older than 11 (no -mavxvnni): the AVX2 library, not torch's kernels; a library
+    built already is taken without asking the compiler."""
+    monkeypatch.setattr(native, "default_cache_dir", lambda: tmp_path)  # (nothing built there)
+    asked = []
+    monkeypatch.setattr(native, "_compiler_takes", lambda compiler, isa: asked.append(isa) or isa != "avx2-vnni")
+    assert native.best_buildable("gcc", ["avx2", "avx2-vnni"]) == "avx2" and asked == ["avx2-vnni", "avx2"]
+    assert native.best_buildable("gcc", ["avx2", "avx2-vnni", "avx512"]) == "avx512"
+    built = native._library_path("gcc", "avx2-vnni")
+    built.parent.mkdir(parents=True)
+    built.touch()
+    asked.clear()
+    assert native.best_buildable("gcc", ["avx2", "avx2-vnni"]) == "avx2-vnni" and asked == []
+    if shutil.which("gcc"):
+        assert native._compiler_takes("gcc", "avx2")  # (the probe itself, on a compiler that takes it)
