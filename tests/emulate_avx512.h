@@ -1,7 +1,8 @@
-/* Force-included (gcc -include) into every source of the "avx512" library that tests/emulate_avx512.py builds for a
-   CPU without AVX-512: the sources' AVX-512 branches (the macros they test defined at the end) with every 512-bit and
-   VNNI/BF16 intrinsic they call emulated by SIMDe on AVX2 — the same operations, so the same integer sums and, for
-   floats, the same roundings lane by lane; slow, and for correctness only. */
+/* Force-included (gcc -include) into every source of the "avx512" (and "avx2-vnni") library that
+   tests/emulate_avx512.py builds for a CPU without those instructions: the sources' branches for them (the macros
+   they test defined at the end) with every 512-bit and VNNI/BF16 intrinsic they call emulated by SIMDe on AVX2 — the
+   same operations, so the same integer sums and, for floats, the same roundings lane by lane; slow, and for
+   correctness only. */
 #ifndef MOETIER_EMULATE_AVX512_H
 #define MOETIER_EMULATE_AVX512_H
 #include <immintrin.h> /* the compiler's own first, AVX2's intrinsics native (a source's include of it is then none) */
