@@ -94,3 +94,17 @@ def test_emulating_avx512_builds_its_branch_for_avx2_under_its_own_name(tmp_path
     [argv] = commands
     assert "-include" in argv and argv[argv.index("-include") + 1].endswith("tests/emulate_avx512.h")
     assert not any(flag.startswith("-mavx512") for flag in argv) and "-mavx2" in argv
+
+
+def test_emulating_avx512_without_simde_is_refused_in_one_line_before_anything_is_built(tmp_path, monkeypatch,
+                                                                                          capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import kernel_ab
+
+    monkeypatch.setitem(sys.modules, "simde_py", None)  # (an import of it raises ImportError, as where not installed)
+    monkeypatch.setattr(kernel_ab, "build", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(sys, "argv", ["kernel_ab.py", "--emulate-avx512", *SMALL, "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as e:
+        kernel_ab.main()
+    assert str(e.value).startswith("kernel_ab: error: --emulate-avx512 needs SIMDe's headers: pip install simde-py")
+    assert not (tmp_path / "out").exists()
