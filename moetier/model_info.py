@@ -13,8 +13,8 @@ from moetier.errors import StoreError
 from moetier.model.families import family_for, parse_spec
 from moetier.resolve import inflated_builtins, model_path
 from moetier.store.checkpoint import Checkpoint, read_config
-from moetier.store.format import MANIFEST, PRECISION_OF_DTYPE, RECONVERT, Manifest
-from moetier.store.gguf_store import is_gguf
+from moetier.store.format import PRECISION_OF_DTYPE, Manifest
+from moetier.store.names import MANIFEST, RECONVERT, is_gguf
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from moetier.atomic import DiskFullError, atomic_write_json, discard_dir, sweep,
 from moetier.config import format_bytes
 from moetier.errors import ModelNotFoundError, StoreError
 from moetier.paths import default_cache_dir
-from moetier.store.checkpoint import read_config
-from moetier.store.convert import convert
-from moetier.store.format import DENSE, MANIFEST, RECONVERT, Manifest
-from moetier.store.gguf_store import is_gguf
+from moetier.store.names import DENSE, MANIFEST, RECONVERT, is_gguf
+
+# (torch and the store's converters are imported where a model is converted or a manifest read, so that what
+# `--model` names is checked — model_path — before anything loads: a mistyped path refused in a tenth of a second)
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "models"
 XL = "-xl"  # a built-in model with real-size experts: `demo-fine-xl`
@@ -85,6 +85,13 @@ def model_path(model: str | Path) -> Path:
     return path
 
 
+def check_model(model: str) -> None:
+    """Refuses a `model` that names nothing (model_path's refusals; an `-xl` name is built later) — the engine
+    commands check `--model` so as their options are read, before torch loads."""
+    if model not in inflated_builtins() or Path(model).exists():
+        model_path(model)
+
+
 def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progress: bool = True,
                   reconvert: bool = False) -> Path:
     """The store directory for `model`, converting a Hugging Face folder into the cache if needed (or, with
@@ -100,6 +107,9 @@ def resolve_model(model: str | Path, cache_dir: str | Path | None = None, progre
         return path
     if is_gguf(path):
         return _indexed(path, cache_dir, progress, reconvert)
+    from moetier.store.checkpoint import read_config
+    from moetier.store.convert import convert
+
     read_config(path)  # clear errors for a folder without a readable config.json
     cache = _cache(cache_dir)
     sweep(cache)  # what conversions killed earlier left behind
@@ -162,6 +172,8 @@ def _build_once(store: Path, source: Path, build: Callable[[], Path], rebuild: b
 
 
 def _whole(store: Path) -> bool:
+    from moetier.store.format import Manifest
+
     if not (store / MANIFEST).exists():
         return False
     try:
@@ -242,6 +254,8 @@ def _inflation_key(base: Path) -> str:
     """What an inflation reads of its base store — the config, the dense weights and the native experts (their
     checksums) — so the quantized copies `moetier quantize` adds to the base leave its -xl build alone (they
     changed the base's manifest, and the 9 GiB demo-deep-xl was built again)."""
+    from moetier.store.format import Manifest
+
     m = Manifest.load(base)
     native = [(b.layer, b.expert, b.crc32) for b in m.blobs if b.precision == m.native_precision]
     key = json.dumps([str(base.resolve()), m.config, m.native_precision, m.dense_crc32, sorted(native)],

@@ -42,6 +42,7 @@ def inputs(tiny_store, tmp_path):
     _, store = tiny_store("olmoe")
     theirs = tmp_path / "theirs"
     theirs.mkdir()
+    (tmp_path / "unread").mkdir()
     (theirs / "thesis.tex").write_text("years of work")
     (tmp_path / "afile").write_text("a file")
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
@@ -57,7 +58,7 @@ def inputs(tiny_store, tmp_path):
     shutil.copytree(store, no_manifest)
     (no_manifest / "manifest.json").unlink()
     return {
-        "tmp": tmp_path, "store": store, "hf": Path(Manifest.load(store).source), "theirs": theirs, "trace": trace,
+        "tmp": tmp_path, "unread": tmp_path / "unread", "store": store, "hf": Path(Manifest.load(store).source), "theirs": theirs, "trace": trace,
         "truncated": truncated, "no_manifest": no_manifest, "bad_config": bad_config, "latin1": tmp_path / "latin1.txt",
         "meta_only": jsonl(tmp_path / "meta.jsonl", META),
         "bad_ids": jsonl(tmp_path / "bad.jsonl", META, route("ab")),
@@ -71,20 +72,21 @@ def snapshot(path):
 
 
 BAD = [
-    # arguments, refused before any model is resolved (the model does not exist: reaching it would say so)
-    (["generate", "--model", "/no/such", "--prompt", "abc\udcff"], "--prompt is not valid UTF-8"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--temperature", "-1"], "--temperature"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--top-p", "2"], "--top-p"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--reader-threads", "0"], "--reader-threads"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--expert-memory", "lots"], "cannot read expert memory"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
-    (["generate", "--model", "/no/such"], "no prompt given"),
-    (["generate", "--model", "/no/such", "--prompt", ""], "prompt 0 is empty"),
-    (["generate", "--model", "/no/such", "--prompt-file", "{tmp}/missing.txt"], "cannot read prompt file"),
-    (["generate", "--model", "/no/such", "--prompt-file", "{latin1}"], "is not valid UTF-8"),
-    (["trace", "record", "--model", "/no/such", "--prompts", "{latin1}", "--out", "{tmp}/r"], "is not valid UTF-8"),
-    (["trace", "record", "--model", "/no/such", "--prompts", "{latin1}", "--out", "{tmp}/r", "--max-tokens", "0"],
+    # arguments, refused before any model is resolved ({unread}: an empty folder, which --model takes as the options
+    # are read; reaching the model would say it holds no config.json)
+    (["generate", "--model", "{unread}", "--prompt", "abc\udcff"], "--prompt is not valid UTF-8"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--temperature", "-1"], "--temperature"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--top-p", "2"], "--top-p"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--reader-threads", "0"], "--reader-threads"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--expert-memory", "lots"], "cannot read expert memory"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
+    (["generate", "--model", "{unread}"], "no prompt given"),
+    (["generate", "--model", "{unread}", "--prompt", ""], "prompt 0 is empty"),
+    (["generate", "--model", "{unread}", "--prompt-file", "{tmp}/missing.txt"], "cannot read prompt file"),
+    (["generate", "--model", "{unread}", "--prompt-file", "{latin1}"], "is not valid UTF-8"),
+    (["trace", "record", "--model", "{unread}", "--prompts", "{latin1}", "--out", "{tmp}/r"], "is not valid UTF-8"),
+    (["trace", "record", "--model", "{unread}", "--prompts", "{latin1}", "--out", "{tmp}/r", "--max-tokens", "0"],
      "--max-tokens"),
     # destinations: refused, and nothing of the user's touched
     (["convert", "{hf}", "{tmp}/afile", "--force"], "is a file"),
@@ -106,11 +108,11 @@ BAD = [
     (["sim", "--trace", "{truncated}", "--profile", "rtx4090"], "topk_ids.npy: Failed to read"),
     (["cache-bench", "--trace", "{truncated}"], "topk_ids.npy: Failed to read"),
     # prediction and prefetch
-    (["generate", "--model", "/no/such", "--prompt", "x", "--prefetch", "hobbit"], "needs a predictor"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--prefetch", "hobbit"], "needs a predictor"),
     # policies generate cannot run: refused before the model is looked for
-    (["generate", "--model", "/no/such", "--prompt", "x", "--policy", "belady"], "belady is the offline optimum"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--policy", "lfu+predicted"], "needs a predictor"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--policy", "nope"], "unknown eviction policy 'nope'"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--policy", "belady"], "belady is the offline optimum"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--policy", "lfu+predicted"], "needs a predictor"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--policy", "nope"], "unknown eviction policy 'nope'"),
     (["sim", "--trace", "{trace}", "--profile", "rtx4090", "--policy", "lru+predicted"], "needs a predictor"),
     (["cache-bench", "--trace", "{trace}", "--policy", "lru+predicted"], "needs a predictor"),
     (["cache-bench", "--trace", "{trace}", "--policy", "nope+predicted", "--predictor", "hot"],
@@ -147,32 +149,32 @@ BAD = [
     (["synth", "{store}/xl", "--inflate", "{store}"], "is inside"),
     (["synth", "{tmp}/s", "--inflate", "/no/such"], "no model at /no/such"),
     # precisions: refused before the model is looked for, or before anything is written
-    (["generate", "--model", "/no/such", "--prompt", "x", "--precision", "hobbit", "--thresholds", "high"],
+    (["generate", "--model", "{unread}", "--prompt", "x", "--precision", "hobbit", "--thresholds", "high"],
      "--thresholds takes T1,T2"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--precision", "hobbit", "--thresholds", "0.9,0.5"],
+    (["generate", "--model", "{unread}", "--prompt", "x", "--precision", "hobbit", "--thresholds", "0.9,0.5"],
      "0 <= T1 <= T2"),
     (["generate", "--model", "{store}", "--prompt", "x", "--precision", "int4"], "moetier quantize"),
     (["quantize", "{store}", "--precisions", "int3"], "unknown or unavailable precision 'int3'"),
     (["convert", "{hf}", "{tmp}/s", "--precisions", "bf16,int4"],
      "unknown or unavailable precision 'bf16' (this store's experts are fp32)"),
     # substitution: refused before the model is looked for
-    (["generate", "--model", "/no/such", "--prompt", "x", "--substitute", "lots"],
+    (["generate", "--model", "{unread}", "--prompt", "x", "--substitute", "lots"],
      "--substitute takes off, auto, similar or a number"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--substitute", "1.5"], "must be within [0, 1)"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--tpot-budget", "fast"], "'fast' is not a duration"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--tpot-budget", "0ms"], "must be positive"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--tpot-budget", "80ms", "--substitute", "0.3"],
+    (["generate", "--model", "{unread}", "--prompt", "x", "--substitute", "1.5"], "must be within [0, 1)"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--tpot-budget", "fast"], "'fast' is not a duration"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--tpot-budget", "0ms"], "must be positive"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--tpot-budget", "80ms", "--substitute", "0.3"],
      "--tpot-budget chooses alpha itself"),
-    (["eval", "--model", "/no/such", "--sweep", "alpha=0,big"], "--sweep alpha: 'big' is not a number"),
-    (["generate", "--model", "/no/such", "--prompt", "x", "--substitute", "similar", "--tpot-budget", "80ms"],
+    (["eval", "--model", "{unread}", "--sweep", "alpha=0,big"], "--sweep alpha: 'big' is not a number"),
+    (["generate", "--model", "{unread}", "--prompt", "x", "--substitute", "similar", "--tpot-budget", "80ms"],
      "--substitute similar takes the replaced expert's weight"),
-    (["eval", "--model", "/no/such", "--substitute", "similar", "--sweep", "alpha=0.1"],
+    (["eval", "--model", "{unread}", "--substitute", "similar", "--sweep", "alpha=0.1"],
      "--substitute similar has no alpha"),
     (["generate", "--model", "{store}", "--prompt", "x", "--substitute", "similar"], "moetier train similarity"),
     (["generate", "--model", "{store}", "--prompt", "x", "--offload", "encoder"], "this model is a decoder alone"),
     (["merge", "--model", "{store}", "--ratio", "0.5", "--scope", "encoder", "--out", "{tmp}/m"],
      "merges an encoder-decoder's encoder"),
-    (["eval", "--model", "/no/such", "--sweep", "policy=lru,nope"], "nope"),
+    (["eval", "--model", "{unread}", "--sweep", "policy=lru,nope"], "nope"),
     # stores
     (["generate", "--model", "{no_manifest}", "--prompt", "x"], "looks like a moetier store but has no manifest"),
     (["generate", "--model", "{store}", "--prompt", "x", "--reconvert"], "is a converted store"),

@@ -116,11 +116,11 @@ def test_argparse_refusals_are_one_line_with_status_1(capsys, args, message):
     assert re.fullmatch(r"moetier: error: [^\n]+\n  hint: `moetier[a-z -]*--help` lists the options\n", err), err
 
 
-def test_a_value_starting_with_a_dash_reaches_its_own_check(capsys):
-    assert main(["generate", "--model", "/no/such", "--prompt", "x", "--expert-memory", "-5%"]) == 1
+def test_a_value_starting_with_a_dash_reaches_its_own_check(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--expert-memory", "-5%"]) == 1
     err = capsys.readouterr().err
     assert "expert memory share must be in (0%, 100%], got -5%" in err and "hint: --expert-memory takes" in err
-    assert main(["generate", "--model", "/no/such", "--prompt", "x", "--max-tokens", "-3"]) == 1
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--max-tokens", "-3"]) == 1
     assert "--max-tokens" in capsys.readouterr().err
     assert main(["generate", "--temperature", "-0.5"]) == 1  # a value, refused by its own range, in one line
     assert "argument --temperature: must be a finite number between 0 and 100, got -0.5" in capsys.readouterr().err
@@ -180,8 +180,8 @@ def test_a_read_only_cache_holding_the_model_works_and_one_without_says_so(tmp_p
 # 6. --reader-threads is bounded
 
 
-def test_reader_threads_are_bounded_before_anything_starts(capsys):
-    assert main(["generate", "--model", "/no/such", "--prompt", "x", "--reader-threads", "100000"]) == 1
+def test_reader_threads_are_bounded_before_anything_starts(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--reader-threads", "100000"]) == 1
     assert "--reader-threads must be between 1 and 64, got 100000" in capsys.readouterr().err
     assert main(["calibrate", "--reader-threads", "0"]) == 1
     assert "--reader-threads must be between 1 and 64" in capsys.readouterr().err

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, --version (0), or argparse's one-line refusal (1): its status, returned
         return e.code if isinstance(e.code, int) else 1
+    except MoetierError as e:  # an option's own check (`--model`: what it names is missing) with its hint
+        print(f"moetier: error: {e}", file=sys.stderr)
+        return 1
     try:
         args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush

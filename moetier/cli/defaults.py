@@ -45,6 +45,17 @@ def command(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=help, description=kw.pop("description", help), formatter_class=HELP, **kw)
 
 
+def checked(check):
+    """An argparse type: the text as given, once `check` accepts it — its MoetierError (a message and a hint) refused
+    as the options are read (moetier.cli.main prints it), before anything is imported for the command's work."""
+
+    def parse(text: str) -> str:
+        check(text)
+        return text
+
+    return parse
+
+
 def count(minimum: int = 1, maximum: int | None = None):
     """An argparse type: a whole number in [minimum, maximum], refused in argparse's one line otherwise."""
 

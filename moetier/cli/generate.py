@@ -11,14 +11,16 @@ from moetier.cache.policies import DEFAULT_POLICY, LIVE_POLICIES
 from moetier.cli.defaults import (
     DEFAULT_MODEL,
     add_sampling_options,
+    checked,
     command,
     count,
     finite,
     read_prompts,
     sampling_args,
 )
-from moetier.config import KERNELS
+from moetier.config import KERNELS, HostMemory, MemoryBudget
 from moetier.errors import MoetierError
+from moetier.resolve import check_model
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -141,10 +143,10 @@ def _generate(args: argparse.Namespace) -> None:
 
 def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     """Options of every command that runs the engine."""
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", default=DEFAULT_MODEL, type=checked(check_model),
                    help="Hugging Face folder, GGUF file, converted store, or built-in model name (`moetier list "
                         "models`)")
-    p.add_argument("--expert-memory", default=expert_memory,
+    p.add_argument("--expert-memory", default=expert_memory, type=checked(MemoryBudget.parse),
                    help="expert cache: bytes (512MiB, 2GB), a share of all expert bytes at the run's precision "
                         "(30%%), or auto (what the host and the container allow, less the dense weights, the "
                         "runtime and a 1,024-token prompt)")
@@ -153,7 +155,7 @@ def add_engine_options(p: argparse.ArgumentParser, expert_memory: str) -> None:
     p.add_argument("--reader-threads", type=int, default=4, help="threads reading experts from disk")
     p.add_argument("--device", default="cpu", help="where the dense weights, the expert cache and the kernels live: "
                                                    "cpu, or cuda[:N] on a machine with a GPU")
-    p.add_argument("--host-memory",
+    p.add_argument("--host-memory", type=checked(HostMemory.parse),
                    help="with --device cuda: host memory for the experts behind the GPU's cache, page-locked, the "
                         "disk behind it: bytes (8GiB), a share of the experts (50%%), auto (the default: every expert "
                         "where the host has room, read at start-up), or 0 (none: every miss is read from disk)")

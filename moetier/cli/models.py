@@ -8,7 +8,7 @@ from pathlib import Path
 from moetier.model_info import inspect_model
 from moetier.resolve import builtin_names, inflated_builtins, resolve_model
 from moetier.sim.shapes import SHAPES, ModelShape, ShapeError, shape_named
-from moetier.store.gguf_store import is_gguf
+from moetier.store.names import is_gguf
 from moetier.store.store import Store
 
 

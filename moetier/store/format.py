@@ -32,15 +32,12 @@ from moetier.atomic import atomic_write_json, marked_json
 from moetier.config import ALIGN
 from moetier.errors import StoreError, integer, parsing
 from moetier.quant.ggml_blocks import FORMATS as BLOCK_FORMATS
+from moetier.store.names import DENSE, MANIFEST, RECONVERT
 
 FORMAT = "moetier-store"
 VERSION = 2
 LINKED_VERSION = 3  # a store whose blobs may point into its source's files
 VERSIONS = (VERSION, LINKED_VERSION)
-MANIFEST = "manifest.json"
-DENSE = "dense.safetensors"
-RECONVERT = ("re-convert it (`moetier generate --reconvert` for a model converted on first use, "
-             "`moetier convert --force SRC STORE` otherwise)")
 DAMAGED = f"the store is damaged; {RECONVERT}"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,

@@ -48,10 +48,6 @@ FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 PARTS = ("gate", "up", "down")
 
 
-def is_gguf(path: Path | str) -> bool:
-    return Path(path).suffix.lower() == ".gguf"
-
-
 class GgufCheckpoint:
     """A GGUF's dense tensors by their Hugging Face names (what Family.dense_names gives), through the converter's
     own name table (the gguf package's TensorNameMap), as the model's dtype: what convert.dense_tensors reads."""

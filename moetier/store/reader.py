@@ -34,7 +34,8 @@ from zlib_ng.zlib_ng import crc32, crc32_combine
 
 from moetier.errors import ChecksumError, MoetierError, StoreError
 from moetier.portable import drop_cached, open_uncached
-from moetier.store.format import ALIGN, DAMAGED, MANIFEST, BlobRef, Manifest
+from moetier.store.format import ALIGN, DAMAGED, BlobRef, Manifest
+from moetier.store.names import MANIFEST
 
 # Reads in flight past what any disk queues usefully (an NVMe drive saturates at 16-32 outstanding 2 MiB reads;
 # each thread holds one), and below what a container's thread limit refuses.

@@ -15,7 +15,8 @@ from moetier.config import ModelSpec
 from moetier.errors import ChecksumError, StoreError
 from moetier.model.families import parse_spec
 from moetier.store.checkpoint import ST_DTYPES, safetensors_header
-from moetier.store.format import DAMAGED, DENSE, DTYPES, Manifest, check_files, is_store
+from moetier.store.format import DAMAGED, DTYPES, Manifest, check_files, is_store
+from moetier.store.names import DENSE
 from moetier.store.row_pages import mapped_rows
 from moetier.store.writer import tensor_bytes
 

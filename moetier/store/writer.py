@@ -15,7 +15,8 @@ from zlib_ng.zlib_ng import crc32
 
 from moetier.atomic import atomic_dir, check_free_space, check_replaceable, ordinary_mode
 from moetier.errors import StoreError
-from moetier.store.format import DENSE, DTYPES, BlobRef, Manifest, PrecisionLayout, Segment, is_store
+from moetier.store.format import DTYPES, BlobRef, Manifest, PrecisionLayout, Segment, is_store
+from moetier.store.names import DENSE
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

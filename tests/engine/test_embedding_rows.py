@@ -13,7 +13,7 @@ from moetier.engine.embedding_rows import kept_bytes, rows_read
 from moetier.engine.engine import EngineConfig
 from moetier.errors import ChecksumError
 from moetier.store.checkpoint import safetensors_header
-from moetier.store.format import DENSE
+from moetier.store.names import DENSE
 from moetier.store.store import Store
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

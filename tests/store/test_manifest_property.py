@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from moetier.errors import MoetierError
-from moetier.store.format import MANIFEST
+from moetier.store.names import MANIFEST
 from moetier.store.store import Store
 from tests.json_mutations import mutated
 

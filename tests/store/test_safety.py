@@ -17,7 +17,7 @@ import pytest
 
 from moetier.cli import main
 from moetier.errors import ChecksumError, StoreError
-from moetier.store.format import DENSE, MANIFEST
+from moetier.store.names import DENSE, MANIFEST
 from moetier.store.store import Store
 from moetier.store.synth import byte_tokenizer
 from tests.tiny_models import build_tiny
@@ -25,6 +25,7 @@ from tests.tiny_models import build_tiny
 CHILD = """
 import sys
 from moetier.resolve import resolve_model
+import moetier.store.convert  # (resolve_model imports it when it converts: here, before the race starts)
 print("ready", flush=True)
 sys.stdin.readline()  # go
 print(resolve_model(sys.argv[2], sys.argv[3], progress=True), flush=True)
