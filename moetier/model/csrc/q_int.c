@@ -145,6 +145,32 @@ static inline vf spread(__m256 v, int P) { /* P = 2, 4 or 8 */
 #define QI_ISA "avx2"
 #endif
 #endif
+
+/* A block's sums over its chunks' streams, for int4 and int2 (qi_rowsn_blocks). AVX2: kept in int16 until the block
+   ends, one widening vpmaddwd a block instead of one a chunk. A block holds QI_BIG_BLOCK inputs at most, W of them a
+   vpmaddubsw, each of whose pair sums is at most 2 * 15 * 127 for int4 (2 * 3 * 127 for int2): int4's four add to
+   15,240, far from 32,767 (int8's single products reach 32,258: int8 keeps dp8). Integer sums either way, so the
+   outputs are the same bits. VNNI (AVX-512, AVX-VNNI): vpdpbusd into the int32 lanes as it goes. */
+#if W == 32 && !defined(__AVXVNNI__)
+_Static_assert(QI_BIG_BLOCK / W * 2 * 15 * 127 <= 32767, "an int4 block's int16 sums could overflow");
+typedef __m256i vb; /* int16 */
+static inline vb blk_zero(void) { return _mm256_setzero_si256(); }
+static inline vb blk_streams(vb acc, vi codes, const int8_t *x, int bits, int S) {
+    for (int s = 0; s < S; s++)
+        acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(maskv(s ? shiftv(codes, s * bits) : codes, bits),
+                                                         loadv(x + s * W)));
+    return acc;
+}
+static inline vi blk_widen(vb acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+#else
+typedef vi vb;
+static inline vb blk_zero(void) { return zerov(); }
+static inline vb blk_streams(vb acc, vi codes, const int8_t *x, int bits, int S) {
+    for (int s = 0; s < S; s++) acc = dpu(acc, maskv(s ? shiftv(codes, s * bits) : codes, bits), loadv(x + s * W));
+    return acc;
+}
+static inline vi blk_widen(vb acc) { return acc; }
+#endif
 #define LANES (W / 4) /* int32 (and float) lanes of a vector */
 
 /* A matrix's codes and scales. int8: scales [N] (one a row), no zeros, one group a row. */
@@ -372,19 +398,27 @@ static inline __attribute__((always_inline)) void qi_row_blocks(const qim *m, lo
    is bound by the CPU, not the memory (as fast from L3 as from memory on a Zen 3), and each row's own setup,
    horizontal sums and zero terms weigh on it. A layer's eight int4 experts (OLMoE's shape, batch 1, each from
    memory) took 1.823 ms row by row and 1.576 two rows at a time, int8's 2.687 and 2.301 (Zen 3, AVX2, the two
-   builds alternated in one process, medians of 16 rounds: bench/kernel_ab.py); four rows at a time no faster. */
+   builds alternated in one process, medians of 16 rounds: bench/kernel_ab.py); four rows at a time no faster.
+   CPB: chunks a block where the caller knows it (AVX2's int4: 2), so the chunk loop unrolls; with the int16 sums
+   (blk_streams) and the even and odd blocks' sums indexed rather than branched on, that layer's int4 took 0.89x,
+   0.97x and 0.91x the time (three runs of kernel_ab.py, 10-16 rounds each: faster in 9 of 10, 6 of 10, 11 of 16
+   rounds; 1.845 -> 1.643 ms in the first), one expert 0.94-0.96x, int8 and int2 level, the same bits (Zen 3,
+   AVX2): ~12 instructions of a 64-input chunk's ~22 had been the block's loop and its overhead. */
 static inline __attribute__((always_inline)) void qi_rowsn_blocks(const qim *m, const long *r, const qia *x,
-                                                                   float *y, const int NR, const int bits) {
+                                                                   float *y, const int NR, const int bits,
+                                                                   const long CPB) {
     const int S = 8 / bits;
     const uint8_t *q[4];
     const uint16_t *sc[4];
     for (int i = 0; i < NR; i++) q[i] = m->codes + r[i] * m->RB, sc[i] = m->scales + r[i] * m->groups;
-    const long cpb = m->block / (W * S), blocks = m->blocks;
-    vf sum[4], odd[4];
-    for (int i = 0; i < NR; i++) sum[i] = odd[i] = zerof();
+    const long cpb = CPB ? CPB : m->block / (W * S), blocks = m->blocks;
+    vf sum[2][4];
+    for (int i = 0; i < NR; i++) sum[0][i] = sum[1][i] = zerof();
     for (long blk = 0; blk < blocks; blk++) {
         vi acc[4];
-        for (int i = 0; i < NR; i++) acc[i] = zerov();
+        vb part[4];
+        for (int i = 0; i < NR; i++) acc[i] = zerov(), part[i] = blk_zero();
+#pragma GCC unroll 4
         for (long c = blk * cpb; c < (blk + 1) * cpb; c++) {
             for (int i = 0; i < NR; i++) _mm_prefetch((const char *)(q[i] + c * W + QI_PREFETCH_AHEAD), _MM_HINT_T0);
             if (bits == 8) {
@@ -392,17 +426,19 @@ static inline __attribute__((always_inline)) void qi_rowsn_blocks(const qim *m, 
                 for (int i = 0; i < NR; i++) acc[i] = dp8(acc[i], loadv(q[i] + c * W), xv);
             } else {
                 const int8_t *xs = x->xq + c * S * W;
-                for (int i = 0; i < NR; i++) acc[i] = _add32(acc[i], dp_streams(loadv(q[i] + c * W), xs, bits, S));
+                for (int i = 0; i < NR; i++) part[i] = blk_streams(part[i], loadv(q[i] + c * W), xs, bits, S);
             }
         }
+        if (bits != 8)
+            for (int i = 0; i < NR; i++) acc[i] = blk_widen(part[i]);
+        const int o = blk & 1;
         for (int i = 0; i < NR; i++) {
             const vf scale = bcast((bits == 8 ? 1.0f : bf16_to_f32(sc[i][blk])) * x->dx[blk]);
-            if (blk & 1) odd[i] = fmaf_v(_cvt(acc[i]), scale, odd[i]);
-            else sum[i] = fmaf_v(_cvt(acc[i]), scale, sum[i]);
+            sum[o][i] = fmaf_v(_cvt(acc[i]), scale, sum[o][i]);
         }
     }
     for (int i = 0; i < NR; i++) {
-        const float dot = hsumf(addf(sum[i], odd[i]));
+        const float dot = hsumf(addf(sum[0][i], sum[1][i]));
         qi_finish(m, r[i], x, &dot, y + i, 1, bits);
     }
 }
@@ -486,8 +522,9 @@ static inline __attribute__((always_inline)) void qi_rowsn_lanes(const qim *m, c
 static void qi_rows2(const qim *m, long r0, long r1, const qia *x, float *y0, float *y1) {
     const long r[2] = {r0, r1};
     float y[2];
-    if (m->blocked && m->bits == 8) qi_rowsn_blocks(m, r, x, y, 2, 8);
-    else if (m->blocked && m->bits == 4) qi_rowsn_blocks(m, r, x, y, 2, 4);
+    if (m->blocked && m->bits == 8) qi_rowsn_blocks(m, r, x, y, 2, 8, 0);
+    else if (m->blocked && m->bits == 4 && m->block == 2 * W * 2) qi_rowsn_blocks(m, r, x, y, 2, 4, 2); /* 2 chunks */
+    else if (m->blocked && m->bits == 4) qi_rowsn_blocks(m, r, x, y, 2, 4, 0);
     else if (!m->blocked && m->bits == 2) qi_rowsn_lanes(m, r, x, y, 2, 2);
     else qi_row(m, r0, x, 1, &y[0]), qi_row(m, r1, x, 1, &y[1]);
     *y0 = y[0], *y1 = y[1];
