@@ -45,6 +45,7 @@ COMMANDS = commands()
 # a starting command line per subcommand: everything it requires, nothing heavy ({...} are the test's paths)
 BASE = {
     ("generate",): ["--model", "{missing}", "--prompt", "x"],
+    ("bench",): ["--model", "{missing}", "-p", "8", "-n", "4"],
     ("serve",): ["--model", "{missing}"],
     ("chat",): ["--model", "{missing}"],
     ("eval",): ["--model", "{missing}"],

@@ -128,6 +128,8 @@ BAD = [
     (["sim", "--trace", "{trace}", "--profile", "rtx4090", "--prefetch", "smoe", "--predictor", "smoe-lookahead"],
      "which a trace does not hold"),
     (["predict-bench", "--trace", "{trace}", "--train-fraction", "2"], "--train-fraction"),
+    (["train", "thresholds", "--trace", "{trace}", "--out", ""], "--out is empty"),  # (was a TypeError: the fuzz)
+    (["train", "cache-policy", "--policy", "static-hot", "--trace", "{trace}", "--out", ""], "--out is empty"),
     (["sim", "--trace", "{trace}", "--profile", "rtx4090", "--pressure", "10"], "is not STEP:BUDGET"),
     (["sim", "--trace", "{trace}", "--profile", "rtx4090", "--pressure", "-1:10%"], "is not STEP:BUDGET"),
     (["sim", "--trace", "{trace}", "--profile", "rtx4090", "--pressure", "5:10%,5:20%"], "distinct, ascending"),

@@ -7,7 +7,7 @@ import os
 import sys
 
 from moetier import __version__
-from moetier.cli import cache, evaluate, generate, listing, merge, predict, serve, sim, store, trace
+from moetier.cli import bench, cache, evaluate, generate, listing, merge, predict, serve, sim, store, trace
 from moetier.cli.defaults import HELP, Parser
 from moetier.errors import MoetierError, one_line
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "experts stay on disk, a bounded cache holds the ones in use.")
     parser.add_argument("--version", action="version", version=f"moetier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (generate, serve, evaluate, store, merge, trace, sim, cache, predict, listing):
+    for group in (generate, serve, bench, evaluate, store, merge, trace, sim, cache, predict, listing):
         group.add_parser(sub)
     return parser
 

@@ -175,6 +175,8 @@ def trained_destination(args: argparse.Namespace, trace, file_in: Callable[[Path
     it was given to); a model shipped with moetier (models/) is never written (its tracked files were)."""
     from moetier.resolve import shipped
 
+    if args.out == "":  # (a path that names nothing: not "no --out", which saves beside --model)
+        raise MoetierError("--out is empty", hint="give --out FILE, or leave it out to save beside --model")
     if args.model is None and args.out is None:
         raise MoetierError("give --model (a model folder the file is saved with) or --out FILE",
                            hint="a built-in model's own files are not written: copy its folder, or use --out")
