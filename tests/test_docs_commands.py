@@ -54,9 +54,12 @@ def all_commands() -> list[tuple[str, bool, str]]:
             for block, c in moetier_commands(path.read_text())]
 
 
+PARSER = build_parser()  # (one for every case: ~30 ms each to build, and parsing leaves it as it was)
+
+
 def command_parser(words: list[str]) -> tuple[argparse.ArgumentParser, list[str], list[str]]:
     """The (sub)parser the leading words name, the words that named it, and the rest."""
-    parser, named = build_parser(), []
+    parser, named = PARSER, []
     while words:
         subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         if not subs or words[0] not in subs[0].choices:
@@ -90,7 +93,7 @@ def test_each_documented_command_and_option_exists(where, block, command):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            build_parser().parse_args(words)
+            PARSER.parse_args(words)
         except SystemExit as e:
             assert not e.code, f"{where}: `{command}` does not parse: {err.getvalue().strip()}"
         except ModelNotFoundError:  # a file on the reader's machine (`~/models/...gguf`): --model checks it is there
