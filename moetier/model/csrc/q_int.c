@@ -403,7 +403,9 @@ static inline __attribute__((always_inline)) void qi_row_blocks(const qim *m, lo
    (blk_streams) and the even and odd blocks' sums indexed rather than branched on, that layer's int4 took 0.89x,
    0.97x and 0.91x the time (three runs of kernel_ab.py, 10-16 rounds each: faster in 9 of 10, 6 of 10, 11 of 16
    rounds; 1.845 -> 1.643 ms in the first), one expert 0.94-0.96x, int8 and int2 level, the same bits (Zen 3,
-   AVX2): ~12 instructions of a 64-input chunk's ~22 had been the block's loop and its overhead. */
+   AVX2): ~12 instructions of a 64-input chunk's ~22 had been the block's loop and its overhead. Measured later, the
+   chunk loop alone takes 3 cycles a row-chunk from L1 and 10-11 from memory, the kernel's rate: at batch 1 it is
+   bound by what one core's streams read (~10 GB/s there), more than by its arithmetic (docs/performance.md). */
 static inline __attribute__((always_inline)) void qi_rowsn_blocks(const qim *m, const long *r, const qia *x,
                                                                    float *y, const int NR, const int bits,
                                                                    const long CPB) {
