@@ -87,7 +87,7 @@ def model_path(model: str | Path) -> Path:
 
 def check_model(model: str) -> None:
     """Refuses a `model` that names nothing (model_path's refusals; an `-xl` name is built later) — the engine
-    commands check `--model` so as their options are read, before torch loads."""
+    commands check `--model` as their options are read, before torch loads."""
     if model not in inflated_builtins() or Path(model).exists():
         model_path(model)
 

@@ -58,7 +58,8 @@ def inputs(tiny_store, tmp_path):
     shutil.copytree(store, no_manifest)
     (no_manifest / "manifest.json").unlink()
     return {
-        "tmp": tmp_path, "unread": tmp_path / "unread", "store": store, "hf": Path(Manifest.load(store).source), "theirs": theirs, "trace": trace,
+        "tmp": tmp_path, "unread": tmp_path / "unread", "store": store, "hf": Path(Manifest.load(store).source),
+        "theirs": theirs, "trace": trace,
         "truncated": truncated, "no_manifest": no_manifest, "bad_config": bad_config, "latin1": tmp_path / "latin1.txt",
         "meta_only": jsonl(tmp_path / "meta.jsonl", META),
         "bad_ids": jsonl(tmp_path / "bad.jsonl", META, route("ab")),
