@@ -69,16 +69,15 @@ def run(cfg: dict) -> dict:
 def prefill(engine, cfg: dict, rng: random.Random, load_s: float) -> dict:
     """Prompt tokens/s of `repetitions` prefills after one to warm (each prompt new: nothing reused), median kept
     as `tok_s` — the number llama-bench's -p reports."""
-    n, vocab = cfg["prompt_tokens"], engine.spec.vocab_size
-    samples = []
-    for i in range(1 + cfg.get("repetitions", 3)):
-        prompt = [rng.randrange(vocab) for _ in range(n)]
-        stats = engine.generate([prompt], max_new_tokens=1, ignore_eos=True).stats
-        if i:  # (the first warms: scratch sized, pages touched)
-            samples.append(n / stats["ttft_s"])
+    from moetier.engine.speed import SpeedTest, sample
+    from moetier.engine.stats import peak_rss_bytes
+
+    n = cfg["prompt_tokens"]
+    # (the first warms: scratch sized, pages touched; `moetier bench`'s pp test, one run at a time)
+    samples = [sample(engine, SpeedTest("pp", n), rng) for _ in range(1 + cfg.get("repetitions", 3))][1:]
     engine.close()
     return dict(tok_s=statistics.median(samples), samples_tok_s=samples, prompt_tokens=n,
-                peak_rss=stats.get("peak_rss_bytes"), load_s=load_s)
+                peak_rss=peak_rss_bytes(), load_s=load_s)
 
 
 if __name__ == "__main__":
