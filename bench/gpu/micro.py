@@ -185,24 +185,24 @@ def layer_paths(dev: torch.device, kernels, precision: str, k: int) -> dict:
     return out
 
 
-def cpu_compute() -> dict:
+def cpu_compute(h: int = 2048, i: int = 1024, cold: int = COLD_EXPERTS) -> dict:
+    """One (h, i) expert on the host's cores at one token: warm, and cold from `cold` experts in rotation."""
     from moetier.model.expert_kernels import make_expert_kernel
     from moetier.model.kernels import make_kernels
 
     out = {"cpu_threads": torch.get_num_threads()}
-    w = expert_shapes()
-    x = torch.randn(1, 2048, dtype=torch.bfloat16)
+    w = expert_shapes(h, i)
+    x = torch.randn(1, h, dtype=torch.bfloat16)
     y, weights = torch.empty_like(x), torch.ones(1, dtype=torch.bfloat16)
     # cold: experts in rotation, more bytes than any last-level cache, as CPU-assisted compute meets them
-    many = [{k: t.clone() for k, t in w.items()} for _ in range(COLD_EXPERTS)]
+    many = [{k: t.clone() for k, t in w.items()} for _ in range(cold)]
     for name in ("auto", "torch"):
         kernels = make_kernels(name, torch.bfloat16, torch.device("cpu"))
         kernel = make_expert_kernel("bf16", kernels, torch.bfloat16)
         out[f"cpu_expert_bf16_T1_{kernels.name}_warm_s"] = median_time(lambda kernel=kernel: kernel(y, x, w, weights))
         turn = iter(range(1 << 30))
         out[f"cpu_expert_bf16_T1_{kernels.name}_cold_s"] = median_time(
-            lambda kernel=kernel, turn=turn: kernel(y, x, many[next(turn) % COLD_EXPERTS], weights),
-            reps=2 * COLD_EXPERTS)
+            lambda kernel=kernel, turn=turn: kernel(y, x, many[next(turn) % cold], weights), repeats=2 * cold)
     return out
 
 

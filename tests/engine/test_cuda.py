@@ -3,6 +3,8 @@ slots fed through fewer staging buffers than reads, quantized experts computed o
 prefetching, HOBBIT's mixed precision, SMoE's substitution, CPU-assisted compute (placement) and the command line.
 Skipped where torch sees no CUDA device (CI has none); `bench/gpu/run.sh` runs them on the GPU machine."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from moetier.plan.precision import MixedPrecision
 from moetier.plan.substitute import Substitution
 from moetier.store.reader import ON_DEMAND, ExpertReader
 from moetier.store.store import Store
+from moetier.store.variants import add_precisions
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu/run.sh)")]
@@ -85,9 +88,14 @@ def test_prefetching_on_the_gpu_leaves_the_output_exact(tiny_store):
     exact, _ = tokens(path, "cuda", "100%")
     got, stats = tokens(path, "cuda", "30%", prefetch="hobbit", predictor="stacked-gates")
     assert got == exact and sum(s["prefetches"]["issued"] for s in stats) > 0
-    costs = []
+    costs, disk = [], []
     got, stats = tokens(path, "cuda", "30%", costs=costs, prefetch="presched", predictor="stacked-gates")
-    assert got == exact and costs[0].ready and costs[0].bandwidth > 1e9  # (a copy over PCIe, not a disk read)
+    assert got == exact and costs[0].ready
+    # a copy over PCIe, not a disk read: priced faster than the same experts read from disk with no host tier (a
+    # floor of 1 GB/s failed on the 2026-11-30 H200: a tiny expert's copy is bound by its latency, 0.71 GB/s there)
+    tokens(path, "cuda", "30%", costs=disk, prefetch="presched", predictor="stacked-gates",
+           host_memory=HostMemory.parse("0"))
+    assert costs[0].bandwidth > disk[0].bandwidth, (costs[0].bandwidth, disk[0].bandwidth)
 
 
 @pytest.mark.parametrize("batch", [False, True])
@@ -96,10 +104,23 @@ def test_exact_mode_on_the_gpu_writes_the_cpus_tokens_single_and_batched(tiny_st
     assert tokens(path, "cuda", batch=batch)[0] == tokens(path, "cpu", batch=batch)[0]
 
 
-def test_mixed_precision_on_the_gpu_runs_the_cpus_plans(quantized):
+@pytest.fixture(scope="module")
+def quantized_fp32(tiny_store, tmp_path_factory):
+    """An fp32 four-layer OLMoE with int4 copies. In bf16 two kernels' roundings route a token differently now and
+    then, and from there the plans part: on the 2026-11-30 H200 the GPU (Triton's int4 experts) made 27 loads where
+    the CPU (torch's ops) made 30, as the CPU's own native kernels and torch's ops do on a CPU (22 and 32 against 23
+    and 28). In fp32 both make the same plans there, so a difference is the GPU's planning, not a rounding."""
+    _, path = tiny_store("olmoe", num_hidden_layers=4)
+    dest = tmp_path_factory.mktemp("quantized_fp32") / "store"
+    shutil.copytree(path, dest)
+    add_precisions(dest, "int4", progress=False)
+    return dest
+
+
+def test_mixed_precision_on_the_gpu_runs_the_cpus_plans(quantized_fp32):
     mixed = MixedPrecision("hobbit")
-    got, stats = tokens(quantized, "cuda", "40%", precision=mixed)
-    want, cpu_stats = tokens(quantized, "cpu", "40%", precision=mixed, kernels="torch")
+    got, stats = tokens(quantized_fp32, "cuda", "40%", precision=mixed)
+    want, cpu_stats = tokens(quantized_fp32, "cpu", "40%", precision=mixed, kernels="torch")
     for a, b in zip(stats, cpu_stats):  # the same plans: as many loads at each precision
         assert a["decode"]["loads"] == b["decode"]["loads"] and a["expert_bytes_read"] == b["expert_bytes_read"]
     assert sum(x == y for x, y in zip(sum(got, []), sum(want, []))) >= 0.8 * len(sum(want, []))
