@@ -120,6 +120,8 @@ class DemandFirstCopies(FifoCopies):
 
     def feed(self) -> bool:
         self._looked = time.perf_counter()
+        if not self._held:  # (what a layer's every slot taken asks, with nothing held: the common case)
+            return False
         room = self.room()
         while self._held and self._busy() < room:
             (pool, slot), _ = self._held.popitem(last=False)

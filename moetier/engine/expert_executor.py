@@ -19,7 +19,7 @@ from moetier.engine.hit_layer import HitLayer
 from moetier.engine.host_tier import HostTier
 from moetier.engine.one_token import OneToken
 from moetier.engine.resident_layers import ResidentLayers
-from moetier.engine.route_arrays import route_arrays
+from moetier.engine.route_arrays import route_arrays_with
 from moetier.engine.slots import make_slots
 from moetier.engine.tiered_slots import TieredDeviceSlots
 from moetier.errors import MoetierError
@@ -232,9 +232,14 @@ class ExpertExecutor:
         if self.resident_layers is not None:
             return self.resident_layers(layer, x, scores, topk_ids, topk_weights, shared, self.layer_step.step,
                                         self.layer_step.phase)
-        # The one host sync of the layer: which experts to read is decided on the host from the routing.
-        route = RouteResult(layer, self.layer_step.step,
-                            *route_arrays(topk_ids, topk_weights, scores, self._route_wait), self.layer_step.phase)
+        # The one host sync of the layer: which experts to read is decided on the host from the routing (and the
+        # predictor's scores for the coming layers, computed beside the router, come back in the same copy).
+        predictor = self.layer_step.predictor
+        ahead = None if predictor is None else predictor.on_device(layer, x)
+        arrays, values = route_arrays_with(topk_ids, topk_weights, scores, ahead, self._route_wait)
+        if values is not None:
+            predictor.read_back(layer, values)
+        route = RouteResult(layer, self.layer_step.step, *arrays, self.layer_step.phase)
         if layer != self.spec.moe_layers[0]:  # (the first one's gap holds the previous step's head too)
             self.costs.observe_dense(time.perf_counter() - self._clock)
         self._poll_landed()

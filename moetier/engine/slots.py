@@ -45,6 +45,7 @@ class HostSlots:
         self._tensors: list[dict[str, torch.Tensor]] = []
         self._regions: list[tuple[torch.Tensor, memoryview]] = []  # each slot's whole stride, as bytes
         self._phases: list[int] = []  # where in its region each slot's blob starts now
+        self._blobs: list[torch.Tensor] = []  # each slot's blob as bytes, where it starts now (`region`)
         self._segments: list[mmap.mmap] = []
         self._where: list[tuple[mmap.mmap, int]] = []  # each slot's segment and offset there (for `release`)
         self.ensure(num_slots)
@@ -68,7 +69,8 @@ class HostSlots:
             self._phases.append(0)
             self.views.append(view[a:a + self.slot_bytes])
             self.completions.append(Completion())
-            self._tensors.append(self.layout.views(flat[a:a + self.slot_bytes]))
+            self._blobs.append(flat[a:a + self.slot_bytes])
+            self._tensors.append(self.layout.views(self._blobs[-1]))
         self.num_slots = num_slots
 
     def release(self, slots: Iterable[int]) -> None:
@@ -93,7 +95,8 @@ class HostSlots:
             flat, view = self._regions[slot]
             phase = phase if moved else self._phases[slot]
             self.views[slot] = view[phase:phase + self.slot_bytes]
-            self._tensors[slot] = self.layout.views(flat[phase:phase + self.slot_bytes], layer)
+            self._blobs[slot] = flat[phase:phase + self.slot_bytes]
+            self._tensors[slot] = self.layout.views(self._blobs[slot], layer)
             self._phases[slot] = phase
         return self.views[slot]
 
@@ -127,9 +130,7 @@ class HostSlots:
 
     def region(self, slot: int) -> torch.Tensor:
         """The slot's blob as bytes (uint8, where its last read put it): what a copy to a device reads."""
-        flat, _ = self._regions[slot]
-        phase = self._phases[slot]
-        return flat[phase:phase + self.slot_bytes]
+        return self._blobs[slot]
 
     @property
     def nbytes(self) -> int:

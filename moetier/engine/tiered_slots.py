@@ -123,12 +123,12 @@ class TieredDeviceSlots(DevicePool):
     def _ask(self, slot: int, host: int, from_disk: bool, demand: bool) -> None:
         """The copy of host slot `host` into `slot`, to the copy queue: queued now (`demand`) or held."""
         self._held[slot] = (host, from_disk)
+        if demand:  # (queued now, so done now: `issue` completes it)
+            self.copies.demand(self, slot)
+            return
         if not from_disk:  # (done when queued; a read's completion fired when it landed)
             self.completions[slot].held()
-        if demand:
-            self.copies.demand(self, slot)
-        else:
-            self.copies.hold(self, slot)
+        self.copies.hold(self, slot)
 
     def issue(self, slot: int) -> None:
         """Queue the copy asked for `slot` on the copy stream, once the slot's previous expert is free (the copy

@@ -122,12 +122,13 @@ class PrefetchStage:
         # (only where they may be few enough for admit to pick among them: at batch 1 they are most of the cache,
         # and listing them took more of a layer's host time than the rest of the stage)
         ahead = sum(len(experts) for layer, experts in self.recent.items() if layer > plan.layer)  # spared at most
+        pinned: dict = {}  # each scope's bytes pinned for prefetches: summed once, then kept as this call pins
         for key in keys:
             if key in self.pinned or key.layer == plan.layer:
                 continue
             entry = r.entries.get(key)
             if entry is not None:
-                if entry.pin is None and self._room(key, entry.nbytes, reserve, entry.precision):
+                if entry.pin is None and self._room(key, entry.nbytes, reserve, entry.precision, pinned):
                     r.pin(key, PREFETCHED)
                     self.pinned[key] = False
                 continue
@@ -135,7 +136,7 @@ class PrefetchStage:
             if precision is None:
                 continue  # the loader would skip it, or run it from the resident low tier
             nbytes = r.entry_bytes[precision]
-            if not self._room(key, nbytes, reserve, precision):
+            if not self._room(key, nbytes, reserve, precision, pinned):
                 break
             if among is None and 4 * (r.evictable - ahead) < len(r.entries) and not r.has_room(key.layer, nbytes,
                                                                                                 precision):
@@ -147,12 +148,18 @@ class PrefetchStage:
             plan.prefetches.append(Prefetch(key, precision, slot, evicted))
             self.pinned[key] = True
 
-    def _room(self, key: ExpertKey, nbytes: int, reserve: int, precision: Precision) -> bool:
+    def _room(self, key: ExpertKey, nbytes: int, reserve: int, precision: Precision, pinned: dict) -> bool:
         """Pinning `nbytes` more for `key` still leaves `reserve` entries at `precision` of its scope unpinned by
-        prefetches."""
+        prefetches; if so, those bytes are counted into `pinned` (scope -> bytes pinned for prefetches, summed on
+        first look: the caller pins them next)."""
         r = self.residency
         part = r.part_of(key, precision)
-        return r.pinned_bytes(PREFETCHED, part) + nbytes + reserve * r.entry_bytes[precision] <= r.part_capacity(part)
+        if part not in pinned:
+            pinned[part] = r.pinned_bytes(PREFETCHED, part)
+        if pinned[part] + nbytes + reserve * r.entry_bytes[precision] > r.part_capacity(part):
+            return False
+        pinned[part] += nbytes
+        return True
 
     def reading(self) -> int:
         """Prefetches of ours whose reads have not landed."""

@@ -44,3 +44,12 @@ class Predictor:
     def predict(self, layer: int, gate_input) -> Predictions:
         """After `layer` routed: scores [T, E] for each of `future_layers(layer)`."""
         raise NotImplementedError
+
+    def on_device(self, layer: int, gate_input) -> object | None:
+        """What the predictor computes where the router ran, queued before the layer's routing is read back so it
+        comes back in the same copy (a tensor [T, n]; `read_back` hands it over as numpy), or None: nothing (the
+        default, and always on the CPU, where reading it is free)."""
+        return None
+
+    def read_back(self, layer: int, values: np.ndarray) -> None:
+        """`on_device`'s values for `layer`, on the host, before `predict(layer, ...)`."""

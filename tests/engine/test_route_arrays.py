@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetier.engine.route_arrays import pack, route_arrays, routes_arrays, unpack
+from moetier.engine.route_arrays import pack, route_arrays, route_arrays_with, routes_arrays, unpack, unpack_with
 
 
 def routing(device: str, weight_dtype: torch.dtype, seed: int = 0):
@@ -62,3 +62,18 @@ def test_from_a_gpu_one_copy_gives_what_three_give(weight_dtype):
     assert a.dtype == np.int64 and np.array_equal(a, ids.cpu().numpy())
     assert np.array_equal(b, weights.float().cpu().numpy()) and np.array_equal(c, scores.cpu().numpy())
     assert all(x.flags.c_contiguous for x in (a, b, c))
+
+
+def test_a_predictors_scores_go_back_in_the_routings_copy():
+    """The stacked gates' probabilities for the coming layers, packed after the routing (one copy, one wait a
+    layer where reading them after it was a second): unpacked, the routing and they are each exactly themselves."""
+    ids, weights, scores = routing("cpu", torch.bfloat16)
+    probs = torch.softmax(torch.randn(3, 2 * 64, generator=torch.Generator().manual_seed(1)), -1)  # [T, p·E]
+    packed = pack([(ids, weights, scores)], probs[None])
+    assert packed.shape == (1, 3, 2 * 4 + 64 + 128)
+    (a, b, c), extra = unpack_with(packed[0].numpy(), 4, 64)
+    assert np.array_equal(a, ids.numpy()) and np.array_equal(b, weights.float().numpy())
+    assert np.array_equal(c, scores.numpy()) and np.array_equal(extra, probs.numpy()) and extra.flags.c_contiguous
+    assert unpack_with(pack([(ids, weights, scores)])[0].numpy(), 4, 64)[1] is None
+    (a, b, c), extra = route_arrays_with(ids, weights, scores, probs)  # (on the CPU: the tensors' own values)
+    assert np.array_equal(extra, probs.numpy()) and np.array_equal(a, ids.numpy())

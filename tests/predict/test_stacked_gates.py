@@ -41,3 +41,22 @@ def test_what_a_predictor_is_built_on_must_be_given():
         make_predictor("nope", (0, 1), 6, 2)
     with pytest.raises(ValueError, match="no router weights for layers \\[1\\]"):
         make_predictor("stacked-gates", (0, 1), 6, 2, routers={0: torch.zeros(6, 8)})
+
+
+def test_scores_read_back_with_the_routing_are_what_it_would_compute():
+    """On a GPU the probabilities are queued beside the router (`on_device`) and come back in the routing's copy
+    (`read_back`); `predict` then names what it would have computed itself — for that layer only, once. On the
+    CPU there is nothing to queue: reading is free."""
+    w = routers()
+    p = make_predictor("stacked-gates", (0, 1, 2, 3), 6, 2, distance=2, routers=w)
+    x = torch.randn(3, 8)
+    assert p.on_device(1, x) is None  # (CPU routers)
+    want = p.predict(1, x)
+    values = p._probs(p.stacked[1], x).numpy()  # [T, p·E], what a GPU's on_device leaves
+    p.read_back(1, values * 0 + 0.5)  # (a marker: predict must use what was read back)
+    assert all(np.all(v == 0.5) for v in p.predict(1, x).values())
+    p.read_back(1, values)
+    got = p.predict(1, x)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[f], want[f]) for f in want)
+    p.read_back(0, values * 0 + 0.5)  # another layer's: not taken for layer 1
+    assert all(np.array_equal(p.predict(1, x)[f], want[f]) for f in want)

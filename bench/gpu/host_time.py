@@ -1,0 +1,178 @@
+"""The host's time a MoE layer on the GPU path, measured on any CPU: what bounds the H200's decode step below 100%
+(docs/gpu.md, the 2026-11-30 run: the copies take 21.6 ms a token, the step 44.2).
+
+The engine runs with a host tier holding every expert, as bench_gpu.py's `host` rows do, but CUDA's calls are stood
+in for (events and streams no-ops: a copy is done when queued), so what is timed is the engine's own Python —
+planning, the copy queue's bookkeeping, grouping, the launches' dispatch — on an OLMoE-shaped model (16 layers, 64
+experts, top-8) at tiny widths, whose kernels cost little. Modes are bench_gpu.py's (evicting by LRU unless they
+say), alternated within each round; the measure is a decode step's wall time over its MoE layers, the median of
+the rounds. It leaves out what a GPU adds: the CUDA calls' own host time (cudaMemcpyAsync, event records; ~20 µs a
+copy on the H200 under the profiler) and the launches' (10–24 µs each there).
+
+    python bench/gpu/host_time.py --out bench/out/host-time.json [--modes lru,prefetch-hobbit] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPE = dict(hidden_size=64, intermediate_size=32, num_heads=4, num_kv_heads=4, vocab_size=256)  # OLMoE's layers
+DEFAULT_MODES = "lru,hobbit,prefetch-hobbit,prefetch-presched,substitute,comoe"
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return 0.23  # (ms: a 12 MiB expert's copy on the H200, so the planner prices loads as a GPU's)
+
+
+class _Stream:
+    def __init__(self, device=None) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Pinning:
+    def pin(self, ptr: int, nbytes: int) -> None:
+        pass
+
+    def unpin(self, ptr: int) -> None:
+        pass
+
+
+def stand_in_cuda() -> None:
+    """CUDA's events and streams as no-ops, for the rest of the process (a copy is done when queued)."""
+    torch.cuda.Event, torch.cuda.Stream = _Event, _Stream
+    torch.cuda.current_stream = lambda device=None: _Stream()
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+
+
+def make_store(folder: Path, layers: int = 16, experts: int = 64) -> Path:
+    """The OLMoE-shaped store at tiny widths, with int4 copies (HOBBIT's low ones); made once."""
+    from moetier.store.synth import synthesize
+    from moetier.store.synth_spec import SynthSpec
+    from moetier.store.variants import add_precisions
+
+    path = folder / f"olmoe-narrow-{layers}x{experts}"
+    if not (path / "manifest.json").exists():
+        synthesize(SynthSpec(**SHAPE, num_layers=layers, num_experts=experts), path, overwrite=True, progress=False)
+        add_precisions(path, "int4", progress=False)
+    return path
+
+
+def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: int, prompt: list[int]) -> dict:
+    """One configuration's decode: the host's time a MoE layer (ms) and a token's."""
+    from moetier import Engine
+    from moetier.config import MemoryBudget
+    from moetier.engine.engine import EngineConfig
+    from moetier.engine.host_tier import HostTier
+    from moetier.store.reader import ExpertReader
+
+    keys = store.spec.expert_keys()
+    precisions = {p: len(keys) for p in store.manifest.precisions}
+    tier = HostTier(store.manifest, keys, precisions, _Pinning())
+    with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+        tier.fill(reader, progress=False)
+    engine_config = EngineConfig(expert_memory=MemoryBudget.parse(budget), **config)
+    with Engine(store, engine_config, progress=False, host_tier=tier) as engine:
+        engine.generate([prompt], max_new_tokens=warmup, ignore_eos=True)
+        out = engine.generate([prompt], max_new_tokens=tokens + 1, ignore_eos=True)
+    decode = out.stats["decode"]
+    step_s = out.stats["tpot_s"]  # (the mean decode step: the prefill left out)
+    return {"mode": mode, "budget": budget, "tpot_ms": step_s * 1e3,
+            "host_ms_per_layer": step_s * 1e3 / len(store.spec.moe_layers), "loads": decode["loads"]}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu's), where the system says it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="the JSON written")
+    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"bench_gpu.py's modes (default {DEFAULT_MODES})")
+    ap.add_argument("--budget", default="25%", help="the GPU expert budget (default 25%%; 100%% rows are added)")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=None, help="where the store is made (default moetier's cache)")
+    ap.add_argument("--layers", type=int, default=16, help="MoE layers (default 16: OLMoE's)")
+    ap.add_argument("--experts", type=int, default=64, help="experts a layer, top-8 (default 64: OLMoE's)")
+    args = ap.parse_args(argv)
+    import bench_gpu
+
+    from moetier.paths import default_cache_dir
+    from moetier.store.store import Store
+
+    table = bench_gpu.modes()
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in names if m not in table or "graphs" in m or m == "prefetch-oracle"]
+    if unknown or min(args.tokens, args.warmup, args.rounds, args.layers) < 1 or args.experts < 8:
+        print(f"host_time: error: not measured here: {', '.join(unknown) or 'counts must be positive'} (graphs and "
+              f"the oracle need a GPU run's truth)", file=sys.stderr)
+        return 1
+    stand_in_cuda()
+    torch.set_num_threads(1)  # (the kernels are tiny; the host's one thread is what is timed)
+    store = Store(make_store(args.cache or default_cache_dir() / "bench", args.layers, args.experts))
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(3, 250, (8,), generator=g).tolist()
+    configs = [(m, args.budget, {"policy": bench_gpu.POLICY, **table[m]}) for m in names]
+    configs.append(("lru", "100%", {"policy": bench_gpu.POLICY}))
+    rows = []
+    for r in range(args.rounds):
+        shift = r % len(configs)
+        for mode, budget, config in configs[shift:] + configs[:shift]:  # (rotated: no mode always first)
+            row = measure(store, mode, config, budget, args.tokens, args.warmup, prompt)
+            rows.append({**row, "round": r})
+            print(f"round {r}  {mode:18s} {budget:>4s}  {row['host_ms_per_layer']:.3f} ms a layer", flush=True)
+    summary = []
+    for mode, budget, _ in configs:
+        got = [x["host_ms_per_layer"] for x in rows if x["mode"] == mode and x["budget"] == budget]
+        summary.append({"mode": mode, "budget": budget, "host_ms_per_layer": statistics.median(got),
+                        "min": min(got), "max": max(got)})
+    machine = {"cpu": cpu_name(), "loadavg": os.getloadavg(), "torch": torch.__version__}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine, "shape": SHAPE, "tokens": args.tokens, "rows": rows,
+                                    "summary": summary}, indent=1))
+    print("| mode | GPU budget | host ms a MoE layer, median (range) |\n|---|---|---|")
+    for s in summary:
+        print(f"| {s['mode']} | {s['budget']} | {s['host_ms_per_layer']:.3f} ({s['min']:.3f}-{s['max']:.3f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
