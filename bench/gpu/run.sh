@@ -144,7 +144,8 @@ MODES=${GPU_MODES:-comoe,hobbit,prefetch-hobbit,prefetch-hobbit-graphs,prefetch-
 # HOBBIT's, the prefetchers'), the profiles the overlap target is read from (graphs, prefetching, neither), then
 # demo-fine-xl's rows (the simulator's second model) and the substitution profile. (At the 2026-11-30 pace — the
 # synthetic OLMoE ready 197 s after the tests began, bench-olmoe 200 s, a profile ~24 s — a 540 s deadline ends
-# before demo-fine-xl's rows: for them, a second call with GPU_STAGES="env install bench-demo profile-substitute".)
+# before demo-fine-xl's rows: for them, a second call with GPU_STAGES="env install bench-demo profile-substitute",
+# which writes the synthetic OLMoE again first, ~200 s.)
 OLMOE=${GPU_OLMOE:---budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25%,100% --disk-budgets 25% \
 --kernel-budgets 25%,100% --graph-budgets 25%,100% --accelerate olmoe-synth:25%}  # (the llama.cpp call: fewer rows)
 stage bench-olmoe 200 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" --models olmoe-synth \
