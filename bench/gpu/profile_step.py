@@ -78,8 +78,13 @@ def summarize(trace: dict, wall_s: float, steps: int) -> dict:
     comp = spans[compute]
     overlap = intersect(comp["intervals"], copy_intervals)
     copy_s = length(copy_intervals)
+    busy = union([iv for sp in spans.values() for iv in sp["intervals"]])  # (any stream: the device at work)
+    span = busy[-1][1] - busy[0][0]
     return {
         "steps": steps, "wall_s": wall_s, "step_s": wall_s / steps,
+        # the share of the device's span with no stream at work: where the step waits on the host (2026-11-30's
+        # H200 at 25%: about half)
+        "device_idle_share": 1 - length(busy) / span if span > 0 else None,
         "compute_stream": compute, "compute_busy_s": comp["busy_s"], "compute_kernels": comp["kernels"],
         "copy_streams": copy, "copy_busy_s": copy_s, "copy_bytes": sum(spans[k]["copy_bytes"] for k in copy),
         "overlap_s": overlap, "overlap_share_of_copy": overlap / copy_s if copy_s else None,
@@ -99,6 +104,28 @@ def unprofiled(summary: dict, stats: dict) -> dict:
     return {"plain_tpot_s": stats["tpot_s"], "plain_decode_hit_rate": stats["decode_hit_rate"],
             "plain_expert_bytes_per_token": stats["expert_bytes_per_token"], "plain_copy_s": copy,
             "plain_compute_s": compute, "plain_step_over_max_busy": stats["tpot_s"] / bound if bound else None}
+
+
+def host_functions(engine, prompt: list[int], steps: int, top: int = 30) -> dict:
+    """The call once more under cProfile (its own cost roughly doubles the host's time, evenly): the functions the
+    host spends most in, by their own time and with what they call, in ms a decode step — what a GPU step bound by
+    the host spends it on, the CUDA calls and waits (`synchronize`, `cpu`) among them."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    stats = engine.generate([prompt], max_new_tokens=steps + 1, ignore_eos=True).stats
+    profiler.disable()
+    table = pstats.Stats(profiler).stats  # {(file, line, name): (calls, ncalls, tottime, cumtime, callers)}
+
+    def rows(key: int) -> list[dict]:
+        ranked = sorted(table.items(), key=lambda kv: -kv[1][key])[:top]
+        return [{"function": f"{Path(f).name}:{line}({name})", "calls_per_step": nc / steps,
+                 "own_ms_per_step": tt * 1e3 / steps, "with_callees_ms_per_step": ct * 1e3 / steps}
+                for (f, line, name), (_, nc, tt, ct, _) in ranked]
+
+    return {"tpot_s": stats["tpot_s"], "by_own_time": rows(2), "by_time_with_callees": rows(3)}
 
 
 def engine_fields(config: dict) -> dict:
@@ -122,6 +149,8 @@ def main() -> None:
                     "substitution and precision as their classes' fields: '{\"substitution\": {\"alpha\": 0.35}}')")
     ap.add_argument("--plain-steps", type=int, default=24, help="decode steps of the unprofiled call after it")
     ap.add_argument("--host-memory", default=None, help="the host tier (a GPU run; default auto)")
+    ap.add_argument("--host-profile", action="store_true", help="the same call once more under cProfile: the host's "
+                    "time by Python function (`host_functions`: where the step waits on the host, and for what)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -149,6 +178,7 @@ def main() -> None:
         # the same call again, longer and unprofiled: the profiler's own host time (12.6x max(copy, compute) a
         # step under it on the H200, 3.1x unprofiled) is not the step's
         plain = engine.generate([prompt], max_new_tokens=args.plain_steps + 1, ignore_eos=True).stats
+        host = host_functions(engine, prompt, args.plain_steps) if args.host_profile else None
         graphs = engine.model.graphs  # (--config's cuda_graphs: the profiled steps replay the warm-up's captures,
         # the engine keeping its KV cache)
         graphs = None if graphs is None else dict(graphs.status)
@@ -162,7 +192,7 @@ def main() -> None:
                    host_memory=args.host_memory, host_tier=stats.get("host_tier"),
                    tpot_s=stats["tpot_s"], ttft_s=stats["ttft_s"], decode_s=decode_s,
                    decode_hit_rate=stats["decode_hit_rate"], expert_bytes_per_token=stats["expert_bytes_per_token"],
-                   graphs=graphs)
+                   graphs=graphs, host_functions=host)
     summary.update(unprofiled(summary, plain) if "compute_busy_s" in summary else {"plain_tpot_s": plain["tpot_s"]})
     (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
     json.dump({k: v for k, v in summary.items() if k != "streams"}, sys.stdout, indent=1)

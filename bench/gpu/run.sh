@@ -157,12 +157,13 @@ stage bench-olmoe 200 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-olmoe" -
 stage profile-graphs 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
     --expert-memory 25% --out "$WORK" --name profile-graphs \
     --config '{"policy": "lru", "prefetch": "hobbit", "predictor": "stacked-gates", "cuda_graphs": true}'
-# the same without the graphs, and without prefetching (the 2026-11-27 run's profile)
+# the same without the graphs, and without prefetching (the 2026-11-27 run's profile); both with --host-profile: the
+# call once more under cProfile, the host's time by function (on 2026-11-30 the step was bound by the host)
 stage profile-prefetch 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
-    --expert-memory 25% --out "$WORK" --name profile-prefetch \
+    --expert-memory 25% --out "$WORK" --name profile-prefetch --host-profile \
     --config '{"policy": "lru", "prefetch": "hobbit", "predictor": "stacked-gates"}'
 stage profile-olmoe 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
-    --expert-memory 25% --out "$WORK" --name profile-olmoe --config '{"policy": "lru"}'
+    --expert-memory 25% --out "$WORK" --name profile-olmoe --host-profile --config '{"policy": "lru"}'
 stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --models demo-fine-xl \
     --budgets 10%,25%,50%,100% --batch 1,8 --batch-budgets 25% --modes "$MODES" --disk-budgets 25% \
     --graph-budgets 25%,100% --tokens 24 --warmup 8 --rounds ${GPU_ROUNDS:-2}
