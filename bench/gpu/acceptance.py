@@ -149,10 +149,12 @@ def overlap_items(folder: Path, rows: list[dict]) -> list[dict]:
             plain = row["tpot_s"] / max(compute, copy) if row else None
             how = f"its bench row {spread(row)} ms a token" if row else "no unprofiled time"
         shown = "-" if plain is None else f"{plain:.2f}x"
+        idle = p.get("device_idle_share")  # (profiles made after 2026-11-30's run: the device waiting on the host)
+        idle = "" if idle is None else f"; the device idle {idle:.0%} of the profiled span"
         out.append(item(f"{path.stem}: a step within 1.2x of max(copy, compute)",
                         f"{shown} ({how}; copy {copy * 1e3:.1f} ms, compute {compute * 1e3:.1f} ms a step, "
                         f"{p['overlap_share_of_copy']:.0%} of the copy time overlapping compute; under the profiler "
-                        f"{p['step_over_max_busy']:.1f}x)", NOT_MET if plain is None or plain > 1.2 else MET))
+                        f"{p['step_over_max_busy']:.1f}x{idle})", NOT_MET if plain is None or plain > 1.2 else MET))
     return out
 
 
