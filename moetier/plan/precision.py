@@ -152,6 +152,12 @@ class PrecisionStage:
         """[T, k] ids (SKIP for none) and their router weights -> each named expert's most important level over its
         uses (Eq. 2)."""
         level = levels(weights, self.t1, self.t2)  # [T, k]
+        if ids.shape[0] == 1:  # (decode at batch 1: one row's k values in Python, not three numpy calls an expert)
+            best: dict[int, int] = {}
+            for e, lvl in zip(ids[0].tolist(), level[0].tolist()):
+                if e != SKIP and lvl < best.get(e, SKIPPED + 1):
+                    best[e] = lvl
+            return dict(sorted(best.items()))
         level[ids == SKIP] = SKIPPED
         return {int(e): int(level[ids == e].min()) for e in np.unique(ids[ids != SKIP])}
 

@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LRUPolicy
@@ -226,3 +228,18 @@ def test_hobbit_prefetches_at_the_loaders_precision_into_each_sub_cache():
     plan2.predictions, plan2.route = plan.predictions, plan.route
     plain(plan2)
     assert {p.precision for p in plan2.prefetches} == {"bf16"} and len(plan2.prefetches) == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 5), st.floats(0.0, 1.0)), min_size=1, max_size=8),
+       st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_one_tokens_levels_are_what_every_tokens_path_names(pairs, t1, t2):
+    """Decode at batch 1 takes a row's levels in Python (three numpy calls an expert cost ~0.1 ms a layer): the same
+    experts at the same levels as the general path (here on the row twice: min over a repeat is the row's own),
+    a repeated expert (a substitution's) at its most important, SKIP named by none."""
+    stage = PrecisionStage(Residency(1, {"bf16": 1}, LRUPolicy()), "bf16", "int4", min(t1, t2), max(t1, t2))
+    ids = np.array([[e for e, _ in pairs]], dtype=np.int64)
+    weights = np.array([[w for _, w in pairs]], dtype=np.float32)
+    got = stage.best_levels(ids, weights)
+    assert got == stage.best_levels(np.vstack([ids, ids]), np.vstack([weights, weights]))
+    assert list(got) == sorted(got) and SKIP not in got
