@@ -28,7 +28,8 @@ def route_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, scores: tor
 
 
 def route_arrays_with(topk_ids: torch.Tensor, topk_weights: torch.Tensor, scores: torch.Tensor,
-                      extra: torch.Tensor | None, wait: Callable[[], None] | None = None) -> tuple[Arrays, np.ndarray]:
+                      extra: torch.Tensor | None, wait: Callable[[], None] | None = None,
+                      ) -> tuple[Arrays, np.ndarray | None]:
     """`route_arrays`, and `extra` [T, n] (on the routing's device) read back in the same copy: a predictor's
     scores, which would otherwise be a second wait in the layer. On the CPU `extra`'s own memory as float32."""
     if not topk_ids.is_cuda:
