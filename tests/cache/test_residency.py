@@ -12,25 +12,30 @@ ops = st.lists(st.tuples(st.sampled_from(["admit", "prefetch", "landed", "pin", 
                                           "keep"]), st.sampled_from(KEYS)), max_size=60)
 
 
+def apply(r: Residency, op: str, key: ExpertKey, precision: str = "bf16") -> None:
+    """One of the planner's calls, where it applies (`ops`' names)."""
+    if op in ("admit", "prefetch") and key not in r.entries:
+        r.admit(key, precision, IN_USE if op == "admit" else PREFETCHED)
+    elif op == "landed" and key in r.entries:
+        r.landed(key)
+    elif op == "pin" and key in r.entries:
+        r.pin(key, PREFETCHED)
+    elif op == "unpin":
+        r.unpin(key, PREFETCHED)
+    elif op == "unpin_all":
+        r.unpin_all(IN_USE)
+    elif op == "drop":
+        r.drop(key)
+    elif op == "keep" and key in r.entries and not r.entries[key].loading:
+        r.keep([key])
+
+
 @settings(max_examples=200, deadline=None)
 @given(ops)
 def test_the_evictable_count_is_the_entries_neither_read_pinned_nor_kept(sequence):
     r = Residency(5 * 100, {"bf16": 100}, LRUPolicy())
     for op, key in sequence:
-        if op in ("admit", "prefetch") and key not in r.entries:
-            r.admit(key, "bf16", IN_USE if op == "admit" else PREFETCHED)
-        elif op == "landed" and key in r.entries:
-            r.landed(key)
-        elif op == "pin" and key in r.entries:
-            r.pin(key, PREFETCHED)
-        elif op == "unpin":
-            r.unpin(key, PREFETCHED)
-        elif op == "unpin_all":
-            r.unpin_all(IN_USE)
-        elif op == "drop":
-            r.drop(key)
-        elif op == "keep" and key in r.entries and not r.entries[key].loading:
-            r.keep([key])
+        apply(r, op, key)
         assert r.evictable == sum(not e.held for e in r.entries.values())
 
 
@@ -88,21 +93,9 @@ def test_a_split_cache_keeps_each_parts_evictable_keys_and_evicts_as_the_walk_do
     r = Residency(6 * 100, {"bf16": 100, "int4": 25}, policy, **kwargs)
     policy.residency = r
     for (op, key), precision in zip(sequence, precisions):
-        if op in ("admit", "prefetch") and key not in r.entries:
-            r.admit(key, precision, IN_USE if op == "admit" else PREFETCHED)
-        elif op == "landed" and key in r.entries:
-            r.landed(key)
-        elif op == "pin" and key in r.entries:
-            r.pin(key, PREFETCHED)
-        elif op == "unpin":
-            r.unpin(key, PREFETCHED)
+        apply(r, op, key, precision)
+        if op == "unpin":  # (a landed entry let go of its layer's pin too: evictable, so victims have candidates)
             r.unpin(key, IN_USE)
-        elif op == "unpin_all":
-            r.unpin_all(IN_USE)
-        elif op == "drop":
-            r.drop(key)
-        elif op == "keep" and key in r.entries and not r.entries[key].loading:
-            r.keep([key])
         for part in r.parts:
             assert r._part_evictable_keys[part] == {k for k in r.entries if k in r._part_evictable[part]}
 
