@@ -22,9 +22,9 @@ class ExpertGroups:
         flat = assign_ids.reshape(-1)  # [T*k]
         order = np.argsort(flat, kind="stable")  # SKIP (-1) sorts first
         order = order[flat.size - int(counts.sum()):]  # [P] the pairs that run
-        self.token_of = to_device(order // assign_ids.shape[1], x.device)  # [P]
+        self.token_of, self.ws = to_device(x.device, torch.from_numpy(order // assign_ids.shape[1]),  # [P] each
+                                           torch.from_numpy(assign_weights.reshape(-1)[order]).to(weight_dtype))
         self.xs = x.index_select(0, self.token_of)  # [P, H]
-        self.ws = to_device(assign_weights.reshape(-1)[order], x.device).to(weight_dtype)  # [P]
         self.ys = torch.empty_like(self.xs)
         self.offsets = [0, *np.cumsum(counts).tolist()]
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # xs, ws on the host (`send`)
@@ -74,8 +74,31 @@ class ExpertGroups:
         return torch.zeros_like(self.x).index_add_(0, self.token_of, self.ys)
 
 
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`: itself on the CPU; to a GPU from page-locked memory, queued and not waited for (a
-    copy from pageable memory makes the host wait for everything the device has queued)."""
-    t = torch.from_numpy(a)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Host tensors (1-D, contiguous) on `device`: themselves on the CPU; to a GPU in one copy from one page-locked
+    buffer, queued and not waited for (a copy from pageable memory makes the host wait for everything the device has
+    queued), each a view of its bytes there. One copy, where a tensor each was a copy, a page-locked allocation and
+    a copy in, each — and the routing weights cast on the host, not by a launch of their own."""
+    if device.type == "cpu":
+        return tensors
+    staged, spans = packed(tensors, pin=True)
+    return unpacked(staged.to(device, non_blocking=True), tensors, spans)
+
+
+def packed(tensors, pin: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """`tensors`' bytes in one uint8 buffer (page-locked: `pin`), and each one's (start, end) there: starts at
+    multiples of 8 bytes, so of any element size."""
+    spans, end = [], 0
+    for t in tensors:
+        start = -(-end // 8) * 8
+        end = start + t.numel() * t.element_size()
+        spans.append((start, end))
+    staged = torch.empty(end, dtype=torch.uint8, pin_memory=pin)
+    for t, (a, b) in zip(tensors, spans):
+        staged[a:b].view(t.dtype).copy_(t)
+    return staged, spans
+
+
+def unpacked(staged: torch.Tensor, tensors, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """`packed`'s buffer (wherever it was copied) as views of the tensors it holds."""
+    return tuple(staged[a:b].view(t.dtype) for t, (a, b) in zip(tensors, spans))

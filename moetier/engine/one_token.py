@@ -25,7 +25,7 @@ class OneToken:
         """x [1, H]; `weights` [k] (host) the token's routing weights in ascending expert ids; weight_dtype: the
         router's (the reference weighs each expert's output in it); `combine`: the kernels'."""
         self.x = x
-        self.ws = to_device(weights, x.device).to(weight_dtype)  # [k]
+        self.ws, = to_device(x.device, torch.from_numpy(weights).to(weight_dtype))  # [k]
         self._combine = combine
         self.out = torch.empty_like(x)  # [1, H]
 
