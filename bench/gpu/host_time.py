@@ -140,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
 
     table = bench_gpu.modes()
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in names if m not in table or "graphs" in m or m == "prefetch-oracle"]
-    if unknown or min(args.tokens, args.warmup, args.rounds, args.layers) < 1 or args.experts < 8:
-        print(f"host_time: error: not measured here: {', '.join(unknown) or 'counts must be positive'} (graphs and "
-              f"the oracle need a GPU run's truth)", file=sys.stderr)
+    unknown = [m for m in names if m not in table]
+    gpu_only = [m for m in names if m in table and ("graphs" in m or m == "prefetch-oracle")]
+    problem = (f"unknown mode {', '.join(unknown)} (one of {', '.join(table)})" if unknown else
+               f"not measured here: {', '.join(gpu_only)} (CUDA graphs need a GPU; the oracle, a GPU run's routing)"
+               if gpu_only else "counts must be positive, and at least 8 experts (top-8)"
+               if min(args.tokens, args.warmup, args.rounds, args.layers) < 1 or args.experts < 8 else None)
+    if problem:
+        print(f"host_time: error: {problem}", file=sys.stderr)
         return 1
     stand_in_cuda()
     torch.set_num_threads(1)  # (the kernels are tiny; the host's one thread is what is timed)

@@ -24,6 +24,10 @@ def test_each_mode_is_timed_on_the_gpu_path_and_summarised(tmp_path, monkeypatch
     assert rows[("lru", "25%")]["loads"] > 0  # (the engine loaded through the host tier's stood-in copies)
 
 
-def test_a_mode_that_needs_a_gpu_is_refused(tmp_path, capsys):
+def test_a_mode_that_needs_a_gpu_or_is_unknown_is_refused(tmp_path, capsys):
     assert host_time.main(["--out", str(tmp_path / "x.json"), "--modes", "cuda-graphs"]) == 1
     assert "not measured here: cuda-graphs" in capsys.readouterr().err
+    assert host_time.main(["--out", str(tmp_path / "x.json"), "--modes", "lru,nope"]) == 1
+    assert "unknown mode nope (one of lru," in capsys.readouterr().err
+    assert host_time.main(["--out", str(tmp_path / "x.json"), "--experts", "4"]) == 1
+    assert "at least 8 experts" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
