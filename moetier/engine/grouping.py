@@ -77,8 +77,8 @@ class ExpertGroups:
 def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Host tensors (1-D, contiguous) on `device`: themselves on the CPU; to a GPU in one copy from one page-locked
     buffer, queued and not waited for (a copy from pageable memory makes the host wait for everything the device has
-    queued), each a view of its bytes there. One copy, where a tensor each was a copy, a page-locked allocation and
-    a copy in, each — and the routing weights cast on the host, not by a launch of their own."""
+    queued), each a view of its bytes there. One copy, where a tensor each was a page-locked allocation and a copy
+    (the callers cast the routing weights on the host first: no launch of their own on the device)."""
     if device.type == "cpu":
         return tensors
     staged, spans = packed(tensors, pin=True)
