@@ -7,6 +7,16 @@ from moetier.store.convert import convert
 from tests.tiny_models import build_tiny
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--every-budget", action="store_true", help="hold exact mode to every expert budget from a "
+                     "layer's top-k to all experts (default: the cache's edges and two drawn: tests/model/budgets.py)")
+
+
+@pytest.fixture(scope="session")
+def every_budget(request) -> bool:
+    return request.config.getoption("--every-budget")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
     """Every test, and every process a test starts, converts and calibrates into a fresh cache directory: the

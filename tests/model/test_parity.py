@@ -11,6 +11,7 @@ from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
 from moetier.plan.route import DECODE, PREFILL
 from moetier.store.store import Store
+from tests.model.budgets import parity_budgets
 
 ATOL = 1e-4
 CASES = [
@@ -73,7 +74,7 @@ def reference_run(ref, prompt: list[int], steps: int):
 
 
 @pytest.mark.parametrize("family,overrides", CASES, ids=[f"{f}{'-' + '-'.join(o) if o else ''}" for f, o in CASES])
-def test_exact_mode_matches_transformers(tiny_store, family, overrides):
+def test_exact_mode_matches_transformers(tiny_store, every_budget, family, overrides):
     ref, path = tiny_store(family, **overrides)
     cfg = ref.config
     top_k = cfg.num_experts_per_tok
@@ -86,7 +87,7 @@ def test_exact_mode_matches_transformers(tiny_store, family, overrides):
                               pad_token_id=0)[0, len(prompt):].tolist()
     assert len(ref_greedy) == 32 or ref_greedy[-1] == cfg.eos_token_id
 
-    budgets = range(top_k, all_experts + 1)
+    budgets = parity_budgets(top_k, all_experts, every_budget)
     hit_rates = []
     for slots in budgets:
         with engine_with_slots(path, slots) as engine:

@@ -10,6 +10,7 @@ from moetier.model.batch import StepBatch
 from moetier.model.kv_cache import KVCache
 from moetier.plan.route import DECODE, PREFILL
 from moetier.store.store import Store
+from tests.model.budgets import parity_budgets
 from tests.model.test_parity import ATOL, engine_with_slots
 
 CASES = [
@@ -48,7 +49,7 @@ def engine_steps(engine, prompt: list[int], fed: list[int]) -> list[torch.Tensor
 
 
 @pytest.mark.parametrize("overrides,atol", CASES, ids=["tied", "untied", "capacity"])
-def test_exact_mode_matches_transformers(tiny_store, overrides, atol):
+def test_exact_mode_matches_transformers(tiny_store, every_budget, overrides, atol):
     assert atol <= ATOL
     ref, path = tiny_store("switch_transformers", **overrides)
     spec = Store(path).spec
@@ -60,7 +61,7 @@ def test_exact_mode_matches_transformers(tiny_store, overrides, atol):
     assert len(ref_greedy) == 32 or ref_greedy[-1] == ref.config.eos_token_id
 
     hit_rates = []
-    for slots in range(spec.top_k, spec.num_expert_keys + 1):
+    for slots in parity_budgets(spec.top_k, spec.num_expert_keys, every_budget):
         with engine_with_slots(path, slots) as engine:
             for i, (ours, theirs) in enumerate(zip(engine_steps(engine, prompt, fed), expected)):
                 assert (ours - theirs).abs().max().item() <= atol, f"step {i} differs at {slots} slots"
