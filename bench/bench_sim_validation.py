@@ -154,13 +154,13 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     the engine's precision mode as it resolved it (thresholds, low copy); by default the configuration's own."""
     import numpy as np
 
-    from moetier.cache.policies import make_policy
+    from moetier.cache.policies import PolicyContext
     from moetier.cli.models import replay_predictor
     from moetier.plan.counters import PhaseCounters, prefetch_summary
     from moetier.plan.layer_plan import FAST
     from moetier.resolve import resolve_model
     from moetier.sim.cost import CostModel
-    from moetier.sim.replay import simulate, steps
+    from moetier.sim.replay import simulate, steps, trace_policy
     from moetier.sim.shapes import ModelShape
     from moetier.store.store import Store
 
@@ -177,7 +177,10 @@ def replay(trace, profile, cfg: dict, slots: int, expert_bytes: int, distance: i
     if stage != "none":  # the same predictor, built for the trace as `moetier sim` builds it
         made = replay_predictor(predictor, trace, cfg["model"], None, distance)(trace)
     call = [(i, phase) for i, (phase, rows) in enumerate(steps(trace)) if trace.seq[rows[0]] == 1]  # measured call
-    sim = simulate(trace, make_policy(cfg["policy"]), slots, cost, precision, preload=preload, keep_plans=True,
+    # (the policy as `moetier sim` builds it: a context, and a learned one's parameters from beside the model)
+    policy = trace_policy(cfg["policy"], PolicyContext(slots, tuple(trace.all_layers), trace.num_experts,
+                                                       trace.top_k), trace, store.path)
+    sim = simulate(trace, policy, slots, cost, precision, preload=preload, keep_plans=True,
                    prefetch=stage, predictor=made, mixed=m["precision"], substitution=m["substitution"],
                    placement=m.get("placement", "none"), timeline_steps=tuple(i for i, _ in call))
     measured = [i for i, phase in call if phase == 1]  # its decode steps

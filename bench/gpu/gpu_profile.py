@@ -92,15 +92,32 @@ def dense_rows(results: Path) -> dict[str, float]:
     return out
 
 
-def build(results: Path, name: str, per_read_s: float, executor_s: float, predict_s: float, cpu_flops: float):
+def host_expert(micro: dict, results: Path, cpu_from: Path | None) -> tuple[dict, str]:
+    """The micro.json whose host-CPU figures price the CPU lane — this run's, or where its CPU part failed (the
+    2026-11-30 run's did), another run's on the same machine kind (`--cpu-from`) — and a word on which."""
+    if "cpu_expert_bf16_T1_native_cold_s" in micro:
+        return micro, ""
+    if cpu_from is None:
+        why = micro.get("cpu_error", "not timed")
+        raise SystemExit(f"gpu_profile: {results / 'micro.json'} has no host-CPU expert ({why}); give --cpu-from RUN, "
+                         "a run on the same machine kind that timed one")
+    other = json.loads((cpu_from / "micro.json").read_text())
+    if "cpu_expert_bf16_T1_native_cold_s" not in other:
+        raise SystemExit(f"gpu_profile: --cpu-from {cpu_from} has no host-CPU expert either")
+    return other, f", in {cpu_from.as_posix()}: this run's CPU part failed"
+
+
+def build(results: Path, name: str, per_read_s: float, executor_s: float, predict_s: float, cpu_flops: float,
+          cpu_from: Path | None = None):
     from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Piecewise, Tier
 
     micro = json.loads((results / "micro.json").read_text())
+    host, whence = host_expert(micro, results, cpu_from)
     gpu, figures = card(micro["device"])
     rate = micro["h2d_pinned_expert_12MiB_GBps"] * 1e9
     latency = SMALL_BYTES / (micro["h2d_pinned_expert_1.5MiB_GBps"] * 1e9) - SMALL_BYTES / rate
     disk = micro["disk_odirect_12MiB_GBps"] * 1e9
-    cold = micro["cpu_expert_bf16_T1_native_cold_s"]
+    cold = host["cpu_expert_bf16_T1_native_cold_s"]
     launch = micro["gpu_launch_host_s"]
     experts = {p: expert_points(micro, p) for p in ("bf16", "int8", "int4", "int2")}
     sources = [
@@ -115,7 +132,7 @@ def build(results: Path, name: str, per_read_s: float, executor_s: float, predic
         f"executor {executor_s * 1e3:.3f} ms and predictor {predict_s * 1e3:.3f} ms a MoE layer: `moetier calibrate` "
         "(the GPU machine's own host work is not timed apart: an estimate)",
         f"host CPU: {EXPERT_BYTES / cold / 1e9:.1f} GB/s, a cold 12 MiB bf16 expert in {cold * 1e6:.0f} us on its "
-        f"{micro.get('cpu_threads', '?')} threads (micro.py); its FLOP/s assumed {cpu_flops / 1e12:g} TFLOP/s",
+        f"{host.get('cpu_threads', '?')} threads (micro.py{whence}); its FLOP/s assumed {cpu_flops / 1e12:g} TFLOP/s",
         f"per_read_s {per_read_s * 1e3:.4f} ms: the host's own work a load costs, fitted to one row (sim_check.py "
         "--fit); every other row is left to validate it",
         f"disk tier: O_DIRECT reads of 12 MiB into pinned memory, {disk / 1e9:.2f} GB/s (micro.py); used behind a "
@@ -158,9 +175,11 @@ def main() -> None:
     ap.add_argument("--executor-ms", type=float, default=0.209, help="the executor's planning a MoE layer")
     ap.add_argument("--predict-ms", type=float, default=0.073, help="a predictor's scoring a MoE layer")
     ap.add_argument("--cpu-tflops", type=float, default=2.0, help="the host CPU's FLOP/s (assumed)")
+    ap.add_argument("--cpu-from", type=Path, help="a run on the same machine kind whose micro.json prices the host "
+                    "CPU, where this run's CPU part failed")
     args = ap.parse_args()
     profile = build(args.results, args.name, args.per_read_ms / 1e3, args.executor_ms / 1e3,
-                    args.predict_ms / 1e3, args.cpu_tflops * 1e12)
+                    args.predict_ms / 1e3, args.cpu_tflops * 1e12, args.cpu_from)
     out = args.out or Path(__file__).resolve().parents[1] / "out" / "gpu-profile" / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)

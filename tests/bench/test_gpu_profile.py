@@ -69,3 +69,26 @@ def test_the_fit_is_the_gap_over_the_loads_and_a_row_not_there_is_refused():
     assert "-> 0.2546 ms" in sim_check.fitted("lru:25%", out, kept)  # 0.1246 + 13 ms / 100 loads
     with pytest.raises(SystemExit, match="no row lru:50%"):
         sim_check.fitted("lru:50%", out, kept)
+
+
+def test_a_run_whose_cpu_part_failed_takes_the_host_cpu_from_another_run_or_says_so(tmp_path):
+    failed = ROOT / "bench" / "gpu" / "results" / "2026-11-30-h200"  # (micro.py's CPU part raised there)
+    assert "cpu_expert_bf16_T1_native_cold_s" not in json.loads((failed / "micro.json").read_text())
+    with pytest.raises(SystemExit, match="no host-CPU expert .*median_time.*--cpu-from"):
+        gpu_profile.build(failed, "h200-later", 0.0, 0.209e-3, 0.073e-3, 2e12)
+    made = gpu_profile.build(failed, "h200-later", 0.0, 0.209e-3, 0.073e-3, 2e12, cpu_from=RUN)
+    kept = HardwareProfile.load("h200-pcie5")  # (priced its host CPU from RUN's micro.json)
+    assert made.devices["cpu"].memory_bandwidth_bytes_per_s == pytest.approx(
+        kept.devices["cpu"].memory_bandwidth_bytes_per_s, rel=2e-3)
+    assert any("this run's CPU part failed" in line for line in made.sources)
+    # the profile docs/gpu.md holds the 2026-11-30 rows to, made again: the same figures
+    # (the figures as its command line gave them, in ms)
+    fitted = gpu_profile.build(failed, "h200-pcie5-2026-11-30", 0.0639 / 1e3, 0.209 / 1e3, 0.073 / 1e3, 2e12,
+                               cpu_from=RUN)
+    fitted.save(tmp_path / "again.json")
+    again, kept = (json.loads(path.read_text()) for path in (tmp_path / "again.json",
+                                                             failed / "h200-pcie5-2026-11-30.json"))
+    assert {k: v for k, v in again.items() if k != "sources"} == {k: v for k, v in kept.items() if k != "sources"}
+    (tmp_path / "micro.json").write_text(json.dumps({"device": "NVIDIA H200"}))
+    with pytest.raises(SystemExit, match="no host-CPU expert either"):
+        gpu_profile.host_expert({}, failed, tmp_path)

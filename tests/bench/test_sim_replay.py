@@ -47,3 +47,18 @@ def test_the_replay_counts_what_its_mechanism_did_over_the_decode_steps(traced, 
         assert sim["sim_loads_per_token"] == 0 and sim["sim_hit_rate"] == 0  # (so each expert a layer needs: a run)
         decode_steps = 7  # the measured call's 8 tokens less the one its prefill made
         assert sim["sim_host_runs"] <= decode_steps * len(spec.moe_layers) * spec.top_k
+
+
+def test_a_policy_that_needs_its_cache_context_is_replayed_as_moetier_sim_builds_it(traced):
+    """CoMoE's eviction (bench_gpu.py's `comoe` row) needs the cache it serves (a PolicyContext): built as `moetier
+    sim` builds it, its row replays beside LRU's (made without one, it raised)."""
+    from moetier.sim.profile import HardwareProfile
+    from moetier.store.store import Store
+
+    path, trace = traced
+    store = Store(path)
+    slots = len(store.spec.moe_layers) * store.spec.num_experts // 4
+    sims = {policy: replay(trace, HardwareProfile.load("h200-pcie5"), {"model": str(path), "policy": policy,
+                                                                       "prefetch": "none"},
+                           slots, store.native_layout.blob_bytes, 2, False) for policy in ("lru", "comoe")}
+    assert all(0 < s["sim_tpot_s"] and 0 <= s["sim_hit_rate"] <= 1 for s in sims.values())
