@@ -136,6 +136,21 @@ def levels(topk_weights: np.ndarray, t1: float, t2: float) -> np.ndarray:
     return out
 
 
+def row_levels(topk_weights: np.ndarray, t1: float, t2: float) -> list[int]:
+    """`levels` of a [1, k] row, as a list: the weights normalised by the same numpy calls (so the same floats), the
+    rest — a stable descending order, the running sums, the thresholds — in Python, whose float additions are
+    numpy's cumsum's one by one (a decode step at batch 1: ten numpy calls on eight numbers cost more than this)."""
+    w = np.abs(topk_weights.astype(np.float64))
+    w = (w / np.maximum(w.sum(axis=1, keepdims=True), 1e-30))[0].tolist()  # [k]
+    order = sorted(range(len(w)), key=lambda i: -w[i])  # (sorted is stable: ties in index order, as argsort's)
+    out, total = [0] * len(w), 0.0
+    for rank, i in enumerate(order):
+        total = w[i] if rank == 0 else total + w[i]  # cumsum's: the first as it is, then each added
+        s = total - w[i]  # the sum of the gates before this one (cumsum - ranked: the same subtraction)
+        out[i] = HIGH if rank == 0 or s <= t1 else LOW if s <= t2 else SKIPPED
+    return out
+
+
 class PrecisionStage:
     """HOBBIT's dynamic loader (§3.2), before the on-demand stage: each needed expert's precision from its gate
     (Eq. 2), cached or not. A missing expert gets the precision its importance asks for, or its assignments are
@@ -151,13 +166,13 @@ class PrecisionStage:
     def best_levels(self, ids: np.ndarray, weights: np.ndarray) -> dict[int, int]:
         """[T, k] ids (SKIP for none) and their router weights -> each named expert's most important level over its
         uses (Eq. 2)."""
-        level = levels(weights, self.t1, self.t2)  # [T, k]
         if ids.shape[0] == 1:  # (decode at batch 1: one row's k values in Python, not three numpy calls an expert)
             best: dict[int, int] = {}
-            for e, lvl in zip(ids[0].tolist(), level[0].tolist()):
+            for e, lvl in zip(ids[0].tolist(), row_levels(weights, self.t1, self.t2)):
                 if e != SKIP and lvl < best.get(e, SKIPPED + 1):
                     best[e] = lvl
             return dict(sorted(best.items()))
+        level = levels(weights, self.t1, self.t2)  # [T, k]
         level[ids == SKIP] = SKIPPED
         return {int(e): int(level[ids == e].min()) for e in np.unique(ids[ids != SKIP])}
 

@@ -21,6 +21,7 @@ from moetier.plan.precision import (
     PrecisionStage,
     fit_thresholds,
     levels,
+    row_levels,
 )
 from moetier.plan.route import RouteResult
 
@@ -243,3 +244,22 @@ def test_one_tokens_levels_are_what_every_tokens_path_names(pairs, t1, t2):
     got = stage.best_levels(ids, weights)
     assert got == stage.best_levels(np.vstack([ids, ids]), np.vstack([weights, weights]))
     assert list(got) == sorted(got) and SKIP not in got
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(-1.0, 1.0, width=32), min_size=1, max_size=8), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
+       st.booleans())
+def test_a_rows_levels_in_python_are_numpys_level_for_level(weights, t1, t2, tied):
+    """row_levels (batch 1's path) against levels on the same row: the same level for every expert, ties in the
+    gates (repeated weights) and a threshold a running sum lands on exactly included."""
+    if tied:
+        weights = weights[:1] * len(weights)
+    row = np.array([weights], dtype=np.float32)
+    want = levels(row, min(t1, t2), max(t1, t2))[0].tolist()
+    assert row_levels(row, min(t1, t2), max(t1, t2)) == want
+    w = np.abs(row.astype(np.float64))
+    w = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-30)
+    ranked = -np.sort(-w, axis=1)
+    s = (np.cumsum(ranked, axis=1) - ranked)[0]
+    for t in s[1:]:  # each running sum as a threshold: `<=` decides on the exact float
+        assert row_levels(row, float(t), float(t)) == levels(row, float(t), float(t))[0].tolist()
