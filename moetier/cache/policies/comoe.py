@@ -73,7 +73,7 @@ class CoMoEPolicy(ArrayScoredPolicy):
         """ArrayScoredPolicy's victim, its sort kept for the layer's next ones: a decode step's misses evict one
         after another with nothing between them that moves an order — an eviction only leaves it, and a key
         inserted meanwhile (a load this layer waits for) is no candidate; where one is, the residents are sorted
-        again. The same victim as the sort each time (tests/cache/test_array_victim.py), at a fifth of its cost."""
+        again. The same victim as the sort each time (tests/cache/test_array_victim.py)."""
         if self.stale or self._ranked is None or any(key in candidates for key in self._joined):
             priorities = self.priorities()  # (fresh: the stale rows made again)
             held = np.flatnonzero(self.held)  # [R]
