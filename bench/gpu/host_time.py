@@ -7,7 +7,9 @@ planning, the copy queue's bookkeeping, grouping, the launches' dispatch — on 
 experts, top-8) at tiny widths, whose kernels cost little. Modes are bench_gpu.py's (evicting by LRU unless they
 say), alternated within each round; the measure is a decode step's wall time over its MoE layers, the median of
 the rounds. It leaves out what a GPU adds: the CUDA calls' own host time (cudaMemcpyAsync, event records; ~20 µs a
-copy on the H200 under the profiler) and the launches' (10–24 µs each there).
+copy on the H200 under the profiler) and the launches' (10–24 µs each there). It counts the calls, though — the
+events, stream waits and stream switches the engine makes through the stand-ins, a MoE layer (`cuda_calls_per_layer`;
+not the kernels' launches, which tests/engine/test_launch_count.py counts): what a mode adds there, by count.
 
     python bench/gpu/host_time.py --out bench/out/host-time.json [--modes lru,prefetch-hobbit] [--rounds 3]
 """
@@ -31,32 +33,52 @@ SHAPE = dict(hidden_size=64, intermediate_size=32, num_heads=4, num_kv_heads=4, 
 DEFAULT_MODES = "lru,hobbit,prefetch-hobbit,prefetch-presched,substitute,comoe"
 
 
+class CudaCalls:
+    """The CUDA runtime calls the engine made through the stand-ins, by name: what a GPU would charge the host for
+    on top of the time measured here (~5–20 µs each on the H200; the kernels' launches are not among them)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
 class _Event:
+    calls: CudaCalls
+
     def __init__(self, enable_timing: bool = False) -> None:
         pass
 
     def record(self, stream=None) -> None:
-        pass
+        self.calls("event.record")
 
     def synchronize(self) -> None:
-        pass
+        self.calls("event.synchronize")
 
     def query(self) -> bool:
+        self.calls("event.query")
         return True
 
     def elapsed_time(self, end) -> float:
+        self.calls("event.elapsed_time")
         return 0.23  # (ms: a 12 MiB expert's copy on the H200, so the planner prices loads as a GPU's)
 
 
 class _Stream:
+    calls: CudaCalls
+
     def __init__(self, device=None) -> None:
         pass
 
     def wait_event(self, event) -> None:
-        pass
+        self.calls("stream.wait_event")
 
     def synchronize(self) -> None:
-        pass
+        self.calls("stream.synchronize")
 
 
 class _Pinning:
@@ -67,11 +89,21 @@ class _Pinning:
         pass
 
 
-def stand_in_cuda() -> None:
-    """CUDA's events and streams as no-ops, for the rest of the process (a copy is done when queued)."""
-    torch.cuda.Event, torch.cuda.Stream = _Event, _Stream
-    torch.cuda.current_stream = lambda device=None: _Stream()
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
+def stand_in_cuda() -> CudaCalls:
+    """CUDA's events and streams as no-ops, for the rest of the process (a copy is done when queued); returns the
+    count of the calls made through them."""
+    calls = CudaCalls()
+    event = type("_Event", (_Event,), {"calls": calls})  # (classes of their own: the count is this call's)
+    stream = type("_Stream", (_Stream,), {"calls": calls})
+
+    def switch(s):
+        calls("stream switch")  # (torch.cuda.stream: the current stream set, and set back after)
+        return contextlib.nullcontext()
+
+    torch.cuda.Event, torch.cuda.Stream = event, stream
+    torch.cuda.current_stream = lambda device=None: stream()
+    torch.cuda.stream = switch
+    return calls
 
 
 def make_store(folder: Path, layers: int = 16, experts: int = 64) -> Path:
@@ -87,8 +119,10 @@ def make_store(folder: Path, layers: int = 16, experts: int = 64) -> Path:
     return path
 
 
-def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: int, prompt: list[int]) -> dict:
-    """One configuration's decode: the host's time a MoE layer (ms) and a token's."""
+def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: int, prompt: list[int],
+            calls: CudaCalls | None = None) -> dict:
+    """One configuration's decode: the host's time a MoE layer (ms) and a token's, and (given the stand-ins' count)
+    the CUDA calls a MoE layer of the measured call made, prefill and decode steps alike."""
     from moetier import Engine
     from moetier.config import MemoryBudget
     from moetier.engine.engine import EngineConfig
@@ -103,11 +137,17 @@ def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: in
     engine_config = EngineConfig(expert_memory=MemoryBudget.parse(budget), **config)
     with Engine(store, engine_config, progress=False, host_tier=tier) as engine:
         engine.generate([prompt], max_new_tokens=warmup, ignore_eos=True)
+        before = calls.total() if calls is not None else 0
         out = engine.generate([prompt], max_new_tokens=tokens + 1, ignore_eos=True)
+        made = calls.total() - before if calls is not None else None
     decode = out.stats["decode"]
     step_s = out.stats["tpot_s"]  # (the mean decode step: the prefill left out)
-    return {"mode": mode, "budget": budget, "tpot_ms": step_s * 1e3,
-            "host_ms_per_layer": step_s * 1e3 / len(store.spec.moe_layers), "loads": decode["loads"]}
+    layers = len(store.spec.moe_layers)
+    row = {"mode": mode, "budget": budget, "tpot_ms": step_s * 1e3, "host_ms_per_layer": step_s * 1e3 / layers,
+           "loads": decode["loads"]}
+    if made is not None:  # (the call's steps: its prefill and `tokens` decode steps)
+        row["cuda_calls_per_layer"] = made / ((tokens + 1) * layers)
+    return row
 
 
 def cpu_name() -> str:
@@ -149,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"host_time: error: {problem}", file=sys.stderr)
         return 1
-    stand_in_cuda()
+    calls = stand_in_cuda()
     torch.set_num_threads(1)  # (the kernels are tiny; the host's one thread is what is timed)
     store = Store(make_store(args.cache or default_cache_dir() / "bench", args.layers, args.experts))
     g = torch.Generator().manual_seed(4)
@@ -160,21 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         shift = r % len(configs)
         for mode, budget, config in configs[shift:] + configs[:shift]:  # (rotated: no mode always first)
-            row = measure(store, mode, config, budget, args.tokens, args.warmup, prompt)
+            row = measure(store, mode, config, budget, args.tokens, args.warmup, prompt, calls)
             rows.append({**row, "round": r})
-            print(f"round {r}  {mode:18s} {budget:>4s}  {row['host_ms_per_layer']:.3f} ms a layer", flush=True)
+            print(f"round {r}  {mode:18s} {budget:>4s}  {row['host_ms_per_layer']:.3f} ms a layer, "
+                  f"{row['cuda_calls_per_layer']:.1f} CUDA calls", flush=True)
     summary = []
     for mode, budget, _ in configs:
         got = [x["host_ms_per_layer"] for x in rows if x["mode"] == mode and x["budget"] == budget]
+        cuda = [x["cuda_calls_per_layer"] for x in rows if x["mode"] == mode and x["budget"] == budget]
         summary.append({"mode": mode, "budget": budget, "host_ms_per_layer": statistics.median(got),
-                        "min": min(got), "max": max(got)})
+                        "min": min(got), "max": max(got), "cuda_calls_per_layer": statistics.median(cuda)})
     machine = {"cpu": cpu_name(), "loadavg": os.getloadavg(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "shape": SHAPE, "tokens": args.tokens, "rows": rows,
                                     "summary": summary}, indent=1))
-    print("| mode | GPU budget | host ms a MoE layer, median (range) |\n|---|---|---|")
+    print("| mode | GPU budget | host ms a MoE layer, median (range) | CUDA calls a MoE layer |\n|---|---|---|---|")
     for s in summary:
-        print(f"| {s['mode']} | {s['budget']} | {s['host_ms_per_layer']:.3f} ({s['min']:.3f}-{s['max']:.3f}) |")
+        print(f"| {s['mode']} | {s['budget']} | {s['host_ms_per_layer']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
+              f"{s['cuda_calls_per_layer']:.1f} |")
     return 0
 
 

@@ -77,7 +77,10 @@ class ExpertExecutor:
         self.tier_bytes = made.tier_bytes  # what the low tier takes of the budget (low-tier mode)
         if copy_order not in COPY_ORDERS:
             raise MoetierError(f"unknown copy order {copy_order!r}", hint=f"one of {', '.join(COPY_ORDERS)}")
-        self.host_tier, self._copy_order, self.copies = host_tier, COPY_ORDERS[copy_order], None
+        # with no prefetcher nothing is ever held back, and the demand-first queue would only keep its count of the
+        # stream's copies (two CUDA calls a copy, ~7 a copy in all): the copies go in the order they are asked
+        order = "fifo" if prefetch == "none" else copy_order
+        self.host_tier, self._copy_order, self.copies = host_tier, COPY_ORDERS[order], None
         self.costs = RunningCosts(entry_bytes[self.precision])  # (before the pools: a copy queue reads it)
         self.pools = {p: self._slots(p, self.residency.slots(p)) for p in self.residency.entry_bytes}
         # how the host waits for a layer's routing: behind a host tier, letting held prefetch copies onto the link

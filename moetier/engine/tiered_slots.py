@@ -169,10 +169,13 @@ class TieredDeviceSlots(DevicePool):
         host tier costs on the link, for the planner (RunningCosts.observe_read). A slot copied into again before
         its copy was timed counts once, with its later copy."""
         nbytes, seconds = 0, 0.0
+        # one stream: once the newest is done every copy before it is, and one query tells it (not one a copy)
+        newest = self._timed[-1][0] if self._timed else None
+        all_done = newest is not None and self._done[newest].query()
         while self._timed:
             slot, n = self._timed[0]
             if n == self._copies[slot]:
-                if not self._done[slot].query():  # (one stream: the copies after it are not done either)
+                if not all_done and not self._done[slot].query():  # (the copies after it are not done either)
                     break
                 nbytes += self.slot_bytes
                 seconds += self._start[slot].elapsed_time(self._done[slot]) / 1e3

@@ -20,6 +20,8 @@ def test_each_mode_is_timed_on_the_gpu_path_and_summarised(tmp_path, monkeypatch
     got = json.loads(out.read_text())
     assert [(s["mode"], s["budget"]) for s in got["summary"]] == [("lru", "25%"), ("hobbit", "25%"), ("lru", "100%")]
     assert all(s["host_ms_per_layer"] > 0 for s in got["summary"])
+    calls = {(s["mode"], s["budget"]): s["cuda_calls_per_layer"] for s in got["summary"]}
+    assert calls[("lru", "25%")] > calls[("lru", "100%")] >= 0  # (each load's copy: its events, its stream switch)
     rows = {(r["mode"], r["budget"]): r for r in got["rows"]}
     assert rows[("lru", "25%")]["loads"] > 0  # (the engine loaded through the host tier's stood-in copies)
 

@@ -366,3 +366,48 @@ def test_an_unknown_copy_order_is_refused_in_one_line(store):
     with pytest.raises(MoetierError, match="unknown copy order 'lifo'") as e:
         Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("25%")), progress=False, copy_order="lifo")
     assert "demand-first" in e.value.hint
+
+
+def test_with_no_prefetcher_copies_go_in_the_order_asked_without_the_queues_count(store, cuda_stand_ins):
+    """Demand-first holds back prefetch copies only: with no prefetcher the engine queues copies as asked (FifoCopies,
+    no event a copy to count the stream's), and with one it keeps the order asked for."""
+    from moetier import Engine
+    from moetier.engine.copy_queue import DemandFirstCopies, FifoCopies
+
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: len(keys)}, FakePinning())
+    with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+        tier.fill(reader, progress=False)
+    made = {}
+    for prefetch in ("none", "hobbit"):
+        config = EngineConfig(expert_memory=MemoryBudget.parse("25%"), prefetch=prefetch,
+                              predictor="stacked-gates" if prefetch != "none" else "none")
+        with Engine(store, config, progress=False, host_tier=tier, copy_order="demand-first") as engine:
+            made[prefetch] = (type(engine.executor.copies),
+                              engine.generate([[5, 9, 17, 33]], max_new_tokens=8, ignore_eos=True).token_ids)
+    assert made["none"][0] is FifoCopies and made["hobbit"][0] is DemandFirstCopies
+    assert made["none"][1] == made["hobbit"][1]
+
+
+def test_the_links_time_counts_each_copy_once_asking_the_newest_first(store, cuda_stand_ins, monkeypatch):
+    """link_activity (the planner's copy times) counts each slot's latest copy once, a slot copied into again
+    before it was timed with its later copy only; where the newest copy is done, its one query covers every copy
+    before it (one stream), not a query a copy."""
+    from moetier import Engine
+
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: len(keys)}, FakePinning())
+    with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+        tier.fill(reader, progress=False)
+    with Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("25%")), progress=False,
+                host_tier=tier) as engine:
+        pool = engine.executor.pool
+        monkeypatch.setattr(engine.executor, "_observe_link", lambda: None)  # (the copies pile up untimed)
+        engine.generate([[5, 9, 17, 33, 2]], max_new_tokens=10, ignore_eos=True)
+        latest = {slot for slot, n in pool._timed if n == pool._copies[slot]}
+        queries = []
+        query = type(pool._done[0]).query
+        monkeypatch.setattr(type(pool._done[0]), "query", lambda self: queries.append(self) or query(self))
+        nbytes, _ = pool.link_activity()
+    assert sum(pool._copies) > len(latest) > 1 and len(queries) == 1  # (slots copied into more than once)
+    assert nbytes == len(latest) * pool.slot_bytes and not pool._timed
