@@ -78,7 +78,7 @@ class ExpertExecutor:
         if copy_order not in COPY_ORDERS:
             raise MoetierError(f"unknown copy order {copy_order!r}", hint=f"one of {', '.join(COPY_ORDERS)}")
         # with no prefetcher nothing is ever held back, and the demand-first queue would only keep its count of the
-        # stream's copies (two CUDA calls a copy, ~7 a copy in all): the copies go in the order they are asked
+        # stream's copies (two of the ~9 CUDA calls a copy made: bench/gpu/host_time.py): copies go in the order asked
         order = "fifo" if prefetch == "none" else copy_order
         self.host_tier, self._copy_order, self.copies = host_tier, COPY_ORDERS[order], None
         self.costs = RunningCosts(entry_bytes[self.precision])  # (before the pools: a copy queue reads it)
