@@ -172,7 +172,7 @@ stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --mo
 stage profile-substitute 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
     --expert-memory 25% --out "$WORK" --name profile-substitute \
     --config '{"policy": "lru", "substitution": {"alpha": 0.35}}'
-# the host's time a MoE layer by mode on this machine's own CPU, CUDA stood in (host_time.py, ~40 s; not in the default
+# the host's time a MoE layer by mode on this machine's own CPU, CUDA stood in (host_time.py, ~50 s; not in the default
 # stages: a second call's, GPU_STAGES="env install host-time"): the figure per mechanism that the simulator lacks to
 # price a host-bound GPU engine (docs/gpu.md, "The simulator against the second run"), from the CPU the GPU rows ran on
 stage host-time 120 python3 bench/gpu/host_time.py --out "$WORK/host-time.json" --cache "$MOETIER_CACHE/bench"

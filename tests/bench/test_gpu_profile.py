@@ -81,8 +81,7 @@ def test_a_run_whose_cpu_part_failed_takes_the_host_cpu_from_another_run_or_says
     assert made.devices["cpu"].memory_bandwidth_bytes_per_s == pytest.approx(
         kept.devices["cpu"].memory_bandwidth_bytes_per_s, rel=2e-3)
     assert any("this run's CPU part failed" in line for line in made.sources)
-    # the profile docs/gpu.md holds the 2026-11-30 rows to, made again: the same figures
-    # (the figures as its command line gave them, in ms)
+    # the profile docs/gpu.md holds the 2026-11-30 rows to, made again from its command line's figures: the same
     fitted = gpu_profile.build(failed, "h200-pcie5-2026-11-30", 0.0639 / 1e3, 0.209 / 1e3, 0.073 / 1e3, 2e12,
                                cpu_from=RUN)
     fitted.save(tmp_path / "again.json")

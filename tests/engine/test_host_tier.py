@@ -370,7 +370,7 @@ def test_an_unknown_copy_order_is_refused_in_one_line(store):
 
 def test_with_no_prefetcher_copies_go_in_the_order_asked_without_the_queues_count(store, cuda_stand_ins):
     """Demand-first holds back prefetch copies only: with no prefetcher the engine queues copies as asked (FifoCopies,
-    no event a copy to count the stream's), and with one it keeps the order asked for."""
+    no event a copy to count the stream's); with one, the demand-first queue it was asked for. The same tokens."""
     from moetier import Engine
     from moetier.engine.copy_queue import DemandFirstCopies, FifoCopies
 
