@@ -181,9 +181,14 @@ class CoMoEPolicy(ArrayScoredPolicy):
         p, freq, importance = self.terms(key.layer)
         E = self.ctx.num_experts
         f_mean, i_mean = max(float(freq.sum()) / E, self.eps), max(float(importance.sum()) / E, self.eps)
-        rare = f_mean / (freq[key.expert] + f_mean)  # 1/f_recent, normalised (see above)
-        minor = i_mean / (importance[key.expert] + i_mean)  # 1/I, normalised
-        return (1 - self.delta) * (1 - p[key.expert]) + self.delta * (self.lam * rare + (1 - self.lam) * minor)
+        return self.eq38(p[key.expert], freq[key.expert], importance[key.expert], f_mean, i_mean)
+
+    def eq38(self, p, freq, importance, f_mean, i_mean):
+        """Eq. 38 from its terms, scalars or arrays alike (one expression: the same floats for evict_score,
+        row_scores and row_score), the reciprocals normalised by the layer's means (see above)."""
+        rare = f_mean / (freq + f_mean)  # 1/f_recent, normalised
+        minor = i_mean / (importance + i_mean)  # 1/I, normalised
+        return (1 - self.delta) * (1 - p) + self.delta * (self.lam * rare + (1 - self.lam) * minor)
 
     def row_scores(self, rows: np.ndarray) -> np.ndarray:
         """evict_score of each expert of each of rows' layers [R, E], their routes absorbed: the same operations on
@@ -196,9 +201,7 @@ class CoMoEPolicy(ArrayScoredPolicy):
         freq, importance = self.freq[rows], self.importance[rows]
         f_mean = np.maximum(freq.sum(axis=1, keepdims=True) / E, self.eps)  # [R, 1] the mean, as evict_score's
         i_mean = np.maximum(importance.sum(axis=1, keepdims=True) / E, self.eps)
-        rare = f_mean / (freq + f_mean)
-        minor = i_mean / (importance + i_mean)
-        return (1 - self.delta) * (1 - p) + self.delta * (self.lam * rare + (1 - self.lam) * minor)
+        return self.eq38(p, freq, importance, f_mean, i_mean)
 
     def row_score(self, row: int) -> np.ndarray:
         """`row_scores` of one row [E], on its views (evict_score's operations, so the same floats)."""
@@ -206,9 +209,7 @@ class CoMoEPolicy(ArrayScoredPolicy):
         p = self.predicted.get(self.ctx.layers[row], self.recent_use[row])  # [E]
         freq, importance = self.freq[row], self.importance[row]
         f_mean, i_mean = max(freq.sum() / E, self.eps), max(importance.sum() / E, self.eps)
-        rare = f_mean / (freq + f_mean)
-        minor = i_mean / (importance + i_mean)
-        return (1 - self.delta) * (1 - p) + self.delta * (self.lam * rare + (1 - self.lam) * minor)
+        return self.eq38(p, freq, importance, f_mean, i_mean)
 
     def fresh_scores(self) -> np.ndarray:
         """[L, E] every layer's Eq. 38 scores, those made stale since made again — together, so a token's layers
