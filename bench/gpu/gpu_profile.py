@@ -20,7 +20,11 @@ Each figure and where it comes from (written into the profile's `sources`):
 - the host's own work a load costs (`per_read_s`): fitted to one row (sim_check.py --fit), given here;
 - the host CPU: a cold 12 MiB bf16 expert on its cores (micro.py) as its memory bandwidth; its FLOP/s assumed
   (`--cpu-tflops`); the executor's and a predictor's time a MoE layer from `moetier calibrate` (`--executor-ms`,
-  `--predict-ms`: the GPU machine's own host work is not timed apart)."""
+  `--predict-ms`: the GPU machine's own host work is not timed apart);
+- with `--host-time FILE...` (host_time.py's JSON: lru at two budgets below 100% at least, and the modes to price),
+  the host thread that issues the GPU's work (the profile's `host_issue`: bench/gpu/host_figures.py), its figures
+  times `--host-scale` (sim_check.py --fit prints the one that brings a row to its measurement); `--per-read-ms`
+  is then best left 0: a load's host work is `host_issue.load_s`."""
 
 from __future__ import annotations
 
@@ -108,7 +112,8 @@ def host_expert(micro: dict, results: Path, cpu_from: Path | None) -> tuple[dict
 
 
 def build(results: Path, name: str, per_read_s: float, executor_s: float, predict_s: float, cpu_flops: float,
-          cpu_from: Path | None = None):
+          cpu_from: Path | None = None, host_time: list[Path] | None = None, host_scale: float = 1.0,
+          call_s: float | None = None):
     from moetier.sim.profile import Device, HardwareProfile, Linear, Measured, Piecewise, Tier
 
     micro = json.loads((results / "micro.json").read_text())
@@ -150,6 +155,12 @@ def build(results: Path, name: str, per_read_s: float, executor_s: float, predic
             measured.append(Measured(shape.hidden_size, shape.moe_intermediate_size, precision,
                                      Piecewise(tuple(tuple(p) for p in points)), Linear(0.0, _r(dense)),
                                      Linear(0.0, 0.0)))
+    issue = None
+    if host_time:
+        from host_figures import host_issue
+
+        issue, lines = host_issue(host_time, launch if call_s is None else call_s, host_scale, predict_s, mode_keys)
+        sources += lines
     flops = {p: figures["bf16"] for p in ("bf16", "fp16", "int8", "int4", "int2")} | {"fp32": figures["fp32"]}
     devices = {"gpu": Device("gpu", figures["copy"], flops, _r(launch)),
                "cpu": Device("cpu", _r(EXPERT_BYTES / cold), {p: cpu_flops for p in flops}, 5e-6)}
@@ -159,7 +170,20 @@ def build(results: Path, name: str, per_read_s: float, executor_s: float, predic
                            f"The machine of the GPU run in {results.name}: one {micro['device']}, the experts in "
                            "pinned host memory behind PCIe, as moetier's GPU engine runs it (its step times, not "
                            "the chip's)", tuple(sources), Linear(0.0, executor_s), tuple(measured),
-                           Linear(0.0, predict_s))
+                           Linear(0.0, predict_s), issue)
+
+
+def mode_keys(mode: str) -> tuple[str, ...]:
+    """A bench_gpu.py mode's mechanism keys (moetier/sim/host_issue.py)."""
+    from bench_gpu import POLICY, modes
+
+    from moetier.sim.host_issue import mechanism_keys
+
+    c = modes()[mode]
+    mixed = c.get("precision")
+    return mechanism_keys(c.get("policy", POLICY), c.get("prefetch", "none"), c.get("predictor"),
+                          mixed.mode if mixed is not None and mixed.mixed else None,
+                          "smoe" if c.get("substitution") is not None else None, c.get("placement", "none"))
 
 
 def _r(x: float) -> float:
@@ -177,9 +201,20 @@ def main() -> None:
     ap.add_argument("--cpu-tflops", type=float, default=2.0, help="the host CPU's FLOP/s (assumed)")
     ap.add_argument("--cpu-from", type=Path, help="a run on the same machine kind whose micro.json prices the host "
                     "CPU, where this run's CPU part failed")
+    ap.add_argument("--host-time", type=Path, nargs="+", help="host_time.py's JSON files: the host thread's "
+                    "figures (host_issue)")
+    ap.add_argument("--host-scale", type=float, default=1.0, help="the GPU machine's host against the CPU that "
+                    "ran host_time.py (sim_check.py --fit prints it; default 1)")
+    ap.add_argument("--call-us", type=float, help="a CUDA call's host time (default: micro.py's launch from Python)")
     args = ap.parse_args()
+    bad = [p for p in args.host_time or () if not p.is_file()]
+    if bad or args.host_scale <= 0 or (args.call_us is not None and args.call_us < 0):
+        why = f"no file {', '.join(map(str, bad))}" if bad else "--host-scale must be > 0 and --call-us >= 0"
+        print(f"gpu_profile: error: {why}", file=sys.stderr)
+        raise SystemExit(1)
     profile = build(args.results, args.name, args.per_read_ms / 1e3, args.executor_ms / 1e3,
-                    args.predict_ms / 1e3, args.cpu_tflops * 1e12, args.cpu_from)
+                    args.predict_ms / 1e3, args.cpu_tflops * 1e12, args.cpu_from, args.host_time, args.host_scale,
+                    None if args.call_us is None else args.call_us * 1e-6)
     out = args.out or Path(__file__).resolve().parents[1] / "out" / "gpu-profile" / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)

@@ -120,7 +120,7 @@ def make_store(folder: Path, layers: int = 16, experts: int = 64) -> Path:
 
 
 def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: int, prompt: list[int],
-            calls: CudaCalls | None = None) -> dict:
+            calls: CudaCalls | None = None, preload: bool = False) -> dict:
     """One configuration's decode: the host's time a MoE layer (ms) and a token's, and (given the stand-ins' count)
     the CUDA calls a MoE layer of the measured call made, prefill and decode steps alike."""
     from moetier import Engine
@@ -136,6 +136,8 @@ def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: in
         tier.fill(reader, progress=False)
     engine_config = EngineConfig(expert_memory=MemoryBudget.parse(budget), **config)
     with Engine(store, engine_config, progress=False, host_tier=tier) as engine:
+        if preload:  # (as bench_gpu.py starts a 100% row and llama.cpp's fixed split)
+            engine.preload()
         engine.generate([prompt], max_new_tokens=warmup, ignore_eos=True)
         before = calls.total() if calls is not None else 0
         out = engine.generate([prompt], max_new_tokens=tokens + 1, ignore_eos=True)
@@ -144,7 +146,7 @@ def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: in
     step_s = out.stats["tpot_s"]  # (the mean decode step: the prefill left out)
     layers = len(store.spec.moe_layers)
     row = {"mode": mode, "budget": budget, "tpot_ms": step_s * 1e3, "host_ms_per_layer": step_s * 1e3 / layers,
-           "loads": decode["loads"]}
+           "loads": decode["loads"], "prefetches": decode["prefetches"], "host_runs": decode["host_runs"]}
     if made is not None:  # (the call's steps: its prefill and `tokens` decode steps)
         row["cuda_calls_per_layer"] = made / ((tokens + 1) * layers)
     return row
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         shift = r % len(configs)
         for mode, budget, config in configs[shift:] + configs[:shift]:  # (rotated: no mode always first)
-            row = measure(store, mode, config, budget, args.tokens, args.warmup, prompt, calls)
+            row = measure(store, mode, config, budget, args.tokens, args.warmup, prompt, calls,
+                          preload=budget == "100%" or mode in bench_gpu.PRELOADED)
             rows.append({**row, "round": r})
             print(f"round {r}  {mode:18s} {budget:>4s}  {row['host_ms_per_layer']:.3f} ms a layer, "
                   f"{row['cuda_calls_per_layer']:.1f} CUDA calls", flush=True)
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                         "min": min(got), "max": max(got), "cuda_calls_per_layer": statistics.median(cuda)})
     machine = {"cpu": cpu_name(), "loadavg": os.getloadavg(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "shape": SHAPE, "tokens": args.tokens, "rows": rows,
+    args.out.write_text(json.dumps({"machine": machine, "shape": SHAPE, "tokens": args.tokens, "layers": args.layers,
+                                    "rows": rows,
                                     "summary": summary}, indent=1))
     print("| mode | GPU budget | host ms a MoE layer, median (range) | CUDA calls a MoE layer |\n|---|---|---|---|")
     for s in summary:

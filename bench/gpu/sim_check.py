@@ -63,7 +63,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "gpu-sim-check")
     ap.add_argument("--budget", default="25%", help="where the modes are ranked (bench_gpu.py's --mode-budget)")
     ap.add_argument("--fit", metavar="MODE:BUDGET", help="print the host's work a load costs (the profile's first tier's "
-                    "per_read_s) that makes this row's simulated TPOT its measured one (gpu_profile.py --per-read-ms)")
+                    "per_read_s) that makes this row's simulated TPOT its measured one (gpu_profile.py --per-read-ms); "
+                    "with a profile that prices the host thread (host_issue), the factor on its figures that does "
+                    "(gpu_profile.py --host-scale)")
     args = ap.parse_args()
     import dataclasses
 
@@ -93,14 +95,18 @@ def main() -> None:
     trace = record(args.model, args.prompt_len, args.warmup, args.tokens, args.out / f"{args.model}-trace")
     profile = HardwareProfile.load(args.profile)
     out, skipped = [], []
+
+    def simulated(r: dict, profile) -> dict:
+        cfg = {"model": str(store.path), "policy": modes()[r["mode"]].get("policy", POLICY), "prefetch": MODES[r["mode"]]}
+        preload = r["budget"] == "100%" or r["mode"] in PRELOADED
+        return replay(trace, profile, cfg, r["expert_slots"], store.native_layout.blob_bytes, 2, preload,
+                      entry_bytes, (r.get("precision") or hobbit) if r["mode"] == "hobbit" else None)
+
     for r in rows:
         if r["mode"] not in MODES or r["batch"] != 1 or r.get("tier") != "host":
             skipped.append(f"{r['mode']} {r.get('tier')} {r['budget']} b{r['batch']}")
             continue
-        cfg = {"model": str(store.path), "policy": modes()[r["mode"]].get("policy", POLICY), "prefetch": MODES[r["mode"]]}
-        preload = r["budget"] == "100%" or r["mode"] in PRELOADED
-        sim = replay(trace, profile, cfg, r["expert_slots"], store.native_layout.blob_bytes, 2, preload,
-                     entry_bytes, (r.get("precision") or hobbit) if r["mode"] == "hobbit" else None)
+        sim = simulated(r, profile)
         out.append({"mode": r["mode"], "budget": r["budget"], "real_tpot_s": r["tpot_s"],
                     "real_tpot_rounds_s": rounds(r), **sim, "ratio": sim["sim_tpot_s"] / r["tpot_s"],
                     "real_hit_rate": r["decode_hit_rate"], "acted": acted(r, sim)})
@@ -113,7 +119,9 @@ def main() -> None:
         real = spread({"tpot_s": o["real_tpot_s"], "tpot_rounds_s": o["real_tpot_rounds_s"]})
         print(f"{o['mode']:>18} {o['budget']:>6} {real:>20} {o['sim_tpot_s'] * 1e3:8.2f} "
               f"{o['ratio']:8.2f} {o['real_hit_rate']:8.1%} {o['sim_hit_rate']:8.1%}  {acts_in_words(o['acted'])}")
-    if args.fit:
+    if args.fit and profile.host_issue is not None:
+        print(host_scale(args.fit, rows, profile, simulated))
+    elif args.fit:
         print(fitted(args.fit, out, profile))
     within = sum(abs(o["ratio"] - 1) <= 0.15 for o in out)
     print(f"within 15%: {within} of {len(out)}; not modelled here: {', '.join(skipped) or 'none'}")
@@ -141,6 +149,30 @@ def said(order: dict, budget: str, single: bool) -> str:
     line += " (one round each: every pair taken as measured)" if single else ""
     line += f"\n  measured: {' < '.join(order['measured'])}\n  simulated: {' < '.join(order['simulated'])}"
     return line + "".join(f"\n  swapped: {a} measured faster than {b}" for a, b in order["swapped"])
+
+
+def host_scale(row: str, rows: list[dict], profile, simulated) -> str:
+    """The factor on the profile's host thread (host_issue) that brings row MODE:BUDGET's simulation to its
+    measurement, by bisection (a slower host never makes a step shorter)."""
+    import dataclasses
+
+    mode, _, budget = row.partition(":")
+    match = [r for r in rows if r["mode"] == mode and r["budget"] == budget and r["batch"] == 1
+             and r.get("tier") == "host"]
+    if not match:
+        raise SystemExit(f"sim_check: no row {row} among the modelled ones")
+    real = match[0]["tpot_s"]
+    tpot = lambda k: simulated(match[0], dataclasses.replace(  # noqa: E731
+        profile, host_issue=profile.host_issue.scaled(k)))["sim_tpot_s"]
+    lo, hi = 0.0, 1.0
+    while tpot(hi) < real and hi < 64:
+        lo, hi = hi, hi * 2
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tpot(mid) < real else (lo, mid)
+    k = (lo + hi) / 2
+    return (f"fit {row}: the host thread's figures times {k:.3f} bring it to {real * 1e3:.2f} ms "
+            f"(gpu_profile.py --host-scale: this factor times the one the profile was made with)")
 
 
 def fitted(row: str, out: list[dict], profile) -> str:

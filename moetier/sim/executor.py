@@ -10,7 +10,9 @@ layer's dense part runs first (and a predictor's scoring, where one runs); its r
 and its reads go out then (a read that takes the slot of an expert computed earlier in the layer waits for that
 compute); resident experts compute while reads land, each loaded one once its read has. Where the profile says a
 read costs the computing CPU (this machine: the reader's threads share its two cores), a layer takes longer by the
-CPU its overlapping reads took."""
+CPU its overlapping reads took. Where it prices the host thread that issues a GPU's work (`host_issue`,
+moetier/sim/host_issue.py), a layer whose routing that thread reads plans first, queues each read before it can
+start, and ends no earlier than the thread's work for it."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from moetier.plan.route import RouteResult
 from moetier.plan.step import LayerStep
 from moetier.sim.cost import CostModel
 from moetier.sim.host_cache import HostCache
+from moetier.sim.host_issue import HostLane
 
 
 @dataclass
@@ -38,13 +41,15 @@ class LayerTimeline:
 
 class SimExecutor:
     def __init__(self, layer_step: LayerStep, cost: CostModel, costs: RunningCosts | None = None,
-                 host: HostCache | None = None) -> None:
+                 host: HostCache | None = None, lane: HostLane | None = None) -> None:
         """`costs`: where the stages that weigh time hear what layers cost (the cost model's numbers). `host`: a
         host tier behind the cache (a GPU's three tiers): a load it holds is a copy over the link (the profile's
         first tier); one it does not is first read from the disk (its last tier) into it — the disk and the link
         each busy on their own, as the engine's reader threads and copy stream are. None: each expert in its
-        profile tier, read over one link."""
-        self.layer_step, self.cost, self.costs, self.host = layer_step, cost, costs, host
+        profile tier, read over one link. `lane`: the host thread that issues a GPU's work, in the layers
+        `routed` says it reads the routing of (None: a host that keeps ahead)."""
+        self.layer_step, self.cost, self.costs, self.host, self.lane = layer_step, cost, costs, host, lane
+        self.routed = True  # whether this step's layers read their routing on the host (set by the replay each step)
         self.residency = layer_step.residency
         self.now = 0.0  # the compute device's clock: where the next piece of work starts
         self.link_free = 0.0  # the link is busy until then
@@ -75,15 +80,17 @@ class SimExecutor:
             key = ExpertKey(plan.layer, run.expert)
             if run.source == IN_FLIGHT and self.queued.pop(key, None) is not None:  # (the queue has advanced
                 self.landing[key] = self._start(key, tl.dense_end, run.precision)  # to dense_end in _land)
+        issue = self._issuing(tl.dense_end)  # when the host queues the layer's next copy
         deferred: dict[int, Load] = {}
         for load in plan.loads:  # on-demand reads: ahead of every queued prefetch
             if load.after is None:
-                landed[load.expert] = self._read(ExpertKey(plan.layer, load.expert), tl.dense_end, load.precision)
+                landed[load.expert] = self._read(ExpertKey(plan.layer, load.expert), next(issue), load.precision)
             else:
                 deferred[load.after] = load
         for prefetch in plan.prefetches:
-            self.queued[prefetch.key] = tl.dense_end
-        lane_free = {FAST: tl.dense_end, HOST: max(self.host_free, tl.dense_end)}
+            self.queued[prefetch.key] = next(issue)
+        queued = next(issue) - self._load_s  # the host's last copy queued (the draw above is one past it)
+        lane_free = {FAST: tl.dense_end, HOST: max(self.host_free, queued)}
         counts = plan.counts
         for run in plan.runs:
             key = ExpertKey(plan.layer, run.expert)
@@ -93,18 +100,40 @@ class SimExecutor:
             lane_free[run.place] = start + self.cost_at(run.precision).expert_s(int(counts[run.expert]), run.place)
             tl.computes.append((run.expert, start, lane_free[run.place], run.place))
             follower = deferred.pop(run.expert, None)
-            if follower is not None:  # its slot is free now
-                landed[follower.expert] = self._read(ExpertKey(plan.layer, follower.expert), lane_free[run.place],
-                                                     follower.precision)
+            if follower is not None:  # its slot is free now (and the host has queued it)
+                landed[follower.expert] = self._read(ExpertKey(plan.layer, follower.expert),
+                                                     max(lane_free[run.place], next(issue)), follower.precision)
         self.host_free = lane_free[HOST]
-        tl.end = self.now = max([lane_free[FAST]] + [end for _, _, end, _ in tl.computes])  # all runs done
+        tl.end = self.now = max([lane_free[FAST], self._host_done(queued, lane_free[HOST])]
+                                + [end for _, _, end, _ in tl.computes])  # all runs done, and the host's work
         self._advance(tl.end)  # reads that start while this layer runs are drawn in its timeline
         tl.end = self.now = tl.end + self._cpu_taken(tl)
         self._advance(tl.end)
         for prefetch in self.layer_step.end(plan):
-            self.queued[prefetch.key] = self.now
+            self.queued[prefetch.key] = self.now = self.now + self._load_s  # (the host queues each)
         self._observe(plan, tokens)
         return plan, tl
+
+    @property
+    def _load_s(self) -> float:
+        """The host's work to queue one copy, where the host's thread is priced (and this step reads routing)."""
+        return self.lane.issue.load_s if self.lane is not None and self.routed else 0.0
+
+    def _issuing(self, routed: float):
+        """The times the host queues a layer's copies one after another, its routing known at `routed`: after its
+        planning, each a load's work after the last (all at `routed` where the host is not priced)."""
+        t = routed + (self.lane.planning_s if self.lane is not None and self.routed else 0.0)
+        step = self._load_s
+        while True:
+            t += step
+            yield t
+
+    def _host_done(self, queued: float, host_lane_end: float) -> float:
+        """When the host's thread is done with a layer: its copies queued, its own lane's experts computed (the same
+        thread), then the launches. 0 where the host is not priced."""
+        if self.lane is None or not self.routed:
+            return 0.0
+        return max(queued, host_lane_end) + self.lane.issue.launch_s
 
     def resize(self, capacity_bytes: int, order=None) -> list[ExpertKey]:
         """The cache resized between steps as the engine's executor resizes it: the reads in flight land first (the

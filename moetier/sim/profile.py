@@ -21,6 +21,9 @@ Units are bytes, seconds, bytes per second and FLOP per second throughout. Field
   executor_s_per_layer  optional {per_token, fixed}: the host's own work per MoE layer (planning, policy events)
   predict_s_per_layer   optional {per_token, fixed}: what a predictor adds to a MoE layer that runs one, before
                         its plan (measured by `moetier calibrate` with the stacked-gates predictor; 0 elsewhere)
+  host_issue            optional {plan_s, load_s, launch_s, mechanism_s: {key: s}}: the host thread that issues a
+                        GPU's work, where it bounds a MoE layer whose routing it reads (moetier/sim/host_issue.py);
+                        absent: a host that keeps ahead of the link and the kernels
   measured              optional list, written by `moetier calibrate`: figures measured on this machine for one
                         expert shape {hidden_size, moe_intermediate_size, precision, expert_s, dense_s_per_layer,
                         head_s}, each {per_token, fixed} or {points: [[tokens, seconds], ...]} (straight lines
@@ -40,6 +43,7 @@ from pathlib import Path
 from moetier.atomic import atomic_write_json
 from moetier.errors import MoetierError
 from moetier.paths import default_cache_dir
+from moetier.sim.host_issue import HostIssue
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -194,6 +198,7 @@ class HardwareProfile:
     executor_s_per_layer: Linear = ZERO
     measured: tuple[Measured, ...] = ()
     predict_s_per_layer: Linear = ZERO
+    host_issue: HostIssue | None = None
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -227,6 +232,10 @@ class HardwareProfile:
     def to_json(self) -> dict:
         d = asdict(self)
         d["sources"] = list(self.sources)
+        if self.host_issue is None:
+            del d["host_issue"]
+        else:
+            d["host_issue"] = self.host_issue.to_json()
         for dev in d["devices"].values():
             del dev["name"]
         return d
@@ -315,4 +324,13 @@ def _parse(d: dict, f: _Fields) -> HardwareProfile:
         sources=tuple(d.get("sources", ())),
         executor_s_per_layer=f.linear(d, "executor_s_per_layer") if "executor_s_per_layer" in d else ZERO,
         measured=tuple(measured),
-        predict_s_per_layer=f.linear(d, "predict_s_per_layer") if "predict_s_per_layer" in d else ZERO)
+        predict_s_per_layer=f.linear(d, "predict_s_per_layer") if "predict_s_per_layer" in d else ZERO,
+        host_issue=_host_issue(d["host_issue"], f) if "host_issue" in d else None)
+
+
+def _host_issue(v: dict, f: _Fields) -> HostIssue:
+    mechanisms = v.get("mechanism_s", {})
+    if not isinstance(mechanisms, dict):
+        raise ProfileError(f"{f.path}: host_issue.mechanism_s must be an object {{key: seconds}}")
+    return HostIssue(*(float(f.need(v, k, "host_issue.")) for k in ("plan_s", "load_s", "launch_s")),
+                     {str(k): float(s) for k, s in mechanisms.items()})

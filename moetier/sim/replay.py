@@ -28,6 +28,7 @@ from moetier.predict.base import Predictor
 from moetier.sim.cost import CostModel, FreeCost
 from moetier.sim.executor import LayerTimeline, SimExecutor
 from moetier.sim.host_cache import HostCache
+from moetier.sim.host_issue import HostLane, mechanism_keys
 from moetier.trace.format import Trace
 
 NATIVE = "native"  # the precision a trace's experts are replayed at when the model's own is not known
@@ -207,7 +208,11 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
                            predictor=predictor)
     host = None if host_slots is None else HostCache(
         host_slots, (ExpertKey(layer, e) for layer in trace.all_layers for e in range(trace.num_experts)))
-    executor = SimExecutor(layer_step, cost, costs, host)
+    executor = SimExecutor(layer_step, cost, costs, host, host_lane(cost, policy, prefetch, predictor, mixed,
+                                                                     substitution, placement))
+    # the engine reads each layer's routing on the host unless nothing but the on-demand plan runs and every expert
+    # is resident (engine/resident_layers.py)
+    plain, every_key = len(stages) == 1 and predictor is None, len(trace.all_layers) * trace.num_experts
     resizes = dict(resizes or {})
     order = None
     if resizes and shrink == "offload-priority":  # counts the activations from the first step, as --adapt's
@@ -237,6 +242,7 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
         layer_step.begin_step(phase)
         if index in resizes:
             executor.resize(resizes[index] * entry_bytes[precision] - made.tier_bytes, order)
+        executor.routed = not plain or len(residency) < every_key or bool(executor.landing)
         start, loads_before = executor.now, counts.phases[phase].bytes_read
         for table, table_rows, j, layer in layer_visits(trace, rows, encoder_rows):
             if table is not trace and j == 0:  # the encoder's layers the trace does not cover run resident
@@ -256,6 +262,18 @@ def simulate(trace: Trace, policy: EvictionPolicy, num_slots: int, cost: CostMod
     result.plans = log.plans
     result.host = host
     return result
+
+
+def host_lane(cost, policy: EvictionPolicy, prefetch: str, predictor: Predictor | None, mixed: MixedPrecision,
+              substitution, placement: str) -> HostLane | None:
+    """The host thread that issues a GPU's work, where the profile prices it (host_issue), for this configuration's
+    mechanisms."""
+    issue = cost.profile.host_issue if isinstance(cost, CostModel) else None
+    if issue is None:
+        return None
+    kind = None if substitution is None else "smoe" if isinstance(substitution, Substitution) else "similar"
+    return HostLane.of(issue, mechanism_keys(policy.name, prefetch, predictor.name if predictor is not None else None,
+                                             mixed.mode if mixed.mixed else None, kind, placement))
 
 
 def free_share(cost: CostModel | FreeCost, cache_bytes: int) -> float:

@@ -91,3 +91,48 @@ def test_a_run_whose_cpu_part_failed_takes_the_host_cpu_from_another_run_or_says
     (tmp_path / "micro.json").write_text(json.dumps({"device": "NVIDIA H200"}))
     with pytest.raises(SystemExit, match="no host-CPU expert either"):
         gpu_profile.host_expert({}, failed, tmp_path)
+
+
+def host_time_file(path: Path, rows: list[tuple[str, str, float, float, int, int]], tokens: int = 10) -> Path:
+    """host_time.py's JSON over 2 layers: (mode, budget, ms a layer, CUDA calls a layer, loads, prefetches)."""
+    path.write_text(json.dumps({"tokens": tokens, "layers": 2, "rows": [
+        {"mode": m, "budget": b, "host_ms_per_layer": ms, "cuda_calls_per_layer": calls, "loads": loads,
+         "prefetches": pf} for m, b, ms, calls, loads, pf in rows]}))
+    return path
+
+
+def test_the_host_thread_from_host_time_rows(tmp_path):
+    """lru at 1 and 3 copies a layer (20 and 60 over 10 tokens x 2 layers) costs 0.3 and 0.5 ms with 10 and 30 CUDA
+    calls at 10 us: 0.4 and 0.8 ms, so 0.2 ms a copy and 0.2 at none, less lru at 100% (0.1): launch 0.1 ms. HOBBIT
+    at 2 copies costs 0.9 ms (0.3 beyond the line), a prefetcher 0.7 at 3 copies of its own (0 beyond it, less the
+    predictor's 0.05: 0), all times 2."""
+    import host_figures
+
+    files = [host_time_file(tmp_path / "a.json", [("lru", "10%", 0.3, 10, 20, 0), ("lru", "100%", 0.1, 0, 0, 0),
+                                                  ("hobbit", "10%", 0.7, 20, 40, 0)]),
+             host_time_file(tmp_path / "b.json", [("lru", "50%", 0.5, 30, 60, 0),
+                                                  ("prefetch-hobbit", "10%", 0.7, 10, 0, 60)])]
+    issue, lines = host_figures.host_issue(files, 10e-6, 2.0, 0.05e-3, gpu_profile.mode_keys)
+    assert issue.load_s == pytest.approx(0.4e-3) and issue.launch_s == pytest.approx(0.2e-3) and issue.plan_s == 0
+    assert issue.mechanism_s["precision:hobbit"] == pytest.approx(0.6e-3)
+    assert issue.mechanism_s["prefetch:hobbit"] == 0.0  # (-0.05 ms: read as none)
+    assert "lru's rows 1.00 copies 0.400 ms, 3.00 copies 0.800 ms" in "\n".join(lines)
+    with pytest.raises(SystemExit, match="lru at two budgets below 100%"):
+        host_figures.host_issue(files[:1], 10e-6, 1.0, 0.0, gpu_profile.mode_keys)
+
+
+def test_a_profile_with_the_host_thread_and_the_scale_that_fits_a_row(tmp_path):
+    import sim_check
+
+    files = [host_time_file(tmp_path / "a.json", [("lru", "10%", 0.3, 0, 20, 0), ("lru", "50%", 0.5, 0, 60, 0),
+                                                  ("lru", "100%", 0.1, 0, 0, 0)])]
+    made = gpu_profile.build(ROOT / "bench" / "gpu" / "results" / "2026-11-30-h200", "h200-host", 0.0, 0.209e-3,
+                             0.073e-3, 2e12, cpu_from=RUN, host_time=files, call_s=0.0)
+    assert made.host_issue.load_s == pytest.approx(0.1e-3) and made.host_issue.launch_s == pytest.approx(0.1e-3)
+    assert any(line.startswith("host_issue from host_time.py") for line in made.sources)
+    row = {"mode": "lru", "budget": "25%", "batch": 1, "tier": "host", "tpot_s": 0.05}
+    # a simulation whose step is 10 ms plus 100 launches: 20 ms at the profile's figures, 50 at 4 times them
+    simulated = lambda r, p: {"sim_tpot_s": 0.01 + 100 * p.host_issue.launch_s}  # noqa: E731
+    assert "times 4.000 bring it to 50.00 ms" in sim_check.host_scale("lru:25%", [row], made, simulated)
+    with pytest.raises(SystemExit, match="no row lru:50%"):
+        sim_check.host_scale("lru:50%", [row], made, simulated)
