@@ -159,7 +159,8 @@ def build(results: Path, name: str, per_read_s: float, executor_s: float, predic
     if host_time:
         from host_figures import host_issue
 
-        issue, lines = host_issue(host_time, launch if call_s is None else call_s, host_scale, predict_s, mode_keys)
+        issue, lines = host_issue(host_time, launch if call_s is None else call_s, host_scale, predict_s, mode_keys,
+                                  micro.get("cuda_call_host_s"))
         sources += lines
     flops = {p: figures["bf16"] for p in ("bf16", "fp16", "int8", "int4", "int2")} | {"fp32": figures["fp32"]}
     devices = {"gpu": Device("gpu", figures["copy"], flops, _r(launch)),
@@ -205,7 +206,8 @@ def main() -> None:
                     "figures (host_issue)")
     ap.add_argument("--host-scale", type=float, default=1.0, help="the GPU machine's host against the CPU that "
                     "ran host_time.py (sim_check.py --fit prints it; default 1)")
-    ap.add_argument("--call-us", type=float, help="a CUDA call's host time (default: micro.py's launch from Python)")
+    ap.add_argument("--call-us", type=float, help="a CUDA call's host time where micro.py did not time it by name "
+                    "(default: micro.py's launch from Python)")
     args = ap.parse_args()
     bad = [p for p in args.host_time or () if not p.is_file()]
     if bad or args.host_scale <= 0 or (args.call_us is not None and args.call_us < 0):

@@ -139,16 +139,18 @@ def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: in
         if preload:  # (as bench_gpu.py starts a 100% row and llama.cpp's fixed split)
             engine.preload()
         engine.generate([prompt], max_new_tokens=warmup, ignore_eos=True)
-        before = calls.total() if calls is not None else 0
+        before = dict(calls.counts) if calls is not None else {}
         out = engine.generate([prompt], max_new_tokens=tokens + 1, ignore_eos=True)
-        made = calls.total() - before if calls is not None else None
+        made = {k: n - before.get(k, 0) for k, n in calls.counts.items()} if calls is not None else None
     decode = out.stats["decode"]
     step_s = out.stats["tpot_s"]  # (the mean decode step: the prefill left out)
     layers = len(store.spec.moe_layers)
     row = {"mode": mode, "budget": budget, "tpot_ms": step_s * 1e3, "host_ms_per_layer": step_s * 1e3 / layers,
            "loads": decode["loads"], "prefetches": decode["prefetches"], "host_runs": decode["host_runs"]}
     if made is not None:  # (the call's steps: its prefill and `tokens` decode steps)
-        row["cuda_calls_per_layer"] = made / ((tokens + 1) * layers)
+        per_layer = (tokens + 1) * layers
+        row["cuda_calls_per_layer"] = sum(made.values()) / per_layer
+        row["cuda_calls_by_name_per_layer"] = {k: n / per_layer for k, n in sorted(made.items()) if n}
     return row
 
 

@@ -7,7 +7,9 @@ it is calibrated from (moetier/sim/profiles/) and what the benchmark's rows are 
   from int8/int4/int2 codes, through Triton's kernels (moetier/model/triton_experts.py) and torch's ops
   (`_torch`: dequantize then matmul), with CUDA events; a layer's 8 experts at a token each, both ways and from
   the router's ids on the device (`_routed`); a token's RMSNorm and rotation through Triton and torch's ops, the
-  GPU's time and the host's (`_host_s`); a tiny kernel's launch cost;
+  GPU's time and the host's (`_host_s`); a tiny kernel's launch cost; the host's time of each CUDA call the engine
+  makes around a copy (`cuda_call_host_s`, named as host_time.py counts them: what the simulator's host thread
+  prices a call at);
 - the host CPU beside it: the same expert at one token with moetier's native kernels (CPU-assisted compute), and
   with torch's, at the machine's threads;
 - the disk: O_DIRECT reads of 12 MiB into pinned memory (the store's reads).
@@ -110,17 +112,38 @@ def gpu_compute(dev: torch.device) -> dict:
     return out
 
 
-def host_time(fn, calls: int = 1000) -> float:
+def host_time(fn, calls: int = 1000, sync=None) -> float:
     """The host's seconds a call of `fn` (launches queued back to back, the GPU's work waited for once at the end):
     what a step whose host is the slower side pays for it."""
+    sync = sync or torch.cuda.synchronize
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / calls
+
+
+def cuda_calls(sync=None) -> dict:
+    """The host's time of each CUDA call the engine makes around a copy, by host_time.py's names for them: an event
+    recorded, queried and waited for (done), a stream made to wait on one, a switch to a side stream and back, the
+    time between two events read. `sync`: what waits for the device (torch.cuda.synchronize)."""
+    side = torch.cuda.Stream()
+    done, start = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    done.record()
+    (sync or torch.cuda.synchronize)()
+
+    def switch():
+        with torch.cuda.stream(side):
+            pass
+
+    calls = {"event.record": lambda: done.record(), "event.query": done.query, "event.synchronize": done.synchronize,
+             "stream.wait_event": lambda: side.wait_event(done), "stream switch": switch,
+             "event.elapsed_time": lambda: start.elapsed_time(done)}
+    return {"cuda_call_host_s": {name: host_time(fn, sync=sync) for name, fn in calls.items()}}
 
 
 def gpu_dense(dev: torch.device, kernels) -> dict:
@@ -237,7 +260,7 @@ def main() -> None:
     steps = [("cpu", cpu_compute), ("disk", lambda: disk(args.disk_dir))]
     if torch.cuda.is_available():
         dev = torch.device("cuda")
-        steps = [("link", lambda: link(dev)), ("gpu", lambda: gpu_compute(dev)), *steps]
+        steps = [("link", lambda: link(dev)), ("gpu", lambda: gpu_compute(dev)), ("cuda_calls", cuda_calls), *steps]
     for name, step in steps:
         try:
             result.update(step())

@@ -172,10 +172,18 @@ stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --mo
 stage profile-substitute 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
     --expert-memory 25% --out "$WORK" --name profile-substitute \
     --config '{"policy": "lru", "substitution": {"alpha": 0.35}}'
-# the host's time a MoE layer by mode on this machine's own CPU, CUDA stood in (host_time.py, ~50 s; not in the default
-# stages: a second call's, GPU_STAGES="env install host-time"): the figure per mechanism that the simulator lacks to
-# price a host-bound GPU engine (docs/gpu.md, "The simulator against the second run"), from the CPU the GPU rows ran on
-stage host-time 120 python3 bench/gpu/host_time.py --out "$WORK/host-time.json" --cache "$MOETIER_CACHE/bench"
+# the host's time a MoE layer by mode on this machine's own CPU, CUDA stood in (host_time.py, ~90 s on a Zen 3; not in
+# the default stages: a second call's, GPU_STAGES="env install host-time"): the modes at 25%, then lru at 10% and 50%
+# (the line a load costs), the figures of the simulator's host thread from the CPU the GPU rows ran on
+# (gpu_profile.py --host-time host-time*.json; docs/gpu.md, "The simulator with the host's thread")
+host_times() {
+    local ht="python3 bench/gpu/host_time.py --cache $MOETIER_CACHE/bench"
+    $ht --out "$WORK/host-time.json" --modes lru,hobbit,prefetch-hobbit,prefetch-presched,substitute,comoe,cpu-assist,cpu-offload \
+        && $ht --out "$WORK/host-time-10.json" --modes lru --budget 10% \
+        && $ht --out "$WORK/host-time-50.json" --modes lru --budget 50%
+}
+export -f host_times
+stage host-time 180 host_times
 # DeepSeek-V2-Lite's shape (item 7's second shape; not in the default stages: 31 GB written and converted first,
 # and with olmoe-synth's files beside it the 64 GB disk is full): random weights, hf_synth.py
 stage bench-dsv2 420 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-dsv2" --models dsv2-lite-synth \

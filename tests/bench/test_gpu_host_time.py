@@ -24,6 +24,8 @@ def test_each_mode_is_timed_on_the_gpu_path_and_summarised(tmp_path, monkeypatch
     assert calls[("lru", "25%")] > calls[("lru", "100%")] >= 0  # (each load's copy: its events, its stream switch)
     rows = {(r["mode"], r["budget"]): r for r in got["rows"]}
     assert rows[("lru", "25%")]["loads"] > 0  # (the engine loaded through the host tier's stood-in copies)
+    by_name = rows[("lru", "25%")]["cuda_calls_by_name_per_layer"]
+    assert "event.record" in by_name and sum(by_name.values()) == calls[("lru", "25%")]
     assert got["layers"] == 2 and rows[("lru", "25%")]["prefetches"] == rows[("lru", "25%")]["host_runs"] == 0
 
 

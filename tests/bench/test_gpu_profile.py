@@ -136,3 +136,16 @@ def test_a_profile_with_the_host_thread_and_the_scale_that_fits_a_row(tmp_path):
     assert "times 4.000 bring it to 50.00 ms" in sim_check.host_scale("lru:25%", [row], made, simulated)
     with pytest.raises(SystemExit, match="no row lru:50%"):
         sim_check.host_scale("lru:50%", [row], made, simulated)
+
+
+def test_a_rows_cuda_calls_priced_by_name_where_micro_timed_them(tmp_path):
+    import host_figures
+
+    path = host_time_file(tmp_path / "a.json", [("lru", "10%", 0.3, 3, 20, 0)])
+    d = json.loads(path.read_text())
+    d["rows"][0]["cuda_calls_by_name_per_layer"] = {"event.record": 2, "stream switch": 1}
+    path.write_text(json.dumps(d))
+    (row,) = host_figures.rows_of([path], 10e-6, {"event.record": 1e-6}).values()
+    assert row["host_s"] == pytest.approx(0.3e-3 + 2 * 1e-6 + 10e-6) and row["copies"] == 1.0
+    (row,) = host_figures.rows_of([path], 10e-6).values()  # (no names timed: each call at call_s)
+    assert row["host_s"] == pytest.approx(0.3e-3 + 3 * 10e-6)
