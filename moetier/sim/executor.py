@@ -50,6 +50,7 @@ class SimExecutor:
         `routed` says it reads the routing of (None: a host that keeps ahead)."""
         self.layer_step, self.cost, self.costs, self.host, self.lane = layer_step, cost, costs, host, lane
         self.routed = True  # whether this step's layers read their routing on the host (set by the replay each step)
+        self._host_at = 0.0  # the host's thread, within a layer: when it has queued the copies asked so far
         self.residency = layer_step.residency
         self.now = 0.0  # the compute device's clock: where the next piece of work starts
         self.link_free = 0.0  # the link is busy until then
@@ -80,17 +81,17 @@ class SimExecutor:
             key = ExpertKey(plan.layer, run.expert)
             if run.source == IN_FLIGHT and self.queued.pop(key, None) is not None:  # (the queue has advanced
                 self.landing[key] = self._start(key, tl.dense_end, run.precision)  # to dense_end in _land)
-        issue = self._issuing(tl.dense_end)  # when the host queues the layer's next copy
+        self._host_at = tl.dense_end + self._planning_s  # the host's clock as it queues the layer's copies
         deferred: dict[int, Load] = {}
         for load in plan.loads:  # on-demand reads: ahead of every queued prefetch
             if load.after is None:
-                landed[load.expert] = self._read(ExpertKey(plan.layer, load.expert), next(issue), load.precision)
+                landed[load.expert] = self._read(ExpertKey(plan.layer, load.expert), self._queue_copy(),
+                                                 load.precision)
             else:
                 deferred[load.after] = load
         for prefetch in plan.prefetches:
-            self.queued[prefetch.key] = next(issue)
-        queued = next(issue) - self._load_s  # the host's last copy queued (the draw above is one past it)
-        lane_free = {FAST: tl.dense_end, HOST: max(self.host_free, queued)}
+            self.queued[prefetch.key] = self._queue_copy()
+        lane_free = {FAST: tl.dense_end, HOST: max(self.host_free, self._host_at)}
         counts = plan.counts
         for run in plan.runs:
             key = ExpertKey(plan.layer, run.expert)
@@ -102,9 +103,10 @@ class SimExecutor:
             follower = deferred.pop(run.expert, None)
             if follower is not None:  # its slot is free now (and the host has queued it)
                 landed[follower.expert] = self._read(ExpertKey(plan.layer, follower.expert),
-                                                     max(lane_free[run.place], next(issue)), follower.precision)
+                                                     max(lane_free[run.place], self._queue_copy()),
+                                                     follower.precision)
         self.host_free = lane_free[HOST]
-        tl.end = self.now = max([lane_free[FAST], self._host_done(queued, lane_free[HOST])]
+        tl.end = self.now = max([lane_free[FAST], self._host_done(lane_free[HOST])]
                                 + [end for _, _, end, _ in tl.computes])  # all runs done, and the host's work
         self._advance(tl.end)  # reads that start while this layer runs are drawn in its timeline
         tl.end = self.now = tl.end + self._cpu_taken(tl)
@@ -119,21 +121,23 @@ class SimExecutor:
         """The host's work to queue one copy, where the host's thread is priced (and this step reads routing)."""
         return self.lane.issue.load_s if self.lane is not None and self.routed else 0.0
 
-    def _issuing(self, routed: float):
-        """The times the host queues a layer's copies one after another, its routing known at `routed`: after its
-        planning, each a load's work after the last (all at `routed` where the host is not priced)."""
-        t = routed + (self.lane.planning_s if self.lane is not None and self.routed else 0.0)
-        step = self._load_s
-        while True:
-            t += step
-            yield t
+    @property
+    def _planning_s(self) -> float:
+        """The host's work from a layer's routing to its first copy, where the host's thread is priced."""
+        return self.lane.planning_s if self.lane is not None and self.routed else 0.0
 
-    def _host_done(self, queued: float, host_lane_end: float) -> float:
+    def _queue_copy(self) -> float:
+        """The host queues one more of the layer's copies: when it is done with it (the layer's routing, where the
+        host is not priced)."""
+        self._host_at += self._load_s
+        return self._host_at
+
+    def _host_done(self, host_lane_end: float) -> float:
         """When the host's thread is done with a layer: its copies queued, its own lane's experts computed (the same
         thread), then the launches. 0 where the host is not priced."""
         if self.lane is None or not self.routed:
             return 0.0
-        return max(queued, host_lane_end) + self.lane.issue.launch_s
+        return max(self._host_at, host_lane_end) + self.lane.issue.launch_s
 
     def resize(self, capacity_bytes: int, order=None) -> list[ExpertKey]:
         """The cache resized between steps as the engine's executor resizes it: the reads in flight land first (the
