@@ -27,6 +27,10 @@ from moetier.engine.slots import DevicePool, free_device_blocks
 from moetier.store.format import PrecisionLayout
 from moetier.store.reader import ON_DEMAND, Completion
 
+# one copy in this many is timed for the planner's link cost (RunningCosts.observe_read takes a rate, which a sample
+# tells as well): the others save the host a start event's record and an elapsed-time read, two of ~6 CUDA calls a
+# copy costs it (host_time.py counts them; each 5-20 us on the H200)
+TIME_EVERY = 4
 
 class TieredDeviceSlots(DevicePool):
     waits_on_device = True  # compute on a loaded slot waits for its copy on the device (`weights`), not the host
@@ -49,7 +53,8 @@ class TieredDeviceSlots(DevicePool):
         self._start: list[torch.cuda.Event] = []  # (timed: what a copy took, for the planner's link cost)
         self._done: list[torch.cuda.Event] = []
         self._copies: list[int] = []  # copies into each slot so far
-        self._timed: deque[tuple[int, int]] = deque()  # (slot, its copy count) of copies not yet timed
+        self._timed: deque[tuple[int, int]] = deque()  # (slot, its copy count) of timed copies not yet read
+        self._issued = 0  # copies queued by this pool (every TIME_EVERY-th timed)
         self.copies = copies or FifoCopies(device)
         self._pending: dict[int, int] = {}  # slot -> host slot its read is landing in, not yet copied
         self._held: dict[int, tuple[int, bool]] = {}  # slot -> (host slot, read from disk) of a copy not yet queued
@@ -135,15 +140,19 @@ class TieredDeviceSlots(DevicePool):
         queue's call); the load is complete from the host's side."""
         host, from_disk = self._held.pop(slot)
         done, stream, free = self._done[slot], self.copies.stream, self._free[slot]
+        timed = self._issued % TIME_EVERY == 0
+        self._issued += 1
         if free is not None:
             stream.wait_event(free)
         with torch.cuda.stream(stream):
-            self._start[slot].record(stream)  # (after the wait: the copy's own time)
+            if timed:
+                self._start[slot].record(stream)  # (after the wait: the copy's own time)
             self._blocks[slot].copy_(self.tier.pools[self.precision].region(host), non_blocking=True)
             done.record(stream)
         self._copied[slot] = True
         self._copies[slot] += 1
-        self._timed.append((slot, self._copies[slot]))
+        if timed:
+            self._timed.append((slot, self._copies[slot]))
         self.tier.copied(self.precision, host, done)
         self._let_go(host, from_disk)
         if not from_disk:
@@ -165,9 +174,9 @@ class TieredDeviceSlots(DevicePool):
         return reader.cancel(self.completions[slot])
 
     def link_activity(self) -> tuple[int, float]:
-        """(bytes, seconds) of the copies to the device finished since the last call: what a load through the
-        host tier costs on the link, for the planner (RunningCosts.observe_read). A slot copied into again before
-        its copy was timed counts once, with its later copy."""
+        """(bytes, seconds) of the timed copies to the device finished since the last call (one in TIME_EVERY):
+        what a load through the host tier costs on the link, for the planner (RunningCosts.observe_read). A slot
+        copied into again before its timed copy was read counts only if that later copy is timed too."""
         nbytes, seconds = 0, 0.0
         # one stream: once the newest is done every copy before it is, and one query tells it (not one a copy)
         newest = self._timed[-1][0] if self._timed else None

@@ -390,10 +390,11 @@ def test_with_no_prefetcher_copies_go_in_the_order_asked_without_the_queues_coun
 
 
 def test_the_links_time_counts_each_copy_once_asking_the_newest_first(store, cuda_stand_ins, monkeypatch):
-    """link_activity (the planner's copy times) counts each slot's latest copy once, a slot copied into again
-    before it was timed with its later copy only; where the newest copy is done, its one query covers every copy
-    before it (one stream), not a query a copy."""
+    """link_activity (the planner's copy times) counts the timed copies (one in TIME_EVERY), each slot's latest
+    once; where the newest copy is done, its one query covers every copy before it (one stream), not a query a
+    copy."""
     from moetier import Engine
+    from moetier.engine.tiered_slots import TIME_EVERY
 
     keys, native = store.spec.expert_keys(), store.manifest.native_precision
     tier = HostTier(store.manifest, keys, {native: len(keys)}, FakePinning())
@@ -404,10 +405,12 @@ def test_the_links_time_counts_each_copy_once_asking_the_newest_first(store, cud
         pool = engine.executor.pool
         monkeypatch.setattr(engine.executor, "_observe_link", lambda: None)  # (the copies pile up untimed)
         engine.generate([[5, 9, 17, 33, 2]], max_new_tokens=10, ignore_eos=True)
+        timed = len(pool._timed)
+        assert timed == -(-pool._issued // TIME_EVERY) > 1  # (one copy in TIME_EVERY timed)
         latest = {slot for slot, n in pool._timed if n == pool._copies[slot]}
         queries = []
         query = type(pool._done[0]).query
         monkeypatch.setattr(type(pool._done[0]), "query", lambda self: queries.append(self) or query(self))
         nbytes, _ = pool.link_activity()
-    assert sum(pool._copies) > len(latest) > 1 and len(queries) == 1  # (slots copied into more than once)
+    assert sum(pool._copies) > timed > len(latest) >= 1 and len(queries) == 1  # (slots copied into again)
     assert nbytes == len(latest) * pool.slot_bytes and not pool._timed
