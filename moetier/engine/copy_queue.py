@@ -44,6 +44,7 @@ class FifoCopies:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.counts = CopyCounts()
+        self.issued = 0  # copies queued on the stream so far, by every pool sharing it (their order on it)
 
     def demand(self, pool, slot: int) -> None:
         pool.issue(slot)

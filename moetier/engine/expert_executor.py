@@ -333,7 +333,7 @@ class ExpertExecutor:
             pool = self.pools[precision]
             start = time.perf_counter()
             groups.compute_layer([run.expert for run in runs], self.expert_kernels[precision],
-                                 [pool.weights(run.slot) for run in runs])
+                                 pool.weights_for([run.slot for run in runs]))
             pool.queued()
             each = (time.perf_counter() - start) / len(runs)
             for _ in runs:

@@ -122,6 +122,10 @@ class HostSlots:
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
         return self._tensors[slot]
 
+    def weights_for(self, slots: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Each slot's weights, for one compute call."""
+        return [self._tensors[slot] for slot in slots]
+
     def queued(self) -> None:
         """Nothing to mark: the host's compute is done when its call returns."""
 
@@ -156,6 +160,10 @@ class DevicePool:
     def _grow_slot(self) -> None:
         """The pool's own state for one more slot."""
         raise NotImplementedError
+
+    def weights_for(self, slots: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Each slot's weights, for one compute call (each slot's `weights`)."""
+        return [self.weights(slot) for slot in slots]
 
     def queued(self) -> None:
         """The compute reading the slots whose weights were taken since the last call is queued."""

@@ -53,6 +53,7 @@ class TieredDeviceSlots(DevicePool):
         self._start: list[torch.cuda.Event] = []  # (timed: what a copy took, for the planner's link cost)
         self._done: list[torch.cuda.Event] = []
         self._copies: list[int] = []  # copies into each slot so far
+        self._seq: list[int] = []  # each slot's latest copy's place on the copy stream (`copies.issued` then)
         self._timed: deque[tuple[int, int]] = deque()  # (slot, its copy count) of timed copies not yet read
         self._issued = 0  # copies queued by this pool (every TIME_EVERY-th timed)
         self.copies = copies or FifoCopies(device)
@@ -66,6 +67,7 @@ class TieredDeviceSlots(DevicePool):
         self._start.append(torch.cuda.Event(enable_timing=True))
         self._done.append(torch.cuda.Event(enable_timing=True))
         self._copies.append(0)
+        self._seq.append(0)
 
     def release(self, slots) -> None:
         """Kept: device memory is not handed back slot by slot (the caching allocator would keep it anyway)."""
@@ -151,6 +153,8 @@ class TieredDeviceSlots(DevicePool):
             done.record(stream)
         self._copied[slot] = True
         self._copies[slot] += 1
+        self.copies.issued += 1
+        self._seq[slot] = self.copies.issued
         if timed:
             self._timed.append((slot, self._copies[slot]))
         self.tier.copied(self.precision, host, done)
@@ -196,13 +200,25 @@ class TieredDeviceSlots(DevicePool):
         free_device_blocks(self.device, self._blocks)
 
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
-        if slot in self._pending:
-            self._copy_pending(slot, demand=True)
-        elif slot in self._held:
-            self.copies.force(self, slot)
+        return self.weights_for([slot])[0]
+
+    def weights_for(self, slots: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Each slot's weights, for one compute call, which waits on the device (not the host) for the copies into
+        them: for the latest of them alone — one stream, so every earlier copy is done by then — one CUDA call
+        where a wait a slot took one each (a layer's loaded experts go in one call: expert_executor.py)."""
+        for slot in slots:
+            if slot in self._pending:
+                self._copy_pending(slot, demand=True)
+            elif slot in self._held:
+                self.copies.force(self, slot)
         self.copies.feed()
-        if self._copied[slot]:  # compute waits for the copy on the device, not on the host
-            torch.cuda.current_stream(self.device).wait_event(self._done[slot])
-            self._copied[slot] = False
-        self._reads.read(slot)
-        return self._tensors[slot]
+        latest = None
+        for slot in slots:
+            if self._copied[slot]:
+                if latest is None or self._seq[slot] > self._seq[latest]:
+                    latest = slot
+                self._copied[slot] = False
+            self._reads.read(slot)
+        if latest is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done[latest])
+        return [self._tensors[slot] for slot in slots]

@@ -414,3 +414,34 @@ def test_the_links_time_counts_each_copy_once_asking_the_newest_first(store, cud
         nbytes, _ = pool.link_activity()
     assert sum(pool._copies) > timed > len(latest) >= 1 and len(queries) == 1  # (slots copied into again)
     assert nbytes == len(latest) * pool.slot_bytes and not pool._timed
+
+
+def test_a_compute_call_waits_once_for_the_latest_copy_into_its_slots(store, cuda_stand_ins, monkeypatch):
+    """A layer's loaded experts go in one compute call, which waits on the device for the latest copy into their
+    slots alone (one copy stream: the earlier ones are done by then) — one CUDA call, not one a slot."""
+    from moetier import Engine
+
+    keys, native = store.spec.expert_keys(), store.manifest.native_precision
+    tier = HostTier(store.manifest, keys, {native: len(keys)}, FakePinning())
+    with ExpertReader(store.path, 2, manifest=store.manifest) as reader:
+        tier.fill(reader, progress=False)
+    waits, calls = [], []
+    monkeypatch.setattr(FakeStream, "wait_event", lambda self, event: waits.append((self, event)))
+    with Engine(store, EngineConfig(expert_memory=MemoryBudget.parse("25%")), progress=False,
+                host_tier=tier) as engine:
+        pool = engine.executor.pool
+        real = type(pool).weights_for
+
+        def spy(self, slots):
+            copied = [s for s in slots if self._copied[s]]
+            latest = max(copied, key=self._seq.__getitem__) if copied else None
+            before = len(waits)
+            out = real(self, slots)
+            calls.append((len(copied), latest, [e for s, e in waits[before:] if s is not self.copies.stream]))
+            return out
+
+        monkeypatch.setattr(type(pool), "weights_for", spy)
+        engine.generate([[5, 9, 17, 33, 2]], max_new_tokens=6, ignore_eos=True)
+    assert any(n >= 2 for n, _, _ in calls)  # (calls over several copied slots)
+    for n, latest, compute in calls:
+        assert compute == ([] if latest is None else [pool._done[latest]])

@@ -148,12 +148,12 @@ def test_prefetch_copies_start_after_their_slot_s_last_reader_and_before_the_lay
     for name in ("compute", "compute_layer"):
         monkeypatch.setattr(ExpertGroups, name, counted(getattr(ExpertGroups, name)))
     monkeypatch.setattr(OneToken, "compute_layer", counted(OneToken.compute_layer))  # (a token whose experts all hit)
-    real_weights, real_submit, real_issue = (TieredDeviceSlots.weights, TieredDeviceSlots.submit,
+    real_weights, real_submit, real_issue = (TieredDeviceSlots.weights_for, TieredDeviceSlots.submit,
                                              TieredDeviceSlots.issue)
 
-    def weights(self, slot):
-        taken.append(slot)
-        return real_weights(self, slot)
+    def weights_for(self, slots):  # (`weights` takes one slot through it)
+        taken.extend(slots)
+        return real_weights(self, slots)
 
     def submit(self, reader, key, blob, slot, priority):
         real_submit(self, reader, key, blob, slot, priority)
@@ -170,7 +170,7 @@ def test_prefetch_copies_start_after_their_slot_s_last_reader_and_before_the_lay
         seen["copies"] += 1
         return real_issue(self, slot)
 
-    monkeypatch.setattr(TieredDeviceSlots, "weights", weights)
+    monkeypatch.setattr(TieredDeviceSlots, "weights_for", weights_for)
     monkeypatch.setattr(TieredDeviceSlots, "submit", submit)
     monkeypatch.setattr(TieredDeviceSlots, "issue", issue)
     g = torch.Generator().manual_seed(8)
