@@ -111,7 +111,8 @@ class Completion:
         finds it done."""
         self.generation += 1
         self.remaining, self.started, self.cancelled, self.error = 0, 0, False, None
-        self.done.set()
+        if not self.done.is_set():  # (set already: nobody waits, and setting takes the event's lock: a GPU's
+            self.done.set()  # copy from host memory completes its slot's load this way every time)
 
     def held(self) -> None:
         """A load its owner completes itself, later (a copy held on the host until the link has room:
@@ -121,7 +122,8 @@ class Completion:
         self.done.clear()
 
     def wait(self) -> None:
-        self.done.wait()
+        if not self.done.is_set():  # (a done load's wait without the event's lock)
+            self.done.wait()
         if self.error is not None:
             raise self.error
 
