@@ -32,6 +32,7 @@ from moetier.store.reader import ON_DEMAND, Completion
 # copy costs it (host_time.py counts them; each 5-20 us on the H200)
 TIME_EVERY = 4
 
+
 class TieredDeviceSlots(DevicePool):
     waits_on_device = True  # compute on a loaded slot waits for its copy on the device (`weights`), not the host
 

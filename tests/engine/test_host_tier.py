@@ -443,5 +443,5 @@ def test_a_compute_call_waits_once_for_the_latest_copy_into_its_slots(store, cud
         monkeypatch.setattr(type(pool), "weights_for", spy)
         engine.generate([[5, 9, 17, 33, 2]], max_new_tokens=6, ignore_eos=True)
     assert any(n >= 2 for n, _, _ in calls)  # (calls over several copied slots)
-    for n, latest, compute in calls:
+    for _, latest, compute in calls:
         assert compute == ([] if latest is None else [pool._done[latest]])
