@@ -84,12 +84,12 @@ class DemandFirstCopies(FifoCopies):
         if depth < 1 or marks <= depth:
             raise ValueError(f"depth {depth} must be at least 1 and below marks {marks}")
         super().__init__(device)
-        self.costs, self.depth, self.smoothing = costs, depth, smoothing
+        self.costs, self.depth, self.smoothing, self.marks = costs, depth, smoothing, marks
         self._held: OrderedDict[tuple[object, int], None] = OrderedDict()  # (pool, slot), oldest first
-        # a ring of events, one recorded after each copy queued: the stream's unfinished copies, oldest first (one
-        # stream: a copy is done once a later one is)
-        self._marks = [torch.cuda.Event() for _ in range(marks)]
-        self._next = 0
+        # the event each copy queued recorded after it (its pool's: one a slot, recorded again by the slot's next
+        # copy — which then reads later than this copy's end, never earlier: a prefetch held a little longer at
+        # worst), at most `marks`: the stream's unfinished copies, oldest first (one stream: a copy is done once a
+        # later one is)
         self._unfinished: deque[torch.cuda.Event] = deque()
         self._routed = torch.cuda.Event()  # what wait_current waits for
         self._looked: float | None = None  # when the host last let copies on
@@ -150,16 +150,13 @@ class DemandFirstCopies(FifoCopies):
         copy_s = None if self.costs is None else self.costs.read_s
         if not self.away_s or not copy_s:
             return self.depth
-        return max(self.depth, min(int(self.away_s / copy_s) + 1, len(self._marks) - 1))
+        return max(self.depth, min(int(self.away_s / copy_s) + 1, self.marks - 1))
 
     def _issue(self, pool, slot: int) -> None:
-        pool.issue(slot)
-        if len(self._unfinished) == len(self._marks):  # (hundreds of copies unfinished: wait for the oldest)
+        done = pool.issue(slot)  # (the copy's own completion event: no mark of our own to record)
+        if len(self._unfinished) == self.marks:  # (hundreds of copies unfinished: wait for the oldest)
             self._unfinished.popleft().synchronize()
-        mark = self._marks[self._next]
-        self._next = (self._next + 1) % len(self._marks)
-        mark.record(self.stream)
-        self._unfinished.append(mark)
+        self._unfinished.append(done)
 
     def _busy(self) -> int:
         """The stream's copies not yet finished."""

@@ -138,9 +138,10 @@ class TieredDeviceSlots(DevicePool):
             self.completions[slot].held()
         self.copies.hold(self, slot)
 
-    def issue(self, slot: int) -> None:
+    def issue(self, slot: int) -> torch.cuda.Event:
         """Queue the copy asked for `slot` on the copy stream, once the slot's previous expert is free (the copy
-        queue's call); the load is complete from the host's side."""
+        queue's call); the load is complete from the host's side. Returns the event recorded after the copy (the
+        slot's, recorded again by its next copy)."""
         host, from_disk = self._held.pop(slot)
         done, stream, free = self._done[slot], self.copies.stream, self._free[slot]
         timed = self._issued % TIME_EVERY == 0
@@ -162,6 +163,7 @@ class TieredDeviceSlots(DevicePool):
         self._let_go(host, from_disk)
         if not from_disk:
             self.completions[slot].complete()
+        return done
 
     def promote(self, reader, slot: int) -> None:
         """A load in flight is needed now: its held copy queued at once, or its disk read moved up."""

@@ -71,8 +71,12 @@ class Pool:
     def __init__(self, name: str, dev: Device) -> None:
         self.name, self.dev = name, dev
 
-    def issue(self, slot: int) -> None:
+    def issue(self, slot: int):
+        """The copy queued; the event recorded after it (TieredDeviceSlots.issue's return)."""
         self.dev.issued.append((self.name, slot))
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
 
 def test_an_on_demand_copy_goes_ahead_of_every_held_prefetch(device):
