@@ -172,7 +172,7 @@ stage bench-demo 90 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-demo" --mo
 stage profile-substitute 60 python3 bench/gpu/profile_step.py --model "$MOETIER_CACHE/bench-gpu/olmoe-synth" \
     --expert-memory 25% --out "$WORK" --name profile-substitute \
     --config '{"policy": "lru", "substitution": {"alpha": 0.35}}'
-# the host's time a MoE layer by mode on this machine's own CPU, CUDA stood in (host_time.py, ~90 s on a Zen 3; not in
+# the host's time a MoE layer by mode on this machine's own CPU, CUDA stood in (host_time.py, ~3 min on a Zen 3; not in
 # the default stages: a second call's, GPU_STAGES="env install host-time"): the modes at 25%, then lru at 10% and 50%
 # (the line a load costs), the figures of the simulator's host thread from the CPU the GPU rows ran on
 # (gpu_profile.py --host-time host-time*.json; docs/gpu.md, "The simulator with the host's thread")
@@ -183,7 +183,7 @@ host_times() {
         && $ht --out "$WORK/host-time-50.json" --modes lru --budget 50%
 }
 export -f host_times
-stage host-time 180 host_times
+stage host-time 300 host_times
 # DeepSeek-V2-Lite's shape (item 7's second shape; not in the default stages: 31 GB written and converted first,
 # and with olmoe-synth's files beside it the 64 GB disk is full): random weights, hf_synth.py
 stage bench-dsv2 420 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-dsv2" --models dsv2-lite-synth \
