@@ -84,7 +84,7 @@ class ExpertExecutor:
         self.costs = RunningCosts(entry_bytes[self.precision])  # (before the pools: a copy queue reads it)
         self.pools = {p: self._slots(p, self.residency.slots(p)) for p in self.residency.entry_bytes}
         # how the host waits for a layer's routing: behind a host tier, letting held prefetch copies onto the link
-        self._route_wait = None if self.copies is None else self.copies.wait_current
+        self._route_wait = None if self.copies is None else _RoutingWait(self.copies, self.pools)
         if tier is not None:
             self.pools[tier.low] = make_slots(manifest.precisions[tier.low], spec.num_expert_keys, self.device,
                                               manifest.linked(tier.low))
@@ -448,3 +448,18 @@ class ExpertExecutor:
             self.pools[load.precision].completions[load.slot].done.wait()
             self.residency.drop(ExpertKey(plan.layer, load.expert))
         self.residency.unpin_all()
+
+
+class _RoutingWait:
+    """How the host waits for a layer's routing behind a host tier: the copy queue's wait (held prefetch copies let
+    onto the link meanwhile), then the pools told the compute stream's work so far is done — a copy waits for none
+    of it, and a reused mark is not synchronized again (SlotReads.device_done). (Its own object, not a bound method
+    of the executor: that would be a cycle through the executor's slots.)"""
+
+    def __init__(self, copies, pools: dict) -> None:
+        self.copies, self.pools = copies, pools
+
+    def __call__(self) -> None:
+        self.copies.wait_current()
+        for pool in self.pools.values():
+            pool.device_done()

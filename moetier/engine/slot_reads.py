@@ -48,6 +48,11 @@ class SlotReads:
         if self._unmarked:
             self._mark()
 
+    def device_done(self) -> None:
+        """The host has waited for everything queued on the compute stream (a layer's routing read back): every
+        mark recorded so far is done — no copy waits for one, and the ring reuses one without synchronizing."""
+        self._done = self._recorded - 1
+
     def before_copy(self, slot: int) -> torch.cuda.Event | None:
         """What a copy into `slot` waits for on the device: the mark after the compute that last read it; None
         when that is known done (or the slot was never read)."""
@@ -59,9 +64,9 @@ class SlotReads:
     def _mark(self) -> None:
         n = self._recorded
         event = self._marks[n % len(self._marks)]
-        if n >= len(self._marks):  # the mark it held: done long since (the host waited for later routings)
-            event.synchronize()
-            self._done = max(self._done, n - len(self._marks))
+        if n - len(self._marks) > self._done:  # the mark it held, not yet known done (done long since: the host
+            event.synchronize()  # waited for later routings, which `device_done` tells where it is called)
+            self._done = n - len(self._marks)
         event.record(torch.cuda.current_stream(self.device))
         self._recorded += 1
         for slot in self._unmarked:

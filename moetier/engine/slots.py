@@ -126,6 +126,9 @@ class HostSlots:
         """Each slot's weights, for one compute call."""
         return [self._tensors[slot] for slot in slots]
 
+    def device_done(self) -> None:
+        """Nothing to learn: no device (DevicePool's)."""
+
     def queued(self) -> None:
         """Nothing to mark: the host's compute is done when its call returns."""
 
@@ -164,6 +167,11 @@ class DevicePool:
     def weights_for(self, slots: list[int]) -> list[dict[str, torch.Tensor]]:
         """Each slot's weights, for one compute call (each slot's `weights`)."""
         return [self.weights(slot) for slot in slots]
+
+    def device_done(self) -> None:
+        """The host has waited for the compute stream's work so far (a layer's routing): every compute that read a
+        slot is done (SlotReads.device_done)."""
+        self._reads.device_done()
 
     def queued(self) -> None:
         """The compute reading the slots whose weights were taken since the last call is queued."""

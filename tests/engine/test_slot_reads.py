@@ -113,6 +113,23 @@ def test_a_mark_the_ring_comes_back_to_is_known_done_and_waited_for_no_more(devi
         SlotReads(torch.device("cuda"), marks=0)
 
 
+def test_after_the_host_waited_for_the_device_no_copy_waits_and_the_ring_reuses_marks_unsynchronized(device):
+    """A layer's routing read back (the host waits for the compute stream): every mark recorded is done — a copy
+    into a slot read before waits for nothing, and the ring coming back to a mark does not synchronize it."""
+    reads = SlotReads(torch.device("cuda"), marks=4)
+    reads.ensure(2)
+    compute(device, reads, 0)  # mark 0
+    compute(device, reads, 1)  # mark 1
+    assert reads.before_copy(0).at == 1  # (not known done: the copy waits for it)
+    reads.device_done()
+    assert reads.before_copy(0) is None and reads.before_copy(1) is None
+    for _ in range(4):  # marks 2-5: the ring comes back to marks 0 and 1, known done
+        compute(device, reads, 1)
+    assert device.syncs == 0
+    compute(device, reads, 1)  # mark 6 reuses mark 2's event, not known done: synchronized, as before
+    assert device.syncs == 1
+
+
 @pytest.fixture(scope="module")
 def store(tiny_store):
     return Store(tiny_store("olmoe", num_hidden_layers=4)[1])
@@ -189,3 +206,28 @@ def test_prefetch_copies_start_after_their_slot_s_last_reader_and_before_the_lay
     assert run(tier, prefetch="hobbit", predictor="stacked-gates") == exact
     assert seen["copies"] > seen["prefetches"] > 0
     assert seen["early"] > 0, seen  # prefetch copies free to start before the layer's compute is done
+
+
+def test_the_routing_wait_tells_every_pool_after_waiting():
+    """Behind a host tier the executor waits for a layer's routing through the copy queue, then tells each pool
+    (a low tier's, added later, too) that the compute stream's work so far is done — only after the wait."""
+    from moetier.engine.expert_executor import _RoutingWait
+
+    calls = []
+
+    class Copies:
+        def wait_current(self):
+            calls.append("wait")
+
+    class Pool:
+        def __init__(self, name):
+            self.name = name
+
+        def device_done(self):
+            calls.append(self.name)
+
+    pools = {"bf16": Pool("bf16")}
+    wait = _RoutingWait(Copies(), pools)
+    pools["int4"] = Pool("int4")
+    wait()
+    assert calls == ["wait", "bf16", "int4"]
