@@ -51,6 +51,7 @@ class SimExecutor:
         self.layer_step, self.cost, self.costs, self.host, self.lane = layer_step, cost, costs, host, lane
         self.routed = True  # whether this step's layers read their routing on the host (set by the replay each step)
         self._host_at = 0.0  # the host's thread, within a layer: when it has queued the copies asked so far
+        self._copy_s = 0.0  # the host's work to queue a copy in this layer (0 where the host is not priced)
         self.residency = layer_step.residency
         self.now = 0.0  # the compute device's clock: where the next piece of work starts
         self.link_free = 0.0  # the link is busy until then
@@ -81,7 +82,9 @@ class SimExecutor:
             key = ExpertKey(plan.layer, run.expert)
             if run.source == IN_FLIGHT and self.queued.pop(key, None) is not None:  # (the queue has advanced
                 self.landing[key] = self._start(key, tl.dense_end, run.precision)  # to dense_end in _land)
-        self._host_at = tl.dense_end + self._planning_s  # the host's clock as it queues the layer's copies
+        priced = self.lane is not None and self.routed  # (the host's thread priced in this layer)
+        self._copy_s = self.lane.issue.load_s if priced else 0.0
+        self._host_at = tl.dense_end + (self.lane.planning_s if priced else 0.0)  # its clock as it queues copies
         deferred: dict[int, Load] = {}
         for load in plan.loads:  # on-demand reads: ahead of every queued prefetch
             if load.after is None:
@@ -106,38 +109,23 @@ class SimExecutor:
                                                      max(lane_free[run.place], self._queue_copy()),
                                                      follower.precision)
         self.host_free = lane_free[HOST]
-        tl.end = self.now = max([lane_free[FAST], self._host_done(lane_free[HOST])]
+        host_done = max(self._host_at, lane_free[HOST]) + self.lane.issue.launch_s if priced else 0.0  # (its own
+        # lane's experts computed in the same thread, then the launches)
+        tl.end = self.now = max([lane_free[FAST], host_done]
                                 + [end for _, _, end, _ in tl.computes])  # all runs done, and the host's work
         self._advance(tl.end)  # reads that start while this layer runs are drawn in its timeline
         tl.end = self.now = tl.end + self._cpu_taken(tl)
         self._advance(tl.end)
         for prefetch in self.layer_step.end(plan):
-            self.queued[prefetch.key] = self.now = self.now + self._load_s  # (the host queues each)
+            self.queued[prefetch.key] = self.now = self.now + self._copy_s  # (the host queues each)
         self._observe(plan, tokens)
         return plan, tl
-
-    @property
-    def _load_s(self) -> float:
-        """The host's work to queue one copy, where the host's thread is priced (and this step reads routing)."""
-        return self.lane.issue.load_s if self.lane is not None and self.routed else 0.0
-
-    @property
-    def _planning_s(self) -> float:
-        """The host's work from a layer's routing to its first copy, where the host's thread is priced."""
-        return self.lane.planning_s if self.lane is not None and self.routed else 0.0
 
     def _queue_copy(self) -> float:
         """The host queues one more of the layer's copies: when it is done with it (the layer's routing, where the
         host is not priced)."""
-        self._host_at += self._load_s
+        self._host_at += self._copy_s
         return self._host_at
-
-    def _host_done(self, host_lane_end: float) -> float:
-        """When the host's thread is done with a layer: its copies queued, its own lane's experts computed (the same
-        thread), then the launches. 0 where the host is not priced."""
-        if self.lane is None or not self.routed:
-            return 0.0
-        return max(self._host_at, host_lane_end) + self.lane.issue.launch_s
 
     def resize(self, capacity_bytes: int, order=None) -> list[ExpertKey]:
         """The cache resized between steps as the engine's executor resizes it: the reads in flight land first (the
