@@ -149,3 +149,14 @@ def test_a_rows_cuda_calls_priced_by_name_where_micro_timed_them(tmp_path):
     assert row["host_s"] == pytest.approx(0.3e-3 + 2 * 1e-6 + 10e-6) and row["copies"] == 1.0
     (row,) = host_figures.rows_of([path], 10e-6).values()  # (no names timed: each call at call_s)
     assert row["host_s"] == pytest.approx(0.3e-3 + 3 * 10e-6)
+
+
+def test_bad_host_options_are_refused_in_one_line_before_anything_is_read(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "p.json"
+    for extra, said in ((["--host-time", str(tmp_path / "none.json")], "no file"),
+                        (["--host-scale", "0"], "--host-scale must be > 0")):
+        monkeypatch.setattr(sys, "argv", ["gpu_profile.py", str(RUN), "--name", "x", "--out", str(out), *extra])
+        with pytest.raises(SystemExit) as e:
+            gpu_profile.main()
+        assert e.value.code == 1
+        assert capsys.readouterr().err.startswith(f"gpu_profile: error: {said}") and not out.exists()
