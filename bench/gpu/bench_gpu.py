@@ -210,17 +210,26 @@ def run_moetier(model: str, store: Path, budget: str, mode: str, batch: int, tok
         graphs = getattr(engine.model, "graphs", None)  # (both calls': the measured one replays the warm-up's, the
         # engine keeping its KV cache)
         graphs = None if graphs is None else dict(graphs.status)
+        costs = running_costs(engine.executor.costs)
     row = {k: stats[k] for k in ("ttft_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "decode_tokens_per_s",
                                  "decode_hit_rate", "expert_bytes_per_token", "expert_cache_bytes", "expert_slots",
                                  "prefetches")}
     mixed = engine.executor.mixed  # (the precision mode as the engine resolved it: what sim_check.py replays)
     row.update(precision=dataclasses.asdict(mixed) if mixed.mixed else None, copies=copy_counts(copies, before, mode),
-               policy=engine.config.policy, graphs=graphs)
+               policy=engine.config.policy, graphs=graphs, costs=costs)
     row.update(setup_s=setup_s, gpu_peak_bytes=gpu_peak(device), host_tier=stats.get("host_tier"),
                host_runs=stats["decode"].get("host_runs"), substituted=stats["decode"].get("substituted"))
     del engine
     freed(device)
     return row, (log.routes if mode == "lru" else None)
+
+
+def running_costs(costs) -> dict:
+    """What the stages that weigh time heard last (plan/costs.py RunningCosts, smoothed): a layer's dense part from
+    the host's end of the one before to its routing back, an expert's compute and a copy's link time, as this
+    machine's clocks read them — what the simulator's stages are to hear in its place (sim/executor.py)."""
+    return {"dense_s": costs.dense_s, "expert_s": costs.expert_s, "read_s": costs.read_s,
+            "host_s_1": costs.host_s(1) if costs.placement_ready else None}
 
 
 def copy_counts(copies, before: dict | None, mode: str) -> dict | None:

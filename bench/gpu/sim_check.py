@@ -52,7 +52,7 @@ def record(model: str, prompt_len: int, warmup: int, tokens: int, out: Path):
     return trace
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path, help="a bench/gpu/results/... folder (bench-*.json)")
     ap.add_argument("--model", default="demo-fine-xl")
@@ -66,7 +66,7 @@ def main() -> None:
                     "per_read_s) that makes this row's simulated TPOT its measured one (gpu_profile.py --per-read-ms); "
                     "with a profile that prices the host thread (host_issue), the factor on its figures that does "
                     "(gpu_profile.py --host-scale)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import dataclasses
 
     from bench_gpu import POLICY, PRELOADED, modes, store_of

@@ -52,6 +52,9 @@ class SimExecutor:
         self.routed = True  # whether this step's layers read their routing on the host (set by the replay each step)
         self._host_at = 0.0  # the host's thread, within a layer: when it has queued the copies asked so far
         self._copy_s = 0.0  # the host's work to queue a copy in this layer (0 where the host is not priced)
+        # the last layer the host's thread was priced in, and when that thread was done with it (its prefetches
+        # queued): what the engine's clock for the next layer's dense part starts from
+        self._host_end: tuple[int, float] | None = None
         self.residency = layer_step.residency
         self.now = 0.0  # the compute device's clock: where the next piece of work starts
         self.link_free = 0.0  # the link is busy until then
@@ -116,10 +119,22 @@ class SimExecutor:
         self._advance(tl.end)  # reads that start while this layer runs are drawn in its timeline
         tl.end = self.now = tl.end + self._cpu_taken(tl)
         self._advance(tl.end)
-        for prefetch in self.layer_step.end(plan):
+        after = self.layer_step.end(plan)
+        for prefetch in after:
             self.queued[prefetch.key] = self.now = self.now + self._copy_s  # (the host queues each)
-        self._observe(plan, tokens)
+        self._observe(plan, tokens, self._dense_seen(tl, tokens, priced))
+        self._host_end = (plan.layer, host_done + len(after) * self._copy_s) if priced else None
         return plan, tl
+
+    def _dense_seen(self, tl: LayerTimeline, tokens: int, priced: bool) -> float:
+        """A layer's dense part as the engine's clock sees it (ExpertExecutor: from the host's end of the layer
+        before to this one's routing back on the host, so it holds whatever the device still had queued): where
+        the host's thread is priced in both layers of one step, from that thread's end of the last to this
+        routing; else the cost model's dense part (a host that keeps ahead sees the device's)."""
+        last = self._host_end
+        if priced and last is not None and last[0] < tl.layer:
+            return max(0.0, tl.dense_end - last[1])
+        return self.cost.dense_s(tl.layer, tokens)
 
     def _queue_copy(self) -> float:
         """The host queues one more of the layer's copies: when it is done with it (the layer's routing, where the
@@ -233,13 +248,14 @@ class SimExecutor:
                 del self.landing[key]
                 self.residency.landed(key)
 
-    def _observe(self, plan: LayerPlan, tokens: int) -> None:
-        """What the stages that weigh time hear: the cost model's own numbers for this layer."""
+    def _observe(self, plan: LayerPlan, tokens: int, dense_s: float) -> None:
+        """What the stages that weigh time hear: the cost model's own numbers for this layer (its dense part as
+        the engine's clock sees it: `dense_s`)."""
         if self.costs is None:
             return
         counts = plan.counts
         per_expert = max(1, int(round(counts.sum() / max(1, len(plan.runs)))))  # tokens an expert of this layer took
-        self.costs.observe_dense(self.cost.dense_s(plan.layer, tokens))
+        self.costs.observe_dense(dense_s)
         self.costs.observe_expert(self.cost.expert_s(per_expert))
         self.costs.observe_host(per_expert, self.cost.expert_s(per_expert, HOST))  # what computing in place costs
         self.costs.observe_read(self.costs.expert_bytes, self.cost.read_busy_s(ExpertKey(plan.layer, 0)))

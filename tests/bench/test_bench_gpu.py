@@ -35,6 +35,12 @@ def test_every_row_kind_measures_on_the_cpu(tmp_path):
     assert [row["precision"]["cached"] for row in rows if row["mode"] == "hobbit"] == ["by-gate"]
     assert all(row["tpot_s"] > 0 for row in rows)
     assert all(row["graphs"] is None for row in rows)  # (--graph-budgets' rows record what the graphs did)
+    # what the stages that weigh time heard (sim_check.py's to compare): a layer's dense part, an expert and a read
+    # timed in every row that loaded; nothing where every expert was resident (ResidentLayers times nothing)
+    assert all(0 < row["costs"][k] < 1 for row in rows if row["budget"] == "50%"
+               for k in ("dense_s", "expert_s", "read_s")), rows
+    assert all(row["costs"]["dense_s"] is None for row in rows if row["budget"] == "100%"), rows
+    assert [row["costs"]["host_s_1"] is not None for row in rows if row["mode"] == "cpu-offload"] == [True]
 
 
 def test_a_models_entry_names_its_rows_or_is_its_own_name():

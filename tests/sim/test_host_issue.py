@@ -10,6 +10,7 @@ import pytest
 
 from moetier.cache.keys import ExpertKey
 from moetier.cache.policies import LRUPolicy
+from moetier.plan.costs import RunningCosts
 from moetier.sim.cost import CostModel
 from moetier.sim.host_issue import HostIssue, HostLane, mechanism_keys
 from moetier.sim.profile import HardwareProfile, ProfileError
@@ -108,3 +109,21 @@ def test_a_replay_prices_the_host_only_where_the_engine_reads_routing():
     slow = HostIssue(0.0, 0.0, 0.0, {"policy:lru": 5.0})
     short, plain = steps(4, slow), steps(4, None)
     assert all(a >= b + 5.0 * len(LAYERS) - 1e-9 for a, b in zip(short, plain))
+
+
+def test_the_stages_hear_a_dense_part_as_the_engines_clock_reads_it():
+    """ExpertExecutor times a layer's dense part from the host's end of the layer before to this one's routing on the
+    host, so what the device still had queued is in it (PreSched weighs its prefetches by it): the host done with
+    layer 0 at 3.0 s (copies queued 2.75, 3.0; no launches), the device at 9.75; layer 1's routing at 9.75 + 2 s."""
+    light = HostIssue(plan_s=0.5, load_s=0.25, launch_s=0.0)
+    heard = []
+    for lane in (HostLane.of(light, ["policy:lru"]), None):
+        ex, _, _ = machine(4, 300, resident=[ExpertKey(0, 0), ExpertKey(0, 1)])
+        ex.lane, ex.costs = lane, RunningCosts(300, smoothing=1.0)
+        _, first = ex.layer(route(0, [[0, 1], [2, 3]]), tokens=2)
+        _, second = ex.layer(route(1, [[0, 1]]), tokens=1)
+        heard.append((first.end, second.dense_end, ex.costs.dense_s))
+        ex.layer(route(0, [[0, 1]], step=2), tokens=1)  # (a step's first layer: the head and more in its gap)
+        heard.append(ex.costs.dense_s)
+    assert heard[:2] == [(9.75, 11.75, 11.75 - 3.0), 2.0]
+    assert heard[2:] == [(9.0, 11.0, 2.0), 2.0]  # (no host priced: the device's dense part, as before)
