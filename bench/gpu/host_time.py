@@ -4,9 +4,11 @@
 The engine runs with a host tier holding every expert, as bench_gpu.py's `host` rows do, but CUDA's calls are stood
 in for (events and streams no-ops: a copy is done when queued), so what is timed is the engine's own Python —
 planning, the copy queue's bookkeeping, grouping, the launches' dispatch — on an OLMoE-shaped model (16 layers, 64
-experts, top-8) at tiny widths, whose kernels cost little. Modes are bench_gpu.py's (evicting by LRU unless they
-say), alternated within each round; the measure is a decode step's wall time over its MoE layers, the median of
-the rounds. It leaves out what a GPU adds: the CUDA calls' own host time (cudaMemcpyAsync, event records; ~20 µs a
+experts, top-8) at tiny widths, whose kernels cost little. The host waits for each layer's routing where a GPU's
+would (the executor's `wait`: its copy queue's, then the pools told the device's work is done), though here there
+is nothing to wait for. Modes are bench_gpu.py's (evicting by LRU unless they say), alternated within each round;
+the measure is a decode step's wall time over its MoE layers, the median of the rounds (beside it the same on the
+thread's CPU clock, which a VM's stolen time does not count). It leaves out what a GPU adds: the CUDA calls' own host time (cudaMemcpyAsync, event records; ~20 µs a
 copy on the H200 under the profiler) and the launches' (10–24 µs each there). It counts the calls, though — the
 events, stream waits and stream switches the engine makes through the stand-ins, a MoE layer (`cuda_calls_per_layer`;
 not the kernels' launches, which tests/engine/test_launch_count.py counts): what a mode adds there, by count.
@@ -23,6 +25,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -106,6 +109,28 @@ def stand_in_cuda() -> CudaCalls:
     return calls
 
 
+def stand_in_routing_wait() -> None:
+    """The host's wait for each layer's routing as on a GPU, for the rest of the process: the executor's `wait` (its
+    copy queue's `wait_current`, then the pools told the device's work so far is done) called where a GPU's copy back
+    would call it — on the CPU the routing is the tensors' own memory and nothing was waited for, so the copy queue's
+    calls there went uncounted, and every copy into a slot read a layer before waited on the device for a mark the
+    GPU's host knows is done (SlotReads.device_done)."""
+    from moetier.engine import expert_executor
+
+    name = "route_arrays_with" if hasattr(expert_executor, "route_arrays_with") else "route_arrays"  # (an engine of
+    # before 2026-11-30's predictor read back with the routing: worktrees of the runs' own commits)
+    read = getattr(expert_executor, name)
+
+    def waited(*args, wait=None):
+        if len(args) == (5 if name == "route_arrays_with" else 4):  # (`wait` passed by position)
+            *args, wait = args
+        if wait is not None:
+            wait()
+        return read(*args)
+
+    setattr(expert_executor, name, waited)
+
+
 def make_store(folder: Path, layers: int = 16, experts: int = 64) -> Path:
     """The OLMoE-shaped store at tiny widths, with int4 copies (HOBBIT's low ones); made once."""
     from moetier.store.synth import synthesize
@@ -139,13 +164,21 @@ def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: in
         if preload:  # (as bench_gpu.py starts a 100% row and llama.cpp's fixed split)
             engine.preload()
         engine.generate([prompt], max_new_tokens=warmup, ignore_eos=True)
+        start = time.thread_time()
+        engine.generate([prompt], max_new_tokens=1, ignore_eos=True)  # (its prefill alone: taken off the next)
+        prefill_cpu_s = time.thread_time() - start
         before = dict(calls.counts) if calls is not None else {}
+        start = time.thread_time()
         out = engine.generate([prompt], max_new_tokens=tokens + 1, ignore_eos=True)
+        decode_cpu_s = time.thread_time() - start - prefill_cpu_s
         made = {k: n - before.get(k, 0) for k, n in calls.counts.items()} if calls is not None else None
     decode = out.stats["decode"]
     step_s = out.stats["tpot_s"]  # (the mean decode step: the prefill left out)
     layers = len(store.spec.moe_layers)
     row = {"mode": mode, "budget": budget, "tpot_ms": step_s * 1e3, "host_ms_per_layer": step_s * 1e3 / layers,
+           # the same on the thread's CPU clock: what a machine that takes the CPU away now and then (a VM's
+           # steal) leaves out of the wall clock's
+           "host_cpu_ms_per_layer": decode_cpu_s * 1e3 / tokens / layers,
            "loads": decode["loads"], "prefetches": decode["prefetches"], "host_runs": decode["host_runs"]}
     if made is not None:  # (the call's steps: its prefill and `tokens` decode steps)
         per_layer = (tokens + 1) * layers
@@ -194,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host_time: error: {problem}", file=sys.stderr)
         return 1
     calls = stand_in_cuda()
+    stand_in_routing_wait()
     torch.set_num_threads(1)  # (the kernels are tiny; the host's one thread is what is timed)
     store = Store(make_store(args.cache or default_cache_dir() / "bench", args.layers, args.experts))
     g = torch.Generator().manual_seed(4)
@@ -207,23 +241,27 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(store, mode, config, budget, args.tokens, args.warmup, prompt, calls,
                           preload=budget == "100%" or mode in bench_gpu.PRELOADED)
             rows.append({**row, "round": r})
-            print(f"round {r}  {mode:18s} {budget:>4s}  {row['host_ms_per_layer']:.3f} ms a layer, "
+            print(f"round {r}  {mode:18s} {budget:>4s}  {row['host_ms_per_layer']:.3f} ms a layer "
+                  f"({row['host_cpu_ms_per_layer']:.3f} on the thread's CPU clock), "
                   f"{row['cuda_calls_per_layer']:.1f} CUDA calls", flush=True)
     summary = []
     for mode, budget, _ in configs:
         got = [x["host_ms_per_layer"] for x in rows if x["mode"] == mode and x["budget"] == budget]
         cuda = [x["cuda_calls_per_layer"] for x in rows if x["mode"] == mode and x["budget"] == budget]
+        cpu = [x["host_cpu_ms_per_layer"] for x in rows if x["mode"] == mode and x["budget"] == budget]
         summary.append({"mode": mode, "budget": budget, "host_ms_per_layer": statistics.median(got),
-                        "min": min(got), "max": max(got), "cuda_calls_per_layer": statistics.median(cuda)})
+                        "min": min(got), "max": max(got), "host_cpu_ms_per_layer": statistics.median(cpu),
+                        "cuda_calls_per_layer": statistics.median(cuda)})
     machine = {"cpu": cpu_name(), "loadavg": os.getloadavg(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "shape": SHAPE, "tokens": args.tokens, "layers": args.layers,
                                     "rows": rows,
                                     "summary": summary}, indent=1))
-    print("| mode | GPU budget | host ms a MoE layer, median (range) | CUDA calls a MoE layer |\n|---|---|---|---|")
+    print("| mode | GPU budget | host ms a MoE layer, median (range) | on the thread's CPU clock | CUDA calls a MoE "
+          "layer |\n|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['mode']} | {s['budget']} | {s['host_ms_per_layer']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
-              f"{s['cuda_calls_per_layer']:.1f} |")
+              f"{s['host_cpu_ms_per_layer']:.3f} | {s['cuda_calls_per_layer']:.1f} |")
     return 0
 
 

@@ -94,8 +94,9 @@ class Residency:
         self._evictable = _Evictable(self)
         self._part_evictable = {part: _Evictable(self, part) for part in self.parts}
         # each part's evictable keys, kept as entries are held and let go: a part's victim is chosen among them
-        # (`victim_among`) rather than by walking the policy's order over every part's entries — with HOBBIT's
-        # sub-caches the high part's oldest entry sat behind ~93 of the low part's (a third of a layer's host time)
+        # (`victim_in`: LRU walks the part's own order) rather than by walking the policy's order over every part's
+        # entries — with HOBBIT's sub-caches the high part's oldest entry sat behind ~93 of the low part's (a third
+        # of a layer's host time)
         self._part_evictable_keys: dict[object, set[ExpertKey]] = {part: set() for part in self.parts}
         self.capacity_bytes, self._layer_bytes = 0, {}
         self.resize(capacity_bytes)
@@ -190,7 +191,7 @@ class Residency:
                     victim = self.policy.victim_among([k for k in among if k in view])
                 elif part is not None:  # (the same victim as the walk: the part's evictable keys are its candidates)
                     keys = self._part_evictable_keys[part]
-                    victim = self.policy.victim_among(keys if spare is None else [k for k in keys if not spare(k)])
+                    victim = self.policy.victim_in(part, keys if spare is None else [k for k in keys if not spare(k)])
                 else:
                     victim = self.policy.victim(view)
             except LookupError:
@@ -341,6 +342,8 @@ class Residency:
                 self._minted[precision] += 1
         entry = Entry(precision, self.entry_bytes[precision], slot, loading=True, pin=pin)
         self.entries[key] = entry
+        if self.parts:
+            self.policy.on_part(key, self.part_of(key, precision))
         self._pinned[pin].add(key)
         self.used_bytes += entry.nbytes
         if self.parts:

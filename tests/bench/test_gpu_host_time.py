@@ -12,20 +12,26 @@ import host_time  # noqa: E402
 def test_each_mode_is_timed_on_the_gpu_path_and_summarised(tmp_path, monkeypatch):
     import torch
 
+    from moetier.engine import expert_executor
+
     for name in ("Event", "Stream", "current_stream", "stream"):  # (stood in for the process: put back after)
         monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))
+    monkeypatch.setattr(expert_executor, "route_arrays_with", expert_executor.route_arrays_with)
     out = tmp_path / "host.json"
     assert host_time.main(["--out", str(out), "--modes", "lru,hobbit", "--tokens", "2", "--warmup", "1",
                            "--rounds", "1", "--cache", str(tmp_path), "--layers", "2", "--experts", "16"]) == 0
     got = json.loads(out.read_text())
     assert [(s["mode"], s["budget"]) for s in got["summary"]] == [("lru", "25%"), ("hobbit", "25%"), ("lru", "100%")]
-    assert all(s["host_ms_per_layer"] > 0 for s in got["summary"])
+    assert all(s["host_ms_per_layer"] > 0 and s["host_cpu_ms_per_layer"] > 0 for s in got["summary"])
     calls = {(s["mode"], s["budget"]): s["cuda_calls_per_layer"] for s in got["summary"]}
     assert calls[("lru", "25%")] > calls[("lru", "100%")] >= 0  # (each load's copy: its events, its stream switch)
     rows = {(r["mode"], r["budget"]): r for r in got["rows"]}
     assert rows[("lru", "25%")]["loads"] > 0  # (the engine loaded through the host tier's stood-in copies)
     by_name = rows[("lru", "25%")]["cuda_calls_by_name_per_layer"]
     assert "event.record" in by_name and sum(by_name.values()) == calls[("lru", "25%")]
+    # the host waited for each layer's routing as on a GPU: on-demand LRU's copy queue (FIFO) synchronizes the
+    # compute stream once a layer (where the routing's copy back would wait)
+    assert by_name["stream.synchronize"] >= 1
     assert got["layers"] == 2 and rows[("lru", "25%")]["prefetches"] == rows[("lru", "25%")]["host_runs"] == 0
 
 

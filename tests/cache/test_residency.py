@@ -66,16 +66,17 @@ def test_a_per_layer_split_leaves_less_than_an_entry_to_the_smaller_precisions()
 
 
 class WalkChecked(LRUPolicy):
-    """LRU whose `victim_among` is held to the walk over the whole order it replaces in a split cache."""
+    """LRU whose `victim_in` (a walk of one part's own order) is held to the walk over the whole order it replaces in
+    a split cache."""
 
     def __init__(self) -> None:
         super().__init__()
         self.residency, self.checked = None, 0
 
-    def victim_among(self, keys):
-        got = super().victim_among(keys)
+    def victim_in(self, part, keys):
+        got = super().victim_in(part, keys)
         r = self.residency
-        part = r.part_of(got, r.entries[got].precision)
+        assert part == r.part_of(got, r.entries[got].precision)
         assert got == self.victim(r._part_evictable[part])  # (the walk, by the view's `in`)
         self.checked += 1
         return got

@@ -3,7 +3,7 @@ tensor, a file or a thread, so the real engine and the simulator drive the very 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container
+from collections.abc import Collection, Container, Hashable
 
 from moetier.cache.keys import ExpertKey, Precision
 
@@ -35,6 +35,10 @@ class EvictionPolicy:
     def on_insert(self, key: ExpertKey) -> None:
         pass
 
+    def on_part(self, key: ExpertKey, part: Hashable) -> None:
+        """A split cache's `key` is about to be inserted into its `part` (HOBBIT's sub-cache of a precision, or a
+        layer's share): told before `on_insert`, once an insert, so a policy may keep each part's order apart."""
+
     def on_evict(self, key: ExpertKey) -> None:
         pass
 
@@ -46,3 +50,8 @@ class EvictionPolicy:
         """`victim` when the candidates are a few keys listed (a prefetch sparing most of the cache): the same
         choice; a policy whose order it can index overrides this to skip walking the rest."""
         return self.victim(frozenset(keys))
+
+    def victim_in(self, part: Hashable, keys: Collection[ExpertKey]) -> ExpertKey:
+        """`victim_among(keys)` where every one of `keys` is of one part of a split cache (`on_part`'s): the same
+        choice; a policy that keeps each part's order apart overrides this to walk that part's alone."""
+        return self.victim_among(keys)
