@@ -140,8 +140,8 @@ def row_levels(topk_weights: np.ndarray, t1: float, t2: float) -> list[int]:
     """`levels` of a [1, k] row, as a list: the weights normalised by the same numpy calls (so the same floats), the
     rest — a stable descending order, the running sums, the thresholds — in Python, whose float additions are
     numpy's cumsum's one by one (a decode step at batch 1: ten numpy calls on eight numbers cost more than this)."""
-    w = np.abs(topk_weights.astype(np.float64))
-    w = (w / np.maximum(w.sum(axis=1, keepdims=True), 1e-30))[0].tolist()  # [k]
+    w = np.abs(topk_weights[0].astype(np.float64))  # [k]
+    w = (w / max(float(w.sum()), 1e-30)).tolist()  # (the row's pairwise sum as `levels`' per row: the same floats)
     order = sorted(range(len(w)), key=lambda i: -w[i])  # (sorted is stable: ties in index order, as argsort's)
     out, total = [0] * len(w), 0.0
     for rank, i in enumerate(order):
@@ -186,41 +186,47 @@ class PrecisionStage:
         return {e: None if lvl == SKIPPED else self.high if lvl == HIGH else self.low for e, lvl in best.items()}
 
     def __call__(self, plan: LayerPlan) -> LayerPlan:
-        entries, layer = self.residency.entries, plan.layer
-        missing = [e for e in plan.experts if ExpertKey(layer, e) not in entries]
-        low = self.cached_low(plan)
+        missing, low = self.scan(plan)
         if not missing and not low:  # (most layers once the cache is warm: Eq. 2's levels cost ~0.1 ms a layer)
             return plan
         ids = plan.assign_ids  # [T, k]
         best = self.best_levels(ids, plan.assign_weights)
         for e in low:
             if best[e] == HIGH:  # a miss at high precision (§3.2): its low copy leaves the low sub-cache
-                self.residency.drop(ExpertKey(layer, e))
+                self.residency.drop(ExpertKey(plan.layer, e))
                 missing.append(e)
-        skip = np.zeros(ids.shape, dtype=bool)
+        skipped = []
         for e in missing:
             if best[e] == SKIPPED:
-                skip |= ids == e
+                skipped.append(e)
             else:
                 plan.precision[e] = self.high if best[e] == HIGH else self.low
-        if skip.any():
+        if skipped:  # (the arrays rebuilt only then: most layers skip nothing)
+            skip = np.isin(ids, skipped)  # [T, k]
             plan.reassign(np.where(skip, SKIP, ids), np.where(skip, 0.0, plan.assign_weights).astype(np.float32),
                           self.high)
         return plan
 
-    def cached_low(self, plan: LayerPlan) -> list[int]:
-        """The needed experts whose cached copy is the low one, its read landed (one still reading runs low)."""
-        entries, layer = self.residency.entries, plan.layer
-        return [e for e in plan.experts if (entry := entries.get(ExpertKey(layer, e))) is not None
-                and entry.precision == self.low and not entry.loading]
+    def scan(self, plan: LayerPlan) -> tuple[list[int], list[int]]:
+        """The needed experts not in the cache, and those whose cached copy is the low one, its read landed (one
+        still reading runs low): one look each."""
+        entries, layer, low_precision = self.residency.entries, plan.layer, self.low
+        missing, low = [], []
+        for e in plan.experts:
+            entry = entries.get(ExpertKey(layer, e))
+            if entry is None:
+                missing.append(e)
+            elif entry.precision == low_precision and not entry.loading:
+                low.append(e)
+        return missing, low
 
 
 class AsHeldPrecisionStage(PrecisionStage):
     """`cached="as-held"` (ours): only missing experts get a precision from their gate; a cached copy of either
     precision runs as it is held — an important expert's low copy included."""
 
-    def cached_low(self, plan: LayerPlan) -> list[int]:
-        return []
+    def scan(self, plan: LayerPlan) -> tuple[list[int], list[int]]:
+        return super().scan(plan)[0], []
 
 
 class LowTierStage:
