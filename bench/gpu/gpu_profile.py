@@ -159,8 +159,11 @@ def build(results: Path, name: str, per_read_s: float, executor_s: float, predic
     if host_time:
         from host_figures import host_issue
 
+        costs = dict(micro.get("cuda_call_host_s") or {})
+        if "gpu_rope_T1_host_s" in micro:  # (a Triton launch from Python, host_time.py --kernels triton's: the
+            costs.setdefault("triton launch", micro["gpu_rope_T1_host_s"])  # rotation's, one launch)
         issue, lines = host_issue(host_time, launch if call_s is None else call_s, host_scale, predict_s, mode_keys,
-                                  micro.get("cuda_call_host_s"))
+                                  costs or None)
         sources += lines
     flops = {p: figures["bf16"] for p in ("bf16", "fp16", "int8", "int4", "int2")} | {"fp32": figures["fp32"]}
     devices = {"gpu": Device("gpu", figures["copy"], flops, _r(launch)),

@@ -8,12 +8,17 @@ experts, top-8) at tiny widths, whose kernels cost little. The host waits for ea
 would (the executor's `wait`: its copy queue's, then the pools told the device's work is done), though here there
 is nothing to wait for. Modes are bench_gpu.py's (evicting by LRU unless they say), alternated within each round;
 the measure is a decode step's wall time over its MoE layers, the median of the rounds (beside it the same on the
-thread's CPU clock, which a VM's stolen time does not count). It leaves out what a GPU adds: the CUDA calls' own host time (cudaMemcpyAsync, event records; ~20 µs a
-copy on the H200 under the profiler) and the launches' (10–24 µs each there). It counts the calls, though — the
-events, stream waits and stream switches the engine makes through the stand-ins, a MoE layer (`cuda_calls_per_layer`;
-not the kernels' launches, which tests/engine/test_launch_count.py counts): what a mode adds there, by count.
+thread's CPU clock, which leaves out time the thread did not run). It leaves out what a GPU adds: the CUDA calls'
+own host time (cudaMemcpyAsync, event records; ~20 µs a copy on the H200 under the profiler) and the launches'
+(10–24 µs each there). It counts the calls, though — the events, stream waits and stream switches the engine makes
+through the stand-ins, a MoE layer (`cuda_calls_per_layer`; not the dense part's launches, which
+tests/engine/test_launch_count.py counts): what a mode adds there, by count. The device's experts are computed by the CPU's kernels (their Python and their compute, which a GPU's host does not
+do), or with `--kernels triton` as a GPU with triton computes them (TritonExperts: a layer's experts of a precision
+in one call, its table of addresses built and copied, two launches) with the launches stood in for and counted by
+name with the CUDA calls ("triton launch", "table copy"; gpu_profile.py prices a launch at micro.py's Triton one).
 
-    python bench/gpu/host_time.py --out bench/out/host-time.json [--modes lru,prefetch-hobbit] [--rounds 3]
+    python bench/gpu/host_time.py --out bench/out/host-time.json [--modes lru,prefetch-hobbit] [--rounds 3] \
+        [--kernels triton]
 """
 
 from __future__ import annotations
@@ -131,6 +136,53 @@ def stand_in_routing_wait() -> None:
     setattr(expert_executor, name, waited)
 
 
+class _TritonKernel:
+    """One of a layer's two Triton kernels (moetier/model/triton_kernels.py) stood in for: `kernel[grid](*args)`
+    counts a launch ("triton launch": on the H200 one cost the host ~35-49 us, micro.py's `gpu_rope_T1_host_s` and
+    `gpu_rms_norm_T1_host_s` on 2026-11-30, several torch launches' worth) and computes nothing; the one that writes
+    the experts' outputs (`out`: its argument's place) writes zeros, so a layer's experts add nothing to the residual
+    and the routing stays finite."""
+
+    def __init__(self, calls: CudaCalls, out: int | None = None) -> None:
+        self.calls, self.out = calls, out
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs) -> None:
+        self.calls("triton launch")
+        if self.out is not None:
+            args[self.out].zero_()
+
+
+def on_triton(engine, calls: CudaCalls) -> None:
+    """The engine's device pools computed as on a GPU with triton (moetier/model/triton_experts.py TritonExperts: a
+    layer's experts of a precision in one call — its table of addresses built, copied to the device, two launches),
+    the kernels stood in for (`_TritonKernel`): what the host does for a GPU's expert compute, in place of the CPU's
+    kernels, whose compute and Python a GPU's host does not do. The table's copy to the device counts one call
+    ("table copy"); on the CPU the table is used where it is. The host lane's experts (cpu-assist, cpu-offload) stay
+    on the CPU's kernels, as on a GPU."""
+    from moetier.model.triton_experts import Tiles, TritonExperts
+    from moetier.quant.codes import BITS
+
+    class StoodIn(TritonExperts):
+        def _launch(self, ys, xs, weights, ws, spans) -> None:
+            calls("table copy")  # (a GPU's: through page-locked memory to the device, one copy)
+            super()._launch(ys, xs, weights, ws, spans)
+
+    executor = engine.executor
+    kernels = (_TritonKernel(calls), _TritonKernel(calls, out=5))  # (gate_up; down, its ys the 6th argument)
+    for precision in executor.pools:
+        kernel = StoodIn(BITS.get(precision, 16), executor.expert_kernels[precision], Tiles(16, 32))  # (tiles
+        # that fit the harness's widths, 64 and 32)
+        kernel._made = kernels
+        executor.expert_kernels[precision] = kernel
+    if executor._hit is not None:  # (a layer with every expert resident: its kernel taken when it was made)
+        executor._hit.kernel = executor.expert_kernels[executor.precision]
+    if getattr(engine.model, "resident_step", None) is not None:  # (the CPU's whole decode step in one native call,
+        engine.model.resident_step = None  # csrc/decode_step.c: a GPU has none, its resident layers go one by one)
+
+
 def make_store(folder: Path, layers: int = 16, experts: int = 64) -> Path:
     """The OLMoE-shaped store at tiny widths, with int4 copies (HOBBIT's low ones); made once."""
     from moetier.store.synth import synthesize
@@ -145,7 +197,7 @@ def make_store(folder: Path, layers: int = 16, experts: int = 64) -> Path:
 
 
 def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: int, prompt: list[int],
-            calls: CudaCalls | None = None, preload: bool = False) -> dict:
+            calls: CudaCalls | None = None, preload: bool = False, triton: bool = False) -> dict:
     """One configuration's decode: the host's time a MoE layer (ms) and a token's, and (given the stand-ins' count)
     the CUDA calls a MoE layer of the measured call made, prefill and decode steps alike."""
     from moetier import Engine
@@ -161,6 +213,8 @@ def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: in
         tier.fill(reader, progress=False)
     engine_config = EngineConfig(expert_memory=MemoryBudget.parse(budget), **config)
     with Engine(store, engine_config, progress=False, host_tier=tier) as engine:
+        if triton:
+            on_triton(engine, calls)
         if preload:  # (as bench_gpu.py starts a 100% row and llama.cpp's fixed split)
             engine.preload()
         engine.generate([prompt], max_new_tokens=warmup, ignore_eos=True)
@@ -176,8 +230,8 @@ def measure(store, mode: str, config: dict, budget: str, tokens: int, warmup: in
     step_s = out.stats["tpot_s"]  # (the mean decode step: the prefill left out)
     layers = len(store.spec.moe_layers)
     row = {"mode": mode, "budget": budget, "tpot_ms": step_s * 1e3, "host_ms_per_layer": step_s * 1e3 / layers,
-           # the same on the thread's CPU clock: what a machine that takes the CPU away now and then (a VM's
-           # steal) leaves out of the wall clock's
+           # the same on the thread's CPU clock: without the time it did not run (another process's, a VM's
+           # stolen time, where the kernel leaves it out)
            "host_cpu_ms_per_layer": decode_cpu_s * 1e3 / tokens / layers,
            "loads": decode["loads"], "prefetches": decode["prefetches"], "host_runs": decode["host_runs"]}
     if made is not None:  # (the call's steps: its prefill and `tokens` decode steps)
@@ -209,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=None, help="where the store is made (default moetier's cache)")
     ap.add_argument("--layers", type=int, default=16, help="MoE layers (default 16: OLMoE's)")
     ap.add_argument("--experts", type=int, default=64, help="experts a layer, top-8 (default 64: OLMoE's)")
+    ap.add_argument("--kernels", choices=("cpu", "triton"), default="cpu",
+                    help="the device's expert compute: the CPU's kernels (default; what the forecasts so far were "
+                    "made with), or a GPU's Triton path with its launches stood in for and counted")
     args = ap.parse_args(argv)
     import bench_gpu
 
@@ -239,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         shift = r % len(configs)
         for mode, budget, config in configs[shift:] + configs[:shift]:  # (rotated: no mode always first)
             row = measure(store, mode, config, budget, args.tokens, args.warmup, prompt, calls,
-                          preload=budget == "100%" or mode in bench_gpu.PRELOADED)
+                          preload=budget == "100%" or mode in bench_gpu.PRELOADED, triton=args.kernels == "triton")
             rows.append({**row, "round": r})
             print(f"round {r}  {mode:18s} {budget:>4s}  {row['host_ms_per_layer']:.3f} ms a layer "
                   f"({row['host_cpu_ms_per_layer']:.3f} on the thread's CPU clock), "
@@ -255,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"cpu": cpu_name(), "loadavg": os.getloadavg(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "shape": SHAPE, "tokens": args.tokens, "layers": args.layers,
+                                    "kernels": args.kernels,
                                     "rows": rows,
                                     "summary": summary}, indent=1))
     print("| mode | GPU budget | host ms a MoE layer, median (range) | on the thread's CPU clock | CUDA calls a MoE "

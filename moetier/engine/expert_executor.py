@@ -328,9 +328,10 @@ class ExpertExecutor:
     def _copy_queued(self, pool, run: Run, layer: int) -> bool:
         """A loaded run a device orders after its copy, the copy already queued (from the host tier: a GPU's host
         never waits for it): it joins its precision's resident runs in one call — one launch pair a precision a layer,
-        not two, the device starting it once the layer's copies are in (a copy takes ~0.25 ms, the experts of a
-        layer ~0.03: what the second launch pair cost the host, 0.06–0.1 ms, was the larger). A read still on its
-        way from the disk keeps the resident runs' call ahead of the host's wait for it."""
+        not two. The device starts it once the layer's copies are in, so the resident experts no longer compute while
+        copies land: on the H200 a copy took ~0.25 ms and a layer's experts ~0.03, while the host, which sets the step
+        below a whole-model budget, pays a launch pair's table, copy and launches each call (docs/gpu.md). A read
+        still on its way from the disk keeps the resident runs' call ahead of the host's wait for it."""
         if not pool.waits_on_device or run.source == RESIDENT:
             return False
         completion = pool.completions[run.slot]

@@ -137,8 +137,8 @@ def levels(topk_weights: np.ndarray, t1: float, t2: float) -> np.ndarray:
 
 
 def row_levels(topk_weights: np.ndarray, t1: float, t2: float) -> list[int]:
-    """`levels` of a [1, k] row, as a list: the weights normalised by the same numpy calls (so the same floats), the
-    rest — a stable descending order, the running sums, the thresholds — in Python, whose float additions are
+    """`levels` of a [1, k] row, as a list: the weights normalised in numpy as `levels` normalises each row (the
+    same pairwise sum, so the same floats), the rest — a stable descending order, the running sums, the thresholds — in Python, whose float additions are
     numpy's cumsum's one by one (a decode step at batch 1: ten numpy calls on eight numbers cost more than this)."""
     w = np.abs(topk_weights[0].astype(np.float64))  # [k]
     w = (w / max(float(w.sum()), 1e-30)).tolist()  # (the row's pairwise sum as `levels`' per row: the same floats)

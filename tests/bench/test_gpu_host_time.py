@@ -42,3 +42,28 @@ def test_a_mode_that_needs_a_gpu_or_is_unknown_is_refused(tmp_path, capsys):
     assert "unknown mode nope (one of lru," in capsys.readouterr().err
     assert host_time.main(["--out", str(tmp_path / "x.json"), "--experts", "4"]) == 1
     assert "at least 8 experts" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_the_triton_path_is_timed_with_its_launches_stood_in_for_and_counted(tmp_path, monkeypatch):
+    """`--kernels triton`: the device's experts through TritonExperts (its table built, its two kernels stood in for,
+    each launch counted), the host lane's on the CPU's kernels as on a GPU: a call is a table copy and two launches,
+    and at 100% the resident path's calls are Triton's too."""
+    import torch
+
+    from moetier.engine import expert_executor
+
+    for name in ("Event", "Stream", "current_stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))
+    monkeypatch.setattr(expert_executor, "route_arrays_with", expert_executor.route_arrays_with)
+    out = tmp_path / "host.json"
+    assert host_time.main(["--out", str(out), "--modes", "lru,cpu-offload", "--tokens", "2", "--warmup", "1",
+                           "--rounds", "1", "--cache", str(tmp_path), "--layers", "2", "--experts", "16",
+                           "--kernels", "triton"]) == 0
+    got = json.loads(out.read_text())
+    assert got["kernels"] == "triton"
+    rows = {(r["mode"], r["budget"]): r["cuda_calls_by_name_per_layer"] for r in got["rows"]}
+    lru = rows[("lru", "25%")]
+    assert lru["triton launch"] >= 2 and lru["triton launch"] == 2 * lru["table copy"]  # (a call: its pair)
+    assert rows[("lru", "100%")]["triton launch"] >= 2  # (the resident path's calls go to Triton too)
+    offload = next(r for r in got["rows"] if r["mode"] == "cpu-offload")
+    assert offload["host_runs"] > 0  # (its misses computed on the host lane, on the CPU's kernels)
