@@ -184,6 +184,19 @@ host_times() {
 }
 export -f host_times
 stage host-time 300 host_times
+# the same with the GPU's own expert path (host_time.py --kernels triton: TritonExperts, its launches stood in for and
+# counted; priced at micro.py's Triton launch): which of the two harnesses the GPU rows agree with says which to keep
+# (docs/gpu.md, "The GPU's own expert path in the harness"); GPU_STAGES="env install host-time-triton"; its files
+# triton-host-time*.json, apart from host-time*.json's glob
+host_times_triton() {
+    local ht="python3 bench/gpu/host_time.py --cache $MOETIER_CACHE/bench --kernels triton"
+    $ht --out "$WORK/triton-host-time.json" \
+        --modes lru,hobbit,prefetch-hobbit,prefetch-presched,substitute,comoe,cpu-assist,cpu-offload \
+        && $ht --out "$WORK/triton-host-time-10.json" --modes lru --budget 10% \
+        && $ht --out "$WORK/triton-host-time-50.json" --modes lru --budget 50%
+}
+export -f host_times_triton
+stage host-time-triton 300 host_times_triton
 # DeepSeek-V2-Lite's shape (item 7's second shape; not in the default stages: 31 GB written and converted first,
 # and with olmoe-synth's files beside it the 64 GB disk is full): random weights, hf_synth.py
 stage bench-dsv2 420 python3 bench/gpu/bench_gpu.py --out "$WORK/bench-dsv2" --models dsv2-lite-synth \
