@@ -193,6 +193,10 @@ def layer_paths(dev: torch.device, kernels, precision: str, k: int) -> dict:
     for suffix, path in {"": kernel, "_torch": getattr(kernel, "fallback", None)}.items():
         if path is not None:
             out[f"gpu_layer{k}_{precision}{suffix}_T1_s"] = cuda_time(partial(path.layer, ys, xs, weights, items))
+    if hasattr(kernel, "tiles"):  # the host's time a Triton call (its table built and copied, its two launches:
+        # host_time.py --kernels triton's "table copy" and two "triton launch"), what a routed layer pays a precision;
+        # a hundred back to back, so the launch queue never fills and makes the host wait for the device
+        out[f"gpu_layer{k}_{precision}_T1_host_s"] = host_time(partial(kernel.layer, ys, xs, weights, items), calls=100)
     if hasattr(kernel, "tiles"):  # the Triton kernels' untuned tile against a few others
         from moetier.model.triton_experts import Tiles
 
