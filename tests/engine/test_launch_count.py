@@ -1,19 +1,21 @@
 """What a GPU decode step asks of the host, counted without a GPU: the kernels it launches. On the H200 a launch
 cost the host 10–24 us and an OLMoE decode step made ~1,700 of them (bench/gpu/results/2026-11-27-h200/); here the
 same step's path runs on the CPU (CUDA's streams and events stood in for, triton in its interpreter) and every aten
-op that would launch a kernel on a GPU is counted with the Triton launches. Skipped where triton is not installed."""
+op that would launch a kernel on a GPU is counted with the Triton launches. Skipped where triton is not installed,
+or where its interpreter cannot run (tests/triton_here.py)."""
 
 import collections
-import importlib.util
 import os
 
 import pytest
 import torch
 
+from tests.triton_here import why_not
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is first imported)
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
-                                reason="needs triton's interpreter (counts the CPU's stand-in for a GPU step)")
+pytestmark = pytest.mark.skipif(why_not(interpreter_only=True) is not None,
+                                reason=str(why_not(interpreter_only=True)))
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 

@@ -1,12 +1,15 @@
 """A step's RMSNorms and rotations in Triton (moetier/model/triton_dense.py, TritonKernels): on a GPU where there is
 one; else, where triton is installed, in its interpreter on the CPU (the kernels round on the bits, so the
-interpreter rounds as the GPU does and the checks are the same). Skipped where triton is not installed (CI)."""
+interpreter rounds as the GPU does and the checks are the same). Skipped where triton is not installed (CI); on the
+CPU, but for the compile test, where its interpreter cannot run (tests/triton_here.py)."""
 
 import importlib.util
 import os
 
 import pytest
 import torch
+
+from tests.triton_here import skip_interpreted
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -21,6 +24,13 @@ from moetier.model.layers import rms_norm  # noqa: E402
 from moetier.model.rope import Rope  # noqa: E402
 from tests.model.test_kernels import ulps_apart  # noqa: E402
 from tests.model.test_triton_experts import assert_compiles_for_hopper  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_runs_here(request):
+    """Skipped with the reason where Triton's interpreter cannot run (tests/triton_here.py), but the ones that
+    compile for a GPU."""
+    skip_interpreted(request)
 
 
 def kernels():
@@ -251,6 +261,7 @@ print("compiled")
 """
 
 
+@pytest.mark.compiles
 def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
     """Triton's own compiler down to sm_90 machine code (what the interpreter does not check: the bit casts)."""
     assert_compiles_for_hopper(COMPILE)

@@ -1,13 +1,15 @@
 """The Triton kernels of a layer's experts, bf16 and quantized (moetier/model/triton_experts.py): on a GPU where
 there is one; else, where triton is installed, in its interpreter on the CPU (which rounds to bf16 by truncation, not
 to nearest: the checks say which they hold to). Skipped where triton is not installed (CI: it is the GPU machine's,
-not a dependency)."""
+not a dependency); on the CPU, but for the compile tests, where its interpreter cannot run (tests/triton_here.py)."""
 
 import importlib.util
 import os
 
 import pytest
 import torch
+
+from tests.triton_here import skip_interpreted
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -43,6 +45,13 @@ if importlib.util.find_spec("triton") is not None:
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             tl.store(out + rows[:, None] * K + k[None, :], ggml_block(codes, rows, k, stride_c, FMT))
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_runs_here(request):
+    """Skipped with the reason where Triton's interpreter cannot run (tests/triton_here.py), but the ones that
+    compile for a GPU."""
+    skip_interpreted(request)
 
 
 def expert(h: int = 256, i: int = 128, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -285,6 +294,7 @@ def assert_compiles_for_hopper(script: str) -> None:
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.compiles
 def test_the_kernels_compile_for_a_hopper_gpu_with_no_gpu_here():
     """Triton's own compiler (and the ptxas its wheel carries), not its interpreter, down to sm_90 machine code: what
     the interpreter does not check (a typed pointer from an address, constexpr branches, tuples from a jit helper)."""
