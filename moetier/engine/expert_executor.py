@@ -303,8 +303,7 @@ class ExpertExecutor:
                 self._compute_together(groups, together)
                 self._compute_hosted(groups, hosted, counts, layer)  # (the device computes the above meanwhile)
                 if run.source != RESIDENT:
-                    pool.completions[run.slot].wait()
-                    self.in_flight.pop(ExpertKey(layer, run.expert), None)  # a prefetch this layer waited for
+                    self._arrived(pool, run, layer)
                     if pool.waits_on_device and run.expert not in deferred:  # (its copy: ordered on the device)
                         landed.setdefault(run.precision, []).append(run)
                         continue
@@ -332,14 +331,16 @@ class ExpertExecutor:
         copies land: on the H200 a copy took ~0.25 ms and a layer's experts ~0.03, while the host, which sets the step
         below a whole-model budget, pays a launch pair's table, copy and launches each call (docs/gpu.md). A read
         still on its way from the disk keeps the resident runs' call ahead of the host's wait for it."""
-        if not pool.waits_on_device or run.source == RESIDENT:
+        if not pool.waits_on_device or run.source == RESIDENT or not pool.completions[run.slot].done.is_set():
             return False
-        completion = pool.completions[run.slot]
-        if not completion.done.is_set():
-            return False
-        completion.wait()  # (done: a failed read's error raised here)
-        self.in_flight.pop(ExpertKey(layer, run.expert), None)  # a prefetch this layer needed
+        self._arrived(pool, run, layer)  # (done: no wait)
         return True
+
+    def _arrived(self, pool, run: Run, layer: int) -> None:
+        """A loaded run's read waited for (a failed one's error raised here), and a prefetch this layer needed no
+        longer in flight."""
+        pool.completions[run.slot].wait()
+        self.in_flight.pop(ExpertKey(layer, run.expert), None)
 
     def _compute_together(self, groups: ExpertGroups | OneToken, together: dict[str, list[Run]]) -> None:
         """Resident experts whose slots no load waits for, or a device's loaded ones (the device orders each after

@@ -14,8 +14,8 @@ from tests.triton_here import why_not
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is first imported)
-pytestmark = pytest.mark.skipif(why_not(interpreter_only=True) is not None,
-                                reason=str(why_not(interpreter_only=True)))
+WHY_NOT = why_not(interpreter_only=True)
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
